@@ -1,0 +1,61 @@
+"""Admission (I4) and context capacity (I8): decided before any page is granted."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+log = logging.getLogger("kvfence.admission")
+
+
+class ContextLengthExceeded(ValueError):
+    """prompt + max_tokens does not fit the usable context. Carries both numbers."""
+
+    code = "context_length_exceeded"
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, limit: int):
+        self.prompt_tokens, self.max_tokens, self.limit = prompt_tokens, max_tokens, limit
+        super().__init__(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} for the "
+            f"completion). Please reduce the prompt or max_tokens.")
+
+
+class CapacityError(RuntimeError):
+    """The advertised context does not fit the KV pool (the incident's misconfiguration)."""
+
+
+@dataclass(frozen=True)
+class ContextPlan:
+    usable: int            # the limit every request is admitted against
+    model_max: int
+    configured: int | None
+    pool_tokens: int
+    clamped: bool
+    note: str
+
+
+def plan_context(model_max: int, configured: int | None, pool_tokens: int, clamp: bool) -> ContextPlan:
+    """usable = min(model max, configured max, pool capacity); refuse to start when the
+    configured (or, if none, the model's) context exceeds the pool, unless clamping is asked for."""
+    wanted = configured if configured is not None else model_max
+    if configured is not None and configured > model_max:
+        raise CapacityError(f"--max-model-len {configured} exceeds the model's context of {model_max} tokens")
+    if wanted <= pool_tokens:
+        return ContextPlan(wanted, model_max, configured, pool_tokens, False,
+                           f"context {wanted} tokens fits the KV pool of {pool_tokens} tokens")
+    if not clamp:
+        raise CapacityError(
+            f"advertised context {wanted} tokens exceeds the KV pool capacity of {pool_tokens} tokens; "
+            f"give the pool more memory (--kv-cache-memory), lower --max-model-len, "
+            f"or pass --clamp-context to serve {pool_tokens} tokens")
+    note = f"context clamped from {wanted} to {pool_tokens} tokens to fit the KV pool (--clamp-context)"
+    log.warning(note)
+    return ContextPlan(pool_tokens, model_max, configured, pool_tokens, True, note)
+
+
+def check_fits(prompt_tokens: int, max_tokens: int, usable: int) -> None:
+    """I4: the whole request must fit before anything is allocated for it."""
+    if prompt_tokens < 1:
+        raise ValueError("the prompt is empty: send at least one token")
+    if prompt_tokens + max_tokens > usable:
+        raise ContextLengthExceeded(prompt_tokens, max_tokens, usable)

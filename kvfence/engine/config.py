@@ -1,0 +1,42 @@
+"""Engine settings, with the defaults an operator gets from `kvfence serve`."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None                 # GGUF file or Hugging Face folder; None: bundled SmolLM2-135M
+    dtype: str = "bfloat16"                  # bf16 is ~4x faster than fp32 on CPU; fp32 for exactness
+    device: str = "auto"                     # auto: cuda when present, else cpu
+    page_size: int = 16
+    kv_cache_memory: str | int | None = None  # e.g. "2GiB"; None: kv_memory_fraction of free memory
+    kv_memory_fraction: float = 0.1
+    max_model_len: int | None = None          # None: the model's own context
+    clamp_context: bool = False
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048        # per-step token budget (chunked prefill)
+    scrub: str = "zero"                       # none | zero | poison (I7)
+    verify_reads: bool = True                 # I2/I3 check before every pass; off only to measure its cost
+    num_threads: int | None = None
+    progress: bool = True
+
+    def torch_dtype(self) -> torch.dtype:
+        try:
+            return DTYPES[self.dtype]
+        except KeyError:
+            raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {self.dtype!r}") from None
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    def threads(self) -> int:
+        return self.num_threads or len(os.sched_getaffinity(0))

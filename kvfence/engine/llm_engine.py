@@ -1,0 +1,201 @@
+"""The engine loop: admit -> schedule -> check and run -> sample -> finish.
+
+Single-threaded by design; the HTTP server drives `step()` from one worker.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvfence.engine.admission import ContextPlan, check_fits, plan_context
+from kvfence.engine.config import EngineConfig
+from kvfence.engine.detokenizer import IncrementalDetokenizer
+from kvfence.engine.params import SamplingParams
+from kvfence.engine.request_states import Event, State
+from kvfence.engine.runner import ModelRunner
+from kvfence.engine.sampler import Sampler, make_generator
+from kvfence.engine.scheduler import Scheduler
+from kvfence.engine.sequence import Sequence, TokenLogprob
+from kvfence.kv.ledger import Ledger, Owner
+from kvfence.kv.pool import KVPool, available_memory, page_bytes, parse_bytes
+from kvfence.model.llama import LlamaModel
+from kvfence.model.loader import load_model
+from kvfence.model.tokenizer import KvTokenizer
+
+log = logging.getLogger("kvfence.engine")
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    tokenizer: KvTokenizer
+    path: Path
+
+    @classmethod
+    def load(cls, cfg: EngineConfig) -> "LoadedModel":
+        device = cfg.resolved_device()
+        weights, tok, path = load_model(cfg.model, cfg.torch_dtype(), device, cfg.progress)
+        return cls(LlamaModel(weights, device), tok, path)
+
+
+@dataclass
+class StepOutput:
+    seq: Sequence
+    new_token_ids: list[int]
+    delta_text: str
+    finished: bool
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
+        """`loaded` lets several engines share one set of weights (tests, benchmarks)."""
+        self.config = cfg = config or EngineConfig()
+        torch.set_num_threads(cfg.threads())
+        self.device = cfg.resolved_device()
+        dtype = cfg.torch_dtype()
+        loaded = loaded or LoadedModel.load(cfg)
+        self.model, self.tokenizer, self.model_path = loaded.model, loaded.tokenizer, loaded.path
+        self.model_config = self.model.config
+        budget = self._kv_budget(cfg, dtype)
+        self.pool = KVPool.from_budget(self.model_config, budget, cfg.page_size, dtype, self.device)
+        self.ledger = Ledger(self.pool.num_pages, cfg.page_size, cfg.scrub, scrubber=self.pool.scrub)
+        self.ledger.checks_enabled = cfg.verify_reads
+        self.context: ContextPlan = plan_context(self.model_config.max_context, cfg.max_model_len,
+                                                 self.ledger.capacity_tokens, cfg.clamp_context)
+        self.scheduler = Scheduler(self.ledger, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.pool, self.ledger)
+        self.sampler = Sampler()
+        self.requests: dict[str, Sequence] = {}
+        self.outcomes: Counter[str] = Counter()
+        log.info("model %s (%s, %s on %s); KV pool %d pages x %d tokens = %d tokens (%.1f MiB, scrub=%s); %s",
+                 self.model_config.name, self.model_path.name, cfg.dtype, self.device, self.ledger.usable_pages,
+                 cfg.page_size, self.ledger.capacity_tokens, self.pool.nbytes / 2**20, self.ledger.scrub.value,
+                 self.context.note)
+
+    def _kv_budget(self, cfg: EngineConfig, dtype: torch.dtype) -> int:
+        if cfg.kv_cache_memory is not None:
+            return parse_bytes(cfg.kv_cache_memory)
+        if not (0.0 < cfg.kv_memory_fraction <= 0.95):
+            raise ValueError("kv_memory_fraction must be in (0, 0.95]")
+        budget = int(available_memory(self.device) * cfg.kv_memory_fraction)
+        # no point in a pool much larger than a full batch of full contexts
+        cap = (cfg.max_num_seqs * self.model_config.max_context + cfg.page_size) * page_bytes(
+            self.model_config, 1, dtype)
+        return min(budget, cap)
+
+    # -- requests --------------------------------------------------------------------------
+    @property
+    def usable_context(self) -> int:
+        return self.context.usable
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, tenant: str = "default",
+                    request_id: str | None = None, prompt: str | None = None) -> Sequence:
+        """Admit a request (I4) or raise ContextLengthExceeded before anything is allocated."""
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if any((not isinstance(t, int)) or t < 0 or t >= self.model_config.vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})")
+        max_tokens = params.max_tokens if params.max_tokens is not None else max(
+            1, self.usable_context - len(prompt_ids))
+        seq = Sequence(request_id=request_id, tenant=tenant,
+                       owner=Owner(self.ledger.tenant_id(tenant), Sequence.next_number()),
+                       prompt_ids=list(prompt_ids), params=params, max_tokens=max_tokens, prompt=prompt)
+        try:
+            check_fits(len(prompt_ids), max_tokens, self.usable_context)
+        except ValueError:
+            seq.on(Event.REJECT)
+            self.outcomes["rejected"] += 1
+            raise
+        seq.on(Event.ADMIT)
+        seq.generator = make_generator(params.seed, self.device)
+        seq.detok = IncrementalDetokenizer(self.tokenizer.hf, seq.prompt_ids, params)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str, reason: str = "aborted by client") -> None:
+        seq = self.requests.get(request_id)
+        if seq is not None and not seq.finished:
+            self._end(seq, Event.ABORT, "aborted", reason)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _end(self, seq: Sequence, event: Event, reason: str, error: str | None = None) -> None:
+        self.scheduler.remove(seq)
+        self.ledger.free(seq.owner, seq.table)
+        seq.on(event)
+        seq.finish_reason = reason
+        seq.error = error
+        self.requests.pop(seq.request_id, None)
+        self.outcomes[reason] += 1
+
+    # -- the loop --------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        step = self.scheduler.schedule()
+        for seq in self.scheduler.unservable:
+            self._end(seq, Event.ABORT, "aborted",
+                      f"the KV pool cannot hold this request ({seq.num_tokens} tokens, "
+                      f"{self.ledger.num_free} free pages, {self.ledger.num_quarantined} quarantined)")
+            outputs.append(StepOutput(seq, [], "", True))
+        self.scheduler.unservable.clear()
+        if not step:
+            return outputs
+        result = self.runner.run(step)
+        for s, v in result.violations:
+            self.ledger.quarantine([v.page], reason=f"{v.invariant} violation")
+            log.error("isolation violation %s on request %s: %s", v.invariant, s.seq.request_id, v.detail)
+            self._end(s.seq, Event.ABORT, "aborted", f"isolation check {v.invariant} failed: {v.detail}")
+            outputs.append(StepOutput(s.seq, [], "", True))
+        if result.sampled:
+            seqs = [s.seq for s in result.sampled]
+            sample = self.sampler(result.logits, [q.params for q in seqs], [q.generator for q in seqs])
+            now = time.perf_counter()
+            for seq, tok, lp in zip(seqs, sample.token_ids, sample.logprobs):
+                outputs.append(self._append(seq, tok, lp, now))
+        return outputs
+
+    def _append(self, seq: Sequence, tok: int, lp, now: float) -> StepOutput:
+        if seq.state is State.PREFILLING:
+            seq.on(Event.PREFILL_DONE)
+        seq.output_ids.append(tok)
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+        seq.token_times.append(now)
+        if lp is not None:
+            seq.logprobs.append(TokenLogprob(tok, lp.logprob, list(lp.top)))
+        p = seq.params
+        delta, reason = "", None
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.tokenizer.end_ids):
+            reason = "stop"
+        else:
+            delta = seq.detok.add(tok)
+            if seq.detok.stopped_by is not None:
+                reason = "stop"
+        if reason is None and (len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.usable_context):
+            reason = "length"
+        if reason is not None and seq.detok.stopped_by is None:
+            delta += seq.detok.flush()
+        seq.text += delta
+        if reason is not None:
+            self._end(seq, Event.FINISH, reason)
+        return StepOutput(seq, [tok], delta, reason is not None)
+
+    # -- introspection ---------------------------------------------------------------------
+    def stats(self) -> dict:
+        led = self.ledger
+        return {
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "pages_total": led.usable_pages, "pages_free": led.num_free, "pages_owned": led.num_owned,
+            "pages_quarantined": led.num_quarantined, "capacity_tokens": led.capacity_tokens,
+            "usable_context": self.usable_context, "preemptions": self.scheduler.num_preemptions,
+            "violations": dict(led.violations), "outcomes": dict(self.outcomes),
+        }

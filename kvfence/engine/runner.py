@@ -1,0 +1,108 @@
+"""Turns a scheduled step into a forward pass: ledger check, slot tables, model, logits.
+
+The slot indices the model reads come from the very block-table entries the ledger just
+authorized (I2, I3); there is no other path from a request to pool memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvfence.engine.scheduler import ScheduledSeq
+from kvfence.kv.ledger import NULL_PAGE, Ledger, ReadRequest, Violation
+from kvfence.kv.pool import KVPool
+from kvfence.model.llama import AttentionBucket, ForwardBatch, LlamaModel
+
+
+@dataclass
+class StepResult:
+    ran: list[ScheduledSeq]            # sequences that went through the model
+    logits: torch.Tensor | None        # [len(sampled), vocab] float32
+    sampled: list[ScheduledSeq]        # those whose last position produced logits
+    violations: list[tuple[ScheduledSeq, Violation]]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, pool: KVPool, ledger: Ledger):
+        self.model = model
+        self.pool = pool
+        self.ledger = ledger
+        self.device = pool.device
+        self.ps = pool.page_size
+
+    def run(self, step: list[ScheduledSeq]) -> StepResult:
+        reads = [ReadRequest(s.seq.owner, s.seq.table, s.seq.num_computed, s.num_new) for s in step]
+        violations = self.ledger.authorize(reads)
+        bad = {v.index for v in violations}
+        flagged = [(step[v.index], v) for v in violations]
+        ok = [s for i, s in enumerate(step) if i not in bad]
+        if not ok:
+            return StepResult([], None, [], flagged)
+        # Decodes first, then fresh prefills grouped by length, then prefills with cached context.
+        ok.sort(key=lambda s: (s.num_new != 1, s.seq.num_computed > 0, s.num_new))
+        batch, sampled = self._build(ok)
+        logits = self.model.forward(batch, self.pool.kv)
+        for s in ok:
+            s.seq.num_computed += s.num_new
+            self.ledger.mark_written(s.seq.owner, s.seq.table, s.seq.num_computed)
+        return StepResult(ok, logits, sampled, flagged)
+
+    def _slots(self, pages: list[int], start: int, end: int) -> np.ndarray:
+        pos = np.arange(start, end)
+        return np.asarray(pages, dtype=np.int64)[pos // self.ps] * self.ps + pos % self.ps
+
+    def _build(self, step: list[ScheduledSeq]) -> tuple[ForwardBatch, list[ScheduledSeq]]:
+        ids, positions, writes, logits_rows, sampled = [], [], [], [], []
+        row = 0
+        for s in step:
+            seq = s.seq
+            start, end = seq.num_computed, seq.num_computed + s.num_new
+            ids.extend(seq.all_ids[start:end])
+            positions.append(np.arange(start, end))
+            writes.append(self._slots(seq.table.pages, start, end))
+            row += s.num_new
+            if end == seq.num_tokens:
+                logits_rows.append(row - 1)
+                sampled.append(s)
+        buckets = []
+        i, row = 0, 0
+        while i < len(step):
+            j = i
+            first = step[i]
+            fresh = first.num_new > 1 and first.seq.num_computed == 0
+            # extend the bucket over neighbours with the same shape class
+            while j + 1 < len(step) and step[j + 1].num_new == first.num_new and (
+                    first.num_new == 1 or (fresh and step[j + 1].seq.num_computed == 0)):
+                j += 1
+            group = step[i:j + 1]
+            buckets.append(self._bucket(group, row, fresh))
+            row += sum(g.num_new for g in group)
+            i = j + 1
+        dev = self.device
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.from_numpy(np.concatenate(positions)).to(dev),
+            write_slots=torch.from_numpy(np.concatenate(writes)).to(dev),
+            buckets=buckets,
+            logits_rows=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+        )
+        return batch, sampled
+
+    def _bucket(self, group: list[ScheduledSeq], token_start: int, fresh: bool) -> AttentionBucket:
+        q = group[0].num_new
+        if fresh:  # only this pass's own keys: causal attention, no pool reads
+            return AttentionBucket(token_start, len(group), q, None, None)
+        totals = np.array([g.seq.num_computed + q for g in group])
+        t_max = int(totals.max())
+        pos = np.arange(t_max)
+        slots = np.full((len(group), t_max), NULL_PAGE * self.ps, dtype=np.int64)
+        for r, g in enumerate(group):
+            slots[r, : totals[r]] = self._slots(g.seq.table.pages, 0, int(totals[r]))
+        ctx = totals - q  # cached tokens before this pass, per row
+        # query i of row r sits at position ctx[r] + i and may see keys 0 .. ctx[r] + i
+        mask = pos[None, None, :] <= (ctx[:, None, None] + np.arange(q)[None, :, None])
+        dev = self.device
+        return AttentionBucket(token_start, len(group), q, torch.from_numpy(slots).to(dev),
+                               torch.from_numpy(mask).unsqueeze(1).to(dev))

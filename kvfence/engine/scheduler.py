@@ -1,0 +1,94 @@
+"""Continuous batching: which sequences run in the next step and with how many tokens.
+
+Decoding sequences go first (one token each), then prefills continue in chunks, then
+waiting requests start, all within a per-step token budget. When the pool runs out, the
+most recently started sequence is preempted: its pages go back and it is recomputed later.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kvfence.engine.request_states import Event, State
+from kvfence.engine.sequence import Sequence
+from kvfence.kv.ledger import Ledger
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new: int   # tokens computed for it in this step
+
+
+class Scheduler:
+    def __init__(self, ledger: Ledger, max_num_seqs: int, token_budget: int):
+        self.ledger = ledger
+        self.max_num_seqs = max_num_seqs
+        self.token_budget = token_budget
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.unservable: list[Sequence] = []  # could not get pages even alone; the engine aborts them
+
+    def add(self, seq: Sequence) -> None:
+        assert seq.state is State.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def _preempt(self, victim: Sequence) -> None:
+        self.ledger.free(victim.owner, victim.table)
+        victim.num_computed = 0
+        victim.num_preemptions += 1
+        victim.on(Event.PREEMPT)
+        self.running.remove(victim)
+        self.waiting.appendleft(victim)
+        self.num_preemptions += 1
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.token_budget
+        out: list[ScheduledSeq] = []
+        # Decoding sequences first so a long prefill never stalls token streams.
+        self.running.sort(key=lambda s: (s.state is not State.DECODING, s.arrival))
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.uncomputed, budget)
+            need = self.ledger.pages_for(seq.num_computed + n) - len(seq.table)
+            while need > self.ledger.num_free and self.running[-1] is not seq:
+                self._preempt(self.running[-1])
+            if need > self.ledger.num_free:
+                if not out and len(self.running) == 1:
+                    self.running.remove(seq)
+                    self.unservable.append(seq)
+                else:
+                    self._preempt(seq)
+                continue
+            self.ledger.allocate(seq.owner, need, seq.table)
+            out.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.uncomputed, budget)
+            need = self.ledger.pages_for(n)
+            if need > self.ledger.num_free:
+                if not self.running:  # nothing will ever free pages for it
+                    self.waiting.popleft()
+                    self.unservable.append(seq)
+                    continue
+                break
+            self.waiting.popleft()
+            self.ledger.allocate(seq.owner, need, seq.table)
+            seq.on(Event.SCHEDULE)
+            self.running.append(seq)
+            out.append(ScheduledSeq(seq, n))
+            budget -= n
+        return out

@@ -1,0 +1,69 @@
+"""One request inside the engine: its tokens, its pages and its place in the state table."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvfence.engine.params import SamplingParams
+from kvfence.engine.request_states import TERMINAL, Event, State, advance
+from kvfence.kv.ledger import BlockTable, Owner
+
+_numbers = itertools.count(1)
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    tenant: str
+    owner: Owner
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int                          # resolved: never None here
+    prompt: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+    state: State = State.NEW
+    table: BlockTable = field(default_factory=BlockTable)
+    num_computed: int = 0                    # tokens whose K/V are in this request's pages
+    generator: torch.Generator | None = None
+    detok: object | None = None
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @staticmethod
+    def next_number() -> int:
+        return next(_numbers)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.state in TERMINAL
+
+    def on(self, event: Event) -> None:
+        self.state = advance(self.state, event)

@@ -1,0 +1,303 @@
+"""The page-ownership ledger: the only way KV pages are granted, written, read and returned.
+
+I1 ownership       every granted page has one owner record (tenant, request, epoch); a free page has none
+I2 read check      `authorize()` checks every page of every sequence before each forward pass
+I3 watermark       a page's written count says which slots hold this epoch's data; reads stop there
+I6 quarantine      a page that may still be touched (or that a violation pointed at) is not reused
+I7 scrub           freed pages are left as they are, zeroed, or poisoned, by policy
+
+State lives in flat numpy arrays so the per-step check is a handful of vector ops.
+"""
+from __future__ import annotations
+
+import enum
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+NULL_PAGE = 0  # never granted; padding slots point here and it always holds zeros
+
+
+class PageState(enum.IntEnum):
+    FREE = 0
+    OWNED = 1
+    QUARANTINED = 2
+    RESERVED_NULL = 3
+
+
+class ScrubPolicy(str, enum.Enum):
+    NONE = "none"
+    ZERO = "zero"
+    POISON = "poison"
+
+    @classmethod
+    def parse(cls, value: "str | ScrubPolicy") -> "ScrubPolicy":
+        if isinstance(value, ScrubPolicy):
+            return value
+        aliases = {"zero-on-free": "zero", "poison-on-free": "poison"}
+        try:
+            return cls(aliases.get(value, value))
+        except ValueError:
+            raise ValueError(f"scrub policy must be one of none, zero, poison; got {value!r}") from None
+
+
+class PoolExhausted(RuntimeError):
+    """Not enough free pages for an all-or-nothing grant."""
+
+
+class LedgerError(RuntimeError):
+    """An operation that would break ownership (freeing a page one does not own, ...)."""
+
+
+@dataclass(frozen=True)
+class Owner:
+    tenant: int   # tenant id from Ledger.tenant_id()
+    request: int  # engine-wide unique request number
+
+
+@dataclass
+class BlockTable:
+    """A request's view of its pages: page ids and the epoch each was granted in."""
+    pages: list[int] = field(default_factory=list)
+    epochs: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.pages)
+
+
+@dataclass
+class ReadRequest:
+    """What one sequence is about to do in a forward pass."""
+    owner: Owner
+    table: BlockTable
+    attend_len: int   # tokens already in the cache that it will attend to
+    write_len: int    # new tokens written (and attended) in this pass
+
+
+@dataclass
+class Violation:
+    index: int        # position in the list passed to authorize()
+    invariant: str    # "I2" or "I3"
+    page: int
+    detail: str
+
+
+class Ledger:
+    def __init__(self, num_pages: int, page_size: int, scrub: ScrubPolicy | str = ScrubPolicy.NONE,
+                 scrubber: Callable[[list[int], ScrubPolicy], None] | None = None):
+        if num_pages < 2:
+            raise ValueError("a pool needs at least 2 pages (one is the reserved null page)")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.scrub = ScrubPolicy.parse(scrub)
+        self._scrubber = scrubber
+        self.state = np.full(num_pages, PageState.FREE, dtype=np.int8)
+        self.owner_request = np.full(num_pages, -1, dtype=np.int64)
+        self.owner_tenant = np.full(num_pages, -1, dtype=np.int64)
+        self.epoch = np.zeros(num_pages, dtype=np.int64)
+        self.written = np.zeros(num_pages, dtype=np.int64)
+        self.suspect = np.zeros(num_pages, dtype=bool)  # quarantine instead of freeing when returned
+        self.state[NULL_PAGE] = PageState.RESERVED_NULL
+        self._free: deque[int] = deque(range(1, num_pages))
+        self._tenants: dict[str, int] = {}
+        self.counters: Counter[str] = Counter()
+        self.violations: Counter[str] = Counter()  # by invariant
+        self.checks_enabled = True  # off only for the bench's on/off comparison and its tests
+
+    # -- tenants ------------------------------------------------------------------------
+    def tenant_id(self, name: str) -> int:
+        return self._tenants.setdefault(name, len(self._tenants))
+
+    # -- capacity -----------------------------------------------------------------------
+    @property
+    def usable_pages(self) -> int:
+        return self.num_pages - 1
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.usable_pages * self.page_size
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_quarantined(self) -> int:
+        return int((self.state == PageState.QUARANTINED).sum())
+
+    @property
+    def num_owned(self) -> int:
+        return int((self.state == PageState.OWNED).sum())
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    # -- grant and return (I1) ----------------------------------------------------------
+    def allocate(self, owner: Owner, n: int, table: BlockTable) -> None:
+        """Grant n pages to owner, appended to table; all or nothing."""
+        if n <= 0:
+            return
+        if n > len(self._free):
+            raise PoolExhausted(f"need {n} pages, {len(self._free)} free")
+        for _ in range(n):
+            p = self._free.popleft()
+            if self.state[p] != PageState.FREE or self.owner_request[p] != -1:
+                raise LedgerError(f"page {p} on the free list is not free")  # corrupted free list
+            self.state[p] = PageState.OWNED
+            self.owner_request[p] = owner.request
+            self.owner_tenant[p] = owner.tenant
+            self.written[p] = 0
+            table.pages.append(p)
+            table.epochs.append(int(self.epoch[p]))
+        self.counters["pages_allocated"] += n
+
+    def free(self, owner: Owner, table: BlockTable) -> None:
+        """Return every page of table that owner still owns; the epoch moves on so stale
+        references can never match again. Pages marked suspect go to quarantine instead."""
+        to_free, to_quarantine = [], []
+        for p, e in zip(table.pages, table.epochs):
+            if not self._owns(owner, p, e):
+                continue  # taken away already (quarantined by a violation): nothing to return
+            (to_quarantine if self.suspect[p] else to_free).append(p)
+        for p in to_quarantine:
+            self._quarantine_page(p)
+        self._release(to_free)
+        table.pages.clear()
+        table.epochs.clear()
+
+    def _owns(self, owner: Owner, page: int, epoch: int) -> bool:
+        return (self.state[page] == PageState.OWNED and self.owner_request[page] == owner.request
+                and self.epoch[page] == epoch)
+
+    def _release(self, pages: list[int]) -> None:
+        if not pages:
+            return
+        idx = np.asarray(pages, dtype=np.int64)
+        if self.scrub is not ScrubPolicy.NONE and self._scrubber is not None:
+            self._scrubber(pages, self.scrub)
+        self.state[idx] = PageState.FREE
+        self.owner_request[idx] = -1
+        self.owner_tenant[idx] = -1
+        self.written[idx] = 0
+        self.epoch[idx] += 1
+        self.suspect[idx] = False
+        self._free.extend(pages)
+        self.counters["pages_freed"] += len(pages)
+
+    # -- quarantine (I6) ----------------------------------------------------------------
+    def quarantine(self, pages: Iterable[int], reason: str) -> None:
+        """Take pages out of circulation. A page still owned by someone else stays with its
+        owner (its data is intact) and is quarantined when returned."""
+        for p in set(int(p) for p in pages):
+            if p == NULL_PAGE or not (0 <= p < self.num_pages):
+                continue
+            if self.state[p] == PageState.OWNED:
+                self.suspect[p] = True
+            elif self.state[p] == PageState.FREE:
+                self._free.remove(p)
+                self._quarantine_page(p)
+        self.counters[f"quarantine:{reason}"] += 1
+
+    def _quarantine_page(self, p: int) -> None:
+        self.state[p] = PageState.QUARANTINED
+        self.owner_request[p] = -1
+        self.owner_tenant[p] = -1
+        self.written[p] = 0
+        self.epoch[p] += 1
+        self.suspect[p] = False
+        self.counters["pages_quarantined"] += 1
+
+    def quarantine_owned(self, owner: Owner, table: BlockTable, reason: str) -> None:
+        """Quarantine the pages owner holds (e.g. a transfer may still write into them)."""
+        mine = [p for p, e in zip(table.pages, table.epochs) if self._owns(owner, p, e)]
+        for p in mine:
+            self._quarantine_page(p)
+        table.pages.clear()
+        table.epochs.clear()
+        self.counters[f"quarantine:{reason}"] += 1
+
+    def release_quarantine(self, pages: Iterable[int]) -> None:
+        """A fence proved nothing can touch these pages any more: scrub and free them."""
+        ps = [int(p) for p in pages if self.state[int(p)] == PageState.QUARANTINED]
+        self._release(ps)
+
+    # -- writes (I3) --------------------------------------------------------------------
+    def mark_written(self, owner: Owner, table: BlockTable, upto_tokens: int) -> None:
+        """Record that owner's first upto_tokens slots now hold this epoch's data."""
+        ps = self.page_size
+        for i, (p, e) in enumerate(zip(table.pages, table.epochs)):
+            if i * ps >= upto_tokens:
+                break
+            if not self._owns(owner, p, e):
+                raise LedgerError(f"request {owner.request} wrote page {p} it does not own")
+            self.written[p] = max(int(self.written[p]), min(ps, upto_tokens - i * ps))
+
+    # -- the per-step check (I2, I3) ----------------------------------------------------
+    def authorize(self, reads: Sequence[ReadRequest]) -> list[Violation]:
+        """Check, for every sequence, every page it will read or write in this pass:
+        owned by it in the granted epoch (I2), and every slot it attends from the cache
+        already written in this epoch (I3). Returns one violation per failing sequence."""
+        if not reads or not self.checks_enabled:
+            return []
+        ps = self.page_size
+        counts = np.fromiter((self.pages_for(r.attend_len + r.write_len) for r in reads), np.int64, len(reads))
+        short = [i for i, (r, c) in enumerate(zip(reads, counts)) if len(r.table) < c]
+        out = [Violation(i, "I2", NULL_PAGE, f"block table has {len(reads[i].table)} pages, needs {counts[i]}")
+               for i in short]
+        total = int(counts.sum())
+        pages = np.empty(total, np.int64)
+        epochs = np.empty(total, np.int64)
+        req = np.empty(total, np.int64)
+        need = np.empty(total, np.int64)
+        seq = np.repeat(np.arange(len(reads)), counts)
+        pos = 0
+        for r, c in zip(reads, counts):
+            c = int(c)
+            if len(r.table) >= c:
+                pages[pos:pos + c] = r.table.pages[:c]
+                epochs[pos:pos + c] = r.table.epochs[:c]
+            else:  # reported above; check what is there against an impossible page
+                pages[pos:pos + c] = NULL_PAGE
+                epochs[pos:pos + c] = -1
+            req[pos:pos + c] = r.owner.request
+            # slots of page i that must already hold data: the attended cache part
+            need[pos:pos + c] = np.clip(r.attend_len - np.arange(c) * ps, 0, ps)
+            pos += c
+        bad_owner = ((self.state[pages] != PageState.OWNED) | (self.owner_request[pages] != req)
+                     | (self.epoch[pages] != epochs))
+        bad_written = ~bad_owner & (self.written[pages] < need)
+        seen = {v.index for v in out}
+        for kind, mask in (("I2", bad_owner), ("I3", bad_written)):
+            for j in np.flatnonzero(mask):
+                i = int(seq[j])
+                if i in seen:
+                    continue
+                seen.add(i)
+                p = int(pages[j])
+                if kind == "I2":
+                    detail = (f"page {p} is {PageState(self.state[p]).name.lower()} "
+                              f"(owner request {self.owner_request[p]}, epoch {self.epoch[p]}), "
+                              f"block table says request {req[j]}, epoch {epochs[j]}")
+                else:
+                    detail = f"page {p} has {self.written[p]} written slots, attention needs {need[j]}"
+                out.append(Violation(i, kind, p, detail))
+        for v in out:
+            self.violations[v.invariant] += 1
+        return out
+
+    # -- invariant audit, for tests ------------------------------------------------------
+    def check_consistency(self) -> None:
+        """Raise if the ledger's own records disagree (I1): used by tests after every step."""
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise LedgerError("a page is on the free list twice")
+        for p in range(1, self.num_pages):
+            st = self.state[p]
+            if (p in free) != (st == PageState.FREE):
+                raise LedgerError(f"page {p}: state {PageState(st).name} but on free list: {p in free}")
+            if st != PageState.OWNED and self.owner_request[p] != -1:
+                raise LedgerError(f"page {p} is {PageState(st).name} yet has an owner")
+            if st == PageState.OWNED and self.owner_request[p] < 0:
+                raise LedgerError(f"page {p} is owned by nobody")

