@@ -45,8 +45,9 @@ class ModelRunner:
         batch, sampled = self._build(ok)
         logits = self.model.forward(batch, self.pool.kv)
         for s in ok:
+            start = s.seq.num_computed
             s.seq.num_computed += s.num_new
-            self.ledger.mark_written(s.seq.owner, s.seq.table, s.seq.num_computed)
+            self.ledger.mark_written(s.seq.owner, s.seq.table, start, s.seq.num_computed)
         return StepResult(ok, logits, sampled, flagged)
 
     def _slots(self, pages: list[int], start: int, end: int) -> np.ndarray:

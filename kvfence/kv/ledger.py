@@ -100,7 +100,7 @@ class Ledger:
         self.written = np.zeros(num_pages, dtype=np.int64)
         self.suspect = np.zeros(num_pages, dtype=bool)  # quarantine instead of freeing when returned
         self.state[NULL_PAGE] = PageState.RESERVED_NULL
-        self._free: deque[int] = deque(range(1, num_pages))
+        self._free: deque[int] = deque(range(num_pages - 1, 0, -1))
         self._tenants: dict[str, int] = {}
         self.counters: Counter[str] = Counter()
         self.violations: Counter[str] = Counter()  # by invariant
@@ -142,7 +142,7 @@ class Ledger:
         if n > len(self._free):
             raise PoolExhausted(f"need {n} pages, {len(self._free)} free")
         for _ in range(n):
-            p = self._free.popleft()
+            p = self._free.pop()  # most recently freed first: warm in cache
             if self.state[p] != PageState.FREE or self.owner_request[p] != -1:
                 raise LedgerError(f"page {p} on the free list is not free")  # corrupted free list
             self.state[p] = PageState.OWNED
@@ -154,18 +154,19 @@ class Ledger:
         self.counters["pages_allocated"] += n
 
     def free(self, owner: Owner, table: BlockTable) -> None:
-        """Return every page of table that owner still owns; the epoch moves on so stale
-        references can never match again. Pages marked suspect go to quarantine instead."""
-        to_free, to_quarantine = [], []
-        for p, e in zip(table.pages, table.epochs):
-            if not self._owns(owner, p, e):
-                continue  # taken away already (quarantined by a violation): nothing to return
-            (to_quarantine if self.suspect[p] else to_free).append(p)
-        for p in to_quarantine:
-            self._quarantine_page(p)
-        self._release(to_free)
+        """Return every page the ledger says owner holds, whatever its block table says (a
+        corrupted table must not leak pages). The epoch moves on so stale references never
+        match again. Pages marked suspect go to quarantine instead."""
+        mine = self._pages_of(owner)
+        suspect = self.suspect[mine]
+        for p in mine[suspect]:
+            self._quarantine_page(int(p))
+        self._release(mine[~suspect].tolist())
         table.pages.clear()
         table.epochs.clear()
+
+    def _pages_of(self, owner: Owner) -> np.ndarray:
+        return np.flatnonzero((self.owner_request == owner.request) & (self.state == PageState.OWNED))
 
     def _owns(self, owner: Owner, page: int, epoch: int) -> bool:
         return (self.state[page] == PageState.OWNED and self.owner_request[page] == owner.request
@@ -210,10 +211,9 @@ class Ledger:
         self.counters["pages_quarantined"] += 1
 
     def quarantine_owned(self, owner: Owner, table: BlockTable, reason: str) -> None:
-        """Quarantine the pages owner holds (e.g. a transfer may still write into them)."""
-        mine = [p for p, e in zip(table.pages, table.epochs) if self._owns(owner, p, e)]
-        for p in mine:
-            self._quarantine_page(p)
+        """Quarantine every page owner holds (e.g. a transfer may still write into them)."""
+        for p in self._pages_of(owner):
+            self._quarantine_page(int(p))
         table.pages.clear()
         table.epochs.clear()
         self.counters[f"quarantine:{reason}"] += 1
@@ -224,15 +224,14 @@ class Ledger:
         self._release(ps)
 
     # -- writes (I3) --------------------------------------------------------------------
-    def mark_written(self, owner: Owner, table: BlockTable, upto_tokens: int) -> None:
-        """Record that owner's first upto_tokens slots now hold this epoch's data."""
+    def mark_written(self, owner: Owner, table: BlockTable, start: int, end: int) -> None:
+        """Record that owner wrote token slots start .. end-1 (contiguous from the watermark)."""
         ps = self.page_size
-        for i, (p, e) in enumerate(zip(table.pages, table.epochs)):
-            if i * ps >= upto_tokens:
-                break
+        for i in range(start // ps, self.pages_for(end)):
+            p, e = table.pages[i], table.epochs[i]
             if not self._owns(owner, p, e):
                 raise LedgerError(f"request {owner.request} wrote page {p} it does not own")
-            self.written[p] = max(int(self.written[p]), min(ps, upto_tokens - i * ps))
+            self.written[p] = max(int(self.written[p]), min(ps, end - i * ps))
 
     # -- the per-step check (I2, I3) ----------------------------------------------------
     def authorize(self, reads: Sequence[ReadRequest]) -> list[Violation]:

@@ -1,0 +1,147 @@
+"""`kvfence bench`: a fixed offline workload through this engine and through peers, in one run.
+
+Quote the ratios, not the absolute times: the machines are shared and noisy.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+from kvfence.engine.config import EngineConfig
+from kvfence.engine.llm_engine import LLMEngine, LoadedModel
+from kvfence.engine.params import SamplingParams
+
+
+@dataclass
+class Workload:
+    num_requests: int = 32
+    prompt_tokens: int = 256
+    output_tokens: int = 128
+    seed: int = 0
+
+    def prompts(self, vocab: int) -> list[list[int]]:
+        rng = random.Random(self.seed)
+        # ordinary (non-special) token ids; the same prompts for every contender
+        return [[rng.randrange(200, vocab - 1) for _ in range(self.prompt_tokens)] for _ in range(self.num_requests)]
+
+
+@dataclass
+class Result:
+    name: str
+    seconds: float
+    output_tokens: int
+    total_tokens: int
+    ttft_ms: dict = field(default_factory=dict)
+    itl_ms: dict = field(default_factory=dict)
+    note: str = ""
+
+    @property
+    def output_tps(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def total_tps(self) -> float:
+        return self.total_tokens / self.seconds
+
+
+def _pct(values: list[float]) -> dict:
+    if not values:
+        return {}
+    v = sorted(values)
+    at = lambda q: v[min(len(v) - 1, int(q * (len(v) - 1) + 0.5))] * 1e3  # noqa: E731
+    return {"p50": round(at(0.5), 2), "p90": round(at(0.9), 2), "p99": round(at(0.99), 2),
+            "mean": round(statistics.fmean(v) * 1e3, 2)}
+
+
+def run_engine(name: str, loaded: LoadedModel, cfg: EngineConfig, wl: Workload) -> Result:
+    engine = LLMEngine(cfg, loaded)
+    prompts = wl.prompts(engine.model_config.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=wl.output_tokens, ignore_eos=True)
+    # warm-up: first calls pay for allocator and kernel selection
+    engine.add_request(prompts[0][:32], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    start = time.perf_counter()
+    seqs = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    seconds = time.perf_counter() - start
+    out = sum(len(s.output_ids) for s in seqs)
+    if out != wl.num_requests * wl.output_tokens:
+        raise RuntimeError(f"{name}: produced {out} tokens, expected {wl.num_requests * wl.output_tokens}")
+    ttft = [s.first_token_at - start for s in seqs]
+    itl = [b - a for s in seqs for a, b in zip(s.token_times, s.token_times[1:])]
+    return Result(name, seconds, out, out + wl.num_requests * wl.prompt_tokens, _pct(ttft), _pct(itl),
+                  note=f"violations={dict(engine.ledger.violations)} preemptions={engine.scheduler.num_preemptions}")
+
+
+def run_transformers(path, dtype: str, wl: Workload, threads: int) -> Result:
+    """Hugging Face transformers `generate` on the same GGUF weights, one batch of all prompts."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 dtype=getattr(torch, dtype))
+    model.eval()
+    prompts = wl.prompts(model.config.vocab_size)
+    ids = torch.tensor(prompts)
+    kw = dict(do_sample=False, max_new_tokens=wl.output_tokens, min_new_tokens=wl.output_tokens,
+              pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids[:1, :32], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+        start = time.perf_counter()
+        out = model.generate(ids, **kw)
+        seconds = time.perf_counter() - start
+    n = (out.shape[1] - ids.shape[1]) * out.shape[0]
+    del model
+    gc.collect()
+    return Result("transformers generate", seconds, n, n + ids.numel(),
+                  note="static batch; no per-request TTFT")
+
+
+def main(args) -> int:
+    wl = Workload(args.num_requests, args.prompt_tokens, args.output_tokens)
+    base = EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+                        max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
+                        clamp_context=True, progress=False)
+    loaded = LoadedModel.load(base)
+    variants = [
+        ("kvfence (checks on, scrub zero)", dict(verify_reads=True, scrub="zero")),
+        ("kvfence (checks off, scrub zero)", dict(verify_reads=False, scrub="zero")),
+        ("kvfence (checks on, scrub none)", dict(verify_reads=True, scrub="none")),
+        ("kvfence (checks on, scrub poison)", dict(verify_reads=True, scrub="poison")),
+    ]
+    if args.quick:
+        variants = variants[:2]
+    results = []
+    for name, over in variants:
+        cfg = EngineConfig(**{**asdict(base), **over})
+        results.append(run_engine(name, loaded, cfg, wl))
+        _print_row(results[-1])
+    peers = []
+    if "transformers" in args.peers:
+        try:
+            peers.append(run_transformers(loaded.path, args.dtype, wl, base.threads()))
+            _print_row(peers[-1])
+        except ImportError as e:
+            print(f"transformers peer skipped: {e} (install the test extras)")
+    ours = results[0]
+    print()
+    print(f"workload: {wl.num_requests} requests x {wl.prompt_tokens} prompt tokens -> {wl.output_tokens} "
+          f"output tokens, greedy, all submitted at once; dtype {args.dtype}, {base.threads()} threads")
+    for r in results[1:] + peers:
+        print(f"  {ours.name} vs {r.name}: {r.seconds / ours.seconds:.2f}x speed")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"workload": asdict(wl), "results": [asdict(r) for r in results + peers]}, f, indent=2)
+    return 0
+
+
+def _print_row(r: Result) -> None:
+    print(f"{r.name:36s} {r.seconds:7.2f} s  out {r.output_tps:7.1f} tok/s  total {r.total_tps:8.1f} tok/s  "
+          f"TTFT {r.ttft_ms or '-'}  ITL {r.itl_ms or '-'}  {r.note}", flush=True)

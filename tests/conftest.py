@@ -1,0 +1,46 @@
+"""Shared fixtures: one float32 load of the bundled model, shared by many small engines."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from kvfence import LLM  # noqa: E402
+from kvfence.engine.config import EngineConfig  # noqa: E402
+from kvfence.engine.llm_engine import LoadedModel  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def loaded_fp32() -> LoadedModel:
+    return LoadedModel.load(EngineConfig(dtype="float32", progress=False))
+
+
+@pytest.fixture(scope="session")
+def make_llm(loaded_fp32):
+    """Build an LLM on the shared float32 weights; keyword arguments go to EngineConfig."""
+    def make(**kw) -> LLM:
+        kw.setdefault("kv_cache_memory", "64MiB")
+        kw.setdefault("clamp_context", True)
+        kw.setdefault("progress", False)
+        return LLM(dtype="float32", loaded=loaded_fp32, **kw)
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_reference(loaded_fp32):
+    """Hugging Face transformers on the same GGUF, float32: the correctness reference."""
+    from transformers import AutoModelForCausalLM
+
+    path = loaded_fp32.path
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model.eval()
+    return model

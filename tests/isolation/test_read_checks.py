@@ -1,0 +1,141 @@
+"""I2 and I3 with the real model: a request whose block table or watermark is wrong is
+aborted before its forward pass, and nobody else notices.
+
+Each test also runs the same fault with the check switched off and shows the fault then
+does reach the model (the 'mutant'): the check is what stops it.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfence import SamplingParams
+from kvfence.engine.request_states import State
+from kvfence.kv.ledger import PageState
+
+PROMPTS = ["The secret code of tenant A is", "Tenant B writes about the weather today:",
+           "A recipe for bread starts with"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def run_with_fault(llm, fault, at_step: int = 4):
+    """Submit the three prompts as three tenants, apply fault(engine, seqs) before step
+    `at_step`, run to the end; return the sequences."""
+    eng = llm.engine
+    seqs = [eng.add_request(llm.tokenizer.encode(p), GREEDY, tenant=t) for p, t in zip(PROMPTS, "ABC")]
+    step = 0
+    while eng.has_unfinished():
+        if step == at_step:
+            fault(eng, seqs)
+        eng.step()
+        step += 1
+    return seqs
+
+
+def clean_outputs(make_llm):
+    return [s.output_ids for s in run_with_fault(make_llm(), lambda e, s: None)]
+
+
+@pytest.fixture(scope="module")
+def baseline(make_llm):
+    return clean_outputs(make_llm)
+
+
+def point_at_neighbour(eng, seqs):
+    """A's first page is replaced by one of B's live pages, with B's epoch: the worst case."""
+    a, b = seqs[0], seqs[1]
+    a.table.pages[0] = b.table.pages[0]
+    a.table.epochs[0] = b.table.epochs[0]
+
+
+def stale_epoch(eng, seqs):
+    seqs[0].table.epochs[0] -= 1
+
+
+def unwritten_slots(eng, seqs):
+    """A claims 8 more computed tokens than were ever written (reserved-but-unwritten slots)."""
+    a = seqs[0]
+    eng.ledger.allocate(a.owner, 1, a.table)
+    a.output_ids.extend([42] * 8)
+    a.num_computed += 8
+
+
+# At step 4 A's current page is its first, so a swapped first page is also a write
+# target; by step 12 A has moved to its second page and only reads the first.
+@pytest.mark.parametrize("fault,invariant,at_step", [
+    (point_at_neighbour, "I2", 4), (point_at_neighbour, "I2", 12), (stale_epoch, "I2", 12),
+    (unwritten_slots, "I3", 12)])
+def test_fault_aborts_only_the_faulty_request(make_llm, baseline, fault, invariant, at_step):
+    llm = make_llm()
+    seqs = run_with_fault(llm, fault, at_step)
+    a, b, c = seqs
+    assert a.state is State.ABORTED and a.finish_reason == "aborted"
+    assert f"isolation check {invariant} failed" in a.error
+    assert llm.engine.ledger.violations[invariant] == 1
+    # the others go on untouched, token for token
+    assert b.state is State.FINISHED and b.output_ids == baseline[1]
+    assert c.state is State.FINISHED and c.output_ids == baseline[2]
+    led = llm.engine.ledger
+    assert led.num_owned == 0
+    assert led.num_free + led.num_quarantined == led.usable_pages
+    led.check_consistency()
+
+
+def test_neighbour_page_is_quarantined_not_reused(make_llm):
+    llm = make_llm()
+    seqs = run_with_fault(llm, point_at_neighbour)
+    led = llm.engine.ledger
+    assert led.num_quarantined == 1
+    q = int((led.state == PageState.QUARANTINED).nonzero()[0][0])
+    assert q not in led._free
+
+
+def test_without_the_check_a_reads_b(make_llm, baseline):
+    """Mutant: switch the check off and the same fault makes A attend B's page."""
+    llm = make_llm(verify_reads=False)
+    seqs = run_with_fault(llm, point_at_neighbour, at_step=12)
+    assert len(seqs[0].table) == 0 and seqs[0].num_computed > 16  # A was reading, not writing, page 0
+    assert seqs[0].state is State.FINISHED  # nothing noticed...
+    assert seqs[0].output_ids != baseline[0]  # ...yet A's answer was computed over B's KV
+    assert llm.engine.ledger.violations["I3"] == llm.engine.ledger.violations["I2"] == 0
+
+
+def test_without_the_check_unwritten_slots_are_read(make_llm):
+    """Mutant for I3: with poison scrub, reading reserved-but-unwritten slots turns the
+    logits to NaN; the watermark check is what prevents it."""
+    llm = make_llm(verify_reads=False, scrub="poison")
+    llm.generate(["warm the pool up so freed pages are poisoned"] * 4, GREEDY)
+    nan_seen = []
+    sampler = llm.engine.sampler
+
+    def spy(logits, params, gens):
+        nan_seen.append(bool(torch.isnan(logits).any()))
+        return sampler(logits, params, gens)
+
+    llm.engine.sampler = spy
+
+    def claim_unwritten(eng, seqs):
+        a = seqs[0]
+        need = eng.ledger.pages_for(a.num_computed + 40) - len(a.table)
+        eng.ledger.allocate(a.owner, need, a.table)  # freshly reused pages: poisoned
+        a.output_ids.extend([42] * 32)
+        a.num_computed += 32
+
+    run_with_fault(llm, claim_unwritten)
+    assert any(nan_seen)
+
+
+def test_checks_on_catch_the_same_poisoned_read(make_llm):
+    llm = make_llm(scrub="poison")
+    llm.generate(["warm the pool up so freed pages are poisoned"] * 4, GREEDY)
+
+    def claim_unwritten(eng, seqs):
+        a = seqs[0]
+        need = eng.ledger.pages_for(a.num_computed + 40) - len(a.table)
+        eng.ledger.allocate(a.owner, need, a.table)
+        a.output_ids.extend([42] * 32)
+        a.num_computed += 32
+
+    seqs = run_with_fault(llm, claim_unwritten)
+    assert seqs[0].state is State.ABORTED and "I3" in seqs[0].error
+    assert all(s.state is State.FINISHED for s in seqs[1:])

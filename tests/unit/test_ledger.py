@@ -1,0 +1,179 @@
+"""The ownership ledger on its own (I1, I2, I3, I6, I7), without a model."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvfence.kv.ledger import (NULL_PAGE, BlockTable, Ledger, LedgerError, Owner, PageState, PoolExhausted,
+                               ReadRequest, ScrubPolicy)
+
+
+def owner(led: Ledger, tenant: str, req: int) -> Owner:
+    return Owner(led.tenant_id(tenant), req)
+
+
+def test_grant_records_one_owner_and_free_bumps_epoch():
+    led = Ledger(8, 4)
+    a = owner(led, "t1", 1)
+    t = BlockTable()
+    led.allocate(a, 3, t)
+    assert len(t) == 3 and NULL_PAGE not in t.pages
+    for p, e in zip(t.pages, t.epochs):
+        assert led.state[p] == PageState.OWNED and led.owner_request[p] == 1 and led.epoch[p] == e
+    pages = list(t.pages)
+    led.free(a, t)
+    assert len(t) == 0
+    for p in pages:
+        assert led.state[p] == PageState.FREE and led.owner_request[p] == -1 and led.epoch[p] == 1
+    led.check_consistency()
+
+
+def test_allocation_is_all_or_nothing():
+    led = Ledger(4, 4)  # 3 usable pages
+    t = BlockTable()
+    with pytest.raises(PoolExhausted):
+        led.allocate(owner(led, "t", 1), 4, t)
+    assert len(t) == 0 and led.num_free == 3
+
+
+def test_free_uses_the_ledger_not_the_table():
+    """A corrupted table cannot leak pages nor free someone else's."""
+    led = Ledger(8, 4)
+    a, b = owner(led, "A", 1), owner(led, "B", 2)
+    ta, tb = BlockTable(), BlockTable()
+    led.allocate(a, 2, ta)
+    led.allocate(b, 2, tb)
+    ta.pages[0] = tb.pages[0]  # A's table now names B's page
+    led.free(a, ta)
+    assert all(led.state[p] == PageState.OWNED and led.owner_request[p] == 2 for p in tb.pages)
+    assert led.num_free == 5  # A's two pages came back, B's stayed
+    led.check_consistency()
+
+
+def test_authorize_flags_wrong_owner_epoch_and_unwritten():
+    led = Ledger(16, 4)
+    a, b = owner(led, "A", 1), owner(led, "B", 2)
+    ta, tb = BlockTable(), BlockTable()
+    led.allocate(a, 2, ta)
+    led.allocate(b, 2, tb)
+    led.mark_written(a, ta, 0, 6)
+    led.mark_written(b, tb, 0, 6)
+    ok = led.authorize([ReadRequest(a, ta, 6, 1), ReadRequest(b, tb, 6, 1)])
+    assert ok == []
+    # wrong owner
+    bad = BlockTable(list(ta.pages), list(ta.epochs))
+    bad.pages[1] = tb.pages[1]
+    bad.epochs[1] = tb.epochs[1]
+    v = led.authorize([ReadRequest(a, bad, 6, 1), ReadRequest(b, tb, 6, 1)])
+    assert [(x.index, x.invariant, x.page) for x in v] == [(0, "I2", tb.pages[1])]
+    # stale epoch
+    stale = BlockTable(list(ta.pages), [e - 1 for e in ta.epochs])
+    assert led.authorize([ReadRequest(a, stale, 6, 1)])[0].invariant == "I2"
+    # attending more than was written
+    v = led.authorize([ReadRequest(a, ta, 7, 1)])
+    assert v[0].invariant == "I3" and v[0].page == ta.pages[1]
+    # a table too short for the pass
+    assert led.authorize([ReadRequest(a, ta, 6, 3)])[0].invariant == "I2"
+    assert led.violations == {"I2": 3, "I3": 1}
+
+
+def test_authorize_rejects_free_and_quarantined_pages():
+    led = Ledger(8, 4)
+    a = owner(led, "A", 1)
+    t = BlockTable()
+    led.allocate(a, 1, t)
+    led.mark_written(a, t, 0, 4)
+    copy = BlockTable(list(t.pages), list(t.epochs))
+    led.free(a, t)
+    assert led.authorize([ReadRequest(a, copy, 4, 0)])[0].invariant == "I2"  # freed: epoch moved on
+    led.quarantine(copy.pages, "test")
+    assert led.state[copy.pages[0]] == PageState.QUARANTINED
+    assert copy.pages[0] not in led._free
+    led.check_consistency()
+
+
+def test_checks_can_be_switched_off_for_measurement_only():
+    led = Ledger(8, 4)
+    led.checks_enabled = False
+    a = owner(led, "A", 1)
+    assert led.authorize([ReadRequest(a, BlockTable([3], [9]), 4, 0)]) == []
+
+
+def test_suspect_page_is_quarantined_when_its_owner_returns_it():
+    led = Ledger(8, 4)
+    b = owner(led, "B", 2)
+    tb = BlockTable()
+    led.allocate(b, 2, tb)
+    led.quarantine([tb.pages[0]], "I2 violation")
+    assert led.state[tb.pages[0]] == PageState.OWNED  # B keeps using its intact page
+    p0, p1 = tb.pages
+    led.free(b, tb)
+    assert led.state[p0] == PageState.QUARANTINED and led.state[p1] == PageState.FREE
+    led.release_quarantine([p0])
+    assert led.state[p0] == PageState.FREE
+    led.check_consistency()
+
+
+def test_quarantine_owned_keeps_pages_out_until_released():
+    led = Ledger(8, 4)
+    a = owner(led, "A", 1)
+    t = BlockTable()
+    led.allocate(a, 3, t)
+    pages = list(t.pages)
+    led.quarantine_owned(a, t, "transfer in flight")
+    assert led.num_quarantined == 3 and led.num_free == 4
+    with pytest.raises(PoolExhausted):
+        led.allocate(a, 5, BlockTable())
+    led.release_quarantine(pages)
+    assert led.num_free == 7
+    led.check_consistency()
+
+
+def test_mark_written_refuses_pages_not_owned():
+    led = Ledger(8, 4)
+    a, b = owner(led, "A", 1), owner(led, "B", 2)
+    tb = BlockTable()
+    led.allocate(b, 1, tb)
+    with pytest.raises(LedgerError):
+        led.mark_written(a, tb, 0, 2)
+
+
+def test_scrub_callback_gets_freed_pages_with_policy():
+    calls = []
+    led = Ledger(8, 4, scrub="zero-on-free", scrubber=lambda pages, pol: calls.append((sorted(pages), pol)))
+    a = owner(led, "A", 1)
+    t = BlockTable()
+    led.allocate(a, 2, t)
+    pages = sorted(t.pages)
+    led.free(a, t)
+    assert calls == [(pages, ScrubPolicy.ZERO)]
+    with pytest.raises(ValueError):
+        ScrubPolicy.parse("shred")
+
+
+def test_random_operations_keep_the_ledger_consistent():
+    rng = np.random.default_rng(0)
+    led = Ledger(32, 4)
+    live: dict[int, BlockTable] = {}
+    for step in range(2000):
+        op = rng.integers(4)
+        if op == 0 or not live:
+            r = int(step + 1)
+            t = BlockTable()
+            try:
+                led.allocate(owner(led, f"t{r % 3}", r), int(rng.integers(1, 5)), t)
+                live[r] = t
+            except PoolExhausted:
+                pass
+        elif op == 1:
+            r = int(rng.choice(list(live)))
+            led.free(owner(led, f"t{r % 3}", r), live.pop(r))
+        elif op == 2:
+            led.quarantine([int(rng.integers(1, 32))], "random")
+        else:
+            q = np.flatnonzero(led.state == PageState.QUARANTINED)
+            led.release_quarantine(q[: int(rng.integers(0, 3))])
+        led.check_consistency()
+        owned = sum(len(t) for t in live.values())
+        assert led.num_owned == owned
+        assert led.num_owned + led.num_free + led.num_quarantined == led.usable_pages
