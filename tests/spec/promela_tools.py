@@ -1,0 +1,157 @@
+"""Reading spec/handoff.pml and running spin on it, for the tests in tests/spec."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = ROOT / "spec"
+MODEL = SPEC / "handoff.pml"
+
+# one entry per mutant: file in spec/mutants/, and the properties spin may name
+MUTANTS = {
+    "a": ("a_handoff_after_reject.pml", {"I4_no_resources_after_reject", "I4_no_handoff_after_reject"}),
+    "b": ("b_attend_reserved_length.pml", {"I3_reads_written_slots_only"}),
+    "c": ("c_free_during_pull.pml", {"I6_transfer_writes_own_page", "I6_no_reuse_under_transfer"}),
+    "d": ("d_lease_expiry_without_fence.pml", {"I2_reader_owns_page", "I6_no_reuse_under_transfer"}),
+}
+
+
+# ----------------------------------------------------------------- source
+
+def strip_comments(text: str) -> str:
+    """Remove /* */ and // comments, keeping line breaks so line numbers hold."""
+    text = re.sub(r"/\*.*?\*/", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
+    return re.sub(r"//[^\n]*", "", text)
+
+
+def preprocess(text: str, defined: frozenset[str] = frozenset()) -> list[tuple[int, str]]:
+    """The (line number, line) pairs that survive #ifdef/#ifndef/#else/#endif with
+    the given macros defined; directive lines are dropped. Enough for this model."""
+    out: list[tuple[int, str]] = []
+    stack: list[tuple[bool, bool]] = []  # (parent active, this branch active)
+    active = True
+    for number, line in enumerate(strip_comments(text).splitlines(), start=1):
+        directive = line.strip()
+        m = re.match(r"#\s*(ifdef|ifndef)\s+(\w+)", directive)
+        if m:
+            cond = (m.group(2) in defined) == (m.group(1) == "ifdef")
+            stack.append((active, cond))
+            active = active and cond
+            continue
+        if re.match(r"#\s*else\b", directive):
+            parent, cond = stack[-1]
+            stack[-1] = (parent, not cond)
+            active = parent and not cond
+            continue
+        if re.match(r"#\s*endif\b", directive):
+            active = stack.pop()[0]
+            continue
+        if active and not directive.startswith("#"):
+            out.append((number, line))
+    assert not stack, "unbalanced #if in the model"
+    return out
+
+
+def mtype_names(text: str, kind: str) -> list[str]:
+    m = re.search(r"mtype\s*:\s*%s\s*=\s*\{([^}]*)\}" % kind, strip_comments(text))
+    assert m, f"no mtype:{kind} in the model"
+    return [name.strip() for name in m.group(1).split(",") if name.strip()]
+
+
+ADVANCE = re.compile(
+    r"\badvance\(\s*((?:[^,()\[\]]|\[[^\]]*\])+?)\s*,\s*(\w+)\s*,\s*(\w+)\s*,\s*(\w+)\s*\)")
+
+
+@dataclass(frozen=True)
+class Advance:
+    line: int
+    var: str     # e.g. "ps[r]"
+    frm: str
+    event: str
+    to: str
+
+    @property
+    def node(self) -> str:
+        return {"ps": "prefill", "ds": "decode"}.get(self.var.split("[")[0], self.var)
+
+
+def advances(text: str, defined: frozenset[str] = frozenset()) -> list[Advance]:
+    return [Advance(number, *m.groups())
+            for number, line in preprocess(text, defined)
+            for m in ADVANCE.finditer(line)]
+
+
+def reached_markers(text: str, defined: frozenset[str] = frozenset()) -> dict[str, int]:
+    return {m.group(1): number
+            for number, line in preprocess(text, defined)
+            for m in re.finditer(r"\bREACHED\((\w+)\)", line)}
+
+
+# ------------------------------------------------------------------ spin
+
+@dataclass
+class PanResult:
+    output: str
+    returncode: int
+
+    def number(self, pattern: str) -> float:
+        m = re.search(pattern, self.output)
+        assert m, f"{pattern!r} not in pan output:\n{self.output[-3000:]}"
+        return float(m.group(1))
+
+    @property
+    def errors(self) -> int:
+        return int(self.number(r"errors:\s*(\d+)"))
+
+    @property
+    def states(self) -> int:
+        return int(self.number(r"([\d.e+]+) states, stored"))
+
+    @property
+    def transitions(self) -> int:
+        return int(self.number(r"([\d.e+]+) transitions"))
+
+    @property
+    def depth(self) -> int:
+        return int(self.number(r"depth reached (\d+)"))
+
+    @property
+    def seconds(self) -> float:
+        return self.number(r"pan: elapsed time ([\d.e+]+) seconds")
+
+    def summary(self) -> str:
+        return (f"{self.states} states stored, {self.transitions} transitions, "
+                f"depth {self.depth}, {self.seconds:g} s, errors {self.errors}")
+
+
+def copy_spec(dest: Path) -> Path:
+    """Copy spec/ into dest (spin and gcc write their files next to the model)."""
+    target = dest / "spec"
+    shutil.copytree(SPEC, target, ignore=shutil.ignore_patterns("*.trail", "pan*", "_spin_nvr.tmp"))
+    return target
+
+
+def run(cmd: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def build_pan(model: Path, spin_defines: Sequence[str] = (), cc_flags: Sequence[str] = ("-DSAFETY",),
+              opt: str = "-O2") -> Path:
+    """spin -a, then gcc, in the model's own directory. Returns the pan binary."""
+    cwd = model.parent
+    gen = run(["spin", *spin_defines, "-a", model.name], cwd, 300)
+    assert gen.returncode == 0 and (cwd / "pan.c").exists(), \
+        f"spin -a failed:\n{gen.stdout}\n{gen.stderr}"
+    cc = run(["gcc", opt, "-w", *cc_flags, "-o", "pan", "pan.c"], cwd, 300)
+    assert cc.returncode == 0, f"gcc failed:\n{cc.stderr[-3000:]}"
+    return cwd / "pan"
+
+
+def run_pan(pan: Path, args: Sequence[str], timeout: float = 600) -> PanResult:
+    proc = run([str(pan), *args], pan.parent, timeout)
+    return PanResult(proc.stdout + proc.stderr, proc.returncode)
