@@ -88,6 +88,7 @@ class ModelRunner:
             write_slots=torch.from_numpy(np.concatenate(writes)).to(dev),
             buckets=buckets,
             logits_rows=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+            page_size=self.ps,
         )
         return batch, sampled
 
@@ -96,14 +97,15 @@ class ModelRunner:
         if fresh:  # only this pass's own keys: causal attention, no pool reads
             return AttentionBucket(token_start, len(group), q, None, None)
         totals = np.array([g.seq.num_computed + q for g in group])
-        t_max = int(totals.max())
-        pos = np.arange(t_max)
-        slots = np.full((len(group), t_max), NULL_PAGE * self.ps, dtype=np.int64)
+        n_pages = -(-int(totals.max()) // self.ps)
+        pages = np.full((len(group), n_pages), NULL_PAGE, dtype=np.int64)
         for r, g in enumerate(group):
-            slots[r, : totals[r]] = self._slots(g.seq.table.pages, 0, int(totals[r]))
+            need = -(-int(totals[r]) // self.ps)
+            pages[r, :need] = g.seq.table.pages[:need]
+        pos = np.arange(n_pages * self.ps)
         ctx = totals - q  # cached tokens before this pass, per row
         # query i of row r sits at position ctx[r] + i and may see keys 0 .. ctx[r] + i
         mask = pos[None, None, :] <= (ctx[:, None, None] + np.arange(q)[None, :, None])
         dev = self.device
-        return AttentionBucket(token_start, len(group), q, torch.from_numpy(slots).to(dev),
+        return AttentionBucket(token_start, len(group), q, torch.from_numpy(pages).to(dev),
                                torch.from_numpy(mask).unsqueeze(1).to(dev))

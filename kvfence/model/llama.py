@@ -23,8 +23,8 @@ class AttentionBucket:
     token_start: int
     num_rows: int
     q_len: int
-    kv_slots: torch.Tensor | None   # [rows, T] pool slots to attend (padding -> null slot); None: only the new tokens
-    mask: torch.Tensor | None       # [rows, 1, q_len, T] bool, True = may attend; None with kv_slots None: causal
+    kv_pages: torch.Tensor | None   # [rows, P] pool pages to attend (padding -> null page); None: only the new tokens
+    mask: torch.Tensor | None       # [rows, 1, q_len, P*page_size] bool, True = may attend
 
 
 @dataclass
@@ -34,6 +34,7 @@ class ForwardBatch:
     write_slots: torch.Tensor    # [N] pool slot that receives each new token's K and V
     buckets: list[AttentionBucket]
     logits_rows: torch.Tensor    # [M] rows of the flat batch whose next-token logits are wanted
+    page_size: int
 
 
 class LlamaModel:
@@ -81,23 +82,41 @@ class LlamaModel:
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
 
+    @staticmethod
+    def _gather_index(pages: torch.Tensor, kv_heads: int, num_pages: int) -> torch.Tensor:
+        """Row indices into the pool viewed as [kv_heads * pages, page_size * d], head-major,
+        so one flat gather returns [kvh, rows, P*page_size, d]. Flat dim-0 gathers measured
+        ~4x faster than index_select on an inner dimension."""
+        heads = torch.arange(kv_heads, device=pages.device).view(kv_heads, 1) * num_pages
+        return (heads + pages.view(1, -1)).view(-1)
+
+    @staticmethod
+    def _gather(cache: torch.Tensor, index: torch.Tensor, rows: int, page_size: int) -> torch.Tensor:
+        kvh, slots, d = cache.shape
+        g = F.embedding(index, cache.view(kvh * (slots // page_size), page_size * d))
+        return g.view(kvh, rows, -1, d)
+
     def _attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Attention over gathered cache slots. For short queries (decode) explicit grouped
-        matmuls are ~10x faster than the CPU SDPA kernel in bf16; long ones use SDPA."""
+        """q [rows, H, q_len, d]; k, v [kvh, rows, T, d]. For short queries (decode), explicit
+        grouped matmuls are ~10x faster than the CPU SDPA kernel in bf16; long ones use SDPA."""
         rows, heads, q_len, dim = q.shape
+        kvh, t = k.shape[0], k.shape[2]
         if q_len > 8:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        kvh = k.shape[1]
+            return F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                                  enable_gqa=True)
         group = heads // kvh
-        qg = q.reshape(rows, kvh, group * q_len, dim)
-        scores = torch.matmul(qg, k.transpose(-1, -2)).float().view(rows, kvh, group, q_len, -1)
-        scores = scores.mul_(dim ** -0.5).masked_fill_(~mask.unsqueeze(1), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(rows, kvh, group * q_len, -1)
-        return torch.matmul(probs, v).view(rows, heads, q_len, dim)
+        qg = q.reshape(rows, kvh, group * q_len, dim).transpose(0, 1).reshape(kvh * rows, group * q_len, dim)
+        scores = torch.bmm(qg, k.view(kvh * rows, t, dim).transpose(1, 2)).float()
+        scores = scores.view(kvh, rows, group, q_len, t).mul_(dim ** -0.5)
+        scores.masked_fill_(~mask.view(1, rows, 1, q_len, t), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(kvh * rows, group * q_len, t)
+        out = torch.bmm(probs, v.view(kvh * rows, t, dim)).view(kvh, rows, group * q_len, dim)
+        return out.transpose(0, 1).reshape(rows, heads, q_len, dim)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
-        """kv_cache: [layers, 2, slots, kv_heads, head_dim]. Returns float32 logits [M, vocab]."""
+        """kv_cache: [layers, 2, kv_heads, slots, head_dim] (see kv/pool.py). Returns float32
+        logits [M, vocab]."""
         cfg = self.config
         n = batch.input_ids.shape[0]
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -105,6 +124,9 @@ class LlamaModel:
         sin = self.sin[batch.positions].unsqueeze(1)
         h = self.embed[batch.input_ids]
         attn_out = torch.empty(n, H, D, dtype=self.dtype, device=self.device)
+        num_pages = kv_cache.shape[3] // batch.page_size
+        gather_index = [None if b.kv_pages is None else self._gather_index(b.kv_pages, KVH, num_pages)
+                        for b in batch.buckets]
         for li, (attn_norm, wqkv, wo, ffn_norm, wgu, wdown) in enumerate(self.layers):
             x = self._rms_norm(h, attn_norm)
             qkv = F.linear(x, wqkv)
@@ -114,19 +136,18 @@ class LlamaModel:
             q = self._rotate(q, cos, sin)
             k = self._rotate(k, cos, sin)
             k_cache, v_cache = kv_cache[li, 0], kv_cache[li, 1]
-            k_cache.index_copy_(0, batch.write_slots, k)
-            v_cache.index_copy_(0, batch.write_slots, v)
-            for b in batch.buckets:
+            k_cache.index_copy_(1, batch.write_slots, k.transpose(0, 1))
+            v_cache.index_copy_(1, batch.write_slots, v.transpose(0, 1))
+            for b, gidx in zip(batch.buckets, gather_index):
                 s, e = b.token_start, b.token_start + b.num_rows * b.q_len
                 qb = q[s:e].view(b.num_rows, b.q_len, H, D).transpose(1, 2)
-                if b.kv_slots is None:
+                if b.kv_pages is None:
                     kb = k[s:e].view(b.num_rows, b.q_len, KVH, D).transpose(1, 2)
                     vb = v[s:e].view(b.num_rows, b.q_len, KVH, D).transpose(1, 2)
                     o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=b.q_len > 1, enable_gqa=True)
                 else:
-                    kb = k_cache[b.kv_slots].transpose(1, 2)
-                    vb = v_cache[b.kv_slots].transpose(1, 2)
-                    o = self._attend_cached(qb, kb, vb, b.mask)
+                    o = self._attend_cached(qb, self._gather(k_cache, gidx, b.num_rows, batch.page_size),
+                                            self._gather(v_cache, gidx, b.num_rows, batch.page_size), b.mask)
                 attn_out[s:e] = o.transpose(1, 2).reshape(e - s, H, D)
             h = h + F.linear(attn_out.view(n, H * D), wo)
             x = self._rms_norm(h, ffn_norm)
