@@ -175,17 +175,20 @@ class Ledger:
     def _release(self, pages: list[int]) -> None:
         if not pages:
             return
-        idx = np.asarray(pages, dtype=np.int64)
         if self.scrub is not ScrubPolicy.NONE and self._scrubber is not None:
             self._scrubber(pages, self.scrub)
-        self.state[idx] = PageState.FREE
+        self._retire(np.asarray(pages, dtype=np.int64), PageState.FREE)
+        self._free.extend(pages)
+        self.counters["pages_freed"] += len(pages)
+
+    def _retire(self, idx: np.ndarray | int, state: PageState) -> None:
+        """End the current owner record: no owner, nothing written, a new epoch."""
+        self.state[idx] = state
         self.owner_request[idx] = -1
         self.owner_tenant[idx] = -1
         self.written[idx] = 0
         self.epoch[idx] += 1
         self.suspect[idx] = False
-        self._free.extend(pages)
-        self.counters["pages_freed"] += len(pages)
 
     # -- quarantine (I6) ----------------------------------------------------------------
     def quarantine(self, pages: Iterable[int], reason: str) -> None:
@@ -202,12 +205,7 @@ class Ledger:
         self.counters[f"quarantine:{reason}"] += 1
 
     def _quarantine_page(self, p: int) -> None:
-        self.state[p] = PageState.QUARANTINED
-        self.owner_request[p] = -1
-        self.owner_tenant[p] = -1
-        self.written[p] = 0
-        self.epoch[p] += 1
-        self.suspect[p] = False
+        self._retire(p, PageState.QUARANTINED)
         self.counters["pages_quarantined"] += 1
 
     def quarantine_owned(self, owner: Owner, table: BlockTable, reason: str) -> None:

@@ -5,13 +5,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from kvfence.model.config import ModelConfig
 from kvfence.model.tokenizer import KvTokenizer, tokenizer_from_gguf_metadata
-from kvfence.model.weights import LayerWeights, ModelWeights
+from kvfence.model.weights import ModelWeights, assemble
 
 SUPPORTED_ARCHS = ("llama",)
+GLOBAL_NAMES = {"embed": "token_embd.weight", "final_norm": "output_norm.weight", "lm_head": "output.weight"}
+LAYER_NAMES = {"attn_norm": "attn_norm", "q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
+               "ffn_norm": "ffn_norm", "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down"}
 
 
 def _field_value(field):
@@ -82,34 +84,18 @@ def load_gguf(path: str | Path, dtype: torch.dtype, device: str = "cpu",
     cfg = config_from_metadata(meta, name=meta.get("general.name") or path.stem)
     cfg = dataclasses.replace(cfg, tie_embeddings="output.weight" not in tensors)
 
-    def load(name: str, unpermute_heads: int | None = None) -> torch.Tensor:
+    def tensor(name: str, unpermute_heads: int | None = None) -> torch.Tensor:
         t = tensors[name]
         arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if unpermute_heads:
             arr = _unpermute(arr, unpermute_heads)
         return torch.from_numpy(np.array(arr, dtype=np.float32, order="C")).to(device=device, dtype=dtype)
 
-    bar = tqdm(total=cfg.num_layers + 2, desc=f"loading {path.name}", unit="layer",
-               disable=not progress, leave=False)
-    embed = load("token_embd.weight")
-    bar.update(1)
-    layers = []
-    for i in range(cfg.num_layers):
-        b = f"blk.{i}."
-        layers.append(LayerWeights(
-            attn_norm=load(b + "attn_norm.weight"),
-            q=load(b + "attn_q.weight", cfg.num_heads),
-            k=load(b + "attn_k.weight", cfg.num_kv_heads),
-            v=load(b + "attn_v.weight"),
-            o=load(b + "attn_output.weight"),
-            ffn_norm=load(b + "ffn_norm.weight"),
-            gate=load(b + "ffn_gate.weight"),
-            up=load(b + "ffn_up.weight"),
-            down=load(b + "ffn_down.weight"),
-        ))
-        bar.update(1)
-    weights = ModelWeights(config=cfg, embed=embed, layers=layers, final_norm=load("output_norm.weight"),
-                           lm_head=None if cfg.tie_embeddings else load("output.weight"))
-    bar.update(1)
-    bar.close()
+    def load(field: str, layer: int | None) -> torch.Tensor:
+        if layer is None:
+            return tensor(GLOBAL_NAMES[field])
+        heads = {"q": cfg.num_heads, "k": cfg.num_kv_heads}.get(field)
+        return tensor(f"blk.{layer}.{LAYER_NAMES[field]}.weight", heads)
+
+    weights = assemble(cfg, load, f"loading {path.name}", progress)
     return weights, tokenizer_from_gguf_metadata(meta)

@@ -1,18 +1,22 @@
 """Load a Llama-family model from a Hugging Face folder (config.json + safetensors + tokenizer.json)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from tqdm import tqdm
 
 from kvfence.model.config import ModelConfig
 from kvfence.model.tokenizer import KvTokenizer, tokenizer_from_hf_folder
-from kvfence.model.weights import LayerWeights, ModelWeights
+from kvfence.model.weights import ModelWeights, assemble
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM")
+GLOBAL_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+LAYER_NAMES = {"attn_norm": "input_layernorm", "q": "self_attn.q_proj", "k": "self_attn.k_proj",
+               "v": "self_attn.v_proj", "o": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+               "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 
 
 def config_from_hf(cfg: dict, name: str) -> ModelConfig:
@@ -61,34 +65,18 @@ def load_hf_folder(folder: str | Path, dtype: torch.dtype, device: str = "cpu",
     where = _tensor_files(folder)
     handles: dict[Path, object] = {}
 
-    def load(name: str) -> torch.Tensor:
+    def tensor(name: str) -> torch.Tensor:
         f = where[name]
         if f not in handles:
             handles[f] = safe_open(str(f), framework="pt")
         return handles[f].get_tensor(name).to(device=device, dtype=dtype).contiguous()
 
-    bar = tqdm(total=cfg.num_layers + 2, desc=f"loading {folder.name}", unit="layer",
-               disable=not progress, leave=False)
-    embed = load("model.embed_tokens.weight")
-    bar.update(1)
-    layers = []
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        layers.append(LayerWeights(
-            attn_norm=load(p + "input_layernorm.weight"),
-            q=load(p + "self_attn.q_proj.weight"),
-            k=load(p + "self_attn.k_proj.weight"),
-            v=load(p + "self_attn.v_proj.weight"),
-            o=load(p + "self_attn.o_proj.weight"),
-            ffn_norm=load(p + "post_attention_layernorm.weight"),
-            gate=load(p + "mlp.gate_proj.weight"),
-            up=load(p + "mlp.up_proj.weight"),
-            down=load(p + "mlp.down_proj.weight"),
-        ))
-        bar.update(1)
-    tied = cfg.tie_embeddings or "lm_head.weight" not in where
-    weights = ModelWeights(config=cfg, embed=embed, layers=layers, final_norm=load("model.norm.weight"),
-                           lm_head=None if tied else load("lm_head.weight"))
-    bar.update(1)
-    bar.close()
+    def load(field: str, layer: int | None) -> torch.Tensor:
+        if layer is None:
+            return tensor(GLOBAL_NAMES[field])
+        return tensor(f"model.layers.{layer}.{LAYER_NAMES[field]}.weight")
+
+    if "lm_head.weight" not in where:
+        cfg = dataclasses.replace(cfg, tie_embeddings=True)
+    weights = assemble(cfg, load, f"loading {folder.name}", progress)
     return weights, tokenizer_from_hf_folder(folder)

@@ -130,11 +130,10 @@ class LlamaModel:
         for li, (attn_norm, wqkv, wo, ffn_norm, wgu, wdown) in enumerate(self.layers):
             x = self._rms_norm(h, attn_norm)
             qkv = F.linear(x, wqkv)
-            q = qkv[:, : self.q_size].view(n, H, D)
-            k = qkv[:, self.q_size: self.q_size + self.kv_size].view(n, KVH, D)
+            # q and k heads sit side by side: rotate them in one go
+            qk = self._rotate(qkv[:, : self.q_size + self.kv_size].view(n, H + KVH, D), cos, sin)
+            q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, self.q_size + self.kv_size:].view(n, KVH, D)
-            q = self._rotate(q, cos, sin)
-            k = self._rotate(k, cos, sin)
             k_cache, v_cache = kv_cache[li, 0], kv_cache[li, 1]
             k_cache.index_copy_(1, batch.write_slots, k.transpose(0, 1))
             v_cache.index_copy_(1, batch.write_slots, v.transpose(0, 1))

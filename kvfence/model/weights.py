@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
+from tqdm import tqdm
 
 from kvfence.model.config import ModelConfig
 
@@ -28,3 +30,25 @@ class ModelWeights:
     layers: list[LayerWeights] = field(default_factory=list)
     final_norm: torch.Tensor | None = None
     lm_head: torch.Tensor | None = None  # None when tied to the embedding
+
+
+LAYER_FIELDS = ("attn_norm", "q", "k", "v", "o", "ffn_norm", "gate", "up", "down")
+
+
+def assemble(config: ModelConfig, load: Callable[[str, int | None], torch.Tensor | None], desc: str,
+             progress: bool = True) -> ModelWeights:
+    """Build ModelWeights through a format's `load(field, layer)`: field is one of
+    LAYER_FIELDS (layer set) or embed / final_norm / lm_head (layer None; lm_head may be
+    None when tied). Shows a progress bar, one tick per layer."""
+    bar = tqdm(total=config.num_layers + 2, desc=desc, unit="layer", disable=not progress, leave=False)
+    embed = load("embed", None)
+    bar.update(1)
+    layers = []
+    for i in range(config.num_layers):
+        layers.append(LayerWeights(**{f: load(f, i) for f in LAYER_FIELDS}))
+        bar.update(1)
+    weights = ModelWeights(config=config, embed=embed, layers=layers, final_norm=load("final_norm", None),
+                           lm_head=None if config.tie_embeddings else load("lm_head", None))
+    bar.update(1)
+    bar.close()
+    return weights
