@@ -114,12 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--output-tokens", type=int, default=128)
     b.add_argument("--peers", default="transformers", help="comma-separated: transformers (or empty)")
     b.add_argument("--quick", action="store_true", help="only checks on/off, no scrub variants")
+    b.add_argument("--repeat", type=int, default=3, help="interleaved rounds per variant; medians are reported")
     b.add_argument("--json", default=None, help="also write results to this file")
     _engine_args(b)
     b.set_defaults(func=cmd_bench, kv_cache_memory="1GiB")
 
     a = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if a.verbose or a.command == "info" else logging.WARNING,
+    # INFO by default: operators want the start-up summary (pool capacity, context, scrub)
+    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return a.func(a)

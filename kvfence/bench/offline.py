@@ -75,8 +75,10 @@ def run_engine(name: str, loaded: LoadedModel, cfg: EngineConfig, wl: Workload) 
         raise RuntimeError(f"{name}: produced {out} tokens, expected {wl.num_requests * wl.output_tokens}")
     ttft = [s.first_token_at - start for s in seqs]
     itl = [b - a for s in seqs for a, b in zip(s.token_times, s.token_times[1:])]
+    check = engine.runner.check_seconds
     return Result(name, seconds, out, out + wl.num_requests * wl.prompt_tokens, _pct(ttft), _pct(itl),
-                  note=f"violations={dict(engine.ledger.violations)} preemptions={engine.scheduler.num_preemptions}")
+                  note=f"ledger checks {check * 1e3:.1f} ms ({100 * check / seconds:.3f}% of the run), "
+                       f"violations={dict(engine.ledger.violations)} preemptions={engine.scheduler.num_preemptions}")
 
 
 def run_transformers(path, dtype: str, wl: Workload, threads: int) -> Result:
@@ -118,11 +120,20 @@ def main(args) -> int:
     ]
     if args.quick:
         variants = variants[:2]
-    results = []
-    for name, over in variants:
-        cfg = EngineConfig(**{**asdict(base), **over})
-        results.append(run_engine(name, loaded, cfg, wl))
-        _print_row(results[-1])
+    # Variants run interleaved, round after round, and each reports its median: a noisy
+    # neighbour then slows every variant alike instead of whichever ran at the time.
+    runs: dict[str, list[Result]] = {name: [] for name, _ in variants}
+    for rnd in range(args.repeat):
+        for name, over in variants:
+            cfg = EngineConfig(**{**asdict(base), **over})
+            r = run_engine(name, loaded, cfg, wl)
+            runs[name].append(r)
+            print(f"[round {rnd + 1}/{args.repeat}] ", end="")
+            _print_row(r)
+    results = [sorted(rs, key=lambda r: r.seconds)[len(rs) // 2] for rs in runs.values()]
+    print("\nmedians:")
+    for r in results:
+        _print_row(r)
     peers = []
     if "transformers" in args.peers:
         try:
