@@ -24,6 +24,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048        # per-step token budget (chunked prefill)
     scrub: str = "zero"                       # none | zero | poison (I7)
     verify_reads: bool = True                 # I2/I3 check before every pass; off only to measure its cost
+    enable_prefix_cache: bool = True          # tenant-scoped reuse of prompt-prefix pages (I9)
     num_threads: int | None = None
     progress: bool = True
 

@@ -24,6 +24,7 @@ from kvfence.engine.scheduler import Scheduler
 from kvfence.engine.sequence import Sequence, TokenLogprob
 from kvfence.kv.ledger import Ledger, Owner
 from kvfence.kv.pool import KVPool, available_memory, page_bytes, parse_bytes
+from kvfence.kv.prefix_cache import PrefixCache
 from kvfence.model.llama import LlamaModel
 from kvfence.model.loader import load_model
 from kvfence.model.tokenizer import KvTokenizer
@@ -68,7 +69,8 @@ class LLMEngine:
         self.ledger.checks_enabled = cfg.verify_reads
         self.context: ContextPlan = plan_context(self.model_config.max_context, cfg.max_model_len,
                                                  self.ledger.capacity_tokens, cfg.clamp_context)
-        self.scheduler = Scheduler(self.ledger, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.prefix_cache = PrefixCache(self.ledger) if cfg.enable_prefix_cache else None
+        self.scheduler = Scheduler(self.ledger, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.prefix_cache)
         self.runner = ModelRunner(self.model, self.pool, self.ledger)
         self.sampler = Sampler()
         self.requests: dict[str, Sequence] = {}
@@ -95,8 +97,13 @@ class LLMEngine:
         return self.context.usable
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, tenant: str = "default",
-                    request_id: str | None = None, prompt: str | None = None) -> Sequence:
-        """Admit a request (I4) or raise ContextLengthExceeded before anything is allocated."""
+                    request_id: str | None = None, prompt: str | None = None,
+                    public_prefix_scope: str | None = None) -> Sequence:
+        """Admit a request (I4) or raise ContextLengthExceeded before anything is allocated.
+
+        The prefix cache is scoped to the tenant; `public_prefix_scope` (which the caller must
+        only pass for a tenant that opted in) shares cached prefixes across tenants that name
+        the same public scope (I9)."""
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -104,9 +111,13 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})")
         max_tokens = params.max_tokens if params.max_tokens is not None else max(
             1, self.usable_context - len(prompt_ids))
+        # a NUL can't appear in a tenant name taken from a tenants file, so scopes never collide
+        scope = f"\0public:{public_prefix_scope}" if public_prefix_scope else tenant
         seq = Sequence(request_id=request_id, tenant=tenant,
-                       owner=Owner(self.ledger.tenant_id(tenant), Sequence.next_number()),
-                       prompt_ids=list(prompt_ids), params=params, max_tokens=max_tokens, prompt=prompt)
+                       owner=Owner(self.ledger.tenant_id(tenant), Sequence.next_number(),
+                                   scope=self.ledger.tenant_id(scope)),
+                       prompt_ids=list(prompt_ids), params=params, max_tokens=max_tokens, prompt=prompt,
+                       cache_scope=scope)
         try:
             check_fits(len(prompt_ids), max_tokens, self.usable_context)
         except ValueError:
@@ -128,7 +139,13 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def _publish(self, seq: Sequence) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.publish(seq.owner, seq.cache_scope, seq.all_ids, seq.table, seq.num_computed)
+
     def _end(self, seq: Sequence, event: Event, reason: str, error: str | None = None) -> None:
+        if event is Event.FINISH:
+            self._publish(seq)
         self.scheduler.remove(seq)
         self.ledger.free(seq.owner, seq.table)
         seq.on(event)
@@ -166,6 +183,7 @@ class LLMEngine:
     def _append(self, seq: Sequence, tok: int, lp, now: float) -> StepOutput:
         if seq.state is State.PREFILLING:
             seq.on(Event.PREFILL_DONE)
+            self._publish(seq)  # later requests with the same prefix can reuse it right away
         seq.output_ids.append(tok)
         if seq.first_token_at is None:
             seq.first_token_at = now
@@ -195,6 +213,8 @@ class LLMEngine:
         return {
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "pages_total": led.usable_pages, "pages_free": led.num_free, "pages_owned": led.num_owned,
+            "pages_shared": led.num_shared,
+            "prefix_cache_hit_tokens": self.prefix_cache.hits if self.prefix_cache else 0,
             "pages_quarantined": led.num_quarantined, "capacity_tokens": led.capacity_tokens,
             "usable_context": self.usable_context, "preemptions": self.scheduler.num_preemptions,
             "violations": dict(led.violations), "outcomes": dict(self.outcomes),

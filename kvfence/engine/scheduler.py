@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from kvfence.engine.request_states import Event, State
 from kvfence.engine.sequence import Sequence
 from kvfence.kv.ledger import Ledger
+from kvfence.kv.prefix_cache import PrefixCache
 
 
 @dataclass
@@ -21,8 +22,10 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, ledger: Ledger, max_num_seqs: int, token_budget: int):
+    def __init__(self, ledger: Ledger, max_num_seqs: int, token_budget: int,
+                 prefix_cache: PrefixCache | None = None):
         self.ledger = ledger
+        self.prefix_cache = prefix_cache
         self.max_num_seqs = max_num_seqs
         self.token_budget = token_budget
         self.waiting: deque[Sequence] = deque()
@@ -62,9 +65,9 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.uncomputed, budget)
             need = self.ledger.pages_for(seq.num_computed + n) - len(seq.table)
-            while need > self.ledger.num_free and self.running[-1] is not seq:
+            while need > self.ledger.num_available and self.running[-1] is not seq:
                 self._preempt(self.running[-1])
-            if need > self.ledger.num_free:
+            if need > self.ledger.num_available:
                 if not out and len(self.running) == 1:
                     self.running.remove(seq)
                     self.unservable.append(seq)
@@ -77,9 +80,15 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self.prefix_cache is not None:
+                seq.num_computed = self.prefix_cache.match(seq.owner, seq.cache_scope, seq.all_ids, seq.table)
+                if seq.num_preemptions == 0:
+                    seq.cached_tokens = seq.num_computed
             n = min(seq.uncomputed, budget)
-            need = self.ledger.pages_for(n)
-            if need > self.ledger.num_free:
+            need = self.ledger.pages_for(seq.num_computed + n) - len(seq.table)
+            if need > self.ledger.num_available:
+                self.ledger.free(seq.owner, seq.table)  # let go of any cached pages just attached
+                seq.num_computed = 0
                 if not self.running:  # nothing will ever free pages for it
                     self.waiting.popleft()
                     self.unservable.append(seq)

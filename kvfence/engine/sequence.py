@@ -44,6 +44,8 @@ class Sequence:
     first_token_at: float | None = None
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
+    cache_scope: str = ""                    # prefix-cache scope name (the tenant's own by default)
+    cached_tokens: int = 0                   # prompt tokens served from the prefix cache
 
     @staticmethod
     def next_number() -> int:

@@ -5,13 +5,16 @@ I2 read check      `authorize()` checks every page of every sequence before each
 I3 watermark       a page's written count says which slots hold this epoch's data; reads stop there
 I6 quarantine      a page that may still be touched (or that a violation pointed at) is not reused
 I7 scrub           freed pages are left as they are, zeroed, or poisoned, by policy
+I9 shared pages    prefix-cache pages are read-only, belong to one cache scope (a tenant, or
+                   an opted-in public scope), and are reference-counted; only requests of
+                   that scope may attach or read them
 
 State lives in flat numpy arrays so the per-step check is a handful of vector ops.
 """
 from __future__ import annotations
 
 import enum
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
@@ -25,6 +28,7 @@ class PageState(enum.IntEnum):
     OWNED = 1
     QUARANTINED = 2
     RESERVED_NULL = 3
+    SHARED = 4         # prefix-cache page: read-only, owned by a cache scope, reference-counted
 
 
 class ScrubPolicy(str, enum.Enum):
@@ -55,6 +59,11 @@ class LedgerError(RuntimeError):
 class Owner:
     tenant: int   # tenant id from Ledger.tenant_id()
     request: int  # engine-wide unique request number
+    scope: int = -1  # prefix-cache scope (a tenant id); -1: the tenant itself
+
+    @property
+    def cache_scope(self) -> int:
+        return self.tenant if self.scope < 0 else self.scope
 
 
 @dataclass
@@ -99,7 +108,10 @@ class Ledger:
         self.epoch = np.zeros(num_pages, dtype=np.int64)
         self.written = np.zeros(num_pages, dtype=np.int64)
         self.suspect = np.zeros(num_pages, dtype=bool)  # quarantine instead of freeing when returned
-        self.state[NULL_PAGE] = PageState.RESERVED_NULL
+        self.refcount = np.zeros(num_pages, dtype=np.int64)  # requests attached to a SHARED page
+        self._attached: dict[int, list[int]] = {}  # request -> SHARED pages it holds a reference on
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # SHARED, refcount 0, least recent first
+        self.on_evict: Callable[[int], None] | None = None  # the prefix cache forgets the page        self.state[NULL_PAGE] = PageState.RESERVED_NULL
         self._free: deque[int] = deque(range(num_pages - 1, 0, -1))
         self._tenants: dict[str, int] = {}
         self.counters: Counter[str] = Counter()
@@ -124,6 +136,15 @@ class Ledger:
         return len(self._free)
 
     @property
+    def num_available(self) -> int:
+        """Pages a grant can get: free ones plus unreferenced prefix-cache pages it may evict."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_shared(self) -> int:
+        return int((self.state == PageState.SHARED).sum())
+
+    @property
     def num_quarantined(self) -> int:
         return int((self.state == PageState.QUARANTINED).sum())
 
@@ -139,8 +160,10 @@ class Ledger:
         """Grant n pages to owner, appended to table; all or nothing."""
         if n <= 0:
             return
-        if n > len(self._free):
-            raise PoolExhausted(f"need {n} pages, {len(self._free)} free")
+        if n > self.num_available:
+            raise PoolExhausted(f"need {n} pages, {len(self._free)} free and {len(self._evictable)} evictable")
+        while n > len(self._free):
+            self._evict_one()
         for _ in range(n):
             p = self._free.pop()  # most recently freed first: warm in cache
             if self.state[p] != PageState.FREE or self.owner_request[p] != -1:
@@ -162,11 +185,60 @@ class Ledger:
         for p in mine[suspect]:
             self._quarantine_page(int(p))
         self._release(mine[~suspect].tolist())
+        self._detach_all(owner)
         table.pages.clear()
         table.epochs.clear()
 
     def _pages_of(self, owner: Owner) -> np.ndarray:
         return np.flatnonzero((self.owner_request == owner.request) & (self.state == PageState.OWNED))
+
+    # -- shared prefix pages (I9) ---------------------------------------------------------
+    def publish(self, owner: Owner, page: int, epoch: int) -> bool:
+        """Turn a fully written page that owner owns into a read-only SHARED page of owner's
+        cache scope. Owner keeps a reference until it is freed."""
+        if not self._owns(owner, page, epoch) or self.written[page] != self.page_size or self.suspect[page]:
+            return False
+        self.state[page] = PageState.SHARED
+        self.owner_request[page] = -1
+        self.owner_tenant[page] = owner.cache_scope
+        self.refcount[page] = 1
+        self._attached.setdefault(owner.request, []).append(page)
+        self.counters["pages_published"] += 1
+        return True
+
+    def attach(self, owner: Owner, page: int, table: BlockTable) -> bool:
+        """Give owner a read reference on a SHARED page of its own cache scope."""
+        if self.state[page] != PageState.SHARED or self.owner_tenant[page] != owner.cache_scope:
+            return False
+        self.refcount[page] += 1
+        self._evictable.pop(page, None)
+        self._attached.setdefault(owner.request, []).append(page)
+        table.pages.append(page)
+        table.epochs.append(int(self.epoch[page]))
+        self.counters["pages_attached"] += 1
+        return True
+
+    def _detach_all(self, owner: Owner) -> None:
+        for p in self._attached.pop(owner.request, []):
+            self.refcount[p] -= 1
+            if self.refcount[p] == 0:
+                if self.suspect[p]:
+                    self._forget(p)
+                    self._quarantine_page(p)
+                else:
+                    self._evictable[p] = None  # most recently used last
+
+    def _forget(self, page: int) -> None:
+        if self.on_evict is not None:
+            self.on_evict(page)
+        self._evictable.pop(page, None)
+
+    def _evict_one(self) -> None:
+        page, _ = self._evictable.popitem(last=False)
+        self._forget(page)
+        self.refcount[page] = 0
+        self._release([page])
+        self.counters["pages_evicted"] += 1
 
     def _owns(self, owner: Owner, page: int, epoch: int) -> bool:
         return (self.state[page] == PageState.OWNED and self.owner_request[page] == owner.request
@@ -189,6 +261,7 @@ class Ledger:
         self.written[idx] = 0
         self.epoch[idx] += 1
         self.suspect[idx] = False
+        self.refcount[idx] = 0
 
     # -- quarantine (I6) ----------------------------------------------------------------
     def quarantine(self, pages: Iterable[int], reason: str) -> None:
@@ -197,7 +270,13 @@ class Ledger:
         for p in set(int(p) for p in pages):
             if p == NULL_PAGE or not (0 <= p < self.num_pages):
                 continue
-            if self.state[p] == PageState.OWNED:
+            if self.state[p] == PageState.SHARED:
+                self._forget(p)  # never handed to another request again
+                if self.refcount[p] == 0:
+                    self._quarantine_page(p)
+                else:
+                    self.suspect[p] = True
+            elif self.state[p] == PageState.OWNED:
                 self.suspect[p] = True
             elif self.state[p] == PageState.FREE:
                 self._free.remove(p)
@@ -233,8 +312,9 @@ class Ledger:
 
     # -- the per-step check (I2, I3) ----------------------------------------------------
     def authorize(self, reads: Sequence[ReadRequest]) -> list[Violation]:
-        """Check, for every sequence, every page it will read or write in this pass:
-        owned by it in the granted epoch (I2), and every slot it attends from the cache
+        """Check, for every sequence, every page it will read or write in this pass: owned
+        by it in the granted epoch, or a read-only SHARED page of its cache scope in that
+        epoch that it does not write (I2, I9); and every slot it attends from the cache
         already written in this epoch (I3). Returns one violation per failing sequence."""
         if not reads or not self.checks_enabled:
             return []
@@ -247,6 +327,8 @@ class Ledger:
         pages = np.empty(total, np.int64)
         epochs = np.empty(total, np.int64)
         req = np.empty(total, np.int64)
+        scope = np.empty(total, np.int64)
+        writes = np.empty(total, bool)
         need = np.empty(total, np.int64)
         seq = np.repeat(np.arange(len(reads)), counts)
         pos = 0
@@ -259,11 +341,17 @@ class Ledger:
                 pages[pos:pos + c] = NULL_PAGE
                 epochs[pos:pos + c] = -1
             req[pos:pos + c] = r.owner.request
+            scope[pos:pos + c] = r.owner.cache_scope
+            idx = np.arange(c)
+            writes[pos:pos + c] = idx >= r.attend_len // ps  # pages this pass writes into
             # slots of page i that must already hold data: the attended cache part
-            need[pos:pos + c] = np.clip(r.attend_len - np.arange(c) * ps, 0, ps)
+            need[pos:pos + c] = np.clip(r.attend_len - idx * ps, 0, ps)
             pos += c
-        bad_owner = ((self.state[pages] != PageState.OWNED) | (self.owner_request[pages] != req)
-                     | (self.epoch[pages] != epochs))
+        state = self.state[pages]
+        same_epoch = self.epoch[pages] == epochs
+        own = (state == PageState.OWNED) & (self.owner_request[pages] == req) & same_epoch
+        shared = (state == PageState.SHARED) & (self.owner_tenant[pages] == scope) & same_epoch & ~writes
+        bad_owner = ~(own | shared)
         bad_written = ~bad_owner & (self.written[pages] < need)
         seen = {v.index for v in out}
         for kind, mask in (("I2", bad_owner), ("I3", bad_written)):
@@ -275,8 +363,9 @@ class Ledger:
                 p = int(pages[j])
                 if kind == "I2":
                     detail = (f"page {p} is {PageState(self.state[p]).name.lower()} "
-                              f"(owner request {self.owner_request[p]}, epoch {self.epoch[p]}), "
-                              f"block table says request {req[j]}, epoch {epochs[j]}")
+                              f"(owner request {self.owner_request[p]}, scope {self.owner_tenant[p]}, "
+                              f"epoch {self.epoch[p]}), block table says request {req[j]}, epoch {epochs[j]}"
+                              + (", and this pass would write it" if writes[j] else ""))
                 else:
                     detail = f"page {p} has {self.written[p]} written slots, attention needs {need[j]}"
                 out.append(Violation(i, kind, p, detail))
@@ -294,6 +383,10 @@ class Ledger:
             st = self.state[p]
             if (p in free) != (st == PageState.FREE):
                 raise LedgerError(f"page {p}: state {PageState(st).name} but on free list: {p in free}")
+            if (st == PageState.SHARED) != (p in self._evictable or self.refcount[p] > 0):
+                raise LedgerError(f"page {p}: shared={st == PageState.SHARED} but refcount {self.refcount[p]}")
+            if st == PageState.SHARED and self.refcount[p] == 0 and p not in self._evictable:
+                raise LedgerError(f"unreferenced shared page {p} is not evictable")
             if st != PageState.OWNED and self.owner_request[p] != -1:
                 raise LedgerError(f"page {p} is {PageState(st).name} yet has an owner")
             if st == PageState.OWNED and self.owner_request[p] < 0:

@@ -125,4 +125,4 @@ def test_preempted_requests_match(hf_reference, make_llm):
     assert engine.ledger.usable_pages == 26
     check_against_reference(hf_reference, llm, prompts, steps=90)
     assert engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
-    assert engine.ledger.num_free == engine.ledger.usable_pages
+    assert engine.ledger.num_available == engine.ledger.usable_pages and engine.ledger.num_owned == 0

@@ -177,3 +177,34 @@ def test_random_operations_keep_the_ledger_consistent():
         owned = sum(len(t) for t in live.values())
         assert led.num_owned == owned
         assert led.num_owned + led.num_free + led.num_quarantined == led.usable_pages
+
+
+def test_shared_pages_are_read_only_scoped_and_refcounted():
+    led = Ledger(8, 4)
+    evicted = []
+    led.on_evict = evicted.append
+    a = owner(led, "A", 1)
+    t = BlockTable()
+    led.allocate(a, 2, t)
+    led.mark_written(a, t, 0, 6)  # page 0 full, page 1 half
+    p0, p1 = t.pages
+    assert not led.publish(a, p1, t.epochs[1])  # not fully written: cannot be shared
+    assert led.publish(a, p0, t.epochs[0])
+    assert led.state[p0] == PageState.SHARED and led.refcount[p0] == 1
+    # a request of the same scope may read it, not write it; another scope may do neither
+    a2, b = owner(led, "A", 2), owner(led, "B", 3)
+    ta2, tb = BlockTable(), BlockTable()
+    assert led.attach(a2, p0, ta2) and not led.attach(b, p0, tb)
+    led.allocate(a2, 1, ta2)
+    assert led.authorize([ReadRequest(a2, ta2, 4, 1)]) == []
+    assert led.authorize([ReadRequest(a2, ta2, 2, 1)])[0].detail.endswith("would write it")
+    forged = BlockTable([p0], [int(led.epoch[p0])])
+    assert led.authorize([ReadRequest(b, forged, 4, 0)])[0].invariant == "I2"
+    led.free(a, t)
+    led.free(a2, ta2)
+    assert led.state[p0] == PageState.SHARED and led.refcount[p0] == 0 and led.num_available == 7
+    led.check_consistency()
+    # pressure evicts it: scrubbed, new epoch, the cache is told
+    led.allocate(b, 7, BlockTable())
+    assert evicted == [p0] and led.state[p0] == PageState.OWNED and led.counters["pages_evicted"] == 1
+    led.check_consistency()

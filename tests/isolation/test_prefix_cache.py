@@ -1,0 +1,131 @@
+"""I9: the prefix cache reuses a tenant's own prefixes and never another tenant's."""
+from __future__ import annotations
+
+import pytest
+
+from kvfence import SamplingParams
+from kvfence.engine.request_states import State
+from kvfence.kv import prefix_cache
+from kvfence.kv.ledger import PageState
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+SYSTEM = ("You are the support assistant of a bank. Never reveal account numbers. Answer briefly and "
+          "politely, in plain English, and ask for clarification when a question is ambiguous. ") * 3
+
+
+def run(eng, prompt_ids, tenant, **kw):
+    seq = eng.add_request(prompt_ids, GREEDY, tenant=tenant, **kw)
+    while eng.has_unfinished():
+        eng.step()
+    return seq
+
+
+@pytest.fixture
+def llm(make_llm):
+    return make_llm()
+
+
+def ids_for(llm, question):
+    return llm.tokenizer.encode(SYSTEM + question)
+
+
+def test_same_tenant_hits_and_output_is_unchanged(llm, make_llm):
+    eng = llm.engine
+    first = run(eng, ids_for(llm, "What are your opening hours?"), "A")
+    second = run(eng, ids_for(llm, "How do I reset my PIN?"), "A")
+    assert first.cached_tokens == 0
+    shared_prefix = len(SYSTEM) and len(ids_for(llm, "")) - 1
+    assert second.cached_tokens >= (shared_prefix // 16 - 1) * 16 > 0
+    assert eng.ledger.num_shared > 0
+    uncached = make_llm(enable_prefix_cache=False).engine
+    ref = run(uncached, ids_for(llm, "How do I reset my PIN?"), "A")
+    assert second.output_ids == ref.output_ids
+
+
+def test_other_tenant_never_hits(llm):
+    eng = llm.engine
+    run(eng, ids_for(llm, "What are your opening hours?"), "A")
+    b = run(eng, ids_for(llm, "What are your opening hours?"), "B")
+    assert b.cached_tokens == 0
+    a_again = run(eng, ids_for(llm, "What are your opening hours?"), "A")
+    assert a_again.cached_tokens > 0
+
+
+def test_public_scope_is_shared_only_by_those_who_opt_in(llm):
+    eng = llm.engine
+    run(eng, ids_for(llm, "Hi"), "A", public_prefix_scope="bank-system-prompt")
+    b = run(eng, ids_for(llm, "Hello"), "B", public_prefix_scope="bank-system-prompt")
+    c = run(eng, ids_for(llm, "Hello"), "C")
+    assert b.cached_tokens > 0 and c.cached_tokens == 0
+
+
+def test_scope_dropped_from_the_key_is_still_stopped_by_the_ledger(llm, monkeypatch):
+    """Defense in depth: even if the cache key lost the scope, the ledger refuses to attach
+    a shared page of another scope."""
+    real = prefix_cache.page_hashes
+    monkeypatch.setattr(prefix_cache, "page_hashes", lambda scope, *a: real("same-for-all", *a))
+    eng = llm.engine
+    run(eng, ids_for(llm, "What are your opening hours?"), "A")
+    b = run(eng, ids_for(llm, "What are your opening hours?"), "B")
+    assert b.cached_tokens == 0
+
+
+def test_mutant_with_both_layers_removed_leaks(llm, monkeypatch):
+    """Remove the scope from the key and from the ledger's check: B now reuses A's KV.
+    This is what test_other_tenant_never_hits exists to catch."""
+    from kvfence.kv.ledger import Owner
+
+    real = prefix_cache.page_hashes
+    monkeypatch.setattr(prefix_cache, "page_hashes", lambda scope, *a: real("same-for-all", *a))
+    monkeypatch.setattr(Owner, "cache_scope", property(lambda self: 0))
+    eng = llm.engine
+    run(eng, ids_for(llm, "What are your opening hours?"), "A")
+    b = run(eng, ids_for(llm, "What are your opening hours?"), "B")
+    assert b.cached_tokens > 0
+
+
+def test_forced_cross_tenant_read_of_a_shared_page_is_an_I2_violation(llm):
+    eng = llm.engine
+    run(eng, ids_for(llm, "What are your opening hours?"), "A")
+    shared = [p for p in range(1, eng.ledger.num_pages) if eng.ledger.state[p] == PageState.SHARED]
+    b = eng.add_request(llm.tokenizer.encode("Tenant B's own question, rather long to span pages " * 3),
+                        GREEDY, tenant="B")
+    eng.step()
+    eng.step()
+    b.table.pages[0] = shared[0]
+    b.table.epochs[0] = int(eng.ledger.epoch[shared[0]])
+    while eng.has_unfinished():
+        eng.step()
+    assert b.state is State.ABORTED and "I2" in b.error
+    assert eng.ledger.state[shared[0]] == PageState.QUARANTINED  # no longer served to anyone
+
+
+def test_writing_into_a_shared_page_is_refused(llm):
+    eng = llm.engine
+    a = run(eng, ids_for(llm, "What are your opening hours?"), "A")
+    shared = [p for p in range(1, eng.ledger.num_pages) if eng.ledger.state[p] == PageState.SHARED]
+    a2 = eng.add_request(ids_for(llm, "Where is the nearest branch?"), GREEDY, tenant="A")
+    eng.step()
+    eng.step()
+    last = (a2.num_computed) // 16  # the page the next token goes to
+    a2.table.pages[last] = shared[-1]
+    a2.table.epochs[last] = int(eng.ledger.epoch[shared[-1]])
+    while eng.has_unfinished():
+        eng.step()
+    assert a2.state is State.ABORTED and "would write" in a2.error
+    assert a.state is State.FINISHED
+
+
+def test_eviction_under_pressure_keeps_outputs_and_ledger_right(make_llm):
+    llm = make_llm(kv_cache_memory=40 * 16 * 30 * 2 * 3 * 64 * 4)  # 39 usable pages
+    eng = llm.engine
+    ref_eng = make_llm(kv_cache_memory=40 * 16 * 30 * 2 * 3 * 64 * 4, enable_prefix_cache=False).engine
+    for i in range(8):
+        prompt = llm.tokenizer.encode(f"Document {i}: " + "lorem ipsum dolor sit amet " * 12)
+        got = run(eng, prompt, f"T{i % 3}")
+        want = run(ref_eng, prompt, f"T{i % 3}")
+        assert got.output_ids == want.output_ids
+        eng.ledger.check_consistency()
+    assert eng.ledger.counters["pages_evicted"] > 0
+    assert eng.ledger.num_owned == 0
+    assert eng.ledger.num_available == eng.ledger.usable_pages
