@@ -1,4 +1,4 @@
-"""The `kvfence` command: generate, bench, info."""
+"""The `kvfence` command: serve, generate, bench, info, isolation."""
 from __future__ import annotations
 
 import argparse
@@ -81,16 +81,81 @@ def cmd_info(a) -> int:
 
 
 def cmd_bench(a) -> int:
+    if a.url:
+        from kvfence.bench.http_load import main as http_main
+
+        return http_main(a)
     from kvfence.bench.offline import main
 
     a.peers = [p for p in a.peers.split(",") if p]
     return main(a)
 
 
+def cmd_serve(a) -> int:
+    from kvfence.server.serve import serve
+
+    return serve(_config(a), a.host, a.port, a.tenants, a.served_model_name, a.max_body_bytes,
+                 "debug" if a.verbose else "info")
+
+
+def cmd_isolation(a) -> int:
+    """Print the isolation statement: from a running server (--url), or from this configuration
+    (builds the engine and runs the same start-up checks `serve` runs)."""
+    import json
+
+    if a.url:
+        import httpx
+
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
+        r = httpx.get(a.url.rstrip("/") + "/v1/kvfence/isolation", headers=headers, timeout=30)
+        if r.status_code != 200:
+            print(f"error: HTTP {r.status_code}: {r.text}", file=sys.stderr)
+            return 1
+        print(json.dumps(r.json(), indent=2))
+        return 0
+    from kvfence.server.isolation import isolation_statement
+    from kvfence.server.serve import load_tenants, start_engine
+
+    tenants = load_tenants(a.tenants)
+    engine = start_engine(_config(a))
+    try:
+        if not engine.wait_ready():
+            print(f"error: {engine.error}", file=sys.stderr)
+            return 2
+        name = a.served_model_name or engine.facts["default_served_name"]
+        print(json.dumps(isolation_statement(engine.facts, engine.startup_checks, tenants, engine.snapshot, name),
+                         indent=2))
+    finally:
+        engine.stop()
+    return 0
+
+
+def _server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tenants", default=None, metavar="FILE",
+                   help="TOML file mapping API keys to tenants and limits (default: single-tenant, no keys)")
+    p.add_argument("--served-model-name", default=None, help="model name clients send (default: the model file's name, e.g. SmolLM2-135M-Instruct)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvfence", description="KV-isolated LLM inference")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get HTTP 413")
+    _server_args(s)
+    _engine_args(s)
+    s.set_defaults(func=cmd_serve)
+
+    iso = sub.add_parser("isolation", help="print the isolation statement (same as GET /v1/kvfence/isolation)")
+    iso.add_argument("--url", default=None, help="ask a running server instead of building the engine here")
+    iso.add_argument("--api-key", default=None, help="API key for --url (multi-tenant servers)")
+    _server_args(iso)
+    _engine_args(iso)
+    iso.set_defaults(func=cmd_isolation)
 
     g = sub.add_parser("generate", help="generate text offline (streams to stdout)")
     g.add_argument("prompts", nargs="+")
@@ -108,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     _engine_args(i)
     i.set_defaults(func=cmd_info)
 
-    b = sub.add_parser("bench", help="fixed offline workload against this engine and peers")
+    b = sub.add_parser("bench", help="fixed offline workload against this engine and peers; with --url, "
+                                     "concurrent streaming requests against any OpenAI-compatible server")
     b.add_argument("--num-requests", type=int, default=32)
     b.add_argument("--prompt-tokens", type=int, default=256)
     b.add_argument("--output-tokens", type=int, default=128)
@@ -116,6 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--quick", action="store_true", help="only checks on/off, no scrub variants")
     b.add_argument("--repeat", type=int, default=3, help="interleaved rounds per variant; medians are reported")
     b.add_argument("--json", default=None, help="also write results to this file")
+    b.add_argument("--url", default=None, help="load-test this OpenAI-compatible server (e.g. http://127.0.0.1:8000)")
+    b.add_argument("--concurrency", type=int, default=None, help="--url: requests in flight (default: all)")
+    b.add_argument("--api-key", default=None, help="--url: API key (default: $OPENAI_API_KEY or none)")
+    b.add_argument("--model-name", default=None, help="--url: model to ask for (default: the server's first)")
+    b.add_argument("--endpoint", default="completions", choices=["completions", "chat"], help="--url: which API")
+    b.add_argument("--timeout", type=float, default=600.0, help="--url: per-request timeout in seconds")
     _engine_args(b)
     b.set_defaults(func=cmd_bench, kv_cache_memory="1GiB")
 
@@ -130,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         from kvfence.engine.admission import CapacityError
 
-        if isinstance(e, (CapacityError, FileNotFoundError, ValueError)):
+        if isinstance(e, (CapacityError, FileNotFoundError, ValueError, OSError)):
             print(f"error: {e}", file=sys.stderr)
             return 2
         raise

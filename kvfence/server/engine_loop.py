@@ -1,0 +1,346 @@
+"""The bridge between the asyncio server and the single-threaded engine.
+
+One background thread owns the engine: it builds it, runs the start-up checks, and then
+loops `commands -> engine.step() -> deliver`. Nothing else ever calls an engine method.
+The asyncio side talks to it only through a thread-safe command queue (submit, abort,
+stop); the engine thread answers through `loop.call_soon_threadsafe` into each request's
+asyncio.Queue, with immutable `Update`s (never the live Sequence). When there is no work
+the thread blocks on the command queue; it never spins.
+
+What the server shows about the engine (metrics, health, the isolation statement) comes
+from `snapshot`, a fresh dict the engine thread publishes after every iteration.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import re
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+from kvfence.engine.params import SamplingParams
+
+log = logging.getLogger("kvfence.server.engine")
+
+
+def cached_tokens_of(seq) -> int:
+    """Prompt tokens served from the prefix cache: the one place the server reads it."""
+    return int(getattr(seq, "cached_tokens", 0) or 0)
+
+
+@dataclass(frozen=True)
+class Logprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class Update:
+    """What one engine iteration produced for one request."""
+    token_ids: tuple[int, ...]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    error: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    logprobs: tuple[Logprob, ...] = ()
+    first_token_at: float | None = None
+    token_times: tuple[float, ...] = ()
+
+
+@dataclass
+class Admitted:
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+
+
+class EngineFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class _Sink:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    seq: object
+    sent_logprobs: int = 0
+    sent_times: int = 0
+
+
+@dataclass
+class _Submit:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    tenant: str
+    public_prefix_scope: str | None
+    loop: asyncio.AbstractEventLoop
+    admitted: asyncio.Future
+    updates: asyncio.Queue
+
+
+@dataclass
+class _Abort:
+    request_id: str
+    reason: str
+
+
+_STOP = object()
+
+
+@dataclass
+class RequestHandle:
+    request_id: str
+    updates: asyncio.Queue
+    admitted: Admitted | None = None
+    done: bool = False
+
+    async def next(self) -> Update:
+        u = await self.updates.get()
+        if isinstance(u, BaseException):
+            self.done = True
+            raise u
+        if u.finished:
+            self.done = True
+        return u
+
+
+class EngineLoop:
+    def __init__(self, factory: Callable[[], object], startup: Callable[[object], list] | None = None,
+                 name: str = "kvfence-engine"):
+        """factory builds the engine inside the engine thread; startup(engine) runs the
+        start-up checks there and returns their results (see isolation.py)."""
+        self._factory = factory
+        self._startup = startup
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._sinks: dict[str, _Sink] = {}
+        self.ready = threading.Event()
+        self.finished = threading.Event()   # the thread has exited
+        self.error: str | None = None        # why the engine failed, if it did
+        self.facts: dict | None = None       # static facts about the engine, set once it is built
+        self.startup_checks: list[dict] = []
+        self.snapshot: dict = {}
+        self.tokenizer = None
+        self.iterations = 0                  # loop turns; stays put while idle (the thread blocks)
+
+    # -- lifecycle (any thread) -----------------------------------------------------------
+    def start(self) -> "EngineLoop":
+        if not self._thread.is_alive() and not self.finished.is_set():
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._thread.is_alive():
+            self._commands.put(_STOP)
+            self._thread.join(timeout)
+
+    @property
+    def state(self) -> str:
+        if self.error is not None:
+            return "failed"
+        if self.finished.is_set():
+            return "stopped"
+        return "ready" if self.ready.is_set() else "loading"
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self.ready.is_set():
+            if self.error is not None or self.finished.is_set():
+                return False
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            self.ready.wait(0.1 if left is None else min(0.1, left))
+        return True
+
+    # -- requests (asyncio side) ----------------------------------------------------------
+    async def submit(self, prompt_ids: list[int], params: SamplingParams, tenant: str,
+                     request_id: str | None = None, public_prefix_scope: str | None = None) -> RequestHandle:
+        """Admit a request in the engine thread. Raises what add_request raises
+        (ContextLengthExceeded, ValueError) or EngineFailed. `public_prefix_scope` only for a
+        tenant whose tenants-file entry opts into that scope (I9)."""
+        if self.state != "ready":
+            raise EngineFailed(self.error or f"the engine is {self.state}")
+        loop = asyncio.get_running_loop()
+        rid = request_id or uuid.uuid4().hex
+        fut, updates = loop.create_future(), asyncio.Queue()
+        self._commands.put(_Submit(rid, list(prompt_ids), params, tenant, public_prefix_scope, loop, fut, updates))
+        handle = RequestHandle(rid, updates)
+        try:
+            handle.admitted = await fut
+        except asyncio.CancelledError:
+            self.abort(rid, "client disconnected before admission")
+            raise
+        return handle
+
+    def abort(self, request_id: str, reason: str = "client disconnected") -> None:
+        """Thread-safe and idempotent: the engine thread aborts it if it is still running."""
+        self._commands.put(_Abort(request_id, reason))
+
+    # -- the engine thread ----------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            engine = self._factory()
+            self.tokenizer = engine.tokenizer
+            self.facts = engine_facts(engine)
+            if self._startup is not None:
+                self.startup_checks = self._startup(engine)
+            self._publish(engine)
+            self.ready.set()
+            log.info("engine ready: %s", engine.context.note)
+            self._serve(engine)
+        except BaseException as e:  # noqa: BLE001 - whatever it was, fail closed and say why
+            self.error = f"{type(e).__name__}: {e}"
+            log.error("engine thread failed: %s\n%s", self.error, traceback.format_exc())
+            self._fail_all(EngineFailed(f"the engine failed: {self.error}"))
+            self._drain_failed()
+        finally:
+            self.ready.clear()
+            self.finished.set()
+
+    def _serve(self, engine) -> None:
+        while True:
+            cmds = []
+            if not engine.has_unfinished():
+                cmds.append(self._commands.get())   # idle: block, do not spin
+            try:
+                while True:
+                    cmds.append(self._commands.get_nowait())
+            except queue.Empty:
+                pass
+            for c in cmds:
+                if c is _STOP:
+                    for rid in list(self._sinks):
+                        engine.abort(rid, "server shutting down")
+                        self._finish_aborted(rid)
+                    self._publish(engine)
+                    return
+                if isinstance(c, _Submit):
+                    self._admit(engine, c)
+                else:
+                    self._abort(engine, c)
+            if engine.has_unfinished():
+                self._deliver(engine.step())
+            self.iterations += 1
+            self._publish(engine)
+
+    def _admit(self, engine, c: _Submit) -> None:
+        try:
+            extra = {"public_prefix_scope": c.public_prefix_scope} if c.public_prefix_scope else {}
+            seq = engine.add_request(c.prompt_ids, c.params, tenant=c.tenant, request_id=c.request_id, **extra)
+        except Exception as e:  # noqa: BLE001 - admission errors go back to the caller
+            c.loop.call_soon_threadsafe(_set_exception, c.admitted, e)
+            return
+        self._sinks[c.request_id] = _Sink(c.loop, c.updates, seq)
+        c.loop.call_soon_threadsafe(_set_result, c.admitted,
+                                    Admitted(c.request_id, len(seq.prompt_ids), seq.max_tokens))
+
+    def _abort(self, engine, c: _Abort) -> None:
+        if c.request_id in self._sinks:
+            engine.abort(c.request_id, c.reason)
+            self._finish_aborted(c.request_id)
+
+    def _finish_aborted(self, rid: str) -> None:
+        sink = self._sinks.pop(rid)
+        sink.loop.call_soon_threadsafe(sink.queue.put_nowait, self._update(sink, (), "", True))
+
+    def _deliver(self, outputs) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            sink = self._sinks.get(out.seq.request_id)
+            if sink is None:
+                continue
+            u = self._update(sink, tuple(out.new_token_ids), out.delta_text, out.finished)
+            if out.finished:
+                del self._sinks[out.seq.request_id]
+            by_loop.setdefault(sink.loop, []).append((sink.queue, u))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+    @staticmethod
+    def _update(sink: _Sink, token_ids: tuple, text: str, finished: bool) -> Update:
+        seq = sink.seq
+        lps = tuple(Logprob(lp.token_id, float(lp.logprob), tuple((int(t), float(v)) for t, v in lp.top))
+                    for lp in seq.logprobs[sink.sent_logprobs:])
+        sink.sent_logprobs = len(seq.logprobs)
+        times = tuple(seq.token_times[sink.sent_times:])
+        sink.sent_times = len(seq.token_times)
+        return Update(token_ids, text, finished, seq.finish_reason if finished else None,
+                      seq.error if finished else None, len(seq.prompt_ids), len(seq.output_ids),
+                      cached_tokens_of(seq), lps, seq.first_token_at, times)
+
+    def _publish(self, engine) -> None:
+        s = engine.stats()
+        s["ledger_counters"] = dict(engine.ledger.counters)
+        s["scrub"] = engine.ledger.scrub.value
+        s["read_checks"] = bool(engine.ledger.checks_enabled)
+        s["published_at"] = time.time()
+        self.snapshot = s
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for rid, sink in list(self._sinks.items()):
+            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, exc)
+        self._sinks.clear()
+
+    def _drain_failed(self) -> None:
+        """After a failure, answer anything still queued so no caller waits forever."""
+        try:
+            while True:
+                c = self._commands.get_nowait()
+                if isinstance(c, _Submit):
+                    c.loop.call_soon_threadsafe(_set_exception, c.admitted, EngineFailed(self.error or "failed"))
+        except queue.Empty:
+            pass
+
+
+def default_model_name(path) -> str:
+    """What clients call the model unless --served-model-name says otherwise: the GGUF file's
+    name without its quantization tag, or the Hugging Face folder's name."""
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir():
+        return p.name
+    return re.sub(r"\.(i?q\d\w*|f16|f32|bf16)$", "", p.stem, flags=re.IGNORECASE)
+
+
+def engine_facts(engine) -> dict:
+    """Static facts the server reports (model, pool, context); read once, in the engine thread."""
+    c, led, cfg = engine.model_config, engine.ledger, engine.config
+    return {
+        "model_name": c.name, "model_path": str(engine.model_path),
+        "default_served_name": default_model_name(engine.model_path), "fingerprint": c.fingerprint(),
+        "dtype": cfg.dtype, "device": str(engine.device), "page_size": led.page_size,
+        "pool_pages": led.usable_pages, "pool_tokens": led.capacity_tokens, "pool_bytes": engine.pool.nbytes,
+        "model_max_context": engine.context.model_max, "configured_max_model_len": engine.context.configured,
+        "usable_context": engine.usable_context, "context_clamped": engine.context.clamped,
+        "context_note": engine.context.note, "scrub": led.scrub.value, "read_checks": bool(led.checks_enabled),
+        "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        "vocab_size": c.vocab_size,
+        "prefix_cache": getattr(engine, "prefix_cache", None) is not None,
+    }
+
+
+def _set_result(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
+
+
+def _put_all(items) -> None:
+    for q, u in items:
+        q.put_nowait(u)

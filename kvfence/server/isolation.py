@@ -1,0 +1,181 @@
+"""The isolation statement: what a customer asks a provider in writing, answered from the
+live configuration (GET /v1/kvfence/isolation and `kvfence isolation` print the same).
+
+Also the start-up checks that the statement reports. They run in the engine thread before
+the server accepts a request; a failed check stops start-up (fail closed).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+
+from kvfence import __version__
+from kvfence.engine.params import SamplingParams
+from kvfence.kv.ledger import PageState
+
+STARTUP_TENANT = "kvfence-startup-check"
+
+_SCRUB_MEANING = {
+    "zero": "every freed KV page is overwritten with zeros before it can be granted again",
+    "poison": "every freed KV page is overwritten with NaN, so any stray read would be loud",
+    "none": "freed KV pages keep their bytes until reused; the ledger's read checks alone stop any "
+            "request from reading them",
+}
+
+
+class StartupCheckFailed(RuntimeError):
+    pass
+
+
+def run_startup_checks(engine) -> list[dict]:
+    """Run in the engine thread on the freshly built engine; raise if a required check fails."""
+    led = engine.ledger
+    checks = [_check("capacity", "I8", True,
+                     f"advertised context {engine.usable_context} tokens <= KV pool {led.capacity_tokens} tokens; "
+                     f"{engine.context.note}")]
+    if engine.usable_context > led.capacity_tokens:  # plan_context guarantees this; say so if it ever breaks
+        checks[-1].update(status="failed")
+    checks.append(_check("read checks before every forward pass", "I2, I3", led.checks_enabled,
+                         "every page of every sequence is checked against the ownership ledger and the written "
+                         "watermark before each forward pass" if led.checks_enabled else
+                         "DISABLED (verify_reads=False): pages are not checked before forward passes",
+                         fatal=False))
+    checks += _warm_up(engine)
+    failed = [c for c in checks if c["status"] == "failed" and c.pop("fatal", True)]
+    for c in checks:
+        c.pop("fatal", None)
+    if failed:
+        raise StartupCheckFailed("; ".join(f"{c['name']}: {c['detail']}" for c in failed))
+    return checks
+
+
+def _check(name: str, invariant: str, ok: bool, detail: str, fatal: bool = True) -> dict:
+    return {"name": name, "invariant": invariant, "status": "passed" if ok else "failed", "detail": detail,
+            "fatal": fatal}
+
+
+def _warm_up(engine) -> list[dict]:
+    """One tiny request end to end: it must finish, trip no check, and give back every page,
+    and the pages it held must read back scrubbed as the policy says."""
+    led = engine.ledger
+    before_viol = dict(led.violations)
+    shared = lambda: getattr(led, "num_shared", 0)  # noqa: E731 - pages held by the prefix cache
+    free_before, shared_before = led.num_free, shared()
+    ids = engine.tokenizer.encode("kvfence start-up check") or [0]
+    seq = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+                             tenant=STARTUP_TENANT, request_id="kvfence-startup-check")
+    used: list[int] = []
+    for _ in range(64):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+        used = used or list(seq.table.pages)
+    returned = (led.num_owned == 0 and led.num_quarantined == 0
+                and led.num_free + shared() == free_before + shared_before)
+    ok = seq.finish_reason == "length" and len(seq.output_ids) == 2 and dict(led.violations) == before_viol
+    detail = (f"{len(ids)} prompt tokens -> {len(seq.output_ids)} tokens (finish_reason={seq.finish_reason}), "
+              f"{len(used)} page(s) granted and {'all returned' if returned else 'NOT all returned'}, "
+              f"isolation violations {dict(led.violations) or 'none'}")
+    out = [_check("warm-up request", "I1, I2, I3", ok and returned, detail)]
+    policy = led.scrub.value
+    used = [p for p in used if led.state[p] == PageState.FREE]   # not those kept by the prefix cache
+    if policy == "none" or not used:
+        out.append({"name": "scrub on free", "invariant": "I7", "status": "skipped",
+                    "detail": "scrub policy is none" if used else "the warm-up freed no page"})
+        return out
+    data = engine.pool.read_pages(used).float()
+    if policy == "zero":
+        clean = bool((data == 0).all())
+    else:
+        clean = bool(data.isnan().all()) if engine.pool.dtype.is_floating_point else bool((data == -1).all())
+    out.append(_check("scrub on free", "I7", clean,
+                      f"{len(used)} page(s) the warm-up request held read back "
+                      f"{'as ' + policy if clean else 'NOT scrubbed'} after it finished"))
+    return out
+
+
+def _prefix_cache_terms(enabled: bool, tenants) -> dict:
+    if not enabled:
+        return {"enabled": False,
+                "scope": "disabled: no KV page is ever shared between requests; each request computes its own "
+                         "prompt into pages only it owns"}
+    public = sorted({t.public_prefix_scope for t in tenants.tenants.values() if t.public_prefix_scope})
+    opted = sum(1 for t in tenants.tenants.values() if t.public_prefix_scope)
+    return {
+        "enabled": True,
+        "scope": "per tenant: every cache key is a hash chain seeded with the tenant, so a request can only "
+                 "reuse prompt-prefix pages computed for its own tenant; another tenant's identical prompt never "
+                 "hits, so there is nothing to probe by timing",
+        "pages": "cached pages are read-only and reference-counted; the ledger checks their scope before every "
+                 "forward pass, and an evicted page is scrubbed by the policy above before reuse",
+        "cross_tenant_sharing": (f"explicit opt-in only: {opted} tenant(s) share {len(public)} declared public "
+                                 f"prefix scope(s)") if public else "none: no tenant has opted in",
+        "visible_as": "usage.prompt_tokens_details.cached_tokens",
+    }
+
+
+def isolation_statement(facts: dict, checks: list[dict], tenants, snapshot: dict, served_model_name: str) -> dict:
+    """The statement, as JSON. `facts` and `snapshot` come from the engine loop."""
+    scrub = facts["scrub"]
+    usable, pool_tokens = facts["usable_context"], facts["pool_tokens"]
+    prefix = _prefix_cache_terms(facts.get("prefix_cache", False), tenants)
+    return {
+        "service": "kvfence", "version": __version__,
+        "generated_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "model": {"served_name": served_model_name, "name": facts["model_name"],
+                  "fingerprint": facts["fingerprint"], "dtype": facts["dtype"], "device": facts["device"]},
+        "kv_memory_isolation": {
+            "summary": ("Every KV-cache page has exactly one owner record in an ownership ledger: (tenant, request, "
+                        "epoch), or for a read-only prefix-cache page its tenant's cache scope. Before every forward "
+                        "pass, every page each request will read is checked against that ledger (owned by this "
+                        "request in the current epoch, or a cached page of its own scope) and against a written "
+                        "watermark (only slots this request wrote are attended). A failed check aborts that request "
+                        "with an error, never a 200, and quarantines the page; other requests continue. "
+                        f"Freed pages: {_SCRUB_MEANING[scrub]}."),
+            "ownership_ledger": {"enforced": True, "invariants": ["I1 ownership", "I2 read authorization",
+                                                                  "I3 written watermark"]},
+            "read_checks_before_every_forward_pass": facts["read_checks"],
+            "scrub_policy": {"policy": scrub, "meaning": _SCRUB_MEANING[scrub]},
+            "quarantine": "a page named by a failed check, or one a writer may still touch, is taken out of "
+                          "circulation instead of being reused",
+            "prefix_cache": prefix,
+            "tenancy": {
+                "mode": "single-tenant" if tenants.single_tenant else "multi-tenant",
+                "tenants_configured": len(tenants.tenants),
+                "identity": ("every request belongs to tenant 'default'; API keys are not checked"
+                             if tenants.single_tenant else
+                             "the tenant is the one the API key belongs to (keys compared in constant time); "
+                             "no request field can choose or change it"),
+            },
+        },
+        "capacity": {
+            "advertised_context_tokens": usable,
+            "model_max_context_tokens": facts["model_max_context"],
+            "configured_max_model_len": facts["configured_max_model_len"],
+            "clamped_to_pool": facts["context_clamped"],
+            "pools": [{"node": "local", "pages": facts["pool_pages"], "page_size_tokens": facts["page_size"],
+                       "capacity_tokens": pool_tokens, "bytes": facts["pool_bytes"],
+                       "advertised_context_fits": usable <= pool_tokens}],
+            "note": facts["context_note"],
+            "request_that_does_not_fit": (
+                f"a request whose prompt plus max_tokens exceeds {usable} tokens is rejected with HTTP 400 "
+                "(code context_length_exceeded, naming the limit and the request's token count) before any KV "
+                "page is allocated or any computation runs; a rejected request never runs"),
+            "per_tenant_prompt_caps": None if tenants.single_tenant else sorted(
+                {t.limits.max_prompt_tokens for t in tenants.tenants.values()
+                 if t.limits.max_prompt_tokens is not None}),
+        },
+        "data_handling": {
+            "prompt_text_logged": False, "prompt_text_stored": False,
+            "completion_text_logged": False, "completion_text_stored": False, "api_keys_logged": False,
+            "what_is_logged": "request id, tenant, token counts, finish reason, status and timings",
+            "retention": "prompt and completion text live only in memory for the life of the request; the engine "
+                         "is given token ids, never the prompt text",
+        },
+        "startup_checks": checks,
+        "live": {
+            "pages_free": snapshot.get("pages_free"), "pages_used": snapshot.get("pages_owned"),
+            "pages_prefix_cache": snapshot.get("pages_shared", 0),
+            "pages_quarantined": snapshot.get("pages_quarantined"),
+            "isolation_violations": dict(snapshot.get("violations", {})),
+        },
+    }

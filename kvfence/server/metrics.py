@@ -1,0 +1,112 @@
+"""Prometheus metrics at /metrics.
+
+Request-side numbers (outcomes, tokens, latencies, admission rejections) are recorded by
+the HTTP handlers. Engine-side numbers (running/waiting, KV pages, isolation violations,
+preemptions) are read at scrape time from the snapshot the engine thread publishes, so a
+scrape never touches the engine. Each server has its own registry (several servers can
+live in one process, as in the tests).
+"""
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+REJECTION_REASONS = ("context_length_exceeded", "tenant_max_prompt_tokens", "tenant_max_concurrent_requests",
+                     "tenant_tokens_per_minute", "invalid_request", "unauthorized", "model_not_found",
+                     "not_ready")
+INVARIANTS = ("I1", "I2", "I3", "I4", "I5", "I6")
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    def __init__(self, engine_loop):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("kvfence_requests", "Finished API requests by tenant and outcome "
+                                "(stop, length, client_disconnected, error, rejected, invalid, unauthorized, "
+                                "rate_limited, not_ready)", ["tenant", "outcome"], registry=r)
+        self.prompt_tokens = Counter("kvfence_prompt_tokens", "Prompt tokens admitted", ["tenant"], registry=r)
+        self.generation_tokens = Counter("kvfence_generation_tokens", "Tokens generated", ["tenant"], registry=r)
+        self.ttft = Histogram("kvfence_time_to_first_token_seconds", "From request arrival to the first token",
+                              buckets=_LATENCY, registry=r)
+        self.itl = Histogram("kvfence_inter_token_latency_seconds", "Between consecutive tokens of a request",
+                             buckets=_LATENCY, registry=r)
+        self.duration = Histogram("kvfence_request_duration_seconds", "From arrival to the last token",
+                                  buckets=_LATENCY, registry=r)
+        self.rejections = Counter("kvfence_admission_rejections", "Requests refused before reaching the engine's "
+                                  "scheduler, by reason", ["reason"], registry=r)
+        for reason in REJECTION_REASONS:
+            self.rejections.labels(reason)
+        r.register(_EngineCollector(engine_loop))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def finished(self, tenant: str, outcome: str, prompt_tokens: int = 0, completion_tokens: int = 0,
+                 arrival: float | None = None, first_token_at: float | None = None,
+                 token_times: list[float] | tuple = ()) -> None:
+        self.requests.labels(tenant, outcome).inc()
+        if prompt_tokens:
+            self.prompt_tokens.labels(tenant).inc(prompt_tokens)
+        if completion_tokens:
+            self.generation_tokens.labels(tenant).inc(completion_tokens)
+        if arrival is not None and first_token_at is not None:
+            self.ttft.observe(max(0.0, first_token_at - arrival))
+        for a, b in zip(token_times, token_times[1:]):
+            self.itl.observe(b - a)
+        if arrival is not None and token_times:
+            self.duration.observe(max(0.0, token_times[-1] - arrival))
+
+
+class _EngineCollector:
+    def __init__(self, engine_loop):
+        self.loop = engine_loop
+
+    def describe(self):
+        return []   # collected at scrape time; nothing to check at registration
+
+    def collect(self):
+        s = self.loop.snapshot or {}
+        ready = GaugeMetricFamily("kvfence_engine_ready", "1 when the engine accepts requests")
+        ready.add_metric([], 1.0 if self.loop.state == "ready" else 0.0)
+        yield ready
+        for name, key, doc in (("kvfence_requests_running", "running", "Requests holding KV pages"),
+                               ("kvfence_requests_waiting", "waiting", "Admitted requests queued for pages")):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], float(s.get(key, 0)))
+            yield g
+        pages = GaugeMetricFamily("kvfence_kv_pages", "KV pages by state (used: owned by a running request; "
+                                  "shared: tenant-scoped prefix cache, read-only)", labels=["state"])
+        pages.add_metric(["used"], float(s.get("pages_owned", 0)))
+        pages.add_metric(["free"], float(s.get("pages_free", 0)))
+        pages.add_metric(["shared"], float(s.get("pages_shared", 0)))
+        pages.add_metric(["quarantined"], float(s.get("pages_quarantined", 0)))
+        yield pages
+        total = GaugeMetricFamily("kvfence_kv_pages_total", "Usable KV pages in the pool")
+        total.add_metric([], float(s.get("pages_total", 0)))
+        yield total
+        cap = GaugeMetricFamily("kvfence_kv_capacity_tokens", "Tokens the KV pool holds")
+        cap.add_metric([], float(s.get("capacity_tokens", 0)))
+        yield cap
+        ctx = GaugeMetricFamily("kvfence_context_tokens", "Advertised (usable) context length")
+        ctx.add_metric([], float(s.get("usable_context", 0)))
+        yield ctx
+        viol = CounterMetricFamily("kvfence_isolation_violations", "Isolation checks that failed, by invariant; "
+                                   "each one aborted a request and quarantined the page", labels=["invariant"])
+        found = dict(s.get("violations", {}))
+        for inv in sorted(set(INVARIANTS) | set(found)):
+            viol.add_metric([inv], float(found.get(inv, 0)))
+        yield viol
+        hits = CounterMetricFamily("kvfence_prefix_cache_hit_tokens", "Prompt tokens served from the "
+                                   "tenant-scoped prefix cache")
+        hits.add_metric([], float(s.get("prefix_cache_hit_tokens", 0)))
+        yield hits
+        pre = CounterMetricFamily("kvfence_preemptions", "Sequences preempted (pages returned, recomputed later)")
+        pre.add_metric([], float(s.get("preemptions", 0)))
+        yield pre
+        ledger = CounterMetricFamily("kvfence_kv_page_events", "Ledger page events", labels=["event"])
+        counters = s.get("ledger_counters", {})
+        for ev in ("pages_allocated", "pages_freed", "pages_quarantined"):
+            ledger.add_metric([ev], float(counters.get(ev, 0)))
+        yield ledger

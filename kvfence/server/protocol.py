@@ -1,0 +1,280 @@
+"""Request bodies of the OpenAI API -> one validated `GenerationRequest`.
+
+Validation is explicit and strict (a bool is not a number, a string is not a list) so
+every malformed body gets a 400 that names the offending parameter. Unknown fields are
+ignored, as OpenAI-compatible servers do; fields that would change the output but are
+not supported are refused rather than silently dropped. Nothing a client sends can
+choose the tenant: that comes from the API key only.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from kvfence.engine.params import SamplingParams
+from kvfence.server.errors import APIError, bad_request
+
+MAX_STOP_STRINGS = 16
+MAX_TOKENS_CAP = 2**31 - 1
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass
+class GenerationRequest:
+    kind: str                         # "completion" | "chat"
+    model: str | None
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    prompt_text: str | None = None    # completions with a text prompt
+    prompt_ids: list[int] | None = None  # completions with token ids
+    messages: list[dict] | None = None   # chat, content flattened to text
+    logprobs: int | None = None       # top alternatives per token; None: no logprobs
+    prompt_param: str = "prompt"      # the parameter a prompt-size error points at
+
+
+# -- body -> JSON ------------------------------------------------------------------------
+
+async def read_json_body(request, limit: int) -> dict:
+    """The request body as a JSON object, or a 400/413 that says what is wrong with it."""
+    length = request.headers.get("content-length")
+    if length is not None:
+        try:
+            if int(length) > limit:
+                raise _too_large(limit)
+        except ValueError:
+            raise bad_request("Content-Length is not a number.") from None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise bad_request("The request body is empty; send a JSON object.")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request(f"The request body is not valid UTF-8 (byte {e.start}).") from None
+    try:
+        body = json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError as e:
+        raise bad_request(f"The request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}.") from None
+    except RecursionError:
+        raise bad_request("The request body is nested too deeply.") from None
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+    return body
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"The request body is larger than this server accepts ({limit} bytes).",
+                    code="request_too_large")
+
+
+def _no_constant(name: str):
+    raise json.JSONDecodeError(f"{name} is not valid JSON", name, 0)
+
+
+# -- typed field access ------------------------------------------------------------------
+
+_MISSING = object()
+
+
+def _field(body: dict, name: str, kinds: tuple, default=None, what: str | None = None):
+    v = body.get(name, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    if isinstance(v, bool) and bool not in kinds:
+        raise bad_request(f"'{name}' must be {what or _describe(kinds)}, got a boolean.", param=name)
+    if not isinstance(v, kinds):
+        raise bad_request(f"'{name}' must be {what or _describe(kinds)}, got {_type_name(v)}.", param=name)
+    if isinstance(v, float) and not math.isfinite(v):
+        raise bad_request(f"'{name}' must be a finite number.", param=name)
+    return v
+
+
+def _int(body, name, default=None, lo=None, hi=None):
+    v = _field(body, name, (int,), default, "an integer")
+    return _range(name, v, lo, hi)
+
+
+def _num(body, name, default=None, lo=None, hi=None):
+    v = _field(body, name, (int, float), default, "a number")
+    return _range(name, None if v is None else float(v), lo, hi)
+
+
+def _bool(body, name, default=False):
+    return _field(body, name, (bool,), default, "a boolean")
+
+
+def _range(name, v, lo, hi):
+    if v is None:
+        return v
+    if lo is not None and v < lo:
+        raise bad_request(f"'{name}' must be >= {lo}, got {v}.", param=name)
+    if hi is not None and v > hi:
+        raise bad_request(f"'{name}' must be <= {hi}, got {v}.", param=name)
+    return v
+
+
+def _describe(kinds: tuple) -> str:
+    return " or ".join(_type_name(k()) for k in kinds)
+
+
+def _type_name(v) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "an object", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+# -- shared sampling fields --------------------------------------------------------------
+
+def _common(body: dict, kind: str) -> dict:
+    model = _field(body, "model", (str,), None, "a string")
+    n = _int(body, "n", 1)
+    if n != 1:
+        raise bad_request("Only n=1 is supported.", param="n")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if _num(body, name, 0.0) != 0.0:
+            raise bad_request(f"'{name}' is not supported (only 0).", param=name)
+    if _field(body, "logit_bias", (dict,), None, "an object"):
+        raise bad_request("'logit_bias' is not supported.", param="logit_bias")
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise bad_request("'stop' must be a string or an array of strings.", param="stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"'stop' may hold at most {MAX_STOP_STRINGS} strings.", param="stop")
+    if any(s == "" for s in stop):
+        raise bad_request("'stop' strings must not be empty.", param="stop")
+    stream = _bool(body, "stream", False)
+    opts = _field(body, "stream_options", (dict,), None, "an object")
+    include_usage = False
+    if opts is not None:
+        if not stream:
+            raise bad_request("'stream_options' is only allowed with stream=true.", param="stream_options")
+        include_usage = _bool(opts, "include_usage", False)
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                  for t in stop_ids):
+        raise bad_request("'stop_token_ids' must be an array of non-negative integers.", param="stop_token_ids")
+    return dict(
+        model=model, stream=stream, include_usage=include_usage,
+        temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_num(body, "top_p", 1.0, 0.0, 1.0),
+        top_k=_int(body, "top_k", 0, -1, 1 << 20),
+        seed=_int(body, "seed", None, -(2**63), 2**64 - 1),
+        stop=stop, stop_token_ids=stop_ids,
+        ignore_eos=_bool(body, "ignore_eos", False),
+    )
+
+
+def _params(c: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    try:
+        return SamplingParams(temperature=c["temperature"], top_p=c["top_p"], top_k=c["top_k"], seed=c["seed"],
+                              max_tokens=max_tokens, stop=c["stop"], stop_token_ids=c["stop_token_ids"],
+                              ignore_eos=c["ignore_eos"], logprobs=logprobs)
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+
+
+# -- /v1/completions ---------------------------------------------------------------------
+
+def parse_completion(body: dict) -> GenerationRequest:
+    c = _common(body, "completion")
+    if _bool(body, "echo", False):
+        raise bad_request("'echo' is not supported.", param="echo")
+    if _field(body, "suffix", (str,), None):
+        raise bad_request("'suffix' is not supported.", param="suffix")
+    if _int(body, "best_of", 1) != 1:
+        raise bad_request("Only best_of=1 is supported.", param="best_of")
+    max_tokens = _int(body, "max_tokens", 16, 1, MAX_TOKENS_CAP)
+    logprobs = _int(body, "logprobs", None, 0, 20)
+    text, ids = _prompt(body.get("prompt", _MISSING))
+    return GenerationRequest("completion", c["model"], _params(c, max_tokens, logprobs), c["stream"],
+                             c["include_usage"], prompt_text=text, prompt_ids=ids, logprobs=logprobs)
+
+
+def _prompt(p) -> tuple[str | None, list[int] | None]:
+    if p is _MISSING or p is None:
+        raise bad_request("'prompt' is required.", param="prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # a batch of one
+    if isinstance(p, str):
+        if p == "":
+            raise bad_request("'prompt' is empty.", param="prompt")
+        return p, None
+    if isinstance(p, list):
+        if not p:
+            raise bad_request("'prompt' is empty.", param="prompt")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            return None, list(p)
+        if all(isinstance(t, (str, list)) for t in p):
+            raise bad_request("Only one prompt per request is supported.", param="prompt")
+    raise bad_request("'prompt' must be a string or an array of token ids.", param="prompt")
+
+
+# -- /v1/chat/completions ----------------------------------------------------------------
+
+def parse_chat(body: dict) -> GenerationRequest:
+    c = _common(body, "chat")
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise bad_request(f"'{name}' is not supported.", param=name)
+    fmt = _field(body, "response_format", (dict,), None, "an object")
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise bad_request("Only response_format type 'text' is supported.", param="response_format")
+    max_tokens = _int(body, "max_tokens", None, 1, MAX_TOKENS_CAP)
+    mct = _int(body, "max_completion_tokens", None, 1, MAX_TOKENS_CAP)
+    if mct is not None:
+        max_tokens = mct
+    want = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", None, 0, 20)
+    if top is not None and not want:
+        raise bad_request("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
+    logprobs = (top or 0) if want else None
+    messages = _messages(body.get("messages", _MISSING))
+    return GenerationRequest("chat", c["model"], _params(c, max_tokens, logprobs), c["stream"], c["include_usage"],
+                             messages=messages, logprobs=logprobs, prompt_param="messages")
+
+
+def _messages(ms) -> list[dict]:
+    if ms is _MISSING or ms is None:
+        raise bad_request("'messages' is required.", param="messages")
+    if not isinstance(ms, list):
+        raise bad_request(f"'messages' must be an array, got {_type_name(ms)}.", param="messages")
+    if not ms:
+        raise bad_request("'messages' is empty.", param="messages")
+    out = []
+    for i, m in enumerate(ms):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"'{where}' must be an object.", param=where)
+        role = m.get("role")
+        if role not in _ROLES:
+            raise bad_request(f"'{where}.role' must be one of {', '.join(_ROLES)}.", param=f"{where}.role")
+        out.append({"role": role, "content": _content(m.get("content"), role, f"{where}.content")})
+    if all(m["content"] == "" for m in out):
+        raise bad_request("Every message is empty.", param="messages")
+    return out
+
+
+def _content(c, role: str, where: str) -> str:
+    if c is None and role == "assistant":
+        return ""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        parts = []
+        for j, part in enumerate(c):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"'{where}[{j}]' must be a text part ({{\"type\": \"text\", \"text\": ...}}); "
+                                  f"this model reads text only.", param=f"{where}[{j}]")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad_request(f"'{where}' must be a string or an array of text parts.", param=where)

@@ -1,0 +1,50 @@
+"""`kvfence serve`: load the engine in its own thread, run the start-up checks, then serve HTTP."""
+from __future__ import annotations
+
+import logging
+
+from kvfence.engine.config import EngineConfig
+from kvfence.server.app import DEFAULT_MAX_BODY_BYTES, ServerState, create_app
+from kvfence.server.engine_loop import EngineLoop
+from kvfence.server.isolation import run_startup_checks
+from kvfence.server.tenants import TenantRegistry
+
+log = logging.getLogger("kvfence.server")
+
+
+def load_tenants(path: str | None) -> TenantRegistry:
+    if path is None:
+        reg = TenantRegistry.single()
+        log.warning("no tenants file: SINGLE-TENANT mode; every request is tenant 'default' and API keys are "
+                    "not checked (pass --tenants FILE to serve several tenants)")
+    else:
+        reg = TenantRegistry.from_file(path)
+        log.info("multi-tenant mode: %d tenant(s) from %s; requests need 'Authorization: Bearer <key>'",
+                 len(reg.tenants), path)
+    return reg
+
+
+def start_engine(config: EngineConfig, loaded=None) -> EngineLoop:
+    """Start the engine thread; it builds the engine, runs the start-up checks, then serves."""
+    from kvfence.engine.llm_engine import LLMEngine
+
+    return EngineLoop(lambda: LLMEngine(config, loaded), run_startup_checks).start()
+
+
+def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, tenants_file: str | None = None,
+          served_model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+          log_level: str = "info") -> int:
+    import uvicorn
+
+    tenants = load_tenants(tenants_file)          # a bad tenants file fails before the model loads
+    log.info("loading the model and sizing the KV pool ...")
+    engine = start_engine(config)
+    if not engine.wait_ready():
+        log.error("not serving: %s", engine.error)   # e.g. the context does not fit the pool (I8)
+        return 2
+    for c in engine.startup_checks:
+        log.info("start-up check %s (%s): %s - %s", c["name"], c["invariant"], c["status"], c["detail"])
+    state = ServerState(engine, tenants, served_model_name, max_body_bytes)
+    log.info("serving model %r on http://%s:%d/v1", state.served_name, host, port)
+    uvicorn.run(create_app(state), host=host, port=port, log_level=log_level, access_log=True)
+    return 0

@@ -1,0 +1,259 @@
+"""Tenants: API keys -> tenant, and per-tenant limits.
+
+The tenants file is TOML:
+
+    [defaults]                      # optional; applies to every tenant unless it overrides
+    max_concurrent_requests = 16
+
+    [tenants.acme]
+    api_keys = ["sk-acme-..."]      # or api_key_sha256 = ["<hex digest>"] to keep keys out of the file
+    max_prompt_tokens = 4096        # a cap below the engine's context
+    max_concurrent_requests = 8
+    tokens_per_minute = 200000      # prompt + completion tokens in any 60 s window
+    public_prefix_scope = "docs-v1" # optional opt-in: share cached prompt prefixes with the other
+                                    # tenants that name the same scope (default: own tenant only)
+
+Keys are kept only as SHA-256 digests and compared with hmac.compare_digest against every
+stored digest (no early exit), so neither the comparison nor which key matched shows in the
+timing. Keys are never logged. Without a tenants file the server is single-tenant: every
+request belongs to tenant "default" and no key is checked.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import re
+import threading
+import time
+import tomllib
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvfence.server.errors import APIError
+
+DEFAULT_TENANT = "default"
+LIMIT_FIELDS = ("max_prompt_tokens", "max_concurrent_requests", "tokens_per_minute")
+_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+WINDOW_S = 60.0
+
+
+class TenantsFileError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_prompt_tokens: int | None = None
+    max_concurrent_requests: int | None = None
+    tokens_per_minute: int | None = None
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    limits: Limits = field(default_factory=Limits)
+    public_prefix_scope: str | None = None   # opt-in cross-tenant prefix sharing (I9); None: own scope only
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+class TenantRegistry:
+    """Who is calling. `authenticate()` maps an Authorization header to a Tenant or raises 401."""
+
+    def __init__(self, tenants: list[tuple[Tenant, list[bytes]]] | None = None, source: str | None = None):
+        self.single_tenant = tenants is None
+        self.source = source
+        self._entries: list[tuple[bytes, Tenant]] = []
+        self.tenants: dict[str, Tenant] = {}
+        if tenants is None:
+            self.tenants[DEFAULT_TENANT] = Tenant(DEFAULT_TENANT)
+            return
+        for tenant, digests in tenants:
+            self.tenants[tenant.name] = tenant
+            self._entries += [(d, tenant) for d in digests]
+
+    @classmethod
+    def single(cls) -> "TenantRegistry":
+        return cls(None)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "TenantRegistry":
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise TenantsFileError(f"tenants file {path} does not exist") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise TenantsFileError(f"tenants file {path} is not valid TOML: {e}") from None
+        return cls.from_dict(data, source=str(path))
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str | None = None) -> "TenantRegistry":
+        where = source or "tenants file"
+        unknown = set(data) - {"defaults", "tenants"}
+        if unknown:
+            raise TenantsFileError(f"{where}: unknown top-level section(s) {sorted(unknown)}; "
+                                   f"expected [defaults] and [tenants.NAME]")
+        defaults = _limits(data.get("defaults", {}), f"{where} [defaults]", Limits())
+        tenants = data.get("tenants")
+        if not isinstance(tenants, dict) or not tenants:
+            raise TenantsFileError(f"{where}: no tenants; add at least one [tenants.NAME] table with api_keys")
+        out, seen = [], {}
+        for name, spec in tenants.items():
+            here = f"{where} [tenants.{name}]"
+            if not _NAME.fullmatch(name):
+                raise TenantsFileError(f"{here}: tenant names are 1-64 characters of A-Z a-z 0-9 _ . -")
+            if not isinstance(spec, dict):
+                raise TenantsFileError(f"{here}: must be a table")
+            bad = set(spec) - {"api_keys", "api_key_sha256", "public_prefix_scope", *LIMIT_FIELDS}
+            if bad:
+                raise TenantsFileError(f"{here}: unknown field(s) {sorted(bad)}")
+            digests = []
+            for key in _str_list(spec.get("api_keys", []), f"{here} api_keys"):
+                if len(key) < 8:
+                    raise TenantsFileError(f"{here}: an API key is shorter than 8 characters")
+                digests.append(_digest(key))
+            for hx in _str_list(spec.get("api_key_sha256", []), f"{here} api_key_sha256"):
+                if not re.fullmatch(r"[0-9a-fA-F]{64}", hx):
+                    raise TenantsFileError(f"{here}: api_key_sha256 entries are 64 hex digits")
+                digests.append(bytes.fromhex(hx))
+            if not digests:
+                raise TenantsFileError(f"{here}: needs api_keys or api_key_sha256")
+            for d in digests:
+                if d in seen:
+                    # never print the key itself, only which tenants share it
+                    raise TenantsFileError(f"{here}: an API key is also given to tenant {seen[d]!r}")
+                seen[d] = name
+            scope = spec.get("public_prefix_scope")
+            if scope is not None and not (isinstance(scope, str) and _NAME.fullmatch(scope)):
+                raise TenantsFileError(f"{here}: public_prefix_scope is 1-64 characters of A-Z a-z 0-9 _ . -")
+            out.append((Tenant(name, _limits(spec, here, defaults), scope), digests))
+        return cls(out, source)
+
+    def authenticate(self, authorization: str | None) -> Tenant:
+        if self.single_tenant:
+            return self.tenants[DEFAULT_TENANT]
+        key = _bearer(authorization)
+        if key is None:
+            raise APIError(401, "Missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key")
+        presented = _digest(key)
+        found = None
+        for digest, tenant in self._entries:  # every entry, no early exit
+            if hmac.compare_digest(presented, digest):
+                found = tenant
+        if found is None:
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+        return found
+
+
+def _bearer(header: str | None) -> str | None:
+    if not header:
+        return None
+    scheme, _, value = header.strip().partition(" ")
+    value = value.strip()
+    if scheme.lower() != "bearer" or not value:
+        return None
+    return value
+
+
+def _str_list(v, where: str) -> list[str]:
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+        raise TenantsFileError(f"{where}: must be a list of non-empty strings")
+    return v
+
+
+def _limits(spec: dict, where: str, base: Limits) -> Limits:
+    if not isinstance(spec, dict):
+        raise TenantsFileError(f"{where}: must be a table")
+    values = {}
+    for name in LIMIT_FIELDS:
+        v = spec.get(name, getattr(base, name))
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise TenantsFileError(f"{where}: {name} must be a positive integer")
+        values[name] = v
+    if where.endswith("[defaults]"):
+        bad = set(spec) - set(LIMIT_FIELDS)
+        if bad:
+            raise TenantsFileError(f"{where}: unknown field(s) {sorted(bad)}")
+    return Limits(**values)
+
+
+class Lease:
+    """One admitted request's hold on its tenant's concurrency slot; release exactly once."""
+
+    def __init__(self, limiter: "TenantLimiter", tenant: Tenant):
+        self._limiter, self.tenant, self._open = limiter, tenant, True
+
+    def release(self, completion_tokens: int = 0) -> None:
+        if self._open:
+            self._open = False
+            self._limiter._release(self.tenant, completion_tokens)
+
+
+class TenantLimiter:
+    """Per-tenant prompt cap (400), concurrency and tokens-per-minute (429 with Retry-After)."""
+
+    def __init__(self, clock=time.monotonic):
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._in_flight: dict[str, int] = {}
+        self._used: dict[str, deque[tuple[float, int]]] = {}
+
+    def in_flight(self, tenant: str) -> int:
+        return self._in_flight.get(tenant, 0)
+
+    def tokens_in_window(self, tenant: str) -> int:
+        with self._lock:
+            return self._window(tenant, self._clock())[0]
+
+    def _window(self, tenant: str, now: float) -> tuple[int, deque]:
+        used = self._used.setdefault(tenant, deque())
+        while used and used[0][0] <= now - WINDOW_S:
+            used.popleft()
+        return sum(n for _, n in used), used
+
+    def admit(self, tenant: Tenant, prompt_tokens: int) -> Lease:
+        lim = tenant.limits
+        if lim.max_prompt_tokens is not None and prompt_tokens > lim.max_prompt_tokens:
+            # Not a rate limit: retrying cannot help, so 400 (the client's retry logic stays out of it).
+            raise APIError(400, f"This API key may send at most {lim.max_prompt_tokens} prompt tokens per "
+                                f"request; this request has {prompt_tokens} prompt tokens.",
+                           code="tenant_max_prompt_tokens", param="prompt", outcome="rejected")
+        with self._lock:
+            now = self._clock()
+            if lim.max_concurrent_requests is not None and self.in_flight(tenant.name) >= lim.max_concurrent_requests:
+                raise APIError(429, f"Too many concurrent requests: this API key may have "
+                                    f"{lim.max_concurrent_requests} in flight.",
+                               code="tenant_max_concurrent_requests", headers={"Retry-After": "1"})
+            if lim.tokens_per_minute is not None:
+                total, used = self._window(tenant.name, now)
+                if total + prompt_tokens > lim.tokens_per_minute:
+                    wait = self._wait_for(used, total + prompt_tokens - lim.tokens_per_minute, now)
+                    raise APIError(429, f"Rate limit reached: this API key may use {lim.tokens_per_minute} tokens "
+                                        f"per minute; {total} used in the last minute, this request needs "
+                                        f"{prompt_tokens} more. Try again in {wait} s.",
+                                   code="tenant_tokens_per_minute", headers={"Retry-After": str(wait)})
+                used.append((now, prompt_tokens))
+            self._in_flight[tenant.name] = self.in_flight(tenant.name) + 1
+        return Lease(self, tenant)
+
+    @staticmethod
+    def _wait_for(used: deque, excess: int, now: float) -> int:
+        freed = 0
+        for t, n in used:
+            freed += n
+            if freed >= excess:
+                return max(1, math.ceil(t + WINDOW_S - now))
+        return int(WINDOW_S)
+
+    def _release(self, tenant: Tenant, completion_tokens: int) -> None:
+        with self._lock:
+            self._in_flight[tenant.name] = max(0, self.in_flight(tenant.name) - 1)
+            if completion_tokens and tenant.limits.tokens_per_minute is not None:
+                self._used.setdefault(tenant.name, deque()).append((self._clock(), completion_tokens))
