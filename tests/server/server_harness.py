@@ -1,0 +1,162 @@
+"""Test harness: real uvicorn servers on free loopback ports, on the session's shared float32 weights.
+
+Each server has its own engine thread and KV pool (64 MiB, context clamped to fit), and a
+spy that records which tenant every request reached the engine as, and can corrupt a
+request's block table before a step (to show a real isolation check firing through HTTP).
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvfence.engine.config import EngineConfig
+from kvfence.engine.llm_engine import LLMEngine
+from kvfence.server.app import ServerState, create_app
+
+TENANTS_TOML = """
+[defaults]
+max_concurrent_requests = 16
+
+[tenants.alice]
+api_keys = ["sk-alice-0001", "sk-alice-0002"]
+
+[tenants.bob]
+api_keys = ["sk-bob-00000001"]
+
+[tenants.capped]
+api_keys = ["sk-capped-0001"]
+max_prompt_tokens = 16
+
+[tenants.solo]
+api_keys = ["sk-solo-000001"]
+max_concurrent_requests = 1
+
+[tenants.metered]
+api_keys = ["sk-metered-001"]
+tokens_per_minute = 60
+
+[tenants.pub1]
+api_keys = ["sk-pub1-000001"]
+public_prefix_scope = "shared-docs"
+
+[tenants.pub2]
+api_keys = ["sk-pub2-000001"]
+public_prefix_scope = "shared-docs"
+"""
+KEYS = {"alice": "sk-alice-0001", "alice2": "sk-alice-0002", "bob": "sk-bob-00000001", "capped": "sk-capped-0001",
+        "solo": "sk-solo-000001", "metered": "sk-metered-001", "pub1": "sk-pub1-000001", "pub2": "sk-pub2-000001"}
+MODEL = "SmolLM2-135M-Instruct"
+ENGINE = dict(dtype="float32", kv_cache_memory="64MiB", clamp_context=True, progress=False)
+
+
+class SpyEngine:
+    """Builds an LLMEngine whose add_request records (tenant, prompt) per request id, and whose
+    step first applies any armed fault."""
+
+    def __init__(self, config: EngineConfig, loaded, gate: threading.Event | None = None):
+        self.config, self.loaded, self.gate = config, loaded, gate
+        self.seen: dict[str, tuple[str, object]] = {}
+        self.fault_tenants: set[str] = set()
+        self.crash = False
+
+    def __call__(self) -> LLMEngine:
+        if self.gate is not None:
+            self.gate.wait(60)
+        eng = LLMEngine(self.config, self.loaded)
+        add, step = eng.add_request, eng.step
+
+        def add_request(prompt_ids, params, tenant="default", request_id=None, prompt=None, **kw):
+            self.seen[request_id] = (tenant, prompt)
+            return add(prompt_ids, params, tenant=tenant, request_id=request_id, prompt=prompt, **kw)
+
+        def faulty_step():
+            if self.crash:
+                raise RuntimeError("injected engine crash")
+            for seq in list(eng.requests.values()):
+                if seq.tenant in self.fault_tenants and seq.num_computed > 0 and seq.table.pages:
+                    self.fault_tenants.discard(seq.tenant)
+                    seq.table.epochs[0] -= 1      # a stale reference to its own first page
+            return step()
+
+        eng.add_request, eng.step = add_request, faulty_step
+        return eng
+
+
+class LiveServer:
+    def __init__(self, state: ServerState, spy: SpyEngine):
+        self.state, self.spy, self.engine = state, spy, state.engine
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.base_url = self.url + "/v1"
+        config = uvicorn.Config(create_app(state), log_config=None, log_level="info", access_log=True,
+                                timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("test server did not start")
+            time.sleep(0.02)
+
+    def client(self, who: str | None = "alice", **kw) -> openai.OpenAI:
+        key = KEYS.get(who, who) if who else "none"
+        return openai.OpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=kw.pop("timeout", 120), **kw)
+
+    def async_client(self, who: str | None = "alice") -> openai.AsyncOpenAI:
+        key = KEYS.get(who, who) if who else "none"
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=120)
+
+    def http(self, who: str | None = "alice", **kw) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {KEYS.get(who, who)}"} if who else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=kw.pop("timeout", 120), **kw)
+
+    def metrics(self) -> dict:
+        """{(name, frozenset(labels.items())): value} of every sample at /metrics."""
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        return {(s.name, frozenset(s.labels.items())): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def metric(self, name: str, **labels) -> float:
+        return self.metrics().get((name, frozenset(labels.items())), 0.0)
+
+    def wait_idle(self, timeout: float = 30.0) -> dict:
+        """Wait until the engine has no request and no page is owned; return the snapshot."""
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.engine.snapshot
+            if s.get("running") == 0 and s.get("waiting") == 0 and s.get("pages_owned") == 0:
+                return s
+            if time.monotonic() > deadline:
+                return s
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.engine.stop()
+
+
+def pool_intact(s: dict) -> bool:
+    """No page owned by a request, none quarantined, and every page either free or held by
+    the prefix cache (reclaimable): nothing leaked."""
+    return (s.get("pages_owned") == 0 and s.get("pages_quarantined") == 0
+            and s.get("pages_free", 0) + s.get("pages_shared", 0) == s.get("pages_total"))
+
+
+def wait_for(pred, timeout: float = 20.0, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v or time.monotonic() > deadline:
+            return v
+        time.sleep(interval)

@@ -1,0 +1,212 @@
+"""Errors in OpenAI's shape, with the right status and code, and the server keeps serving:
+400 (malformed, over-length), 401, 404, 413, 429 (see test_tenants), 500 on an isolation
+abort (see test_observability), 503 while the engine is not ready."""
+from __future__ import annotations
+
+import threading
+
+import httpx
+import openai
+import pytest
+from server_harness import MODEL, pool_intact, wait_for
+
+OK_COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+
+
+def assert_openai_error(r: httpx.Response, status: int, param: str | None = "any", code: str | None = "any"):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and len(err["message"]) > 10
+    if param != "any":
+        assert err["param"] == param, err
+    if code != "any":
+        assert err["code"] == code, err
+    return err
+
+
+def test_context_length_exceeded_names_limit_and_token_count(server, loaded_fp32):
+    c = server.client()
+    prompt = "hello " * 1400
+    n = len(loaded_fp32.tokenizer.encode(prompt))
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt=prompt, max_tokens=100)
+    assert e.value.status_code == 400 and e.value.code == "context_length_exceeded"
+    msg = e.value.message
+    assert "1440" in msg and str(n + 100) in msg and f"{n} in the prompt" in msg
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5000)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
+    # nothing was allocated for them and the server goes on
+    assert server.engine.snapshot["pages_owned"] == 0 and pool_intact(server.engine.snapshot)
+    assert c.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_missing_and_unknown_key_are_401(server):
+    with pytest.raises(openai.AuthenticationError) as e:
+        server.client("sk-not-a-real-key").completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+    r = httpx.post(server.url + "/v1/completions", json=OK_COMPLETION)
+    assert_openai_error(r, 401, code="invalid_api_key")
+    r = httpx.post(server.url + "/v1/completions", json=OK_COMPLETION, headers={"Authorization": "Basic abc"})
+    assert_openai_error(r, 401)
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert httpx.get(server.url + "/v1/kvfence/isolation").status_code == 401
+
+
+def test_unknown_model_is_404(server):
+    with pytest.raises(openai.NotFoundError) as e:
+        server.client().chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
+    assert e.value.status_code == 404 and e.value.code == "model_not_found" and "gpt-9" in e.value.message
+    with pytest.raises(openai.NotFoundError):
+        server.client().models.retrieve("gpt-9")
+    with server.http() as h:
+        assert_openai_error(h.get("/v1/no-such-route"), 404)
+
+
+def test_not_ready_is_503_then_serves(make_server):
+    gate = threading.Event()
+    srv = make_server(gate=gate, wait=False)
+    r = httpx.get(srv.url + "/health")
+    assert r.status_code == 503 and r.json()["status"] == "loading" and r.json()["ready"] is False
+    assert httpx.get(srv.url + "/health/live").status_code == 200
+    with pytest.raises(openai.InternalServerError) as e:
+        srv.client().completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert e.value.status_code == 503 and e.value.code == "model_not_ready"
+    gate.set()
+    assert srv.engine.wait_ready(60)
+    assert httpx.get(srv.url + "/health").status_code == 200
+    assert srv.client().completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_engine_that_cannot_start_fails_closed_with_503(make_server):
+    # 16 MiB holds fewer tokens than the model's context and clamping is off: I8 refuses
+    srv = make_server(wait=False, kv_cache_memory="16MiB", clamp_context=False)
+    assert wait_for(lambda: srv.engine.state == "failed", 30)
+    r = httpx.get(srv.url + "/health")
+    assert r.status_code == 503 and "exceeds the KV pool capacity" in r.json()["error"]
+    assert httpx.get(srv.url + "/health/live").status_code == 503
+    with srv.http() as h:
+        assert_openai_error(h.post("/v1/completions", json=OK_COMPLETION), 503, code="engine_unavailable")
+
+
+BAD_BODIES = [
+    # (endpoint, raw body or JSON value, expected param, expected status)
+    ("completions", b'{"prompt": "x", ', None, 400),                         # invalid JSON
+    ("completions", b"[1, 2, 3]", None, 400),                                # not an object
+    ("completions", b"", None, 400),                                         # empty body
+    ("completions", b'{"prompt": "\xff\xfe caf\xe9"}', None, 400),           # invalid UTF-8
+    ("completions", b'{"prompt": "x", "temperature": NaN}', None, 400),      # not JSON
+    ("completions", b'{"prompt": "x", "max_tokens": 1e400}', "max_tokens", 400),  # a float, and infinite
+    ("completions", {"prompt": "x", "max_tokens": "10"}, "max_tokens", 400),
+    ("completions", {"prompt": "x", "max_tokens": True}, "max_tokens", 400),
+    ("completions", {"prompt": "x", "max_tokens": -1}, "max_tokens", 400),
+    ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", 400),
+    ("completions", {"prompt": "x", "max_tokens": 10**30}, "max_tokens", 400),
+    ("completions", {"prompt": "x", "temperature": "hot"}, "temperature", 400),
+    ("completions", {"prompt": "x", "temperature": -1}, "temperature", 400),
+    ("completions", {"prompt": "x", "temperature": 1e308}, "temperature", 400),
+    ("completions", {"prompt": "x", "top_p": 0}, None, 400),
+    ("completions", {"prompt": "x", "top_p": True}, "top_p", 400),
+    ("completions", {"prompt": "x", "seed": 1.5}, "seed", 400),
+    ("completions", {"prompt": "x", "seed": 10**30}, "seed", 400),
+    ("completions", {"prompt": "x", "logprobs": -1}, "logprobs", 400),
+    ("completions", {"prompt": "x", "logprobs": 1000}, "logprobs", 400),
+    ("completions", {"prompt": "x", "stream": "yes"}, "stream", 400),
+    ("completions", {"prompt": "x", "stop": 5}, "stop", 400),
+    ("completions", {"prompt": "x", "stop": [""]}, "stop", 400),
+    ("completions", {"prompt": "x", "n": 3}, "n", 400),
+    ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", 400),
+    ("completions", {"prompt": ""}, "prompt", 400),
+    ("completions", {"prompt": []}, "prompt", 400),
+    ("completions", {"prompt": 5}, "prompt", 400),
+    ("completions", {"prompt": ["a", "b"]}, "prompt", 400),
+    ("completions", {"prompt": [1, 2, 99999999]}, "prompt", 400),
+    ("completions", {"prompt": [1, -2]}, "prompt", 400),
+    ("completions", {"max_tokens": 3}, "prompt", 400),
+    ("completions", {"prompt": "x", "model": 7}, "model", 400),
+    ("chat/completions", {"messages": "hi"}, "messages", 400),
+    ("chat/completions", {"messages": []}, "messages", 400),
+    ("chat/completions", {"messages": [{"role": "user", "content": ""}]}, "messages", 400),
+    ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content", 400),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", 400),
+    ("chat/completions", {"messages": [{"content": "x"}]}, "messages[0].role", 400),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content[0]", 400),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", 400),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -5},
+     "max_completion_tokens", 400),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     "tools", 400),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,param,status", BAD_BODIES,
+                         ids=[f"{i}-{e}" for i, (e, *_) in enumerate(BAD_BODIES)])
+def test_malformed_input_is_400_in_openai_shape(server, endpoint, body, param, status):
+    with server.http() as h:
+        if isinstance(body, bytes):
+            r = h.post(f"/v1/{endpoint}", content=body, headers={"Content-Type": "application/json"})
+        else:
+            r = h.post(f"/v1/{endpoint}", json=body)
+        err = assert_openai_error(r, status, param=param if param is not None else "any")
+        assert err["type"] == "invalid_request_error"
+
+
+def test_oversized_body_is_413_and_server_keeps_serving(server):
+    big = {"model": MODEL, "prompt": "x" * (300 << 10), "max_tokens": 1}      # over the test server's 256 KiB
+    with server.http() as h:
+        err = assert_openai_error(h.post("/v1/completions", json=big), 413, code="request_too_large")
+        assert str(256 << 10) in err["message"]
+        # chunked upload without Content-Length is cut off the same way
+        def gen():
+            for _ in range(300):
+                yield b"x" * 1024
+        r = h.post("/v1/completions", content=gen(), headers={"Content-Type": "application/json"})
+        assert_openai_error(r, 413)
+        assert h.post("/v1/completions", json=OK_COMPLETION).status_code == 200
+        assert h.post("/v1/chat/completions", json=OK_CHAT).status_code == 200
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_after_every_error_the_server_serves_everyone(server):
+    before = server.metric("kvfence_requests_total", tenant="alice", outcome="invalid")
+    with server.http() as h:
+        for _, body, _, _ in BAD_BODIES[:12]:
+            if isinstance(body, bytes):
+                h.post("/v1/completions", content=body)
+            else:
+                h.post("/v1/completions", json=body)
+        assert h.post("/v1/completions", json=OK_COMPLETION).json()["usage"]["completion_tokens"] == 2
+    assert server.metric("kvfence_requests_total", tenant="alice", outcome="invalid") == before + 12
+    r = server.client("bob").chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                      max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens > 0
+
+
+def test_engine_crash_fails_requests_closed_and_health_says_so(make_server):
+    srv = make_server()
+    body = {"model": MODEL, "prompt": "Tell a long story:", "max_tokens": 500, "stream": True, "ignore_eos": True}
+    with srv.http() as h:
+        with h.stream("POST", "/v1/completions", json=body) as r:
+            events = r.iter_lines()
+            assert next(events).startswith("data: ")
+            srv.spy.crash = True
+            rest = [line for line in events if line.startswith("data: ")]
+        assert '"code":"engine_unavailable"' in rest[-1] and "injected engine crash" in rest[-1]
+        assert_openai_error(h.post("/v1/completions", json=OK_COMPLETION), 503, code="engine_unavailable")
+    health = httpx.get(srv.url + "/health")
+    assert health.status_code == 503 and health.json()["status"] == "failed"
+    assert "injected engine crash" in health.json()["error"]
+
+
+def test_idle_engine_thread_blocks_instead_of_spinning(server):
+    server.wait_idle()
+    before = server.engine.iterations
+    import time
+
+    time.sleep(0.5)
+    assert server.engine.iterations == before                    # no loop turns while idle
+    server.client().completions.create(model=MODEL, prompt="Hi", max_tokens=3)
+    assert server.engine.iterations > before                     # and it wakes for work

@@ -1,0 +1,193 @@
+"""/health, /metrics, the isolation statement (endpoint and CLI), and an isolation check
+firing through the HTTP API: the request fails closed and the violation is counted."""
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+import torch
+from server_harness import KEYS, MODEL
+
+from kvfence.cli import main as cli_main
+from kvfence.kv.pool import page_bytes
+
+FAMILIES = ["kvfence_requests", "kvfence_prompt_tokens", "kvfence_generation_tokens",
+            "kvfence_time_to_first_token_seconds", "kvfence_inter_token_latency_seconds",
+            "kvfence_requests_running", "kvfence_requests_waiting", "kvfence_kv_pages",
+            "kvfence_admission_rejections", "kvfence_isolation_violations", "kvfence_engine_ready"]
+
+
+def test_health_reports_ready_and_load(server):
+    r = httpx.get(server.url + "/health")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["status"] == "ok" and body["ready"] is True and body["running"] == 0
+    assert httpx.get(server.url + "/health/live").json()["alive"] is True
+
+
+def test_metrics_families_and_values_follow_requests(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.url + "/metrics").text
+    names = {f.name for f in text_string_to_metric_families(text)}
+    assert set(FAMILIES) <= names, set(FAMILIES) - names
+    before = server.metrics()
+    get = lambda m, k, **l: m.get((k, frozenset(l.items())), 0.0)  # noqa: E731
+    r = server.client("bob").completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
+                                                temperature=0, extra_body={"ignore_eos": True})
+    with pytest.raises(openai.BadRequestError):
+        server.client("bob").completions.create(model=MODEL, prompt="hi", max_tokens=5000)
+    server.wait_idle()
+    after = server.metrics()
+    assert get(after, "kvfence_requests_total", tenant="bob", outcome="length") == \
+        get(before, "kvfence_requests_total", tenant="bob", outcome="length") + 1
+    assert get(after, "kvfence_requests_total", tenant="bob", outcome="rejected") == \
+        get(before, "kvfence_requests_total", tenant="bob", outcome="rejected") + 1
+    assert get(after, "kvfence_generation_tokens_total", tenant="bob") == \
+        get(before, "kvfence_generation_tokens_total", tenant="bob") + 6
+    assert get(after, "kvfence_prompt_tokens_total", tenant="bob") == \
+        get(before, "kvfence_prompt_tokens_total", tenant="bob") + r.usage.prompt_tokens
+    assert get(after, "kvfence_admission_rejections_total", reason="context_length_exceeded") == \
+        get(before, "kvfence_admission_rejections_total", reason="context_length_exceeded") + 1
+    assert get(after, "kvfence_time_to_first_token_seconds_count") == \
+        get(before, "kvfence_time_to_first_token_seconds_count") + 1
+    assert get(after, "kvfence_inter_token_latency_seconds_count") == \
+        get(before, "kvfence_inter_token_latency_seconds_count") + 5
+    total = server.engine.facts["pool_pages"]
+    assert get(after, "kvfence_kv_pages", state="free") + get(after, "kvfence_kv_pages", state="shared") == total
+    assert total == get(after, "kvfence_kv_pages_total")
+    assert get(after, "kvfence_kv_pages", state="used") == 0
+    assert get(after, "kvfence_isolation_violations_total", invariant="I2") == 0
+    assert get(after, "kvfence_requests_running") == 0 and get(after, "kvfence_engine_ready") == 1
+
+
+def test_running_gauge_and_used_pages_while_a_request_runs(server):
+    body = {"model": MODEL, "prompt": "Tell a long story:", "max_tokens": 300, "stream": True, "ignore_eos": True}
+    with server.http() as h, h.stream("POST", "/v1/completions", json=body) as r:
+        events = r.iter_lines()
+        assert next(events).startswith("data: ")
+        m = server.metrics()
+        assert m[("kvfence_requests_running", frozenset())] == 1
+        assert m[("kvfence_kv_pages", frozenset({("state", "used")}))] >= 1
+    server.wait_idle()
+
+
+def test_isolation_statement_reflects_the_live_config(server):
+    st = server.client().get("/kvfence/isolation", cast_to=object)
+    facts = server.engine.facts
+    iso = st["kv_memory_isolation"]
+    assert iso["scrub_policy"]["policy"] == "zero" and "zeros" in iso["scrub_policy"]["meaning"]
+    assert iso["read_checks_before_every_forward_pass"] is True
+    pc = iso["prefix_cache"]
+    assert pc["enabled"] is True and "per tenant" in pc["scope"]
+    assert pc["cross_tenant_sharing"].startswith("explicit opt-in only: 2 tenant(s) share 1 declared public")
+    assert iso["tenancy"] == {"mode": "multi-tenant", "tenants_configured": 7, "identity": iso["tenancy"]["identity"]}
+    assert "API key" in iso["tenancy"]["identity"]
+    cap = st["capacity"]
+    assert cap["advertised_context_tokens"] == 1440 == facts["usable_context"]
+    assert cap["pools"][0]["capacity_tokens"] == 1440 and cap["pools"][0]["pages"] == 90
+    assert cap["pools"][0]["advertised_context_fits"] is True
+    assert cap["clamped_to_pool"] is True and cap["model_max_context_tokens"] == 8192
+    assert "context_length_exceeded" in cap["request_that_does_not_fit"]
+    assert cap["per_tenant_prompt_caps"] == [16]
+    dh = st["data_handling"]
+    assert dh["prompt_text_logged"] is False and dh["prompt_text_stored"] is False and dh["api_keys_logged"] is False
+    checks = {c["name"]: c for c in st["startup_checks"]}
+    assert set(checks) == {"capacity", "read checks before every forward pass", "warm-up request", "scrub on free"}
+    assert all(c["status"] == "passed" for c in checks.values())
+    assert "read back as zero" in checks["scrub on free"]["detail"]
+    assert st["model"]["served_name"] == MODEL and st["model"]["fingerprint"] == facts["fingerprint"]
+    assert st["live"]["pages_quarantined"] == 0
+
+
+def test_isolation_cli_prints_the_same_statement(server, capsys):
+    assert cli_main(["isolation", "--url", server.url, "--api-key", KEYS["alice"]]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    live = server.client().get("/kvfence/isolation", cast_to=object)
+    for part in ("kv_memory_isolation", "capacity", "data_handling", "startup_checks", "model"):
+        assert printed[part] == live[part]
+
+
+def test_isolation_cli_from_config_reflects_scrub_and_pool(loaded_fp32, monkeypatch, capsys, tmp_path):
+    from kvfence.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine.LoadedModel, "load", classmethod(lambda cls, cfg: loaded_fp32))
+    tenants = tmp_path / "t.toml"
+    tenants.write_text("[tenants.a]\napi_keys = ['sk-aaaaaaaa']\nmax_prompt_tokens = 100\n")
+    rc = cli_main(["isolation", "--dtype", "float32", "--kv-cache-memory", "32MiB", "--clamp-context",
+                   "--scrub", "poison", "--tenants", str(tenants)])
+    assert rc == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["kv_memory_isolation"]["scrub_policy"]["policy"] == "poison"
+    pages = (32 << 20) // page_bytes(loaded_fp32.model.config, 16, torch.float32) - 1    # one is the null page
+    assert st["capacity"]["pools"][0]["capacity_tokens"] == st["capacity"]["advertised_context_tokens"] == pages * 16
+    assert st["capacity"]["pools"][0]["pages"] == pages and st["capacity"]["clamped_to_pool"] is True
+    assert st["capacity"]["per_tenant_prompt_caps"] == [100]
+    assert st["kv_memory_isolation"]["tenancy"]["mode"] == "multi-tenant"
+    assert st["kv_memory_isolation"]["prefix_cache"]["cross_tenant_sharing"] == "none: no tenant has opted in"
+    scrub = next(c for c in st["startup_checks"] if c["name"] == "scrub on free")
+    assert scrub["status"] == "passed" and "as poison" in scrub["detail"]
+
+
+def test_isolation_cli_refuses_a_context_the_pool_cannot_hold(loaded_fp32, monkeypatch, capsys):
+    from kvfence.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine.LoadedModel, "load", classmethod(lambda cls, cfg: loaded_fp32))
+    assert cli_main(["isolation", "--dtype", "float32", "--kv-cache-memory", "16MiB"]) == 2
+    assert "exceeds the KV pool capacity" in capsys.readouterr().err
+
+
+def test_isolation_violation_fails_closed_through_the_api(make_server):
+    """Corrupt one request's block table inside the engine (a stale epoch on its first page):
+    the I2 check aborts it, the client gets an error (never a 200), the page is quarantined,
+    the violation is counted, and another tenant's concurrent request is untouched."""
+    srv = make_server()
+    c_bob = srv.client("bob")
+    kw = dict(model=MODEL, prompt="The capital of France is", max_tokens=24, temperature=0,
+              extra_body={"ignore_eos": True})
+    clean = c_bob.completions.create(**kw).choices[0].text
+    srv.spy.fault_tenants.add("alice")
+    results = {}
+
+    def bystander():
+        results["bob"] = c_bob.completions.create(**kw).choices[0].text
+
+    t = threading.Thread(target=bystander)
+    t.start()
+    with pytest.raises(openai.InternalServerError) as e:
+        srv.client("alice").completions.create(**kw)
+    t.join(60)
+    assert e.value.status_code == 500 and e.value.code == "request_aborted"
+    assert "isolation check I2 failed" in e.value.message
+    assert results["bob"] == clean
+    snap = srv.wait_idle()
+    assert snap["pages_quarantined"] == 1 and snap["pages_owned"] == 0
+    assert snap["pages_free"] + snap["pages_shared"] + 1 == snap["pages_total"]
+    assert srv.metric("kvfence_isolation_violations_total", invariant="I2") == 1
+    assert srv.metric("kvfence_kv_pages", state="quarantined") == 1
+    assert srv.metric("kvfence_requests_total", tenant="alice", outcome="error") == 1
+    # streaming: the error arrives as an error event, and the client raises
+    srv.spy.fault_tenants.add("alice")
+    with pytest.raises(openai.APIError) as e:
+        for _ in srv.client("alice").completions.create(stream=True, **kw):
+            pass
+    assert "isolation check I2 failed" in str(e.value)
+    assert srv.metric("kvfence_isolation_violations_total", invariant="I2") == 2
+    assert srv.client("bob").completions.create(**kw).choices[0].text == clean
+
+
+def test_http_bench_against_the_server(single, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = cli_main(["bench", "--url", single.url, "--num-requests", "4", "--concurrency", "2",
+                   "--prompt-tokens", "12", "--output-tokens", "5", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["ok"] == 4 and report["errors"] == {}
+    assert report["output_tokens"] == 20 and report["prompt_tokens"] >= 4 * 12
+    assert report["model"] == MODEL and report["concurrency"] == 2
+    assert 0 < report["ttft_ms"]["p50"] <= report["ttft_ms"]["p99"]
+    assert report["itl_ms"]["p50"] > 0 and report["output_tps"] > 0
+    assert "TTFT" in capsys.readouterr().out

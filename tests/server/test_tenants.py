@@ -1,0 +1,232 @@
+"""Tenants: identity from the API key only, per-tenant limits, keys and prompts never logged,
+and the tenants file's validation."""
+from __future__ import annotations
+
+import logging
+import time
+
+import httpx
+import openai
+import pytest
+from server_harness import KEYS, MODEL, wait_for
+
+from kvfence.server.errors import APIError
+from kvfence.server.tenants import Limits, Tenant, TenantLimiter, TenantRegistry, TenantsFileError
+
+
+def _rid_tenant(server, rid: str) -> str:
+    tenant, prompt = server.spy.seen[rid]
+    assert prompt is None            # the engine never gets the prompt text
+    return tenant
+
+
+def test_tenant_comes_from_the_key_never_from_the_request(server):
+    c = server.client("alice")
+    r = c.completions.create(model=MODEL, prompt="Hi", max_tokens=2, user="bob",
+                             extra_body={"tenant": "bob", "tenant_id": "bob"},
+                             extra_headers={"X-Tenant": "bob", "OpenAI-Organization": "bob"})
+    assert _rid_tenant(server, r.id) == "alice"
+    r = server.client("alice2").chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                         max_tokens=2, user="bob")
+    assert _rid_tenant(server, r.id) == "alice"     # alice's second key: still alice
+    r = server.client("bob").completions.create(model=MODEL, prompt="Hi", max_tokens=2, user="alice")
+    assert _rid_tenant(server, r.id) == "bob"
+
+
+def test_single_tenant_mode_needs_no_key_and_says_so(single):
+    r = single.client("anything-at-all").completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert _rid_tenant(single, r.id) == "default"
+    r = httpx.post(single.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})   # no key, no model
+    assert r.status_code == 200 and _rid_tenant(single, r.json()["id"]) == "default"
+    tenancy = single.client().get("/kvfence/isolation", cast_to=object)["kv_memory_isolation"]["tenancy"]
+    assert tenancy["mode"] == "single-tenant" and "not checked" in tenancy["identity"]
+
+
+def test_single_tenant_mode_is_announced_at_start_up(caplog):
+    from kvfence.server.serve import load_tenants
+
+    with caplog.at_level(logging.INFO):
+        reg = load_tenants(None)
+    assert reg.single_tenant
+    assert any("SINGLE-TENANT" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+
+
+def test_max_prompt_tokens_per_tenant(server):
+    ok = server.client("capped").completions.create(model=MODEL, prompt="Hi there", max_tokens=2)
+    assert ok.usage.prompt_tokens <= 16
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client("capped").completions.create(model=MODEL, prompt="word " * 40, max_tokens=2)
+    assert e.value.code == "tenant_max_prompt_tokens" and "16" in e.value.message and "40" in e.value.message
+    # the same prompt is fine for a tenant without the cap
+    assert server.client("alice").completions.create(model=MODEL, prompt="word " * 40, max_tokens=2).usage
+
+
+def test_max_concurrent_requests_gives_429_and_others_keep_going(server):
+    body = {"model": MODEL, "prompt": "Count:", "max_tokens": 400, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with server.http("solo") as h:
+        with h.stream("POST", "/v1/completions", json=body) as held:
+            assert held.status_code == 200
+            events = held.iter_lines()    # keep a reference: a collected iterator closes the connection
+            assert next(events).startswith("data: ")     # first token streamed: the request is running
+            with pytest.raises(openai.RateLimitError) as e:
+                server.client("solo").completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+            assert e.value.status_code == 429 and e.value.code == "tenant_max_concurrent_requests"
+            assert e.value.response.headers["retry-after"] == "1"
+            # another tenant is served meanwhile
+            assert server.client("bob").completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage
+    # the held stream was closed: its slot comes back
+    assert wait_for(lambda: server.state.limiter.in_flight("solo") == 0, 10)
+    assert server.client("solo").completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage
+    assert server.metric("kvfence_admission_rejections_total", reason="tenant_max_concurrent_requests") >= 1
+
+
+def test_tokens_per_minute_gives_429_with_retry_after(server):
+    c = server.client("metered")
+    r = c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=52, temperature=0,
+                             extra_body={"ignore_eos": True})
+    used = r.usage.total_tokens
+    assert used == r.usage.prompt_tokens + 52 and 52 < used <= 60
+    assert server.state.limiter.tokens_in_window("metered") == used
+    with pytest.raises(openai.RateLimitError) as e:
+        c.completions.create(model=MODEL, prompt="The capital of Spain is a city called", max_tokens=2)  # 8 tokens
+    assert e.value.code == "tenant_tokens_per_minute" and "60" in e.value.message
+    assert 1 <= int(e.value.response.headers["retry-after"]) <= 60
+    assert server.client("alice").completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage
+
+
+def test_limiter_window_slides():
+    now = [1000.0]
+    lim = TenantLimiter(clock=lambda: now[0])
+    t = Tenant("t", Limits(tokens_per_minute=100, max_concurrent_requests=2))
+    a = lim.admit(t, 50)
+    a.release(completion_tokens=30)            # 80 used
+    with pytest.raises(APIError) as e:
+        lim.admit(t, 30)
+    assert e.value.status == 429 and e.value.headers["Retry-After"] == "60"
+    now[0] += 61                               # the window has moved past both entries
+    b, c = lim.admit(t, 30), lim.admit(t, 30)
+    with pytest.raises(APIError) as e:
+        lim.admit(t, 1)
+    assert e.value.code == "tenant_max_concurrent_requests"
+    b.release()
+    b.release()                                # releasing twice frees one slot only
+    assert lim.in_flight("t") == 1
+    c.release()
+    assert lim.in_flight("t") == 0
+
+
+def test_keys_and_prompts_are_never_logged(server, caplog):
+    secret_prompt = "zebra-quartz-4417 is my password"
+    with caplog.at_level(logging.DEBUG):
+        r = server.client("bob").completions.create(model=MODEL, prompt=secret_prompt, max_tokens=16,
+                                                    extra_body={"ignore_eos": True})
+        list(server.client("bob").chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": secret_prompt}], max_tokens=3, stream=True))
+        with pytest.raises(openai.AuthenticationError):
+            server.client("sk-leaked-key-123").completions.create(model=MODEL, prompt=secret_prompt, max_tokens=3)
+        time.sleep(0.2)
+    # the server's own logs (the openai client's debug log, in this process too, is not the server's)
+    text = "\n".join(rec.getMessage() for rec in caplog.records if rec.name.startswith(("kvfence", "uvicorn")))
+    assert "POST /v1/completions" in text                                     # access log captured too
+    assert r.id in text and "tenant=bob" in text and "prompt_tokens=" in text   # counts are logged
+    for secret in ("zebra", "quartz", "password", KEYS["bob"], "sk-leaked-key-123"):
+        assert secret not in text, secret
+    completion = r.choices[0].text.strip()
+    if len(completion) >= 20:          # long enough not to occur in a log line by chance
+        assert completion not in text
+
+
+# -- the tenants file ------------------------------------------------------------------------
+
+def test_tenants_file_round_trip(tmp_path):
+    import hashlib
+
+    p = tmp_path / "tenants.toml"
+    digest = hashlib.sha256(b"sk-hashed-key-1").hexdigest()
+    p.write_text(f"""
+[defaults]
+tokens_per_minute = 1000
+
+[tenants.acme]
+api_keys = ["sk-acme-key-1"]
+max_prompt_tokens = 512
+
+[tenants.globex]
+api_key_sha256 = ["{digest}"]
+tokens_per_minute = 5
+""")
+    reg = TenantRegistry.from_file(p)
+    assert not reg.single_tenant
+    acme = reg.authenticate("Bearer sk-acme-key-1")
+    assert acme.name == "acme" and acme.limits == Limits(512, None, 1000)
+    globex = reg.authenticate("bearer   sk-hashed-key-1")
+    assert globex.name == "globex" and globex.limits.tokens_per_minute == 5
+    for bad in (None, "", "Bearer", "Bearer sk-acme-key-2", "sk-acme-key-1", "Basic sk-acme-key-1"):
+        with pytest.raises(APIError) as e:
+            reg.authenticate(bad)
+        assert e.value.status == 401
+
+
+@pytest.mark.parametrize("toml,fragment", [
+    ("[tenants.a]\napi_keys = []\n", "needs api_keys"),
+    ("[tenants.a]\napi_keys = ['short']\n", "shorter than 8"),
+    ("[tenants.a]\napi_keys = ['sk-same-key-1']\n[tenants.b]\napi_keys = ['sk-same-key-1']\n", "also given"),
+    ("[tenants.a]\napi_keys = ['sk-aaaaaaaa']\nmax_concurrent_requests = 0\n", "positive integer"),
+    ("[tenants.a]\napi_keys = ['sk-aaaaaaaa']\nmax_concurent_requests = 3\n", "unknown field"),
+    ("[tenants.'bad name']\napi_keys = ['sk-aaaaaaaa']\n", "tenant names"),
+    ("[tenant.a]\napi_keys = ['sk-aaaaaaaa']\n", "unknown top-level"),
+    ("", "no tenants"),
+    ("[tenants.a\n", "not valid TOML"),
+])
+def test_bad_tenants_files_are_refused_clearly(tmp_path, toml, fragment):
+    p = tmp_path / "t.toml"
+    p.write_text(toml)
+    with pytest.raises(TenantsFileError, match=fragment) as e:
+        TenantRegistry.from_file(p)
+    assert "sk-same-key-1" not in str(e.value)       # a key is never echoed back
+
+
+# -- the tenant-scoped prefix cache through the API (I9) -------------------------------------
+
+LONG_PROMPT = ("Our company handbook, section one: every employee receives a laptop, a badge and a desk. "
+               "Section two: holidays are requested two weeks ahead. Section three says that")
+
+
+def test_prefix_cache_hits_within_a_tenant_never_across(make_server):
+    srv = make_server()          # a fresh cache
+    kw = dict(model=MODEL, prompt=LONG_PROMPT, max_tokens=6, temperature=0)
+    first = srv.client("alice").completions.create(**kw)
+    n = first.usage.prompt_tokens
+    assert n >= 33 and first.usage.prompt_tokens_details.cached_tokens == 0
+    again = srv.client("alice2").completions.create(**kw)     # alice's other key: same tenant
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached == (n - 1) // 16 * 16 and cached >= 32          # whole pages, one token left to compute
+    assert again.choices[0].text == first.choices[0].text       # identical greedy output from cached KV
+    other = srv.client("bob").completions.create(**kw)           # same prompt, another tenant
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert other.choices[0].text == first.choices[0].text
+    # streaming reports it too
+    chunks = list(srv.client("bob").completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached   # bob now hits his own entry
+    assert srv.metric("kvfence_prefix_cache_hit_tokens_total") == 2 * cached
+
+
+def test_public_prefix_scope_is_shared_only_by_tenants_that_opt_in(make_server):
+    srv = make_server()
+    kw = dict(model=MODEL, prompt=LONG_PROMPT + " the office", max_tokens=3, temperature=0)
+    assert srv.client("pub1").completions.create(**kw).usage.prompt_tokens_details.cached_tokens == 0
+    assert srv.client("pub2").completions.create(**kw).usage.prompt_tokens_details.cached_tokens >= 32
+    assert srv.client("alice").completions.create(**kw).usage.prompt_tokens_details.cached_tokens == 0
+    assert _rid_tenant(srv, list(srv.spy.seen)[-1]) == "alice"
+
+
+def test_public_prefix_scope_in_the_tenants_file(tmp_path):
+    p = tmp_path / "t.toml"
+    p.write_text("[tenants.a]\napi_keys = ['sk-aaaaaaaa']\npublic_prefix_scope = 'docs-v1'\n"
+                 "[tenants.b]\napi_keys = ['sk-bbbbbbbb']\n")
+    reg = TenantRegistry.from_file(p)
+    assert reg.tenants["a"].public_prefix_scope == "docs-v1" and reg.tenants["b"].public_prefix_scope is None
+    p.write_text("[tenants.a]\napi_keys = ['sk-aaaaaaaa']\npublic_prefix_scope = 'has space'\n")
+    with pytest.raises(TenantsFileError, match="public_prefix_scope"):
+        TenantRegistry.from_file(p)
