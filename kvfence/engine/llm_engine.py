@@ -58,6 +58,9 @@ class LLMEngine:
         """`loaded` lets several engines share one set of weights (tests, benchmarks)."""
         self.config = cfg = config or EngineConfig()
         torch.set_num_threads(cfg.threads())
+        # Denormal floats appear in activations and the KV cache; on CPU each one costs a
+        # microcode assist (measured: bench decode step 124 ms -> 76 ms with them flushed).
+        torch.set_flush_denormal(True)
         self.device = cfg.resolved_device()
         dtype = cfg.torch_dtype()
         loaded = loaded or LoadedModel.load(cfg)
