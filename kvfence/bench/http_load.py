@@ -15,11 +15,12 @@ import json
 import logging
 import os
 import random
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
 import httpx
+
+from kvfence.bench.stats import percentiles
 
 _WORDS = ("time person year way day thing man world life hand part child eye woman place work week case "
           "point government company number group problem fact river mountain garden window music story "
@@ -57,15 +58,6 @@ class Report:
     itl_ms: dict
     tpot_ms: dict
     latency_ms: dict
-
-
-def percentiles(values: list[float]) -> dict:
-    if not values:
-        return {}
-    v = sorted(values)
-    at = lambda q: v[min(len(v) - 1, int(q * (len(v) - 1) + 0.5))] * 1e3  # noqa: E731
-    return {"p50": round(at(0.5), 2), "p90": round(at(0.9), 2), "p99": round(at(0.99), 2),
-            "mean": round(statistics.fmean(v) * 1e3, 2)}
 
 
 def make_prompt(i: int, words: int, seed: int = 0) -> str:

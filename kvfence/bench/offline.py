@@ -7,10 +7,10 @@ from __future__ import annotations
 import gc
 import json
 import random
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
+from kvfence.bench.stats import percentiles
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.llm_engine import LLMEngine, LoadedModel
 from kvfence.engine.params import SamplingParams
@@ -48,15 +48,6 @@ class Result:
         return self.total_tokens / self.seconds
 
 
-def _pct(values: list[float]) -> dict:
-    if not values:
-        return {}
-    v = sorted(values)
-    at = lambda q: v[min(len(v) - 1, int(q * (len(v) - 1) + 0.5))] * 1e3  # noqa: E731
-    return {"p50": round(at(0.5), 2), "p90": round(at(0.9), 2), "p99": round(at(0.99), 2),
-            "mean": round(statistics.fmean(v) * 1e3, 2)}
-
-
 def run_engine(name: str, loaded: LoadedModel, cfg: EngineConfig, wl: Workload) -> Result:
     engine = LLMEngine(cfg, loaded)
     prompts = wl.prompts(engine.model_config.vocab_size)
@@ -77,7 +68,7 @@ def run_engine(name: str, loaded: LoadedModel, cfg: EngineConfig, wl: Workload) 
     ttft = [s.first_token_at - start for s in seqs]
     itl = [b - a for s in seqs for a, b in zip(s.token_times, s.token_times[1:])]
     check = engine.runner.check_seconds
-    return Result(name, seconds, out, out + wl.num_requests * wl.prompt_tokens, _pct(ttft), _pct(itl),
+    return Result(name, seconds, out, out + wl.num_requests * wl.prompt_tokens, percentiles(ttft), percentiles(itl),
                   note=f"ledger checks {check * 1e3:.1f} ms ({100 * check / seconds:.3f}% of the run), "
                        f"violations={dict(engine.ledger.violations)} preemptions={engine.scheduler.num_preemptions}")
 
