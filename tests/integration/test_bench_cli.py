@@ -1,0 +1,20 @@
+"""The offline bench command runs end to end on a tiny workload and reports what it ran."""
+from __future__ import annotations
+
+import json
+
+from kvfence.cli import main
+
+
+def test_bench_tiny_workload_writes_results(tmp_path):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--num-requests", "2", "--prompt-tokens", "16", "--output-tokens", "4", "--quick",
+               "--repeat", "1", "--peers", "", "--kv-cache-memory", "64MiB", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["workload"]["num_requests"] == 2
+    names = [r["name"] for r in data["results"]]
+    assert names == ["kvfence (checks on, scrub zero)", "kvfence (checks off, scrub zero)"]
+    for r in data["results"]:
+        assert r["output_tokens"] == 8 and r["seconds"] > 0 and r["ttft_ms"]["p50"] > 0
+    assert "ledger checks" in data["results"][0]["note"]
