@@ -54,6 +54,8 @@ class StepOutput:
 
 
 class LLMEngine:
+    # machine-readable reasons an aborted request carries, for callers that map them to errors
+    ABORT_CODES = ("client", "isolation_violation", "kv_pool_exhausted")
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         """`loaded` lets several engines share one set of weights (tests, benchmarks)."""
         self.config = cfg = config or EngineConfig()
@@ -137,7 +139,7 @@ class LLMEngine:
     def abort(self, request_id: str, reason: str = "aborted by client") -> None:
         seq = self.requests.get(request_id)
         if seq is not None and not seq.finished:
-            self._end(seq, Event.ABORT, "aborted", reason)
+            self._end(seq, Event.ABORT, "aborted", reason, code="client")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -146,7 +148,8 @@ class LLMEngine:
         if self.prefix_cache is not None:
             self.prefix_cache.publish(seq.owner, seq.cache_scope, seq.all_ids, seq.table, seq.num_computed)
 
-    def _end(self, seq: Sequence, event: Event, reason: str, error: str | None = None) -> None:
+    def _end(self, seq: Sequence, event: Event, reason: str, error: str | None = None,
+             code: str | None = None) -> None:
         if event is Event.FINISH:
             self._publish(seq)
         self.scheduler.remove(seq)
@@ -154,6 +157,7 @@ class LLMEngine:
         seq.on(event)
         seq.finish_reason = reason
         seq.error = error
+        seq.abort_code = code
         self.requests.pop(seq.request_id, None)
         self.outcomes[reason] += 1
 
@@ -164,7 +168,8 @@ class LLMEngine:
         for seq in self.scheduler.unservable:
             self._end(seq, Event.ABORT, "aborted",
                       f"the KV pool cannot hold this request ({seq.num_tokens} tokens, "
-                      f"{self.ledger.num_free} free pages, {self.ledger.num_quarantined} quarantined)")
+                      f"{self.ledger.num_free} free pages, {self.ledger.num_quarantined} quarantined)",
+                      code="kv_pool_exhausted")
             outputs.append(StepOutput(seq, [], "", True))
         self.scheduler.unservable.clear()
         if not step:
@@ -173,7 +178,8 @@ class LLMEngine:
         for s, v in result.violations:
             self.ledger.quarantine([v.page], reason=f"{v.invariant} violation")
             log.error("isolation violation %s on request %s: %s", v.invariant, s.seq.request_id, v.detail)
-            self._end(s.seq, Event.ABORT, "aborted", f"isolation check {v.invariant} failed: {v.detail}")
+            self._end(s.seq, Event.ABORT, "aborted", f"isolation check {v.invariant} failed: {v.detail}",
+                      code="isolation_violation")
             outputs.append(StepOutput(s.seq, [], "", True))
         if result.sampled:
             seqs = [s.seq for s in result.sampled]

@@ -40,6 +40,7 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    abort_code: str | None = None            # why an aborted request ended: see LLMEngine.ABORT_CODES
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     token_times: list[float] = field(default_factory=list)

@@ -301,6 +301,12 @@ class _Run:
         u = self.last
         if u is None:
             return APIError(503, "The engine stopped before the request finished.", code="engine_unavailable")
+        if u.abort_code == "kv_pool_exhausted":  # capacity, not a fault: the client may retry later
+            return APIError(503, f"The server cannot hold this request right now: {u.error}.",
+                            code="kv_pool_exhausted")
+        if u.abort_code == "isolation_violation":
+            return APIError(500, f"The request was stopped by an isolation check: {u.error}.",
+                            code="isolation_violation")
         return APIError(500, f"The request was aborted: {u.error or u.finish_reason}.", code="request_aborted")
 
     async def collect(self) -> Response:

@@ -54,6 +54,7 @@ class Update:
     logprobs: tuple[Logprob, ...] = ()
     first_token_at: float | None = None
     token_times: tuple[float, ...] = ()
+    abort_code: str | None = None
 
 
 @dataclass
@@ -277,7 +278,8 @@ class EngineLoop:
         sink.sent_times = len(seq.token_times)
         return Update(token_ids, text, finished, seq.finish_reason if finished else None,
                       seq.error if finished else None, len(seq.prompt_ids), len(seq.output_ids),
-                      cached_tokens_of(seq), lps, seq.first_token_at, times)
+                      cached_tokens_of(seq), lps, seq.first_token_at, times,
+                      seq.abort_code if finished else None)
 
     def _publish(self, engine) -> None:
         s = engine.stats()

@@ -90,3 +90,20 @@ def test_scrub_policy_applies_to_freed_pages(make_llm, policy, expect):
     else:
         assert torch.isnan(data).all()
     assert torch.count_nonzero(eng.pool.read_pages([0])) == 0  # null page stays zero
+
+
+def test_request_the_pool_cannot_hold_is_aborted_with_a_capacity_code(make_llm):
+    """Admission passed (it fits the context), but quarantined pages leave too little room:
+    the request ends with kv_pool_exhausted instead of waiting forever."""
+    llm = make_llm(max_model_len=256)
+    eng = llm.engine
+    led = eng.ledger
+    led.quarantine(range(1, led.num_pages - 4), "test")  # 4 pages (64 tokens) left
+    seq = eng.add_request([100] * 100, SamplingParams(max_tokens=4))
+    while eng.has_unfinished():
+        eng.step()
+    assert seq.finish_reason == "aborted" and seq.abort_code == "kv_pool_exhausted"
+    assert "cannot hold" in seq.error and led.num_owned == 0
+    other = eng.add_request([100] * 10, SamplingParams(max_tokens=4))
+    eng.abort(other.request_id)
+    assert other.abort_code == "client" and led.num_owned == 0

@@ -69,7 +69,7 @@ def test_fault_aborts_only_the_faulty_request(make_llm, baseline, fault, invaria
     llm = make_llm()
     seqs = run_with_fault(llm, fault, at_step)
     a, b, c = seqs
-    assert a.state is State.ABORTED and a.finish_reason == "aborted"
+    assert a.state is State.ABORTED and a.finish_reason == "aborted" and a.abort_code == "isolation_violation"
     assert f"isolation check {invariant} failed" in a.error
     assert llm.engine.ledger.violations[invariant] == 1
     # the others go on untouched, token for token

@@ -160,7 +160,7 @@ def test_isolation_violation_fails_closed_through_the_api(make_server):
     with pytest.raises(openai.InternalServerError) as e:
         srv.client("alice").completions.create(**kw)
     t.join(60)
-    assert e.value.status_code == 500 and e.value.code == "request_aborted"
+    assert e.value.status_code == 500 and e.value.code == "isolation_violation"
     assert "isolation check I2 failed" in e.value.message
     assert results["bob"] == clean
     snap = srv.wait_idle()
