@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up kvfence in ./.venv on a fresh machine. `--test` also installs what the test
-# suite needs (transformers as the reference model, spin for the formal model).
+# Set up kvfence in ./.venv on a fresh machine (as root it also apt-installs libibverbs1,
+# which the PD transfer engine needs). `--test` also installs what the test suite needs
+# (transformers as the reference model, spin for the formal model).
 # Safe to run again: it only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +13,15 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+
+# the Mooncake transfer engine (PD mode) loads libibverbs even for its TCP transport
+if ! ldconfig -p 2>/dev/null | grep -q libibverbs; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null
+    else
+        echo "note: PD mode needs libibverbs1 (Debian package 'libibverbs1'); install it as root" >&2
+    fi
+fi
 
 # torch first and pinned: a looser requirement pulls a multi-GB CUDA build
 .venv/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0')" 2>/dev/null \
