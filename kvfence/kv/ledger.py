@@ -111,7 +111,8 @@ class Ledger:
         self.refcount = np.zeros(num_pages, dtype=np.int64)  # requests attached to a SHARED page
         self._attached: dict[int, list[int]] = {}  # request -> SHARED pages it holds a reference on
         self._evictable: OrderedDict[int, None] = OrderedDict()  # SHARED, refcount 0, least recent first
-        self.on_evict: Callable[[int], None] | None = None  # the prefix cache forgets the page        self.state[NULL_PAGE] = PageState.RESERVED_NULL
+        self.on_evict: Callable[[int], None] | None = None  # the prefix cache forgets the page
+        self.state[NULL_PAGE] = PageState.RESERVED_NULL
         self._free: deque[int] = deque(range(num_pages - 1, 0, -1))
         self._tenants: dict[str, int] = {}
         self.counters: Counter[str] = Counter()
@@ -376,6 +377,8 @@ class Ledger:
     # -- invariant audit, for tests ------------------------------------------------------
     def check_consistency(self) -> None:
         """Raise if the ledger's own records disagree (I1): used by tests after every step."""
+        if self.state[NULL_PAGE] != PageState.RESERVED_NULL:
+            raise LedgerError("the null page lost its reserved state")
         free = set(self._free)
         if len(free) != len(self._free):
             raise LedgerError("a page is on the free list twice")
@@ -385,8 +388,6 @@ class Ledger:
                 raise LedgerError(f"page {p}: state {PageState(st).name} but on free list: {p in free}")
             if (st == PageState.SHARED) != (p in self._evictable or self.refcount[p] > 0):
                 raise LedgerError(f"page {p}: shared={st == PageState.SHARED} but refcount {self.refcount[p]}")
-            if st == PageState.SHARED and self.refcount[p] == 0 and p not in self._evictable:
-                raise LedgerError(f"unreferenced shared page {p} is not evictable")
             if st != PageState.OWNED and self.owner_request[p] != -1:
                 raise LedgerError(f"page {p} is {PageState(st).name} yet has an owner")
             if st == PageState.OWNED and self.owner_request[p] < 0:

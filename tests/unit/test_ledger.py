@@ -18,6 +18,7 @@ def test_grant_records_one_owner_and_free_bumps_epoch():
     t = BlockTable()
     led.allocate(a, 3, t)
     assert len(t) == 3 and NULL_PAGE not in t.pages
+    assert led.state[NULL_PAGE] == PageState.RESERVED_NULL
     for p, e in zip(t.pages, t.epochs):
         assert led.state[p] == PageState.OWNED and led.owner_request[p] == 1 and led.epoch[p] == e
     pages = list(t.pages)
