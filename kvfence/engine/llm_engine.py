@@ -10,6 +10,7 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -51,11 +52,16 @@ class StepOutput:
     new_token_ids: list[int]
     delta_text: str
     finished: bool
+    event: str | None = None     # PD: kv_held (data: the manifest), kv_verified, kv_failed
+    data: dict | None = None
 
 
 class LLMEngine:
     # machine-readable reasons an aborted request carries, for callers that map them to errors
-    ABORT_CODES = ("client", "isolation_violation", "kv_pool_exhausted")
+    ABORT_CODES = ("client", "isolation_violation", "kv_pool_exhausted",
+                   # PD (kvfence/pd)
+                   "lease_expired", "aborted_by_peer", "kv_transfer_failed", "kv_transfer_timeout",
+                   "kv_verification_failed")
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         """`loaded` lets several engines share one set of weights (tests, benchmarks)."""
         self.config = cfg = config or EngineConfig()
@@ -80,6 +86,10 @@ class LLMEngine:
         self.sampler = Sampler()
         self.requests: dict[str, Sequence] = {}
         self.outcomes: Counter[str] = Counter()
+        # PD: a KvExporter (prefill node) or KvImporter (decode node) attaches itself here
+        self.kv_link = None
+        self._pending_outputs: list[StepOutput] = []  # produced outside step(), returned by the next one
+        self.wake: Callable[[], None] = lambda: None  # the server's loop sets this: wakes a blocked loop
         log.info("model %s (%s, %s on %s); KV pool %d pages x %d tokens = %d tokens (%.1f MiB, scrub=%s); %s",
                  self.model_config.name, self.model_path.name, cfg.dtype, self.device, self.ledger.usable_pages,
                  cfg.page_size, self.ledger.capacity_tokens, self.pool.nbytes / 2**20, self.ledger.scrub.value,
@@ -103,12 +113,18 @@ class LLMEngine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, tenant: str = "default",
                     request_id: str | None = None, prompt: str | None = None,
-                    public_prefix_scope: str | None = None) -> Sequence:
+                    public_prefix_scope: str | None = None, hold_kv: bool = False,
+                    kv_source=None) -> Sequence:
         """Admit a request (I4) or raise ContextLengthExceeded before anything is allocated.
 
         The prefix cache is scoped to the tenant; `public_prefix_scope` (which the caller must
         only pass for a tenant that opted in) shares cached prefixes across tenants that name
-        the same public scope (I9)."""
+        the same public scope (I9).
+
+        PD: `hold_kv` (prefill node) computes all prompt tokens but the last and hands the
+        KV to the attached KvExporter; `kv_source` (decode node) is the handoff's manifest,
+        and the attached KvImporter reserves, pulls and verifies before the request runs.
+        Either way the request is admitted against its whole prompt + max_tokens."""
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -118,13 +134,19 @@ class LLMEngine:
             1, self.usable_context - len(prompt_ids))
         # a NUL can't appear in a tenant name taken from a tenants file, so scopes never collide
         scope = f"\0public:{public_prefix_scope}" if public_prefix_scope else tenant
+        if (hold_kv or kv_source is not None) and self.kv_link is None:
+            raise ValueError("this engine is not a PD node: no KV link attached")
+        if hold_kv and len(prompt_ids) < 2:
+            raise ValueError("a one-token prompt has nothing to prefill; send it to decode directly")
         seq = Sequence(request_id=request_id, tenant=tenant,
                        owner=Owner(self.ledger.tenant_id(tenant), Sequence.next_number(),
                                    scope=self.ledger.tenant_id(scope)),
-                       prompt_ids=list(prompt_ids), params=params, max_tokens=max_tokens, prompt=prompt,
-                       cache_scope=scope)
+                       prompt_ids=list(prompt_ids[:-1] if hold_kv else prompt_ids), params=params,
+                       max_tokens=max_tokens, prompt=prompt, cache_scope=scope, hold_kv=hold_kv)
         try:
             check_fits(len(prompt_ids), max_tokens, self.usable_context)
+            if kv_source is not None:
+                self.kv_link.check(seq, kv_source)  # ManifestError: a handoff this node must not take
         except ValueError:
             seq.on(Event.REJECT)
             self.outcomes["rejected"] += 1
@@ -133,27 +155,39 @@ class LLMEngine:
         seq.generator = make_generator(params.seed, self.device)
         seq.detok = IncrementalDetokenizer(self.tokenizer.hf, seq.prompt_ids, params)
         self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        if kv_source is not None:
+            self._pending_outputs += self.kv_link.enqueue(seq, time.time())
+        else:
+            self.scheduler.add(seq)
         return seq
 
     def abort(self, request_id: str, reason: str = "aborted by client") -> None:
         seq = self.requests.get(request_id)
         if seq is not None and not seq.finished:
-            self._end(seq, Event.ABORT, "aborted", reason, code="client")
+            self.end(seq, Event.ABORT, "aborted", reason, code="client")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._pending_outputs) or (
+            self.kv_link is not None and self.kv_link.busy())
 
-    def _publish(self, seq: Sequence) -> None:
+    def next_timer(self) -> float | None:
+        """time.time() at which step() has timed work (PD leases, fences), or None."""
+        return None if self.kv_link is None else self.kv_link.next_timer()
+
+    def publish_prefix(self, seq: Sequence) -> None:
         if self.prefix_cache is not None:
             self.prefix_cache.publish(seq.owner, seq.cache_scope, seq.all_ids, seq.table, seq.num_computed)
 
-    def _end(self, seq: Sequence, event: Event, reason: str, error: str | None = None,
-             code: str | None = None) -> None:
+    def end(self, seq: Sequence, event: Event, reason: str, error: str | None = None,
+            code: str | None = None, reader_stopped: bool = False) -> None:
+        """The one way a request ends (FINISH, ABORT, or PD's RELEASE): pool pages back, and
+        PD transfer-buffer rows freed or fenced (a remote reader not known to have stopped)."""
         if event is Event.FINISH:
-            self._publish(seq)
+            self.publish_prefix(seq)
         self.scheduler.remove(seq)
         self.ledger.free(seq.owner, seq.table)
+        if self.kv_link is not None:
+            self.kv_link.on_end(seq, event, reader_stopped)
         seq.on(event)
         seq.finish_reason = reason
         seq.error = error
@@ -163,10 +197,12 @@ class LLMEngine:
 
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        outputs: list[StepOutput] = []
+        outputs, self._pending_outputs = self._pending_outputs, []
+        if self.kv_link is not None:
+            outputs += self.kv_link.poll(time.time())
         step = self.scheduler.schedule()
         for seq in self.scheduler.unservable:
-            self._end(seq, Event.ABORT, "aborted",
+            self.end(seq, Event.ABORT, "aborted",
                       f"the KV pool cannot hold this request ({seq.num_tokens} tokens, "
                       f"{self.ledger.num_free} free pages, {self.ledger.num_quarantined} quarantined)",
                       code="kv_pool_exhausted")
@@ -178,7 +214,7 @@ class LLMEngine:
         for s, v in result.violations:
             self.ledger.quarantine([v.page], reason=f"{v.invariant} violation")
             log.error("isolation violation %s on request %s: %s", v.invariant, s.seq.request_id, v.detail)
-            self._end(s.seq, Event.ABORT, "aborted", f"isolation check {v.invariant} failed: {v.detail}",
+            self.end(s.seq, Event.ABORT, "aborted", f"isolation check {v.invariant} failed: {v.detail}",
                       code="isolation_violation")
             outputs.append(StepOutput(s.seq, [], "", True))
         if result.sampled:
@@ -187,12 +223,16 @@ class LLMEngine:
             now = time.perf_counter()
             for seq, tok, lp in zip(seqs, sample.token_ids, sample.logprobs):
                 outputs.append(self._append(seq, tok, lp, now))
+        if self.kv_link is not None:  # PD prefill: prompts computed this pass go to the KV lease
+            done = [s.seq for s in result.ran if s.seq.hold_kv and s.seq.uncomputed == 0 and not s.seq.finished]
+            for seq in done:
+                outputs += self.kv_link.on_prefilled(seq, time.time())
         return outputs
 
     def _append(self, seq: Sequence, tok: int, lp, now: float) -> StepOutput:
         if seq.state is State.PREFILLING:
             seq.on(Event.PREFILL_DONE)
-            self._publish(seq)  # later requests with the same prefix can reuse it right away
+            self.publish_prefix(seq)  # later requests with the same prefix can reuse it right away
         seq.output_ids.append(tok)
         if seq.first_token_at is None:
             seq.first_token_at = now
@@ -213,7 +253,7 @@ class LLMEngine:
             delta += seq.detok.flush()
         seq.text += delta
         if reason is not None:
-            self._end(seq, Event.FINISH, reason)
+            self.end(seq, Event.FINISH, reason)
         return StepOutput(seq, [tok], delta, reason is not None)
 
     # -- introspection ---------------------------------------------------------------------
@@ -227,4 +267,5 @@ class LLMEngine:
             "pages_quarantined": led.num_quarantined, "capacity_tokens": led.capacity_tokens,
             "usable_context": self.usable_context, "preemptions": self.scheduler.num_preemptions,
             "violations": dict(led.violations), "outcomes": dict(self.outcomes),
+            **({"pd": self.kv_link.stats()} if self.kv_link is not None else {}),
         }

@@ -37,6 +37,11 @@ class Scheduler:
         assert seq.state is State.WAITING
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """A PD decode request whose transferred KV was verified: it holds all its pages."""
+        assert seq.state is State.DECODING and seq.reserved
+        self.running.append(seq)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -46,7 +51,18 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
+    def _victim_after(self, seq: Sequence) -> Sequence | None:
+        """The most recently started running sequence behind seq that may be preempted."""
+        for victim in reversed(self.running):
+            if victim is seq:
+                return None
+            if not victim.reserved:
+                return victim
+        return None
+
     def _preempt(self, victim: Sequence) -> None:
+        if victim.reserved:  # its KV came from a transfer: recomputing is not ours to do
+            raise RuntimeError(f"request {victim.request_id} holds reserved pages and cannot be preempted")
         self.ledger.free(victim.owner, victim.table)
         victim.num_computed = 0
         victim.num_preemptions += 1
@@ -65,8 +81,8 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.uncomputed, budget)
             need = self.ledger.pages_for(seq.num_computed + n) - len(seq.table)
-            while need > self.ledger.num_available and self.running[-1] is not seq:
-                self._preempt(self.running[-1])
+            while need > self.ledger.num_available and (victim := self._victim_after(seq)) is not None:
+                self._preempt(victim)
             if need > self.ledger.num_available:
                 if not out and len(self.running) == 1:
                     self.running.remove(seq)

@@ -47,6 +47,12 @@ class Sequence:
     num_preemptions: int = 0
     cache_scope: str = ""                    # prefix-cache scope name (the tenant's own by default)
     cached_tokens: int = 0                   # prompt tokens served from the prefix cache
+    # PD (kvfence/pd): a prefill node computes the prompt but its last token and holds the
+    # KV for decode (hold_kv); a decode node gets every page it will need at RESERVE
+    # (reserved: never preempted, it could not get its transferred KV back) from kv_source.
+    hold_kv: bool = False
+    reserved: bool = False
+    kv_source: object | None = None          # the handoff's Manifest
 
     @staticmethod
     def next_number() -> int:

@@ -119,3 +119,47 @@ class PageTransport:
                          [local_base + l * page_bytes for _, l in pairs],
                          [peer_base + r * page_bytes for r, _ in pairs],
                          [page_bytes] * len(pairs))
+
+
+class InProcessTransport:
+    """The same interface as PageTransport, within one process (memmove between registered
+    tensors). For unit tests and the deterministic simulation only: real PD nodes always
+    use PageTransport."""
+
+    _sessions: dict[str, "InProcessTransport"] = {}
+    _count = 0
+
+    def __init__(self, name: str | None = None):
+        InProcessTransport._count += 1
+        self.session_id = name or f"inproc:{InProcessTransport._count}"
+        self._regions: dict[int, tuple[int, object]] = {}
+        InProcessTransport._sessions[self.session_id] = self
+
+    def register(self, tensor) -> int:
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError("register() needs a contiguous CPU tensor")
+        base = tensor.data_ptr()
+        self._regions[base] = (tensor.numel() * tensor.element_size(), tensor)
+        return base
+
+    def close(self) -> None:
+        self._regions.clear()
+        InProcessTransport._sessions.pop(self.session_id, None)
+
+    def _inside(self, addr: int, length: int) -> bool:
+        return any(b <= addr and addr + length <= b + n for b, (n, _) in self._regions.items())
+
+    def read(self, peer_session: str, local_addrs, remote_addrs, lengths) -> int:
+        import ctypes
+
+        peer = InProcessTransport._sessions.get(peer_session)
+        if peer is None:
+            raise TransferError(f"no peer session {peer_session!r}")
+        for a, r, n in zip(local_addrs, remote_addrs, lengths):
+            if not self._inside(a, n):
+                raise ValueError(f"local range {a:#x}+{n} is outside every registered region")
+            if not peer._inside(r, n):
+                raise TransferError(f"remote range {r:#x}+{n} is outside the peer's registered memory")
+        for a, r, n in zip(local_addrs, remote_addrs, lengths):
+            ctypes.memmove(a, r, n)
+        return sum(lengths)

@@ -115,18 +115,33 @@ def test_suspect_page_is_quarantined_when_its_owner_returns_it():
     led.check_consistency()
 
 
-def test_quarantine_owned_keeps_pages_out_until_released():
+def test_fence_keeps_pages_out_until_lifted():
     led = Ledger(8, 4)
     a = owner(led, "A", 1)
     t = BlockTable()
     led.allocate(a, 3, t)
-    pages = list(t.pages)
-    led.quarantine_owned(a, t, "transfer in flight")
-    assert led.num_quarantined == 3 and led.num_free == 4
+    led.fence(a, t, "transfer in flight")  # no time bound: only an explicit lift frees them
+    assert led.num_quarantined == 3 and led.num_free == 4 and led.fenced(a.request)
     with pytest.raises(PoolExhausted):
         led.allocate(a, 5, BlockTable())
-    led.release_quarantine(pages)
-    assert led.num_free == 7
+    assert led.lift_expired_fences(now=1e18) == 0
+    assert led.lift_fence(a.request) == 3
+    assert led.num_free == 7 and not led.fenced(a.request)
+    led.check_consistency()
+
+
+def test_timed_fence_lifts_only_after_its_time():
+    led = Ledger(8, 4)
+    a, b = owner(led, "A", 1), owner(led, "B", 2)
+    ta, tb = BlockTable(), BlockTable()
+    led.allocate(a, 2, ta)
+    led.allocate(b, 1, tb)
+    led.fence(a, ta, "lease expired", until=100.0)
+    led.fence(b, tb, "lease expired", until=200.0)
+    assert led.next_fence_time() == 100.0
+    assert led.lift_expired_fences(now=99.9) == 0 and led.num_quarantined == 3
+    assert led.lift_expired_fences(now=100.0) == 2 and led.num_quarantined == 1
+    assert led.lift_expired_fences(now=250.0) == 1 and led.num_fences == 0
     led.check_consistency()
 
 

@@ -1,0 +1,241 @@
+"""Decode side of a handoff: reserve, pull, verify (I5), and only then decode.
+
+A request arrives with the manifest prefill returned. Its static checks run before
+anything is reserved (`check_manifest`: this request, this tenant, the token count the
+router asked for, this model and layout). Then, when pool pages and transfer-buffer rows
+are free, RESERVE takes every pool page the request will ever need (prompt + max_tokens,
+so it is never preempted) and rows for the pull, and the pull starts, but only while
+the lease has more than the clock skew left. The pull writes the rows, never pool pages.
+
+A pull's completion notice names its pull id; a notice for a pull that is not the
+request's live pull (duplicated, late, after an abort) changes nothing but the fence of
+that pull's own rows. On success every row is checked (`verify_pages`: header names this
+request, tenant, prefill process and epoch; checksum), copied into the pool pages, the
+written watermark set to the verified token count (I3), and VERIFY makes the request
+runnable. A failed check or transfer aborts it. Rows of a pull still in flight when the
+request ends stay fenced until the notice comes or max_pull_s has passed (I6).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from kvfence import faults
+from kvfence.engine.admission import CapacityError
+from kvfence.engine.request_states import Event, State
+from kvfence.engine.sequence import Sequence
+from kvfence.kv.ledger import BlockTable, Owner
+from kvfence.pd.manifest import Manifest, ManifestError, check_manifest, verify_pages
+from kvfence.pd.prefill import kill_point
+from kvfence.pd.settings import PDSettings
+from kvfence.pd.staging import StagingBuffer
+
+log = logging.getLogger("kvfence.pd.decode")
+
+
+@dataclass
+class Pull:
+    pull_id: int
+    seq: Sequence
+    owner: Owner        # the rows' owner record in the transfer buffer's ledger
+    rows: BlockTable
+    started: float
+
+
+class KvImporter:
+    def __init__(self, engine, settings: PDSettings, transport, workers: int = 4):
+        self.engine = engine
+        self.settings = settings
+        self.transport = transport
+        rows = settings.transfer_buffer_pages or engine.ledger.usable_pages
+        self.staging = StagingBuffer(engine.pool, rows)
+        need = engine.ledger.pages_for(engine.usable_context)
+        if self.staging.capacity_pages < need:
+            raise CapacityError(f"the transfer buffer holds {self.staging.capacity_pages} pages, a full context "
+                                f"of {engine.usable_context} tokens needs {need}")
+        self.base = transport.register(self.staging.buf)
+        self.waiting: deque[Sequence] = deque()      # admitted, waiting for pages and rows
+        self.pulls: dict[int, Pull] = {}             # every pull whose notice has not come
+        self.live: dict[str, int] = {}               # request id -> its pull, while AWAITING_KV
+        self.notices: queue.SimpleQueue = queue.SimpleQueue()
+        self._ids = itertools.count(1)
+        self._workers = ThreadPoolExecutor(workers, thread_name_prefix="kvfence-pull")
+        self.counters: Counter[str] = Counter()
+        self.transferred_bytes = 0
+        self.transfer_seconds = 0.0
+        self._lock = threading.Lock()
+        engine.kv_link = self
+
+    # -- admission (engine thread) -------------------------------------------------------------
+    def check(self, seq: Sequence, manifest) -> None:
+        """Static checks of the handoff, before the request is admitted (raises ManifestError)."""
+        m = manifest if isinstance(manifest, Manifest) else Manifest.from_json(manifest)
+        eng = self.engine
+        check_manifest(m, request_id=seq.request_id, tenant=seq.tenant, token_count=len(seq.prompt_ids) - 1,
+                       page_size=eng.ledger.page_size, fingerprint=eng.model_config.fingerprint(),
+                       layout=self.staging.layout, slot_bytes=self.staging.slot_bytes)
+        seq.kv_source = m
+        seq.reserved = True
+
+    def enqueue(self, seq: Sequence, now: float) -> list:
+        self.waiting.append(seq)
+        return self._reserve_waiting(now)
+
+    # -- engine hooks (engine thread) -----------------------------------------------------------
+    def busy(self) -> bool:
+        return False  # waiting requests move on notices (they wake the loop) and timers
+
+    def next_timer(self) -> float | None:
+        times = [p.started + self.settings.pull_give_up_s for p in self.pulls.values()
+                 if self.live.get(p.seq.request_id) == p.pull_id]
+        times += [s.kv_source.lease_deadline - self.settings.clock_skew_s for s in self.waiting]
+        fence = self.staging.ledger.next_fence_time()
+        if fence is not None:
+            times.append(fence)
+        return min(times) if times else None
+
+    def poll(self, now: float) -> list:
+        out = []
+        while True:
+            try:
+                notice = self.notices.get_nowait()
+            except queue.Empty:
+                break
+            out += self._on_notice(*notice)
+        for rid, pid in list(self.live.items()):
+            p = self.pulls[pid]
+            if now - p.started > self.settings.pull_give_up_s:
+                self.counters["pulls_given_up"] += 1
+                out.append(self._abort(p.seq, "kv_transfer_timeout",
+                                       f"the KV transfer did not finish within {self.settings.pull_give_up_s:g} s"))
+        out += self._reserve_waiting(now)
+        self.staging.ledger.lift_expired_fences(now)
+        return out
+
+    def on_end(self, seq: Sequence, event: Event, reader_stopped: bool) -> None:
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        pid = self.live.pop(seq.request_id, None)
+        if pid is None:
+            return  # no rows held: never reserved, or the pull already ended and freed them
+        p = self.pulls[pid]
+        if faults.active("free_on_abort_during_transfer"):
+            self.staging.ledger.free(p.owner, p.rows)
+            return
+        # the pull may still be writing these rows: keep them until its notice, or until
+        # no pull can still be running
+        self.staging.ledger.fence(p.owner, p.rows, "pull in flight", until=p.started + self.settings.max_pull_s)
+        self.counters["fences"] += 1
+
+    # -- reservation and pulls -------------------------------------------------------------------
+    def _reserve_waiting(self, now: float) -> list:
+        out, eng = [], self.engine
+        while self.waiting:
+            seq = self.waiting[0]
+            m: Manifest = seq.kv_source
+            if now >= m.lease_deadline - self.settings.clock_skew_s:
+                self.waiting.popleft()
+                out.append(self._abort(seq, "lease_expired", "the prefill node's KV lease ran out before the "
+                                       "transfer could start", reader_stopped=True))
+                continue
+            need = eng.ledger.pages_for(len(seq.prompt_ids) + seq.max_tokens)
+            busy = len(eng.scheduler.running) + len(self.live)
+            if (busy >= eng.config.max_num_seqs or need > eng.ledger.num_available
+                    or m.page_count > self.staging.ledger.num_available):
+                break  # first come, first served: pages come back as requests finish
+            self.waiting.popleft()
+            eng.ledger.allocate(seq.owner, need, seq.table)
+            seq.on(Event.RESERVE)
+            owner = Owner(self.staging.ledger.tenant_id(seq.tenant), seq.owner.request)
+            rows = self.staging.grant(owner, m.page_count)
+            pull = Pull(next(self._ids), seq, owner, rows, time.time())
+            self.pulls[pull.pull_id] = pull
+            self.live[seq.request_id] = pull.pull_id
+            self.counters["pulls_started"] += 1
+            if m.page_count == 0:
+                self.notices.put((pull.pull_id, True, None, 0, 0.0))
+            else:
+                self._workers.submit(self._pull, pull.pull_id, m, list(rows.pages))
+        return out
+
+    def _pull(self, pull_id: int, m: Manifest, rows: list[int]) -> None:
+        """Worker thread: one one-sided read of every row, then a notice to the engine thread."""
+        t0 = time.perf_counter()
+        try:
+            nbytes = self.transport.read(m.session, self.staging.row_addresses(rows),
+                                         [m.base + s * m.slot_bytes for s in m.slots], [m.slot_bytes] * len(rows))
+            notice = (pull_id, True, None, nbytes, time.perf_counter() - t0)
+        except Exception as e:  # noqa: BLE001 - any failure of the transfer is a failed pull
+            notice = (pull_id, False, f"{type(e).__name__}: {e}", 0, time.perf_counter() - t0)
+        kill_point("decode_after_pull")
+        if faults.active("drop_transfer_completion"):
+            return
+        if faults.active("delay_transfer_completion"):
+            time.sleep(faults.arg_float("delay_transfer_completion", 1.0))
+        self.notices.put(notice)
+        if faults.active("duplicate_transfer_completion"):
+            self.notices.put(notice)
+        self.engine.wake()
+
+    def _on_notice(self, pull_id: int, ok: bool, error: str | None, nbytes: int, seconds: float) -> list:
+        p = self.pulls.pop(pull_id, None)
+        if p is None:
+            self.counters["stale_notices"] += 1  # a duplicate: its pull was settled already
+            return []
+        seq = p.seq
+        if self.live.get(seq.request_id) != pull_id:
+            # the request gave up on this pull; now nothing writes its rows any more
+            self.staging.ledger.lift_fence(p.owner.request)
+            self.counters["late_notices"] += 1
+            return []
+        self.transferred_bytes += nbytes
+        self.transfer_seconds += seconds
+        if not ok:
+            self.counters["pulls_failed"] += 1
+            return [self._settle_and_abort(p, "kv_transfer_failed", f"the KV transfer failed: {error}")]
+        m: Manifest = seq.kv_source
+        problem = verify_pages(m, self.staging.rows_bytes(p.rows.pages), skip_checksum=faults.active("skip_checksum"))
+        if problem is not None:
+            self.counters["verify_failed"] += 1
+            log.error("request %s: transferred KV failed verification: %s", seq.request_id, problem)
+            return [self._settle_and_abort(p, "kv_verification_failed", f"the transferred KV failed verification: "
+                                           f"{problem}")]
+        eng = self.engine
+        self.staging.unstage(p.rows.pages, seq.table.pages[:m.page_count])
+        eng.ledger.mark_written(seq.owner, seq.table, 0, m.token_count)
+        seq.num_computed = m.token_count
+        del self.live[seq.request_id]
+        self.staging.ledger.free(p.owner, p.rows)
+        seq.on(Event.VERIFY)
+        eng.scheduler.add_running(seq)
+        self.counters["verified"] += 1
+        from kvfence.engine.llm_engine import StepOutput
+        return [StepOutput(seq, [], "", False, event="kv_verified", data={"tokens": m.token_count})]
+
+    def _settle_and_abort(self, p: Pull, code: str, message: str):
+        del self.live[p.seq.request_id]   # the pull is over: its rows can go at once
+        self.staging.ledger.free(p.owner, p.rows)
+        return self._abort(p.seq, code, message, reader_stopped=True)
+
+    def _abort(self, seq: Sequence, code: str, message: str, reader_stopped: bool | None = None):
+        from kvfence.engine.llm_engine import StepOutput
+
+        stopped = reader_stopped if reader_stopped is not None else seq.request_id not in self.live
+        self.engine.end(seq, Event.ABORT, "aborted", message, code=code, reader_stopped=stopped)
+        return StepOutput(seq, [], "", True, event="kv_failed", data={"reader_stopped": stopped})
+
+    def close(self) -> None:
+        self._workers.shutdown(wait=False, cancel_futures=True)
+
+    def stats(self) -> dict:
+        led = self.staging.ledger
+        return {"role": "decode", "awaiting_kv": len(self.live), "waiting_for_pages": len(self.waiting),
+                "buffer_rows": led.usable_pages, "buffer_free": led.num_free, "buffer_fenced": led.num_quarantined,
+                "transferred_bytes": self.transferred_bytes, "transfer_seconds": round(self.transfer_seconds, 4),
+                **{f"pd_{k}": v for k, v in self.counters.items()}}

@@ -1,0 +1,168 @@
+"""Prefill side of a handoff: compute the prompt, stage its KV, hold it under a lease.
+
+A request arrives with `hold_kv`: the engine computes every prompt token but the last
+(decode computes that one, so all sampling happens in one place), then hands the request
+here instead of sampling. Here its pages pass the ledger's read check, are copied into
+transfer-buffer rows with headers and checksums, the pool pages go back (or into the
+prefix cache), and the rows are held under a lease (KV_HELD). The router gets the
+manifest. The lease ends one of three ways:
+
+- RELEASE: decode acknowledged a verified transfer; the rows are freed.
+- ABORT with the reader known stopped (decode said no pull is running): freed.
+- ABORT otherwise (client gone, lease expired, decode failed or vanished): the rows stay
+  fenced until `settings.fence_after(deadline)`, when no pull can still be reading them.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+
+from kvfence import faults
+from kvfence.engine.admission import CapacityError
+from kvfence.engine.request_states import Event, State
+from kvfence.engine.sequence import Sequence
+from kvfence.kv.ledger import BlockTable, Owner, ReadRequest
+from kvfence.pd.manifest import Manifest
+from kvfence.pd.settings import PDSettings
+from kvfence.pd.staging import StagingBuffer
+
+log = logging.getLogger("kvfence.pd.prefill")
+
+
+def kill_point(point: str) -> None:
+    """Fault injection: die here, like a crashed node (no cleanup, no goodbye)."""
+    if faults.active("kill_node_at") and faults.arg("kill_node_at") == point:
+        log.error("fault injection: killing this node at %s", point)
+        os._exit(137)
+
+
+@dataclass
+class Held:
+    seq: Sequence
+    owner: Owner          # the rows' owner record in the transfer buffer's ledger
+    rows: BlockTable
+    manifest: Manifest
+
+
+class KvExporter:
+    def __init__(self, engine, settings: PDSettings, transport):
+        self.engine = engine
+        self.settings = settings
+        self.transport = transport
+        rows = settings.transfer_buffer_pages or engine.ledger.usable_pages
+        self.staging = StagingBuffer(engine.pool, rows)
+        need = engine.ledger.pages_for(engine.usable_context)
+        if self.staging.capacity_pages < need:
+            raise CapacityError(f"the transfer buffer holds {self.staging.capacity_pages} pages, a full context "
+                                f"of {engine.usable_context} tokens needs {need}")
+        self.base = transport.register(self.staging.buf)
+        self.boot_id = uuid.uuid4().hex
+        self.held: dict[str, Held] = {}
+        self.pending: list[Sequence] = []   # prompt computed, waiting for transfer-buffer rows
+        self.counters: Counter[str] = Counter()
+        engine.kv_link = self
+
+    # -- engine hooks (engine thread) ------------------------------------------------------
+    def busy(self) -> bool:
+        return bool(self.pending)
+
+    def next_timer(self) -> float | None:
+        times = [h.manifest.lease_deadline for h in self.held.values()]
+        fence = self.staging.ledger.next_fence_time()
+        if fence is not None:
+            times.append(fence)
+        return min(times) if times else None
+
+    def on_prefilled(self, seq: Sequence, now: float) -> list:
+        self.engine.scheduler.remove(seq)
+        self.pending.append(seq)
+        return self._stage_pending(now)
+
+    def poll(self, now: float) -> list:
+        out = self._stage_pending(now)
+        for rid in [r for r, h in self.held.items() if h.manifest.lease_deadline <= now]:
+            self.counters["leases_expired"] += 1
+            self.engine.end(self.held[rid].seq, Event.ABORT, "aborted", "the KV lease expired before decode "
+                            "acknowledged the transfer", code="lease_expired")
+        self.staging.ledger.lift_expired_fences(now)
+        return out
+
+    def on_end(self, seq: Sequence, event: Event, reader_stopped: bool) -> None:
+        if seq in self.pending:
+            self.pending.remove(seq)
+        h = self.held.pop(seq.request_id, None)
+        if h is None:
+            return
+        if event is Event.RELEASE or reader_stopped:
+            self.staging.ledger.free(h.owner, h.rows)
+        else:
+            until = self.settings.fence_after(h.manifest.lease_deadline)
+            self.staging.ledger.fence(h.owner, h.rows, "lease ended without an ACK", until=until)
+            self.counters["fences"] += 1
+
+    # -- control messages (engine thread) ----------------------------------------------------
+    def release(self, request_id: str) -> str:
+        """Decode verified the transfer: end the lease and free the rows."""
+        h = self.held.get(request_id)
+        if h is None:
+            return "unknown"
+        self.engine.end(h.seq, Event.RELEASE, "kv_released", reader_stopped=True)
+        self.counters["released"] += 1
+        return "released"
+
+    def abort(self, request_id: str, reader_stopped: bool, reason: str) -> str:
+        seq = self.engine.requests.get(request_id)
+        if seq is None or seq.finished:
+            return "unknown"
+        self.engine.end(seq, Event.ABORT, "aborted", reason, code="aborted_by_peer", reader_stopped=reader_stopped)
+        return "aborted"
+
+    # -- staging ---------------------------------------------------------------------------
+    def _stage_pending(self, now: float) -> list:
+        out = []
+        while self.pending:
+            seq = self.pending[0]
+            if self.engine.ledger.pages_for(seq.num_computed) > self.staging.ledger.num_available:
+                break  # rows come back as leases end; the request keeps its pool pages until then
+            self.pending.pop(0)
+            out.append(self._hold(seq, now))
+        return out
+
+    def _hold(self, seq: Sequence, now: float):
+        from kvfence.engine.llm_engine import StepOutput
+
+        eng, tokens = self.engine, seq.num_computed
+        n = eng.ledger.pages_for(tokens)
+        # staging reads pool pages, so it passes the same check as a forward pass (I2, I3)
+        bad = eng.ledger.authorize([ReadRequest(seq.owner, seq.table, tokens, 0)])
+        if bad:
+            eng.ledger.quarantine([bad[0].page], reason=f"{bad[0].invariant} violation")
+            eng.end(seq, Event.ABORT, "aborted", f"isolation check {bad[0].invariant} failed: {bad[0].detail}",
+                    code="isolation_violation")
+            return StepOutput(seq, [], "", True)
+        owner = Owner(self.staging.ledger.tenant_id(seq.tenant), seq.owner.request)
+        rows = self.staging.grant(owner, n)
+        sums = self.staging.stage(seq.table.pages[:n], rows, tokens, seq.request_id, seq.tenant, self.boot_id)
+        m = Manifest(request_id=seq.request_id, tenant=seq.tenant, token_count=tokens, page_count=n,
+                     page_size=eng.ledger.page_size, epochs=list(rows.epochs), checksums=sums,
+                     fingerprint=eng.model_config.fingerprint(), layout=self.staging.layout, boot_id=self.boot_id,
+                     session=self.transport.session_id, base=self.base, slot_bytes=self.staging.slot_bytes,
+                     slots=list(rows.pages), lease_deadline=time.time() + self.settings.lease_s, issued_at=time.time())
+        eng.publish_prefix(seq)          # later prompts with this prefix skip the compute
+        eng.ledger.free(seq.owner, seq.table)
+        seq.on(Event.HOLD_KV)
+        seq.finish_reason = "kv_held"
+        self.held[seq.request_id] = Held(seq, owner, rows, m)
+        self.counters["held"] += 1
+        kill_point("prefill_after_hold")
+        return StepOutput(seq, [], "", True, event="kv_held", data=m.to_json())
+
+    def stats(self) -> dict:
+        led = self.staging.ledger
+        return {"role": "prefill", "held": len(self.held), "pending": len(self.pending),
+                "buffer_rows": led.usable_pages, "buffer_free": led.num_free, "buffer_fenced": led.num_quarantined,
+                **{f"pd_{k}": v for k, v in self.counters.items()}}

@@ -1,0 +1,49 @@
+"""Settings of a PD node (prefill or decode), and why each timeout is safe (I6).
+
+The lease and fence arithmetic, with D = a lease's deadline (prefill's clock):
+
+- decode starts a pull only while now < D - clock_skew_s (decode's clock), so every pull
+  starts before D on prefill's clock;
+- a started pull ends (completes, fails or is cut by the transfer engine's own timeout)
+  within max_pull_s;
+- so after D + max_pull_s + clock_skew_s no pull can be reading a held row, and prefill
+  may reuse the rows of a lease that ended without an ACK (expired, aborted, decode gone)
+  only then: that is the fence. An ACK, or decode saying no pull is running, lifts it
+  earlier.
+- decode's own rows: a pull writes only decode's transfer buffer, never pool pages; rows
+  of a pull decode gave up on stay fenced until the transfer engine reports the pull over
+  or max_pull_s after its start, whichever is first.
+
+max_pull_s is long on purpose: Mooncake's first contact with a peer that accepts the
+connection but never answers blocks about 60 s whatever the MC_* timeouts say (measured),
+so the bound must cover it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass
+class PDSettings:
+    role: str
+    transfer_host: str = "127.0.0.1"        # address the transfer engine advertises to peers
+    transfer_buffer_pages: int | None = None  # rows in the transfer buffer; None: as many as the KV pool
+    lease_s: float = 30.0                   # prefill holds a request's KV this long for the pull
+    transfer_timeout_s: int = 5             # Mooncake's own per-transfer timeouts (MC_* variables)
+    max_pull_s: float = 75.0                # upper bound on a started pull, see above
+    pull_give_up_s: float = 10.0            # decode answers the client with an error after this
+    clock_skew_s: float = 1.0               # largest clock difference between prefill and decode
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"PD role must be one of {', '.join(ROLES)}; got {self.role!r}")
+        if self.lease_s <= 2 * self.clock_skew_s:
+            raise ValueError("lease_s must exceed twice clock_skew_s, or no pull could ever start")
+        if self.max_pull_s < self.transfer_timeout_s:
+            raise ValueError("max_pull_s must be at least the transfer engine's timeout")
+
+    def fence_after(self, deadline: float) -> float:
+        """When rows held under a lease with this deadline are safe to reuse without an ACK."""
+        return deadline + self.max_pull_s + self.clock_skew_s

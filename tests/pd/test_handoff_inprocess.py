@@ -1,0 +1,199 @@
+"""The PD handoff on two engines in one process (in-process transport): the same protocol
+code as the real nodes, fast enough to cover its failure paths one by one."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvfence import faults
+from kvfence.engine.admission import ContextLengthExceeded
+from kvfence.engine.config import EngineConfig
+from kvfence.engine.llm_engine import LLMEngine
+from kvfence.engine.params import SamplingParams
+from kvfence.engine.request_states import State
+from kvfence.pd.decode import KvImporter
+from kvfence.pd.manifest import Manifest, ManifestError
+from kvfence.pd.prefill import KvExporter
+from kvfence.pd.settings import PDSettings
+from kvfence.pd.transfer import InProcessTransport
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def engine(loaded, **kw) -> LLMEngine:
+    kw.setdefault("kv_cache_memory", "32MiB")
+    kw.setdefault("clamp_context", True)
+    kw.setdefault("max_model_len", 1024)
+    return LLMEngine(EngineConfig(dtype="float32", progress=False, **kw), loaded)
+
+
+class Pair:
+    def __init__(self, loaded, prefill_kw=None, decode_kw=None, **settings):
+        self.p = engine(loaded, **(prefill_kw or {}))
+        self.d = engine(loaded, enable_prefix_cache=False, **(decode_kw or {}))
+        self.exp = KvExporter(self.p, PDSettings("prefill", **settings), InProcessTransport())
+        self.imp = KvImporter(self.d, PDSettings("decode", **settings), InProcessTransport())
+
+    def prefill(self, ids, params, rid, tenant="t1") -> dict:
+        self.p.add_request(ids, params, tenant=tenant, request_id=rid, hold_kv=True)
+        for _ in range(200):
+            for out in self.p.step():
+                if out.seq.request_id == rid and out.finished:
+                    assert out.event == "kv_held", out.seq.error
+                    return out.data
+        raise AssertionError("prefill never finished")
+
+    def decode(self, ids, params, rid, manifest, tenant="t1", steps=2000):
+        seq = self.d.add_request(ids, params, tenant=tenant, request_id=rid, kv_source=manifest)
+        events = []
+        for _ in range(steps):
+            for out in self.d.step():
+                if out.seq is seq and out.event:
+                    events.append(out.event)
+            if seq.finished:
+                return seq, events
+            time.sleep(0.001)
+        raise AssertionError(f"decode never finished: {seq.state}")
+
+
+def single(loaded, ids, params):
+    e = engine(loaded)
+    seq = e.add_request(ids, params)
+    while e.has_unfinished():
+        e.step()
+    return seq.output_ids
+
+
+@pytest.fixture(scope="module")
+def pair(loaded_fp32):
+    return Pair(loaded_fp32)
+
+
+def prompt(n, seed=0):
+    import random
+    r = random.Random(seed)
+    return [r.randrange(100, 40000) for _ in range(n)]
+
+
+@pytest.mark.parametrize("n", [2, 17, 100])
+def test_handoff_matches_single_node(loaded_fp32, pair, n):
+    ids, params = prompt(n, n), SamplingParams(max_tokens=8, **GREEDY)
+    m = pair.prefill(ids, params, f"r{n}")
+    assert m["token_count"] == n - 1 and m["page_count"] == -(-(n - 1) // 16)
+    seq, events = pair.decode(ids, params, f"r{n}", m)
+    assert events[0] == "kv_verified" and seq.finish_reason == "length"
+    assert seq.output_ids == single(loaded_fp32, ids, params)
+    assert pair.exp.release(f"r{n}") == "released"
+    assert pair.exp.staging.ledger.num_owned == 0 and pair.imp.staging.ledger.num_owned == 0
+    assert pair.d.ledger.num_owned == 0
+
+
+def test_manifest_for_another_request_is_refused_before_reserving(pair):
+    ids, params = prompt(40, 1), SamplingParams(max_tokens=4, **GREEDY)
+    m = pair.prefill(ids, params, "a1")
+    before = pair.d.ledger.counters["pages_allocated"]
+    with pytest.raises(ManifestError, match="is for request"):
+        pair.decode(ids, params, "a2", m)
+    wrong_len = prompt(41, 1)
+    with pytest.raises(ManifestError, match="tokens"):
+        pair.decode(wrong_len, params, "a1", m)
+    assert pair.d.ledger.counters["pages_allocated"] == before
+    pair.exp.abort("a1", reader_stopped=True, reason="test")
+
+
+def test_corrupted_page_fails_verification_and_frees_everything(pair):
+    ids, params = prompt(50, 2), SamplingParams(max_tokens=4, **GREEDY)
+    m = pair.prefill(ids, params, "c1")
+    pair.exp.staging.buf[m["slots"][1], 100] ^= 0xFF  # one byte flipped on the wire
+    seq, events = pair.decode(ids, params, "c1", m)
+    assert seq.abort_code == "kv_verification_failed" and "checksum" in seq.error
+    assert events == ["kv_failed"] and seq.output_ids == []
+    assert pair.d.ledger.num_owned == 0 and pair.imp.staging.ledger.num_owned == 0
+    pair.exp.abort("c1", reader_stopped=True, reason="decode failed")
+    assert pair.exp.staging.ledger.num_owned == 0 and pair.exp.staging.ledger.num_quarantined == 0
+
+
+def test_skip_checksum_fault_lets_the_corruption_through(pair):
+    """The mutant for I5's checksum: with the check skipped the flipped byte is decoded."""
+    ids, params = prompt(50, 3), SamplingParams(max_tokens=4, **GREEDY)
+    m = pair.prefill(ids, params, "k1")
+    pair.exp.staging.buf[m["slots"][0], 200] ^= 0xFF
+    with faults.injected("skip_checksum"):
+        seq, _ = pair.decode(ids, params, "k1", m)
+    assert seq.finish_reason == "length"
+    pair.exp.release("k1")
+
+
+def test_reused_rows_are_caught_by_the_page_headers(pair):
+    """A handle whose rows now hold another request's KV (a lease bug): the headers name
+    the other request, so even with checksums skipped nothing is decoded."""
+    ids, params = prompt(30, 4), SamplingParams(max_tokens=4, **GREEDY)
+    m1 = pair.prefill(ids, params, "h1")
+    pair.exp.abort("h1", reader_stopped=True, reason="test: rows freed")
+    m2 = pair.prefill(prompt(30, 5), params, "h2", tenant="t2")
+    assert set(m2["slots"]) & set(m1["slots"])  # LIFO reuse: same rows
+    with faults.injected("skip_checksum"):
+        seq, _ = pair.decode(ids, params, "h1", m1)
+    assert seq.abort_code == "kv_verification_failed" and "header" in seq.error
+    pair.exp.release("h2")
+
+
+def test_lease_expiry_fences_rows_until_no_pull_can_run(loaded_fp32):
+    pr = Pair(loaded_fp32, lease_s=2.5, clock_skew_s=0.5, max_pull_s=5, transfer_timeout_s=1)
+    ids, params = prompt(40, 6), SamplingParams(max_tokens=4, **GREEDY)
+    m = pr.prefill(ids, params, "l1")
+    held = m["page_count"]
+    time.sleep(2.6)
+    pr.p.step()
+    seq = pr.exp.staging.ledger
+    assert pr.p.requests.get("l1") is None and seq.num_quarantined == held  # fenced, not freed
+    # decode may no longer start the pull
+    d, _ = pr.decode(ids, params, "l1", m)
+    assert d.abort_code == "lease_expired" and pr.d.ledger.num_owned == 0
+    fence = pr.exp.staging.ledger.next_fence_time()
+    assert fence == pytest.approx(m["lease_deadline"] + 5 + 0.5)
+    pr.exp.staging.ledger.lift_expired_fences(fence)
+    assert seq.num_quarantined == 0
+
+
+def test_duplicate_and_late_notices_touch_nothing_else(loaded_fp32):
+    pr = Pair(loaded_fp32, pull_give_up_s=0.3)
+    ids, params = prompt(40, 7), SamplingParams(max_tokens=3, **GREEDY)
+    m = pr.prefill(ids, params, "d1")
+    with faults.injected("duplicate_transfer_completion"):
+        seq, _ = pr.decode(ids, params, "d1", m)
+    assert seq.finish_reason == "length" and pr.imp.counters["stale_notices"] == 1
+    pr.exp.release("d1")
+    # a notice that arrives after decode gave up: the rows stay fenced until it comes
+    m = pr.prefill(ids, params, "d2")
+    with faults.injected(delay_transfer_completion=1.0):
+        seq, _ = pr.decode(ids, params, "d2", m)
+        assert seq.abort_code == "kv_transfer_timeout"
+        assert pr.imp.staging.ledger.num_quarantined == m["page_count"]
+        time.sleep(1.2)
+        pr.d.step()
+    assert pr.imp.counters["late_notices"] == 1 and pr.imp.staging.ledger.num_quarantined == 0
+    assert pr.d.ledger.num_owned == 0
+    pr.exp.abort("d2", reader_stopped=True, reason="decode gave up")
+
+
+def test_free_on_abort_fault_releases_rows_under_a_running_pull(loaded_fp32):
+    """Mutant for I6: with the fault the rows go back while the pull can still write them."""
+    pr = Pair(loaded_fp32, pull_give_up_s=0.2)
+    ids, params = prompt(40, 8), SamplingParams(max_tokens=3, **GREEDY)
+    m = pr.prefill(ids, params, "f1")
+    with faults.injected("free_on_abort_during_transfer", delay_transfer_completion=0.6):
+        seq, _ = pr.decode(ids, params, "f1", m)
+        assert seq.abort_code == "kv_transfer_timeout"
+        assert pr.imp.staging.ledger.num_quarantined == 0  # freed under the in-flight pull
+    time.sleep(0.7)
+    pr.exp.abort("f1", reader_stopped=True, reason="x")
+
+
+def test_prefill_rejects_over_length_and_nothing_is_allocated(pair):
+    ids = prompt(1000, 9)
+    before = pair.p.ledger.counters["pages_allocated"]
+    with pytest.raises(ContextLengthExceeded):
+        pair.p.add_request(ids, SamplingParams(max_tokens=100), request_id="o1", hold_kv=True)
+    assert pair.p.ledger.counters["pages_allocated"] == before
