@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from kvfence.engine.scheduler import ScheduledSeq
+from kvfence.kv.audit import AuditRow, ReadAudit
 from kvfence.kv.ledger import NULL_PAGE, Ledger, ReadRequest, Violation
 from kvfence.kv.pool import KVPool
 from kvfence.model.llama import AttentionBucket, ForwardBatch, LlamaModel
@@ -26,10 +27,14 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, pool: KVPool, ledger: Ledger):
+    def __init__(self, model: LlamaModel, pool: KVPool, ledger: Ledger, audit: ReadAudit | bool | None = None):
+        """audit: a ReadAudit (or True for a new one on this ledger) that sees every batch
+        just before the model runs it; None (the default) audits nothing. Callers may also
+        set `runner.audit` later."""
         self.model = model
         self.pool = pool
         self.ledger = ledger
+        self.audit: ReadAudit | None = ReadAudit(ledger) if audit is True else (audit or None)
         self.device = pool.device
         self.ps = pool.page_size
         self.check_seconds = 0.0   # time spent in the ledger check, for the bench's cost report
@@ -47,12 +52,22 @@ class ModelRunner:
         # Decodes first, then fresh prefills grouped by length, then prefills with cached context.
         ok.sort(key=lambda s: (s.num_new != 1, s.seq.num_computed > 0, s.num_new))
         batch, sampled = self._build(ok)
+        if self.audit is not None:  # what the model will touch, checked against the ledger as it is now
+            self.audit.record(batch, self._audit_rows(ok))
         logits = self.model.forward(batch, self.pool.kv)
         for s in ok:
             start = s.seq.num_computed
             s.seq.num_computed += s.num_new
             self.ledger.mark_written(s.seq.owner, s.seq.table, start, s.seq.num_computed)
         return StepResult(ok, logits, sampled, flagged)
+
+    @staticmethod
+    def _audit_rows(step: list[ScheduledSeq]) -> list[AuditRow]:
+        rows, start = [], 0
+        for s in step:  # the order _build lays tokens out in
+            rows.append(AuditRow(s.seq.owner, s.seq.request_id, start, s.num_new))
+            start += s.num_new
+        return rows
 
     def _slots(self, pages: list[int], start: int, end: int) -> np.ndarray:
         pos = np.arange(start, end)
