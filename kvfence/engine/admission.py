@@ -4,6 +4,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from kvfence import faults
+
 log = logging.getLogger("kvfence.admission")
 
 
@@ -57,5 +59,5 @@ def check_fits(prompt_tokens: int, max_tokens: int, usable: int) -> None:
     """I4: the whole request must fit before anything is allocated for it."""
     if prompt_tokens < 1:
         raise ValueError("the prompt is empty: send at least one token")
-    if prompt_tokens + max_tokens > usable:
+    if prompt_tokens + max_tokens > usable and not faults.active("skip_node_admission"):
         raise ContextLengthExceeded(prompt_tokens, max_tokens, usable)

@@ -1,0 +1,173 @@
+"""Named fault points, for tests that show each isolation defense stopping the bug class.
+
+A fault point is a named place in the code that, when the fault is enabled, takes the
+broken path on purpose (skips a check, hands off a placeholder, loses a message, ...).
+Faults are off unless a test turns them on explicitly, in one of two ways:
+
+  KVFENCE_TEST_FAULTS=skip_ledger_check,delay_transfer_completion:2.5   (environment, read at import)
+  with faults.injected("skip_ledger_check"): ...                          (in-process, for tests)
+
+No configuration file, command-line flag or request field can enable one. An unknown
+name is an error (a typo must not silently test nothing). A server that starts with any
+fault enabled says so loudly: an ERROR-level banner, a failed start-up check in the
+isolation statement, and the gauge `kvfence_fault_injection_active`.
+
+`active(name)` is a single truth test of a module global when nothing is enabled, so the
+points cost nothing in production.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import Counter
+from contextlib import contextmanager
+from typing import Iterator, Mapping
+
+ENV_VAR = "KVFENCE_TEST_FAULTS"
+
+# name -> what enabling it does. The single-node ones are wired in kvfence/kv/ledger.py and
+# kvfence/engine/admission.py; the PD ones in kvfence/pd/*.
+FAULTS: dict[str, str] = {
+    "skip_router_admission": "the PD router forwards a request without checking it fits the cluster's context (I4)",
+    "skip_node_admission": "a node admits a request without checking prompt + max_tokens against its usable "
+                           "context (I4)",
+    "handoff_placeholder": "the incident: prefill rejects an over-length prompt, replaces it with a one-token "
+                           "placeholder, and still hands it off to decode",
+    "skip_ledger_check": "the per-pass ownership check (I2, I3) passes every sequence without looking",
+    "skip_watermark": "the per-pass check skips only the written-watermark part (I3)",
+    "skip_checksum": "decode accepts transferred pages without verifying the manifest checksums (I5)",
+    "free_on_abort_during_transfer": "an aborted request's pages are freed at once although a transfer may still "
+                                     "write into them (I6)",
+    "drop_transfer_completion": "a transfer's completion notice is lost",
+    "delay_transfer_completion": "a transfer's completion notice is delayed by ARG seconds (default 1)",
+    "duplicate_transfer_completion": "a transfer's completion notice is delivered twice",
+    "kill_node_at": "the node process exits at the point named by ARG",
+}
+
+
+class FaultConfigError(ValueError):
+    """An unknown fault name, or a malformed KVFENCE_TEST_FAULTS value."""
+
+
+_lock = threading.Lock()
+_env: dict[str, str | None] = {}
+_stack: list[dict[str, str | None]] = []
+_active: dict[str, str | None] = {}   # what active() reads; replaced whole, never mutated in place
+fired: Counter[str] = Counter()       # how often each enabled point took its broken path
+
+
+def parse(spec: str) -> dict[str, str | None]:
+    """'a,b:2.5' -> {'a': None, 'b': '2.5'}; unknown names raise FaultConfigError."""
+    out: dict[str, str | None] = {}
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, sep, arg = part.partition(":")
+        name = name.strip()
+        if name not in FAULTS:
+            raise FaultConfigError(f"unknown fault {name!r} in {ENV_VAR}; known: {', '.join(sorted(FAULTS))}")
+        out[name] = arg.strip() if sep else None
+    return out
+
+
+def _recompute() -> None:
+    global _active
+    merged = dict(_env)
+    for layer in _stack:
+        merged.update(layer)
+    _active = merged
+
+
+def load_env(environ: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """(Re)read KVFENCE_TEST_FAULTS. Called at import; tests call it after changing the variable."""
+    global _env
+    spec = (os.environ if environ is None else environ).get(ENV_VAR, "")
+    parsed = parse(spec)
+    with _lock:
+        _env = parsed
+        _recompute()
+    return dict(parsed)
+
+
+@contextmanager
+def injected(*specs: str, **with_args: object) -> Iterator[None]:
+    """Enable faults for the duration of a with-block: injected("skip_watermark"),
+    injected("delay_transfer_completion:2.5") or injected(delay_transfer_completion=2.5)."""
+    layer = parse(",".join(specs))
+    for name, arg in with_args.items():
+        layer.update(parse(name))
+        layer[name] = None if arg is None or arg is True else str(arg)
+    with _lock:
+        _stack.append(layer)
+        _recompute()
+    try:
+        yield
+    finally:
+        with _lock:
+            _stack.remove(layer)
+            _recompute()
+
+
+def active(name: str) -> bool:
+    """Is fault `name` enabled? Counts a hit in `fired` when it is."""
+    if not _active:
+        return False
+    if name not in FAULTS:
+        raise FaultConfigError(f"fault point names an unknown fault {name!r}")
+    if name in _active:
+        fired[name] += 1
+        return True
+    return False
+
+
+def arg(name: str, default: str | None = None) -> str | None:
+    """The ARG given with an enabled fault ('name:ARG'), else default."""
+    a = _active.get(name) if _active else None
+    return default if a is None else a
+
+
+def arg_float(name: str, default: float) -> float:
+    a = arg(name)
+    try:
+        return default if a is None else float(a)
+    except ValueError:
+        raise FaultConfigError(f"fault {name} needs a number as its argument, got {a!r}") from None
+
+
+def enabled() -> dict[str, str | None]:
+    """The enabled faults and their arguments (a copy)."""
+    return dict(_active)
+
+
+def any_active() -> bool:
+    return bool(_active)
+
+
+def describe() -> list[str]:
+    return [n if a is None else f"{n}:{a}" for n, a in sorted(_active.items())]
+
+
+def banner() -> str | None:
+    """The start-up banner text when any fault is enabled, else None."""
+    if not _active:
+        return None
+    lines = ["!" * 78,
+             "!!! FAULT INJECTION ACTIVE - THIS SERVER IS DELIBERATELY BROKEN. NEVER SERVE REAL TRAFFIC !!!",
+             f"!!! {ENV_VAR}={','.join(describe())}"]
+    lines += [f"!!!   {n}: {FAULTS[n]}" for n in sorted(_active)]
+    lines.append("!" * 78)
+    return "\n".join(lines)
+
+
+def announce(logger: logging.Logger | None = None) -> bool:
+    """Log the banner at ERROR level if any fault is enabled; True if it did."""
+    text = banner()
+    if text is None:
+        return False
+    (logger or logging.getLogger("kvfence.faults")).error("\n%s", text)
+    return True
+
+
+load_env()
