@@ -19,12 +19,22 @@ LAYER_NAMES = {"attn_norm": "input_layernorm", "q": "self_attn.q_proj", "k": "se
                "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
 
 
+def _rope_theta(cfg: dict) -> float:
+    """transformers < 5 writes `rope_theta` (and `rope_scaling`); 5.x writes
+    `rope_parameters: {rope_type, rope_theta, ...}` instead. Only plain RoPE is supported."""
+    params = cfg.get("rope_parameters") or {}
+    for p in (params, cfg.get("rope_scaling") or {}):
+        if not isinstance(p, dict) or p.get("rope_type", p.get("type", "default")) != "default":
+            raise ValueError(f"rope scaling {p!r} is not supported yet")
+    if params and "rope_theta" not in params:  # e.g. per-layer-type parameters
+        raise ValueError(f"rope parameters {params!r} are not supported yet")
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
 def config_from_hf(cfg: dict, name: str) -> ModelConfig:
     archs = cfg.get("architectures") or []
     if not any(a in SUPPORTED for a in archs):
         raise ValueError(f"unsupported architecture {archs}; kvfence serves {', '.join(SUPPORTED)}")
-    if cfg.get("rope_scaling"):
-        raise ValueError("rope_scaling is not supported yet")
     heads = cfg["num_attention_heads"]
     return ModelConfig(
         name=name,
@@ -35,7 +45,7 @@ def config_from_hf(cfg: dict, name: str) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads", heads),
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rope_theta=_rope_theta(cfg),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_context=cfg.get("max_position_embeddings", 2048),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
