@@ -92,10 +92,36 @@ def cmd_bench(a) -> int:
 
 
 def cmd_serve(a) -> int:
+    level = "debug" if a.verbose else "info"
+    if a.role == "router":
+        from kvfence.pd.router import serve_router
+
+        if not (a.prefill_url and a.decode_url):
+            print("error: --role router needs --prefill-url and --decode-url", file=sys.stderr)
+            return 2
+        return serve_router(a.prefill_url, a.decode_url, a.model, a.host, a.port, a.max_model_len,
+                            a.clamp_context, a.tenants, a.served_model_name, level, a.node_wait)
+    if a.role in ("prefill", "decode"):
+        from kvfence.pd.node import serve_node
+
+        return serve_node(_config(a), _pd_settings(a, a.role), a.host, a.port, a.tenants, level)
     from kvfence.server.serve import serve
 
-    return serve(_config(a), a.host, a.port, a.tenants, a.served_model_name, a.max_body_bytes,
-                 "debug" if a.verbose else "info")
+    return serve(_config(a), a.host, a.port, a.tenants, a.served_model_name, a.max_body_bytes, level)
+
+
+def _pd_settings(a, role: str):
+    from kvfence.pd.settings import PDSettings
+
+    return PDSettings(role, transfer_host=a.transfer_host, transfer_buffer_pages=a.transfer_buffer_pages,
+                      lease_s=a.lease, transfer_timeout_s=a.transfer_timeout, max_pull_s=a.max_pull,
+                      clock_skew_s=a.clock_skew)
+
+
+def cmd_launch_pd(a) -> int:
+    from kvfence.pd.launch import launch_pd
+
+    return launch_pd(a)
 
 
 def cmd_isolation(a) -> int:
@@ -137,6 +163,19 @@ def _server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="model name clients send (default: the model file's name, e.g. SmolLM2-135M-Instruct)")
 
 
+def _pd_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--transfer-host", default="127.0.0.1",
+                   help="PD nodes: address the Mooncake transfer engine advertises (its ports listen on all "
+                        "interfaces: run PD nodes on a trusted network)")
+    p.add_argument("--transfer-buffer-pages", type=int, default=None,
+                   help="PD nodes: rows in the KV transfer buffer (default: as many as the KV pool has pages)")
+    p.add_argument("--lease", type=float, default=30.0, help="prefill: seconds computed KV is held for decode's pull")
+    p.add_argument("--transfer-timeout", type=int, default=5, help="PD nodes: Mooncake's per-transfer timeout (s)")
+    p.add_argument("--max-pull", type=float, default=75.0,
+                   help="PD nodes: upper bound on one pull (s); fences last lease deadline + this + --clock-skew")
+    p.add_argument("--clock-skew", type=float, default=1.0, help="PD nodes: largest clock difference between nodes (s)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvfence", description="KV-isolated LLM inference")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -146,9 +185,23 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get HTTP 413")
+    s.add_argument("--role", default="single", choices=["single", "prefill", "decode", "router"],
+                   help="single node (default), or one part of a prefill/decode deployment")
+    s.add_argument("--prefill-url", default=None, help="router: the prefill node, e.g. http://10.0.0.2:8001")
+    s.add_argument("--decode-url", default=None, help="router: the decode node, e.g. http://10.0.0.3:8002")
+    s.add_argument("--node-wait", type=float, default=300.0, help="router: seconds to wait for the nodes at start")
     _server_args(s)
     _engine_args(s)
+    _pd_args(s)
     s.set_defaults(func=cmd_serve)
+
+    lp = sub.add_parser("launch-pd", help="start 1 prefill + 1 decode node + 1 router on this machine (demo)")
+    lp.add_argument("--host", default="127.0.0.1")
+    lp.add_argument("--port", type=int, default=8000, help="the router's port; nodes take the next two")
+    _server_args(lp)
+    _engine_args(lp)
+    _pd_args(lp)
+    lp.set_defaults(func=cmd_launch_pd)
 
     iso = sub.add_parser("isolation", help="print the isolation statement (same as GET /v1/kvfence/isolation)")
     iso.add_argument("--url", default=None, help="ask a running server instead of building the engine here")

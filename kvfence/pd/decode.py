@@ -20,8 +20,8 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
-import threading
 import time
+import uuid
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -69,7 +69,7 @@ class KvImporter:
         self.counters: Counter[str] = Counter()
         self.transferred_bytes = 0
         self.transfer_seconds = 0.0
-        self._lock = threading.Lock()
+        self.boot_id = uuid.uuid4().hex
         engine.kv_link = self
 
     # -- admission (engine thread) -------------------------------------------------------------
@@ -232,6 +232,14 @@ class KvImporter:
 
     def close(self) -> None:
         self._workers.shutdown(wait=False, cancel_futures=True)
+
+    def facts(self) -> dict:
+        """What the router's capacity check (I8) and handoffs need to know about this node."""
+        s = self.settings
+        return {"role": s.role, "boot_id": self.boot_id, "transfer_session": self.transport.session_id,
+                "kv_layout": self.staging.layout, "slot_bytes": self.staging.slot_bytes,
+                "buffer_rows": self.staging.capacity_pages, "lease_s": s.lease_s, "max_pull_s": s.max_pull_s,
+                "clock_skew_s": s.clock_skew_s}
 
     def stats(self) -> dict:
         led = self.staging.ledger

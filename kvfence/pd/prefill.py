@@ -161,6 +161,14 @@ class KvExporter:
         kill_point("prefill_after_hold")
         return StepOutput(seq, [], "", True, event="kv_held", data=m.to_json())
 
+    def facts(self) -> dict:
+        """What the router's capacity check (I8) and handoffs need to know about this node."""
+        s = self.settings
+        return {"role": s.role, "boot_id": self.boot_id, "transfer_session": self.transport.session_id,
+                "kv_layout": self.staging.layout, "slot_bytes": self.staging.slot_bytes,
+                "buffer_rows": self.staging.capacity_pages, "lease_s": s.lease_s, "max_pull_s": s.max_pull_s,
+                "clock_skew_s": s.clock_skew_s}
+
     def stats(self) -> dict:
         led = self.staging.ledger
         return {"role": "prefill", "held": len(self.held), "pending": len(self.pending),

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvfence import faults
 from kvfence.engine.admission import ContextLengthExceeded, check_fits
 from kvfence.model.tokenizer import ChatTemplateError
 from kvfence.server.engine_loop import EngineFailed, EngineLoop, RequestHandle, Update
@@ -157,6 +158,24 @@ _REJECTION_REASON = {"context_length_exceeded": "context_length_exceeded",
                      "model_not_ready": "not_ready", "engine_unavailable": "not_ready"}
 
 
+# how an aborted request's machine-readable code reaches the client (LLMEngine.ABORT_CODES,
+# and the PD router's node_* codes)
+_ABORT_STATUS = {
+    "kv_pool_exhausted": (503, "The server cannot hold this request right now"),   # capacity: retry later
+    "isolation_violation": (500, "The request was stopped by an isolation check"),
+    "context_length_exceeded": (400, "A serving node refused the request"),        # PD: a node's own I4
+    "kv_manifest_invalid": (500, "The KV handoff was refused"),
+    "kv_transfer_failed": (503, "The KV transfer between prefill and decode failed"),
+    "kv_transfer_timeout": (503, "The KV transfer between prefill and decode timed out"),
+    "kv_verification_failed": (500, "The transferred KV failed verification"),
+    "lease_expired": (503, "The prefill node's KV lease expired before the transfer"),
+    "aborted_by_peer": (503, "The other PD node ended the request"),
+    "node_failed": (503, "A PD node failed during the request"),
+    "node_unavailable": (503, "A PD node is unavailable"),
+    "node_error": (502, "A PD node answered with an error"),
+}
+
+
 async def _generate(state: ServerState, request: Request, kind: str):
     arrival = time.perf_counter()
     rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
@@ -172,7 +191,8 @@ async def _generate(state: ServerState, request: Request, kind: str):
         ids = await _tokenize(state, req)
         facts = state.engine.facts
         try:  # I4 here, before any tenant accounting or engine work; the engine checks again
-            check_fits(len(ids), req.params.max_tokens or 1, facts["usable_context"])
+            if not faults.active("skip_router_admission"):
+                check_fits(len(ids), req.params.max_tokens or 1, facts["usable_context"])
         except ContextLengthExceeded as e:
             raise APIError(400, str(e), code="context_length_exceeded", param=req.prompt_param,
                            outcome="rejected") from None
@@ -301,13 +321,8 @@ class _Run:
         u = self.last
         if u is None:
             return APIError(503, "The engine stopped before the request finished.", code="engine_unavailable")
-        if u.abort_code == "kv_pool_exhausted":  # capacity, not a fault: the client may retry later
-            return APIError(503, f"The server cannot hold this request right now: {u.error}.",
-                            code="kv_pool_exhausted")
-        if u.abort_code == "isolation_violation":
-            return APIError(500, f"The request was stopped by an isolation check: {u.error}.",
-                            code="isolation_violation")
-        return APIError(500, f"The request was aborted: {u.error or u.finish_reason}.", code="request_aborted")
+        status, what = _ABORT_STATUS.get(u.abort_code or "", (500, "The request was aborted"))
+        return APIError(status, f"{what}: {u.error or u.finish_reason}.", code=u.abort_code or "request_aborted")
 
     async def collect(self) -> Response:
         watcher = asyncio.create_task(_watch_disconnect(self.request, self._client_gone))

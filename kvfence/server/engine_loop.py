@@ -55,6 +55,8 @@ class Update:
     first_token_at: float | None = None
     token_times: tuple[float, ...] = ()
     abort_code: str | None = None
+    event: str | None = None      # PD: kv_held (data: the manifest), kv_verified, kv_failed
+    data: dict | None = None
 
 
 @dataclass
@@ -87,6 +89,7 @@ class _Submit:
     loop: asyncio.AbstractEventLoop
     admitted: asyncio.Future
     updates: asyncio.Queue
+    extra: dict | None = None     # further add_request arguments (PD: hold_kv, kv_source)
 
 
 @dataclass
@@ -95,7 +98,15 @@ class _Abort:
     reason: str
 
 
+@dataclass
+class _Call:
+    fn: Callable
+    loop: asyncio.AbstractEventLoop
+    result: asyncio.Future
+
+
 _STOP = object()
+_WAKE = object()   # something happened off the engine thread (a PD transfer notice)
 
 
 @dataclass
@@ -166,7 +177,8 @@ class EngineLoop:
 
     # -- requests (asyncio side) ----------------------------------------------------------
     async def submit(self, prompt_ids: list[int], params: SamplingParams, tenant: str,
-                     request_id: str | None = None, public_prefix_scope: str | None = None) -> RequestHandle:
+                     request_id: str | None = None, public_prefix_scope: str | None = None,
+                     **extra) -> RequestHandle:
         """Admit a request in the engine thread. Raises what add_request raises
         (ContextLengthExceeded, ValueError) or EngineFailed. `public_prefix_scope` only for a
         tenant whose tenants-file entry opts into that scope (I9)."""
@@ -175,7 +187,8 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         rid = request_id or uuid.uuid4().hex
         fut, updates = loop.create_future(), asyncio.Queue()
-        self._commands.put(_Submit(rid, list(prompt_ids), params, tenant, public_prefix_scope, loop, fut, updates))
+        self._commands.put(_Submit(rid, list(prompt_ids), params, tenant, public_prefix_scope, loop, fut, updates,
+                                   extra or None))
         handle = RequestHandle(rid, updates)
         try:
             handle.admitted = await fut
@@ -188,10 +201,20 @@ class EngineLoop:
         """Thread-safe and idempotent: the engine thread aborts it if it is still running."""
         self._commands.put(_Abort(request_id, reason))
 
+    async def call(self, fn: Callable):
+        """Run fn(engine) in the engine thread and return its result (PD control messages)."""
+        if self.state != "ready":
+            raise EngineFailed(self.error or f"the engine is {self.state}")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._commands.put(_Call(fn, loop, fut))
+        return await fut
+
     # -- the engine thread ----------------------------------------------------------------
     def _main(self) -> None:
         try:
             engine = self._factory()
+            engine.wake = lambda: self._commands.put(_WAKE)
             self.tokenizer = engine.tokenizer
             self.facts = engine_facts(engine)
             if self._startup is not None:
@@ -213,7 +236,12 @@ class EngineLoop:
         while True:
             cmds = []
             if not engine.has_unfinished():
-                cmds.append(self._commands.get())   # idle: block, do not spin
+                # idle: block, do not spin; wake for timed work (PD leases and fences)
+                due = engine.next_timer()
+                try:
+                    cmds.append(self._commands.get(timeout=None if due is None else max(0.0, due - time.time())))
+                except queue.Empty:
+                    pass
             try:
                 while True:
                     cmds.append(self._commands.get_nowait())
@@ -228,16 +256,18 @@ class EngineLoop:
                     return
                 if isinstance(c, _Submit):
                     self._admit(engine, c)
-                else:
+                elif isinstance(c, _Abort):
                     self._abort(engine, c)
-            if engine.has_unfinished():
-                self._deliver(engine.step())
+                elif isinstance(c, _Call):
+                    self._call(engine, c)
+            self._deliver(engine.step())
             self.iterations += 1
             self._publish(engine)
 
     def _admit(self, engine, c: _Submit) -> None:
         try:
             extra = {"public_prefix_scope": c.public_prefix_scope} if c.public_prefix_scope else {}
+            extra.update(c.extra or {})
             seq = engine.add_request(c.prompt_ids, c.params, tenant=c.tenant, request_id=c.request_id, **extra)
         except Exception as e:  # noqa: BLE001 - admission errors go back to the caller
             c.loop.call_soon_threadsafe(_set_exception, c.admitted, e)
@@ -245,6 +275,15 @@ class EngineLoop:
         self._sinks[c.request_id] = _Sink(c.loop, c.updates, seq)
         c.loop.call_soon_threadsafe(_set_result, c.admitted,
                                     Admitted(c.request_id, len(seq.prompt_ids), seq.max_tokens))
+
+    @staticmethod
+    def _call(engine, c: _Call) -> None:
+        try:
+            value = c.fn(engine)
+        except Exception as e:  # noqa: BLE001 - goes back to the caller
+            c.loop.call_soon_threadsafe(_set_exception, c.result, e)
+            return
+        c.loop.call_soon_threadsafe(_set_result, c.result, value)
 
     def _abort(self, engine, c: _Abort) -> None:
         if c.request_id in self._sinks:
@@ -261,7 +300,7 @@ class EngineLoop:
             sink = self._sinks.get(out.seq.request_id)
             if sink is None:
                 continue
-            u = self._update(sink, tuple(out.new_token_ids), out.delta_text, out.finished)
+            u = self._update(sink, tuple(out.new_token_ids), out.delta_text, out.finished, out.event, out.data)
             if out.finished:
                 del self._sinks[out.seq.request_id]
             by_loop.setdefault(sink.loop, []).append((sink.queue, u))
@@ -269,7 +308,8 @@ class EngineLoop:
             loop.call_soon_threadsafe(_put_all, items)
 
     @staticmethod
-    def _update(sink: _Sink, token_ids: tuple, text: str, finished: bool) -> Update:
+    def _update(sink: _Sink, token_ids: tuple, text: str, finished: bool, event: str | None = None,
+                data: dict | None = None) -> Update:
         seq = sink.seq
         lps = tuple(Logprob(lp.token_id, float(lp.logprob), tuple((int(t), float(v)) for t, v in lp.top))
                     for lp in seq.logprobs[sink.sent_logprobs:])
@@ -279,7 +319,7 @@ class EngineLoop:
         return Update(token_ids, text, finished, seq.finish_reason if finished else None,
                       seq.error if finished else None, len(seq.prompt_ids), len(seq.output_ids),
                       cached_tokens_of(seq), lps, seq.first_token_at, times,
-                      seq.abort_code if finished else None)
+                      seq.abort_code if finished else None, event, data)
 
     def _publish(self, engine) -> None:
         s = engine.stats()
@@ -330,6 +370,7 @@ def engine_facts(engine) -> dict:
         "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
         "vocab_size": c.vocab_size,
         "prefix_cache": getattr(engine, "prefix_cache", None) is not None,
+        **({"pd": engine.kv_link.facts()} if getattr(engine, "kv_link", None) is not None else {}),
     }
 
 
