@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime as _dt
 
-from kvfence import __version__
+from kvfence import __version__, faults
 from kvfence.engine.params import SamplingParams
 from kvfence.kv.ledger import PageState
 
@@ -39,6 +39,7 @@ def run_startup_checks(engine) -> list[dict]:
                          "watermark before each forward pass" if led.checks_enabled else
                          "DISABLED (verify_reads=False): pages are not checked before forward passes",
                          fatal=False))
+    checks.append(fault_injection_check())
     checks += _warm_up(engine)
     failed = [c for c in checks if c["status"] == "failed" and c.pop("fatal", True)]
     for c in checks:
@@ -46,6 +47,25 @@ def run_startup_checks(engine) -> list[dict]:
     if failed:
         raise StartupCheckFailed("; ".join(f"{c['name']}: {c['detail']}" for c in failed))
     return checks
+
+
+def fault_injection_check() -> dict:
+    """Test-only fault points (kvfence/faults.py) must be visible wherever the server reports
+    on itself: enabled ones make this check fail (not fatal: tests start such servers on purpose)."""
+    on = faults.describe()
+    if on:
+        faults.announce()  # the ERROR-level banner, once per server start
+        return _check("fault injection", "all", False,
+                      f"ACTIVE ({', '.join(on)}): this server is deliberately broken for testing and must never "
+                      f"serve real traffic ({faults.ENV_VAR})", fatal=False)
+    return _check("fault injection", "all", True, f"none active ({faults.ENV_VAR} is not set)", fatal=False)
+
+
+def _fault_terms() -> dict:
+    on = faults.describe()
+    return {"active": bool(on), "faults": on,
+            "meaning": ("deliberate defects are switched on for testing; the guarantees above do NOT hold"
+                        if on else "no test fault point is enabled")}
 
 
 def _check(name: str, invariant: str, ok: bool, detail: str, fatal: bool = True) -> dict:
@@ -171,6 +191,7 @@ def isolation_statement(facts: dict, checks: list[dict], tenants, snapshot: dict
             "retention": "prompt and completion text live only in memory for the life of the request; the engine "
                          "is given token ids, never the prompt text",
         },
+        "fault_injection": _fault_terms(),
         "startup_checks": checks,
         "live": {
             "pages_free": snapshot.get("pages_free"), "pages_used": snapshot.get("pages_owned"),

@@ -11,6 +11,8 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvfence import faults
+
 REJECTION_REASONS = ("context_length_exceeded", "tenant_max_prompt_tokens", "tenant_max_concurrent_requests",
                      "tenant_tokens_per_minute", "invalid_request", "unauthorized", "model_not_found",
                      "not_ready")
@@ -71,6 +73,17 @@ class _EngineCollector:
         ready = GaugeMetricFamily("kvfence_engine_ready", "1 when the engine accepts requests")
         ready.add_metric([], 1.0 if self.loop.state == "ready" else 0.0)
         yield ready
+        on = faults.enabled()
+        fi = GaugeMetricFamily("kvfence_fault_injection_active", "1 when any test-only fault point is enabled "
+                               "(KVFENCE_TEST_FAULTS): the server is deliberately broken")
+        fi.add_metric([], 1.0 if on else 0.0)
+        yield fi
+        if on:
+            each = GaugeMetricFamily("kvfence_fault_injection_enabled", "Enabled test-only fault points",
+                                     labels=["fault"])
+            for name in sorted(on):
+                each.add_metric([name], 1.0)
+            yield each
         for name, key, doc in (("kvfence_requests_running", "running", "Requests holding KV pages"),
                                ("kvfence_requests_waiting", "waiting", "Admitted requests queued for pages")):
             g = GaugeMetricFamily(name, doc)

@@ -43,7 +43,8 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, tenan
         log.error("not serving: %s", engine.error)   # e.g. the context does not fit the pool (I8)
         return 2
     for c in engine.startup_checks:
-        log.info("start-up check %s (%s): %s - %s", c["name"], c["invariant"], c["status"], c["detail"])
+        log.log(logging.ERROR if c["status"] == "failed" else logging.INFO, "start-up check %s (%s): %s - %s",
+                c["name"], c["invariant"], c["status"], c["detail"])
     state = ServerState(engine, tenants, served_model_name, max_body_bytes)
     log.info("serving model %r on http://%s:%d/v1", state.served_name, host, port)
     uvicorn.run(create_app(state), host=host, port=port, log_level=log_level, access_log=True)

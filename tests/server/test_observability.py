@@ -96,7 +96,8 @@ def test_isolation_statement_reflects_the_live_config(server):
     dh = st["data_handling"]
     assert dh["prompt_text_logged"] is False and dh["prompt_text_stored"] is False and dh["api_keys_logged"] is False
     checks = {c["name"]: c for c in st["startup_checks"]}
-    assert set(checks) == {"capacity", "read checks before every forward pass", "warm-up request", "scrub on free"}
+    assert set(checks) == {"capacity", "read checks before every forward pass", "fault injection", "warm-up request",
+                           "scrub on free"}
     assert all(c["status"] == "passed" for c in checks.values())
     assert "read back as zero" in checks["scrub on free"]["detail"]
     assert st["model"]["served_name"] == MODEL and st["model"]["fingerprint"] == facts["fingerprint"]
