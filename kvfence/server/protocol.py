@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 
 from kvfence.engine.params import SamplingParams
@@ -66,7 +67,28 @@ async def read_json_body(request, limit: int) -> dict:
         raise bad_request("The request body is nested too deeply.") from None
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.")
+    _no_lone_surrogates(body)
     return body
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _no_lone_surrogates(body: dict) -> None:
+    """JSON may escape half of a UTF-16 surrogate pair ("\\ud800") on its own; Python then
+    holds a string that is not valid Unicode, which the tokenizer (and any UTF-8 encoder)
+    refuses. Refuse it here, naming the top-level field, keys included."""
+    stack = [(k, k, v) for k, v in body.items()]
+    while stack:
+        top, key, v = stack.pop()
+        if isinstance(key, str) and _SURROGATE.search(key) or isinstance(v, str) and _SURROGATE.search(v):
+            where = "The request body" if _SURROGATE.search(top) else f"'{top}'"
+            raise bad_request(f"{where} contains a lone UTF-16 surrogate escape (\\ud800-\\udfff without its "
+                              "pair); send valid Unicode text.", param=None if _SURROGATE.search(top) else top)
+        if isinstance(v, dict):
+            stack.extend((top, k, x) for k, x in v.items())
+        elif isinstance(v, list):
+            stack.extend((top, None, x) for x in v)
 
 
 def _too_large(limit: int) -> APIError:
