@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up kvfence in ./.venv on a fresh machine (as root it also apt-installs libibverbs1,
 # which the PD transfer engine needs). `--test` also installs what the test suite needs
-# (transformers as the reference model, spin for the formal model).
+# (transformers as the reference model, spin for the formal model, iproute2 for the
+# multi-host PD test).
 # Safe to run again: it only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,6 +41,14 @@ if [ "$want_tests" = 1 ] && ! command -v spin >/dev/null; then
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq spin >/dev/null
     else
         echo "note: the formal-model tests need spin (Debian package 'spin'); install it as root" >&2
+    fi
+fi
+# the multi-host PD test runs prefill and decode in network namespaces (`ip netns`)
+if [ "$want_tests" = 1 ] && ! command -v ip >/dev/null; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null
+    else
+        echo "note: the multi-host PD test needs ip (Debian package 'iproute2') and root; it skips without them" >&2
     fi
 fi
 echo "kvfence is set up in .venv"
