@@ -100,7 +100,7 @@ def cmd_serve(a) -> int:
             print("error: --role router needs --prefill-url and --decode-url", file=sys.stderr)
             return 2
         return serve_router(a.prefill_url, a.decode_url, a.model, a.host, a.port, a.max_model_len,
-                            a.clamp_context, a.tenants, a.served_model_name, level, a.node_wait)
+                            a.clamp_context, a.tenants, a.served_model_name, level, a.node_wait, a.node_stall)
     if a.role in ("prefill", "decode"):
         from kvfence.pd.node import serve_node
 
@@ -190,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--prefill-url", default=None, help="router: the prefill node, e.g. http://10.0.0.2:8001")
     s.add_argument("--decode-url", default=None, help="router: the decode node, e.g. http://10.0.0.3:8002")
     s.add_argument("--node-wait", type=float, default=300.0, help="router: seconds to wait for the nodes at start")
+    s.add_argument("--node-stall", type=float, default=10.0,
+                   help="router: a node silent this long (no heartbeat) fails the request")
     _server_args(s)
     _engine_args(s)
     _pd_args(s)

@@ -43,6 +43,9 @@ FAULTS: dict[str, str] = {
     "delay_transfer_completion": "a transfer's completion notice is delayed by ARG seconds (default 1)",
     "duplicate_transfer_completion": "a transfer's completion notice is delivered twice",
     "kill_node_at": "the node process exits at the point named by ARG",
+    "corrupt_staged_page": "prefill flips one byte of a staged page after computing its checksum (a corrupted "
+                           "transfer, I5)",
+    "delay_handoff": "the PD router waits ARG seconds (default 1) between prefill and decode",
 }
 
 

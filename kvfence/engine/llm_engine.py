@@ -14,7 +14,8 @@ from typing import Callable
 
 import torch
 
-from kvfence.engine.admission import ContextPlan, check_fits, plan_context
+from kvfence import faults
+from kvfence.engine.admission import ContextLengthExceeded, ContextPlan, check_fits, plan_context
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.detokenizer import IncrementalDetokenizer
 from kvfence.engine.params import SamplingParams
@@ -144,7 +145,12 @@ class LLMEngine:
                        prompt_ids=list(prompt_ids[:-1] if hold_kv else prompt_ids), params=params,
                        max_tokens=max_tokens, prompt=prompt, cache_scope=scope, hold_kv=hold_kv)
         try:
-            check_fits(len(prompt_ids), max_tokens, self.usable_context)
+            try:
+                check_fits(len(prompt_ids), max_tokens, self.usable_context)
+            except ContextLengthExceeded:
+                if not (hold_kv and faults.active("handoff_placeholder")):
+                    raise
+                seq.prompt_ids = list(prompt_ids[:1])  # the incident: a one-token stand-in, handed off anyway
             if kv_source is not None:
                 self.kv_link.check(seq, kv_source)  # ManifestError: a handoff this node must not take
         except ValueError:

@@ -20,6 +20,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvfence import faults
 from kvfence.engine.admission import ContextLengthExceeded
 from kvfence.engine.config import EngineConfig
 from kvfence.pd.manifest import ManifestError
@@ -146,6 +147,7 @@ def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int,
                log_level: str = "info") -> int:
     import uvicorn
 
+    from kvfence.server import fault_control
     from kvfence.server.app import ServerState, create_app
     from kvfence.server.isolation import run_startup_checks
     from kvfence.server.serve import load_tenants
@@ -162,6 +164,8 @@ def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int,
     state = ServerState(loop, tenants)
     app = create_app(state)
     add_internal_routes(app, loop, settings)
+    faults.announce(log)
+    fault_control.mount(app)
     log.info("%s node serving its internal API on http://%s:%d/internal", settings.role, host, port)
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
     return 0

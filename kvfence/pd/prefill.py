@@ -147,6 +147,8 @@ class KvExporter:
         owner = Owner(self.staging.ledger.tenant_id(seq.tenant), seq.owner.request)
         rows = self.staging.grant(owner, n)
         sums = self.staging.stage(seq.table.pages[:n], rows, tokens, seq.request_id, seq.tenant, self.boot_id)
+        if n and faults.active("corrupt_staged_page"):
+            self.staging.buf[rows.pages[0], -1] ^= 0x5A
         m = Manifest(request_id=seq.request_id, tenant=seq.tenant, token_count=tokens, page_count=n,
                      page_size=eng.ledger.page_size, epochs=list(rows.epochs), checksums=sums,
                      fingerprint=eng.model_config.fingerprint(), layout=self.staging.layout, boot_id=self.boot_id,

@@ -136,7 +136,9 @@ class RouterBackend:
         return self
 
     def _apply_check(self, facts: dict[str, dict]) -> bool:
-        advertised = self.max_model_len or min(int(f["model_max_context"]) for f in facts.values())
+        # default: what the nodes themselves serve (each checked its own pool at start-up);
+        # an explicit --max-model-len is held against every node
+        advertised = self.max_model_len or min(int(f["usable_context"]) for f in facts.values())
         chk = check_cluster(advertised, facts, self.clamp)
         vocab = {f.get("vocab_size") for f in facts.values()}
         if self.tokenizer is not None and len(vocab) == 1 and self.tokenizer.hf.get_vocab_size() > next(iter(vocab)):
@@ -276,6 +278,8 @@ class RouterBackend:
                 await self._prefill(body, state, admitted, fail)
                 if state["manifest"] is None:
                     return
+                if faults.active("delay_handoff"):
+                    await asyncio.sleep(faults.arg_float("delay_handoff", 1.0))
             await self._decode(body, state, handle, admitted, fail, len(ids))
         except asyncio.CancelledError:
             raise
@@ -380,26 +384,32 @@ def _as_submit_error(message: str, code: str, prompt_tokens: int, max_tokens: in
         if m:
             return ContextLengthExceeded(prompt_tokens, max_tokens, int(m.group(1)))
         return ValueError(message)
-    if code in ("invalid_request", "kv_manifest_invalid"):
+    if code == "invalid_request":
         return ValueError(message)
-    return EngineFailed(message)
+    e = EngineFailed(message)
+    e.code = code
+    return e
 
 
 def serve_router(prefill_url: str, decode_url: str, model: str | None, host: str, port: int,
                  max_model_len: int | None, clamp_context: bool, tenants_file: str | None = None,
-                 served_model_name: str | None = None, log_level: str = "info", wait_s: float = 300.0) -> int:
+                 served_model_name: str | None = None, log_level: str = "info", wait_s: float = 300.0,
+                 stall_s: float = 10.0) -> int:
     import uvicorn
 
+    from kvfence.server import fault_control
     from kvfence.server.app import ServerState, create_app
     from kvfence.server.serve import load_tenants
 
     tenants = load_tenants(tenants_file)
-    backend = RouterBackend(prefill_url, decode_url, model, max_model_len, clamp_context, wait_s).start()
+    backend = RouterBackend(prefill_url, decode_url, model, max_model_len, clamp_context, wait_s, stall_s).start()
     if backend.error is not None:
         log.error("router not serving: %s", backend.error)
         return 2
     state = ServerState(backend, tenants, served_model_name)
     app = create_app(state)
+    faults.announce(log)
+    fault_control.mount(app)
 
     @app.get("/v1/kvfence/cluster")
     async def cluster():

@@ -202,8 +202,9 @@ async def _generate(state: ServerState, request: Request, kind: str):
         except ContextLengthExceeded as e:
             raise APIError(400, str(e), code="context_length_exceeded", param=req.prompt_param,
                            outcome="rejected") from None
-        except EngineFailed as e:
-            raise APIError(503, str(e), code="engine_unavailable") from None
+        except EngineFailed as e:  # the PD router's failures carry a machine-readable code
+            code = getattr(e, "code", None) or "engine_unavailable"
+            raise APIError(_ABORT_STATUS.get(code, (503,))[0], str(e), code=code) from None
         except ValueError as e:
             raise bad_request(str(e), param=req.prompt_param) from None
     except APIError as e:

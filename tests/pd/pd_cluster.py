@@ -1,0 +1,152 @@
+"""A real PD cluster for tests: prefill, decode and router as separate `kvfence serve`
+processes talking HTTP and moving KV with the Mooncake transfer engine.
+
+Each process is started with KVFENCE_TEST_FAULT_CONTROL=1 so a test can switch fault
+points on a running node (POST /internal/test/faults); `prefix` runs a command in front
+of a node (e.g. `ip netns exec ns1`) so the same harness runs nodes in other hosts, where a
+node may listen on one address (`binds`), be reached at another (`hosts`) and advertise a
+third to its transfer peer (`transfer_hosts`).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+NODE_ARGS = ["--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "1024", "--threads", "1",
+             "--lease", "4", "--transfer-timeout", "2", "--max-pull", "3", "--clock-skew", "0.5"]
+
+
+class Cluster:
+    def __init__(self, workdir: Path, node_args=None, router_args=None, hosts=None, prefixes=None, env=None,
+                 binds=None, transfer_hosts=None):
+        self.workdir = Path(workdir)
+        self.node_args = list(NODE_ARGS if node_args is None else node_args)
+        self.router_args = list(router_args or [])
+        # hosts: where the router and the test reach each process; binds: the address it
+        # listens on; transfer_hosts: what a node's transfer engine advertises (both default to hosts)
+        self.hosts = {"prefill": "127.0.0.1", "decode": "127.0.0.1", "router": "127.0.0.1", **(hosts or {})}
+        self.binds = {**self.hosts, **(binds or {})}
+        self.transfer_hosts = {**self.hosts, **(transfer_hosts or {})}
+        self.prefixes = prefixes or {}
+        self.ports = {r: free_port() for r in ("prefill", "decode", "router")}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "KVFENCE_TEST_FAULT_CONTROL": "1",
+                    "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.env.pop("KVFENCE_TEST_FAULTS", None)
+
+    def url(self, role: str) -> str:
+        return f"http://{self.hosts[role]}:{self.ports[role]}"
+
+    def command(self, role: str, extra=()) -> list[str]:
+        base = [sys.executable, "-m", "kvfence.cli", "serve", "--role", role, "--host", self.binds[role],
+                "--port", str(self.ports[role])]
+        if role == "router":
+            return base + ["--prefill-url", self.url("prefill"), "--decode-url", self.url("decode"),
+                           "--node-stall", "5"] + self.router_args + list(extra)
+        return (list(self.prefixes.get(role, [])) + base + ["--transfer-host", self.transfer_hosts[role]]
+                + self.node_args + list(extra))
+
+    def start(self, role: str, extra=()) -> subprocess.Popen:
+        log = open(self.workdir / f"{role}.log", "ab")
+        p = subprocess.Popen(self.command(role, extra), cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        self.procs[role] = p
+        return p
+
+    def start_all(self, timeout: float = 240) -> "Cluster":
+        for role in ("prefill", "decode", "router"):
+            self.start(role)
+        self.wait_ready(timeout)
+        return self
+
+    def log(self, role: str) -> str:
+        try:
+            return (self.workdir / f"{role}.log").read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float = 240) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            for role, p in self.procs.items():
+                if p.poll() is not None:
+                    raise RuntimeError(f"{role} exited with {p.returncode}:\n{self.log(role)[-3000:]}")
+            try:  # ready, and the router has checked the nodes that run now (not ones that died)
+                r = httpx.get(self.url("router") + "/v1/kvfence/cluster", timeout=2)
+                if r.status_code == 200 and r.json().get("ready"):
+                    seen = {role: n["boot_id"] for role, n in r.json()["nodes"].items()}
+                    if all(self.info(role)["pd"]["boot_id"] == seen[role] for role in ("prefill", "decode")):
+                        return
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("the PD cluster did not become ready:\n" +
+                           "\n".join(f"--- {r}\n{self.log(r)[-2000:]}" for r in self.procs))
+
+    def info(self, role: str) -> dict:
+        return httpx.get(self.url(role) + "/internal/info", timeout=10).json()
+
+    def pd(self, role: str) -> dict:
+        return self.info(role)["snapshot"]["pd"]
+
+    def set_faults(self, role: str, spec: str = "") -> None:
+        r = httpx.post(self.url(role) + "/internal/test/faults", json={"spec": spec}, timeout=10)
+        r.raise_for_status()
+
+    def clear_faults(self) -> None:
+        for role in ("prefill", "decode", "router"):
+            if role in self.procs and self.procs[role].poll() is None:
+                try:
+                    self.set_faults(role, "")
+                except httpx.HTTPError:
+                    pass
+
+    def signal(self, role: str, sig: int) -> None:
+        self.procs[role].send_signal(sig)
+
+    def kill(self, role: str) -> None:
+        p = self.procs[role]
+        p.send_signal(signal.SIGKILL)
+        p.wait(30)
+
+    def wait_quiet(self, timeout: float = 30.0) -> dict:
+        """Wait until neither node owns a pool page or a transfer-buffer row, nothing is held,
+        fenced or in flight; returns the last snapshots."""
+        end = time.monotonic() + timeout
+        last = {}
+        while time.monotonic() < end:
+            last = {r: self.info(r)["snapshot"] for r in ("prefill", "decode")}
+            if all(s["pages_owned"] == 0 and s["running"] == 0 and s["waiting"] == 0
+                   and s["pd"]["buffer_free"] == s["pd"]["buffer_rows"] for s in last.values()):
+                return last
+            time.sleep(0.3)
+        raise AssertionError(f"the cluster did not settle: {last}")
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                try:
+                    p.send_signal(signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()

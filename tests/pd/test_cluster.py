@@ -1,0 +1,280 @@
+"""A real PD cluster (three processes, Mooncake TCP transfers) against single-node output,
+the incident, and every failure the PD issue lists: each must end with a clear error to
+the client in bounded time, give back or fence every page, and leave the cluster serving."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from kvfence.engine.params import SamplingParams
+
+from pd_cluster import ROOT, Cluster, free_port
+
+pytest.importorskip("mooncake.engine", reason="the PD tests need mooncake-transfer-engine-non-cuda")
+
+LONG = ("The history of the printing press begins with movable type in East Asia and continues through "
+        "Gutenberg's workshop in Mainz, where metal type, oil-based ink and a screw press came together. ") * 12
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("pd")).start_all()
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def client(cluster):
+    cluster.clear_faults()
+    yield openai.OpenAI(base_url=cluster.url("router") + "/v1", api_key="none", max_retries=0, timeout=60)
+    cluster.clear_faults()
+
+
+def model_name(client) -> str:
+    return client.models.list().data[0].id
+
+
+def single_node_text(make_llm, prompt: str, max_tokens: int) -> str:
+    llm = make_llm(max_model_len=1024)
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0]
+    return out.text
+
+
+def test_pd_output_equals_single_node(cluster, client, make_llm):
+    m = model_name(client)
+    prompts = ["The capital of France is", "Write a haiku about the sea.\n", LONG]  # LONG: 300+ tokens, 20+ pages
+    for p in prompts:
+        r = client.completions.create(model=m, prompt=p, max_tokens=16, temperature=0)
+        assert r.choices[0].text == single_node_text(make_llm, p, 16), p[:40]
+    assert cluster.pd("decode")["pd_verified"] >= 3
+    assert cluster.pd("decode")["transferred_bytes"] > 20 * 700_000  # the long prompt's pages crossed over
+
+
+def test_concurrent_requests_and_streaming(cluster, client, make_llm):
+    m = model_name(client)
+    prompts = [f"Tell me about the number {i}." + (" Please explain in detail." * i) for i in range(6)]
+    results: dict[int, str] = {}
+
+    def one(i):
+        stream = client.completions.create(model=m, prompt=prompts[i], max_tokens=12, temperature=0, stream=True)
+        results[i] = "".join(ch.choices[0].text for ch in stream if ch.choices)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    llm = make_llm(max_model_len=1024)
+    want = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
+    assert [results[i] for i in range(len(prompts))] == [w.text for w in want]
+    chat = client.chat.completions.create(model=m, messages=[{"role": "user", "content": "Say hi"}], max_tokens=8,
+                                          temperature=0)
+    assert chat.choices[0].message.content
+    cluster.wait_quiet()
+
+
+# -- the incident ---------------------------------------------------------------------------------
+
+def test_incident_advertised_context_above_the_prefill_pool_is_refused(cluster, tmp_path):
+    """Advertising 4096 tokens on nodes whose pools hold 1440: the router does not start."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvfence.cli", "serve", "--role", "router", "--port", str(port),
+           "--prefill-url", cluster.url("prefill"), "--decode-url", cluster.url("decode"), "--max-model-len", "4096"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=cluster.env)
+    assert r.returncode == 2
+    assert "exceeds the prefill node's usable capacity" in r.stderr and "KV pool 1440 tokens" in r.stderr, \
+        r.stderr[-2000:]
+
+
+def _decode_allocations(cluster) -> int:
+    return cluster.info("decode")["snapshot"]["ledger_counters"].get("pages_allocated", 0)
+
+
+@pytest.mark.parametrize("faults", [
+    {},                                                                     # every layer on
+    {"router": "skip_router_admission"},                                    # prefill's own admission stops it
+    {"router": "skip_router_admission", "prefill": "handoff_placeholder"},  # the incident's prefill: decode stops it
+])
+def test_incident_over_length_prompts_get_400_and_decode_allocates_nothing(cluster, client, faults):
+    """The incident, reproduced: a clamped context and over-length prompts. Whatever single
+    layer is broken, the client gets a 400 and decode never allocates a page for them."""
+    for role, spec in faults.items():
+        cluster.set_faults(role, spec)
+    m = model_name(client)
+    before = _decode_allocations(cluster)
+    statuses = []
+    for n_words in (1100, 2000):
+        try:
+            client.completions.create(model=m, prompt="tenant secret " * (n_words // 2), max_tokens=8)
+            statuses.append(200)
+        except openai.APIStatusError as e:
+            statuses.append(e.status_code)
+            assert e.code in ("context_length_exceeded", "kv_manifest_invalid"), e
+    assert statuses == [400, 400]
+    assert _decode_allocations(cluster) == before
+    cluster.clear_faults()
+    cluster.wait_quiet()
+    ok = client.completions.create(model=m, prompt="Hello", max_tokens=4, temperature=0)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_clamped_router_serves_the_smallest_node_capacity(cluster, tmp_path):
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvfence.cli", "serve", "--role", "router", "--port", str(port),
+           "--prefill-url", cluster.url("prefill"), "--decode-url", cluster.url("decode"), "--max-model-len", "4096",
+           "--clamp-context"]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for _ in range(240):
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/v1/kvfence/cluster", timeout=2)
+                if r.status_code == 200 and r.json()["ready"]:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        check = r.json()["check"]
+        assert check["ok"] and check["clamped"] and check["usable_context"] == 1024 and check["advertised"] == 4096
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="1024"):
+            c.completions.create(model=model_name(c), prompt="word " * 1100, max_tokens=8)
+    finally:
+        p.terminate()
+        p.wait(20)
+
+
+# -- failures -----------------------------------------------------------------------------------------
+
+def _expect_error(fn, status: int, code: str | None = None, within: float = 30.0):
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as e:
+        fn()
+    assert e.value.status_code == status, e.value
+    if code is not None:
+        assert e.value.code == code, e.value
+    assert time.monotonic() - t0 < within
+    return e.value
+
+
+def test_checksum_mismatch_is_a_500_and_frees_both_sides(cluster, client):
+    cluster.set_faults("prefill", "corrupt_staged_page")
+    m = model_name(client)
+    _expect_error(lambda: client.completions.create(model=m, prompt=LONG, max_tokens=4), 500, "kv_verification_failed")
+    assert cluster.pd("decode")["pd_verify_failed"] >= 1
+    cluster.clear_faults()
+    cluster.wait_quiet(10)  # decode said its pull was over, so prefill freed at once: no fence to wait out
+    assert client.completions.create(model=m, prompt="Hi", max_tokens=2).choices[0].text is not None
+
+
+def test_lease_expiry_is_a_503_and_prefill_fences_then_frees(cluster, client):
+    cluster.set_faults("router", "delay_handoff:5")   # lease is 4 s
+    m = model_name(client)
+    _expect_error(lambda: client.completions.create(model=m, prompt=LONG, max_tokens=4), 503, "lease_expired")
+    pd = cluster.pd("prefill")
+    assert pd["pd_leases_expired"] >= 1
+    cluster.clear_faults()
+    cluster.wait_quiet(20)  # the fence (deadline + max pull + skew) lifts, then every row is free
+
+
+@pytest.mark.parametrize("stage", ["prefill", "handoff", "decode"])
+def test_client_disconnect_at_each_stage_frees_everything(cluster, client, stage):
+    m = model_name(client)
+    if stage == "handoff":
+        cluster.set_faults("router", "delay_handoff:2")
+    prompt = LONG * 2 if stage == "prefill" else LONG
+    with httpx.Client(timeout=60) as h:
+        with h.stream("POST", cluster.url("router") + "/v1/completions",
+                      json={"model": m, "prompt": prompt, "max_tokens": 200, "stream": True}) as r:
+            if stage == "decode":
+                for text in r.iter_lines():
+                    if text.startswith("data: {"):
+                        break  # one token arrived: now leave
+            else:
+                time.sleep(0.6 if stage == "prefill" else 1.0)
+    cluster.clear_faults()
+    cluster.wait_quiet(25)
+    assert client.completions.create(model=m, prompt="Hi", max_tokens=2).choices[0].finish_reason
+
+
+def test_hung_prefill_fails_the_request_in_bounded_time(cluster, client):
+    m = model_name(client)
+    client.completions.create(model=m, prompt="warm", max_tokens=1)
+    cluster.signal("prefill", signal.SIGSTOP)
+    try:
+        _expect_error(lambda: client.completions.create(model=m, prompt=LONG, max_tokens=4), 503, within=20)
+    finally:
+        cluster.signal("prefill", signal.SIGCONT)
+    cluster.wait_ready(60)
+    cluster.wait_quiet(30)
+    assert client.completions.create(model=m, prompt="Hi", max_tokens=2).choices[0].finish_reason
+
+
+def test_prefill_killed_after_holding_then_rejoins(cluster, client):
+    m = model_name(client)
+    cluster.set_faults("prefill", "kill_node_at:prefill_after_hold")
+    _expect_error(lambda: client.completions.create(model=m, prompt=LONG, max_tokens=4), 503, "node_failed")
+    cluster.procs["prefill"].wait(10)
+    # the router stops serving while a node is gone ...
+    for _ in range(20):
+        if httpx.get(cluster.url("router") + "/health").status_code == 503:
+            break
+        time.sleep(0.5)
+    _expect_error(lambda: client.completions.create(model=m, prompt="Hi", max_tokens=2), 503)
+    # ... and checks the restarted node again (new boot id) before it serves
+    old_boot = httpx.get(cluster.url("router") + "/v1/kvfence/cluster").json()["nodes"]["prefill"]["boot_id"]
+    cluster.start("prefill")
+    cluster.wait_ready(120)
+    new_boot = httpx.get(cluster.url("router") + "/v1/kvfence/cluster").json()["nodes"]["prefill"]["boot_id"]
+    assert new_boot != old_boot
+    assert client.completions.create(model=m, prompt=LONG, max_tokens=4).choices[0].finish_reason == "length"
+    cluster.wait_quiet(30)
+
+
+def test_transfer_from_a_dead_prefill_fails_cleanly(cluster, client):
+    """Prefill dies after handing out the handle: decode's pull fails, the client gets a 503,
+    decode frees everything and keeps serving once prefill is back."""
+    m = model_name(client)
+    cluster.set_faults("router", "delay_handoff:2")
+    result = {}
+
+    def go():
+        try:
+            client.completions.create(model=m, prompt=LONG, max_tokens=4)
+            result["status"] = 200
+        except openai.APIStatusError as e:
+            result["status"], result["code"] = e.status_code, e.code
+
+    t = threading.Thread(target=go)
+    t.start()
+    time.sleep(1.2)
+    cluster.kill("prefill")
+    t.join(60)
+    assert result["status"] == 503 and result["code"] in ("kv_transfer_failed", "kv_transfer_timeout", "lease_expired")
+    dec = cluster.info("decode")["snapshot"]
+    assert dec["pages_owned"] == 0
+    cluster.clear_faults()
+    cluster.start("prefill")
+    cluster.wait_ready(120)
+    assert client.completions.create(model=m, prompt="Hi", max_tokens=2).choices[0].finish_reason
+    cluster.wait_quiet(30)
+
+
+def test_decode_killed_mid_pull_then_rejoins(cluster, client):
+    m = model_name(client)
+    cluster.set_faults("decode", "kill_node_at:decode_after_pull")
+    _expect_error(lambda: client.completions.create(model=m, prompt=LONG, max_tokens=4), 503, "node_failed")
+    cluster.procs["decode"].wait(10)
+    # prefill does not know whether the dead decode's pull ended: its rows stay fenced, then free
+    pre = cluster.pd("prefill")
+    assert pre["buffer_free"] < pre["buffer_rows"]  # held, then fenced: never simply freed
+    cluster.start("decode")
+    cluster.wait_ready(120)
+    cluster.wait_quiet(30)
+    assert client.completions.create(model=m, prompt=LONG, max_tokens=4).choices[0].finish_reason == "length"
