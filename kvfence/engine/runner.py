@@ -83,7 +83,7 @@ class ModelRunner:
             positions.append(np.arange(start, end))
             writes.append(self._slots(seq.table.pages, start, end))
             row += s.num_new
-            if end == seq.num_tokens:
+            if end == seq.num_tokens and not seq.hold_kv:  # PD prefill samples nothing
                 logits_rows.append(row - 1)
                 sampled.append(s)
         buckets = []
