@@ -83,7 +83,7 @@ class LLMEngine:
                                                  self.ledger.capacity_tokens, cfg.clamp_context)
         self.prefix_cache = PrefixCache(self.ledger) if cfg.enable_prefix_cache else None
         self.scheduler = Scheduler(self.ledger, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.prefix_cache)
-        self.runner = ModelRunner(self.model, self.pool, self.ledger)
+        self.runner = ModelRunner(self.model, self.pool, self.ledger, audit=cfg.audit_reads)
         self.sampler = Sampler()
         self.requests: dict[str, Sequence] = {}
         self.outcomes: Counter[str] = Counter()
