@@ -20,6 +20,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
     p.add_argument("--scrub", default="zero", choices=["none", "zero", "poison"], help="what freed pages are overwritten with")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--audit-reads", action="store_true",
+                   help="record and check every page and slot each forward pass touches (a test oracle; costs time)")
 
 
 def _config(a):
@@ -28,7 +30,8 @@ def _config(a):
     return EngineConfig(model=a.model, dtype=a.dtype, device=a.device, page_size=a.page_size,
                         kv_cache_memory=a.kv_cache_memory, kv_memory_fraction=a.kv_memory_fraction,
                         max_model_len=a.max_model_len, clamp_context=a.clamp_context, max_num_seqs=a.max_num_seqs,
-                        max_num_batched_tokens=a.max_num_batched_tokens, scrub=a.scrub, num_threads=a.threads)
+                        max_num_batched_tokens=a.max_num_batched_tokens, scrub=a.scrub, num_threads=a.threads,
+                        audit_reads=a.audit_reads)
 
 
 def cmd_generate(a) -> int:
@@ -81,6 +84,16 @@ def cmd_info(a) -> int:
 
 
 def cmd_bench(a) -> int:
+    if a.pd:
+        if a.url:
+            print("error: --pd starts its own servers; it does not take --url", file=sys.stderr)
+            return 2
+        from kvfence.bench.pd import main as pd_main
+
+        return pd_main(a)
+    for k, v in (("num_requests", 32), ("output_tokens", 128), ("kv_cache_memory", "1GiB")):
+        if getattr(a, k) is None:
+            setattr(a, k, v)
     if a.url:
         from kvfence.bench.http_load import main as http_main
 
@@ -229,22 +242,27 @@ def main(argv: list[str] | None = None) -> int:
     i.set_defaults(func=cmd_info)
 
     b = sub.add_parser("bench", help="fixed offline workload against this engine and peers; with --url, "
-                                     "concurrent streaming requests against any OpenAI-compatible server")
-    b.add_argument("--num-requests", type=int, default=32)
+                                     "concurrent streaming requests against any OpenAI-compatible server; with "
+                                     "--pd, single node vs a local PD cluster and KV transfer vs raw Mooncake")
+    b.add_argument("--num-requests", type=int, default=None, help="default 32 (--pd: 16)")
     b.add_argument("--prompt-tokens", type=int, default=256)
-    b.add_argument("--output-tokens", type=int, default=128)
+    b.add_argument("--output-tokens", type=int, default=None, help="default 128 (--pd: 64)")
     b.add_argument("--peers", default="transformers", help="comma-separated: transformers (or empty)")
     b.add_argument("--quick", action="store_true", help="only checks on/off, no scrub variants")
     b.add_argument("--repeat", type=int, default=3, help="interleaved rounds per variant; medians are reported")
     b.add_argument("--json", default=None, help="also write results to this file")
     b.add_argument("--url", default=None, help="load-test this OpenAI-compatible server (e.g. http://127.0.0.1:8000)")
-    b.add_argument("--concurrency", type=int, default=None, help="--url: requests in flight (default: all)")
+    b.add_argument("--pd", action="store_true",
+                   help="start a single-node server, then a PD cluster (as launch-pd), run the --url workload "
+                        "through each and compare; then KV transfer bandwidth vs raw Mooncake "
+                        "(default --kv-cache-memory 512MiB)")
+    b.add_argument("--concurrency", type=int, default=None, help="--url, --pd: requests in flight (default: all)")
     b.add_argument("--api-key", default=None, help="--url: API key (default: $OPENAI_API_KEY or none)")
     b.add_argument("--model-name", default=None, help="--url: model to ask for (default: the server's first)")
     b.add_argument("--endpoint", default="completions", choices=["completions", "chat"], help="--url: which API")
-    b.add_argument("--timeout", type=float, default=600.0, help="--url: per-request timeout in seconds")
+    b.add_argument("--timeout", type=float, default=600.0, help="--url, --pd: per-request timeout in seconds")
     _engine_args(b)
-    b.set_defaults(func=cmd_bench, kv_cache_memory="1GiB")
+    b.set_defaults(func=cmd_bench)  # --kv-cache-memory's default depends on the mode: see cmd_bench
 
     a = parser.parse_args(argv)
     # INFO by default: operators want the start-up summary (pool capacity, context, scrub)

@@ -46,6 +46,10 @@ FAULTS: dict[str, str] = {
     "corrupt_staged_page": "prefill flips one byte of a staged page after computing its checksum (a corrupted "
                            "transfer, I5)",
     "delay_handoff": "the PD router waits ARG seconds (default 1) between prefill and decode",
+    "skip_manifest_check": "decode takes a handoff without checking it is for this request, tenant, token count "
+                           "and model (I4, I5)",
+    "attend_reserved_length": "the incident's decode: after a transfer it treats the whole prompt as computed, "
+                              "whatever the manifest verified (I3)",
 }
 
 

@@ -91,6 +91,7 @@ class LLMEngine:
         self.kv_link = None
         self._pending_outputs: list[StepOutput] = []  # produced outside step(), returned by the next one
         self.wake: Callable[[], None] = lambda: None  # the server's loop sets this: wakes a blocked loop
+        self.clock: Callable[[], float] = time.time   # PD leases and fences; the simulation swaps it
         log.info("model %s (%s, %s on %s); KV pool %d pages x %d tokens = %d tokens (%.1f MiB, scrub=%s); %s",
                  self.model_config.name, self.model_path.name, cfg.dtype, self.device, self.ledger.usable_pages,
                  cfg.page_size, self.ledger.capacity_tokens, self.pool.nbytes / 2**20, self.ledger.scrub.value,
@@ -162,7 +163,7 @@ class LLMEngine:
         seq.detok = IncrementalDetokenizer(self.tokenizer.hf, seq.prompt_ids, params)
         self.requests[request_id] = seq
         if kv_source is not None:
-            self._pending_outputs += self.kv_link.enqueue(seq, time.time())
+            self._pending_outputs += self.kv_link.enqueue(seq, self.clock())
         else:
             self.scheduler.add(seq)
         return seq
@@ -205,7 +206,7 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         if self.kv_link is not None:
-            outputs += self.kv_link.poll(time.time())
+            outputs += self.kv_link.poll(self.clock())
         step = self.scheduler.schedule()
         for seq in self.scheduler.unservable:
             self.end(seq, Event.ABORT, "aborted",
@@ -232,7 +233,7 @@ class LLMEngine:
         if self.kv_link is not None:  # PD prefill: prompts computed this pass go to the KV lease
             done = [s.seq for s in result.ran if s.seq.hold_kv and s.seq.uncomputed == 0 and not s.seq.finished]
             for seq in done:
-                outputs += self.kv_link.on_prefilled(seq, time.time())
+                outputs += self.kv_link.on_prefilled(seq, self.clock())
         return outputs
 
     def _append(self, seq: Sequence, tok: int, lp, now: float) -> StepOutput:
@@ -274,4 +275,5 @@ class LLMEngine:
             "usable_context": self.usable_context, "preemptions": self.scheduler.num_preemptions,
             "violations": dict(led.violations), "outcomes": dict(self.outcomes),
             **({"pd": self.kv_link.stats()} if self.kv_link is not None else {}),
+            **({"audit": self.runner.audit.summary()} if self.runner.audit is not None else {}),
         }

@@ -77,9 +77,11 @@ class KvImporter:
         """Static checks of the handoff, before the request is admitted (raises ManifestError)."""
         m = manifest if isinstance(manifest, Manifest) else Manifest.from_json(manifest)
         eng = self.engine
-        check_manifest(m, request_id=seq.request_id, tenant=seq.tenant, token_count=len(seq.prompt_ids) - 1,
-                       page_size=eng.ledger.page_size, fingerprint=eng.model_config.fingerprint(),
-                       layout=self.staging.layout, slot_bytes=self.staging.slot_bytes)
+        if not faults.active("skip_manifest_check"):
+            check_manifest(m, request_id=seq.request_id, tenant=seq.tenant,
+                           token_count=len(seq.prompt_ids) - 1,
+                           page_size=eng.ledger.page_size, fingerprint=eng.model_config.fingerprint(),
+                           layout=self.staging.layout, slot_bytes=self.staging.slot_bytes)
         seq.kv_source = m
         seq.reserved = True
 
@@ -154,7 +156,7 @@ class KvImporter:
             seq.on(Event.RESERVE)
             owner = Owner(self.staging.ledger.tenant_id(seq.tenant), seq.owner.request)
             rows = self.staging.grant(owner, m.page_count)
-            pull = Pull(next(self._ids), seq, owner, rows, time.time())
+            pull = Pull(next(self._ids), seq, owner, rows, now)
             self.pulls[pull.pull_id] = pull
             self.live[seq.request_id] = pull.pull_id
             self.counters["pulls_started"] += 1
@@ -210,6 +212,8 @@ class KvImporter:
         self.staging.unstage(p.rows.pages, seq.table.pages[:m.page_count])
         eng.ledger.mark_written(seq.owner, seq.table, 0, m.token_count)
         seq.num_computed = m.token_count
+        if faults.active("attend_reserved_length"):  # the incident's decode: trust the reservation
+            seq.num_computed = len(seq.prompt_ids) - 1
         del self.live[seq.request_id]
         self.staging.ledger.free(p.owner, p.rows)
         seq.on(Event.VERIFY)

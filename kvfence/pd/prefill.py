@@ -153,7 +153,7 @@ class KvExporter:
                      page_size=eng.ledger.page_size, epochs=list(rows.epochs), checksums=sums,
                      fingerprint=eng.model_config.fingerprint(), layout=self.staging.layout, boot_id=self.boot_id,
                      session=self.transport.session_id, base=self.base, slot_bytes=self.staging.slot_bytes,
-                     slots=list(rows.pages), lease_deadline=time.time() + self.settings.lease_s, issued_at=time.time())
+                     slots=list(rows.pages), lease_deadline=now + self.settings.lease_s, issued_at=now)
         eng.publish_prefix(seq)          # later prompts with this prefix skip the compute
         eng.ledger.free(seq.owner, seq.table)
         seq.on(Event.HOLD_KV)
