@@ -123,3 +123,35 @@ class _EngineCollector:
         for ev in ("pages_allocated", "pages_freed", "pages_quarantined"):
             ledger.add_metric([ev], float(counters.get(ev, 0)))
         yield ledger
+        yield from _pd_metrics(s.get("pd"))
+        audit = s.get("audit")
+        if audit is not None:
+            a = CounterMetricFamily("kvfence_read_audit_violations", "Reads and writes the read audit (a test "
+                                    "oracle, --audit-reads) found outside the reader's own pages", labels=["kind"])
+            for kind, n in sorted((audit.get("by_kind") or {}).items()):
+                a.add_metric([kind], float(n))
+            yield a
+
+
+def _pd_metrics(pd: dict | None):
+    """A PD node's transfer buffer and handoff counters (absent on single-node servers)."""
+    if not pd:
+        return
+    rows = GaugeMetricFamily("kvfence_pd_transfer_buffer_rows", "KV transfer-buffer rows by state (fenced: a remote "
+                             "party may still read or write them, I6)", labels=["state"])
+    free, total, fenced = pd.get("buffer_free", 0), pd.get("buffer_rows", 0), pd.get("buffer_fenced", 0)
+    rows.add_metric(["free"], float(free))
+    rows.add_metric(["fenced"], float(fenced))
+    rows.add_metric(["held"], float(max(0, total - free - fenced)))
+    yield rows
+    events = CounterMetricFamily("kvfence_pd_events", "Handoff events on this node (held, released, leases_expired, "
+                                 "pulls_started, verified, verify_failed, pulls_failed, pulls_given_up, "
+                                 "stale_notices, late_notices, fences)", labels=["event"])
+    for k, v in sorted(pd.items()):
+        if k.startswith("pd_"):
+            events.add_metric([k[3:]], float(v))
+    yield events
+    if "transferred_bytes" in pd:
+        moved = CounterMetricFamily("kvfence_pd_transferred_bytes", "KV bytes pulled from prefill nodes")
+        moved.add_metric([], float(pd["transferred_bytes"]))
+        yield moved

@@ -55,6 +55,9 @@ def test_pd_output_equals_single_node(cluster, client, make_llm):
         assert r.choices[0].text == single_node_text(make_llm, p, 16), p[:40]
     assert cluster.pd("decode")["pd_verified"] >= 3
     assert cluster.pd("decode")["transferred_bytes"] > 20 * 700_000  # the long prompt's pages crossed over
+    metrics = httpx.get(cluster.url("decode") + "/metrics").text
+    assert 'kvfence_pd_events_total{event="verified"}' in metrics and "kvfence_pd_transferred_bytes_total" in metrics
+    assert 'kvfence_pd_transfer_buffer_rows{state="fenced"} 0.0' in httpx.get(cluster.url("prefill") + "/metrics").text
 
 
 def test_concurrent_requests_and_streaming(cluster, client, make_llm):
