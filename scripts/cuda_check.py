@@ -608,7 +608,9 @@ def phase_throughput(args, rep: Report, folder: Path) -> dict:
         workloads = [("standard", Workload(4, 32, 8), "64MiB", 1), ("large", Workload(8, 64, 8), "64MiB", 1)]
     else:
         workloads = [("standard", Workload(32, 256, 128), "1GiB", args.rounds),
-                     ("large", Workload(256, 1024, 128), "12GiB", 1)]
+                     ("large", Workload(256, 1024, 128), "12GiB", args.large_rounds)]
+        if args.only_large:
+            workloads = workloads[1:]
     loaded = LoadedModel.load(EngineConfig(model=str(folder), dtype="bfloat16", device=dev, progress=False))
     peer_model: dict = {}   # transformers bf16, loaded on first use and kept for the next workload
     out: dict = {}
@@ -643,7 +645,8 @@ def _workload(rep: Report, label: str, wl, mem: str, rounds: int, loaded, peer_m
     entry: dict = {"workload": asdict(wl), "kv_cache_memory": mem, "max_num_batched_tokens": 2048, "rounds": rounds}
     # interleaved rounds, median per variant (as `kvfence bench` does)
     for rnd in range(rounds):
-        for name, over in variants:
+        # alternate which variant goes first, so a warm-up cost does not land on one of them
+        for name, over in (variants if rnd % 2 == 0 else variants[::-1]):
             r = run_engine(name, loaded, EngineConfig(**{**asdict(base), **over}), wl)
             runs[name].append(r)
             print(f"[{label} round {rnd + 1}/{rounds}] ", end="")
@@ -697,6 +700,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the standard throughput workload (median)")
     ap.add_argument("--no-large", action="store_true", help="skip the 256 x 1024 -> 128 workload")
+    ap.add_argument("--only-large", action="store_true", help="only the 256 x 1024 -> 128 workload")
+    ap.add_argument("--large-rounds", type=int, default=1, help="interleaved rounds of the large workload")
     ap.add_argument("--budget-s", type=float, default=240.0, help="soft limit for the whole run")
     ap.add_argument("--large-reserve-s", type=float, default=90.0, help="time the large workload needs")
     ap.add_argument("--phases", default="env,build,parity,cpu_vs_dev,throughput")
