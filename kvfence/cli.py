@@ -131,6 +131,12 @@ def _pd_settings(a, role: str):
                       clock_skew_s=a.clock_skew)
 
 
+def cmd_soak(a) -> int:
+    from kvfence.bench.soak import main
+
+    return main(a)
+
+
 def cmd_launch_pd(a) -> int:
     from kvfence.pd.launch import launch_pd
 
@@ -210,6 +216,15 @@ def main(argv: list[str] | None = None) -> int:
     _pd_args(s)
     s.set_defaults(func=cmd_serve)
 
+    so = sub.add_parser("soak", help="mixed load with faults against a local PD cluster for a while; checks for "
+                                     "leaks, hangs and unexplained errors")
+    from kvfence.bench.soak import add_arguments as _soak_args
+    _soak_args(so)
+    _engine_args(so)
+    _pd_args(so)
+    so.set_defaults(func=cmd_soak, kv_cache_memory="256MiB", lease=10.0, transfer_timeout=3, max_pull=5.0,
+                    max_model_len=1024, clamp_context=True)
+
     lp = sub.add_parser("launch-pd", help="start 1 prefill + 1 decode node + 1 router on this machine (demo)")
     lp.add_argument("--host", default="127.0.0.1")
     lp.add_argument("--port", type=int, default=8000, help="the router's port; nodes take the next two")
@@ -263,6 +278,13 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--timeout", type=float, default=600.0, help="--url, --pd: per-request timeout in seconds")
     _engine_args(b)
     b.set_defaults(func=cmd_bench)  # --kv-cache-memory's default depends on the mode: see cmd_bench
+
+    # -- canary: cross-tenant leak hunt against a running server or PD cluster (kvfence/canary.py)
+    cn = sub.add_parser("canary", help="many tenants' secret strings, over-length prompts, aborts and node kills "
+                                       "against a running server or PD router; reports any cross-tenant leak")
+    from kvfence.canary import add_arguments as _canary_args
+    _canary_args(cn)
+    cn.set_defaults(func=lambda a: __import__("kvfence.canary", fromlist=["main"]).main(a))
 
     a = parser.parse_args(argv)
     # INFO by default: operators want the start-up summary (pool capacity, context, scrub)

@@ -69,9 +69,13 @@ class Cluster:
         return p
 
     def start_all(self, timeout: float = 240) -> "Cluster":
-        for role in ("prefill", "decode", "router"):
-            self.start(role)
-        self.wait_ready(timeout)
+        try:
+            for role in ("prefill", "decode", "router"):
+                self.start(role)
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()  # never leave half a cluster running
+            raise
         return self
 
     def log(self, role: str) -> str:
