@@ -1,0 +1,32 @@
+"""`kvfence soak` runs end to end for a few seconds with faults switching, and its
+summary can fail: a leaked row is reported."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvfence.bench.soak import SoakSummary
+from kvfence.cli import main
+
+pytest.importorskip("mooncake.engine", reason="soak needs mooncake-transfer-engine-non-cuda")
+
+
+def test_soak_short_run_passes_and_reports(tmp_path):
+    out = tmp_path / "soak.json"
+    rc = main(["soak", "--duration", "12s", "--concurrency", "2", "--fault-every", "3", "--fault-length", "2",
+               "--sample-every", "3", "--kv-cache-memory", "32MiB", "--max-model-len", "256", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert rc == 0, data
+    assert data["requests"] > 0 and data["leaked"] == {} and data["hung"] == 0
+    assert sum(data["faults_injected"].values()) >= 1 and len(data["samples"]) >= 2
+    assert set(data["rss_mib"]) == {"prefill", "decode", "router"}
+
+
+def test_soak_summary_fails_on_a_leak_or_an_unexplained_error():
+    base = dict(seconds=1.0, requests=3, outcomes={"200": 3}, unexplained_errors=0, hung=0, latency_ms={},
+                rss_mib={}, faults_injected={}, leaked={})
+    assert SoakSummary(**base).ok
+    assert not SoakSummary(**{**base, "leaked": {"prefill": {"buffer_rows_not_free": 2}}}).ok
+    assert not SoakSummary(**{**base, "unexplained_errors": 1}).ok
+    assert "FAIL" in SoakSummary(**{**base, "hung": 1}).text()
