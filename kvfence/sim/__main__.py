@@ -1,0 +1,5 @@
+import sys
+
+from kvfence.sim.run import main
+
+sys.exit(main())

@@ -1,0 +1,1077 @@
+"""A deterministic simulation of a PD cluster: one seeded RNG drives a sim router, a prefill
+node and a decode node (the real LLMEngine, KvExporter and KvImporter), a simulated transfer
+engine (kvfence/sim/transport.py) and a virtual clock, and checks the isolation invariants
+(docs/DESIGN I1-I9) after every step.
+
+Each step is one action chosen by the RNG: a client request arrives, a node runs one engine
+step, the router hands a manifest to decode, a pull runs, a completion notice or a router
+message (ACK, abort, a dropped stream) is delivered, a client disconnects, time passes
+(small steps, or jumps past leases, give-ups and fences), or a node crashes and restarts
+(a new engine and link, a new boot id; its transfer-buffer memory may come back
+registered under the same address with the old bytes in it, like un-zeroed memory).
+
+The sim router follows kvfence/pd/router.py's RouterBackend._run step by step:
+admission -> prefill(hold_kv) -> manifest -> decode(kv_source) -> ACK (exporter.release)
+on kv_verified; on any failure or disconnect it relays an abort to prefill with
+reader_stopped as decode reported it; a node that stops answering fails the requests
+whose streams it held (node_failed), and the node process aborts a request whose router
+stream went away (only while that stream is open, as kvfence/pd/node.py does).
+
+Everything is synchronous and seeded: a failing seed reproduces exactly, and the failure
+prints the seed and the last steps of the trace.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import logging
+import random
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvfence import faults
+from kvfence.engine.admission import ContextLengthExceeded
+from kvfence.engine.config import EngineConfig
+from kvfence.engine.llm_engine import LLMEngine
+from kvfence.engine.params import SamplingParams
+from kvfence.engine.request_states import TERMINAL, State
+from kvfence.kv.ledger import PageState
+from kvfence.kv.pool import page_bytes
+from kvfence.pd.decode import KvImporter
+from kvfence.pd.manifest import HEADER_BYTES, ManifestError
+from kvfence.pd.prefill import KvExporter
+from kvfence.pd.settings import PDSettings
+from kvfence.pd.transfer import InProcessTransport
+from kvfence.sim.transport import FAILING_FATES, SimPull, SimTransport, SimWorkers
+
+_uids = itertools.count(1)
+
+# PageState values as plain ints: an enum attribute lookup costs microseconds, and the
+# checks below do thousands per step
+FREE, OWNED, QUARANTINED, RESERVED_NULL, SHARED = (int(PageState.FREE), int(PageState.OWNED),
+                                                    int(PageState.QUARANTINED), int(PageState.RESERVED_NULL),
+                                                    int(PageState.SHARED))
+
+# error codes a client may get, and which injected events explain each (any one will do)
+EXPLAINED_BY = {
+    "client": {"client_abort"},
+    "kv_transfer_failed": {"transfer", "crash"},
+    "kv_verification_failed": {"transfer", "crash"},
+    "kv_transfer_timeout": {"slow"},
+    "lease_expired": {"slow"},
+    "node_failed": {"crash"},
+    "node_unavailable": {"crash"},
+    "not_ready": {"crash"},
+    "kv_pool_exhausted": {"known_bug_pool_held_outside_scheduler"},
+}
+
+# Bugs this simulation found in code it may not change, which a configuration can excuse so
+# that a run goes on to look for others (each is counted in the result's stats):
+KNOWN_BUGS = {
+    "pool_held_outside_scheduler":
+        "a node aborts a request that fits with kv_pool_exhausted while pool pages are held by PD requests "
+        "outside its scheduler (prefill: prompts waiting for transfer-buffer rows in KvExporter.pending; decode: "
+        "reservations AWAITING_KV), because Scheduler.schedule() (kvfence/engine/scheduler.py:87 and :108) takes "
+        "'nothing running' to mean 'no page will ever come back'",
+}
+
+
+@dataclass
+class SimConfig:
+    seed: int = 0
+    lives: int = 1000               # client requests that arrive
+    layers: int = 1
+    hidden: int = 32
+    page_size: int = 4
+    context: int = 64               # usable context (max_model_len) of prefill, and decode unless set
+    decode_context: int | None = None
+    prefill_pages: int = 40         # usable KV pool pages
+    decode_pages: int = 40
+    prefill_rows: int = 24          # transfer-buffer rows
+    decode_rows: int = 24
+    max_batched_tokens: int = 48    # engine token budget per step (chunked prefill)
+    max_num_seqs: int = 16
+    concurrency: int = 8            # requests in flight at the router
+    tenants: int = 4
+    max_gen: int = 12               # max_tokens is drawn from 1 .. max_gen
+    over_length: float = 0.08       # share of prompts drawn around and beyond the context
+    one_token: float = 0.03         # share of one-token prompts (the router sends them straight to decode)
+    prefix_share: float = 0.5       # share of prompts that start with a shared prefix (prefix-cache hits)
+    router_check: float = 0.7       # share of requests the router admits itself; the rest reach the nodes'
+                                    # own admission unchecked (as with the skip_router_admission fault)
+    lease_s: float = 30.0
+    max_pull_s: float = 75.0
+    pull_give_up_s: float = 10.0
+    clock_skew_s: float = 1.0       # what the nodes are told
+    true_skew: float | None = None  # the real bound on the clocks' difference (default: clock_skew_s)
+    w_abort: float = 0.15           # action weights
+    w_crash: float = 0.004
+    w_jump: float = 0.12
+    slow_pulls: float = 0.1         # share of pulls that take a random time up to max_pull_s to run
+    reuse_memory: float = 0.5       # a restarted node gets its old transfer-buffer memory back, un-zeroed
+    pull_fates: dict = field(default_factory=lambda: {"ok": 0.86, "fail": 0.03, "partial": 0.02, "corrupt": 0.04,
+                                                      "short_ok": 0.02, "cut": 0.03})
+    notice_fates: dict = field(default_factory=lambda: {"deliver": 0.9, "drop": 0.04, "duplicate": 0.06})
+    full_check_every: int = 25      # Ledger.check_consistency() itself (a Python loop over pages) every this
+                                    # many steps and at the end; fast_consistency(), the same checks
+                                    # vectorized, after every other step
+    check_admission: bool = True    # the simulation's own I4 checks (what each node admitted, 400s)
+    check_handoff: bool = True      # its own I5 checks (token counts, the content oracle); with both off,
+                                    # only the ledgers, the read audits and I6 watch (defense in depth)
+    known_bugs: tuple = ()          # names in KNOWN_BUGS whose symptom is excused (and counted)
+    trace_len: int = 300
+    trace_all: bool = False         # print every step as it happens
+
+    @classmethod
+    def draw(cls, seed: int, lives: int = 1000, **overrides) -> "SimConfig":
+        """A configuration drawn from the seed, so that a campaign covers many regimes: pool
+        and buffer sizes, concurrency, chunking, crash, abort and transfer-fault rates."""
+        r = random.Random(f"config-{seed}")
+        ps = 4
+        ctx = r.choice([32, 48, 64, 96])
+        pages = ctx // ps
+        scale = r.choice([0.0, 0.5, 1.0, 2.0])
+        fates = {"ok": 1.0 - 0.14 * scale, "fail": 0.03 * scale, "partial": 0.02 * scale, "corrupt": 0.04 * scale,
+                 "short_ok": 0.02 * scale, "cut": 0.03 * scale}
+        # the protocol's timers: the defaults, and shorter ones, under which fences turn over
+        # faster than requests arrive (so fenced rows do not simply fill the transfer buffer)
+        lease, max_pull, give_up, skew = r.choice([(30.0, 75.0, 10.0, 1.0), (5.0, 8.0, 2.0, 0.5), (2.0, 3.0, 1.0, 0.2)])
+        drop = r.choice([0.0, 0.03, 0.08])
+        dup = r.choice([0.0, 0.05, 0.15])
+        kw = dict(seed=seed, lives=lives, context=ctx, page_size=ps,
+                  prefill_pages=int(pages * r.uniform(1.0, 2.5)) + 1, decode_pages=int(pages * r.uniform(1.0, 2.5)) + 1,
+                  lease_s=lease, max_pull_s=max_pull, pull_give_up_s=give_up, clock_skew_s=skew,
+                  prefill_rows=pages + r.randint(0, 12), decode_rows=pages + r.randint(0, 12),
+                  max_batched_tokens=r.choice([8, 16, 32, 64, 128]), max_num_seqs=r.choice([2, 4, 8, 16]),
+                  concurrency=r.randint(2, 12), tenants=r.randint(1, 5), max_gen=r.choice([4, 8, 16]),
+                  router_check=r.choice([0.5, 0.8, 1.0]), slow_pulls=r.choice([0.0, 0.05, 0.2]),
+                  w_abort=r.choice([0.02, 0.15, 0.5]),
+                  w_crash=r.choice([0.0, 0.002, 0.006]), w_jump=r.choice([0.05, 0.12, 0.3]),
+                  pull_fates=fates, notice_fates={"deliver": 1.0 - drop - dup, "drop": drop, "duplicate": dup})
+        if r.random() < 0.5:   # the default: as many rows as pool pages
+            kw.update(prefill_rows=kw["prefill_pages"], decode_rows=kw["decode_pages"])
+        kw.update(overrides)
+        return cls(**kw)
+
+
+class SimFailure(AssertionError):
+    """An invariant violation (or a request outcome the injected events do not explain)."""
+
+    def __init__(self, seed: int, step: int, invariant: str, message: str, trace: list[str]):
+        self.seed, self.step, self.invariant, self.message, self.trace = seed, step, invariant, message, trace
+        super().__init__(f"seed {seed}, step {step}: {invariant}: {message}")
+
+    def report(self) -> str:
+        return "\n".join([f"SIMULATION FAILED: seed {self.seed}, step {self.step}", f"  {self.invariant}: "
+                          f"{self.message}", f"  reproduce: python -m kvfence.sim --seed {self.seed} --trace",
+                          f"  last {len(self.trace)} steps:"] + [f"    {t}" for t in self.trace])
+
+
+@dataclass
+class Life:
+    """One client request, as the router and the checker see it."""
+    n: int
+    rid: str
+    tenant: str
+    ids: list[int]
+    params: SamplingParams
+    over_p: bool                  # prompt + max_tokens exceeds prefill's usable context
+    over_d: bool                  # ... decode's
+    stage: str = "new"            # new -> prefill -> handoff -> decode -> done
+    router_live: bool = True      # the router's task for it is running (not answered, not cancelled)
+    manifest: dict | None = None  # what the router got from prefill
+    held: dict | None = None      # the manifest prefill produced (even if the router was gone by then)
+    truth: torch.Tensor | None = None  # the staged rows' data bytes at kv_held: what decode must end up with
+    p_boot: int = -1
+    p_owner: int = -1             # the prefill Sequence's owner number (its pages' and rows' owner)
+    d_boot: int = -1
+    d_owner: int = -1
+    p_sink: bool = False          # the prefill node's stream for it is open
+    d_sink: bool = False
+    released: bool = False
+    abort_posted: bool = False
+    reader_stopped: bool = False
+    verified: bool = False
+    pull_started: float | None = None  # decode's clock when its pull was submitted
+    tokens: list[int] = field(default_factory=list)
+    excuses: set[str] = field(default_factory=set)
+    must_fail: set[str] = field(default_factory=set)  # injected events after which a 200 would be wrong
+    result: str | None = None     # "200", "error" or "gone" (client disconnected)
+    code: str | None = None
+    finish_reason: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None
+
+
+@dataclass
+class Msg:
+    kind: str          # release | abort (router -> prefill /internal/*), drop (the router's stream closed)
+    role: str
+    rid: str
+    boot: int          # the node process the message was sent to
+    reader_stopped: bool = False
+
+
+class Node:
+    def __init__(self, sim: "Simulation", role: str):
+        self.sim, self.role = sim, role
+        self.boot = 0
+        self.engine: LLMEngine | None = None
+        self.link = None
+        self.transport: InProcessTransport | None = None
+        self.down_until: float | None = None
+        self.offset = 0.0
+        self.stalled = False   # its last step changed nothing: stepping again is pointless until something else happens
+
+    @property
+    def up(self) -> bool:
+        return self.engine is not None
+
+    def clock(self) -> float:
+        return self.sim.now + self.offset
+
+
+def fast_consistency(led) -> None:
+    """Ledger.check_consistency()'s checks, vectorized (the method loops over pages in Python,
+    about a millisecond per call on these pools; the simulation checks four ledgers a step)."""
+    from kvfence.kv.ledger import LedgerError, NULL_PAGE
+
+    st = led.state
+    if st[NULL_PAGE] != RESERVED_NULL:
+        raise LedgerError("the null page lost its reserved state")
+    free = np.fromiter(led._free, dtype=np.int64, count=len(led._free))
+    on_free = np.zeros(led.num_pages, dtype=np.int64)
+    np.add.at(on_free, free, 1)
+    if (on_free > 1).any():
+        raise LedgerError("a page is on the free list twice")
+    body = slice(1, None)
+    bad = np.flatnonzero((on_free[body] == 1) != (st[body] == FREE))
+    if len(bad):
+        p = int(bad[0]) + 1
+        raise LedgerError(f"page {p}: state {PageState(st[p]).name} but on free list: {bool(on_free[p])}")
+    evict = np.zeros(led.num_pages, dtype=bool)
+    evict[list(led._evictable)] = True
+    bad = np.flatnonzero(((st == SHARED) != (evict | (led.refcount > 0)))[body])
+    if len(bad):
+        raise LedgerError(f"page {int(bad[0]) + 1}: shared state and refcount disagree")
+    bad = np.flatnonzero(((st != OWNED) & (led.owner_request != -1))[body])
+    if len(bad):
+        raise LedgerError(f"page {int(bad[0]) + 1} is {PageState(st[int(bad[0]) + 1]).name} yet has an owner")
+    bad = np.flatnonzero(((st == OWNED) & (led.owner_request < 0))[body])
+    if len(bad):
+        raise LedgerError(f"page {int(bad[0]) + 1} is owned by nobody")
+
+
+_LOADED: dict = {}
+
+
+def shared_model(layers: int, hidden: int):
+    from kvfence.sim.model import tiny_loaded
+
+    key = (layers, hidden)
+    if key not in _LOADED:
+        _LOADED[key] = tiny_loaded(layers=layers, hidden=hidden)
+    return _LOADED[key]
+
+
+@contextlib.contextmanager
+def quiet_logs(level: int = logging.CRITICAL + 1):
+    lg = logging.getLogger("kvfence")
+    old = lg.level
+    lg.setLevel(level)
+    try:
+        yield
+    finally:
+        lg.setLevel(old)
+
+
+class Simulation:
+    def __init__(self, cfg: SimConfig, loaded=None):
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        self.uid = next(_uids)
+        self.loaded = loaded or shared_model(cfg.layers, cfg.hidden)
+        self.settings = PDSettings("prefill", lease_s=cfg.lease_s, max_pull_s=cfg.max_pull_s,
+                                   pull_give_up_s=cfg.pull_give_up_s, clock_skew_s=cfg.clock_skew_s,
+                                   transfer_timeout_s=min(5, int(cfg.max_pull_s)))
+        self.true_skew = cfg.clock_skew_s if cfg.true_skew is None else cfg.true_skew
+        self.now = 1000.0
+        self.step_no = 0
+        self.arrived = 0
+        self.draining = False
+        self.lives: dict[str, Life] = {}
+        self.open: list[Life] = []         # router_live lives
+        self.msgs: list[Msg] = []
+        self.trace: deque[str] = deque(maxlen=cfg.trace_len)
+        self.digest = hashlib.blake2b(digest_size=16)  # of every trace line: equal runs, equal digests
+        self.outcomes: Counter[str] = Counter()
+        self.stats: Counter[str] = Counter()
+        self.transport = SimTransport(self)
+        # (importer boot id, pull id) -> the pull's row owner, row epochs, start (decode clock)
+        self._pull_meta: dict[tuple[str, int], tuple[int, list[int], float]] = {}
+        self._unstaged: dict[int, torch.Tensor] = {}
+        self._unservable: dict[str, bool] = {}
+        self._fates = (list(cfg.pull_fates), list(cfg.pull_fates.values()))
+        self._nfates = (list(cfg.notice_fates), list(cfg.notice_fates.values()))
+        vocab = self.loaded.model.config.vocab_size
+        # shared prefixes: the same tokens for every tenant, so a cross-tenant prefix-cache hit
+        # would be possible if the cache were not tenant-scoped (I9)
+        self.prefixes = [[self.rng.randrange(2, vocab) for _ in range(self.rng.randint(3, 6) * cfg.page_size)]
+                         for _ in range(3)]
+        self.nodes = {"prefill": Node(self, "prefill"), "decode": Node(self, "decode")}
+        for node in self.nodes.values():
+            self._start(node, None)
+        self.started_at = time.perf_counter()
+
+    # -- nodes ------------------------------------------------------------------------------
+    def _engine_config(self, role: str) -> EngineConfig:
+        c = self.cfg
+        pb = page_bytes(self.loaded.model.config, c.page_size, torch.float32)
+        pages = c.prefill_pages if role == "prefill" else c.decode_pages
+        ctx = c.context if role == "prefill" else (c.decode_context or c.context)
+        return EngineConfig(dtype="float32", device="cpu", page_size=c.page_size, kv_cache_memory=(pages + 1) * pb,
+                            max_model_len=ctx, scrub="none", audit_reads=True, num_threads=1, progress=False,
+                            max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_batched_tokens,
+                            enable_prefix_cache=(role == "prefill"))
+
+    def _start(self, node: Node, old: tuple | None) -> None:
+        """Boot a node: a fresh engine and link. `old` = (transport, buffer) of the process
+        before a crash whose memory the new one gets back, registered at the same address."""
+        c = self.cfg
+        node.boot += 1
+        eng = LLMEngine(self._engine_config(node.role), self.loaded)
+        node.offset = self.rng.uniform(-self.true_skew / 2, self.true_skew / 2)
+        eng.clock = node.clock
+        name = old[0].session_id if old else f"sim{self.uid}:{node.role}:{node.boot}"
+        tr = InProcessTransport(name)
+        st = PDSettings(node.role, transfer_buffer_pages=c.prefill_rows if node.role == "prefill" else c.decode_rows,
+                        lease_s=c.lease_s, max_pull_s=c.max_pull_s, pull_give_up_s=c.pull_give_up_s,
+                        clock_skew_s=c.clock_skew_s, transfer_timeout_s=self.settings.transfer_timeout_s)
+        if node.role == "prefill":
+            link = KvExporter(eng, st, tr)
+        else:
+            link = KvImporter(eng, st, tr, workers=1)
+            link._workers.shutdown(wait=False)
+            link._workers = SimWorkers(self.transport, link)
+        if old is not None:  # the same memory, same address, old bytes: nothing zeroed it
+            link.staging.buf = old[1]
+            link.base = tr.register(old[1])
+        if node.role == "decode":
+            self._watch_unstage(link)
+        self._watch_unservable(node, eng)
+        node.engine, node.link, node.transport = eng, link, tr
+        node.down_until = None
+
+    def _boot_of(self, role: str) -> int:
+        node = self.nodes[role]
+        return node.boot if node.up else -1
+
+    def _crash(self, node: Node) -> None:
+        old_link, old_tr = node.link, node.transport
+        reuse = self.rng.random() < self.cfg.reuse_memory
+        self.stats[f"crash_{node.role}"] += 1
+        if node.role == "decode":
+            self.stats["pulls_died_with_decode"] += self.transport.forget_importer(old_link)
+        if not reuse:
+            old_tr.close()   # its registrations are gone: a stale handle's pull fails
+        node.engine = node.link = node.transport = None
+        downtime = self.rng.choice([0.0, 0.0, self.rng.uniform(0.1, 3.0)])
+        node.down_until = self.now + downtime
+        node.reuse = (old_tr, old_link.staging.buf) if reuse else None
+        self._log(f"CRASH {node.role} (boot {node.boot}); memory {'kept, un-zeroed' if reuse else 'released'}; "
+                  f"down {downtime:.2f}s")
+        # the router: every stream this node held drops
+        for life in list(self.open):
+            if node.role == "prefill" and life.p_boot == node.boot and not life.verified:
+                life.excuses.add("crash")
+                if life.stage == "prefill":
+                    self._answer(life, "error", "node_failed")
+            if node.role == "decode" and life.d_boot == node.boot:
+                life.excuses.add("crash")
+                if life.stage == "decode":
+                    self._answer(life, "error", "node_failed")
+        for life in self.lives.values():
+            if node.role == "prefill" and life.p_boot == node.boot:
+                life.p_sink = False
+            if node.role == "decode" and life.d_boot == node.boot:
+                life.d_sink = False
+        # messages in flight to the dead process are lost
+        self.msgs = [m for m in self.msgs if not (m.role == node.role and m.boot == node.boot)]
+        if downtime == 0.0:
+            self._restart(node)
+
+    def _restart(self, node: Node) -> None:
+        self._start(node, getattr(node, "reuse", None))
+        node.reuse = None
+        self._log(f"RESTART {node.role} (boot {node.boot})")
+
+    def _watch_unservable(self, node: Node, eng: LLMEngine) -> None:
+        """Observe, when the scheduler gives up on a request (kv_pool_exhausted), whether pool
+        pages were held by PD requests outside the scheduler at that moment (KNOWN_BUGS)."""
+        sched = eng.scheduler
+        orig = sched.schedule
+
+        def schedule():
+            out = orig()
+            if sched.unservable:
+                link = eng.kv_link
+                outside = (any(len(s.table) for s in link.pending) if node.role == "prefill"
+                           else any(len(s.table) for s in eng.requests.values() if s.state is State.AWAITING_KV))
+                for s in sched.unservable:
+                    self._unservable[s.request_id] = outside
+            return out
+
+        sched.schedule = schedule
+
+    def _watch_unstage(self, imp: KvImporter) -> None:
+        """Observe, for the content oracle, what decode copies into its pool after verifying."""
+        st = imp.staging
+        orig = st.unstage
+
+        def unstage(rows, pages):
+            owner = int(st.ledger.owner_request[rows[0]]) if rows else -1
+            orig(rows, pages)
+            pool = imp.engine.pool
+            slots = pool.slots_of(torch.as_tensor(pages, dtype=torch.int64))
+            self._unstaged[owner] = pool.kv.index_select(3, slots).clone()
+
+        st.unstage = unstage
+
+    # -- random draws -------------------------------------------------------------------------
+    def draw_fate(self) -> str:
+        return self.rng.choices(*self._fates)[0]
+
+    def draw_pull_duration(self) -> float:
+        if self.rng.random() < self.cfg.slow_pulls:
+            return self.rng.uniform(0.0, self.settings.max_pull_s)
+        return 0.0
+
+    def draw_notice_fate(self) -> str:
+        return self.rng.choices(*self._nfates)[0]
+
+    def on_pull_submitted(self, p: SimPull) -> None:
+        rec = p.importer.pulls[p.pull_id]
+        self._pull_meta[(p.importer.boot_id, p.pull_id)] = (rec.owner.request, list(rec.rows.epochs), rec.started)
+        life = self.lives.get(p.request_id)
+        if life is not None:
+            life.pull_started = rec.started
+            if p.fate in FAILING_FATES:
+                life.excuses.add("transfer")
+                life.must_fail.add(f"pull fate {p.fate}")
+            if p.notice_fate == "drop":
+                life.must_fail.add("notice dropped")
+        self._log(f"  pull {p.pull_id} of {p.request_id} submitted ({len(p.rows)} rows; fate {p.fate}, notice "
+                  f"{p.notice_fate})")
+
+    # -- the trace and failures ---------------------------------------------------------------
+    def _log(self, text: str) -> None:
+        line = f"#{self.step_no} t={self.now:.3f} {text}"
+        self.trace.append(line)
+        self.digest.update(line.encode())
+        if self.cfg.trace_all:
+            print(line, flush=True)
+
+    def fail(self, invariant: str, message: str) -> None:
+        raise SimFailure(self.cfg.seed, self.step_no, invariant, message, list(self.trace))
+
+    def _check(self, ok: bool, invariant: str, message: str) -> None:
+        if not ok:
+            self.fail(invariant, message)
+
+    # -- the loop -----------------------------------------------------------------------------
+    def run(self) -> "SimResult":
+        with quiet_logs(), torch.inference_mode():
+            try:
+                while self.arrived < self.cfg.lives:
+                    self.step()
+                self.drain()
+                self.final_checks()
+            finally:
+                self.close()
+        return SimResult(self.cfg.seed, self.arrived, self.step_no, time.perf_counter() - self.started_at,
+                         Counter(self.outcomes), Counter(self.stats), self.digest.hexdigest())
+
+    def close(self) -> None:
+        for node in self.nodes.values():
+            if node.transport is not None:
+                node.transport.close()
+            r = getattr(node, "reuse", None)
+            if r is not None:
+                r[0].close()
+
+    def step(self) -> None:
+        self.step_no += 1
+        for node in self.nodes.values():
+            if not node.up and node.down_until is not None and self.now >= node.down_until:
+                self._restart(node)
+        acts = self._actions()
+        weights = [a[0] for a in acts]
+        _, fn, args = self.rng.choices(acts, weights)[0]
+        fn(*args)
+        if fn != self._step_node:
+            for node in self.nodes.values():
+                node.stalled = False
+        self.check_invariants()
+
+    def _actions(self) -> list:
+        c, acts = self.cfg, []
+        p, d = self.nodes["prefill"], self.nodes["decode"]
+        if not self.draining:
+            if len(self.open) < c.concurrency and self.arrived < c.lives:
+                acts.append((3.0, self._arrive, ()))
+            if self.open:
+                acts.append((c.w_abort, self._client_abort, ()))
+            if c.w_crash:
+                for node in (p, d):
+                    if node.up:
+                        acts.append((c.w_crash, self._crash, (node,)))
+        for node in (p, d):
+            if node.up:
+                acts.append((4.0 if self._has_work(node) else 0.2, self._step_node, (node,)))
+        if any(lf.stage == "handoff" for lf in self.open):
+            acts.append((3.0, self._handoff, ()))
+        if self.transport.ready(self.now):
+            acts.append((3.0, self._run_pull, ()))
+        if self.transport.notices:
+            acts.append((3.0, self._deliver_notice, ()))
+        if self.msgs:
+            acts.append((3.0, self._deliver_msg, ()))
+        acts.append((1.0, self._tick, ()))
+        acts.append((c.w_jump, self._jump, ()))
+        return acts
+
+    def _has_work(self, node: Node) -> bool:
+        if node.stalled:
+            return False
+        eng = node.engine
+        if eng.has_unfinished():
+            return True
+        link = node.link
+        if node.role == "decode" and (link.waiting or not link.notices.empty()):
+            return True
+        t = eng.next_timer()
+        return t is not None and t <= node.clock()
+
+    # -- time -------------------------------------------------------------------------------------
+    def _advance(self, dt: float) -> None:
+        target = self.now + dt
+        for p in sorted(self.transport.due(target), key=lambda q: q.hard_deadline):
+            # the transfer engine's hard timeout: the pull has run by its deadline
+            self.now = max(self.now, p.hard_deadline - 1e-6)
+            self._log(f"pull {p.pull_id} of {p.request_id} reaches its hard deadline")
+            self.transport.run(p, self.rng)
+            self.check_invariants()
+        self.now = max(self.now, target)
+
+    def _tick(self) -> None:
+        dt = self.rng.uniform(0.0005, self.settings.pull_give_up_s / 20)
+        self._log(f"tick +{dt:.3f}s")
+        self._advance(dt)
+
+    def _jump(self) -> None:
+        s = self.settings
+        dt = self.rng.choice([self.rng.uniform(0.0, s.max_pull_s / 4),
+                              self.rng.uniform(1.0, s.pull_give_up_s * 1.5), self.rng.uniform(1.0, s.lease_s * 1.5),
+                              self.rng.uniform(s.lease_s, s.lease_s + s.max_pull_s + 2 * s.clock_skew_s + 5)])
+        self._log(f"jump +{dt:.2f}s")
+        self._advance(dt)
+
+    # -- the router ---------------------------------------------------------------------------
+    def _arrive(self) -> None:
+        c, r = self.cfg, self.rng
+        i = self.arrived
+        self.arrived += 1
+        vocab = self.loaded.model.config.vocab_size
+        ctx_p, ctx_d = c.context, c.decode_context or c.context
+        limit = min(ctx_p, ctx_d)
+        u = r.random()
+        max_tokens = r.randint(1, c.max_gen)
+        if u < c.one_token:
+            n = 1
+        elif u < c.one_token + c.over_length:
+            n = r.randint(max(2, limit - max_tokens - 3), limit + 8)
+        else:
+            n = r.randint(2, max(2, limit - max_tokens))
+        ids = []
+        if n >= 2 and r.random() < c.prefix_share:
+            ids = list(r.choice(self.prefixes))[:n]
+        ids += [r.randrange(2, vocab) for _ in range(n - len(ids))]
+        params = SamplingParams(max_tokens=max_tokens, temperature=r.choice([0.0, 1.0]), seed=r.randrange(2**31),
+                                ignore_eos=r.random() < 0.5)
+        life = Life(i, f"s{c.seed}-r{i}", f"tenant{r.randrange(c.tenants)}", ids, params,
+                    over_p=n + max_tokens > ctx_p, over_d=n + max_tokens > ctx_d)
+        self.lives[life.rid] = life
+        self.open.append(life)
+        checked = r.random() < c.router_check
+        over = " (over-length)" if life.over_p or life.over_d else ""
+        self._log(f"arrive {life.rid} {life.tenant} prompt {n} max_tokens {max_tokens}{over}"
+                  f"{'' if checked else ' (router check skipped)'}")
+        p, d = self.nodes["prefill"], self.nodes["decode"]
+        if not (p.up and d.up):
+            life.excuses.add("crash")
+            return self._answer(life, "error", "not_ready")
+        if checked and not faults.active("skip_router_admission") and n + max_tokens > limit:
+            return self._answer(life, "error", "context_length_exceeded", where="router")
+        if n < 2:
+            life.stage = "handoff"   # the router sends a one-token prompt straight to decode
+            return
+        life.p_boot = p.boot
+        try:
+            seq = p.engine.add_request(ids, params, tenant=life.tenant, request_id=life.rid, hold_kv=True)
+        except ContextLengthExceeded:
+            return self._answer(life, "error", "context_length_exceeded", where="prefill")
+        except ValueError as e:
+            self.fail("router", f"prefill refused {life.rid}: {e}")
+        self._check(not life.over_p or not self.cfg.check_admission, "I4",
+                    f"prefill admitted {life.rid} although prompt + max_tokens = {n + max_tokens} exceeds its "
+                    f"usable context {ctx_p} (seq state {seq.state.value})")
+        life.p_owner = seq.owner.request
+        life.p_sink = True
+        life.stage = "prefill"
+
+    def _handoff(self) -> None:
+        life = self.rng.choice([lf for lf in self.open if lf.stage == "handoff"])
+        d = self.nodes["decode"]
+        self._log(f"router -> decode {life.rid}")
+        if not d.up:
+            life.excuses.add("crash")
+            return self._answer(life, "error", "node_unavailable")
+        life.d_boot = d.boot
+        kw = {"kv_source": dict(life.manifest)} if life.manifest is not None else {}
+        try:
+            seq = d.engine.add_request(life.ids, life.params, tenant=life.tenant, request_id=life.rid, **kw)
+        except ContextLengthExceeded:
+            return self._answer(life, "error", "context_length_exceeded", where="decode")
+        except ManifestError as e:
+            self._log(f"  decode refused the manifest: {e}")
+            return self._answer(life, "error", "kv_manifest_invalid")
+        self._check(not life.over_d or not self.cfg.check_admission, "I4", f"decode admitted over-length {life.rid}")
+        self._check(life.manifest is not None or len(life.ids) == 1, "I4",
+                    f"{life.rid} reached decode without a manifest")
+        life.d_owner = seq.owner.request
+        life.d_sink = True
+        life.stage = "decode"
+
+    def _client_abort(self) -> None:
+        life = self.rng.choice(self.open)
+        self._log(f"client disconnects {life.rid} (stage {life.stage})")
+        life.excuses.add("client_abort")
+        stage = life.stage
+        self._answer(life, "gone")
+        # the node whose stream the router held sees it close and aborts the request there
+        if stage == "prefill":
+            self.msgs.append(Msg("drop", "prefill", life.rid, life.p_boot))
+        elif stage == "decode":
+            self.msgs.append(Msg("drop", "decode", life.rid, life.d_boot))
+
+    def _answer(self, life: Life, result: str, code: str | None = None, reason: str | None = None,
+                where: str | None = None) -> None:
+        """The router is done with this request: the client's answer, then the router's
+        `finally` (an abort to prefill unless decode acknowledged the transfer)."""
+        life.result, life.code, life.finish_reason = result, code, reason
+        life.router_live = False
+        life.stage = "done"
+        self.open.remove(life)
+        key = "200 " + reason if result == "200" else ("client gone" if result == "gone" else f"error {code}")
+        self.outcomes[key] += 1
+        self._log(f"  answer {life.rid}: {key}{' at ' + where if where else ''}")
+        if life.manifest is not None and not life.released and not life.abort_posted:
+            life.abort_posted = True
+            self.msgs.append(Msg("abort", "prefill", life.rid, self._boot_of("prefill"), life.reader_stopped))
+        self._judge(life, where)
+
+    def _judge(self, life: Life, where: str | None) -> None:
+        """A request ends with an error exactly when something the simulation injected
+        explains it; an over-length request never gets a 200 (I4)."""
+        if life.result == "gone" or not self.cfg.check_admission:
+            return
+        over = life.over_p if where in (None, "prefill", "router") and len(life.ids) >= 2 else life.over_d
+        if life.result == "200":
+            self._check(not (life.over_p or life.over_d), "I4", f"over-length {life.rid} got a 200")
+            self._check(not life.must_fail, "I5", f"{life.rid} got a 200 although the simulation injected "
+                        f"{sorted(life.must_fail)} into its transfer")
+            self._check(len(life.ids) < 2 or life.verified, "I5", f"{life.rid} got a 200 without a verified transfer")
+            return
+        if life.code == "context_length_exceeded":
+            if where == "router":
+                over = life.over_p or life.over_d
+            elif where == "decode":
+                over = life.over_d
+            self._check(over, "I4", f"{life.rid} was refused as over-length at {where} although it fits")
+            return
+        self._check(not (life.over_p or life.over_d) or "crash" in life.excuses or "client_abort" in life.excuses,
+                    "I4", f"over-length {life.rid} was not refused with a 400 (got {life.code})")
+        why = EXPLAINED_BY.get(life.code, set())
+        self._check(bool(why & life.excuses), "outcome",
+                    f"{life.rid} ended with error {life.code} but nothing the simulation injected explains it "
+                    f"(injected: {sorted(life.excuses) or 'nothing'})")
+
+    # -- node steps and their outputs ---------------------------------------------------------------
+    @staticmethod
+    def _signature(node: Node) -> tuple:
+        eng, link = node.engine, node.link
+        return (sum(eng.ledger.counters.values()), sum(link.staging.ledger.counters.values()), len(eng.requests),
+                sum(s.num_computed + len(s.output_ids) for s in eng.requests.values()),
+                len(getattr(link, "pending", ())), len(getattr(link, "waiting", ())), len(getattr(link, "live", ())))
+
+    def _step_node(self, node: Node) -> None:
+        if not self.draining:  # an engine step takes time
+            self._advance(self.rng.uniform(0.0, self.settings.pull_give_up_s / 100))
+        before = self._signature(node)
+        outs = node.engine.step()
+        node.stalled = not outs and self._signature(node) == before
+        self._log(f"step {node.role}: {len(outs)} outputs{' (nothing moved)' if node.stalled else ''}")
+        if node.role == "prefill":
+            self._on_prefill(node, outs)
+        else:
+            self._on_decode(node, outs)
+
+    def _on_prefill(self, node: Node, outs) -> None:
+        for out in outs:
+            life = self.lives[out.seq.request_id]
+            if out.finished:
+                life.p_sink = False
+            if out.event == "kv_held":
+                m = out.data
+                life.held = m
+                life.truth = node.link.staging.buf[m["slots"], HEADER_BYTES:].clone()
+                self._log(f"  {life.rid} kv_held: {m['token_count']} tokens in rows {m['slots']}")
+                self._check(m["token_count"] == len(life.ids) - 1 or not self.cfg.check_handoff, "I5",
+                            f"prefill held {m['token_count']} tokens of {life.rid}, its prompt has {len(life.ids)}")
+                if life.router_live and life.stage == "prefill":
+                    life.manifest = m
+                    life.stage = "handoff"
+            elif out.finished and life.router_live and life.stage == "prefill":
+                code = out.seq.abort_code or "prefill_failed"
+                self._known_pool_bug(node, life, code)
+                self._log(f"  prefill failed {life.rid}: {out.seq.error}")
+                self._answer(life, "error", code, where="prefill")
+
+    def _on_decode(self, node: Node, outs) -> None:
+        for out in outs:
+            life = self.lives[out.seq.request_id]
+            if out.finished:
+                life.d_sink = False
+            if out.event == "kv_verified":
+                self._verified(node, life, out)
+            elif out.event == "kv_failed":
+                self._log(f"  {life.rid} kv_failed ({out.seq.abort_code}): {out.seq.error}")
+                if life.router_live:
+                    life.reader_stopped = bool((out.data or {}).get("reader_stopped"))
+            if out.new_token_ids:
+                self._check(len(life.ids) < 2 or life.verified, "I5",
+                            f"decode generated for {life.rid} without a verified transfer")
+                life.tokens += out.new_token_ids
+            if out.finished and life.router_live and life.stage == "decode":
+                seq = out.seq
+                if seq.finish_reason in ("stop", "length"):
+                    self._check(1 <= len(life.tokens) <= life.params.max_tokens, "outcome",
+                                f"{life.rid} finished with {len(life.tokens)} tokens, max_tokens "
+                                f"{life.params.max_tokens}")
+                    self._answer(life, "200", reason=seq.finish_reason)
+                    continue
+                code = seq.abort_code or seq.finish_reason
+                self._log(f"  decode ended {life.rid}: {code}: {seq.error}")
+                self._known_pool_bug(node, life, code)
+                m = life.manifest
+                if code == "lease_expired":
+                    ok = m is not None and node.clock() >= m["lease_deadline"] - self.cfg.clock_skew_s
+                    self._check(ok, "I6", f"decode gave up on {life.rid}'s lease before it ran out")
+                    life.excuses.add("slow")
+                elif code == "kv_transfer_timeout":
+                    ok = life.pull_started is not None and node.clock() - life.pull_started > self.cfg.pull_give_up_s
+                    self._check(ok, "outcome", f"decode timed out {life.rid}'s pull early")
+                    life.excuses.add("slow")
+                self._answer(life, "error", code)
+
+    def _known_pool_bug(self, node: Node, life: Life, code: str) -> None:
+        if code != "kv_pool_exhausted":
+            return
+        if self._unservable.pop(life.rid, False):
+            self.stats[f"known_bug_pool_held_outside_scheduler_{node.role}"] += 1
+            if "pool_held_outside_scheduler" in self.cfg.known_bugs:
+                life.excuses.add("known_bug_pool_held_outside_scheduler")
+
+    def _verified(self, node: Node, life: Life, out) -> None:
+        tokens = out.data["tokens"]
+        self._log(f"  {life.rid} kv_verified ({tokens} tokens)")
+        self._check(tokens == len(life.ids) - 1 or not self.cfg.check_handoff, "I5",
+                    f"decode verified {tokens} tokens for {life.rid}, whose prompt has {len(life.ids)}")
+        self._check(not life.verified, "I5", f"{life.rid} verified twice")
+        kv = self._unstaged.pop(life.d_owner, None)
+        self._check(kv is not None and life.truth is not None, "I5",
+                    f"{life.rid} verified but the simulation saw no copy into its pool pages")
+        # the content oracle: decode's pool now holds exactly what prefill staged for this request
+        L, two, H, _, D = kv.shape
+        ps = self.cfg.page_size
+        n = life.truth.shape[0]
+        kv = kv.clone()
+        kv[:, :, :, tokens:, :] = 0
+        got = kv.view(L, two, H, n, ps, D).permute(3, 0, 1, 2, 4, 5).contiguous().view(n, -1).view(torch.uint8)
+        want = life.truth.view(n, -1)
+        if self.cfg.check_handoff and not torch.equal(got[:, :want.shape[1]], want):
+            bad = int((got != want).any(dim=1).nonzero()[0])
+            self.fail("I5", f"decode verified {life.rid}, but its pool page {bad} does not hold the KV prefill "
+                            f"staged for it (an unverified or foreign transfer reached the pool)")
+        life.verified = True
+        if life.router_live:
+            life.released = True
+            self.msgs.append(Msg("release", "prefill", life.rid, self._boot_of("prefill")))
+
+    # -- the transfer engine and messages -------------------------------------------------------------
+    def _run_pull(self) -> None:
+        p = self.rng.choice(self.transport.ready(self.now))
+        self._log(f"pull {p.pull_id} of {p.request_id} runs ({p.fate})")
+        self.transport.run(p, self.rng)
+        if p.error:
+            self._log(f"  {p.error}")
+
+    def _deliver_notice(self) -> None:
+        n = self.rng.choice(self.transport.notices)
+        self._log(f"notice of pull {n.pull_id} ({n.request_id}, ok={n.notice[1]}) delivered")
+        self.transport.deliver(n)
+
+    def _deliver_msg(self) -> None:
+        m = self.rng.choice(self.msgs)
+        self.msgs.remove(m)
+        node = self.nodes[m.role]
+        life = self.lives[m.rid]
+        if not node.up or node.boot != m.boot:  # sent to a process that is gone (or was down): the POST failed
+            self._log(f"{m.kind} {m.rid} -> {m.role}: lost (node gone)")
+            return
+        if m.kind == "drop":  # kvfence/pd/node.py: the stream closed before the request finished
+            open_ = life.p_sink if m.role == "prefill" else life.d_sink
+            self._log(f"{m.role} sees the router's stream for {m.rid} close{'' if open_ else ' (already done)'}")
+            if open_:
+                node.engine.abort(m.rid, "router disconnected")
+                if m.role == "prefill":
+                    life.p_sink = False
+                else:
+                    life.d_sink = False
+        elif m.kind == "release":
+            r = node.link.release(m.rid)
+            self._log(f"ACK {m.rid} -> prefill: {r}")
+        else:
+            # /internal/abort: the engine loop's abort (only while the prefill stream is open), then the link's
+            if life.p_sink and life.p_boot == node.boot:
+                node.engine.abort(m.rid, "the request ended before decode verified the transfer")
+                life.p_sink = False
+            r = node.link.abort(m.rid, m.reader_stopped, "the request ended before decode verified the transfer")
+            self._log(f"abort {m.rid} -> prefill (reader_stopped={m.reader_stopped}): {r}")
+
+    # -- the checks -----------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        p, d = self.nodes["prefill"], self.nodes["decode"]
+        for node in (p, d):
+            if node.up:
+                self._check_node(node)
+        self._check_in_flight(p, d)
+
+    def _check_node(self, node: Node) -> None:
+        eng, link, role = node.engine, node.link, node.role
+        led, rows = eng.ledger, link.staging.ledger
+        full = self.step_no % self.cfg.full_check_every == 0
+        for name, lg in (("pool", led), ("transfer buffer", rows)):
+            try:
+                if full:
+                    lg.check_consistency()
+                else:
+                    fast_consistency(lg)
+            except Exception as e:  # noqa: BLE001
+                self.fail("I1", f"{role} {name} ledger inconsistent: {e}")
+        # I1: every owned page has a live owner, and every live request's pages are its own
+        live = {s.owner.request: s for s in eng.requests.values()}
+        pages, epochs, reqs, scopes = [], [], [], []
+        for s in live.values():
+            if s.state in TERMINAL:
+                self.fail("I1", f"{role}: ended request {s.request_id} still registered")
+            n = len(s.table.pages)
+            if n:
+                pages += s.table.pages
+                epochs += s.table.epochs
+                reqs += [s.owner.request] * n
+                scopes += [s.owner.cache_scope] * n
+        if pages:
+            pg = np.asarray(pages)
+            st = led.state[pg]
+            ok = (((st == OWNED) & (led.owner_request[pg] == np.asarray(reqs)))
+                  | ((st == SHARED) & (led.owner_tenant[pg] == np.asarray(scopes))))
+            ok &= led.epoch[pg] == np.asarray(epochs)
+            if not ok.all():
+                i = int(np.flatnonzero(~ok)[0])
+                p = pages[i]
+                self.fail("I1", f"{role}: request #{reqs[i]}'s block table names page {p} (epoch {epochs[i]}) which "
+                                f"is {PageState(led.state[p]).name} of request {led.owner_request[p]}, epoch "
+                                f"{led.epoch[p]}")
+        owned = np.flatnonzero(led.state == OWNED)
+        if len(owned):
+            orphans = [int(pg) for pg in owned if int(led.owner_request[pg]) not in live]
+            self._check(not orphans, "I1", f"{role}: pool pages {orphans} owned by no live request")
+        self._check(not (led.state == QUARANTINED).any() and not led.violations,
+                    "I3" if led.violations.get("I3") else "I2",
+                    f"{role}: the ledger's read check fired ({dict(led.violations)}) or quarantined pool pages "
+                    f"({led.num_quarantined}): a defense had to stop something upstream")
+        audit = eng.runner.audit
+        if audit.counters["violations"]:
+            v = audit.violations[0]
+            inv = "I3" if v.kind == "read_unwritten" else "I2"  # noqa: E501
+            self.fail(inv, f"{role} read audit: {v.describe()}")
+        # transfer-buffer rows: owned rows belong to a live hold (prefill) or live pull (decode)
+        if role == "prefill":
+            holders = {h.owner.request: h for h in link.held.values()}
+            for rid, h in link.held.items():
+                self._check(rid in eng.requests and eng.requests[rid].state is State.KV_HELD, "I1",
+                            f"prefill holds rows for {rid}, which is not KV_HELD")
+        else:
+            holders = {link.pulls[pid].owner.request: link.pulls[pid] for pid in link.live.values()}
+            for rid, pid in link.live.items():
+                self._check(rid in eng.requests and eng.requests[rid].state is State.AWAITING_KV, "I1",
+                            f"decode has a live pull for {rid}, which is not AWAITING_KV")
+        owned = np.flatnonzero(rows.state == OWNED)
+        orphans = [int(r) for r in owned if int(rows.owner_request[r]) not in holders]
+        self._check(not orphans, "I1", f"{role}: transfer-buffer rows {orphans} owned by no live hold or pull")
+        fenced = set()
+        for pages, _ in rows._fences.values():
+            fenced.update(pages)
+        quarantined = set(np.flatnonzero(rows.state == QUARANTINED).tolist())
+        self._check(quarantined == fenced, "I6", f"{role}: quarantined rows {sorted(quarantined)} differ from the "
+                    f"fenced rows {sorted(fenced)}")
+
+    def _row_held_by(self, ledger, row: int, owner: int, epoch: int) -> bool:
+        st = ledger.state[row]
+        if st == OWNED:
+            return int(ledger.owner_request[row]) == owner and int(ledger.epoch[row]) == epoch
+        if st == QUARANTINED:
+            return row in ledger._fences.get(owner, ([], None))[0]
+        return False
+
+    def _check_in_flight(self, p: Node, d: Node) -> None:
+        """I6: a pull still in flight may write its destination rows and read its source rows;
+        none of them may be free or another request's, on either side."""
+        for sp in self.transport.pending:
+            meta = self._pull_meta[(sp.importer.boot_id, sp.pull_id)]
+            owner, epochs, _ = meta
+            if d.up and sp.importer is d.link:
+                bad = [r for r, e in zip(sp.rows, epochs) if not self._row_held_by(d.link.staging.ledger, r, owner, e)]
+                if bad:
+                    led = d.link.staging.ledger
+                    self.fail("I6", f"decode rows {bad} of {sp.request_id}'s pull {sp.pull_id}, still in flight, are "
+                                    f"{[PageState(led.state[r]).name for r in bad]} (owners "
+                                    f"{[int(led.owner_request[r]) for r in bad]}): a late write would land in them")
+            m = sp.manifest
+            life = self.lives.get(sp.request_id)
+            if p.up and life is not None and m.boot_id == p.link.boot_id:
+                led = p.link.staging.ledger
+                bad = [r for r, e in zip(m.slots, m.epochs) if not self._row_held_by(led, r, life.p_owner, e)]
+                if bad:
+                    self.fail("I6", f"prefill rows {bad} that {sp.request_id}'s pull {sp.pull_id} (in flight) reads "
+                                    f"are "
+                                    f"{[PageState(led.state[r]).name for r in bad]} (owners "
+                                    f"{[int(led.owner_request[r]) for r in bad]}): the pull would read another "
+                                    f"request's KV")
+
+    # -- the end ------------------------------------------------------------------------------------
+    def drain(self) -> None:
+        """No more arrivals, disconnects or crashes: let everything in flight finish, then move
+        the clock past every lease, give-up and fence."""
+        self.draining = True
+        self._log("DRAIN")
+        for node in self.nodes.values():
+            if not node.up:
+                self.now = max(self.now, node.down_until or self.now)
+                self._restart(node)
+        idle_rounds = 0
+        for _ in range(200_000):
+            self.step_no += 1
+            acts = []
+            for node in self.nodes.values():
+                if self._has_work(node):
+                    acts.append((4.0, self._step_node, (node,)))
+            if any(lf.stage == "handoff" for lf in self.open):
+                acts.append((3.0, self._handoff, ()))
+            if self.transport.ready(self.now):
+                acts.append((3.0, self._run_pull, ()))
+            if self.transport.notices:
+                acts.append((3.0, self._deliver_notice, ()))
+            if self.msgs:
+                acts.append((3.0, self._deliver_msg, ()))
+            if acts:
+                idle_rounds = 0
+                _, fn, args = self.rng.choices(acts, [a[0] for a in acts])[0]
+                fn(*args)
+                if fn != self._step_node:
+                    for node in self.nodes.values():
+                        node.stalled = False
+                self.check_invariants()
+                continue
+            timers = [t - n.offset for n in self.nodes.values() if (t := n.engine.next_timer()) is not None]
+            timers += [p.not_before for p in self.transport.pending]
+            if not timers:
+                if self.open or idle_rounds > 3:
+                    break
+                idle_rounds += 1
+                continue
+            self._log(f"drain: clock to the next timer (+{max(0.0, min(timers) - self.now):.2f}s)")
+            self._advance(max(0.0, min(timers) - self.now) + 1e-3)
+            for node in self.nodes.values():
+                node.stalled = False
+                self._step_node(node)
+                self.check_invariants()
+        else:
+            self.fail("liveness", "the cluster did not settle within 200,000 drain steps")
+
+    def final_checks(self) -> None:
+        self._log("FINAL CHECKS")
+        for node in self.nodes.values():
+            node.engine.ledger.check_consistency()
+            node.link.staging.ledger.check_consistency()
+        stuck = [lf.rid for lf in self.lives.values() if not lf.done]
+        self._check(not stuck, "liveness", f"requests never answered: {stuck[:10]} ({len(stuck)})")
+        self._check(not self.transport.pending and not self.transport.notices and not self.msgs, "liveness",
+                    "pulls, notices or messages still in flight at the end")
+        for node in self.nodes.values():
+            eng, link = node.engine, node.link
+            left = {rid: s.state.value for rid, s in eng.requests.items()}
+            self._check(not left, "liveness", f"{node.role}: requests not terminal at the end: {left}")
+            led = eng.ledger
+            leaked = int((led.state == OWNED).sum()) + led.num_quarantined
+            self._check(leaked == 0 and led.num_free + len(led._evictable) == led.usable_pages, "leak",
+                        f"{node.role}: {leaked} pool pages still owned or quarantined")
+            rows = link.staging.ledger
+            self._check(rows.num_free == rows.usable_pages and not rows._fences, "leak",
+                        f"{node.role}: transfer-buffer rows not all free ({rows.num_free}/{rows.usable_pages}, "
+                        f"{rows.num_quarantined} fenced)")
+            if node.role == "prefill":
+                self._check(not link.held and not link.pending, "leak", f"prefill still holds {list(link.held)}")
+            else:
+                self._check(not link.live and not link.waiting, "leak", f"decode still has pulls {list(link.live)}")
+                self.stats["decode_pull_records_never_settled"] += len(link.pulls)
+        for node in self.nodes.values():
+            for k, v in node.link.counters.items():
+                self.stats[f"{node.role}_{k}"] += v
+        for k, v in self.transport.counters.items():
+            self.stats[f"transport_{k}"] += v
+
+
+@dataclass
+class SimResult:
+    seed: int
+    lives: int
+    steps: int
+    seconds: float
+    outcomes: Counter
+    stats: Counter
+    digest: str = ""      # of the whole step trace
+
+
+def simulate(seed: int, lives: int = 1000, draw: bool = True, loaded=None, **overrides) -> SimResult:
+    """Run one seed; raises SimFailure on the first invariant violation."""
+    cfg = SimConfig.draw(seed, lives, **overrides) if draw else SimConfig(seed=seed, lives=lives, **overrides)
+    return Simulation(cfg, loaded).run()
