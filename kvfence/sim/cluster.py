@@ -620,9 +620,12 @@ class Simulation:
             life.stage = "handoff"   # the router sends a one-token prompt straight to decode
             return
         life.p_boot = p.boot
+        granted = p.engine.ledger.counters["pages_allocated"]
         try:
             seq = p.engine.add_request(ids, params, tenant=life.tenant, request_id=life.rid, hold_kv=True)
         except ContextLengthExceeded:
+            self._check(p.engine.ledger.counters["pages_allocated"] == granted and life.rid not in p.engine.requests,
+                        "I4", f"prefill allocated for {life.rid} although it rejected it")
             return self._answer(life, "error", "context_length_exceeded", where="prefill")
         except ValueError as e:
             self.fail("router", f"prefill refused {life.rid}: {e}")
@@ -643,13 +646,19 @@ class Simulation:
             return self._answer(life, "error", "node_unavailable")
         life.d_boot = d.boot
         kw = {"kv_source": dict(life.manifest)} if life.manifest is not None else {}
+        granted = (d.engine.ledger.counters["pages_allocated"], d.link.staging.ledger.counters["pages_allocated"])
         try:
             seq = d.engine.add_request(life.ids, life.params, tenant=life.tenant, request_id=life.rid, **kw)
-        except ContextLengthExceeded:
-            return self._answer(life, "error", "context_length_exceeded", where="decode")
-        except ManifestError as e:
+        except (ContextLengthExceeded, ManifestError) as e:
+            now = (d.engine.ledger.counters["pages_allocated"], d.link.staging.ledger.counters["pages_allocated"])
+            self._check(now == granted and life.rid not in d.engine.requests, "I4",
+                        f"decode reserved pages or rows for {life.rid} although it refused it")
+            if isinstance(e, ContextLengthExceeded):
+                return self._answer(life, "error", "context_length_exceeded", where="decode")
             self._log(f"  decode refused the manifest: {e}")
             return self._answer(life, "error", "kv_manifest_invalid")
+        except ValueError as e:
+            self.fail("router", f"decode refused {life.rid}: {e}")
         self._check(not life.over_d or not self.cfg.check_admission, "I4", f"decode admitted over-length {life.rid}")
         self._check(life.manifest is not None or len(life.ids) == 1, "I4",
                     f"{life.rid} reached decode without a manifest")
@@ -1063,6 +1072,8 @@ class Simulation:
         for node in self.nodes.values():
             for k, v in node.link.counters.items():
                 self.stats[f"{node.role}_{k}"] += v
+            if node.engine.prefix_cache is not None:
+                self.stats[f"{node.role}_prefix_cache_hit_tokens"] += node.engine.prefix_cache.hits
         for k, v in self.transport.counters.items():
             self.stats[f"transport_{k}"] += v
 
