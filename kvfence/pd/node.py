@@ -26,6 +26,7 @@ from kvfence.engine.config import EngineConfig
 from kvfence.pd.manifest import ManifestError
 from kvfence.pd.settings import PDSettings
 from kvfence.pd.wire import CLUSTER_TOKEN_HEADER, cluster_token, line, params_from_json
+from kvfence.server.app import _watch_disconnect
 from kvfence.server.engine_loop import EngineFailed, EngineLoop
 from kvfence.server.errors import error_body
 
@@ -86,8 +87,12 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings) ->
         except (KeyError, TypeError, ValueError) as e:
             return None, _error(400, f"bad internal request: {e}", "invalid_request")
 
-    def _stream(handle, first: dict):
+    def _stream(handle, first: dict, request: Request):
         async def body():
+            # the router hanging up must abort the request here: watch for it explicitly
+            # (writes to a closed connection do not fail reliably)
+            watcher = asyncio.create_task(_watch_disconnect(
+                request, lambda: loop.abort(handle.request_id, "router disconnected")))
             try:
                 yield line(first)
                 while not handle.done:
@@ -106,6 +111,7 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings) ->
             except EngineFailed as e:
                 yield line({"event": "failed", "finished": True, "error": str(e), "abort_code": "engine_failed"})
             finally:
+                watcher.cancel()
                 if not handle.done:  # the router went away: abort it here too
                     loop.abort(handle.request_id, "router disconnected")
         return StreamingResponse(body(), media_type="application/x-ndjson")
@@ -117,7 +123,8 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings) ->
             if err is not None:
                 return err
             a = handle.admitted
-            return _stream(handle, {"event": "admitted", "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens})
+            return _stream(handle, {"event": "admitted", "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens},
+                           request)
 
         @app.post("/internal/release")
         async def release(request: Request):
@@ -140,7 +147,8 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings) ->
             if err is not None:
                 return err
             a = handle.admitted
-            return _stream(handle, {"event": "admitted", "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens})
+            return _stream(handle, {"event": "admitted", "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens},
+                           request)
 
 
 def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int, tenants_file: str | None = None,

@@ -246,8 +246,11 @@ class RouterBackend:
         return handle
 
     def abort(self, request_id: str, reason: str = "client disconnected") -> None:
+        """Idempotent: a second cancel would interrupt the first one's cleanup (closing the
+        node streams, which is what aborts the request on the nodes)."""
         task = self._tasks.get(request_id)
-        if task is not None and not task.done():
+        if task is not None and not task.done() and not getattr(task, "kvfence_cancelled", False):
+            task.kvfence_cancelled = True
             task.cancel()
 
     def _later(self, coro) -> None:

@@ -198,7 +198,11 @@ async def _generate(state: ServerState, request: Request, kind: str):
                            outcome="rejected") from None
         lease = state.limiter.admit(tenant, len(ids))
         try:
-            handle = await state.engine.submit(ids, req.params, tenant.name, rid, tenant.public_prefix_scope)
+            handle = await _submit_unless_gone(state, request, ids, req, tenant, rid)
+        except _ClientGone:
+            lease.release()
+            state.metrics.finished(tenant.name, "client_disconnected")
+            return Response(status_code=499)  # nobody is listening; the request never started
         except ContextLengthExceeded as e:
             raise APIError(400, str(e), code="context_length_exceeded", param=req.prompt_param,
                            outcome="rejected") from None
@@ -218,6 +222,34 @@ async def _generate(state: ServerState, request: Request, kind: str):
     if req.stream:
         return _EventStream(run.events(), run.close)
     return await run.collect()
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _submit_unless_gone(state: ServerState, request: Request, ids, req: GenerationRequest, tenant: Tenant,
+                              rid: str) -> RequestHandle:
+    """engine.submit, abandoned (and so aborted) if the client leaves while it waits. On a
+    single node submit is only admission; behind the PD router it lasts the whole prefill."""
+    sub = asyncio.ensure_future(state.engine.submit(ids, req.params, tenant.name, rid, tenant.public_prefix_scope))
+    gone = asyncio.Event()
+    watcher = asyncio.create_task(_watch_disconnect(request, gone.set))
+    waiter = asyncio.create_task(gone.wait())
+    try:
+        await asyncio.wait({sub, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        waiter.cancel()
+    if sub.done():
+        return sub.result()
+    sub.cancel()
+    try:
+        handle = await sub
+    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the client is gone; nothing to report to
+        raise _ClientGone() from None
+    state.engine.abort(handle.request_id, "client disconnected")  # admitted just as it left
+    raise _ClientGone()
 
 
 async def _tokenize(state: ServerState, req: GenerationRequest) -> list[int]:

@@ -29,7 +29,8 @@ def free_port() -> int:
 
 
 NODE_ARGS = ["--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "1024", "--threads", "1",
-             "--lease", "4", "--transfer-timeout", "2", "--max-pull", "3", "--clock-skew", "0.5"]
+             "--lease", "4", "--transfer-timeout", "2", "--max-pull", "3", "--clock-skew", "0.5",
+             "--max-num-batched-tokens", "128"]  # prompts take several steps: a test can act mid-prefill
 
 
 class Cluster:

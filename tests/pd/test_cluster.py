@@ -186,23 +186,68 @@ def test_lease_expiry_is_a_503_and_prefill_fences_then_frees(cluster, client):
     cluster.wait_quiet(20)  # the fence (deadline + max pull + skew) lifts, then every row is free
 
 
+def _hang_up_when(url: str, body: dict, condition, timeout: float = 30.0) -> None:
+    """POST body over a raw socket, then close it as soon as condition() holds."""
+    import json as _json
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    data = _json.dumps(body).encode()
+    sock = socket.create_connection((u.hostname, u.port))
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(data) + data)
+        end = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < end, "the stage to hang up in never came"
+            time.sleep(0.05)
+    finally:
+        sock.close()
+
+
 @pytest.mark.parametrize("stage", ["prefill", "handoff", "decode"])
-def test_client_disconnect_at_each_stage_frees_everything(cluster, client, stage):
+def test_client_disconnect_at_each_stage_aborts_and_frees_everything(cluster, client, stage):
+    """The client hangs up while prefill computes, between prefill and decode, or while
+    decode streams: the request stops where it is (it does not run to the end), and every
+    page and row comes back."""
     m = model_name(client)
     if stage == "handoff":
-        cluster.set_faults("router", "delay_handoff:2")
-    prompt = LONG * 2 if stage == "prefill" else LONG
-    with httpx.Client(timeout=60) as h:
-        with h.stream("POST", cluster.url("router") + "/v1/completions",
-                      json={"model": m, "prompt": prompt, "max_tokens": 200, "stream": True}) as r:
-            if stage == "decode":
+        cluster.set_faults("router", "delay_handoff:3")
+    before = {r: cluster.info(r)["snapshot"] for r in ("prefill", "decode")}
+    body = {"model": m, "prompt": LONG * 2 if stage == "prefill" else LONG, "stream": True,
+            "max_tokens": 400 if stage == "decode" else 50}
+    if stage == "decode":
+        with httpx.Client(timeout=60) as h:
+            with h.stream("POST", cluster.url("router") + "/v1/completions", json=body) as r:
                 for text in r.iter_lines():
                     if text.startswith("data: {"):
                         break  # one token arrived: now leave
-            else:
-                time.sleep(0.6 if stage == "prefill" else 1.0)
+    else:  # no answer yet at these stages: hang up the raw connection at the right moment
+        held0 = before["prefill"]["pd"].get("pd_held", 0)
+        if stage == "prefill":
+            def now() -> bool:
+                return cluster.info("prefill")["snapshot"]["running"] >= 1
+        else:
+            def now() -> bool:
+                return cluster.pd("prefill").get("pd_held", 0) > held0
+        _hang_up_when(cluster.url("router"), body, now)
     cluster.clear_faults()
     cluster.wait_quiet(25)
+    after = {r: cluster.info(r)["snapshot"] for r in ("prefill", "decode")}
+
+    def count(snap, role, key):
+        return snap[role]["pd"].get(key, 0)
+
+    held = count(after, "prefill", "pd_held") - count(before, "prefill", "pd_held")
+    pulls = count(after, "decode", "pd_pulls_started") - count(before, "decode", "pd_pulls_started")
+    aborted = after["decode"]["outcomes"].get("aborted", 0) - before["decode"]["outcomes"].get("aborted", 0)
+    if stage == "prefill":    # stopped before holding any KV; decode never heard of it
+        assert (held, pulls) == (0, 0)
+    elif stage == "handoff":  # held, then given up (fenced until no pull can run); decode never contacted
+        assert (held, pulls) == (1, 0)
+    else:                     # decode stopped generating: aborted, not finished
+        assert (held, pulls, aborted) == (1, 1, 1)
     assert client.completions.create(model=m, prompt="Hi", max_tokens=2).choices[0].finish_reason
 
 
