@@ -21,20 +21,18 @@ import itertools
 import logging
 import queue
 import time
-import uuid
-from collections import Counter, deque
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kvfence import faults
-from kvfence.engine.admission import CapacityError
-from kvfence.engine.request_states import Event, State
+from kvfence.engine.request_states import Event
 from kvfence.engine.sequence import Sequence
 from kvfence.kv.ledger import BlockTable, Owner
+from kvfence.pd.link import KvLink
 from kvfence.pd.manifest import Manifest, ManifestError, check_manifest, verify_pages
 from kvfence.pd.prefill import kill_point
 from kvfence.pd.settings import PDSettings
-from kvfence.pd.staging import StagingBuffer
 
 log = logging.getLogger("kvfence.pd.decode")
 
@@ -48,29 +46,17 @@ class Pull:
     started: float
 
 
-class KvImporter:
+class KvImporter(KvLink):
     def __init__(self, engine, settings: PDSettings, transport, workers: int = 4):
-        self.engine = engine
-        self.settings = settings
-        self.transport = transport
-        rows = settings.transfer_buffer_pages or engine.ledger.usable_pages
-        self.staging = StagingBuffer(engine.pool, rows)
-        need = engine.ledger.pages_for(engine.usable_context)
-        if self.staging.capacity_pages < need:
-            raise CapacityError(f"the transfer buffer holds {self.staging.capacity_pages} pages, a full context "
-                                f"of {engine.usable_context} tokens needs {need}")
-        self.base = transport.register(self.staging.buf)
+        super().__init__(engine, settings, transport)
         self.waiting: deque[Sequence] = deque()      # admitted, waiting for pages and rows
         self.pulls: dict[int, Pull] = {}             # every pull whose notice has not come
         self.live: dict[str, int] = {}               # request id -> its pull, while AWAITING_KV
         self.notices: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count(1)
         self._workers = ThreadPoolExecutor(workers, thread_name_prefix="kvfence-pull")
-        self.counters: Counter[str] = Counter()
         self.transferred_bytes = 0
         self.transfer_seconds = 0.0
-        self.boot_id = uuid.uuid4().hex
-        engine.kv_link = self
 
     # -- admission (engine thread) -------------------------------------------------------------
     def check(self, seq: Sequence, manifest) -> None:
@@ -237,17 +223,6 @@ class KvImporter:
     def close(self) -> None:
         self._workers.shutdown(wait=False, cancel_futures=True)
 
-    def facts(self) -> dict:
-        """What the router's capacity check (I8) and handoffs need to know about this node."""
-        s = self.settings
-        return {"role": s.role, "boot_id": self.boot_id, "transfer_session": self.transport.session_id,
-                "kv_layout": self.staging.layout, "slot_bytes": self.staging.slot_bytes,
-                "buffer_rows": self.staging.capacity_pages, "lease_s": s.lease_s, "max_pull_s": s.max_pull_s,
-                "clock_skew_s": s.clock_skew_s}
-
     def stats(self) -> dict:
-        led = self.staging.ledger
-        return {"role": "decode", "awaiting_kv": len(self.live), "waiting_for_pages": len(self.waiting),
-                "buffer_rows": led.usable_pages, "buffer_free": led.num_free, "buffer_fenced": led.num_quarantined,
-                "transferred_bytes": self.transferred_bytes, "transfer_seconds": round(self.transfer_seconds, 4),
-                **{f"pd_{k}": v for k, v in self.counters.items()}}
+        return {**self.buffer_stats(), "awaiting_kv": len(self.live), "waiting_for_pages": len(self.waiting),
+                "transferred_bytes": self.transferred_bytes, "transfer_seconds": round(self.transfer_seconds, 4)}

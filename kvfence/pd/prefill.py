@@ -16,19 +16,15 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-import uuid
-from collections import Counter
 from dataclasses import dataclass
 
 from kvfence import faults
-from kvfence.engine.admission import CapacityError
-from kvfence.engine.request_states import Event, State
+from kvfence.engine.request_states import Event
 from kvfence.engine.sequence import Sequence
 from kvfence.kv.ledger import BlockTable, Owner, ReadRequest
+from kvfence.pd.link import KvLink
 from kvfence.pd.manifest import Manifest
 from kvfence.pd.settings import PDSettings
-from kvfence.pd.staging import StagingBuffer
 
 log = logging.getLogger("kvfence.pd.prefill")
 
@@ -48,23 +44,11 @@ class Held:
     manifest: Manifest
 
 
-class KvExporter:
+class KvExporter(KvLink):
     def __init__(self, engine, settings: PDSettings, transport):
-        self.engine = engine
-        self.settings = settings
-        self.transport = transport
-        rows = settings.transfer_buffer_pages or engine.ledger.usable_pages
-        self.staging = StagingBuffer(engine.pool, rows)
-        need = engine.ledger.pages_for(engine.usable_context)
-        if self.staging.capacity_pages < need:
-            raise CapacityError(f"the transfer buffer holds {self.staging.capacity_pages} pages, a full context "
-                                f"of {engine.usable_context} tokens needs {need}")
-        self.base = transport.register(self.staging.buf)
-        self.boot_id = uuid.uuid4().hex
+        super().__init__(engine, settings, transport)
         self.held: dict[str, Held] = {}
         self.pending: list[Sequence] = []   # prompt computed, waiting for transfer-buffer rows
-        self.counters: Counter[str] = Counter()
-        engine.kv_link = self
 
     # -- engine hooks (engine thread) ------------------------------------------------------
     def busy(self) -> bool:
@@ -163,16 +147,5 @@ class KvExporter:
         kill_point("prefill_after_hold")
         return StepOutput(seq, [], "", True, event="kv_held", data=m.to_json())
 
-    def facts(self) -> dict:
-        """What the router's capacity check (I8) and handoffs need to know about this node."""
-        s = self.settings
-        return {"role": s.role, "boot_id": self.boot_id, "transfer_session": self.transport.session_id,
-                "kv_layout": self.staging.layout, "slot_bytes": self.staging.slot_bytes,
-                "buffer_rows": self.staging.capacity_pages, "lease_s": s.lease_s, "max_pull_s": s.max_pull_s,
-                "clock_skew_s": s.clock_skew_s}
-
     def stats(self) -> dict:
-        led = self.staging.ledger
-        return {"role": "prefill", "held": len(self.held), "pending": len(self.pending),
-                "buffer_rows": led.usable_pages, "buffer_free": led.num_free, "buffer_fenced": led.num_quarantined,
-                **{f"pd_{k}": v for k, v in self.counters.items()}}
+        return {**self.buffer_stats(), "held": len(self.held), "pending": len(self.pending)}
