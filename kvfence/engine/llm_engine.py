@@ -83,6 +83,7 @@ class LLMEngine:
                                                  self.ledger.capacity_tokens, cfg.clamp_context)
         self.prefix_cache = PrefixCache(self.ledger) if cfg.enable_prefix_cache else None
         self.scheduler = Scheduler(self.ledger, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.prefix_cache)
+        self.scheduler.pages_held_elsewhere = lambda: self.kv_link is not None and self.kv_link.holds_pool_pages()
         self.runner = ModelRunner(self.model, self.pool, self.ledger, audit=cfg.audit_reads)
         self.sampler = Sampler()
         self.requests: dict[str, Sequence] = {}
@@ -90,6 +91,7 @@ class LLMEngine:
         # PD: a KvExporter (prefill node) or KvImporter (decode node) attaches itself here
         self.kv_link = None
         self._pending_outputs: list[StepOutput] = []  # produced outside step(), returned by the next one
+        self._stalled = False
         self.wake: Callable[[], None] = lambda: None  # the server's loop sets this: wakes a blocked loop
         self.clock: Callable[[], float] = time.time   # PD leases and fences; the simulation swaps it
         log.info("model %s (%s, %s on %s); KV pool %d pages x %d tokens = %d tokens (%.1f MiB, scrub=%s); %s",
@@ -166,6 +168,7 @@ class LLMEngine:
             self._pending_outputs += self.kv_link.enqueue(seq, self.clock())
         else:
             self.scheduler.add(seq)
+            self._stalled = False
         return seq
 
     def abort(self, request_id: str, reason: str = "aborted by client") -> None:
@@ -174,7 +177,10 @@ class LLMEngine:
             self.end(seq, Event.ABORT, "aborted", reason, code="client")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending_outputs) or (
+        """Is there work for step() right now? Not while every queued request waits for pool
+        pages that PD requests hold outside the scheduler: those come back on a control
+        message or a timer, which wake the server's loop, so it need not spin."""
+        return (self.scheduler.has_work() and not self._stalled) or bool(self._pending_outputs) or (
             self.kv_link is not None and self.kv_link.busy())
 
     def next_timer(self) -> float | None:
@@ -193,6 +199,7 @@ class LLMEngine:
             self.publish_prefix(seq)
         self.scheduler.remove(seq)
         self.ledger.free(seq.owner, seq.table)
+        self._stalled = False  # pages came back: a waiting request may fit now
         if self.kv_link is not None:
             self.kv_link.on_end(seq, event, reader_stopped)
         seq.on(event)
@@ -215,6 +222,7 @@ class LLMEngine:
                       code="kv_pool_exhausted")
             outputs.append(StepOutput(seq, [], "", True))
         self.scheduler.unservable.clear()
+        self._stalled = (not step and not outputs and self.kv_link is not None and self.kv_link.holds_pool_pages())
         if not step:
             return outputs
         result = self.runner.run(step)

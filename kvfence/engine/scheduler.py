@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from kvfence.engine.request_states import Event, State
 from kvfence.engine.sequence import Sequence
@@ -32,6 +33,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.unservable: list[Sequence] = []  # could not get pages even alone; the engine aborts them
+        # PD requests hold pool pages outside this scheduler (a computed prompt waiting for
+        # transfer rows, a reservation awaiting its transfer); those pages come back, so
+        # while any are held a request that does not fit now waits instead of failing
+        self.pages_held_elsewhere: Callable[[], bool] = lambda: False
 
     def add(self, seq: Sequence) -> None:
         assert seq.state is State.WAITING
@@ -84,7 +89,7 @@ class Scheduler:
             while need > self.ledger.num_available and (victim := self._victim_after(seq)) is not None:
                 self._preempt(victim)
             if need > self.ledger.num_available:
-                if not out and len(self.running) == 1:
+                if not out and len(self.running) == 1 and not self.pages_held_elsewhere():
                     self.running.remove(seq)
                     self.unservable.append(seq)
                 else:
@@ -105,7 +110,7 @@ class Scheduler:
             if need > self.ledger.num_available:
                 self.ledger.free(seq.owner, seq.table)  # let go of any cached pages just attached
                 seq.num_computed = 0
-                if not self.running:  # nothing will ever free pages for it
+                if not self.running and not self.pages_held_elsewhere():  # nothing will ever free pages for it
                     self.waiting.popleft()
                     self.unservable.append(seq)
                     continue

@@ -76,6 +76,9 @@ class KvImporter(KvLink):
         return self._reserve_waiting(now)
 
     # -- engine hooks (engine thread) -----------------------------------------------------------
+    def holds_pool_pages(self) -> bool:
+        return bool(self.live)  # reservations awaiting their transfer
+
     def busy(self) -> bool:
         return False  # waiting requests move on notices (they wake the loop) and timers
 

@@ -52,7 +52,10 @@ class KvExporter(KvLink):
 
     # -- engine hooks (engine thread) ------------------------------------------------------
     def busy(self) -> bool:
-        return bool(self.pending)
+        return False  # pending prompts wait for rows, which come back on a release, an abort or a timer
+
+    def holds_pool_pages(self) -> bool:
+        return bool(self.pending)  # computed prompts keep their pool pages until rows are free
 
     def next_timer(self) -> float | None:
         times = [h.manifest.lease_deadline for h in self.held.values()]
