@@ -171,6 +171,7 @@ class RequestResult:
     text: str = ""
     client_aborted: bool = False
     hung: bool = False
+    after_kill: bool = False  # sent once every killed node was back
     seconds: float = 0.0
     foreign: list = field(default_factory=list)    # (owner, canary, whole|fragment)
     unknown: list = field(default_factory=list)    # canary-shaped, not of this run (see unknown_canaries)
@@ -306,6 +307,9 @@ class CanaryReport:
         lines.append(f"  hung requests: {len(self.hung)}" + (f" {self.hung[:20]}" if self.hung else ""))
         if self.kills:
             lines.append("  node kills: " + "; ".join(self.kills))
+            after = Counter(r.outcome for r in self.requests if r.after_kill)
+            lines.append("    sent after every killed node was back: " +
+                         (", ".join(f"{o}: {n}" for o, n in sorted(after.items())) or "none"))
         for p in self.problems:
             lines.append(f"  PROBLEM: {p}")
         return "\n".join(lines)
@@ -827,6 +831,8 @@ class Canary:
             # the restarted nodes must serve, and stay clean
             n_after = int(len(main) * self.opts.after_kill_share) if killers else 0
             before, after = main[:len(main) - n_after], main[len(main) - n_after:]
+            for p in after:
+                p.result.after_kill = True
             await asyncio.gather(*(gated(p, t0) for p in before))
             for k in killers:
                 await k
