@@ -215,7 +215,8 @@ class NodeState:
     buffer_free: int | None = None
     buffer_fenced: int | None = None
     settled: bool = False
-    restarts: int = 0
+    kills: int = 0
+    restarts: int = 0                              # came back (new boot id) after a kill
     error: str | None = None
 
 
@@ -300,7 +301,7 @@ class CanaryReport:
                                                       f"{n.buffer_fenced} fenced")
             lines.append(f"    {n.role:<8} audit {'on' if n.audit_enabled else 'OFF'}: {n.audit_violations} "
                          f"{n.audit_by_kind or ''}; pages owned {n.pages_owned}, quarantined {n.pages_quarantined}"
-                         f"{extra}; restarts {n.restarts}" + (f"; error: {n.error}" if n.error else ""))
+                         f"{extra}; killed {n.kills}, back {n.restarts}" + (f"; error: {n.error}" if n.error else ""))
         lines.append(f"  over-length requests answered 200: {len(self.over_length_200)}"
                      + (f" {self.over_length_200[:20]}" if self.over_length_200 else ""))
         lines.append(f"  pages not back in the pool: {self.pages_not_returned or 'none'}")
@@ -308,7 +309,7 @@ class CanaryReport:
         if self.kills:
             lines.append("  node kills: " + "; ".join(self.kills))
             after = Counter(r.outcome for r in self.requests if r.after_kill)
-            lines.append("    sent after every killed node was back: " +
+            lines.append("    sent once the kills were over: " +
                          (", ".join(f"{o}: {n}" for o, n in sorted(after.items())) or "none"))
         for p in self.problems:
             lines.append(f"  PROBLEM: {p}")
@@ -738,7 +739,7 @@ class Canary:
         if self.restart is not None and (proc is None or proc.poll() is not None):
             await asyncio.to_thread(self.restart, k.role)
             what += ", restarted"
-        report.nodes[k.role].restarts += 1
+        report.nodes[k.role].kills += 1
         # back when the router serves with a new boot id for that node
         end = time.monotonic() + self.opts.restart_wait_s
         while time.monotonic() < end:
@@ -747,6 +748,7 @@ class Canary:
                 b = r.json()
                 if b.get("ready") and b["nodes"][k.role]["boot_id"] not in (None, old_boot):
                     what += f", rejoined {time.monotonic() - t_kill:.1f} s after the kill"
+                    report.nodes[k.role].restarts += 1
                     break
             except (httpx.HTTPError, ValueError, KeyError):
                 pass
