@@ -72,29 +72,48 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings) ->
             return _error(503, f"node is {loop.state}: {loop.error or ''}", "not_ready")
         return {**loop.facts, "snapshot": loop.snapshot}
 
-    async def _admit(body: dict, **extra):
+    def _parse(body: dict):
+        """The request's fields, or a 400 for a malformed internal request (nothing admitted)."""
         try:
-            params = params_from_json(body["params"])
-            ids = [int(t) for t in body["prompt_ids"]]
-            return await loop.submit(ids, params, body["tenant"], body["request_id"],
-                                     body.get("public_prefix_scope"), **extra), None
-        except ContextLengthExceeded as e:
-            return None, _error(400, str(e), "context_length_exceeded")
-        except ManifestError as e:
-            return None, _error(400, f"refused the KV handoff: {e}", "kv_manifest_invalid")
-        except EngineFailed as e:
-            return None, _error(503, str(e), "engine_unavailable")
+            return [int(t) for t in body["prompt_ids"]], params_from_json(body["params"]), None
         except (KeyError, TypeError, ValueError) as e:
-            return None, _error(400, f"bad internal request: {e}", "invalid_request")
+            return None, None, _error(400, f"bad internal request: {e}", "invalid_request")
 
-    def _stream(handle, first: dict, request: Request):
-        async def body():
-            # the router hanging up must abort the request here: watch for it explicitly
-            # (writes to a closed connection do not fail reliably)
-            watcher = asyncio.create_task(_watch_disconnect(
-                request, lambda: loop.abort(handle.request_id, "router disconnected")))
+    def _refusal(e: Exception) -> dict:
+        if isinstance(e, ContextLengthExceeded):
+            return {"event": "rejected", "code": "context_length_exceeded", "message": str(e)}
+        if isinstance(e, ManifestError):
+            return {"event": "rejected", "code": "kv_manifest_invalid", "message": f"refused the KV handoff: {e}"}
+        if isinstance(e, EngineFailed):
+            return {"event": "rejected", "code": "engine_unavailable", "message": str(e)}
+        return {"event": "rejected", "code": "invalid_request", "message": f"bad internal request: {e}"}
+
+    def _stream(body: dict, ids, params, request: Request, **extra) -> StreamingResponse:
+        """Answer at once and admit inside the stream: the router then hears a heartbeat
+        every second from the start, so a node busy with a long step is not taken for a
+        hung one. First line: admitted or rejected; then updates; the router hanging up
+        aborts the request here."""
+        rid = body["request_id"]
+
+        async def gen():
+            sub = asyncio.ensure_future(loop.submit(ids, params, body["tenant"], rid,
+                                                    body.get("public_prefix_scope"), **extra))
+            # watch for the router hanging up explicitly (writes to a closed connection do not
+            # fail reliably)
+            watcher = asyncio.create_task(_watch_disconnect(request, lambda: loop.abort(rid, "router disconnected")))
+            handle = None
             try:
-                yield line(first)
+                while not sub.done():
+                    done, _ = await asyncio.wait({sub}, timeout=HEARTBEAT_S)
+                    if not done:
+                        yield line({"event": "wait"})
+                try:
+                    handle = sub.result()
+                except (ContextLengthExceeded, ManifestError, EngineFailed, ValueError) as e:
+                    yield line(_refusal(e))
+                    return
+                a = handle.admitted
+                yield line({"event": "admitted", "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens})
                 while not handle.done:
                     try:  # a heartbeat each second: the router tells a slow node from a hung one
                         u = await asyncio.wait_for(handle.next(), HEARTBEAT_S)
@@ -112,19 +131,18 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings) ->
                 yield line({"event": "failed", "finished": True, "error": str(e), "abort_code": "engine_failed"})
             finally:
                 watcher.cancel()
-                if not handle.done:  # the router went away: abort it here too
-                    loop.abort(handle.request_id, "router disconnected")
-        return StreamingResponse(body(), media_type="application/x-ndjson")
+                if handle is None and not sub.done():
+                    sub.cancel()  # still waiting for admission: EngineLoop.submit aborts it
+                elif handle is not None and not handle.done:  # the router went away: abort it here too
+                    loop.abort(rid, "router disconnected")
+        return StreamingResponse(gen(), media_type="application/x-ndjson")
 
     if settings.role == "prefill":
         @app.post("/internal/prefill")
         async def prefill(request: Request):
-            handle, err = await _admit(await request.json(), hold_kv=True)
-            if err is not None:
-                return err
-            a = handle.admitted
-            return _stream(handle, {"event": "admitted", "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens},
-                           request)
+            body = await request.json()
+            ids, params, err = _parse(body)
+            return err or _stream(body, ids, params, request, hold_kv=True)
 
         @app.post("/internal/release")
         async def release(request: Request):
@@ -142,13 +160,9 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings) ->
         @app.post("/internal/decode")
         async def decode(request: Request):
             body = await request.json()
+            ids, params, err = _parse(body)
             manifest = body.get("manifest")
-            handle, err = await _admit(body, **({"kv_source": manifest} if manifest is not None else {}))
-            if err is not None:
-                return err
-            a = handle.admitted
-            return _stream(handle, {"event": "admitted", "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens},
-                           request)
+            return err or _stream(body, ids, params, request, **({"kv_source": manifest} if manifest is not None else {}))
 
 
 def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int, tenants_file: str | None = None,

@@ -322,15 +322,20 @@ class RouterBackend:
                 raise NodeError(f"{role} node answered {r.status_code}", "node_error") from None
         return r
 
+    @staticmethod
+    def _check_admitted(role: str, first: dict) -> None:
+        if first.get("event") == "rejected":
+            raise NodeError(f"{role} node: {first.get('message')}", first.get("code") or "node_error")
+        if first.get("event") != "admitted":
+            raise NodeError(f"{role} node: unexpected {first.get('event')}", "node_error")
+
     async def _prefill(self, body, state, admitted, fail) -> None:
         from contextlib import AsyncExitStack
 
         async with AsyncExitStack() as stack:
             r = await self._open("prefill", "/internal/prefill", body, stack)
             events = self._lines(r)
-            first = await events.__anext__()
-            if first.get("event") != "admitted":
-                raise NodeError(f"prefill node: unexpected {first.get('event')}", "node_error")
+            self._check_admitted("prefill", await events.__anext__())
             async for ev in events:
                 if ev.get("event") == "kv_held":
                     state["manifest"] = ev["data"]
@@ -350,9 +355,7 @@ class RouterBackend:
         async with AsyncExitStack() as stack:
             r = await self._open("decode", "/internal/decode", {**body, "manifest": state["manifest"]}, stack)
             events = self._lines(r)
-            first = await events.__anext__()
-            if first.get("event") != "admitted":
-                raise NodeError(f"decode node: unexpected {first.get('event')}", "node_error")
+            self._check_admitted("decode", await events.__anext__())
             if not admitted.done():
                 admitted.set_result(True)
             first_at, completion = None, 0
