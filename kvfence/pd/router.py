@@ -267,7 +267,9 @@ class RouterBackend:
     async def _run(self, rid, ids, params, tenant, scope, handle: RequestHandle, admitted: asyncio.Future) -> None:
         body = {"request_id": rid, "tenant": tenant, "prompt_ids": ids, "params": params_to_json(params),
                 "public_prefix_scope": scope}
-        state = {"manifest": None, "released": False, "reader_stopped": False, "cached": 0}
+        # reader_stopped: decode is known not to be pulling (never contacted, refused, or said so)
+        state = {"manifest": None, "released": False, "reader_stopped": False, "decode_contacted": False,
+                 "cached": 0}
 
         def fail(message: str, code: str, status_code: str | None = None) -> None:
             if not admitted.done():
@@ -292,8 +294,9 @@ class RouterBackend:
             fail(f"a PD node failed mid-request: {type(e).__name__}: {e}", "node_failed")
         finally:
             if state["manifest"] is not None and not state["released"]:
+                stopped = state["reader_stopped"] or not state["decode_contacted"]
                 self._later(self._post("prefill", "/internal/abort",
-                                       {"request_id": rid, "reader_stopped": state["reader_stopped"],
+                                       {"request_id": rid, "reader_stopped": stopped,
                                         "reason": "the request ended before decode verified the transfer"}))
 
     async def _lines(self, response: httpx.Response):
@@ -353,9 +356,15 @@ class RouterBackend:
         from contextlib import AsyncExitStack
 
         async with AsyncExitStack() as stack:
-            r = await self._open("decode", "/internal/decode", {**body, "manifest": state["manifest"]}, stack)
-            events = self._lines(r)
-            self._check_admitted("decode", await events.__anext__())
+            state["decode_contacted"] = True
+            try:
+                r = await self._open("decode", "/internal/decode", {**body, "manifest": state["manifest"]}, stack)
+                events = self._lines(r)
+                self._check_admitted("decode", await events.__anext__())
+            except NodeError as e:
+                if e.code != "node_unavailable":  # decode answered and refused: it never pulls
+                    state["reader_stopped"] = True
+                raise
             if not admitted.done():
                 admitted.set_result(True)
             first_at, completion = None, 0

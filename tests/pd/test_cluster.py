@@ -112,6 +112,7 @@ def test_incident_over_length_prompts_get_400_and_decode_allocates_nothing(clust
         cluster.set_faults(role, spec)
     m = model_name(client)
     before = _decode_allocations(cluster)
+    fences = cluster.pd("prefill").get("pd_fences", 0)
     statuses = []
     for n_words in (1100, 2000):
         try:
@@ -124,6 +125,8 @@ def test_incident_over_length_prompts_get_400_and_decode_allocates_nothing(clust
     assert _decode_allocations(cluster) == before
     cluster.clear_faults()
     cluster.wait_quiet()
+    # a refusal by decode means no pull can be running: prefill freed its rows, no fence
+    assert cluster.pd("prefill").get("pd_fences", 0) == fences
     ok = client.completions.create(model=m, prompt="Hello", max_tokens=4, temperature=0)
     assert ok.choices[0].finish_reason in ("length", "stop")
 
