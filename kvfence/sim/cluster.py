@@ -74,10 +74,18 @@ EXPLAINED_BY = {
 # that a run goes on to look for others (each is counted in the result's stats):
 KNOWN_BUGS = {
     "pool_held_outside_scheduler":
-        "a node aborts a request that fits with kv_pool_exhausted while pool pages are held by PD requests "
-        "outside its scheduler (prefill: prompts waiting for transfer-buffer rows in KvExporter.pending; decode: "
-        "reservations AWAITING_KV), because Scheduler.schedule() (kvfence/engine/scheduler.py:87 and :108) takes "
-        "'nothing running' to mean 'no page will ever come back'",
+        "(fixed in 720c56b) a node aborts a request that fits with kv_pool_exhausted while pool pages are held by "
+        "PD requests outside its scheduler (prefill: prompts waiting for transfer-buffer rows in "
+        "KvExporter.pending; decode: reservations AWAITING_KV), because Scheduler.schedule() took 'nothing "
+        "running' to mean 'no page will ever come back'",
+    "idle_with_work":
+        "a node goes idle (engine.has_unfinished() False: the server loop blocks until a command or its next "
+        "timer) while a queued PD request could be served now: KvExporter.busy() is False while computed "
+        "prompts wait for transfer-buffer rows, and KvExporter.poll() stages them before it expires leases and "
+        "lifts fences, so rows freed there strand them (forever when no timer is left); KvImporter.busy() is "
+        "False while requests wait for pages and rows, which come back when a request ends after poll() ran, "
+        "so they wait for their lease deadline and fail with lease_expired. Excused, the node is woken as if "
+        "some other event had come",
 }
 
 
@@ -124,6 +132,7 @@ class SimConfig:
     check_handoff: bool = True      # its own I5 checks (token counts, the content oracle); with both off,
                                     # only the ledgers, the read audits and I6 watch (defense in depth)
     known_bugs: tuple = ()          # names in KNOWN_BUGS whose symptom is excused (and counted)
+    drain_steps: int = 20_000       # a drain longer than this is a livelock
     trace_len: int = 300
     trace_all: bool = False         # print every step as it happens
 
@@ -229,6 +238,7 @@ class Node:
         self.down_until: float | None = None
         self.offset = 0.0
         self.stalled = False   # its last step changed nothing: stepping again is pointless until something else happens
+        self.poked = False     # a message or notice reached it: the server's loop runs a step after each one
 
     @property
     def up(self) -> bool:
@@ -530,7 +540,8 @@ class Simulation:
                         acts.append((c.w_crash, self._crash, (node,)))
         for node in (p, d):
             if node.up:
-                acts.append((4.0 if self._has_work(node) else 0.2, self._step_node, (node,)))
+                if self._has_work(node):
+                    acts.append((4.0, self._step_node, (node,)))
         if any(lf.stage == "handoff" for lf in self.open):
             acts.append((3.0, self._handoff, ()))
         if self.transport.ready(self.now):
@@ -544,16 +555,18 @@ class Simulation:
         return acts
 
     def _has_work(self, node: Node) -> bool:
-        if node.stalled:
-            return False
+        """Would kvfence/server/engine_loop.py run a step now? After a command (a request, an
+        abort, an ACK) or a notice, while the engine says it has work, or when its timer is
+        due. Otherwise the real loop blocks, and so does the node here: it is not stepped."""
+        if node.poked:
+            return True
         eng = node.engine
-        if eng.has_unfinished():
-            return True
-        link = node.link
-        if node.role == "decode" and (link.waiting or not link.notices.empty()):
-            return True
         t = eng.next_timer()
-        return t is not None and t <= node.clock()
+        if t is not None and t <= node.clock():
+            return True
+        if node.stalled:   # the real loop would spin on it without effect
+            return False
+        return eng.has_unfinished() or (node.role == "decode" and not node.link.notices.empty())
 
     # -- time -------------------------------------------------------------------------------------
     def _advance(self, dt: float) -> None:
@@ -634,6 +647,7 @@ class Simulation:
                     f"usable context {ctx_p} (seq state {seq.state.value})")
         life.p_owner = seq.owner.request
         self._names[seq.owner.request] = f"{life.rid}@prefill"
+        p.poked = True
         life.p_sink = True
         life.stage = "prefill"
 
@@ -664,6 +678,7 @@ class Simulation:
                     f"{life.rid} reached decode without a manifest")
         life.d_owner = seq.owner.request
         self._names[seq.owner.request] = f"{life.rid}@decode"
+        d.poked = True
         life.d_sink = True
         life.stage = "decode"
 
@@ -730,9 +745,11 @@ class Simulation:
                 len(getattr(link, "pending", ())), len(getattr(link, "waiting", ())), len(getattr(link, "live", ())))
 
     def _step_node(self, node: Node) -> None:
-        if not self.draining:  # an engine step takes time
-            self._advance(self.rng.uniform(0.0, self.settings.pull_give_up_s / 100))
+        # an engine step takes time (also while draining: a node that spins without progress,
+        # e.g. preempting and recomputing a prompt until a fence lifts, must see time pass)
+        self._advance(self.rng.uniform(0.0, self.settings.pull_give_up_s / 100))
         before = self._signature(node)
+        node.poked = False
         outs = node.engine.step()
         node.stalled = not outs and self._signature(node) == before
         self._log(f"step {node.role}: {len(outs)} outputs{' (nothing moved)' if node.stalled else ''}")
@@ -740,6 +757,8 @@ class Simulation:
             self._on_prefill(node, outs)
         else:
             self._on_decode(node, outs)
+        if node.up:
+            self._check_progress(node)
 
     def _on_prefill(self, node: Node, outs) -> None:
         for out in outs:
@@ -845,12 +864,15 @@ class Simulation:
         n = self.rng.choice(self.transport.notices)
         self._log(f"notice of pull {n.pull_id} ({n.request_id}, ok={n.notice[1]}) delivered")
         self.transport.deliver(n)
+        self.nodes["decode"].poked = True   # the real pull wakes the engine loop (engine.wake())
 
     def _deliver_msg(self) -> None:
         m = self.rng.choice(self.msgs)
         self.msgs.remove(m)
         node = self.nodes[m.role]
         life = self.lives[m.rid]
+        if node.up and node.boot == m.boot:
+            node.poked = True   # kvfence/server/engine_loop.py steps the engine after every command
         if not node.up or node.boot != m.boot:  # sent to a process that is gone (or was down): the POST failed
             self._log(f"{m.kind} {m.rid} -> {m.role}: lost (node gone)")
             return
@@ -967,6 +989,39 @@ class Simulation:
             return row in ledger._fences.get(owner, ([], None))[0]
         return False
 
+    def _idle_with_work(self, node: Node, message: str) -> None:
+        self.stats[f"known_bug_idle_with_work_{node.role}"] += 1
+        if "idle_with_work" not in self.cfg.known_bugs:
+            self.fail("liveness", message)
+        self._log(f"  known bug idle_with_work: {message}; woken")
+        node.poked = True
+
+    def _check_progress(self, node: Node) -> None:
+        """After a step, a node that would go idle (no work, so the server loop blocks until a
+        command or its next timer) must not leave a queued request behind that it could
+        serve now: that request would wait for an unrelated event, or forever."""
+        eng, link = node.engine, node.link
+        if eng.has_unfinished():
+            return
+        t = eng.next_timer()
+        until = "forever (no timer)" if t is None else f"until its next timer, {t - node.clock():.2f} s away"
+        if node.role == "prefill" and link.pending:
+            s = link.pending[0]
+            rows = link.staging.ledger.num_available
+            if eng.ledger.pages_for(s.num_computed) <= rows:
+                self._idle_with_work(node, f"prefill goes idle with {s.request_id} waiting for transfer-buffer rows "
+                                           f"although {rows} are free: it waits {until}")
+        if node.role == "decode" and link.waiting:
+            s = link.waiting[0]
+            m = s.kv_source
+            if node.clock() < m.lease_deadline - self.cfg.clock_skew_s:
+                need = eng.ledger.pages_for(len(s.prompt_ids) + s.max_tokens)
+                busy = len(eng.scheduler.running) + len(link.live)
+                if (busy < eng.config.max_num_seqs and need <= eng.ledger.num_available
+                        and m.page_count <= link.staging.ledger.num_available):
+                    self._idle_with_work(node, f"decode goes idle with {s.request_id} waiting although its pages "
+                                               f"and rows are free: it waits {until}")
+
     def _check_in_flight(self, p: Node, d: Node) -> None:
         """I6: a pull still in flight may write its destination rows and read its source rows;
         none of them may be free or another request's, on either side."""
@@ -1004,7 +1059,7 @@ class Simulation:
                 self.now = max(self.now, node.down_until or self.now)
                 self._restart(node)
         idle_rounds = 0
-        for _ in range(200_000):
+        for _ in range(self.cfg.drain_steps):
             self.step_no += 1
             acts = []
             for node in self.nodes.values():
@@ -1041,7 +1096,7 @@ class Simulation:
                 self._step_node(node)
                 self.check_invariants()
         else:
-            self.fail("liveness", "the cluster did not settle within 200,000 drain steps")
+            self.fail("liveness", f"the cluster did not settle within {self.cfg.drain_steps} drain steps")
 
     def final_checks(self) -> None:
         self._log("FINAL CHECKS")
