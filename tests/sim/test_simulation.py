@@ -1,9 +1,10 @@
 """The deterministic PD simulation (kvfence/sim): clean runs hold I1-I9 after every step, the
 same seed replays exactly, and the checker catches each fault point and protocol mutant.
 
-The clean runs excuse one bug the simulation found (KNOWN_BUGS["pool_held_outside_scheduler"],
-reproduced on its own by the strict xfail below); remove it from KNOWN once that is fixed.
-Each run uses the real LLMEngine, KvExporter and KvImporter on a tiny random model.
+The clean runs excuse the bug the simulation found that is still open
+(KNOWN_BUGS["idle_with_work"], reproduced on its own by the strict xfails at the end);
+remove it from KNOWN once it is fixed. Each run uses the real LLMEngine, KvExporter and
+KvImporter on a tiny random model.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from kvfence.pd.settings import PDSettings
 from kvfence.pd.transfer import InProcessTransport
 from kvfence.sim.cluster import KNOWN_BUGS, SimFailure, shared_model, simulate
 
-KNOWN = ("pool_held_outside_scheduler",)
+KNOWN = ("idle_with_work",)
 # seeds whose drawn configurations between them exercise every failure path (a short scan
 # of seeds 0-59 picked them); any seed must pass, these also cover the ground
 CLEAN_SEEDS = (22, 30, 54)
@@ -155,18 +156,20 @@ def test_fence_shorter_than_the_longest_pull_is_caught_as_I6(monkeypatch):
     assert e.invariant == "I6" and "prefill rows" in e.message
 
 
-# -- the bug the simulation found ----------------------------------------------------------------
+# -- the bugs the simulation found, each on the real classes alone -----------------------------
 
-@pytest.mark.xfail(strict=True, reason=KNOWN_BUGS["pool_held_outside_scheduler"])
-def test_prefill_does_not_abort_a_request_that_fits_while_pages_wait_for_rows():
-    """Reproduces KNOWN_BUGS['pool_held_outside_scheduler'] with the real classes alone: a
-    prompt computed on prefill waits for transfer-buffer rows holding its pool pages (they
-    come back when a lease ends); a new request that fits the pool is aborted with
-    kv_pool_exhausted instead of waiting, because the scheduler sees nothing running."""
+def tiny_engine(pages: int, context: int = 32, **kw) -> LLMEngine:
     loaded = shared_model(1, 32)
     pb = page_bytes(loaded.model.config, 4, torch.float32)
-    eng = LLMEngine(EngineConfig(dtype="float32", device="cpu", page_size=4, kv_cache_memory=13 * pb,
-                                 max_model_len=32, scrub="none", num_threads=1, progress=False), loaded)
+    return LLMEngine(EngineConfig(dtype="float32", device="cpu", page_size=4, kv_cache_memory=(pages + 1) * pb,
+                                  max_model_len=context, scrub="none", num_threads=1, progress=False, **kw), loaded)
+
+
+def test_prefill_does_not_abort_a_request_that_fits_while_pages_wait_for_rows():
+    """KNOWN_BUGS['pool_held_outside_scheduler'] (fixed in 720c56b): a prompt computed on
+    prefill waits for transfer-buffer rows holding its pool pages (they come back when a
+    lease ends); a new request that fits the pool must wait, not fail with kv_pool_exhausted."""
+    eng = tiny_engine(12)
     exp = KvExporter(eng, PDSettings("prefill", transfer_buffer_pages=8), InProcessTransport())
     params = SamplingParams(max_tokens=1)
 
@@ -184,3 +187,84 @@ def test_prefill_does_not_abort_a_request_that_fits_while_pages_wait_for_rows():
     c = eng.add_request(list(range(90, 110)), params, request_id="C", hold_kv=True)  # 5 pages of 12
     steps()
     assert c.abort_code != "kv_pool_exhausted", c.error
+
+
+class _Now:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _serve_once(eng: LLMEngine, now: _Now) -> str | list:
+    """One turn of kvfence/server/engine_loop.py when no command comes: with no work it sleeps
+    until the engine's next timer (and blocks for good without one), then steps."""
+    if not eng.has_unfinished():
+        t = eng.next_timer()
+        if t is None:
+            return "blocked"
+        now.t = max(now.t, t)
+    return [(o.seq.request_id, o.event) for o in eng.step()]
+
+
+@pytest.mark.xfail(strict=True, reason=KNOWN_BUGS["idle_with_work"])
+def test_prefill_stages_a_waiting_prompt_when_a_fence_frees_the_rows():
+    """A prompt waits for transfer-buffer rows that a fence holds. When the fence lifts (in
+    KvExporter.poll, after poll already tried to stage), the prompt must be staged, or at
+    least the engine must report work or a timer; instead the loop blocks for good."""
+    eng = tiny_engine(12)
+    now = _Now()
+    eng.clock = now
+    exp = KvExporter(eng, PDSettings("prefill", transfer_buffer_pages=8, lease_s=2.0, max_pull_s=3.0,
+                                     clock_skew_s=0.2, transfer_timeout_s=1), InProcessTransport())
+    params = SamplingParams(max_tokens=1)
+    eng.add_request(list(range(10, 40)), params, request_id="A", hold_kv=True)  # all 8 rows; no ACK ever comes
+    assert _serve_once(eng, now) == [("A", "kv_held")]
+    eng.add_request(list(range(50, 80)), params, request_id="B", hold_kv=True)  # computed, waits for rows
+    turns = [_serve_once(eng, now) for _ in range(6)]   # A's lease expires, its fence lifts
+    assert exp.staging.ledger.num_free == 8
+    assert ("B", "kv_held") in [o for t in turns if isinstance(t, list) for o in t], turns
+
+
+@pytest.mark.xfail(strict=True, reason=KNOWN_BUGS["idle_with_work"])
+def test_decode_reserves_a_waiting_request_when_pages_come_back():
+    """Decode serves one request at a time (max_num_seqs=1); B waits behind A. When A finishes
+    the engine has no work, so the loop sleeps until B's lease deadline and B fails with
+    lease_expired, although it could have been reserved the moment A ended."""
+    from kvfence.pd.decode import KvImporter
+
+    pre = tiny_engine(24)
+    dec = tiny_engine(24, max_num_seqs=1, enable_prefix_cache=False)
+    now = _Now()
+    pre.clock = dec.clock = now
+    settings = dict(lease_s=30.0, max_pull_s=75.0, clock_skew_s=1.0)
+    exp = KvExporter(pre, PDSettings("prefill", **settings), InProcessTransport())
+    imp = KvImporter(dec, PDSettings("decode", **settings), InProcessTransport())
+
+    class Inline:  # run each pull at once, in this thread
+        def submit(self, fn, *args):
+            fn(*args)
+
+        def shutdown(self, **kw):
+            pass
+
+    imp._workers.shutdown(wait=False)
+    imp._workers = Inline()
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    manifests = {}
+    for rid, base in (("A", 10), ("B", 60)):
+        pre.add_request(list(range(base, base + 20)), params, request_id=rid, hold_kv=True)
+        for _ in range(3):
+            for o in pre.step():
+                if o.event == "kv_held":
+                    manifests[rid] = o.data
+    for rid, base in (("A", 10), ("B", 60)):
+        dec.add_request(list(range(base, base + 20)), params, request_id=rid, kv_source=manifests[rid])
+    assert [s.request_id for s in imp.waiting] == ["B"]
+    events = []
+    for _ in range(8):
+        t = _serve_once(dec, now)
+        events += t if isinstance(t, list) else [t]
+    b = [o for o in events if o == ("B", "kv_verified")]
+    assert b, f"B was never reserved after A finished: {events}, B ended as {dec.requests.get('B')}"
