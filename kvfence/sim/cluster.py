@@ -204,7 +204,8 @@ class Life:
     d_sink: bool = False
     released: bool = False
     abort_posted: bool = False
-    reader_stopped: bool = False
+    reader_stopped: bool = False  # decode is known not to be pulling (refused, or said so)
+    decode_contacted: bool = False
     verified: bool = False
     pull_started: float | None = None  # decode's clock when its pull was submitted
     tokens: list[int] = field(default_factory=list)
@@ -655,6 +656,7 @@ class Simulation:
         life = self.rng.choice([lf for lf in self.open if lf.stage == "handoff"])
         d = self.nodes["decode"]
         self._log(f"router -> decode {life.rid}")
+        life.decode_contacted = True
         if not d.up:
             life.excuses.add("crash")
             return self._answer(life, "error", "node_unavailable")
@@ -667,6 +669,7 @@ class Simulation:
             now = (d.engine.ledger.counters["pages_allocated"], d.link.staging.ledger.counters["pages_allocated"])
             self._check(now == granted and life.rid not in d.engine.requests, "I4",
                         f"decode reserved pages or rows for {life.rid} although it refused it")
+            life.reader_stopped = True   # decode answered and refused: it never pulls
             if isinstance(e, ContextLengthExceeded):
                 return self._answer(life, "error", "context_length_exceeded", where="decode")
             self._log(f"  decode refused the manifest: {e}")
@@ -707,7 +710,8 @@ class Simulation:
         self._log(f"  answer {life.rid}: {key}{' at ' + where if where else ''}")
         if life.manifest is not None and not life.released and not life.abort_posted:
             life.abort_posted = True
-            self.msgs.append(Msg("abort", "prefill", life.rid, self._boot_of("prefill"), life.reader_stopped))
+            stopped = life.reader_stopped or not life.decode_contacted
+            self.msgs.append(Msg("abort", "prefill", life.rid, self._boot_of("prefill"), stopped))
         self._judge(life, where)
 
     def _judge(self, life: Life, where: str | None) -> None:
