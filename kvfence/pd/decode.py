@@ -80,7 +80,16 @@ class KvImporter(KvLink):
         return bool(self.live)  # reservations awaiting their transfer
 
     def busy(self) -> bool:
-        return False  # waiting requests move on notices (they wake the loop) and timers
+        """Could poll() reserve for the first waiting request right now? Pages freed by a
+        request that ended during a step make it so without any wake-up (found by the
+        simulation: such a request otherwise waited for its lease to run out)."""
+        return bool(self.waiting) and self._fits(self.waiting[0])
+
+    def _fits(self, seq: Sequence) -> bool:
+        eng = self.engine
+        need = eng.ledger.pages_for(len(seq.prompt_ids) + seq.max_tokens)
+        return (len(eng.scheduler.running) + len(self.live) < eng.config.max_num_seqs
+                and need <= eng.ledger.num_available and seq.kv_source.page_count <= self.staging.ledger.num_available)
 
     def next_timer(self) -> float | None:
         times = [p.started + self.settings.pull_give_up_s for p in self.pulls.values()
@@ -135,13 +144,10 @@ class KvImporter(KvLink):
                 out.append(self._abort(seq, "lease_expired", "the prefill node's KV lease ran out before the "
                                        "transfer could start", reader_stopped=True))
                 continue
-            need = eng.ledger.pages_for(len(seq.prompt_ids) + seq.max_tokens)
-            busy = len(eng.scheduler.running) + len(self.live)
-            if (busy >= eng.config.max_num_seqs or need > eng.ledger.num_available
-                    or m.page_count > self.staging.ledger.num_available):
+            if not self._fits(seq):
                 break  # first come, first served: pages come back as requests finish
             self.waiting.popleft()
-            eng.ledger.allocate(seq.owner, need, seq.table)
+            eng.ledger.allocate(seq.owner, eng.ledger.pages_for(len(seq.prompt_ids) + seq.max_tokens), seq.table)
             seq.on(Event.RESERVE)
             owner = Owner(self.staging.ledger.tenant_id(seq.tenant), seq.owner.request)
             rows = self.staging.grant(owner, m.page_count)

@@ -52,7 +52,12 @@ class KvExporter(KvLink):
 
     # -- engine hooks (engine thread) ------------------------------------------------------
     def busy(self) -> bool:
-        return False  # pending prompts wait for rows, which come back on a release, an abort or a timer
+        """Could poll() stage a waiting prompt right now? (Otherwise rows come back on a
+        release, an abort or a timer, each of which wakes the loop.)"""
+        return bool(self.pending) and self._fits(self.pending[0])
+
+    def _fits(self, seq: Sequence) -> bool:
+        return self.engine.ledger.pages_for(seq.num_computed) <= self.staging.ledger.num_available
 
     def holds_pool_pages(self) -> bool:
         return bool(self.pending)  # computed prompts keep their pool pages until rows are free
@@ -70,13 +75,14 @@ class KvExporter(KvLink):
         return self._stage_pending(now)
 
     def poll(self, now: float) -> list:
-        out = self._stage_pending(now)
+        # end leases and lift fences first: the rows they give back may be what a waiting
+        # prompt needs (found by the simulation: staged first, such a prompt could strand)
         for rid in [r for r, h in self.held.items() if h.manifest.lease_deadline <= now]:
             self.counters["leases_expired"] += 1
             self.engine.end(self.held[rid].seq, Event.ABORT, "aborted", "the KV lease expired before decode "
                             "acknowledged the transfer", code="lease_expired")
         self.staging.ledger.lift_expired_fences(now)
-        return out
+        return self._stage_pending(now)
 
     def on_end(self, seq: Sequence, event: Event, reader_stopped: bool) -> None:
         if seq in self.pending:
@@ -113,7 +119,7 @@ class KvExporter(KvLink):
         out = []
         while self.pending:
             seq = self.pending[0]
-            if self.engine.ledger.pages_for(seq.num_computed) > self.staging.ledger.num_available:
+            if not self._fits(seq):
                 break  # rows come back as leases end; the request keeps its pool pages until then
             self.pending.pop(0)
             out.append(self._hold(seq, now))
