@@ -79,7 +79,7 @@ KNOWN_BUGS = {
         "KvExporter.pending; decode: reservations AWAITING_KV), because Scheduler.schedule() took 'nothing "
         "running' to mean 'no page will ever come back'",
     "idle_with_work":
-        "a node goes idle (engine.has_unfinished() False: the server loop blocks until a command or its next "
+        "(fixed in c07c3eb) a node goes idle (engine.has_unfinished() False: the server loop blocks until a command or its next "
         "timer) while a queued PD request could be served now: KvExporter.busy() is False while computed "
         "prompts wait for transfer-buffer rows, and KvExporter.poll() stages them before it expires leases and "
         "lifts fences, so rows freed there strand them (forever when no timer is left); KvImporter.busy() is "

@@ -1,10 +1,9 @@
 """The deterministic PD simulation (kvfence/sim): clean runs hold I1-I9 after every step, the
 same seed replays exactly, and the checker catches each fault point and protocol mutant.
 
-The clean runs excuse the bug the simulation found that is still open
-(KNOWN_BUGS["idle_with_work"], reproduced on its own by the strict xfails at the end);
-remove it from KNOWN once it is fixed. Each run uses the real LLMEngine, KvExporter and
-KvImporter on a tiny random model.
+The two bugs the simulation found (KNOWN_BUGS) are fixed; their repros with the real
+classes alone stay below as regression tests, and the clean runs excuse nothing. Each run
+uses the real LLMEngine, KvExporter and KvImporter on a tiny random model.
 """
 from __future__ import annotations
 
@@ -21,9 +20,9 @@ from kvfence.kv.pool import page_bytes
 from kvfence.pd.prefill import KvExporter
 from kvfence.pd.settings import PDSettings
 from kvfence.pd.transfer import InProcessTransport
-from kvfence.sim.cluster import KNOWN_BUGS, SimFailure, shared_model, simulate
+from kvfence.sim.cluster import SimFailure, shared_model, simulate
 
-KNOWN = ("idle_with_work",)
+KNOWN: tuple[str, ...] = ()  # open bugs the clean runs excuse: none
 # seeds whose drawn configurations between them exercise every failure path (a short scan
 # of seeds 0-59 picked them); any seed must pass, these also cover the ground
 CLEAN_SEEDS = (22, 30, 54)
@@ -208,7 +207,6 @@ def _serve_once(eng: LLMEngine, now: _Now) -> str | list:
     return [(o.seq.request_id, o.event) for o in eng.step()]
 
 
-@pytest.mark.xfail(strict=True, reason=KNOWN_BUGS["idle_with_work"])
 def test_prefill_stages_a_waiting_prompt_when_a_fence_frees_the_rows():
     """A prompt waits for transfer-buffer rows that a fence holds. When the fence lifts (in
     KvExporter.poll, after poll already tried to stage), the prompt must be staged, or at
@@ -227,7 +225,6 @@ def test_prefill_stages_a_waiting_prompt_when_a_fence_frees_the_rows():
     assert ("B", "kv_held") in [o for t in turns if isinstance(t, list) for o in t], turns
 
 
-@pytest.mark.xfail(strict=True, reason=KNOWN_BUGS["idle_with_work"])
 def test_decode_reserves_a_waiting_request_when_pages_come_back():
     """Decode serves one request at a time (max_num_seqs=1); B waits behind A. When A finishes
     the engine has no work, so the loop sleeps until B's lease deadline and B fails with
