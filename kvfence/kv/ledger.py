@@ -178,6 +178,10 @@ class Ledger:
             self.written[p] = 0
             table.pages.append(p)
             table.epochs.append(int(self.epoch[p]))
+        if self.scrub is ScrubPolicy.POISON and self._scrubber is not None:
+            # poison marks freed pages; a granted page starts clean, or its not-yet-written
+            # slots (masked out, but 0 x NaN is NaN in attention) would poison its owner
+            self._scrubber(table.pages[-n:], ScrubPolicy.ZERO)
         self.counters["pages_allocated"] += n
 
     def free(self, owner: Owner, table: BlockTable) -> None:

@@ -101,10 +101,33 @@ def test_without_the_check_a_reads_b(make_llm, baseline):
 
 
 def test_without_the_check_unwritten_slots_are_read(make_llm):
-    """Mutant for I3: with poison scrub, reading reserved-but-unwritten slots turns the
-    logits to NaN; the watermark check is what prevents it."""
-    llm = make_llm(verify_reads=False, scrub="poison")
-    llm.generate(["warm the pool up so freed pages are poisoned"] * 4, GREEDY)
+    """Mutant for I3: with the check off, a request that claims 32 more computed tokens than
+    it wrote attends those reserved-but-unwritten slots (the read audit, which looks at the
+    batch the model actually runs, sees it); the watermark check is what prevents it."""
+    from kvfence.kv.audit import ReadAudit
+
+    llm = make_llm(verify_reads=False, scrub="none")
+    llm.generate(["warm the pool up so freed pages hold stale data"] * 4, GREEDY)
+    audit = llm.engine.runner.audit = ReadAudit(llm.engine.ledger)
+
+    def claim_unwritten(eng, seqs):
+        a = seqs[0]
+        need = eng.ledger.pages_for(a.num_computed + 40) - len(a.table)
+        eng.ledger.allocate(a.owner, need, a.table)  # reused pages: earlier requests' KV
+        a.output_ids.extend([42] * 32)
+        a.num_computed += 32
+
+    run_with_fault(llm, claim_unwritten)
+    assert audit.counters["violations:read_unwritten"] > 0
+
+
+def test_poison_scrub_leaves_honest_requests_alone(make_llm):
+    """Poison marks freed pages only: granted pages start clean, so requests under scrub
+    poison produce finite logits and the same text as under zero."""
+    prompts = ["warm the pool up", "so that freed pages are poisoned", "and then reused"] * 2
+    zero = [o.text for o in make_llm(scrub="zero").generate(prompts, GREEDY)]
+    llm = make_llm(scrub="poison")
+    llm.generate(prompts, GREEDY)  # pages freed (poisoned), then granted again below
     nan_seen = []
     sampler = llm.engine.sampler
 
@@ -113,16 +136,8 @@ def test_without_the_check_unwritten_slots_are_read(make_llm):
         return sampler(logits, params, gens)
 
     llm.engine.sampler = spy
-
-    def claim_unwritten(eng, seqs):
-        a = seqs[0]
-        need = eng.ledger.pages_for(a.num_computed + 40) - len(a.table)
-        eng.ledger.allocate(a.owner, need, a.table)  # freshly reused pages: poisoned
-        a.output_ids.extend([42] * 32)
-        a.num_computed += 32
-
-    run_with_fault(llm, claim_unwritten)
-    assert any(nan_seen)
+    assert [o.text for o in llm.generate(prompts, GREEDY)] == zero
+    assert nan_seen and not any(nan_seen)
 
 
 def test_checks_on_catch_the_same_poisoned_read(make_llm):
