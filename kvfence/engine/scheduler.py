@@ -89,7 +89,12 @@ class Scheduler:
             while need > self.ledger.num_available and (victim := self._victim_after(seq)) is not None:
                 self._preempt(victim)
             if need > self.ledger.num_available:
-                if not out and len(self.running) == 1 and not self.pages_held_elsewhere():
+                if self.pages_held_elsewhere():
+                    # those pages come back: keep this one's pages and computed KV and skip
+                    # it this step (preempting it would only recompute the same chunk)
+                    i += 1
+                    continue
+                if not out and len(self.running) == 1:
                     self.running.remove(seq)
                     self.unservable.append(seq)
                 else:

@@ -265,3 +265,34 @@ def test_decode_reserves_a_waiting_request_when_pages_come_back():
         events += t if isinstance(t, list) else [t]
     b = [o for o in events if o == ("B", "kv_verified")]
     assert b, f"B was never reserved after A finished: {events}, B ended as {dec.requests.get('B')}"
+
+
+def test_prefill_waits_instead_of_recomputing_while_pages_wait_for_rows():
+    """Found by the simulation: pending prompts (waiting for transfer rows) hold the pool,
+    and the one prefill still computing needs another page. It used to be preempted and
+    rescheduled every step, recomputing the same chunk until rows came back; now it keeps
+    its pages and computed KV and the engine reports no work (the server loop blocks)."""
+    from kvfence.sim.model import tiny_loaded
+
+    loaded = tiny_loaded()
+    pb = page_bytes(loaded.model.config, 4, torch.float32)
+    eng = LLMEngine(EngineConfig(dtype="float32", device="cpu", page_size=4, kv_cache_memory=13 * pb,
+                                 max_model_len=32, scrub="none", num_threads=1, progress=False,
+                                 max_num_batched_tokens=8), loaded)
+    exp = KvExporter(eng, PDSettings("prefill", transfer_buffer_pages=8), InProcessTransport())
+    params = SamplingParams(max_tokens=1)
+    for rid, start in (("A", 10), ("B", 50)):
+        eng.add_request(list(range(start, start + 30)), params, request_id=rid, hold_kv=True)
+        for _ in range(6):
+            eng.step()
+    assert [s.request_id for s in exp.pending] == ["B"]
+    eng.add_request(list(range(90, 120)), params, request_id="C", hold_kv=True)
+    for _ in range(12):
+        eng.step()
+    c = eng.requests["C"]
+    assert c.num_preemptions == 0 and c.num_computed > 0
+    assert not eng.has_unfinished()
+    exp.release("A")  # rows come back: B is staged, its pool pages free, C goes on
+    for _ in range(12):
+        eng.step()
+    assert c.state.value == "KV_HELD" or c.num_computed == 29
