@@ -196,6 +196,11 @@ def _pd_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["sim"]:
+        from kvfence.sim.run import main as sim_main
+
+        return sim_main(args[1:])
     parser = argparse.ArgumentParser(prog="kvfence", description="KV-isolated LLM inference")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -286,7 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     _canary_args(cn)
     cn.set_defaults(func=lambda a: __import__("kvfence.canary", fromlist=["main"]).main(a))
 
-    a = parser.parse_args(argv)
+    # -- sim: the deterministic PD simulation's campaigns (kvfence/sim; same as python -m kvfence.sim)
+    # (listed for --help; main() hands `kvfence sim ...` to kvfence.sim.run before parsing)
+    sub.add_parser("sim", help="deterministic PD simulation: seeds x request lives, I1-I9 after every step "
+                               "(kvfence sim --help)", add_help=False)
+
+    a = parser.parse_args(args)
     # INFO by default: operators want the start-up summary (pool capacity, context, scrub)
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
