@@ -46,6 +46,8 @@ from typing import Callable
 
 import httpx
 
+from kvfence.bench.http_load import sse_messages
+
 log = logging.getLogger("kvfence.canary")
 
 CANARY_WORDS = ("ZEBRA", "QUASAR", "MARLIN", "GLACIER", "OBSIDIAN", "WALRUS", "FALCON", "TUNDRA", "NEBULA",
@@ -615,13 +617,7 @@ class Canary:
                     res.error_code = "error"
                 return
             chunks = 0
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                msg = json.loads(data)
+            async for msg in sse_messages(r):
                 if "error" in msg:
                     res.error_code = (msg["error"] or {}).get("code") or "stream_error"
                     continue

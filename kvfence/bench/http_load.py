@@ -65,6 +65,17 @@ def make_prompt(i: int, words: int, seed: int = 0) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(words))
 
 
+async def sse_messages(response: httpx.Response):
+    """The JSON messages of an OpenAI-style server-sent-event stream, up to [DONE]."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
 async def _one(client: httpx.AsyncClient, url: str, body: dict, chat: bool, timeout: float) -> Sample:
     start = time.perf_counter()
     s = Sample(ok=False)
@@ -74,13 +85,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, chat: bool, time
                 await r.aread()
                 s.error = f"HTTP {r.status_code}"
                 return s
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                msg = json.loads(data)
+            async for msg in sse_messages(r):
                 if "error" in msg:
                     s.error = str(msg["error"].get("code") or "stream error")
                     return s

@@ -166,7 +166,7 @@ class KvImporter(KvLink):
         t0 = time.perf_counter()
         try:
             nbytes = self.transport.read(m.session, self.staging.row_addresses(rows),
-                                         [m.base + s * m.slot_bytes for s in m.slots], [m.slot_bytes] * len(rows))
+                                         m.row_addresses(), [m.slot_bytes] * len(rows))
             notice = (pull_id, True, None, nbytes, time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001 - any failure of the transfer is a failed pull
             notice = (pull_id, False, f"{type(e).__name__}: {e}", 0, time.perf_counter() - t0)

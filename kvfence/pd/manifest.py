@@ -98,6 +98,11 @@ class Manifest:
                                 f"{len(m.checksums)} checksums for {m.page_count} pages")
         return m
 
+    def row_addresses(self, pages=None) -> list[int]:
+        """Addresses in prefill's registered buffer of the given pages' rows (default: all)."""
+        idx = range(self.page_count) if pages is None else pages
+        return [self.base + self.slots[i] * self.slot_bytes for i in idx]
+
     def header(self, i: int) -> PageHeader:
         tokens = min(self.page_size, self.token_count - i * self.page_size)
         return PageHeader(self.request_id, self.tenant, self.boot_id, self.epochs[i], i, self.page_count, tokens)

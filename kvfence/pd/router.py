@@ -23,6 +23,7 @@ import json
 import logging
 import threading
 import time
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import httpx
@@ -271,7 +272,7 @@ class RouterBackend:
         state = {"manifest": None, "released": False, "reader_stopped": False, "decode_contacted": False,
                  "cached": 0}
 
-        def fail(message: str, code: str, status_code: str | None = None) -> None:
+        def fail(message: str, code: str) -> None:
             if not admitted.done():
                 admitted.set_exception(_as_submit_error(message, code, len(ids), params.max_tokens))
                 return
@@ -280,12 +281,12 @@ class RouterBackend:
 
         try:
             if len(ids) >= 2:
-                await self._prefill(body, state, admitted, fail)
+                await self._prefill(body, state)
                 if state["manifest"] is None:
                     return
                 if faults.active("delay_handoff"):
                     await asyncio.sleep(faults.arg_float("delay_handoff", 1.0))
-            await self._decode(body, state, handle, admitted, fail, len(ids))
+            await self._decode(body, state, handle, admitted, len(ids))
         except asyncio.CancelledError:
             raise
         except NodeError as e:
@@ -332,9 +333,7 @@ class RouterBackend:
         if first.get("event") != "admitted":
             raise NodeError(f"{role} node: unexpected {first.get('event')}", "node_error")
 
-    async def _prefill(self, body, state, admitted, fail) -> None:
-        from contextlib import AsyncExitStack
-
+    async def _prefill(self, body, state) -> None:
         async with AsyncExitStack() as stack:
             r = await self._open("prefill", "/internal/prefill", body, stack)
             events = self._lines(r)
@@ -352,9 +351,7 @@ class RouterBackend:
                                     ev.get("abort_code") or "prefill_failed")
             raise NodeError("the prefill node closed the stream before holding the KV", "node_failed")
 
-    async def _decode(self, body, state, handle: RequestHandle, admitted, fail, n_prompt: int) -> None:
-        from contextlib import AsyncExitStack
-
+    async def _decode(self, body, state, handle: RequestHandle, admitted, n_prompt: int) -> None:
         async with AsyncExitStack() as stack:
             state["decode_contacted"] = True
             try:

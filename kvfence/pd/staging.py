@@ -13,12 +13,11 @@ pool pages: one owner, epochs, quarantine until a fence proves no transfer can t
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from kvfence.kv.ledger import BlockTable, Ledger, Owner, ScrubPolicy
 from kvfence.kv.pool import KVPool
-from kvfence.pd.manifest import HEADER_BYTES, Manifest, PageHeader, page_checksum
+from kvfence.pd.manifest import HEADER_BYTES, PageHeader, page_checksum
 
 
 def kv_layout(pool: KVPool) -> str:
@@ -45,9 +44,6 @@ class StagingBuffer:
     @property
     def base(self) -> int:
         return self.buf.data_ptr()
-
-    def _data(self, rows: list[int]) -> torch.Tensor:
-        return self.buf[rows, HEADER_BYTES:]
 
     def grant(self, owner: Owner, n: int) -> BlockTable:
         rows = BlockTable()
@@ -100,12 +96,3 @@ class StagingBuffer:
 
     def row_addresses(self, rows: list[int]) -> list[int]:
         return [self.base + r * self.slot_bytes for r in rows]
-
-
-def manifest_rows(m: Manifest) -> list[int]:
-    return [m.base + r * m.slot_bytes for r in m.slots]
-
-
-def zero_rows(buf: StagingBuffer, rows: list[int]) -> None:
-    if rows:
-        buf.buf[np.asarray(rows)] = 0

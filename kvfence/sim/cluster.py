@@ -539,10 +539,16 @@ class Simulation:
                 for node in (p, d):
                     if node.up:
                         acts.append((c.w_crash, self._crash, (node,)))
-        for node in (p, d):
-            if node.up:
-                if self._has_work(node):
-                    acts.append((4.0, self._step_node, (node,)))
+        acts += self._progress_actions()
+        acts.append((1.0, self._tick, ()))
+        acts.append((c.w_jump, self._jump, ()))
+        return acts
+
+    def _progress_actions(self) -> list:
+        """What can move the cluster on without new requests or time passing (also all the
+        drain may do): node steps, handoffs, pulls, notices, router messages."""
+        acts = [(4.0, self._step_node, (node,)) for node in self.nodes.values()
+                if node.up and self._has_work(node)]
         if any(lf.stage == "handoff" for lf in self.open):
             acts.append((3.0, self._handoff, ()))
         if self.transport.ready(self.now):
@@ -551,8 +557,6 @@ class Simulation:
             acts.append((3.0, self._deliver_notice, ()))
         if self.msgs:
             acts.append((3.0, self._deliver_msg, ()))
-        acts.append((1.0, self._tick, ()))
-        acts.append((c.w_jump, self._jump, ()))
         return acts
 
     def _has_work(self, node: Node) -> bool:
@@ -1065,18 +1069,7 @@ class Simulation:
         idle_rounds = 0
         for _ in range(self.cfg.drain_steps):
             self.step_no += 1
-            acts = []
-            for node in self.nodes.values():
-                if self._has_work(node):
-                    acts.append((4.0, self._step_node, (node,)))
-            if any(lf.stage == "handoff" for lf in self.open):
-                acts.append((3.0, self._handoff, ()))
-            if self.transport.ready(self.now):
-                acts.append((3.0, self._run_pull, ()))
-            if self.transport.notices:
-                acts.append((3.0, self._deliver_notice, ()))
-            if self.msgs:
-                acts.append((3.0, self._deliver_msg, ()))
+            acts = self._progress_actions()
             if acts:
                 idle_rounds = 0
                 _, fn, args = self.rng.choices(acts, [a[0] for a in acts])[0]

@@ -124,7 +124,7 @@ class SimTransport:
             try:
                 rows = [p.rows[i] for i in idx]
                 nbytes = imp.transport.read(m.session, imp.staging.row_addresses(rows),
-                                            [m.base + m.slots[i] * m.slot_bytes for i in idx],
+                                            m.row_addresses(idx),
                                             [m.slot_bytes] * len(idx))
             except Exception as e:  # noqa: BLE001 - the real _pull turns any failure into a failed notice
                 ok, error, nbytes = False, f"{type(e).__name__}: {e}", 0
