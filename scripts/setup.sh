@@ -51,4 +51,11 @@ if [ "$want_tests" = 1 ] && ! command -v ip >/dev/null; then
         echo "note: the multi-host PD test needs ip (Debian package 'iproute2') and root; it skips without them" >&2
     fi
 fi
+# the fused CPU kernels, compiled once for this machine (kvfence/kernels/build.py); without a
+# C++ compiler kvfence still runs, on plain torch ops, several times slower
+if ! command -v g++ >/dev/null && ! command -v c++ >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null
+fi
+.venv/bin/python -m kvfence.kernels.build \
+    || echo "note: the CPU kernels did not build (see above); kvfence will use plain torch ops" >&2
 echo "kvfence is set up in .venv"

@@ -111,9 +111,10 @@ def main(args) -> int:
         ("kvfence (checks off, scrub zero)", dict(verify_reads=False, scrub="zero")),
         ("kvfence (checks on, scrub none)", dict(verify_reads=True, scrub="none")),
         ("kvfence (checks on, scrub poison)", dict(verify_reads=True, scrub="poison")),
+        ("kvfence (fused kernels off)", dict(verify_reads=True, scrub="zero", fused_kernels=False)),
     ]
     if args.quick:
-        variants = variants[:2]
+        variants = variants[:2] + variants[-1:]
     # Variants run interleaved, round after round, and each reports its median: a noisy
     # neighbour then slows every variant alike instead of whichever ran at the time.
     runs: dict[str, list[Result]] = {name: [] for name, _ in variants}

@@ -26,6 +26,7 @@ class EngineConfig:
     verify_reads: bool = True                 # I2/I3 check before every pass; off only to measure its cost
     enable_prefix_cache: bool = True          # tenant-scoped reuse of prompt-prefix pages (I9)
     audit_reads: bool = False                 # record and check every page/slot each pass touches (kv/audit.py)
+    fused_kernels: bool = True                # kvfence/kernels on CPU; off = plain torch ops (to compare)
     num_threads: int | None = None
     progress: bool = True
 

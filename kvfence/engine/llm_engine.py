@@ -84,7 +84,8 @@ class LLMEngine:
         self.prefix_cache = PrefixCache(self.ledger) if cfg.enable_prefix_cache else None
         self.scheduler = Scheduler(self.ledger, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.prefix_cache)
         self.scheduler.pages_held_elsewhere = lambda: self.kv_link is not None and self.kv_link.holds_pool_pages()
-        self.runner = ModelRunner(self.model, self.pool, self.ledger, audit=cfg.audit_reads)
+        self.runner = ModelRunner(self.model, self.pool, self.ledger, audit=cfg.audit_reads,
+                                  fused_kernels=cfg.fused_kernels)
         self.sampler = Sampler()
         self.requests: dict[str, Sequence] = {}
         self.outcomes: Counter[str] = Counter()
@@ -94,10 +95,16 @@ class LLMEngine:
         self._stalled = False
         self.wake: Callable[[], None] = lambda: None  # the server's loop sets this: wakes a blocked loop
         self.clock: Callable[[], float] = time.time   # PD leases and fences; the simulation swaps it
-        log.info("model %s (%s, %s on %s); KV pool %d pages x %d tokens = %d tokens (%.1f MiB, scrub=%s); %s",
-                 self.model_config.name, self.model_path.name, cfg.dtype, self.device, self.ledger.usable_pages,
-                 cfg.page_size, self.ledger.capacity_tokens, self.pool.nbytes / 2**20, self.ledger.scrub.value,
-                 self.context.note)
+        log.info("model %s (%s, %s on %s, %s); KV pool %d pages x %d tokens = %d tokens (%.1f MiB, scrub=%s); %s",
+                 self.model_config.name, self.model_path.name, cfg.dtype, self.device, self.compute_path,
+                 self.ledger.usable_pages, cfg.page_size, self.ledger.capacity_tokens, self.pool.nbytes / 2**20,
+                 self.ledger.scrub.value, self.context.note)
+
+    @property
+    def compute_path(self) -> str:
+        """Which implementation runs the model: the fused CPU kernels or plain torch ops."""
+        fused = self.runner.fused_kernels and self.model.kernels is not None and self.device == "cpu"
+        return "fused CPU kernels" if fused else "torch ops"
 
     def _kv_budget(self, cfg: EngineConfig, dtype: torch.dtype) -> int:
         if cfg.kv_cache_memory is not None:

@@ -15,7 +15,7 @@ from kvfence.engine.scheduler import ScheduledSeq
 from kvfence.kv.audit import AuditRow, ReadAudit
 from kvfence.kv.ledger import NULL_PAGE, Ledger, ReadRequest, Violation
 from kvfence.kv.pool import KVPool
-from kvfence.model.llama import AttentionBucket, ForwardBatch, LlamaModel
+from kvfence.model.llama import AttentionRows, ForwardBatch, LlamaModel
 
 
 @dataclass
@@ -27,7 +27,8 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, pool: KVPool, ledger: Ledger, audit: ReadAudit | bool | None = None):
+    def __init__(self, model: LlamaModel, pool: KVPool, ledger: Ledger, audit: ReadAudit | bool | None = None,
+                 fused_kernels: bool = True):
         """audit: a ReadAudit (or True for a new one on this ledger) that sees every batch
         just before the model runs it; None (the default) audits nothing. Callers may also
         set `runner.audit` later."""
@@ -37,6 +38,7 @@ class ModelRunner:
         self.audit: ReadAudit | None = ReadAudit(ledger) if audit is True else (audit or None)
         self.device = pool.device
         self.ps = pool.page_size
+        self.fused_kernels = fused_kernels
         self.check_seconds = 0.0   # time spent in the ledger check, for the bench's cost report
 
     def run(self, step: list[ScheduledSeq]) -> StepResult:
@@ -54,7 +56,7 @@ class ModelRunner:
         batch, sampled = self._build(ok)
         if self.audit is not None:  # what the model will touch, checked against the ledger as it is now
             self.audit.record(batch, self._audit_rows(ok))
-        logits = self.model.forward(batch, self.pool.kv)
+        logits = self.model.forward(batch, self.pool.kv, fused=self.fused_kernels)
         for s in ok:
             start = s.seq.num_computed
             s.seq.num_computed += s.num_new
@@ -75,56 +77,35 @@ class ModelRunner:
 
     def _build(self, step: list[ScheduledSeq]) -> tuple[ForwardBatch, list[ScheduledSeq]]:
         ids, positions, writes, logits_rows, sampled = [], [], [], [], []
+        rows = len(step)
+        q_start = np.empty(rows, dtype=np.int64)
+        q_len = np.empty(rows, dtype=np.int64)
+        kv_len = np.empty(rows, dtype=np.int64)
         row = 0
-        for s in step:
+        for r, s in enumerate(step):
             seq = s.seq
             start, end = seq.num_computed, seq.num_computed + s.num_new
             ids.extend(seq.all_ids[start:end])
             positions.append(np.arange(start, end))
             writes.append(self._slots(seq.table.pages, start, end))
+            q_start[r], q_len[r], kv_len[r] = row, s.num_new, end
             row += s.num_new
             if end == seq.num_tokens and not seq.hold_kv:  # PD prefill samples nothing
                 logits_rows.append(row - 1)
                 sampled.append(s)
-        buckets = []
-        i, row = 0, 0
-        while i < len(step):
-            j = i
-            first = step[i]
-            fresh = first.num_new > 1 and first.seq.num_computed == 0
-            # extend the bucket over neighbours with the same shape class
-            while j + 1 < len(step) and step[j + 1].num_new == first.num_new and (
-                    first.num_new == 1 or (fresh and step[j + 1].seq.num_computed == 0)):
-                j += 1
-            group = step[i:j + 1]
-            buckets.append(self._bucket(group, row, fresh))
-            row += sum(g.num_new for g in group)
-            i = j + 1
+        # each row's pages up to its last key, padded with the null page (never read)
+        width = -(-int(kv_len.max()) // self.ps)
+        pages = np.full((rows, width), NULL_PAGE, dtype=np.int64)
+        for r, s in enumerate(step):
+            need = -(-int(kv_len[r]) // self.ps)
+            pages[r, :need] = s.seq.table.pages[:need]
         dev = self.device
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),
             write_slots=torch.from_numpy(np.concatenate(writes)).to(dev),
-            buckets=buckets,
+            attn=AttentionRows(*(torch.from_numpy(t).to(dev) for t in (q_start, q_len, kv_len, pages))),
             logits_rows=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
             page_size=self.ps,
         )
         return batch, sampled
-
-    def _bucket(self, group: list[ScheduledSeq], token_start: int, fresh: bool) -> AttentionBucket:
-        q = group[0].num_new
-        if fresh:  # only this pass's own keys: causal attention, no pool reads
-            return AttentionBucket(token_start, len(group), q, None, None)
-        totals = np.array([g.seq.num_computed + q for g in group])
-        n_pages = -(-int(totals.max()) // self.ps)
-        pages = np.full((len(group), n_pages), NULL_PAGE, dtype=np.int64)
-        for r, g in enumerate(group):
-            need = -(-int(totals[r]) // self.ps)
-            pages[r, :need] = g.seq.table.pages[:need]
-        pos = np.arange(n_pages * self.ps)
-        ctx = totals - q  # cached tokens before this pass, per row
-        # query i of row r sits at position ctx[r] + i and may see keys 0 .. ctx[r] + i
-        mask = pos[None, None, :] <= (ctx[:, None, None] + np.arange(q)[None, :, None])
-        dev = self.device
-        return AttentionBucket(token_start, len(group), q, torch.from_numpy(pages).to(dev),
-                               torch.from_numpy(mask).unsqueeze(1).to(dev))

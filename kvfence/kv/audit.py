@@ -1,8 +1,8 @@
 """Read audit: the strong oracle for I1-I3, independent of `Ledger.authorize`.
 
 Off by default. When on, the model runner hands it every forward batch just before the
-model runs, and it looks at what the model will actually touch: the pool pages and
-attention masks in the batch's AttentionBuckets and its write slots, not what the block
+model runs, and it looks at what the model will actually touch: the pool pages, page
+tables and key lengths in the batch's AttentionRows and its write slots, not what the block
 tables or the scheduler meant. For every sequence it records which (page, epoch, slot
 range) it attends and writes, and checks each against the ledger's owner record at that
 moment:
@@ -142,32 +142,21 @@ class ReadAudit:
                 & (w_page != NULL_PAGE))
         self.counters["slots_written"] += n_tok
 
-        # reads: every (row, position) an attention mask lets a query see, on the page the
-        # bucket's page table puts there
-        r_seq, r_page, r_slot, r_grp = [], [], [], []
-        for b in batch.buckets:
-            if b.kv_pages is None:
-                continue  # attends only this pass's own keys: no pool read
-            pages = _np(b.kv_pages).astype(np.int64, copy=False)
-            m = b.mask
-            seen = _np(m.reshape(m.shape[0], -1, m.shape[-1]).any(dim=1))
-            ri, pos = np.nonzero(seen)
-            col = pos // ps
-            r_seq.append(tok_seq[b.token_start + ri * b.q_len])
-            r_page.append(pages[ri, col])
-            r_slot.append(pos % ps)
-            r_grp.append(ri * pages.shape[1] + col)
-        if r_seq:
-            r_seq, r_page = np.concatenate(r_seq), np.concatenate(r_page)
-            r_slot = np.concatenate(r_slot)
-            # group ids unique across buckets: (bucket-local row, column) runs are consecutive
-            grp_start = np.ones(len(r_seq), dtype=bool)
-            if len(r_seq) > 1:
-                g = np.concatenate(r_grp)
-                grp_start[1:] = (g[1:] != g[:-1]) | (r_seq[1:] != r_seq[:-1])
-        else:
-            r_seq = r_page = r_slot = np.empty(0, np.int64)
-            grp_start = np.empty(0, bool)
+        # reads: every (row, position) the row's queries may see, on the page its table puts
+        # there (fresh prefills included: the fused kernels read their keys back from the pool)
+        a = batch.attn
+        pages = _np(a.pages).astype(np.int64, copy=False)
+        seen = _np(a.visible(ps))
+        ri, pos = np.nonzero(seen)
+        col = pos // ps
+        r_seq = tok_seq[_np(a.q_start).astype(np.int64, copy=False)[ri]] if len(ri) else np.empty(0, np.int64)
+        r_page = pages[ri, col]
+        r_slot = pos % ps
+        # one group per (row, page column): the count of distinct page reads
+        grp_start = np.ones(len(r_seq), dtype=bool)
+        if len(r_seq) > 1:
+            g = ri * pages.shape[1] + col
+            grp_start[1:] = g[1:] != g[:-1]
         n_read = len(r_seq)
         self.counters["slots_read"] += n_read
         self.counters["pages_read"] += int(grp_start.sum())

@@ -46,9 +46,13 @@ def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
 class KVPool:
     """Page p holds slots p*page_size .. (p+1)*page_size - 1 of every layer's K and V.
 
-    Layout [layers, 2, kv_heads, slots, head_dim]: gathering a sequence's pages for one head
-    yields its keys already contiguous, which is what the attention matmuls need (measured
-    ~3x faster decode attention than a slot-major layout on CPU)."""
+    Layout [layers, 2, kv_heads, slots, head_dim]: one page of one head is a contiguous
+    block of page_size * head_dim elements, so a sequence's pages gather with one flat copy
+    each and a transfer moves whole pages. Inside a page, V is slot-major [page_size,
+    head_dim] and K is dim-major [head_dim, page_size]: the attention kernel scores a query
+    against a page's keys as head_dim multiply-adds over page_size contiguous lanes
+    (kernels/cpu_kernels.cpp). Whole-page operations (scrub, copy, transfer) do not care;
+    anything that addresses single positions inside a page goes through this class."""
 
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: str):
         self.page_size = page_size
@@ -90,3 +94,16 @@ class KVPool:
         """A copy of the given pages' contents, [layers, 2, kv_heads, len(pages)*page_size, head_dim]."""
         slots = self.slots_of(torch.as_tensor(pages, dtype=torch.int64, device=self.device))
         return self.kv.index_select(3, slots)
+
+    def clear_positions_from(self, kv: torch.Tensor, start: int) -> None:
+        """Zero token positions start.. of a page copy kv [layers, 2, kv_heads, n*page_size,
+        head_dim] (as read_pages returns), in this pool's in-page layout."""
+        L, two, H, total, D = kv.shape
+        if start >= total:
+            return
+        ps = self.page_size
+        kv[:, 1, :, start:, :] = 0                                   # V: slot-major
+        k = kv[:, 0].view(L, H, total // ps, D, ps)                  # K: dim-major per page
+        first, offset = divmod(start, ps)
+        k[:, :, first, :, offset:] = 0
+        k[:, :, first + 1:] = 0

@@ -22,7 +22,8 @@ from kvfence.pd.manifest import HEADER_BYTES, PageHeader, page_checksum
 
 def kv_layout(pool: KVPool) -> str:
     L, two, H, _, D = pool.kv.shape
-    return f"layers={L},kv={two},heads={H},page={pool.page_size},dim={D},dtype={str(pool.dtype).removeprefix('torch.')}"
+    return (f"layers={L},kv={two},heads={H},page={pool.page_size},dim={D},k=dim-major,"
+            f"dtype={str(pool.dtype).removeprefix('torch.')}")
 
 
 class StagingBuffer:
@@ -62,9 +63,7 @@ class StagingBuffer:
         slots = self.pool.slots_of(torch.as_tensor(pages, dtype=torch.int64, device=self.pool.device))
         kv = self.pool.kv.index_select(3, slots)                              # [L, 2, H, n*ps, D]
         L, two, H, _, D = self.page_shape
-        tail = n * ps - token_count
-        if tail:
-            kv[:, :, :, token_count:, :] = 0
+        self.pool.clear_positions_from(kv, token_count)
         paged = kv.view(L, two, H, n, ps, D).permute(3, 0, 1, 2, 4, 5).contiguous().cpu()
         idx = rows.pages
         self.buf[idx, HEADER_BYTES:] = paged.view(n, -1).view(torch.uint8)

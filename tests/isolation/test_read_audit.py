@@ -163,11 +163,9 @@ def test_audit_checks_the_batch_not_the_block_tables(make_llm):
     def tampered(step):
         batch, sampled = build(step)
         if state["armed"] and not state["done"]:
-            for bk in batch.buckets:
-                if bk.kv_pages is not None and bk.num_rows >= 2:
-                    bk.kv_pages[0, 0] = bk.kv_pages[1, 0]
-                    state["done"] = True
-                    break
+            if batch.attn.pages.shape[0] >= 2:
+                batch.attn.pages[0, 0] = batch.attn.pages[1, 0]
+                state["done"] = True
         return batch, sampled
 
     runner._build = tampered

@@ -1,0 +1,116 @@
+"""Fused CPU kernels for the model's hot path, with tensor-level wrappers.
+
+`cpu_kernels()` returns the kernels, or None when they are switched off
+(KVFENCE_KERNELS=0) or cannot be built here; the model then uses plain torch ops, which
+compute the same thing more slowly (tests/unit/test_kernels.py holds both to each other).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger("kvfence.kernels")
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_UNSET = object()
+_cached = _UNSET
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get("KVFENCE_KERNELS", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def cpu_kernels() -> "CpuKernels | None":
+    """The process's kernels (built or loaded on first call), or None."""
+    global _cached
+    if _cached is _UNSET:
+        _cached = None
+        if enabled_by_env():
+            try:
+                from kvfence.kernels.build import load_library
+                _cached = CpuKernels(load_library())
+            except Exception as e:  # no compiler, failed build: slower, still correct
+                log.warning("CPU kernels unavailable, using plain torch ops (slower): %s", e)
+    return _cached
+
+
+MAX_PAGE_SIZE, MAX_HEAD_DIM = 64, 256   # the attention kernel's bounds (kMaxPage, kMaxDim)
+
+
+def supports(dtype: torch.dtype, device: str | torch.device, head_dim: int) -> bool:
+    return torch.device(device).type == "cpu" and dtype in _DTYPE_CODES and head_dim <= MAX_HEAD_DIM
+
+
+class CpuKernels:
+    """Thin wrappers: they check what the C++ side assumes (dtype, device, row-contiguity)
+    and pass pointers. Threads: torch's count, from torch's OpenMP pool."""
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    @staticmethod
+    def _code(t: torch.Tensor) -> int:
+        code = _DTYPE_CODES.get(t.dtype)
+        if code is None or t.device.type != "cpu":
+            raise TypeError(f"CPU kernels take float32/bfloat16 CPU tensors, got {t.dtype} on {t.device}")
+        return code
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """h += delta in place (when given); returns weight * rmsnorm(h)."""
+        n, dim = h.shape
+        assert h.is_contiguous() and weight.is_contiguous() and weight.dtype == h.dtype
+        if delta is not None:
+            assert delta.shape == h.shape and delta.is_contiguous() and delta.dtype == h.dtype
+        out = torch.empty_like(h) if out is None else out
+        self.lib.kvfence_add_rms_norm(self._code(h), h.data_ptr(), None if delta is None else delta.data_ptr(),
+                                      weight.data_ptr(), out.data_ptr(), n, dim, eps, torch.get_num_threads())
+        return out
+
+    def rope_store(self, qkv: torch.Tensor, heads: int, kv_heads: int, dim: int, positions: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slots: torch.Tensor, page_size: int) -> None:
+        """Rotate q and k of qkv [n, (heads + 2*kv_heads) * dim] in place and store k, v at
+        the given pool slots (k_cache, v_cache: one layer's [kv_heads, slots, dim])."""
+        n = qkv.shape[0]
+        assert qkv.stride(1) == 1 and qkv.shape[1] == (heads + 2 * kv_heads) * dim
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == qkv.dtype
+        assert positions.dtype == torch.int64 and slots.dtype == torch.int64 and len(positions) == len(slots) == n
+        assert cos.is_contiguous() and sin.is_contiguous() and cos.dtype == qkv.dtype
+        self.lib.kvfence_rope_store(self._code(qkv), qkv.data_ptr(), n, qkv.stride(0), heads, kv_heads, dim,
+                                    positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+                                    v_cache.data_ptr(), k_cache.stride(0), slots.data_ptr(), page_size,
+                                    torch.get_num_threads())
+
+    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gu = [gate | up] along the last dimension."""
+        n, two_i = gu.shape
+        assert gu.is_contiguous()
+        out = torch.empty(n, two_i // 2, dtype=gu.dtype)
+        self.lib.kvfence_silu_mul(self._code(gu), gu.data_ptr(), out.data_ptr(), n, two_i // 2,
+                                  torch.get_num_threads())
+        return out
+
+    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
+                        q_start: torch.Tensor, q_len: torch.Tensor, kv_len: torch.Tensor, out: torch.Tensor,
+                        page_size: int, scale: float) -> None:
+        """q [n, heads, dim] (token stride free); out [n, heads, dim] contiguous; pages
+        [rows, P] int64; q_start/q_len/kv_len [rows] int64. Raises when a row's table or
+        lengths are out of range (nothing is read for it)."""
+        n, heads, dim = q.shape
+        kv_heads = k_cache.shape[0]
+        assert q.stride(2) == 1 and q.stride(1) == dim and out.is_contiguous() and out.shape == q.shape
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+        assert pages.is_contiguous() and pages.dtype == torch.int64 and pages.dim() == 2
+        for t in (q_start, q_len, kv_len):
+            assert t.dtype == torch.int64 and t.is_contiguous() and len(t) == pages.shape[0]
+        num_pages = k_cache.shape[1] // page_size
+        rc = self.lib.kvfence_paged_attention(
+            self._code(q), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+            num_pages, pages.data_ptr(), pages.shape[1], q_start.data_ptr(), q_len.data_ptr(), kv_len.data_ptr(),
+            pages.shape[0], out.data_ptr(), out.stride(0), heads, kv_heads, dim, page_size, scale,
+            torch.get_num_threads())
+        if rc != 0:
+            raise IndexError(f"paged attention: row {-rc - 1} has a page table or lengths outside the pool")

@@ -1,0 +1,107 @@
+"""Compile cpu_kernels.cpp once per machine and source version, and load it with ctypes.
+
+The library is built with the system C++ compiler into a cache folder
+($KVFENCE_CACHE_DIR, else $XDG_CACHE_HOME/kvfence, else ~/.cache/kvfence), named by a hash
+of the source, the compiler and this CPU's feature flags (it is built with -march=native).
+Several processes starting at once (a PD cluster) take a file lock, so one builds and the
+others load its result. No compiler, or a failed build, means no library: the model then
+runs its plain-torch path and says so once in the log.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("kvfence.kernels")
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno"]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KVFENCE_CACHE_DIR")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvfence"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def library_path(cxx: str) -> Path:
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()
+                         + _cpu_flags().encode()).hexdigest()[:16]
+    return cache_dir() / f"cpu_kernels-{key}.so"
+
+
+def build() -> Path:
+    """Path of the compiled library, building it if this machine has none yet."""
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++, c++ or clang++) on PATH")
+    target = library_path(cxx)
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():  # another process built it while we waited
+            return target
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cxx} failed building {SOURCE.name}:\n{proc.stderr[-2000:]}")
+            os.replace(tmp, target)  # atomic: a reader never sees half a library
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    log.info("built CPU kernels: %s", target)
+    return target
+
+
+def load_library() -> ctypes.CDLL:
+    # torch first: the library's OpenMP symbols then bind to the runtime torch loaded,
+    # so both share one thread pool instead of two pools fighting over the cores
+    import torch  # noqa: F401
+    lib = ctypes.CDLL(str(build()))
+    i64, i32, f32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    lib.kvfence_kernels_version.restype = i32
+    lib.kvfence_add_rms_norm.argtypes = [i32, vp, vp, vp, vp, i64, i64, f32, i32]
+    lib.kvfence_add_rms_norm.restype = None
+    lib.kvfence_rope_store.argtypes = [i32, vp, i64, i64, i32, i32, i32, vp, vp, vp, vp, vp, i64, vp, i32, i32]
+    lib.kvfence_rope_store.restype = None
+    lib.kvfence_silu_mul.argtypes = [i32, vp, vp, i64, i64, i32]
+    lib.kvfence_silu_mul.restype = None
+    lib.kvfence_paged_attention.argtypes = [i32, vp, i64, vp, vp, i64, i64, vp, i64, vp, vp, vp, i64, vp, i64,
+                                            i32, i32, i32, i32, f32, i32]
+    lib.kvfence_paged_attention.restype = i64
+    return lib
+
+
+if __name__ == "__main__":  # scripts/setup.sh builds them once, ahead of the first model load
+    print(f"CPU kernels: {build()}")

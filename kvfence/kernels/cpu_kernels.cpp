@@ -1,0 +1,362 @@
+// kvfence CPU kernels: paged attention that reads the KV pool in place, and the fused
+// element-wise steps around it (residual add + RMSNorm, RoPE + KV store, SiLU * up).
+//
+// Plain C++ with no torch headers, so it builds in about a second with the system
+// compiler (kvfence/kernels/build.py); -O3 -march=native vectorizes the inner loops.
+// Every entry point takes raw pointers from tensors the caller has checked (dtype,
+// contiguity, shapes). Threads come from the OpenMP runtime torch already loaded.
+//
+// Pool layout (kvfence/kv/pool.py): cache[kv_head] is num_pages * page_size * head_dim
+// elements. A V page is [page_size][head_dim] (slot-major); a K page is
+// [head_dim][page_size] (dim-major), so the scores of one query against a page's keys are
+// head_dim broadcast-multiply-adds over page_size contiguous lanes.
+//
+// The attention reads exactly positions 0 .. kv_len-1 of each row's pages, through the page
+// table it is given, and checks every page index against the pool size: a bad table is an
+// error returned to the caller, never a read outside the pool.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+typedef uint16_t bf16_t;
+
+namespace {
+
+inline float to_f(float x) { return x; }
+inline float to_f(bf16_t x) {
+    uint32_t u = uint32_t(x) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+template <typename T> inline T from_f(float f);
+template <> inline float from_f<float>(float f) { return f; }
+template <> inline bf16_t from_f<bf16_t>(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return bf16_t((u >> 16) | 0x40u);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);                                        // nearest, ties to even
+    return bf16_t(u >> 16);
+}
+
+// Round through T: reproduces the intermediate roundings torch makes in bf16 (identity in fp32).
+template <typename T> inline float rnd(float f) { return to_f(from_f<T>(f)); }
+
+// exp(x) for x <= 0 (softmax after subtracting the max) and for SiLU; ~2 ulp, vectorizable.
+inline float exp_approx(float x) {
+    x = std::max(x, -87.0f);
+    x = std::min(x, 88.0f);
+    const float n = std::nearbyint(x * 1.44269504088896341f);
+    const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t e = int32_t(n) + 127;
+    uint32_t bits = uint32_t(e) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+// ---------------------------------------------------------------------------------------
+// h += delta (if delta), out = w * normalize(h). Rounding as torch: the normalized value is
+// rounded to T before the weight multiplies it.
+template <typename T>
+void add_rms_norm(T* h, const T* delta, const T* w, T* out, int64_t n, int64_t dim, float eps, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static) if (n * dim >= (1 << 16))
+    for (int64_t i = 0; i < n; ++i) {
+        T* hr = h + i * dim;
+        float ss = 0.f;
+        if (delta) {
+            const T* dr = delta + i * dim;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t d = 0; d < dim; ++d) {
+                const float v = rnd<T>(to_f(hr[d]) + to_f(dr[d]));
+                hr[d] = from_f<T>(v);
+                ss += v * v;
+            }
+        } else {
+#pragma omp simd reduction(+ : ss)
+            for (int64_t d = 0; d < dim; ++d) {
+                const float v = to_f(hr[d]);
+                ss += v * v;
+            }
+        }
+        const float r = 1.0f / std::sqrt(ss / float(dim) + eps);
+        T* o = out + i * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) o[d] = from_f<T>(to_f(w[d]) * rnd<T>(to_f(hr[d]) * r));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Rotate the q and k heads of each token's qkv row in place (rotate-half RoPE, the
+// Hugging Face convention), then store its k and v into the pool slot the runner chose.
+template <typename T>
+void rope_store(T* qkv, int64_t n, int64_t row_stride, int heads, int kv_heads, int dim,
+                const int64_t* positions, const T* cos, const T* sin, T* k_cache, T* v_cache,
+                int64_t head_stride, const int64_t* slots, int page_size, int nt) {
+    const int half = dim / 2;
+#pragma omp parallel for num_threads(nt) schedule(static) if (n >= 64)
+    for (int64_t i = 0; i < n; ++i) {
+        T* row = qkv + i * row_stride;
+        const T* c = cos + positions[i] * dim;
+        const T* s = sin + positions[i] * dim;
+        for (int hh = 0; hh < heads + kv_heads; ++hh) {
+            T* x = row + int64_t(hh) * dim;
+#pragma omp simd
+            for (int d = 0; d < half; ++d) {
+                const float a = to_f(x[d]), b = to_f(x[d + half]);
+                const float lo = rnd<T>(rnd<T>(a * to_f(c[d])) - rnd<T>(b * to_f(s[d])));
+                const float hi = rnd<T>(rnd<T>(b * to_f(c[d + half])) + rnd<T>(a * to_f(s[d + half])));
+                x[d] = from_f<T>(lo);
+                x[d + half] = from_f<T>(hi);
+            }
+        }
+        const int64_t slot = slots[i];
+        const int64_t page = slot / page_size, j = slot % page_size;
+        for (int kh = 0; kh < kv_heads; ++kh) {
+            const T* k = row + int64_t(heads + kh) * dim;
+            const T* v = row + int64_t(heads + kv_heads + kh) * dim;
+            T* kp = k_cache + kh * head_stride + page * page_size * dim;  // [dim][page_size]
+            for (int d = 0; d < dim; ++d) kp[int64_t(d) * page_size + j] = k[d];
+            std::memcpy(v_cache + kh * head_stride + slot * dim, v, sizeof(T) * dim);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// out[i, :] = silu(gate) * up for gu[i] = [gate | up], with torch's bf16 roundings.
+template <typename T>
+void silu_mul(const T* gu, T* out, int64_t n, int64_t inter, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static) if (n * inter >= (1 << 16))
+    for (int64_t i = 0; i < n; ++i) {
+        const T* g = gu + i * 2 * inter;
+        const T* u = g + inter;
+        T* o = out + i * inter;
+#pragma omp simd
+        for (int64_t d = 0; d < inter; ++d) {
+            const float x = to_f(g[d]);
+            const float act = rnd<T>(x / (1.0f + exp_approx(-x)));
+            o[d] = from_f<T>(act * to_f(u[d]));
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Paged attention for a flat batch of rows (sequences). Row r has q_len[r] new tokens at
+// flat positions q_start[r] ..; query i of the row sees keys 0 .. kv_len[r] - q_len[r] + i.
+// Work is split into (row, kv head, block of query positions) tasks.
+//
+// PS and DIM are compile-time for the common shape (page 16, head_dim 64) so the
+// accumulators live in registers; 0 means "given at run time" (the slower general path).
+constexpr int kQueryBlock = 8;   // query positions per task
+constexpr int kQueryTile = 4;    // queries scored together: independent FMA chains
+constexpr int kMaxPage = 64;
+constexpr int kMaxDim = 256;
+
+struct Task {
+    int64_t row;
+    int kv_head;
+    int64_t first;  // first query position of the block, within the row
+    int64_t count;
+};
+
+thread_local std::vector<float> tl_buf;
+
+template <typename T, int PS, int DIM>
+void attend_task(const Task& t, const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
+                 int64_t head_stride, const int64_t* table, const int64_t* q_start, const int64_t* q_len,
+                 const int64_t* kv_len, T* out, int64_t out_stride, int heads, int kv_heads, int dim_rt,
+                 int page_size_rt, float scale) {
+    const int ps = PS ? PS : page_size_rt;
+    const int dim = DIM ? DIM : dim_rt;
+    const int group = heads / kv_heads;
+    const int64_t nq = t.count * group;                        // queries in this task
+    const int64_t ctx = kv_len[t.row] - q_len[t.row];          // keys before the row's first query
+    const int64_t last_visible = ctx + t.first + t.count;      // keys the block's last query sees
+    const int64_t npages = (last_visible + ps - 1) / ps;
+    const int64_t width = npages * ps;
+    const int64_t nq_pad = (nq + kQueryTile - 1) / kQueryTile * kQueryTile;
+    const size_t need = size_t(nq_pad) * (width + 2 * dim) + size_t(ps) * dim;
+    if (tl_buf.size() < need) tl_buf.resize(need);
+    float* scores = tl_buf.data();                  // [nq_pad][width]
+    float* qf = scores + nq_pad * width;            // [nq_pad][dim], pre-scaled; padding rows zero
+    float* acc = qf + nq_pad * dim;                 // [nq_pad][dim]
+    float* kf = acc + nq_pad * dim;                 // one page in fp32: K [dim][ps] or V [ps][dim]
+
+    for (int64_t p = 0; p < t.count; ++p) {
+        const T* qrow = q + (q_start[t.row] + t.first + p) * q_stride;
+        for (int g = 0; g < group; ++g) {
+            const T* qh = qrow + int64_t(t.kv_head * group + g) * dim;
+            float* dst = qf + (p * group + g) * dim;
+#pragma omp simd
+            for (int d = 0; d < dim; ++d) dst[d] = to_f(qh[d]) * scale;
+        }
+    }
+    std::fill(qf + nq * dim, qf + nq_pad * dim, 0.f);
+
+    const T* kbase = k_cache + t.kv_head * head_stride;
+    const T* vbase = v_cache + t.kv_head * head_stride;
+    const int64_t page_elems = int64_t(ps) * dim;
+
+    // scores = q . k for every key of every page the block can see
+    for (int64_t pg = 0; pg < npages; ++pg) {
+        const T* kp = kbase + table[pg] * page_elems;
+#pragma omp simd
+        for (int64_t e = 0; e < page_elems; ++e) kf[e] = to_f(kp[e]);
+        for (int64_t q0 = 0; q0 < nq_pad; q0 += kQueryTile) {
+            float sc[kQueryTile][PS ? PS : kMaxPage] = {};
+            const float* qv = qf + q0 * dim;
+            for (int d = 0; d < dim; ++d) {
+                const float* kr = kf + int64_t(d) * ps;
+                for (int u = 0; u < kQueryTile; ++u) {
+                    const float qd = qv[u * dim + d];
+#pragma omp simd
+                    for (int j = 0; j < ps; ++j) sc[u][j] += qd * kr[j];
+                }
+            }
+            for (int u = 0; u < kQueryTile; ++u)
+                std::memcpy(scores + (q0 + u) * width + pg * ps, sc[u], sizeof(float) * ps);
+        }
+    }
+
+    // softmax per query over the keys it may see; the rest of the row becomes 0
+    for (int64_t qi = 0; qi < nq; ++qi) {
+        const int64_t visible = ctx + t.first + qi / group + 1;
+        float* s = scores + qi * width;
+        float mx = -INFINITY;
+        for (int64_t k = 0; k < visible; ++k) mx = std::max(mx, s[k]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t k = 0; k < visible; ++k) {
+            const float e = exp_approx(s[k] - mx);
+            s[k] = e;
+            sum += e;
+        }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t k = 0; k < visible; ++k) s[k] *= inv;
+        for (int64_t k = visible; k < width; ++k) s[k] = 0.f;
+    }
+
+    // acc = probabilities . v
+    std::fill(acc, acc + nq * dim, 0.f);
+    for (int64_t pg = 0; pg < npages; ++pg) {
+        const T* vp = vbase + table[pg] * page_elems;
+        const int64_t keys = std::min<int64_t>(ps, last_visible - pg * ps);
+#pragma omp simd
+        for (int64_t e = 0; e < keys * dim; ++e) kf[e] = to_f(vp[e]);
+        for (int64_t qi = 0; qi < nq; ++qi) {
+            const float* pr = scores + qi * width + pg * ps;
+            float a[DIM ? DIM : kMaxDim];
+            std::memcpy(a, acc + qi * dim, sizeof(float) * dim);
+            for (int64_t j = 0; j < keys; ++j) {
+                const float w = pr[j];
+                const float* vr = kf + j * dim;
+#pragma omp simd
+                for (int d = 0; d < dim; ++d) a[d] += w * vr[d];
+            }
+            std::memcpy(acc + qi * dim, a, sizeof(float) * dim);
+        }
+    }
+
+    for (int64_t p = 0; p < t.count; ++p) {
+        T* orow = out + (q_start[t.row] + t.first + p) * out_stride;
+        for (int g = 0; g < group; ++g) {
+            T* oh = orow + int64_t(t.kv_head * group + g) * dim;
+            const float* a = acc + (p * group + g) * dim;
+#pragma omp simd
+            for (int d = 0; d < dim; ++d) oh[d] = from_f<T>(a[d]);
+        }
+    }
+}
+
+// Returns 0; -(1 + row) for the first row whose table or lengths are out of range; -1e9 for
+// a page size or head dim beyond the general path's bounds. Nothing is read on an error.
+template <typename T>
+int64_t paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, int64_t head_stride,
+                        int64_t num_pages, const int64_t* pages, int64_t max_pages, const int64_t* q_start,
+                        const int64_t* q_len, const int64_t* kv_len, int64_t rows, T* out, int64_t out_stride,
+                        int heads, int kv_heads, int dim, int page_size, float scale, int nt) {
+    if (page_size < 1 || page_size > kMaxPage || dim < 1 || dim > kMaxDim || heads % kv_heads != 0)
+        return -1000000000;
+    std::vector<Task> tasks;
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t need = (kv_len[r] + page_size - 1) / page_size;
+        if (q_len[r] < 1 || kv_len[r] < q_len[r] || need > max_pages) return -(1 + r);
+        for (int64_t pg = 0; pg < need; ++pg) {
+            const int64_t p = pages[r * max_pages + pg];
+            if (p < 0 || p >= num_pages) return -(1 + r);
+        }
+        for (int kh = 0; kh < kv_heads; ++kh)
+            for (int64_t f = 0; f < q_len[r]; f += kQueryBlock)
+                tasks.push_back({r, kh, f, std::min<int64_t>(kQueryBlock, q_len[r] - f)});
+    }
+    const int64_t ntasks = int64_t(tasks.size());
+    const bool fast = page_size == 16 && dim == 64;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (ntasks > 1)
+    for (int64_t i = 0; i < ntasks; ++i) {
+        const Task& t = tasks[i];
+        const int64_t* table = pages + t.row * max_pages;
+        if (fast)
+            attend_task<T, 16, 64>(t, q, q_stride, k_cache, v_cache, head_stride, table, q_start, q_len, kv_len,
+                                   out, out_stride, heads, kv_heads, dim, page_size, scale);
+        else
+            attend_task<T, 0, 0>(t, q, q_stride, k_cache, v_cache, head_stride, table, q_start, q_len, kv_len,
+                                 out, out_stride, heads, kv_heads, dim, page_size, scale);
+    }
+    return 0;
+}
+
+}  // namespace
+
+// dtype codes: 0 = float32, 1 = bfloat16
+#define KV_DISPATCH(dtype, CALL)                       \
+    do {                                               \
+        if ((dtype) == 0) { typedef float T; CALL; }   \
+        else { typedef bf16_t T; CALL; }               \
+    } while (0)
+
+extern "C" {
+
+int kvfence_kernels_version() { return 1; }
+
+void kvfence_add_rms_norm(int dtype, void* h, const void* delta, const void* w, void* out, int64_t n, int64_t dim,
+                          float eps, int nt) {
+    KV_DISPATCH(dtype, add_rms_norm<T>((T*)h, (const T*)delta, (const T*)w, (T*)out, n, dim, eps, nt));
+}
+
+void kvfence_rope_store(int dtype, void* qkv, int64_t n, int64_t row_stride, int heads, int kv_heads, int dim,
+                        const int64_t* positions, const void* cos, const void* sin, void* k_cache, void* v_cache,
+                        int64_t head_stride, const int64_t* slots, int page_size, int nt) {
+    KV_DISPATCH(dtype, rope_store<T>((T*)qkv, n, row_stride, heads, kv_heads, dim, positions, (const T*)cos,
+                                     (const T*)sin, (T*)k_cache, (T*)v_cache, head_stride, slots, page_size, nt));
+}
+
+void kvfence_silu_mul(int dtype, const void* gu, void* out, int64_t n, int64_t inter, int nt) {
+    KV_DISPATCH(dtype, silu_mul<T>((const T*)gu, (T*)out, n, inter, nt));
+}
+
+int64_t kvfence_paged_attention(int dtype, const void* q, int64_t q_stride, const void* k_cache,
+                                const void* v_cache, int64_t head_stride, int64_t num_pages, const int64_t* pages,
+                                int64_t max_pages, const int64_t* q_start, const int64_t* q_len,
+                                const int64_t* kv_len, int64_t rows, void* out, int64_t out_stride, int heads,
+                                int kv_heads, int dim, int page_size, float scale, int nt) {
+    int64_t rc = 0;
+    KV_DISPATCH(dtype, rc = paged_attention<T>((const T*)q, q_stride, (const T*)k_cache, (const T*)v_cache,
+                                               head_stride, num_pages, pages, max_pages, q_start, q_len, kv_len,
+                                               rows, (T*)out, out_stride, heads, kv_heads, dim, page_size, scale,
+                                               nt));
+    return rc;
+}
+
+}  // extern "C"

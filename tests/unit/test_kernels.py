@@ -1,0 +1,217 @@
+"""The fused CPU kernels against plain torch: same arithmetic, and attention that reads only
+the positions a row may see, through the table it is given."""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from kvfence.kernels import cpu_kernels
+from kvfence.model.llama import AttentionRows, ForwardBatch, LlamaModel
+from kvfence.sim.model import tiny_config, tiny_weights
+
+K = cpu_kernels()
+if K is None and os.environ.get("CI"):  # CI has a compiler: kernels that do not build are a failure
+    raise RuntimeError("CPU kernels did not build; see the kvfence.kernels warning")
+pytestmark = pytest.mark.skipif(K is None, reason="CPU kernels not built on this machine")
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_matches_torch(dtype):
+    g = gen()
+    h = torch.randn(37, 96, generator=g).to(dtype)
+    delta = torch.randn(37, 96, generator=g).to(dtype)
+    w = torch.randn(96, generator=g).to(dtype)
+    want_h = h + delta
+    xf = want_h.float()
+    want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    got_h = h.clone()
+    got = K.add_rms_norm(got_h, delta, w, 1e-5)
+    assert torch.equal(got_h, want_h)  # the residual add rounds exactly as torch does
+    torch.testing.assert_close(got.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype])
+    alone = K.add_rms_norm(want_h.clone(), None, w, 1e-5)
+    torch.testing.assert_close(alone, got)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_torch(dtype):
+    gu = (torch.randn(19, 2 * 80, generator=gen(1)) * 4).to(dtype)
+    gate, up = gu.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(K.silu_mul(gu).float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size,dim", [(16, 64), (8, 32)])  # the compiled fast shape and the general path
+def test_rope_store_matches_torch(dtype, page_size, dim):
+    g = gen(2)
+    heads, kv_heads, n, pages = 6, 2, 11, 5
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    pos_table = torch.randn(64, dim, generator=g)
+    cos, sin = pos_table.cos().to(dtype), pos_table.sin().to(dtype)
+    positions = torch.randint(0, 64, (n,), generator=g)
+    slots = torch.randperm(pages * page_size, generator=g)[:n]
+    k_cache = torch.zeros(kv_heads, pages * page_size, dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    want_qk = LlamaModel._rotate(qkv[:, :(heads + kv_heads) * dim].view(n, heads + kv_heads, dim),
+                                 cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    LlamaModel._store(want_k, want_v, want_qk[:, heads:], qkv[:, (heads + kv_heads) * dim:].view(n, kv_heads, dim),
+                      slots, page_size)
+    got = qkv.clone()
+    K.rope_store(got, heads, kv_heads, dim, positions, cos, sin, k_cache, v_cache, slots, page_size)
+    # bf16: bit for bit (the same roundings); fp32: the kernel may fuse a multiply-add
+    tol = dict(rtol=0, atol=0) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[:, :(heads + kv_heads) * dim].view_as(want_qk), want_qk, **tol)
+    torch.testing.assert_close(k_cache, want_k, **tol)
+    assert torch.equal(v_cache, want_v)
+
+
+def reference_attention(q, k_cache, v_cache, pages, q_start, q_len, kv_len, page_size):
+    """Dense float64 attention over each row's pages, positions read through the same table."""
+    n, heads, dim = q.shape
+    kv_heads = k_cache.shape[0]
+    group = heads // kv_heads
+    out = torch.zeros(n, heads, dim, dtype=torch.float64)
+    kp = k_cache.double().view(kv_heads, -1, dim, page_size)     # dim-major K pages
+    vp = v_cache.double().view(kv_heads, -1, page_size, dim)
+    for r in range(len(q_start)):
+        t = int(kv_len[r])
+        pos = torch.arange(t)
+        pg, j = pages[r][pos // page_size], pos % page_size
+        keys = kp[:, pg, :, j]                  # [t, kv_heads, dim]
+        vals = vp[:, pg, j, :].transpose(0, 1)  # [t, kv_heads, dim]
+        for i in range(int(q_len[r])):
+            row = int(q_start[r]) + i
+            seen = t - int(q_len[r]) + i + 1
+            for h in range(heads):
+                kh = h // group
+                s = keys[:seen, kh] @ q[row, h].double() / math.sqrt(dim)
+                out[row, h] = torch.softmax(s, 0) @ vals[:seen, kh]
+    return out
+
+
+def attention_case(dtype, page_size, dim, seed=3):
+    """A batch like the runner's: decodes with long contexts, a fresh prefill, and a prefill
+    continuing over cached context; pages shuffled over the pool."""
+    g = gen(seed)
+    heads, kv_heads, num_pages = 6, 2, 60
+    rows = [(1, 37), (1, 5), (1, 1), (13, 13), (9, 40)]  # (q_len, kv_len)
+    q_len = torch.tensor([r[0] for r in rows])
+    kv_len = torch.tensor([r[1] for r in rows])
+    q_start = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64), q_len[:-1]]), 0)
+    width = max(-(-r[1] // page_size) for r in rows) + 1
+    perm = torch.randperm(num_pages - 1, generator=g) + 1
+    pages = torch.zeros(len(rows), width, dtype=torch.int64)  # padding: the null page 0
+    used = 0
+    for r, (_, t) in enumerate(rows):
+        need = -(-t // page_size)
+        pages[r, :need] = perm[used:used + need]
+        used += need
+    n = int(q_len.sum())
+    q = torch.randn(n, heads, dim, generator=g).to(dtype)
+    k_cache = torch.randn(kv_heads, num_pages * page_size, dim, generator=g).to(dtype)
+    v_cache = torch.randn(kv_heads, num_pages * page_size, dim, generator=g).to(dtype)
+    return q, k_cache, v_cache, pages, q_start, q_len, kv_len
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size,dim", [(16, 64), (8, 32), (4, 8)])
+def test_paged_attention_matches_dense_reference(dtype, page_size, dim):
+    q, kc, vc, pages, qs, ql, kl = attention_case(dtype, page_size, dim)
+    out = torch.empty_like(q)
+    K.paged_attention(q, kc, vc, pages, qs, ql, kl, out, page_size, dim ** -0.5)
+    want = reference_attention(q, kc, vc, pages, qs, ql, kl, page_size)
+    torch.testing.assert_close(out.double(), want, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("page_size,dim", [(16, 64), (8, 32)])
+def test_paged_attention_reads_nothing_a_row_may_not_see(page_size, dim):
+    """NaN everywhere a row may not read: past its kv_len on its own last page, on the null
+    page, and on every page outside its table. One stray read would make its output NaN."""
+    q, kc, vc, pages, qs, ql, kl = attention_case(torch.float32, page_size, dim)
+    allowed = torch.zeros(kc.shape[1], dtype=torch.bool)
+    for r in range(len(qs)):
+        pos = torch.arange(int(kl[r]))
+        allowed[pages[r][pos // page_size] * page_size + pos % page_size] = True
+    kp = kc.view(kc.shape[0], -1, dim, page_size)
+    slot_ok = allowed.view(-1, page_size)
+    kp.masked_fill_(~slot_ok[None, :, None, :], math.nan)
+    vc.masked_fill_(~allowed[None, :, None], math.nan)
+    out = torch.empty_like(q)
+    K.paged_attention(q, kc, vc, pages, qs, ql, kl, out, page_size, dim ** -0.5)
+    assert not out.isnan().any()
+
+
+def test_paged_attention_refuses_tables_outside_the_pool():
+    q, kc, vc, pages, qs, ql, kl = attention_case(torch.float32, 16, 64)
+    num_pages = kc.shape[1] // 16
+    for bad in (num_pages, -1):
+        p = pages.clone()
+        p[1, 0] = bad
+        with pytest.raises(IndexError, match="row 1"):
+            K.paged_attention(q, kc, vc, p, qs, ql, kl, torch.empty_like(q), 16, 0.125)
+    short = kl.clone()
+    short[3] = ql[3] - 1  # fewer keys than its own new tokens
+    with pytest.raises(IndexError, match="row 3"):
+        K.paged_attention(q, kc, vc, pages, qs, ql, short, torch.empty_like(q), 16, 0.125)
+    long = kl.clone()
+    long[0] = pages.shape[1] * 16 + 1  # more keys than its table has pages
+    with pytest.raises(IndexError, match="row 0"):
+        K.paged_attention(q, kc, vc, pages, qs, ql, long, torch.empty_like(q), 16, 0.125)
+
+
+def tiny_model(dtype):
+    cfg = tiny_config(layers=2, hidden=128, heads=4, kv_heads=2)  # head_dim 32: the general kernel path
+    w = tiny_weights(cfg, seed=4)
+    for lw in w.layers:
+        for f in ("q", "k", "v", "o", "gate", "up", "down", "attn_norm", "ffn_norm"):
+            setattr(lw, f, getattr(lw, f).to(dtype))
+    w.embed, w.final_norm = w.embed.to(dtype), w.final_norm.to(dtype)
+    return LlamaModel(w, "cpu")
+
+
+def run_mixed_batch(model, fused):
+    """Row 0 decodes at position 20 (its pages 1-3 hold positions 0..19), row 1 is a fresh
+    6-token prefill on page 4. Returns (logits, pool after the pass)."""
+    cfg, ps = model.config, 8
+    q_len, kv_len = torch.tensor([1, 6]), torch.tensor([21, 6])
+    pages = torch.tensor([[1, 2, 3], [4, 0, 0]])
+    positions = torch.cat([torch.tensor([20]), torch.arange(6)])
+    write_slots = torch.cat([torch.tensor([3 * ps + 4]), 4 * ps + torch.arange(6)])
+    batch = ForwardBatch(torch.randint(0, cfg.vocab_size, (7,), generator=gen(5)), positions, write_slots,
+                         AttentionRows(torch.tensor([0, 1]), q_len, kv_len, pages), torch.tensor([0, 6]), ps)
+    pool = torch.randn(cfg.num_layers, 2, cfg.num_kv_heads, 6 * ps, cfg.head_dim, generator=gen(6)).to(model.dtype)
+    return model.forward(batch, pool, fused=fused), pool
+
+
+def test_model_forward_fused_equals_torch_path_fp32():
+    """The whole decoder stack, one mixed batch, both implementations from the same pool."""
+    model = tiny_model(torch.float32)
+    fused, fused_pool = run_mixed_batch(model, True)
+    plain, plain_pool = run_mixed_batch(model, False)
+    torch.testing.assert_close(fused_pool, plain_pool, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+
+
+def test_model_forward_fused_bf16_is_as_accurate_as_torch_path():
+    """In bf16 the two paths round differently (the torch path rounds attention scores to
+    bf16; the kernel keeps them in fp32): both are held to the fp32 result, and the fused
+    one must be at least as close."""
+    exact, _ = run_mixed_batch(tiny_model(torch.float32), True)
+    model = tiny_model(torch.bfloat16)
+    fused, fused_pool = run_mixed_batch(model, True)
+    plain, plain_pool = run_mixed_batch(model, False)
+    assert torch.equal(fused_pool[0], plain_pool[0])  # layer 0: the same K and V in the same slots
+    err_fused = (fused - exact).abs().max().item()
+    err_plain = (plain - exact).abs().max().item()
+    scale = exact.abs().max().item()
+    assert err_fused <= max(err_plain * 1.1, 0.02 * scale), (err_fused, err_plain, scale)
