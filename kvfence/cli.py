@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--prompt-tokens", type=int, default=256)
     b.add_argument("--output-tokens", type=int, default=None, help="default 128 (--pd: 64)")
     b.add_argument("--peers", default="transformers", help="comma-separated: transformers (or empty)")
-    b.add_argument("--quick", action="store_true", help="only checks on/off, no scrub variants")
+    b.add_argument("--quick", action="store_true", help="only checks on/off and fused kernels off, no scrub variants")
     b.add_argument("--repeat", type=int, default=3, help="interleaved rounds per variant; medians are reported")
     b.add_argument("--json", default=None, help="also write results to this file")
     b.add_argument("--url", default=None, help="load-test this OpenAI-compatible server (e.g. http://127.0.0.1:8000)")

@@ -14,7 +14,8 @@ def test_bench_tiny_workload_writes_results(tmp_path):
     data = json.loads(out.read_text())
     assert data["workload"]["num_requests"] == 2
     names = [r["name"] for r in data["results"]]
-    assert names == ["kvfence (checks on, scrub zero)", "kvfence (checks off, scrub zero)"]
+    assert names == ["kvfence (checks on, scrub zero)", "kvfence (checks off, scrub zero)",
+                     "kvfence (fused kernels off)"]
     for r in data["results"]:
         assert r["output_tokens"] == 8 and r["seconds"] > 0 and r["ttft_ms"]["p50"] > 0
     assert "ledger checks" in data["results"][0]["note"]
