@@ -73,6 +73,40 @@ def run_engine(name: str, loaded: LoadedModel, cfg: EngineConfig, wl: Workload) 
                        f"violations={dict(engine.ledger.violations)} preemptions={engine.scheduler.num_preemptions}")
 
 
+def matmul_floor(loaded: LoadedModel, wl: Workload, chunk: int) -> Result:
+    """The workload's linear layers alone, with this model's own (packed) weights and the
+    engine's batch shapes: prompts in chunks of the step budget, logits for the last prompt
+    token only, then one 32-row decode step per output token. No attention, no norms, no
+    scheduling: the time any engine built on these GEMMs needs at least."""
+    import torch
+
+    model = loaded.model
+    dtype, hidden = model.dtype, model.config.hidden_size
+    inter = model.config.intermediate_size
+
+    def step(rows: int, logits_rows: int) -> None:
+        x = torch.randn(rows, hidden, dtype=dtype)
+        x_inter = torch.randn(rows, inter, dtype=dtype)
+        for _, wqkv, wo, _, wgu, wdown in model.layers:
+            wqkv(x), wo(x), wgu(x), wdown(x_inter)
+        model.lm_head(x[:logits_rows])
+
+    prompt_tokens = wl.num_requests * wl.prompt_tokens
+    step(min(chunk, prompt_tokens), 1)  # warm-up
+    start = time.perf_counter()
+    done = 0
+    while done < prompt_tokens:
+        rows = min(chunk, prompt_tokens - done)
+        step(rows, max(1, rows // wl.prompt_tokens))
+        done += rows
+    for _ in range(wl.output_tokens):
+        step(wl.num_requests, wl.num_requests)
+    seconds = time.perf_counter() - start
+    out = wl.num_requests * wl.output_tokens
+    return Result("matmuls alone (the floor, not an engine)", seconds, out, out + prompt_tokens,
+                  note="the workload's linear layers with these weights and batch shapes")
+
+
 def run_transformers(path, wl: Workload, threads: int) -> Result:
     """Hugging Face transformers `generate` on the same GGUF weights, one batch of all prompts,
     in float32: transformers keeps GGUF weights quantized and its kernels compute in float32,
@@ -130,6 +164,9 @@ def main(args) -> int:
     for r in results:
         _print_row(r)
     peers = []
+    if not args.quick:
+        peers.append(matmul_floor(loaded, wl, base.max_num_batched_tokens))
+        _print_row(peers[-1])
     if "transformers" in args.peers:
         try:
             peers.append(run_transformers(loaded.path, wl, base.threads()))

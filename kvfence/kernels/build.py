@@ -66,7 +66,7 @@ def build() -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.with_suffix(".lock"), "w") as lock:
+    with open(target.parent / "build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if target.exists():  # another process built it while we waited
             return target

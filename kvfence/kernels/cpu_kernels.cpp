@@ -18,7 +18,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 typedef uint16_t bf16_t;
 
@@ -172,6 +176,82 @@ struct Task {
 
 thread_local std::vector<float> tl_buf;
 
+// bf16 pages of the common shape on CPUs with AVX512-BF16 use vdpbf16ps: one instruction
+// multiplies 16 pairs of bf16 and adds them into 16 fp32 lanes, half the work of converting
+// to fp32 and multiply-adding. Pairs run along the reduction: (d, d+1) for scores, (j, j+1)
+// for probabilities . v. Products are exact in fp32 and summed in fp32, as the fp32 path;
+// what changes is that q (already bf16) and the probabilities are taken at bf16 precision,
+// as the torch path does.
+#if defined(__AVX512BF16__)
+template <typename T, int PS, int DIM>
+constexpr bool kDotPath = std::is_same<T, bf16_t>::value && PS == 16 && DIM == 64;
+
+inline __m512i pair_rows(const bf16_t* lo, const bf16_t* hi) {
+    const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo)));
+    if (!hi) return a;  // the missing partner is zero
+    const __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi)));
+    return _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
+}
+
+inline uint32_t bf16_bits(float f) { return from_f<bf16_t>(f); }
+
+// qf holds, per query, 32 uint32 pairs (q[2i], q[2i+1]) as raw bf16 bits, then the scale.
+inline void dot_scores_page(const bf16_t* kp, const float* qf, int64_t nq_pad, float* scores, int64_t width,
+                            float* scratch) {
+    // scratch need not be 64-byte aligned: unaligned loads and stores throughout
+    int32_t* kpair = reinterpret_cast<int32_t*>(scratch);  // 32 pairs of K rows (d, d+1), 16 lanes each
+    for (int i = 0; i < 32; ++i) _mm512_storeu_si512(kpair + 16 * i, pair_rows(kp + (2 * i) * 16, kp + (2 * i + 1) * 16));
+    for (int64_t q0 = 0; q0 < nq_pad; q0 += kQueryTile) {
+        __m512 acc[kQueryTile];
+        for (int u = 0; u < kQueryTile; ++u) acc[u] = _mm512_setzero_ps();
+        const uint32_t* qp = reinterpret_cast<const uint32_t*>(qf + q0 * 64);
+        for (int i = 0; i < 32; ++i) {
+            const __m512bh k = (__m512bh)_mm512_loadu_si512(kpair + 16 * i);
+            for (int u = 0; u < kQueryTile; ++u)
+                acc[u] = _mm512_dpbf16_ps(acc[u], (__m512bh)_mm512_set1_epi32(int(qp[u * 64 + i])), k);
+        }
+        for (int u = 0; u < kQueryTile; ++u) {
+            const float scale = qf[(q0 + u) * 64 + 32];
+            _mm512_storeu_ps(scores + (q0 + u) * width, _mm512_mul_ps(acc[u], _mm512_set1_ps(scale)));
+        }
+    }
+}
+
+inline void dot_pv_page(const bf16_t* vp, int64_t keys, const float* probs, int64_t width, int64_t nq, float* acc,
+                        float* scratch) {
+    int32_t* vpair = reinterpret_cast<int32_t*>(scratch);  // [8 key pairs][4 chunks of 16 dims][16 lanes]
+    const int pairs = int((keys + 1) / 2);
+    for (int jj = 0; jj < pairs; ++jj)
+        for (int c = 0; c < 4; ++c) {
+            const bf16_t* lo = vp + (2 * jj) * 64 + c * 16;
+            _mm512_storeu_si512(vpair + 16 * (jj * 4 + c), pair_rows(lo, 2 * jj + 1 < keys ? lo + 64 : nullptr));  // never a row past keys
+        }
+    for (int64_t qi = 0; qi < nq; ++qi) {
+        const float* pr = probs + qi * width;
+        float* a = acc + qi * 64;
+        __m512 o0 = _mm512_loadu_ps(a), o1 = _mm512_loadu_ps(a + 16), o2 = _mm512_loadu_ps(a + 32),
+               o3 = _mm512_loadu_ps(a + 48);
+        for (int jj = 0; jj < pairs; ++jj) {
+            const uint32_t hi = 2 * jj + 1 < keys ? bf16_bits(pr[2 * jj + 1]) : 0u;
+            const __m512bh p = (__m512bh)_mm512_set1_epi32(int(bf16_bits(pr[2 * jj]) | (hi << 16)));
+            o0 = _mm512_dpbf16_ps(o0, p, (__m512bh)_mm512_loadu_si512(vpair + 16 * (jj * 4 + 0)));
+            o1 = _mm512_dpbf16_ps(o1, p, (__m512bh)_mm512_loadu_si512(vpair + 16 * (jj * 4 + 1)));
+            o2 = _mm512_dpbf16_ps(o2, p, (__m512bh)_mm512_loadu_si512(vpair + 16 * (jj * 4 + 2)));
+            o3 = _mm512_dpbf16_ps(o3, p, (__m512bh)_mm512_loadu_si512(vpair + 16 * (jj * 4 + 3)));
+        }
+        _mm512_storeu_ps(a, o0);
+        _mm512_storeu_ps(a + 16, o1);
+        _mm512_storeu_ps(a + 32, o2);
+        _mm512_storeu_ps(a + 48, o3);
+    }
+}
+#else
+template <typename T, int PS, int DIM>
+constexpr bool kDotPath = false;
+inline void dot_scores_page(const bf16_t*, const float*, int64_t, float*, int64_t, float*) {}
+inline void dot_pv_page(const bf16_t*, int64_t, const float*, int64_t, int64_t, float*, float*) {}
+#endif
+
 template <typename T, int PS, int DIM>
 void attend_task(const Task& t, const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
                  int64_t head_stride, const int64_t* table, const int64_t* q_start, const int64_t* q_len,
@@ -198,8 +278,14 @@ void attend_task(const Task& t, const T* q, int64_t q_stride, const T* k_cache, 
         for (int g = 0; g < group; ++g) {
             const T* qh = qrow + int64_t(t.kv_head * group + g) * dim;
             float* dst = qf + (p * group + g) * dim;
+            if constexpr (kDotPath<T, PS, DIM>) {  // bf16 pairs (q[2i], q[2i+1]), then the scale
+                uint32_t* pairs = reinterpret_cast<uint32_t*>(dst);
+                for (int i = 0; i < DIM / 2; ++i) pairs[i] = uint32_t(qh[2 * i]) | (uint32_t(qh[2 * i + 1]) << 16);
+                dst[DIM / 2] = scale;
+            } else {
 #pragma omp simd
-            for (int d = 0; d < dim; ++d) dst[d] = to_f(qh[d]) * scale;
+                for (int d = 0; d < dim; ++d) dst[d] = to_f(qh[d]) * scale;
+            }
         }
     }
     std::fill(qf + nq * dim, qf + nq_pad * dim, 0.f);
@@ -208,24 +294,31 @@ void attend_task(const Task& t, const T* q, int64_t q_stride, const T* k_cache, 
     const T* vbase = v_cache + t.kv_head * head_stride;
     const int64_t page_elems = int64_t(ps) * dim;
 
-    // scores = q . k for every key of every page the block can see
-    for (int64_t pg = 0; pg < npages; ++pg) {
-        const T* kp = kbase + table[pg] * page_elems;
-#pragma omp simd
-        for (int64_t e = 0; e < page_elems; ++e) kf[e] = to_f(kp[e]);
-        for (int64_t q0 = 0; q0 < nq_pad; q0 += kQueryTile) {
-            float sc[kQueryTile][PS ? PS : kMaxPage] = {};
-            const float* qv = qf + q0 * dim;
-            for (int d = 0; d < dim; ++d) {
-                const float* kr = kf + int64_t(d) * ps;
-                for (int u = 0; u < kQueryTile; ++u) {
-                    const float qd = qv[u * dim + d];
-#pragma omp simd
-                    for (int j = 0; j < ps; ++j) sc[u][j] += qd * kr[j];
+    // scores = q . k for every key of every page the block can see. K lanes of the last page
+    // past the row's keys are computed with the page and dropped below: they never reach a
+    // softmax, so an unwritten slot (stale or NaN) cannot leak into the output.
+    if constexpr (kDotPath<T, PS, DIM>) {
+        for (int64_t pg = 0; pg < npages; ++pg)
+            dot_scores_page(kbase + table[pg] * page_elems, qf, nq_pad, scores + pg * ps, width, kf);
+    } else {
+        for (int64_t pg = 0; pg < npages; ++pg) {
+            const T* kp = kbase + table[pg] * page_elems;
+    #pragma omp simd
+            for (int64_t e = 0; e < page_elems; ++e) kf[e] = to_f(kp[e]);
+            for (int64_t q0 = 0; q0 < nq_pad; q0 += kQueryTile) {
+                float sc[kQueryTile][PS ? PS : kMaxPage] = {};
+                const float* qv = qf + q0 * dim;
+                for (int d = 0; d < dim; ++d) {
+                    const float* kr = kf + int64_t(d) * ps;
+                    for (int u = 0; u < kQueryTile; ++u) {
+                        const float qd = qv[u * dim + d];
+    #pragma omp simd
+                        for (int j = 0; j < ps; ++j) sc[u][j] += qd * kr[j];
+                    }
                 }
+                for (int u = 0; u < kQueryTile; ++u)
+                    std::memcpy(scores + (q0 + u) * width + pg * ps, sc[u], sizeof(float) * ps);
             }
-            for (int u = 0; u < kQueryTile; ++u)
-                std::memcpy(scores + (q0 + u) * width + pg * ps, sc[u], sizeof(float) * ps);
         }
     }
 
@@ -248,24 +341,30 @@ void attend_task(const Task& t, const T* q, int64_t q_stride, const T* k_cache, 
         for (int64_t k = visible; k < width; ++k) s[k] = 0.f;
     }
 
-    // acc = probabilities . v
+    // acc = probabilities . v, over the row's keys only
     std::fill(acc, acc + nq * dim, 0.f);
-    for (int64_t pg = 0; pg < npages; ++pg) {
-        const T* vp = vbase + table[pg] * page_elems;
-        const int64_t keys = std::min<int64_t>(ps, last_visible - pg * ps);
-#pragma omp simd
-        for (int64_t e = 0; e < keys * dim; ++e) kf[e] = to_f(vp[e]);
-        for (int64_t qi = 0; qi < nq; ++qi) {
-            const float* pr = scores + qi * width + pg * ps;
-            float a[DIM ? DIM : kMaxDim];
-            std::memcpy(a, acc + qi * dim, sizeof(float) * dim);
-            for (int64_t j = 0; j < keys; ++j) {
-                const float w = pr[j];
-                const float* vr = kf + j * dim;
-#pragma omp simd
-                for (int d = 0; d < dim; ++d) a[d] += w * vr[d];
+    if constexpr (kDotPath<T, PS, DIM>) {
+        for (int64_t pg = 0; pg < npages; ++pg)
+            dot_pv_page(vbase + table[pg] * page_elems, std::min<int64_t>(ps, last_visible - pg * ps),
+                        scores + pg * ps, width, nq, acc, kf);
+    } else {
+        for (int64_t pg = 0; pg < npages; ++pg) {
+            const T* vp = vbase + table[pg] * page_elems;
+            const int64_t keys = std::min<int64_t>(ps, last_visible - pg * ps);
+    #pragma omp simd
+            for (int64_t e = 0; e < keys * dim; ++e) kf[e] = to_f(vp[e]);
+            for (int64_t qi = 0; qi < nq; ++qi) {
+                const float* pr = scores + qi * width + pg * ps;
+                float a[DIM ? DIM : kMaxDim];
+                std::memcpy(a, acc + qi * dim, sizeof(float) * dim);
+                for (int64_t j = 0; j < keys; ++j) {
+                    const float w = pr[j];
+                    const float* vr = kf + j * dim;
+    #pragma omp simd
+                    for (int d = 0; d < dim; ++d) a[d] += w * vr[d];
+                }
+                std::memcpy(acc + qi * dim, a, sizeof(float) * dim);
             }
-            std::memcpy(acc + qi * dim, a, sizeof(float) * dim);
         }
     }
 

@@ -41,6 +41,6 @@ class Linear:
                 log.debug("oneDNN weight packing unavailable: %s", e)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+        if self.packed:  # the resolved overload: skips the op packet's per-call lookup
+            return torch.ops.mkldnn._linear_pointwise.default(x, self.weight, None, "none", [], "")
         return F.linear(x, self.weight)

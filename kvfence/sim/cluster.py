@@ -848,7 +848,7 @@ class Simulation:
         ps = self.cfg.page_size
         n = life.truth.shape[0]
         kv = kv.clone()
-        kv[:, :, :, tokens:, :] = 0
+        node.engine.pool.clear_positions_from(kv, tokens)  # prefill zeroes the same tail when it stages
         got = kv.view(L, two, H, n, ps, D).permute(3, 0, 1, 2, 4, 5).contiguous().view(n, -1).view(torch.uint8)
         want = life.truth.view(n, -1)
         if self.cfg.check_handoff and not torch.equal(got[:, :want.shape[1]], want):
