@@ -176,6 +176,11 @@ struct Task {
 
 thread_local std::vector<float> tl_buf;
 
+inline void prefetch_page(const void* p, int64_t bytes) {
+    const char* c = static_cast<const char*>(p);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+}
+
 // bf16 pages of the common shape on CPUs with AVX512-BF16 use vdpbf16ps: one instruction
 // multiplies 16 pairs of bf16 and adds them into 16 fp32 lanes, half the work of converting
 // to fp32 and multiply-adding. Pairs run along the reduction: (d, d+1) for scores, (j, j+1)
@@ -298,8 +303,12 @@ void attend_task(const Task& t, const T* q, int64_t q_stride, const T* k_cache, 
     // past the row's keys are computed with the page and dropped below: they never reach a
     // softmax, so an unwritten slot (stale or NaN) cannot leak into the output.
     if constexpr (kDotPath<T, PS, DIM>) {
-        for (int64_t pg = 0; pg < npages; ++pg)
+        for (int64_t pg = 0; pg < npages; ++pg) {
+            // a row's pages lie anywhere in the pool: fetch the next one while this one computes
+            if (pg + 1 < npages) prefetch_page(kbase + table[pg + 1] * page_elems, page_elems * sizeof(T));
+            else prefetch_page(vbase + table[0] * page_elems, page_elems * sizeof(T));
             dot_scores_page(kbase + table[pg] * page_elems, qf, nq_pad, scores + pg * ps, width, kf);
+        }
     } else {
         for (int64_t pg = 0; pg < npages; ++pg) {
             const T* kp = kbase + table[pg] * page_elems;
@@ -344,9 +353,11 @@ void attend_task(const Task& t, const T* q, int64_t q_stride, const T* k_cache, 
     // acc = probabilities . v, over the row's keys only
     std::fill(acc, acc + nq * dim, 0.f);
     if constexpr (kDotPath<T, PS, DIM>) {
-        for (int64_t pg = 0; pg < npages; ++pg)
+        for (int64_t pg = 0; pg < npages; ++pg) {
+            if (pg + 1 < npages) prefetch_page(vbase + table[pg + 1] * page_elems, page_elems * sizeof(T));
             dot_pv_page(vbase + table[pg] * page_elems, std::min<int64_t>(ps, last_visible - pg * ps),
                         scores + pg * ps, width, nq, acc, kf);
+        }
     } else {
         for (int64_t pg = 0; pg < npages; ++pg) {
             const T* vp = vbase + table[pg] * page_elems;
