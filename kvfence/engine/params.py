@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 @dataclass
 class SamplingParams:
     temperature: float = 1.0          # 0.0 means greedy
-    top_p: float = 1.0
+    top_p: float = 1.0                # 0 keeps only the most likely token (OpenAI accepts 0)
     top_k: int = 0                    # 0 or -1: no top-k cut
     seed: int | None = None           # per-request RNG seed: same seed, same output
     max_tokens: int | None = 16       # None: up to the usable context
@@ -28,8 +28,8 @@ class SamplingParams:
         problems = []
         if not (0.0 <= self.temperature <= 100.0):
             problems.append(f"temperature must be in [0, 100], got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.top_p <= 1.0):
+            problems.append(f"top_p must be in [0, 1], got {self.top_p}")
         if self.top_k < 0:
             problems.append(f"top_k must be >= 0 (or -1 for no limit), got {self.top_k}")
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -136,7 +136,8 @@ def test_top_k_1_and_tiny_top_p_equal_greedy():
     logits[3, 7] = logits[3, 9] = logits[3].max() + 1.0  # a tie: greedy takes 7
     greedy = Sampler()(logits, [SamplingParams(temperature=0.0)] * 32, [None] * 32).token_ids
     assert greedy[3] == 7
-    for params in (SamplingParams(temperature=1.5, top_k=1), SamplingParams(temperature=1.5, top_p=1e-6)):
+    for params in (SamplingParams(temperature=1.5, top_k=1), SamplingParams(temperature=1.5, top_p=1e-6),
+                   SamplingParams(temperature=1.5, top_p=0.0)):
         for seed in range(5):
             gens = [make_generator(seed * 100 + i, "cpu") for i in range(32)]
             assert Sampler()(logits, [params] * 32, gens).token_ids == greedy
