@@ -75,7 +75,7 @@ def test_streamed_deltas_add_up_to_the_text_with_multibyte_output(llm):
 
 def test_invalid_params_and_prompts_are_refused_clearly(llm):
     with pytest.raises(ValueError, match="top_p"):
-        SamplingParams(top_p=0)
+        SamplingParams(top_p=1.5)
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
     outs = llm.generate([[], [10**9]], SamplingParams(max_tokens=2))
