@@ -103,7 +103,7 @@ class LLMEngine:
     @property
     def compute_path(self) -> str:
         """Which implementation runs the model: the fused CPU kernels or plain torch ops."""
-        fused = self.runner.fused_kernels and self.model.kernels is not None and self.device == "cpu"
+        fused = self.model.runs_fused(self.runner.fused_kernels, self.pool.kv.device.type, self.pool.page_size)
         return "fused CPU kernels" if fused else "torch ops"
 
     def _kv_budget(self, cfg: EngineConfig, dtype: torch.dtype) -> int:

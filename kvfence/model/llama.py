@@ -82,12 +82,16 @@ class LlamaModel:
         self.cos = emb.cos().to(self.device, self.dtype).contiguous()
         self.sin = emb.sin().to(self.device, self.dtype).contiguous()
 
+    def runs_fused(self, fused: bool, device_type: str, page_size: int) -> bool:
+        """Whether forward takes the fused CPU kernels for a pool on this device and page size."""
+        return fused and self.kernels is not None and device_type == "cpu" and page_size <= MAX_PAGE_SIZE
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, fused: bool = True) -> torch.Tensor:
         """kv_cache: [layers, 2, kv_heads, slots, head_dim], K pages dim-major (see
         kv/pool.py). fused: use the CPU kernels where they are built. Returns float32 logits
         [M, vocab]."""
-        if fused and self.kernels is not None and kv_cache.device.type == "cpu" and batch.page_size <= MAX_PAGE_SIZE:
+        if self.runs_fused(fused, kv_cache.device.type, batch.page_size):
             h = self._layers_fused(batch, kv_cache)
         else:
             h = self._layers_torch(batch, kv_cache)
