@@ -28,3 +28,27 @@ def test_clear_positions_from_zeroes_exactly_the_positions_past_the_prompt():
     # the pool itself is untouched
     k, _ = LlamaModel._gather(pool.kv[0, 0], pool.kv[0, 1], torch.tensor([pages]), ps)
     assert torch.equal(k[0, 0, :, 0], (positions + 1).float())
+
+
+def test_staging_sends_no_position_past_the_prompt():
+    """Prefill copies a request's pages into transfer rows; the slots past its token count
+    (an earlier owner's bytes, in the pool's in-page layout) must leave the node as zeros."""
+    from kvfence.kv.ledger import Owner
+    from kvfence.pd.manifest import HEADER_BYTES
+    from kvfence.pd.staging import StagingBuffer
+
+    cfg = tiny_config(layers=2, hidden=32, heads=4, kv_heads=2)
+    ps, pages, tokens = 8, [2, 4], 11
+    pool = KVPool(cfg, num_pages=5, page_size=ps, dtype=torch.float32, device="cpu")
+    pool.kv.fill_(7.0)  # every slot holds something: stale bytes past the prompt included
+    staging = StagingBuffer(pool, num_rows=4)
+    rows = staging.grant(Owner(tenant=1, request=1), len(pages))
+    staging.stage(pages, rows, tokens, "r1", "t1", "boot")
+    L, two, H, _, D = pool.kv.shape
+    data = staging.buf[rows.pages, HEADER_BYTES:].contiguous().view(torch.float32)
+    kv = data.view(len(pages), L, two, H, ps, D).permute(1, 2, 3, 0, 4, 5).reshape(L, two, H, len(pages) * ps, D)
+    positions = torch.arange(len(pages) * ps)
+    for layer in range(L):  # read back by position through the model's gather
+        k, v = LlamaModel._gather(kv[layer, 0], kv[layer, 1], torch.tensor([[0, 1]]), ps)
+        want = torch.where(positions < tokens, 7.0, 0.0).view(1, 1, -1, 1)
+        assert torch.equal(k, want.expand_as(k)) and torch.equal(v, want.expand_as(v))
