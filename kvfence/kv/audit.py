@@ -149,7 +149,7 @@ class ReadAudit:
         seen = _np(a.visible(ps))
         ri, pos = np.nonzero(seen)
         col = pos // ps
-        r_seq = tok_seq[_np(a.q_start).astype(np.int64, copy=False)[ri]] if len(ri) else np.empty(0, np.int64)
+        r_seq = tok_seq[_np(a.q_start).astype(np.int64, copy=False)[ri]]
         r_page = pages[ri, col]
         r_slot = pos % ps
         # one group per (row, page column): the count of distinct page reads
