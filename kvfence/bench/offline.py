@@ -75,8 +75,8 @@ def run_engine(name: str, loaded: LoadedModel, cfg: EngineConfig, wl: Workload) 
 
 def matmul_floor(loaded: LoadedModel, wl: Workload, chunk: int) -> Result:
     """The workload's linear layers alone, with this model's own (packed) weights and the
-    engine's batch shapes: prompts in chunks of the step budget, logits for the last prompt
-    token only, then one 32-row decode step per output token. No attention, no norms, no
+    engine's batch shapes: prompts in chunks of the step budget, the last layer past its KV
+    and the logits for each prompt's last token only, then one 32-row decode step per output token. No attention, no norms, no
     scheduling: the time any engine built on these GEMMs needs at least."""
     import torch
 
@@ -90,8 +90,11 @@ def matmul_floor(loaded: LoadedModel, wl: Workload, chunk: int) -> Result:
         if rows not in inputs:
             inputs[rows] = torch.randn(rows, hidden, dtype=dtype), torch.randn(rows, inter, dtype=dtype)
         x, x_inter = inputs[rows]
-        for _, wqkv, wo, _, wgu, wdown in model.layers:
+        for _, wqkv, wo, _, wgu, wdown in model.layers[:-1]:
             wqkv(x), wo(x), wgu(x), wdown(x_inter)
+        # the last layer, as the model runs it: K and V for every row, the rest for the logits rows
+        _, wqkv, wo, _, wgu, wdown = model.layers[-1]
+        wqkv(x), wo(x[:logits_rows]), wgu(x[:logits_rows]), wdown(x_inter[:logits_rows])
         model.lm_head(x[:logits_rows])
 
     prompt_tokens = wl.num_requests * wl.prompt_tokens

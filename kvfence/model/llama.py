@@ -95,6 +95,8 @@ class LlamaModel:
             h = self._layers_fused(batch, kv_cache)
         else:
             h = self._layers_torch(batch, kv_cache)
+        if not len(h):  # a pass that only writes KV (a PD prefill, a chunk mid-prompt)
+            return torch.empty(0, self.config.vocab_size, device=h.device)
         return self.lm_head(h).float()
 
     # -- fused CPU kernels --------------------------------------------------------------
@@ -108,6 +110,7 @@ class LlamaModel:
         attn_out = torch.empty(n, H, D, dtype=self.dtype)
         scale = D ** -0.5
         x = K.add_rms_norm(h, None, self.layers[0][0], self.eps)
+        last, rows = len(self.layers) - 1, batch.logits_rows
         for li, (_, wqkv, wo, ffn_norm, wgu, wdown) in enumerate(self.layers):
             qkv = wqkv(x)
             k_cache, v_cache = kv_cache[li, 0], kv_cache[li, 1]
@@ -116,14 +119,19 @@ class LlamaModel:
             q = qkv[:, :self.q_size].view(n, H, D)
             K.paged_attention(q, k_cache, v_cache, a.pages, a.q_start, a.q_len, a.kv_len, attn_out,
                               batch.page_size, scale)
-            x = K.add_rms_norm(h, wo(attn_out.view(n, H * D)), ffn_norm, self.eps)
+            attn = attn_out
+            if li == last:  # past the last KV write, only the logits rows matter
+                h, attn = h[rows], attn_out[rows]
+                if not len(rows):
+                    return h
+            x = K.add_rms_norm(h, wo(attn.view(-1, H * D)), ffn_norm, self.eps)
             down = wdown(K.silu_mul(wgu(x)))
             nxt = self.layers[li + 1][0] if li + 1 < len(self.layers) else None
             if nxt is not None:
                 x = K.add_rms_norm(h, down, nxt, self.eps)
             else:
                 h += down
-        return K.add_rms_norm(h[batch.logits_rows], None, self.final_norm, self.eps)
+        return K.add_rms_norm(h, None, self.final_norm, self.eps)
 
     # -- plain torch ---------------------------------------------------------------------
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -218,6 +226,7 @@ class LlamaModel:
             ctx = a.kv_len[first:first + rows] - ql
             mask = pos[None, None, :] <= (ctx[:, None, None] + torch.arange(ql, device=pages.device)[None, :, None])
             plan.append((s, e, rows, ql, pages, mask.unsqueeze(1)))
+        last = len(self.layers) - 1
         for li, (attn_norm, wqkv, wo, ffn_norm, wgu, wdown) in enumerate(self.layers):
             x = self._rms_norm(h, attn_norm)
             qkv = wqkv(x)
@@ -237,9 +246,14 @@ class LlamaModel:
                     kb, vb = self._gather(k_cache, v_cache, pages, ps)
                     o = self._attend_cached(qb, kb, vb, mask)
                 attn_out[s:e] = o.transpose(1, 2).reshape(e - s, H, D)
-            h = h + wo(attn_out.view(n, H * D))
+            attn = attn_out
+            if li == last:  # past the last KV write, only the logits rows matter
+                h, attn = h[batch.logits_rows], attn_out[batch.logits_rows]
+                if not len(h):
+                    return h
+            h = h + wo(attn.view(-1, H * D))
             x = self._rms_norm(h, ffn_norm)
             gu = wgu(x)
             gate, up = gu.chunk(2, dim=-1)
             h = h + wdown(F.silu(gate) * up)
-        return self._rms_norm(h[batch.logits_rows], self.final_norm)
+        return self._rms_norm(h, self.final_norm)
