@@ -95,10 +95,10 @@ class LLMEngine:
         self._stalled = False
         self.wake: Callable[[], None] = lambda: None  # the server's loop sets this: wakes a blocked loop
         self.clock: Callable[[], float] = time.time   # PD leases and fences; the simulation swaps it
-        log.info("model %s (%s, %s on %s, %s); KV pool %d pages x %d tokens = %d tokens (%.1f MiB, scrub=%s); %s",
-                 self.model_config.name, self.model_path.name, cfg.dtype, self.device, self.compute_path,
-                 self.ledger.usable_pages, cfg.page_size, self.ledger.capacity_tokens, self.pool.nbytes / 2**20,
-                 self.ledger.scrub.value, self.context.note)
+        log.info("model %s (%s, %s on %s, %s, %s matmuls); KV pool %d pages x %d tokens = %d tokens "
+                 "(%.1f MiB, scrub=%s); %s", self.model_config.name, self.model_path.name, cfg.dtype, self.device,
+                 self.compute_path, self.model.lm_head.backend, self.ledger.usable_pages, cfg.page_size,
+                 self.ledger.capacity_tokens, self.pool.nbytes / 2**20, self.ledger.scrub.value, self.context.note)
 
     @property
     def compute_path(self) -> str:

@@ -49,6 +49,7 @@ class CpuKernels:
 
     def __init__(self, lib):
         self.lib = lib
+        self._sizes: dict[tuple[int, int], int] = {}
 
     @staticmethod
     def _code(t: torch.Tensor) -> int:
@@ -91,6 +92,40 @@ class CpuKernels:
         out = torch.empty(n, two_i // 2, dtype=gu.dtype)
         self.lib.kvfence_silu_mul(self._code(gu), gu.data_ptr(), out.data_ptr(), n, two_i // 2,
                                   torch.get_num_threads())
+        return out
+
+    # -- bf16 matmul (gemm.cpp) ------------------------------------------------------------
+    @property
+    def has_gemm(self) -> bool:
+        """Whether this build has the AVX512-BF16 matmul."""
+        return bool(self.lib.kvfence_gemm_supported())
+
+    def _packed_size(self, n: int, k: int) -> int:
+        size = self._sizes.get((n, k))
+        if size is None:
+            size = self._sizes[(n, k)] = self.lib.kvfence_gemm_packed_size(n, k)
+        return size
+
+    def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """A bf16 weight [N, K] (K even) in the matmul's panel layout."""
+        n, k = weight.shape
+        assert weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and k % 2 == 0
+        weight = weight.contiguous()
+        packed = torch.empty(self._packed_size(n, k), dtype=torch.int32)
+        self.lib.kvfence_gemm_pack(weight.data_ptr(), n, k, packed.data_ptr())
+        return packed
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+        """x [M, K] bf16 (rows contiguous) times the packed [N, K] weight, transposed: [M, N]."""
+        m, k = x.shape
+        assert x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.stride(1) == 1
+        assert k % 2 == 0 and packed.numel() == self._packed_size(n, k)
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        if m:
+            rc = self.lib.kvfence_gemm(x.data_ptr(), x.stride(0), packed.data_ptr(), out.data_ptr(), n, m, n, k,
+                                       torch.get_num_threads())
+            if rc != 0:
+                raise RuntimeError("this build of the CPU kernels has no bf16 matmul")
         return out
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,

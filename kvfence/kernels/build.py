@@ -1,4 +1,4 @@
-"""Compile cpu_kernels.cpp once per machine and source version, and load it with ctypes.
+"""Compile the kernel sources (cpu_kernels.cpp, gemm.cpp) into one library once per machine and source version, and load it with ctypes.
 
 The library is built with the system C++ compiler into a cache folder
 ($KVFENCE_CACHE_DIR, else $XDG_CACHE_HOME/kvfence, else ~/.cache/kvfence), named by a hash
@@ -21,7 +21,7 @@ from pathlib import Path
 
 log = logging.getLogger("kvfence.kernels")
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "gemm.cpp")]
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno"]
 
 
@@ -52,7 +52,8 @@ def _cpu_flags() -> str:
 
 def library_path(cxx: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()
+    sources = b"".join(src.read_bytes() for src in SOURCES)
+    key = hashlib.sha256(sources + " ".join(FLAGS).encode() + version.encode()
                          + _cpu_flags().encode()).hexdigest()[:16]
     return cache_dir() / f"cpu_kernels-{key}.so"
 
@@ -73,9 +74,9 @@ def build() -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+            proc = subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True)
             if proc.returncode != 0:
-                raise RuntimeError(f"{cxx} failed building {SOURCE.name}:\n{proc.stderr[-2000:]}")
+                raise RuntimeError(f"{cxx} failed building {' '.join(src.name for src in SOURCES)}:\n{proc.stderr[-2000:]}")
             os.replace(tmp, target)  # atomic: a reader never sees half a library
         finally:
             if os.path.exists(tmp):
@@ -100,6 +101,13 @@ def load_library() -> ctypes.CDLL:
     lib.kvfence_paged_attention.argtypes = [i32, vp, i64, vp, vp, i64, i64, vp, i64, vp, vp, vp, i64, vp, i64,
                                             i32, i32, i32, i32, f32, i32]
     lib.kvfence_paged_attention.restype = i64
+    lib.kvfence_gemm_supported.restype = i32
+    lib.kvfence_gemm_packed_size.argtypes = [i64, i64]
+    lib.kvfence_gemm_packed_size.restype = i64
+    lib.kvfence_gemm_pack.argtypes = [vp, i64, i64, vp]
+    lib.kvfence_gemm_pack.restype = None
+    lib.kvfence_gemm.argtypes = [vp, i64, vp, vp, i64, i64, i64, i64, i32]
+    lib.kvfence_gemm.restype = i32
     return lib
 
 

@@ -1,9 +1,11 @@
-"""y = x @ W.T, with W reordered once into oneDNN's blocked layout where that is available.
+"""y = x @ W.T, with W reordered once into the fastest layout this machine has.
 
-Measured on a 2-core x86 CPU (bf16): 1.2-1.6x faster than F.linear at decode batch sizes
-(32 rows) and ~1.1x at prefill sizes, with identical results. Only bf16: in fp32 oneDNN
-sums in another order than MKL (~1e-4 apart), which would cost float32 its role as the
-mode that matches the reference. Elsewhere (CUDA, no oneDNN) it is plain F.linear.
+bf16 on a CPU with AVX512-BF16: kvfence's own matmul (kernels/gemm.cpp), ~1.3x oneDNN at
+decode's 32 rows and ~1.1x at prefill's 2048 on a 2-core Zen 4 for this model's shapes.
+Else bf16 on CPU: oneDNN's packed weights, 1.2-1.6x F.linear at 32 rows, ~1.1x at 2048.
+float32 keeps F.linear: a packed kernel sums in another order than MKL (~1e-4 apart), which
+would cost float32 its role as the mode that matches the reference. CUDA: F.linear.
+Every packed form is checked against F.linear on a probe before it is used.
 """
 from __future__ import annotations
 
@@ -12,12 +14,12 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from kvfence.kernels import cpu_kernels
+
 log = logging.getLogger("kvfence.model")
 
 
 def _onednn_ok(weight: torch.Tensor) -> bool:
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
-        return False
     if not torch.backends.mkldnn.is_available():
         return False
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
@@ -28,19 +30,32 @@ def _onednn_ok(weight: torch.Tensor) -> bool:
 class Linear:
     def __init__(self, weight: torch.Tensor, pack: bool = True):
         self.out_features, self.in_features = weight.shape
-        self.packed = False
+        self.backend = "torch"
         self.weight = weight.contiguous()
-        if pack and _onednn_ok(weight):
+        if not pack or weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+            return
+        kernels = cpu_kernels()
+        if kernels is not None and kernels.has_gemm and self.in_features % 2 == 0:
+            self._try("kvfence", kernels.pack_weight(self.weight))
+        if self.backend == "torch" and _onednn_ok(weight):
             try:
-                packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
-                probe = torch.randn(3, self.in_features, generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-                got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
-                if torch.allclose(got.float(), F.linear(probe, self.weight).float(), rtol=2e-2, atol=2e-2):
-                    self.weight, self.packed = packed, True
+                self._try("onednn", torch.ops.mkldnn._reorder_linear_weight(self.weight, None))
             except RuntimeError as e:  # an older oneDNN, an odd shape: plain F.linear is fine
                 log.debug("oneDNN weight packing unavailable: %s", e)
 
+    def _try(self, backend: str, packed: torch.Tensor) -> None:
+        """Use packed through backend if it agrees with F.linear on a probe."""
+        probe = torch.randn(3, self.in_features, generator=torch.Generator().manual_seed(0)).to(self.weight.dtype)
+        plain, weight = self.weight, self.weight
+        self.backend, self.weight = backend, packed
+        if torch.allclose(self(probe).float(), F.linear(probe, plain).float(), rtol=2e-2, atol=2e-2):
+            return
+        log.warning("%s packed matmul disagrees with F.linear on a probe; not using it", backend)
+        self.backend, self.weight = "torch", weight
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:  # the resolved overload: skips the op packet's per-call lookup
+        if self.backend == "kvfence":
+            return cpu_kernels().linear(x, self.weight, self.out_features)
+        if self.backend == "onednn":  # the resolved overload: skips the op packet's per-call lookup
             return torch.ops.mkldnn._linear_pointwise.default(x, self.weight, None, "none", [], "")
         return F.linear(x, self.weight)

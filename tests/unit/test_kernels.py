@@ -215,3 +215,45 @@ def test_model_forward_fused_bf16_is_as_accurate_as_torch_path():
     err_plain = (plain - exact).abs().max().item()
     scale = exact.abs().max().item()
     assert err_fused <= max(err_plain * 1.1, 0.02 * scale), (err_fused, err_plain, scale)
+
+
+# -- bf16 matmul (gemm.cpp) -------------------------------------------------------------------
+gemm_only = pytest.mark.skipif(K is None or not K.has_gemm, reason="no AVX512-BF16 matmul in this build")
+
+
+@gemm_only
+@pytest.mark.parametrize("m,n,k", [(1, 64, 32), (13, 96, 64), (32, 960, 576), (25, 70, 18), (40, 33, 2)])
+def test_gemm_matches_float64_reference(m, n, k):
+    """Row counts off the 12-row tile, widths off the 32-column panel (masked stores)."""
+    g = gen(7)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    got = K.linear(x, K.pack_weight(w), n)
+    want = (x.double() @ w.double().T)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    # fp32 sums of exact products, one rounding to bf16: within bf16's half-ulp plus fp32 noise
+    torch.testing.assert_close(got.double(), want, rtol=8e-3, atol=1e-3 * math.sqrt(k))
+
+
+@gemm_only
+def test_gemm_reads_rows_through_their_stride_and_nothing_past_n():
+    g = gen(8)
+    w = torch.randn(40, 64, generator=g).to(torch.bfloat16)
+    wide = torch.randn(9, 100, generator=g).to(torch.bfloat16)
+    x = wide[:, 10:74]                       # rows 100 apart: the kernel must use the stride
+    got = K.linear(x, K.pack_weight(w), 40)
+    torch.testing.assert_close(got, K.linear(x.contiguous(), K.pack_weight(w), 40), rtol=0, atol=0)
+    torch.testing.assert_close(got.float(), torch.nn.functional.linear(x.float(), w.float()), rtol=2e-2, atol=5e-2)
+    assert K.linear(x[:0], K.pack_weight(w), 40).shape == (0, 40)
+
+
+@gemm_only
+def test_linear_uses_the_kvfence_matmul_for_bf16_and_falls_back_for_odd_k():
+    from kvfence.model.linear import Linear
+    w = torch.randn(48, 64, generator=gen(9)).to(torch.bfloat16)
+    lin = Linear(w)
+    assert lin.backend == "kvfence"
+    x = torch.randn(5, 64, generator=gen(10)).to(torch.bfloat16)
+    torch.testing.assert_close(lin(x).float(), torch.nn.functional.linear(x, w).float(), rtol=2e-2, atol=5e-2)
+    assert Linear(torch.randn(48, 63).to(torch.bfloat16)).backend != "kvfence"
+    assert Linear(torch.randn(48, 64)).backend == "torch"   # float32 stays on F.linear
