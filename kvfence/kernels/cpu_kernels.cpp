@@ -290,7 +290,18 @@ inline __m512i pair_rows(const bf16_t* lo, const bf16_t* hi) {
     return _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
 }
 
-inline uint32_t bf16_bits(float f) { return from_f<bf16_t>(f); }
+template <int U>  // U queries at once: U independent chains of 32 multiply-adds
+inline void score_tile(const int32_t* kpair, const uint32_t* qp, const float* qf, float* scores, int64_t width) {
+    __m512 acc[U];
+    for (int u = 0; u < U; ++u) acc[u] = _mm512_setzero_ps();
+    for (int i = 0; i < 32; ++i) {
+        const __m512bh k = (__m512bh)_mm512_loadu_si512(kpair + 16 * i);
+        for (int u = 0; u < U; ++u)
+            acc[u] = _mm512_dpbf16_ps(acc[u], (__m512bh)_mm512_set1_epi32(int(qp[u * 64 + i])), k);
+    }
+    for (int u = 0; u < U; ++u)
+        _mm512_storeu_ps(scores + u * width, _mm512_mul_ps(acc[u], _mm512_set1_ps(qf[u * 64 + 32])));
+}
 
 // qf holds, per query, 32 uint32 pairs (q[2i], q[2i+1]) as raw bf16 bits, then the scale.
 inline void dot_scores_page(const bf16_t* kp, const float* qf, int64_t nq_pad, float* scores, int64_t width,
@@ -298,23 +309,16 @@ inline void dot_scores_page(const bf16_t* kp, const float* qf, int64_t nq_pad, f
     // scratch need not be 64-byte aligned: unaligned loads and stores throughout
     int32_t* kpair = reinterpret_cast<int32_t*>(scratch);  // 32 pairs of K rows (d, d+1), 16 lanes each
     for (int i = 0; i < 32; ++i) _mm512_storeu_si512(kpair + 16 * i, pair_rows(kp + (2 * i) * 16, kp + (2 * i + 1) * 16));
-    for (int64_t q0 = 0; q0 < nq_pad; q0 += kQueryTile) {
-        __m512 acc[kQueryTile];
-        for (int u = 0; u < kQueryTile; ++u) acc[u] = _mm512_setzero_ps();
-        const uint32_t* qp = reinterpret_cast<const uint32_t*>(qf + q0 * 64);
-        for (int i = 0; i < 32; ++i) {
-            const __m512bh k = (__m512bh)_mm512_loadu_si512(kpair + 16 * i);
-            for (int u = 0; u < kQueryTile; ++u)
-                acc[u] = _mm512_dpbf16_ps(acc[u], (__m512bh)_mm512_set1_epi32(int(qp[u * 64 + i])), k);
-        }
-        for (int u = 0; u < kQueryTile; ++u) {
-            const float scale = qf[(q0 + u) * 64 + 32];
-            _mm512_storeu_ps(scores + (q0 + u) * width, _mm512_mul_ps(acc[u], _mm512_set1_ps(scale)));
-        }
-    }
+    int64_t q0 = 0;
+    for (; q0 + 8 <= nq_pad; q0 += 8)  // prefill blocks: eight chains keep the multiply-add unit busy
+        score_tile<8>(kpair, reinterpret_cast<const uint32_t*>(qf + q0 * 64), qf + q0 * 64, scores + q0 * width, width);
+    for (; q0 < nq_pad; q0 += kQueryTile)
+        score_tile<kQueryTile>(kpair, reinterpret_cast<const uint32_t*>(qf + q0 * 64), qf + q0 * 64,
+                               scores + q0 * width, width);
 }
 
-inline void dot_pv_page(const bf16_t* vp, int64_t keys, const float* probs, int64_t width, int64_t nq, float* acc,
+// probs16: per query, the row's probabilities rounded to bf16 (width apart), this page's first
+inline void dot_pv_page(const bf16_t* vp, int64_t keys, const bf16_t* probs16, int64_t width, int64_t nq, float* acc,
                         float* scratch) {
     int32_t* vpair = reinterpret_cast<int32_t*>(scratch);  // [8 key pairs][4 chunks of 16 dims][16 lanes]
     const int pairs = int((keys + 1) / 2);
@@ -324,13 +328,13 @@ inline void dot_pv_page(const bf16_t* vp, int64_t keys, const float* probs, int6
             _mm512_storeu_si512(vpair + 16 * (jj * 4 + c), pair_rows(lo, 2 * jj + 1 < keys ? lo + 64 : nullptr));  // never a row past keys
         }
     for (int64_t qi = 0; qi < nq; ++qi) {
-        const float* pr = probs + qi * width;
+        // (p[2j], p[2j+1]) as one uint32; a partner past keys is a zero probability (softmax_row)
+        const uint32_t* pr = reinterpret_cast<const uint32_t*>(probs16 + qi * width);
         float* a = acc + qi * 64;
         __m512 o0 = _mm512_loadu_ps(a), o1 = _mm512_loadu_ps(a + 16), o2 = _mm512_loadu_ps(a + 32),
                o3 = _mm512_loadu_ps(a + 48);
         for (int jj = 0; jj < pairs; ++jj) {
-            const uint32_t hi = 2 * jj + 1 < keys ? bf16_bits(pr[2 * jj + 1]) : 0u;
-            const __m512bh p = (__m512bh)_mm512_set1_epi32(int(bf16_bits(pr[2 * jj]) | (hi << 16)));
+            const __m512bh p = (__m512bh)_mm512_set1_epi32(int(pr[jj]));
             o0 = _mm512_dpbf16_ps(o0, p, (__m512bh)_mm512_loadu_si512(vpair + 16 * (jj * 4 + 0)));
             o1 = _mm512_dpbf16_ps(o1, p, (__m512bh)_mm512_loadu_si512(vpair + 16 * (jj * 4 + 1)));
             o2 = _mm512_dpbf16_ps(o2, p, (__m512bh)_mm512_loadu_si512(vpair + 16 * (jj * 4 + 2)));
@@ -342,12 +346,60 @@ inline void dot_pv_page(const bf16_t* vp, int64_t keys, const float* probs, int6
         _mm512_storeu_ps(a + 48, o3);
     }
 }
+
+// the probabilities at bf16, sixteen at a time (width is a whole number of 16-key pages)
+inline void round_probs(const float* scores, int64_t n, bf16_t* out) {
+    for (int64_t k = 0; k < n; k += 16) st16(out + k, _mm512_loadu_ps(scores + k));
+}
 #else
 template <typename T, int PS, int DIM>
 constexpr bool kDotPath = false;
 inline void dot_scores_page(const bf16_t*, const float*, int64_t, float*, int64_t, float*) {}
-inline void dot_pv_page(const bf16_t*, int64_t, const float*, int64_t, int64_t, float*, float*) {}
+inline void dot_pv_page(const bf16_t*, int64_t, const bf16_t*, int64_t, int64_t, float*, float*) {}
+inline void round_probs(const float*, int64_t, bf16_t*) {}
 #endif
+
+// s[0 .. visible) becomes its softmax, s[visible .. width) zeros
+inline void softmax_row(float* s, int64_t visible, int64_t width) {
+#if defined(__AVX512BF16__)
+    // sixteen lanes at a time: a scalar max does not vectorize without -ffast-math, and in a
+    // prefill this row work is as large as the dot products
+    __m512 vmx = _mm512_set1_ps(-INFINITY);
+    int64_t k = 0;
+    for (; k + 16 <= visible; k += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(s + k));
+    const __mmask16 tail = __mmask16((1u << (visible - k)) - 1);
+    vmx = _mm512_mask_max_ps(vmx, tail, vmx, _mm512_maskz_loadu_ps(tail, s + k));
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmx));
+    __m512 vsum = _mm512_setzero_ps();
+    for (k = 0; k + 16 <= visible; k += 16) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + k), mx));
+        _mm512_storeu_ps(s + k, e);
+        vsum = _mm512_add_ps(vsum, e);
+    }
+    if (tail) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + k), mx));
+        _mm512_mask_storeu_ps(s + k, tail, e);
+        vsum = _mm512_mask_add_ps(vsum, tail, vsum, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
+    for (k = 0; k + 16 <= visible; k += 16) _mm512_storeu_ps(s + k, _mm512_mul_ps(_mm512_loadu_ps(s + k), inv));
+    if (tail) _mm512_mask_storeu_ps(s + k, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + k), inv));
+#else
+    float mx = -INFINITY;
+    for (int64_t k = 0; k < visible; ++k) mx = std::max(mx, s[k]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t k = 0; k < visible; ++k) {
+        const float e = exp_approx(s[k] - mx);
+        s[k] = e;
+        sum += e;
+    }
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t k = 0; k < visible; ++k) s[k] *= inv;
+#endif
+    std::fill(s + visible, s + width, 0.f);
+}
 
 template <typename T, int PS, int DIM>
 void attend_task(const Task& t, const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
@@ -363,12 +415,13 @@ void attend_task(const Task& t, const T* q, int64_t q_stride, const T* k_cache, 
     const int64_t npages = (last_visible + ps - 1) / ps;
     const int64_t width = npages * ps;
     const int64_t nq_pad = (nq + kQueryTile - 1) / kQueryTile * kQueryTile;
-    const size_t need = size_t(nq_pad) * (width + 2 * dim) + size_t(ps) * dim;
+    const size_t need = size_t(nq_pad) * (width + 2 * dim) + size_t(ps) * dim + size_t(nq) * width / 2 + 16;
     if (tl_buf.size() < need) tl_buf.resize(need);
     float* scores = tl_buf.data();                  // [nq_pad][width]
     float* qf = scores + nq_pad * width;            // [nq_pad][dim], pre-scaled; padding rows zero
     float* acc = qf + nq_pad * dim;                 // [nq_pad][dim]
     float* kf = acc + nq_pad * dim;                 // one page in fp32: K [dim][ps] or V [ps][dim]
+    bf16_t* probs16 = reinterpret_cast<bf16_t*>(kf + ps * dim);  // [nq][width] (dot path)
 
     for (int64_t p = 0; p < t.count; ++p) {
         const T* qrow = q + (q_start[t.row] + t.first + p) * q_stride;
@@ -424,31 +477,17 @@ void attend_task(const Task& t, const T* q, int64_t q_stride, const T* k_cache, 
     }
 
     // softmax per query over the keys it may see; the rest of the row becomes 0
-    for (int64_t qi = 0; qi < nq; ++qi) {
-        const int64_t visible = ctx + t.first + qi / group + 1;
-        float* s = scores + qi * width;
-        float mx = -INFINITY;
-        for (int64_t k = 0; k < visible; ++k) mx = std::max(mx, s[k]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t k = 0; k < visible; ++k) {
-            const float e = exp_approx(s[k] - mx);
-            s[k] = e;
-            sum += e;
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t k = 0; k < visible; ++k) s[k] *= inv;
-        for (int64_t k = visible; k < width; ++k) s[k] = 0.f;
-    }
+    for (int64_t qi = 0; qi < nq; ++qi)
+        softmax_row(scores + qi * width, ctx + t.first + qi / group + 1, width);
 
     // acc = probabilities . v, over the row's keys only
     std::fill(acc, acc + nq * dim, 0.f);
     if constexpr (kDotPath<T, PS, DIM>) {
+        round_probs(scores, nq * width, probs16);  // rows are width apart in both
         for (int64_t pg = 0; pg < npages; ++pg) {
             if (pg + 1 < npages) prefetch_page(vbase + table[pg + 1] * page_elems, page_elems * sizeof(T));
             dot_pv_page(vbase + table[pg] * page_elems, std::min<int64_t>(ps, last_visible - pg * ps),
-                        scores + pg * ps, width, nq, acc, kf);
+                        probs16 + pg * ps, width, nq, acc, kf);
         }
     } else {
         for (int64_t pg = 0; pg < npages; ++pg) {
