@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfence.engine.params import SamplingParams
+from kvfence.kernels import cpu_kernels
 
 # Below this, logits / temperature can overflow to inf; such rows are greedy (as in vLLM).
 GREEDY_EPS = 1e-5
@@ -38,6 +39,15 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return g
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax; the CPU kernel's where it applies (same answer, ~10x faster)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous() and logits.shape[1]:
+        kernels = cpu_kernels()
+        if kernels is not None:
+            return kernels.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 def _is_greedy(p: SamplingParams) -> bool:
     return p.temperature < GREEDY_EPS
 
@@ -60,14 +70,14 @@ class Sampler:
         # Hot path: one argmax for the whole batch. float32 conversion cannot change the
         # order of fp16/bf16 values, so argmax on the raw dtype is the same answer, minus a copy.
         if all(p.temperature < GREEDY_EPS and p.logprobs is None for p in params):
-            return SampleOutput(logits.argmax(dim=-1).tolist(), [None] * batch)
+            return SampleOutput(_argmax(logits).tolist(), [None] * batch)
 
         device = logits.device
         greedy_rows = [i for i, p in enumerate(params) if _is_greedy(p)]
         sampled_rows = [i for i, p in enumerate(params) if not _is_greedy(p)]
 
         if not sampled_rows:
-            chosen = logits.argmax(dim=-1)
+            chosen = _argmax(logits)
         else:
             chosen = torch.empty(batch, dtype=torch.long, device=device)
             if greedy_rows:

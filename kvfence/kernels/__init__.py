@@ -94,6 +94,16 @@ class CpuKernels:
                                   torch.get_num_threads())
         return out
 
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """torch.argmax(x, dim=-1) of a [rows, cols] float32 tensor: the first index on ties,
+        a NaN counts as the largest. torch's is single-threaded and scalar; a greedy decode step
+        runs it over 32 x 49152 logits."""
+        rows, cols = x.shape
+        assert x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous() and cols > 0
+        out = torch.empty(rows, dtype=torch.int64)
+        self.lib.kvfence_argmax_rows(x.data_ptr(), rows, cols, out.data_ptr(), torch.get_num_threads())
+        return out
+
     # -- bf16 matmul (gemm.cpp) ------------------------------------------------------------
     @property
     def has_gemm(self) -> bool:

@@ -558,6 +558,48 @@ int64_t paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T*
     return 0;
 }
 
+// index of the largest value of x[0..n), the first on ties; a NaN counts as the largest (the
+// first NaN wins), as torch.argmax
+inline int64_t argmax_row(const float* x, int64_t n) {
+#if defined(__AVX512BF16__)
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    __m512i best_at = _mm512_set1_epi32(0), at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __mmask16 nan = 0;
+    int64_t k = 0;
+    if (n < (int64_t(1) << 31)) {
+        for (; k + 16 <= n; k += 16) {
+            const __m512 v = _mm512_loadu_ps(x + k);
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);  // strictly: a lane keeps its first
+            best = _mm512_mask_mov_ps(best, gt, v);
+            best_at = _mm512_mask_mov_epi32(best_at, gt, at);
+            at = _mm512_add_epi32(at, _mm512_set1_epi32(16));
+        }
+    }
+    int64_t idx = -1;
+    float mx = -INFINITY;
+    if (!nan && k > 0) {
+        mx = _mm512_reduce_max_ps(best);
+        const __mmask16 hit = _mm512_cmp_ps_mask(best, _mm512_set1_ps(mx), _CMP_EQ_OQ);
+        idx = _mm512_mask_reduce_min_epi32(hit, best_at);  // the earliest among lanes holding the max
+    } else if (nan) {
+        k = 0;
+    }
+    for (; k < n; ++k) {
+        if (std::isnan(x[k])) return k;
+        if (idx < 0 || x[k] > mx) { mx = x[k]; idx = k; }
+    }
+    return idx;
+#else
+    int64_t idx = 0;
+    for (int64_t k = 0; k < n; ++k) {
+        if (std::isnan(x[k])) return k;
+        if (x[k] > x[idx]) idx = k;
+    }
+    return idx;
+#endif
+}
+
 }  // namespace
 
 // dtype codes: 0 = float32, 1 = bfloat16
@@ -570,6 +612,11 @@ int64_t paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T*
 extern "C" {
 
 int kvfence_kernels_version() { return 1; }
+
+void kvfence_argmax_rows(const float* x, int64_t rows, int64_t cols, int64_t* out, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static) if (rows > 1 && rows * cols >= (1 << 16))
+    for (int64_t r = 0; r < rows; ++r) out[r] = argmax_row(x + r * cols, cols);
+}
 
 void kvfence_add_rms_norm(int dtype, void* h, const void* delta, const void* w, void* out, int64_t n, int64_t dim,
                           float eps, int nt) {

@@ -257,3 +257,20 @@ def test_linear_uses_the_kvfence_matmul_for_bf16_and_falls_back_for_odd_k():
     torch.testing.assert_close(lin(x).float(), torch.nn.functional.linear(x, w).float(), rtol=2e-2, atol=5e-2)
     assert Linear(torch.randn(48, 63).to(torch.bfloat16)).backend != "kvfence"
     assert Linear(torch.randn(48, 64)).backend == "torch"   # float32 stays on F.linear
+
+
+def test_argmax_rows_is_torch_argmax_ties_nan_and_inf_included():
+    g = gen(11)
+    x = torch.randn(9, 1000, generator=g)
+    x[1, 17] = x[1, 900] = 50.0                 # a tie: the first index wins
+    x[2, 3] = float("nan")                      # NaN counts as the largest, first one wins
+    x[2, 500] = float("nan")
+    x[3, :] = float("-inf")                     # all -inf: index 0
+    x[4, 999] = float("inf")                    # the tail past the last 16 lanes
+    x[5, :] = 7.0                               # all equal: index 0
+    x[6, 995] = 100.0                           # the max in the scalar tail
+    x[7, 999] = float("nan")                    # a NaN only in the tail
+    got = K.argmax_rows(x)
+    assert got.tolist() == x.argmax(dim=-1).tolist()
+    odd = torch.randn(3, 5, generator=g)        # shorter than one vector
+    assert K.argmax_rows(odd).tolist() == odd.argmax(dim=-1).tolist()
