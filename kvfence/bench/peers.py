@@ -147,7 +147,7 @@ def llama_cpp_result(name: str, r: dict):
 
 
 def run_vllm(python: str, model_dir: str, prompts: list[list[int]], output_tokens: int, threads: int,
-             timeout: float = 1800.0) -> dict:
+             repeat: int = 1, timeout: float = 1800.0) -> dict:
     """The workload through vLLM in its own interpreter (kvfence/bench/vllm_peer.py).
 
     LD_PRELOAD gets tcmalloc and the venv's Intel OpenMP where both exist, as vLLM's CPU guide
@@ -161,7 +161,8 @@ def run_vllm(python: str, model_dir: str, prompts: list[list[int]], output_token
     if len(preload) == 2 and "LD_PRELOAD" not in env:
         env["LD_PRELOAD"] = ":".join(preload)
     env.pop("OMP_NUM_THREADS", None)  # vLLM sets its own from the bind list
-    job = json.dumps({"model": model_dir, "prompts": prompts, "output_tokens": output_tokens, "threads": threads})
+    job = json.dumps({"model": model_dir, "prompts": prompts, "output_tokens": output_tokens, "threads": threads,
+                      "repeat": repeat})
     script = Path(__file__).with_name("vllm_peer.py")
     proc = subprocess.run([python, str(script)], input=job, capture_output=True, text=True, timeout=timeout, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

@@ -1,4 +1,5 @@
-"""Compile the kernel sources (cpu_kernels.cpp, gemm.cpp) into one library once per machine and source version, and load it with ctypes.
+"""Compile the kernel sources (cpu_kernels.cpp, gemm.cpp) into one library, once per machine
+and source version, and load it with ctypes.
 
 The library is built with the system C++ compiler into a cache folder
 ($KVFENCE_CACHE_DIR, else $XDG_CACHE_HOME/kvfence, else ~/.cache/kvfence), named by a hash
