@@ -36,13 +36,13 @@ from kvfence.model.loader import default_model_path
 
 gguf = pathlib.Path(default_model_path())
 out = pathlib.Path(".peers/smollm2-bf16")
-model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.bfloat16)
+model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
 tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 # a model loaded from GGUF refuses save_pretrained: rebuild it plainly with the same weights
 cfg = model.config
 if hasattr(cfg, "quantization_config"):
     del cfg.quantization_config
-plain = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
 plain.load_state_dict(model.state_dict(), strict=False)
 plain.tie_weights()
 plain.save_pretrained(out)
