@@ -254,7 +254,7 @@ void silu_mul(const T* gu, T* out, int64_t n, int64_t inter, int nt) {
 //
 // PS and DIM are compile-time for the common shape (page 16, head_dim 64) so the
 // accumulators live in registers; 0 means "given at run time" (the slower general path).
-constexpr int kQueryBlock = 8;   // query positions per task
+constexpr int kQueryBlock = 32;  // query positions per task: K/V pages repacked once for all of them
 constexpr int kQueryTile = 4;    // queries scored together: independent FMA chains
 constexpr int kMaxPage = 64;
 constexpr int kMaxDim = 256;

@@ -104,7 +104,7 @@ def attention_case(dtype, page_size, dim, seed=3):
     continuing over cached context; pages shuffled over the pool."""
     g = gen(seed)
     heads, kv_heads, num_pages = 6, 2, 60
-    rows = [(1, 37), (1, 5), (1, 1), (13, 13), (9, 40)]  # (q_len, kv_len)
+    rows = [(1, 37), (1, 5), (1, 1), (13, 13), (9, 40), (45, 70)]  # (q_len, kv_len); 45: two query blocks
     q_len = torch.tensor([r[0] for r in rows])
     kv_len = torch.tensor([r[1] for r in rows])
     q_start = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64), q_len[:-1]]), 0)
