@@ -95,12 +95,12 @@ def load_library() -> ctypes.CDLL:
     lib.kvfence_kernels_version.restype = i32
     lib.kvfence_add_rms_norm.argtypes = [i32, vp, vp, vp, vp, i64, i64, f32, i32]
     lib.kvfence_add_rms_norm.restype = None
-    lib.kvfence_rope_store.argtypes = [i32, vp, i64, i64, i32, i32, i32, vp, vp, vp, vp, vp, i64, vp, i32, i32]
-    lib.kvfence_rope_store.restype = None
+    lib.kvfence_rope_store.argtypes = [i32, vp, i64, i64, i32, i32, i32, vp, i64, vp, vp, vp, vp, i64, vp, i32, i32]
+    lib.kvfence_rope_store.restype = i64
     lib.kvfence_silu_mul.argtypes = [i32, vp, vp, i64, i64, i32]
     lib.kvfence_silu_mul.restype = None
-    lib.kvfence_paged_attention.argtypes = [i32, vp, i64, vp, vp, i64, i64, vp, i64, vp, vp, vp, i64, vp, i64,
-                                            i32, i32, i32, i32, f32, i32]
+    lib.kvfence_paged_attention.argtypes = [i32, vp, i64, vp, vp, i64, i64, vp, i64, vp, vp, vp, i64, i64, vp,
+                                            i64, i32, i32, i32, i32, f32, i32]
     lib.kvfence_paged_attention.restype = i64
     lib.kvfence_argmax_rows.argtypes = [vp, i64, i64, vp, i32]
     lib.kvfence_argmax_rows.restype = None

@@ -162,10 +162,16 @@ void add_rms_norm(T* h, const T* delta, const T* w, T* out, int64_t n, int64_t d
 // ---------------------------------------------------------------------------------------
 // Rotate the q and k heads of each token's qkv row in place (rotate-half RoPE, the
 // Hugging Face convention), then store its k and v into the pool slot the runner chose.
+// Returns 0, or -(1 + i) for the first token whose slot lies outside the pool or whose
+// position lies outside the RoPE tables: then nothing at all is written.
 template <typename T>
-void rope_store(T* qkv, int64_t n, int64_t row_stride, int heads, int kv_heads, int dim,
-                const int64_t* positions, const T* cos, const T* sin, T* k_cache, T* v_cache,
-                int64_t head_stride, const int64_t* slots, int page_size, int nt) {
+int64_t rope_store(T* qkv, int64_t n, int64_t row_stride, int heads, int kv_heads, int dim,
+                   const int64_t* positions, int64_t num_positions, const T* cos, const T* sin, T* k_cache,
+                   T* v_cache, int64_t head_stride, const int64_t* slots, int page_size, int nt) {
+    const int64_t num_slots = head_stride / dim;
+    for (int64_t i = 0; i < n; ++i)
+        if (slots[i] < 0 || slots[i] >= num_slots || positions[i] < 0 || positions[i] >= num_positions)
+            return -(1 + i);
     const int half = dim / 2;
 #pragma omp parallel for num_threads(nt) schedule(static) if (n >= 16)
     for (int64_t i = 0; i < n; ++i) {
@@ -209,6 +215,7 @@ void rope_store(T* qkv, int64_t n, int64_t row_stride, int heads, int kv_heads, 
             std::memcpy(v_cache + kh * head_stride + slot * dim, v, sizeof(T) * dim);
         }
     }
+    return 0;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -526,14 +533,15 @@ void attend_task(const Task& t, const T* q, int64_t q_stride, const T* k_cache, 
 template <typename T>
 int64_t paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, int64_t head_stride,
                         int64_t num_pages, const int64_t* pages, int64_t max_pages, const int64_t* q_start,
-                        const int64_t* q_len, const int64_t* kv_len, int64_t rows, T* out, int64_t out_stride,
-                        int heads, int kv_heads, int dim, int page_size, float scale, int nt) {
+                        const int64_t* q_len, const int64_t* kv_len, int64_t rows, int64_t n_tokens, T* out,
+                        int64_t out_stride, int heads, int kv_heads, int dim, int page_size, float scale, int nt) {
     if (page_size < 1 || page_size > kMaxPage || dim < 1 || dim > kMaxDim || heads % kv_heads != 0)
         return -1000000000;
     std::vector<Task> tasks;
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t need = (kv_len[r] + page_size - 1) / page_size;
         if (q_len[r] < 1 || kv_len[r] < q_len[r] || need > max_pages) return -(1 + r);
+        if (q_start[r] < 0 || q_start[r] + q_len[r] > n_tokens) return -(1 + r);  // its queries and outputs
         for (int64_t pg = 0; pg < need; ++pg) {
             const int64_t p = pages[r * max_pages + pg];
             if (p < 0 || p >= num_pages) return -(1 + r);
@@ -623,11 +631,15 @@ void kvfence_add_rms_norm(int dtype, void* h, const void* delta, const void* w, 
     KV_DISPATCH(dtype, add_rms_norm<T>((T*)h, (const T*)delta, (const T*)w, (T*)out, n, dim, eps, nt));
 }
 
-void kvfence_rope_store(int dtype, void* qkv, int64_t n, int64_t row_stride, int heads, int kv_heads, int dim,
-                        const int64_t* positions, const void* cos, const void* sin, void* k_cache, void* v_cache,
-                        int64_t head_stride, const int64_t* slots, int page_size, int nt) {
-    KV_DISPATCH(dtype, rope_store<T>((T*)qkv, n, row_stride, heads, kv_heads, dim, positions, (const T*)cos,
-                                     (const T*)sin, (T*)k_cache, (T*)v_cache, head_stride, slots, page_size, nt));
+int64_t kvfence_rope_store(int dtype, void* qkv, int64_t n, int64_t row_stride, int heads, int kv_heads, int dim,
+                           const int64_t* positions, int64_t num_positions, const void* cos, const void* sin,
+                           void* k_cache, void* v_cache, int64_t head_stride, const int64_t* slots, int page_size,
+                           int nt) {
+    int64_t rc = 0;
+    KV_DISPATCH(dtype, rc = rope_store<T>((T*)qkv, n, row_stride, heads, kv_heads, dim, positions, num_positions,
+                                          (const T*)cos, (const T*)sin, (T*)k_cache, (T*)v_cache, head_stride,
+                                          slots, page_size, nt));
+    return rc;
 }
 
 void kvfence_silu_mul(int dtype, const void* gu, void* out, int64_t n, int64_t inter, int nt) {
@@ -637,13 +649,14 @@ void kvfence_silu_mul(int dtype, const void* gu, void* out, int64_t n, int64_t i
 int64_t kvfence_paged_attention(int dtype, const void* q, int64_t q_stride, const void* k_cache,
                                 const void* v_cache, int64_t head_stride, int64_t num_pages, const int64_t* pages,
                                 int64_t max_pages, const int64_t* q_start, const int64_t* q_len,
-                                const int64_t* kv_len, int64_t rows, void* out, int64_t out_stride, int heads,
-                                int kv_heads, int dim, int page_size, float scale, int nt) {
+                                const int64_t* kv_len, int64_t rows, int64_t n_tokens, void* out,
+                                int64_t out_stride, int heads, int kv_heads, int dim, int page_size, float scale,
+                                int nt) {
     int64_t rc = 0;
     KV_DISPATCH(dtype, rc = paged_attention<T>((const T*)q, q_stride, (const T*)k_cache, (const T*)v_cache,
                                                head_stride, num_pages, pages, max_pages, q_start, q_len, kv_len,
-                                               rows, (T*)out, out_stride, heads, kv_heads, dim, page_size, scale,
-                                               nt));
+                                               rows, n_tokens, (T*)out, out_stride, heads, kv_heads, dim, page_size,
+                                               scale, nt));
     return rc;
 }
 

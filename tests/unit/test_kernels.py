@@ -167,6 +167,37 @@ def test_paged_attention_refuses_tables_outside_the_pool():
     long[0] = pages.shape[1] * 16 + 1  # more keys than its table has pages
     with pytest.raises(IndexError, match="row 0"):
         K.paged_attention(q, kc, vc, pages, qs, ql, long, torch.empty_like(q), 16, 0.125)
+    past = qs.clone()
+    past[4] = q.shape[0] - int(ql[4]) + 1  # its queries (and outputs) would run past the batch
+    with pytest.raises(IndexError, match="row 4"):
+        K.paged_attention(q, kc, vc, pages, past, ql, kl, torch.empty_like(q), 16, 0.125)
+
+
+@pytest.mark.parametrize("field,bad", [("slot", -1), ("slot", 5 * 16), ("position", 64), ("position", -1)])
+def test_rope_store_refuses_slots_outside_the_pool_and_writes_nothing(field, bad):
+    g = gen(12)
+    heads, kv_heads, dim, n = 6, 2, 64, 7
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=g).to(torch.bfloat16)
+    table = torch.randn(64, dim, generator=g)
+    cos, sin = table.cos().to(torch.bfloat16), table.sin().to(torch.bfloat16)
+    positions, slots = torch.arange(n), torch.arange(n) * 3
+    (slots if field == "slot" else positions)[5] = bad
+    k_cache = torch.zeros(kv_heads, 5 * 16, dim, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    before = qkv.clone()
+    with pytest.raises(IndexError, match="token 5"):
+        K.rope_store(qkv, heads, kv_heads, dim, positions, cos, sin, k_cache, v_cache, slots, 16)
+    assert torch.equal(qkv, before) and not k_cache.any() and not v_cache.any()  # checked before any write
+
+
+def test_wrappers_refuse_layouts_the_kernels_do_not_take():
+    h = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="add_rms_norm"):
+        K.add_rms_norm(h.t().contiguous().t(), None, torch.ones(64), 1e-5)   # columns, not rows, contiguous
+    with pytest.raises(ValueError, match="add_rms_norm"):
+        K.add_rms_norm(h, None, torch.ones(32), 1e-5)                       # a weight of the wrong size
+    with pytest.raises(ValueError, match="argmax_rows"):
+        K.argmax_rows(torch.randn(4, 64).to(torch.bfloat16))
 
 
 def tiny_model(dtype):
