@@ -77,8 +77,9 @@ def run_engine(name: str, loaded: LoadedModel, cfg: EngineConfig, wl: Workload) 
 def matmul_floor(loaded: LoadedModel, wl: Workload, chunk: int) -> Result:
     """The workload's linear layers alone, with this model's own (packed) weights and the
     engine's batch shapes: prompts in chunks of the step budget, the last layer past its KV
-    and the logits for each prompt's last token only, then one 32-row decode step per output token. No attention, no norms, no
-    scheduling: the time any engine built on these GEMMs needs at least."""
+    and the logits for each prompt's last token only, then one 32-row decode step per output
+    token. No attention, no norms, no scheduling: the time any engine built on these GEMMs
+    needs at least."""
     import torch
 
     model = loaded.model

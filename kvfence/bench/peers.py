@@ -8,7 +8,12 @@ environment (see vllm_peer.py). Both are optional: `kvfence bench` says which it
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import select
+import signal
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -156,10 +161,6 @@ class VllmPeer:
 
     def __init__(self, python: str, model_dir: str, prompts: list[list[int]], output_tokens: int, threads: int,
                  timeout: float = 1800.0):
-        import json
-        import subprocess
-        import tempfile
-
         env = dict(os.environ)
         preload = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
                                str(Path(python).absolute().parent.parent / "lib" / "libiomp5.so")) if Path(p).exists()]
@@ -188,8 +189,6 @@ class VllmPeer:
             self._signal("SIGSTOP")
 
     def close(self) -> None:
-        import subprocess
-
         if self.proc.poll() is None:
             self._signal("SIGCONT")
             try:
@@ -205,9 +204,6 @@ class VllmPeer:
         self.proc.stdin.flush()
 
     def _answer(self) -> dict:
-        import json
-        import select
-
         deadline, fd = time.monotonic() + self.timeout, self.proc.stdout.fileno()
         while time.monotonic() < deadline:
             while b"\n" in self._pending:  # whole lines first; vLLM may print its own on stdout
@@ -228,8 +224,6 @@ class VllmPeer:
         raise RuntimeError(f"vLLM peer gave no answer (exit {self.proc.poll()}): {tail}")
 
     def _signal(self, name: str) -> None:
-        import signal
-
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, getattr(signal, name))

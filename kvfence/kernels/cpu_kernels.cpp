@@ -298,7 +298,8 @@ inline __m512i pair_rows(const bf16_t* lo, const bf16_t* hi) {
 }
 
 template <int U>  // U queries at once: U independent chains of 32 multiply-adds
-inline void score_tile(const int32_t* kpair, const uint32_t* qp, const float* qf, float* scores, int64_t width) {
+inline void score_tile(const int32_t* kpair, const float* qf, float* scores, int64_t width) {
+    const uint32_t* qp = reinterpret_cast<const uint32_t*>(qf);  // the pairs; qf[u * 64 + 32] is the scale
     __m512 acc[U];
     for (int u = 0; u < U; ++u) acc[u] = _mm512_setzero_ps();
     for (int i = 0; i < 32; ++i) {
@@ -318,10 +319,8 @@ inline void dot_scores_page(const bf16_t* kp, const float* qf, int64_t nq_pad, f
     for (int i = 0; i < 32; ++i) _mm512_storeu_si512(kpair + 16 * i, pair_rows(kp + (2 * i) * 16, kp + (2 * i + 1) * 16));
     int64_t q0 = 0;
     for (; q0 + 8 <= nq_pad; q0 += 8)  // prefill blocks: eight chains keep the multiply-add unit busy
-        score_tile<8>(kpair, reinterpret_cast<const uint32_t*>(qf + q0 * 64), qf + q0 * 64, scores + q0 * width, width);
-    for (; q0 < nq_pad; q0 += kQueryTile)
-        score_tile<kQueryTile>(kpair, reinterpret_cast<const uint32_t*>(qf + q0 * 64), qf + q0 * 64,
-                               scores + q0 * width, width);
+        score_tile<8>(kpair, qf + q0 * 64, scores + q0 * width, width);
+    for (; q0 < nq_pad; q0 += kQueryTile) score_tile<kQueryTile>(kpair, qf + q0 * 64, scores + q0 * width, width);
 }
 
 // probs16: per query, the row's probabilities rounded to bf16 (width apart), this page's first

@@ -46,12 +46,12 @@ class Linear:
     def _try(self, backend: str, packed: torch.Tensor) -> None:
         """Use packed through backend if it agrees with F.linear on a probe."""
         probe = torch.randn(3, self.in_features, generator=torch.Generator().manual_seed(0)).to(self.weight.dtype)
-        plain, weight = self.weight, self.weight
+        plain = self.weight
         self.backend, self.weight = backend, packed
         if torch.allclose(self(probe).float(), F.linear(probe, plain).float(), rtol=2e-2, atol=2e-2):
             return
         log.warning("%s packed matmul disagrees with F.linear on a probe; not using it", backend)
-        self.backend, self.weight = "torch", weight
+        self.backend, self.weight = "torch", plain
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "kvfence":
