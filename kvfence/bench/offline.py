@@ -79,7 +79,7 @@ def matmul_floor(loaded: LoadedModel, wl: Workload, chunk: int) -> Result:
     engine's batch shapes: prompts in chunks of the step budget, the last layer past its KV
     and the logits for each prompt's last token only, then one 32-row decode step per output
     token. No attention, no norms, no scheduling: the time any engine built on these GEMMs
-    needs at least."""
+    needs at least (the MLP's input matmul includes the SiLU its epilogue applies)."""
     import torch
 
     model = loaded.model
@@ -92,11 +92,11 @@ def matmul_floor(loaded: LoadedModel, wl: Workload, chunk: int) -> Result:
         if rows not in inputs:
             inputs[rows] = torch.randn(rows, hidden, dtype=dtype), torch.randn(rows, inter, dtype=dtype)
         x, x_inter = inputs[rows]
-        for _, wqkv, wo, _, wgu, wdown in model.layers[:-1]:
-            wqkv(x), wo(x), wgu(x), wdown(x_inter)
+        for _, wqkv, wo, _, mlp_in, wdown in model.layers[:-1]:
+            wqkv(x), wo(x), mlp_in(x), wdown(x_inter)
         # the last layer, as the model runs it: K and V for every row, the rest for the logits rows
-        _, wqkv, wo, _, wgu, wdown = model.layers[-1]
-        wqkv(x), wo(x[:logits_rows]), wgu(x[:logits_rows]), wdown(x_inter[:logits_rows])
+        _, wqkv, wo, _, mlp_in, wdown = model.layers[-1]
+        wqkv(x), wo(x[:logits_rows]), mlp_in(x[:logits_rows]), wdown(x_inter[:logits_rows])
         model.lm_head(x[:logits_rows])
 
     prompt_tokens = wl.num_requests * wl.prompt_tokens

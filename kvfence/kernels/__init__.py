@@ -129,32 +129,40 @@ class CpuKernels:
         """Whether this build has the AVX512-BF16 matmul."""
         return bool(self.lib.kvfence_gemm_supported())
 
-    def _packed_size(self, n: int, k: int) -> int:
-        size = self._sizes.get((n, k))
+    def _packed_size(self, n: int, k: int, gated: bool) -> int:
+        size = self._sizes.get((n, k, gated))
         if size is None:
-            size = self._sizes[(n, k)] = self.lib.kvfence_gemm_packed_size(n, k)
+            size_of = self.lib.kvfence_gemm_gated_packed_size if gated else self.lib.kvfence_gemm_packed_size
+            size = self._sizes[(n, k, gated)] = size_of(n, k)
         return size
 
-    def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        """A bf16 weight [N, K] (K even) in the matmul's panel layout."""
+    def pack_weight(self, weight: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+        """A bf16 weight [N, K] (K even) in the matmul's panel layout; given up (also [N, K]),
+        weight is a gate and the two go into the gated panels `linear(..., swiglu=True)` takes."""
         n, k = weight.shape
-        _require(weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and k % 2 == 0,
-                 "pack_weight: bf16 CPU [N, K], K even")
+        for w in (weight, up):
+            _require(w is None or (w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.shape == (n, k)
+                                   and k % 2 == 0), "pack_weight: bf16 CPU [N, K], K even (up like weight)")
+        packed = torch.empty(self._packed_size(n, k, up is not None), dtype=torch.int32)
         weight = weight.contiguous()
-        packed = torch.empty(self._packed_size(n, k), dtype=torch.int32)
-        self.lib.kvfence_gemm_pack(weight.data_ptr(), n, k, packed.data_ptr())
+        if up is None:
+            self.lib.kvfence_gemm_pack(weight.data_ptr(), n, k, packed.data_ptr())
+        else:
+            up = up.contiguous()
+            self.lib.kvfence_gemm_pack_gated(weight.data_ptr(), up.data_ptr(), n, k, packed.data_ptr())
         return packed
 
-    def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-        """x [M, K] bf16 (rows contiguous) times the packed [N, K] weight, transposed: [M, N]."""
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, swiglu: bool = False) -> torch.Tensor:
+        """x [M, K] bf16 (rows contiguous) times the packed [N, K] weight, transposed: [M, N].
+        swiglu: packed holds gated panels; returns silu(x . gate^T) * (x . up^T), [M, N]."""
         m, k = x.shape
         _require(x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.stride(1) == 1 and x.stride(0) >= k,
                  "linear: x bf16 CPU, rows contiguous")
-        _require(k % 2 == 0 and packed.numel() == self._packed_size(n, k), "linear: packed weight of [n, k]")
+        _require(k % 2 == 0 and packed.numel() == self._packed_size(n, k, swiglu), "linear: packed weight of [n, k]")
         out = torch.empty(m, n, dtype=torch.bfloat16)
         if m:
-            rc = self.lib.kvfence_gemm(x.data_ptr(), x.stride(0), packed.data_ptr(), out.data_ptr(), n, m, n, k,
-                                       torch.get_num_threads())
+            gemm = self.lib.kvfence_gemm_swiglu if swiglu else self.lib.kvfence_gemm
+            rc = gemm(x.data_ptr(), x.stride(0), packed.data_ptr(), out.data_ptr(), n, m, n, k, torch.get_num_threads())
             if rc != 0:
                 raise RuntimeError("this build of the CPU kernels has no bf16 matmul")
         return out

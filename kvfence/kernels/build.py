@@ -1,4 +1,4 @@
-"""Compile the kernel sources (cpu_kernels.cpp, gemm.cpp) into one library, once per machine
+"""Compile the kernel sources (cpu_kernels.cpp, gemm.cpp, and the header they share) into one library, once per machine
 and source version, and load it with ctypes.
 
 The library is built with the system C++ compiler into a cache folder
@@ -23,6 +23,7 @@ from pathlib import Path
 log = logging.getLogger("kvfence.kernels")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "gemm.cpp")]
+HEADERS = [Path(__file__).with_name("simd_bf16.h")]
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno"]
 
 
@@ -53,7 +54,7 @@ def _cpu_flags() -> str:
 
 def library_path(cxx: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    sources = b"".join(src.read_bytes() for src in SOURCES)
+    sources = b"".join(src.read_bytes() for src in SOURCES + HEADERS)
     key = hashlib.sha256(sources + " ".join(FLAGS).encode() + version.encode()
                          + _cpu_flags().encode()).hexdigest()[:16]
     return cache_dir() / f"cpu_kernels-{key}.so"
@@ -111,6 +112,12 @@ def load_library() -> ctypes.CDLL:
     lib.kvfence_gemm_pack.restype = None
     lib.kvfence_gemm.argtypes = [vp, i64, vp, vp, i64, i64, i64, i64, i32]
     lib.kvfence_gemm.restype = i32
+    lib.kvfence_gemm_gated_packed_size.argtypes = [i64, i64]
+    lib.kvfence_gemm_gated_packed_size.restype = i64
+    lib.kvfence_gemm_pack_gated.argtypes = [vp, vp, i64, i64, vp]
+    lib.kvfence_gemm_pack_gated.restype = None
+    lib.kvfence_gemm_swiglu.argtypes = [vp, i64, vp, vp, i64, i64, i64, i64, i32]
+    lib.kvfence_gemm_swiglu.restype = i32
     return lib
 
 

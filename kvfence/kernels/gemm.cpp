@@ -12,20 +12,41 @@
 // x 48 columns of fp32 sums in 24 registers; per pair of k it loads the panel's three vectors
 // and broadcasts each row's x pair. Sums are fp32 in k order, one rounding to bf16 at the end.
 // Threads split the panels: each streams its share of the weights once per call.
+//
+// Gated panels (the MLP's gate and up projections in one pass): 24 columns of gate, then the
+// same 24 columns of up. The micro-tile's epilogue rounds both to bf16, as a stored product
+// would be, and writes silu(gate) * up: the [rows, 2 * inter] product is never stored and
+// read back (kvfence_gemm_swiglu, bit-identical to kvfence_gemm then kvfence_silu_mul).
 #include <cstdint>
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
 
-typedef uint16_t bf16_t;
+#include "simd_bf16.h"
 
 namespace {
 constexpr int kVecs = 3;             // fp32 vectors of 16 columns per panel
 constexpr int kPanel = 16 * kVecs;   // output columns per panel
 constexpr int kRows = 8;             // rows per micro-tile: 24 accumulators, 3 weight vectors, 1 broadcast
+constexpr int kGated = kPanel / 2;   // output columns of a gated panel
+
+// What a micro-tile writes: its sums, or silu(gate) * up of a gated panel.
+enum class Out { Plain, SwiGLU };
+
+// Column p * kPanel + j of the packed weight: row `col` of [n][k] weight for plain panels;
+// for gated panels gate row p * kGated + j (j < kGated), else up row p * kGated + j - kGated.
+template <typename RowOf>
+void pack_panels(int64_t panels, int64_t k, uint32_t* packed, RowOf row_of) {
+    const int64_t k2 = k / 2;
+    for (int64_t p = 0; p < panels; ++p)
+        for (int j = 0; j < kPanel; ++j) {
+            const bf16_t* row = row_of(p, j);  // nullptr past the last column: zeros
+            for (int64_t i = 0; i < k2; ++i)
+                packed[(p * k2 + i) * kPanel + j] = row ? reinterpret_cast<const uint32_t*>(row)[i] : 0u;
+        }
+}
 
 #if defined(__AVX512BF16__)
-template <int R>
+using namespace kvfence_simd;
+
+template <int R, Out E>
 inline void tile(const bf16_t* x, int64_t ldx, const uint32_t* w, int64_t k2, bf16_t* y, int64_t ldy,
                  const __mmask16* mask) {
     __m512 c[R][kVecs];
@@ -42,22 +63,55 @@ inline void tile(const bf16_t* x, int64_t ldx, const uint32_t* w, int64_t k2, bf
             for (int v = 0; v < kVecs; ++v) c[r][v] = _mm512_dpbf16_ps(c[r][v], a, wv[v]);
         }
     }
-    for (int r = 0; r < R; ++r)  // masked: the last panel may be narrower than kPanel columns
-        for (int v = 0; v < kVecs; ++v)
-            _mm256_mask_storeu_epi16(y + r * ldy + 16 * v, mask[v], (__m256i)_mm512_cvtneps_pbh(c[r][v]));
+    // masked stores: the last panel may be narrower than kPanel (or kGated) columns
+    if constexpr (E == Out::Plain) {
+        for (int r = 0; r < R; ++r)
+            for (int v = 0; v < kVecs; ++v) _mm256_mask_storeu_epi16(y + r * ldy + 16 * v, mask[v], bf16x16(c[r][v]));
+    } else {
+        // c[r][0] = gate 0-15, c[r][1] = gate 16-23 | up 0-7, c[r][2] = up 8-23
+        const __m512i up_lo_idx = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23);
+        for (int r = 0; r < R; ++r) {
+            const __m512 mid = rnd16(c[r][1]), up_rest = rnd16(c[r][2]);
+            const __m512 up_lo = _mm512_permutex2var_ps(mid, up_lo_idx, up_rest);
+            const __m512 up_hi = _mm512_shuffle_f32x4(up_rest, up_rest, 0xEE);  // up 16-23 into lanes 0-7
+            _mm256_mask_storeu_epi16(y + r * ldy, mask[0], bf16x16(silu_mul16(rnd16(c[r][0]), up_lo)));
+            _mm256_mask_storeu_epi16(y + r * ldy + 16, mask[1], bf16x16(silu_mul16(mid, up_hi)));
+        }
+    }
 }
 
+template <Out E>
 inline void tile_rows(int rows, const bf16_t* x, int64_t ldx, const uint32_t* w, int64_t k2, bf16_t* y,
                       int64_t ldy, const __mmask16* mask) {
     switch (rows) {
 #define KV_TILE(n) \
-    case n: tile<n>(x, ldx, w, k2, y, ldy, mask); break;
+    case n: tile<n, E>(x, ldx, w, k2, y, ldy, mask); break;
         KV_TILE(1) KV_TILE(2) KV_TILE(3) KV_TILE(4) KV_TILE(5) KV_TILE(6) KV_TILE(7) KV_TILE(8)
 #undef KV_TILE
     }
 }
 
 inline __mmask16 lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1); }
+
+// y [m][n] for plain panels, [m][n] activations (n = inter) for gated ones
+template <Out E>
+void gemm(const bf16_t* x, int64_t ldx, const uint32_t* packed, bf16_t* y, int64_t ldy, int64_t m, int64_t n,
+          int64_t k, int nt) {
+    constexpr int cols = E == Out::Plain ? kPanel : kGated;  // output columns per panel
+    const int64_t k2 = k / 2, panels = (n + cols - 1) / cols;
+#pragma omp parallel for num_threads(nt) schedule(static) if (panels > 1 && m * n * k >= (1 << 18))
+    for (int64_t p = 0; p < panels; ++p) {
+        const int64_t n0 = p * cols;
+        __mmask16 mask[kVecs];
+        for (int v = 0; v < kVecs; ++v) mask[v] = lanes(n - n0 - 16 * v);
+        if constexpr (E == Out::SwiGLU) mask[1] &= 0xFF;  // 24 columns: 16 + 8
+        const uint32_t* w = packed + p * k2 * kPanel;
+        for (int64_t r = 0; r < m; r += kRows) {
+            const int rows = int(m - r < kRows ? m - r : kRows);
+            tile_rows<E>(rows, x + r * ldx, ldx, w, k2, y + r * ldy + n0, ldy, mask);
+        }
+    }
+}
 #endif
 }  // namespace
 
@@ -75,14 +129,20 @@ int kvfence_gemm_supported() {
 int64_t kvfence_gemm_packed_size(int64_t n, int64_t k) { return (n + kPanel - 1) / kPanel * kPanel * (k / 2); }
 
 void kvfence_gemm_pack(const bf16_t* weight, int64_t n, int64_t k, uint32_t* packed) {
-    const int64_t k2 = k / 2, panels = (n + kPanel - 1) / kPanel;
-    for (int64_t p = 0; p < panels; ++p)
-        for (int64_t i = 0; i < k2; ++i)
-            for (int j = 0; j < kPanel; ++j) {
-                const int64_t col = p * kPanel + j;
-                packed[(p * k2 + i) * kPanel + j] =
-                    col < n ? reinterpret_cast<const uint32_t*>(weight + col * k)[i] : 0u;
-            }
+    pack_panels((n + kPanel - 1) / kPanel, k, packed, [&](int64_t p, int j) -> const bf16_t* {
+        const int64_t col = p * kPanel + j;
+        return col < n ? weight + col * k : nullptr;
+    });
+}
+
+// the gated form of gate and up, each [inter][k]
+int64_t kvfence_gemm_gated_packed_size(int64_t inter, int64_t k) { return (inter + kGated - 1) / kGated * kPanel * (k / 2); }
+
+void kvfence_gemm_pack_gated(const bf16_t* gate, const bf16_t* up, int64_t inter, int64_t k, uint32_t* packed) {
+    pack_panels((inter + kGated - 1) / kGated, k, packed, [&](int64_t p, int j) -> const bf16_t* {
+        const int64_t col = p * kGated + j % kGated;
+        return col < inter ? (j < kGated ? gate : up) + col * k : nullptr;
+    });
 }
 
 // x [m][k] with row stride ldx, y [m][n] with row stride ldy; k even; returns 0, or -1 where
@@ -90,21 +150,22 @@ void kvfence_gemm_pack(const bf16_t* weight, int64_t n, int64_t k, uint32_t* pac
 int kvfence_gemm(const bf16_t* x, int64_t ldx, const uint32_t* packed, bf16_t* y, int64_t ldy, int64_t m, int64_t n,
                  int64_t k, int nt) {
 #if defined(__AVX512BF16__)
-    const int64_t k2 = k / 2, panels = (n + kPanel - 1) / kPanel;
-#pragma omp parallel for num_threads(nt) schedule(static) if (panels > 1 && m * n * k >= (1 << 18))
-    for (int64_t p = 0; p < panels; ++p) {
-        const int64_t n0 = p * kPanel;
-        __mmask16 mask[kVecs];
-        for (int v = 0; v < kVecs; ++v) mask[v] = lanes(n - n0 - 16 * v);
-        const uint32_t* w = packed + p * k2 * kPanel;
-        for (int64_t r = 0; r < m; r += kRows) {
-            const int rows = int(m - r < kRows ? m - r : kRows);
-            tile_rows(rows, x + r * ldx, ldx, w, k2, y + r * ldy + n0, ldy, mask);
-        }
-    }
+    gemm<Out::Plain>(x, ldx, packed, y, ldy, m, n, k, nt);
     return 0;
 #else
     (void)x, (void)ldx, (void)packed, (void)y, (void)ldy, (void)m, (void)n, (void)k, (void)nt;
+    return -1;
+#endif
+}
+
+// y [m][inter] = silu(x . gate^T) * (x . up^T) through gated panels; as kvfence_gemm otherwise
+int kvfence_gemm_swiglu(const bf16_t* x, int64_t ldx, const uint32_t* packed, bf16_t* y, int64_t ldy, int64_t m,
+                        int64_t inter, int64_t k, int nt) {
+#if defined(__AVX512BF16__)
+    gemm<Out::SwiGLU>(x, ldx, packed, y, ldy, m, inter, k, nt);
+    return 0;
+#else
+    (void)x, (void)ldx, (void)packed, (void)y, (void)ldy, (void)m, (void)inter, (void)k, (void)nt;
     return -1;
 #endif
 }

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from kvfence.kernels import MAX_PAGE_SIZE, cpu_kernels, supports
 from kvfence.model.config import ModelConfig
-from kvfence.model.linear import Linear
+from kvfence.model.linear import Linear, SwiGLU
 from kvfence.model.weights import ModelWeights
 
 
@@ -65,7 +65,7 @@ class LlamaModel:
                 Linear(torch.cat([lw.q, lw.k, lw.v], 0)),
                 Linear(lw.o),
                 lw.ffn_norm,
-                Linear(torch.cat([lw.gate, lw.up], 0)),
+                SwiGLU(lw.gate, lw.up),
                 Linear(lw.down),
             ))
         weights.layers.clear()  # the fused copies replace them; free the originals
@@ -111,7 +111,7 @@ class LlamaModel:
         scale = D ** -0.5
         x = K.add_rms_norm(h, None, self.layers[0][0], self.eps)
         last, rows = len(self.layers) - 1, batch.logits_rows
-        for li, (_, wqkv, wo, ffn_norm, wgu, wdown) in enumerate(self.layers):
+        for li, (_, wqkv, wo, ffn_norm, mlp_in, wdown) in enumerate(self.layers):
             qkv = wqkv(x)
             k_cache, v_cache = kv_cache[li, 0], kv_cache[li, 1]
             K.rope_store(qkv, H, KVH, D, batch.positions, self.cos, self.sin, k_cache, v_cache,
@@ -125,7 +125,7 @@ class LlamaModel:
                 if not len(rows):
                     return h
             x = K.add_rms_norm(h, wo(attn.view(-1, H * D)), ffn_norm, self.eps)
-            down = wdown(K.silu_mul(wgu(x)))
+            down = wdown(mlp_in(x))
             nxt = self.layers[li + 1][0] if li + 1 < len(self.layers) else None
             if nxt is not None:
                 x = K.add_rms_norm(h, down, nxt, self.eps)
@@ -227,7 +227,7 @@ class LlamaModel:
             mask = pos[None, None, :] <= (ctx[:, None, None] + torch.arange(ql, device=pages.device)[None, :, None])
             plan.append((s, e, rows, ql, pages, mask.unsqueeze(1)))
         last = len(self.layers) - 1
-        for li, (attn_norm, wqkv, wo, ffn_norm, wgu, wdown) in enumerate(self.layers):
+        for li, (attn_norm, wqkv, wo, ffn_norm, mlp_in, wdown) in enumerate(self.layers):
             x = self._rms_norm(h, attn_norm)
             qkv = wqkv(x)
             # q and k heads sit side by side: rotate them in one go
@@ -252,8 +252,5 @@ class LlamaModel:
                 if not len(h):
                     return h
             h = h + wo(attn.view(-1, H * D))
-            x = self._rms_norm(h, ffn_norm)
-            gu = wgu(x)
-            gate, up = gu.chunk(2, dim=-1)
-            h = h + wdown(F.silu(gate) * up)
+            h = h + wdown(mlp_in(self._rms_norm(h, ffn_norm)))
         return self._rms_norm(h, self.final_norm)

@@ -290,6 +290,40 @@ def test_linear_uses_the_kvfence_matmul_for_bf16_and_falls_back_for_odd_k():
     assert Linear(torch.randn(48, 64)).backend == "torch"   # float32 stays on F.linear
 
 
+@gemm_only
+@pytest.mark.parametrize("m,inter,k", [(1, 24, 32), (13, 50, 64), (32, 1536, 576), (9, 7, 6), (17, 40, 18)])
+def test_gated_gemm_is_the_matmul_then_the_activation(m, inter, k):
+    """One pass with silu(gate) * up in the epilogue: bit for bit the matmul's bf16 product
+    followed by the activation kernel, and close to a float64 reference. Widths off the
+    24-column gated panel check the masked stores (nothing written past inter)."""
+    g = gen(12)
+    gate = torch.randn(inter, k, generator=g).to(torch.bfloat16)
+    up = torch.randn(inter, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    got = K.linear(x, K.pack_weight(gate, up), inter, swiglu=True)
+    assert got.shape == (m, inter)
+    two_step = K.silu_mul(K.linear(x, K.pack_weight(torch.cat([gate, up])), 2 * inter))
+    assert torch.equal(got, two_step)
+    gu = (x.double() @ torch.cat([gate, up]).double().T).to(torch.bfloat16).double()
+    want = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * math.sqrt(k))
+
+
+@gemm_only
+def test_swiglu_takes_the_gated_matmul_for_bf16_and_the_two_step_path_otherwise():
+    from kvfence.model.linear import SwiGLU
+    g = gen(13)
+    gate, up = torch.randn(2, 40, 64, generator=g).to(torch.bfloat16).float()  # exact in bf16
+    x = torch.randn(6, 64, generator=g).to(torch.bfloat16).float()
+    want = torch.nn.functional.silu(x @ gate.T) * (x @ up.T)
+    fused = SwiGLU(gate.to(torch.bfloat16), up.to(torch.bfloat16))
+    assert fused.backend == "kvfence" and fused.gate_up is None
+    torch.testing.assert_close(fused(x.to(torch.bfloat16)).float(), want, rtol=2e-2, atol=5e-2)
+    plain = SwiGLU(gate, up)  # float32: F.linear, then the activation
+    assert plain.backend == "torch" and plain.gated is None
+    torch.testing.assert_close(plain(x), want, rtol=1e-5, atol=1e-5)
+
+
 def test_argmax_rows_is_torch_argmax_ties_nan_and_inf_included():
     g = gen(11)
     x = torch.randn(9, 1000, generator=g)
