@@ -20,9 +20,7 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
+#include "simd_bf16.h"
 
 typedef uint16_t bf16_t;
 
@@ -70,39 +68,11 @@ inline float exp_approx(float x) {
     return p * scale;
 }
 
-// Sixteen bf16 lanes at a time with the CPU's own conversion (vcvtneps2bf16: round to
-// nearest even, NaN kept): the portable bit-twiddling rounding above costs ~6 instructions
-// a lane, which made the element-wise kernels instruction-bound.
+// Sixteen bf16 lanes at a time: simd_bf16.h.
 #if defined(__AVX512BF16__)
 template <typename T>
 constexpr bool kVecBf16 = std::is_same<T, bf16_t>::value;
-
-inline __m512 ld16(const bf16_t* p) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m256i bf16x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
-inline void st16(bf16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16x16(v)); }
-inline __m512 rnd16(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16(v)), 16));
-}
-inline __m512 exp16(__m512 x) {  // exp_approx, sixteen lanes
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
+using namespace kvfence_simd;
 #else
 template <typename T>
 constexpr bool kVecBf16 = false;
@@ -230,17 +200,7 @@ void silu_mul(const T* gu, T* out, int64_t n, int64_t inter, int nt) {
 #if defined(__AVX512BF16__)
         if constexpr (kVecBf16<T>) {
             if (inter % 16 == 0) {
-                const __m512 one = _mm512_set1_ps(1.0f);
-                for (int64_t d = 0; d < inter; d += 16) {
-                    const __m512 x = ld16(g + d);
-                    // x / (1 + e^-x) with a refined reciprocal estimate: a division is the slowest
-                    // instruction here, and one Newton step is exact to well below bf16's precision
-                    const __m512 den = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)));
-                    __m512 inv = _mm512_rcp14_ps(den);
-                    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.0f)));
-                    const __m512 act = rnd16(_mm512_mul_ps(x, inv));
-                    st16(o + d, _mm512_mul_ps(act, ld16(u + d)));
-                }
+                for (int64_t d = 0; d < inter; d += 16) st16(o + d, silu_mul16(ld16(g + d), ld16(u + d)));
                 continue;
             }
         }
@@ -323,33 +283,53 @@ inline void dot_scores_page(const bf16_t* kp, const float* qf, int64_t nq_pad, f
     for (; q0 < nq_pad; q0 += kQueryTile) score_tile<kQueryTile>(kpair, qf + q0 * 64, scores + q0 * width, width);
 }
 
-// probs16: per query, the row's probabilities rounded to bf16 (width apart), this page's first
-inline void dot_pv_page(const bf16_t* vp, int64_t keys, const bf16_t* probs16, int64_t width, int64_t nq, float* acc,
-                        float* scratch) {
-    int32_t* vpair = reinterpret_cast<int32_t*>(scratch);  // [8 key pairs][4 chunks of 16 dims][16 lanes]
-    const int pairs = int((keys + 1) / 2);
-    for (int jj = 0; jj < pairs; ++jj)
-        for (int c = 0; c < 4; ++c) {
-            const bf16_t* lo = vp + (2 * jj) * 64 + c * 16;
-            _mm512_storeu_si512(vpair + 16 * (jj * 4 + c), pair_rows(lo, 2 * jj + 1 < keys ? lo + 64 : nullptr));  // never a row past keys
+// V of keys 0 .. keys-1 of a row, page by page, as pairs of key rows: vpair[P][c] holds keys
+// (2P, 2P+1), dims c*16 .. c*16+15, as 16 uint32. A partner past the last key is zero: a row
+// past the row's keys (stale, or NaN from a poison scrub) is never read.
+inline void pair_v_rows(const bf16_t* vbase, const int64_t* table, int64_t page_elems, int64_t keys, int32_t* vpair) {
+    for (int64_t pg = 0; pg * 16 < keys; ++pg) {
+        if ((pg + 1) * 16 < keys) prefetch_page(vbase + table[pg + 1] * page_elems, page_elems * sizeof(bf16_t));
+        const bf16_t* vp = vbase + table[pg] * page_elems;
+        const int64_t in_page = std::min<int64_t>(16, keys - pg * 16);
+        for (int jj = 0; 2 * jj < in_page; ++jj)
+            for (int c = 0; c < 4; ++c) {
+                const bf16_t* lo = vp + (2 * jj) * 64 + c * 16;
+                _mm512_storeu_si512(vpair + 16 * ((pg * 8 + jj) * 4 + c), pair_rows(lo, 2 * jj + 1 < in_page ? lo + 64 : nullptr));
+            }
+    }
+}
+
+// acc[u] = probabilities . v for U queries at once, all keys in registers: 4U independent
+// multiply-add chains sharing each loaded V vector. probs16: per query, its probabilities
+// rounded to bf16 (width apart; a key past what it sees has probability 0).
+template <int U>
+inline void pv_rows(const int32_t* vpair, int64_t pairs, const bf16_t* probs16, int64_t width, float* acc) {
+    __m512 o[U][4];
+    const uint32_t* pr[U];
+    for (int u = 0; u < U; ++u) {
+        pr[u] = reinterpret_cast<const uint32_t*>(probs16 + u * width);
+        for (int c = 0; c < 4; ++c) o[u][c] = _mm512_setzero_ps();
+    }
+    for (int64_t jj = 0; jj < pairs; ++jj) {
+        __m512bh v[4];
+        for (int c = 0; c < 4; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vpair + 16 * (jj * 4 + c));
+        for (int u = 0; u < U; ++u) {
+            const __m512bh p = (__m512bh)_mm512_set1_epi32(int(pr[u][jj]));
+            for (int c = 0; c < 4; ++c) o[u][c] = _mm512_dpbf16_ps(o[u][c], p, v[c]);
         }
-    for (int64_t qi = 0; qi < nq; ++qi) {
-        // (p[2j], p[2j+1]) as one uint32; a partner past keys is a zero probability (softmax_row)
-        const uint32_t* pr = reinterpret_cast<const uint32_t*>(probs16 + qi * width);
-        float* a = acc + qi * 64;
-        __m512 o0 = _mm512_loadu_ps(a), o1 = _mm512_loadu_ps(a + 16), o2 = _mm512_loadu_ps(a + 32),
-               o3 = _mm512_loadu_ps(a + 48);
-        for (int jj = 0; jj < pairs; ++jj) {
-            const __m512bh p = (__m512bh)_mm512_set1_epi32(int(pr[jj]));
-            o0 = _mm512_dpbf16_ps(o0, p, (__m512bh)_mm512_loadu_si512(vpair + 16 * (jj * 4 + 0)));
-            o1 = _mm512_dpbf16_ps(o1, p, (__m512bh)_mm512_loadu_si512(vpair + 16 * (jj * 4 + 1)));
-            o2 = _mm512_dpbf16_ps(o2, p, (__m512bh)_mm512_loadu_si512(vpair + 16 * (jj * 4 + 2)));
-            o3 = _mm512_dpbf16_ps(o3, p, (__m512bh)_mm512_loadu_si512(vpair + 16 * (jj * 4 + 3)));
-        }
-        _mm512_storeu_ps(a, o0);
-        _mm512_storeu_ps(a + 16, o1);
-        _mm512_storeu_ps(a + 32, o2);
-        _mm512_storeu_ps(a + 48, o3);
+    }
+    for (int u = 0; u < U; ++u)
+        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + u * 64 + c * 16, o[u][c]);
+}
+
+inline void dot_pv(const int32_t* vpair, int64_t keys, const bf16_t* probs16, int64_t width, int64_t nq, float* acc) {
+    const int64_t pairs = (keys + 1) / 2;
+    int64_t q = 0;
+    for (; q + 4 <= nq; q += 4) pv_rows<4>(vpair, pairs, probs16 + q * width, width, acc + q * 64);
+    switch (nq - q) {
+        case 3: pv_rows<3>(vpair, pairs, probs16 + q * width, width, acc + q * 64); break;
+        case 2: pv_rows<2>(vpair, pairs, probs16 + q * width, width, acc + q * 64); break;
+        case 1: pv_rows<1>(vpair, pairs, probs16 + q * width, width, acc + q * 64); break;
     }
 }
 
@@ -361,7 +341,8 @@ inline void round_probs(const float* scores, int64_t n, bf16_t* out) {
 template <typename T, int PS, int DIM>
 constexpr bool kDotPath = false;
 inline void dot_scores_page(const bf16_t*, const float*, int64_t, float*, int64_t, float*) {}
-inline void dot_pv_page(const bf16_t*, int64_t, const bf16_t*, int64_t, int64_t, float*, float*) {}
+inline void pair_v_rows(const bf16_t*, const int64_t*, int64_t, int64_t, int32_t*) {}
+inline void dot_pv(const int32_t*, int64_t, const bf16_t*, int64_t, int64_t, float*) {}
 inline void round_probs(const float*, int64_t, bf16_t*) {}
 #endif
 
@@ -421,13 +402,15 @@ void attend_task(const Task& t, const T* q, int64_t q_stride, const T* k_cache, 
     const int64_t npages = (last_visible + ps - 1) / ps;
     const int64_t width = npages * ps;
     const int64_t nq_pad = (nq + kQueryTile - 1) / kQueryTile * kQueryTile;
-    const size_t need = size_t(nq_pad) * (width + 2 * dim) + size_t(ps) * dim + size_t(nq) * width / 2 + 16;
+    const size_t need = size_t(nq_pad) * (width + 2 * dim) + size_t(ps) * dim + size_t(nq) * width / 2
+                        + size_t(width) * dim / 2 + 32;
     if (tl_buf.size() < need) tl_buf.resize(need);
     float* scores = tl_buf.data();                  // [nq_pad][width]
     float* qf = scores + nq_pad * width;            // [nq_pad][dim], pre-scaled; padding rows zero
     float* acc = qf + nq_pad * dim;                 // [nq_pad][dim]
     float* kf = acc + nq_pad * dim;                 // one page in fp32: K [dim][ps] or V [ps][dim]
     bf16_t* probs16 = reinterpret_cast<bf16_t*>(kf + ps * dim);  // [nq][width] (dot path)
+    int32_t* vpair = reinterpret_cast<int32_t*>(probs16 + nq * width + 32);  // [width / 2][dim] pairs (dot path)
 
     for (int64_t p = 0; p < t.count; ++p) {
         const T* qrow = q + (q_start[t.row] + t.first + p) * q_stride;
@@ -487,15 +470,12 @@ void attend_task(const Task& t, const T* q, int64_t q_stride, const T* k_cache, 
         softmax_row(scores + qi * width, ctx + t.first + qi / group + 1, width);
 
     // acc = probabilities . v, over the row's keys only
-    std::fill(acc, acc + nq * dim, 0.f);
     if constexpr (kDotPath<T, PS, DIM>) {
         round_probs(scores, nq * width, probs16);  // rows are width apart in both
-        for (int64_t pg = 0; pg < npages; ++pg) {
-            if (pg + 1 < npages) prefetch_page(vbase + table[pg + 1] * page_elems, page_elems * sizeof(T));
-            dot_pv_page(vbase + table[pg] * page_elems, std::min<int64_t>(ps, last_visible - pg * ps),
-                        probs16 + pg * ps, width, nq, acc, kf);
-        }
+        pair_v_rows(vbase, table, page_elems, last_visible, vpair);
+        dot_pv(vpair, last_visible, probs16, width, nq, acc);
     } else {
+        std::fill(acc, acc + nq * dim, 0.f);
         for (int64_t pg = 0; pg < npages; ++pg) {
             const T* vp = vbase + table[pg] * page_elems;
             const int64_t keys = std::min<int64_t>(ps, last_visible - pg * ps);
