@@ -102,9 +102,12 @@ class LLMEngine:
 
     @property
     def compute_path(self) -> str:
-        """Which implementation runs the model: the fused CPU kernels or plain torch ops."""
+        """Which implementation runs the model: the fused CPU kernels (all layers in one call
+        where every matmul is kvfence's) or plain torch ops."""
         fused = self.model.runs_fused(self.runner.fused_kernels, self.pool.kv.device.type, self.pool.page_size)
-        return "fused CPU kernels" if fused else "torch ops"
+        if not fused:
+            return "torch ops"
+        return "fused CPU kernels, one-call decoder stack" if self.model.stack is not None else "fused CPU kernels"
 
     def _kv_budget(self, cfg: EngineConfig, dtype: torch.dtype) -> int:
         if cfg.kv_cache_memory is not None:

@@ -6,6 +6,7 @@ compute the same thing more slowly (tests/unit/test_kernels.py holds both to eac
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 
@@ -192,3 +193,94 @@ class CpuKernels:
             torch.get_num_threads())
         if rc != 0:
             raise IndexError(f"paged attention: row {-rc - 1} has a page table or lengths outside the pool")
+
+
+# -- the whole bf16 decoder stack in one call (stack.cpp) --------------------------------------
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+class _StackLayer(ctypes.Structure):
+    _fields_ = [("attn_norm", _ptr), ("qkv", _ptr), ("o", _ptr), ("ffn_norm", _ptr), ("gate_up", _ptr), ("down", _ptr)]
+
+
+class _StackShape(ctypes.Structure):
+    _fields_ = [("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("inter", _i64),
+                ("num_layers", _i64), ("eps", _f32), ("scale", _f32), ("page_size", _i64)]
+
+
+class _StackBatch(ctypes.Structure):
+    _fields_ = [("n", _i64), ("positions", _ptr), ("write_slots", _ptr), ("cos", _ptr), ("sin", _ptr),
+                ("num_positions", _i64), ("kv", _ptr), ("num_slots", _i64), ("pages", _ptr), ("max_pages", _i64),
+                ("q_start", _ptr), ("q_len", _ptr), ("kv_len", _ptr), ("rows", _i64), ("logits_rows", _ptr),
+                ("num_logits", _i64)]
+
+
+class _StackWork(ctypes.Structure):
+    _fields_ = [(name, _ptr) for name in ("x", "qkv", "attn", "proj", "act", "h_last", "attn_last")]
+
+
+class DecoderStack:
+    """The decoder layers of a bf16 model whose matmuls are all kvfence's, run as one kernel
+    call: the same kernels in the same order as the model's per-kernel loop, without ~240
+    trips through Python a step."""
+
+    def __init__(self, kernels: CpuKernels, layers: list[tuple[torch.Tensor, ...]], final_norm: torch.Tensor,
+                 heads: int, kv_heads: int, head_dim: int, inter: int, eps: float):
+        """layers: per layer (attn_norm, packed qkv, packed o, ffn_norm, gated gate_up, packed
+        down), the matmul weights as CpuKernels.pack_weight made them."""
+        self.kernels = kernels
+        self._weights, self._final_norm = layers, final_norm  # what the pointers below point into
+        for t in (*(x for layer in layers for x in layer), final_norm):
+            _require(t.device.type == "cpu" and t.is_contiguous(), "decoder_stack: contiguous CPU weights")
+        self.hidden = layers[0][0].shape[0]
+        self.heads, self.kv_heads, self.head_dim, self.inter, self.eps = heads, kv_heads, head_dim, inter, eps
+        self._layers = (_StackLayer * len(layers))(*(_StackLayer(*(t.data_ptr() for t in layer)) for layer in layers))
+
+    def run(self, h: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
+            kv_len: torch.Tensor, logits_rows: torch.Tensor, page_size: int) -> torch.Tensor:
+        """h [n, hidden] bf16 embeddings (updated in place as the residual stream); kv the pool
+        [layers, 2, kv_heads, slots, head_dim]. Returns the final-normed hidden states of the
+        logits rows [len(logits_rows), hidden]. Raises as the kernels it runs do."""
+        n, hidden = h.shape
+        bf16 = torch.bfloat16
+        _require(h.dtype == bf16 and h.is_contiguous() and hidden == self.hidden, "decoder_stack: h [n, hidden] bf16")
+        _require(kv.dtype == bf16 and kv.is_contiguous() and kv.dim() == 5 and kv.shape[0] == len(self._layers)
+                 and kv.shape[1:3] == (2, self.kv_heads) and kv.shape[4] == self.head_dim
+                 and kv.shape[3] % page_size == 0 and 0 < page_size <= MAX_PAGE_SIZE, "decoder_stack: kv pool")
+        _require(cos.dtype == sin.dtype == bf16 and cos.is_contiguous() and sin.is_contiguous()
+                 and cos.shape == sin.shape and cos.shape[1] == self.head_dim, "decoder_stack: cos/sin")
+        _require(pages.dtype == torch.int64 and pages.is_contiguous() and pages.dim() == 2, "decoder_stack: pages")
+        for t, size in ((positions, n), (write_slots, n), (q_start, pages.shape[0]), (q_len, pages.shape[0]),
+                        (kv_len, pages.shape[0]), (logits_rows, logits_rows.shape[0])):
+            _require(t.dtype == torch.int64 and t.is_contiguous() and t.shape == (size,), "decoder_stack: int64 indices")
+        m, q_size = logits_rows.shape[0], self.heads * self.head_dim
+        out = torch.empty(m, hidden, dtype=bf16)
+        if n == 0:
+            return out
+        work = [torch.empty(rows, cols, dtype=bf16) for rows, cols in (
+            (n, hidden), (n, q_size + 2 * self.kv_heads * self.head_dim), (n, q_size), (n, hidden), (n, self.inter),
+            (m, hidden), (m, q_size))]
+        shape = _StackShape(hidden, self.heads, self.kv_heads, self.head_dim, self.inter, len(self._layers),
+                            self.eps, self.head_dim ** -0.5, page_size)
+        batch = _StackBatch(n, positions.data_ptr(), write_slots.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                            cos.shape[0], kv.data_ptr(), kv.shape[3], pages.data_ptr(), pages.shape[1],
+                            q_start.data_ptr(), q_len.data_ptr(), kv_len.data_ptr(), pages.shape[0],
+                            logits_rows.data_ptr(), m)
+        scratch = _StackWork(*(t.data_ptr() for t in work))
+        err = (ctypes.c_int64 * 3)()
+        rc = self.kernels.lib.kvfence_decoder_stack(
+            ctypes.addressof(self._layers), ctypes.addressof(shape), ctypes.addressof(batch), ctypes.addressof(scratch),
+            h.data_ptr(), self._final_norm.data_ptr(), out.data_ptr(), ctypes.addressof(err), torch.get_num_threads())
+        if rc != 0:
+            kind, layer, code = err
+            if kind == 1:
+                raise IndexError(f"rope_store (layer {layer}): token {-code - 1} has a slot outside the pool or a "
+                                 f"position past the RoPE table; nothing was written")
+            if kind == 2:
+                raise IndexError(f"paged attention (layer {layer}): row {-code - 1} has a page table or lengths "
+                                 f"outside the pool")
+            if kind == 3:
+                raise IndexError(f"decoder_stack: logits row {logits_rows[code].item()} is outside the batch of {n}")
+            raise RuntimeError("this build of the CPU kernels has no bf16 matmul")
+        return out

@@ -1,5 +1,5 @@
-"""Compile the kernel sources (cpu_kernels.cpp, gemm.cpp, and the header they share) into one library, once per machine
-and source version, and load it with ctypes.
+"""Compile the kernel sources (cpu_kernels.cpp, gemm.cpp, stack.cpp and the header they share)
+into one library, once per machine and source version, and load it with ctypes.
 
 The library is built with the system C++ compiler into a cache folder
 ($KVFENCE_CACHE_DIR, else $XDG_CACHE_HOME/kvfence, else ~/.cache/kvfence), named by a hash
@@ -22,7 +22,7 @@ from pathlib import Path
 
 log = logging.getLogger("kvfence.kernels")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "gemm.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "gemm.cpp", "stack.cpp")]
 HEADERS = [Path(__file__).with_name("simd_bf16.h")]
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno"]
 
@@ -118,6 +118,8 @@ def load_library() -> ctypes.CDLL:
     lib.kvfence_gemm_pack_gated.restype = None
     lib.kvfence_gemm_swiglu.argtypes = [vp, i64, vp, vp, i64, i64, i64, i64, i32]
     lib.kvfence_gemm_swiglu.restype = i32
+    lib.kvfence_decoder_stack.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, i32]
+    lib.kvfence_decoder_stack.restype = i64
     return lib
 
 

@@ -6,7 +6,9 @@ lengths in `AttentionRows`, which the runner built from block tables the ledger 
 checked (I2, I3). The model never decides which slots a sequence may read.
 
 Two implementations of the same arithmetic: fused CPU kernels (kvfence/kernels) where they
-are built, plain torch ops elsewhere (CUDA, no compiler, KVFENCE_KERNELS=0).
+are built, plain torch ops elsewhere (CUDA, no compiler, KVFENCE_KERNELS=0). The fused loop
+runs from Python (`_layers_fused`), or, for bf16 where every matmul is kvfence's, as one call
+into kernels/stack.cpp that runs the same kernels in the same order (bit-identical, tested).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvfence.kernels import MAX_PAGE_SIZE, cpu_kernels, supports
+from kvfence.kernels import MAX_PAGE_SIZE, DecoderStack, cpu_kernels, supports
 from kvfence.model.config import ModelConfig
 from kvfence.model.linear import Linear, SwiGLU
 from kvfence.model.weights import ModelWeights
@@ -73,6 +75,19 @@ class LlamaModel:
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self._build_rope(cfg.max_context)
         self.kernels = cpu_kernels() if supports(self.dtype, device, cfg.head_dim) else None
+        self.stack = self._decoder_stack()
+
+    def _decoder_stack(self) -> DecoderStack | None:
+        """The layers as one kernel call, where every matmul is kvfence's (bf16 on AVX512-BF16)."""
+        if self.kernels is None or self.dtype != torch.bfloat16:
+            return None
+        if not all(lin.backend == "kvfence" for layer in self.layers for lin in layer[1:3] + layer[4:]):
+            return None
+        cfg = self.config
+        layers = [(attn_norm, qkv.weight, o.weight, ffn_norm, mlp_in.gated, down.weight)
+                  for attn_norm, qkv, o, ffn_norm, mlp_in, down in self.layers]
+        return DecoderStack(self.kernels, layers, self.final_norm, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                            cfg.intermediate_size, self.eps)
 
     def _build_rope(self, max_pos: int) -> None:
         cfg = self.config
@@ -91,7 +106,11 @@ class LlamaModel:
         """kv_cache: [layers, 2, kv_heads, slots, head_dim], K pages dim-major (see
         kv/pool.py). fused: use the CPU kernels where they are built. Returns float32 logits
         [M, vocab]."""
-        if self.runs_fused(fused, kv_cache.device.type, batch.page_size):
+        if self.runs_fused(fused, kv_cache.device.type, batch.page_size) and self.stack is not None:
+            a = batch.attn
+            h = self.stack.run(self.embed[batch.input_ids], batch.positions, batch.write_slots, self.cos, self.sin,
+                               kv_cache, a.pages, a.q_start, a.q_len, a.kv_len, batch.logits_rows, batch.page_size)
+        elif self.runs_fused(fused, kv_cache.device.type, batch.page_size):
             h = self._layers_fused(batch, kv_cache)
         else:
             h = self._layers_torch(batch, kv_cache)

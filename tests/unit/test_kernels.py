@@ -200,8 +200,8 @@ def test_wrappers_refuse_layouts_the_kernels_do_not_take():
         K.argmax_rows(torch.randn(4, 64).to(torch.bfloat16))
 
 
-def tiny_model(dtype):
-    cfg = tiny_config(layers=2, hidden=128, heads=4, kv_heads=2)  # head_dim 32: the general kernel path
+def tiny_model(dtype, layers=2, head_dim=32):  # head_dim 32: the general kernel path
+    cfg = tiny_config(layers=layers, hidden=4 * head_dim, heads=4, kv_heads=2)
     w = tiny_weights(cfg, seed=4)
     for lw in w.layers:
         for f in ("q", "k", "v", "o", "gate", "up", "down", "attn_norm", "ffn_norm"):
@@ -246,6 +246,39 @@ def test_model_forward_fused_bf16_is_as_accurate_as_torch_path():
     err_plain = (plain - exact).abs().max().item()
     scale = exact.abs().max().item()
     assert err_fused <= max(err_plain * 1.1, 0.02 * scale), (err_fused, err_plain, scale)
+
+
+@pytest.mark.skipif(K is None or not K.has_gemm, reason="no AVX512-BF16 matmul in this build")
+@pytest.mark.parametrize("head_dim", [32, 64])  # the general attention path and the 16 x 64 one
+def test_decoder_stack_is_bit_for_bit_the_per_kernel_loop(head_dim):
+    """stack.cpp runs the same kernels in the same order as LlamaModel._layers_fused: the
+    same logits and the same pool, to the bit."""
+    model = tiny_model(torch.bfloat16, layers=3, head_dim=head_dim)
+    assert model.stack is not None
+    stacked, stacked_pool = run_mixed_batch(model, True)
+    model.stack = None
+    looped, looped_pool = run_mixed_batch(model, True)
+    assert torch.equal(stacked_pool, looped_pool)
+    assert torch.equal(stacked, looped)
+
+
+@pytest.mark.skipif(K is None or not K.has_gemm, reason="no AVX512-BF16 matmul in this build")
+def test_decoder_stack_refuses_what_its_kernels_refuse():
+    model = tiny_model(torch.bfloat16)
+    pool = torch.zeros(2, 2, 2, 4 * 8, 32, dtype=torch.bfloat16)
+    h = model.embed[torch.arange(3)]
+    args = dict(positions=torch.arange(3), write_slots=torch.arange(3), cos=model.cos, sin=model.sin, kv=pool,
+                pages=torch.tensor([[1]]), q_start=torch.tensor([0]), q_len=torch.tensor([3]),
+                kv_len=torch.tensor([3]), logits_rows=torch.tensor([2]), page_size=8)
+    assert model.stack.run(h.clone(), **args).shape == (1, 128)
+    with pytest.raises(IndexError, match="token 1"):
+        model.stack.run(h.clone(), **{**args, "write_slots": torch.tensor([0, 4 * 8, 1])})
+    with pytest.raises(IndexError, match="row 0"):
+        model.stack.run(h.clone(), **{**args, "pages": torch.tensor([[4]])})
+    with pytest.raises(IndexError, match="logits row 3"):
+        model.stack.run(h.clone(), **{**args, "logits_rows": torch.tensor([3])})
+    with pytest.raises(ValueError, match="decoder_stack"):
+        model.stack.run(h.clone(), **{**args, "kv": pool.float()})
 
 
 # -- bf16 matmul (gemm.cpp) -------------------------------------------------------------------
