@@ -12,7 +12,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (default: a fraction of free memory)")
     p.add_argument("--kv-memory-fraction", type=float, default=0.1)
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page, even (default 16)")
     p.add_argument("--max-model-len", type=int, default=None, help="advertised context (default: the model's)")
     p.add_argument("--clamp-context", action="store_true",
                    help="clamp the context to the pool instead of refusing to start")

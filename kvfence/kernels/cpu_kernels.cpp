@@ -7,9 +7,12 @@
 // contiguity, shapes). Threads come from the OpenMP runtime torch already loaded.
 //
 // Pool layout (kvfence/kv/pool.py): cache[kv_head] is num_pages * page_size * head_dim
-// elements. A V page is [page_size][head_dim] (slot-major); a K page is
-// [head_dim][page_size] (dim-major), so the scores of one query against a page's keys are
-// head_dim broadcast-multiply-adds over page_size contiguous lanes.
+// elements. Inside a page elements sit in pairs along the attention's reductions: a K page is
+// [head_dim/2][page_size][2] (dims d, d+1 of each position), a V page [page_size/2][head_dim][2]
+// (positions j, j+1 of each dim); page sizes are even. k_at / v_at below are the one statement
+// of it here. The scores of a query against a K page are head_dim/2 pair products over
+// page_size lanes, and probabilities . V pair products over head_dim lanes: the bf16 kernels
+// feed pages to vdpbf16ps as they lie.
 //
 // The attention reads exactly positions 0 .. kv_len-1 of each row's pages, through the page
 // table it is given, and checks every page index against the pool size: a bad table is an
@@ -46,6 +49,10 @@ template <> inline bf16_t from_f<bf16_t>(float f) {
 
 // Round through T: reproduces the intermediate roundings torch makes in bf16 (identity in fp32).
 template <typename T> inline float rnd(float f) { return to_f(from_f<T>(f)); }
+
+// Offsets inside a page (see the top of this file; kv/pool.py k_element is the same rule)
+inline int64_t k_at(int64_t d, int64_t j, int64_t page_size) { return ((d >> 1) * page_size + j) * 2 + (d & 1); }
+inline int64_t v_at(int64_t j, int64_t d, int64_t dim) { return ((j >> 1) * dim + d) * 2 + (j & 1); }
 
 // exp(x) for x <= 0 (softmax after subtracting the max) and for SiLU; ~2 ulp, vectorizable.
 inline float exp_approx(float x) {
@@ -175,14 +182,17 @@ int64_t rope_store(T* qkv, int64_t n, int64_t row_stride, int heads, int kv_head
                 x[d + half] = from_f<T>(hi);
             }
         }
-        const int64_t slot = slots[i];
-        const int64_t page = slot / page_size, j = slot % page_size;
+        const int64_t page = slots[i] / page_size, j = slots[i] % page_size;
         for (int kh = 0; kh < kv_heads; ++kh) {
             const T* k = row + int64_t(heads + kh) * dim;
             const T* v = row + int64_t(heads + kv_heads + kh) * dim;
-            T* kp = k_cache + kh * head_stride + page * page_size * dim;  // [dim][page_size]
-            for (int d = 0; d < dim; ++d) kp[int64_t(d) * page_size + j] = k[d];
-            std::memcpy(v_cache + kh * head_stride + slot * dim, v, sizeof(T) * dim);
+            T* kp = k_cache + kh * head_stride + page * page_size * dim;
+            T* vp = v_cache + kh * head_stride + page * page_size * dim;
+            for (int d = 0; d < dim; d += 2) {  // the pair (d, d+1) is adjacent in K
+                kp[k_at(d, j, page_size)] = k[d];
+                kp[k_at(d, j, page_size) + 1] = k[d + 1];
+            }
+            for (int d = 0; d < dim; ++d) vp[v_at(j, d, dim)] = v[d];
         }
     }
     return 0;
@@ -250,13 +260,6 @@ inline void prefetch_page(const void* p, int64_t bytes) {
 template <typename T, int PS, int DIM>
 constexpr bool kDotPath = std::is_same<T, bf16_t>::value && PS == 16 && DIM == 64;
 
-inline __m512i pair_rows(const bf16_t* lo, const bf16_t* hi) {
-    const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo)));
-    if (!hi) return a;  // the missing partner is zero
-    const __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi)));
-    return _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
-}
-
 template <int U>  // U queries at once: U independent chains of 32 multiply-adds
 inline void score_tile(const int32_t* kpair, const float* qf, float* scores, int64_t width) {
     const uint32_t* qp = reinterpret_cast<const uint32_t*>(qf);  // the pairs; qf[u * 64 + 32] is the scale
@@ -272,64 +275,61 @@ inline void score_tile(const int32_t* kpair, const float* qf, float* scores, int
 }
 
 // qf holds, per query, 32 uint32 pairs (q[2i], q[2i+1]) as raw bf16 bits, then the scale.
-inline void dot_scores_page(const bf16_t* kp, const float* qf, int64_t nq_pad, float* scores, int64_t width,
-                            float* scratch) {
-    // scratch need not be 64-byte aligned: unaligned loads and stores throughout
-    int32_t* kpair = reinterpret_cast<int32_t*>(scratch);  // 32 pairs of K rows (d, d+1), 16 lanes each
-    for (int i = 0; i < 32; ++i) _mm512_storeu_si512(kpair + 16 * i, pair_rows(kp + (2 * i) * 16, kp + (2 * i + 1) * 16));
+// kp: a K page as it lies, [32 dim pairs][16 positions] of uint32.
+inline void dot_scores_page(const bf16_t* kp, const float* qf, int64_t nq_pad, float* scores, int64_t width) {
+    const int32_t* kpair = reinterpret_cast<const int32_t*>(kp);
     int64_t q0 = 0;
     for (; q0 + 8 <= nq_pad; q0 += 8)  // prefill blocks: eight chains keep the multiply-add unit busy
         score_tile<8>(kpair, qf + q0 * 64, scores + q0 * width, width);
     for (; q0 < nq_pad; q0 += kQueryTile) score_tile<kQueryTile>(kpair, qf + q0 * 64, scores + q0 * width, width);
 }
 
-// V of keys 0 .. keys-1 of a row, page by page, as pairs of key rows: vpair[P][c] holds keys
-// (2P, 2P+1), dims c*16 .. c*16+15, as 16 uint32. A partner past the last key is zero: a row
-// past the row's keys (stale, or NaN from a poison scrub) is never read.
-inline void pair_v_rows(const bf16_t* vbase, const int64_t* table, int64_t page_elems, int64_t keys, int32_t* vpair) {
-    for (int64_t pg = 0; pg * 16 < keys; ++pg) {
-        if ((pg + 1) * 16 < keys) prefetch_page(vbase + table[pg + 1] * page_elems, page_elems * sizeof(bf16_t));
-        const bf16_t* vp = vbase + table[pg] * page_elems;
-        const int64_t in_page = std::min<int64_t>(16, keys - pg * 16);
-        for (int jj = 0; 2 * jj < in_page; ++jj)
-            for (int c = 0; c < 4; ++c) {
-                const bf16_t* lo = vp + (2 * jj) * 64 + c * 16;
-                _mm512_storeu_si512(vpair + 16 * ((pg * 8 + jj) * 4 + c), pair_rows(lo, 2 * jj + 1 < in_page ? lo + 64 : nullptr));
-            }
-    }
-}
-
-// acc[u] = probabilities . v for U queries at once, all keys in registers: 4U independent
-// multiply-add chains sharing each loaded V vector. probs16: per query, its probabilities
-// rounded to bf16 (width apart; a key past what it sees has probability 0).
+// acc[u] = probabilities . v for U queries at once over keys 0 .. keys-1, all in registers:
+// 4U independent multiply-add chains sharing each loaded V vector. V pages are read as they
+// lie: [8 position pairs][64 dims] of uint32. Where keys is odd, the last pair's second
+// position is past the row's keys (stale, or NaN from a poison scrub): it is masked to zero
+// in the register, so it cannot reach the sum even with probability 0. probs16: per query,
+// its probabilities rounded to bf16 (width apart; a key past what it sees has probability 0).
 template <int U>
-inline void pv_rows(const int32_t* vpair, int64_t pairs, const bf16_t* probs16, int64_t width, float* acc) {
+inline void pv_rows(const bf16_t* vbase, const int64_t* table, int64_t page_elems, int64_t keys, bool prefetch,
+                    const bf16_t* probs16, int64_t width, float* acc) {
     __m512 o[U][4];
     const uint32_t* pr[U];
     for (int u = 0; u < U; ++u) {
         pr[u] = reinterpret_cast<const uint32_t*>(probs16 + u * width);
         for (int c = 0; c < 4; ++c) o[u][c] = _mm512_setzero_ps();
     }
-    for (int64_t jj = 0; jj < pairs; ++jj) {
-        __m512bh v[4];
-        for (int c = 0; c < 4; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vpair + 16 * (jj * 4 + c));
-        for (int u = 0; u < U; ++u) {
-            const __m512bh p = (__m512bh)_mm512_set1_epi32(int(pr[u][jj]));
-            for (int c = 0; c < 4; ++c) o[u][c] = _mm512_dpbf16_ps(o[u][c], p, v[c]);
+    const __m512i low_half = _mm512_set1_epi32(0xFFFF);
+    for (int64_t pg = 0; pg * 16 < keys; ++pg) {
+        if (prefetch && (pg + 1) * 16 < keys) prefetch_page(vbase + table[pg + 1] * page_elems, page_elems * sizeof(bf16_t));
+        const int32_t* vp = reinterpret_cast<const int32_t*>(vbase + table[pg] * page_elems);
+        const int64_t in_page = std::min<int64_t>(16, keys - pg * 16);
+        for (int64_t jj = 0; 2 * jj < in_page; ++jj) {
+            const bool alone = 2 * jj + 1 == in_page;
+            __m512bh v[4];
+            for (int c = 0; c < 4; ++c) {
+                const __m512i raw = _mm512_loadu_si512(vp + jj * 64 + c * 16);
+                v[c] = (__m512bh)(alone ? _mm512_and_si512(raw, low_half) : raw);
+            }
+            for (int u = 0; u < U; ++u) {
+                const __m512bh p = (__m512bh)_mm512_set1_epi32(int(pr[u][pg * 8 + jj]));
+                for (int c = 0; c < 4; ++c) o[u][c] = _mm512_dpbf16_ps(o[u][c], p, v[c]);
+            }
         }
     }
     for (int u = 0; u < U; ++u)
         for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + u * 64 + c * 16, o[u][c]);
 }
 
-inline void dot_pv(const int32_t* vpair, int64_t keys, const bf16_t* probs16, int64_t width, int64_t nq, float* acc) {
-    const int64_t pairs = (keys + 1) / 2;
+inline void dot_pv(const bf16_t* vbase, const int64_t* table, int64_t page_elems, int64_t keys,
+                   const bf16_t* probs16, int64_t width, int64_t nq, float* acc) {
     int64_t q = 0;
-    for (; q + 4 <= nq; q += 4) pv_rows<4>(vpair, pairs, probs16 + q * width, width, acc + q * 64);
+    for (; q + 4 <= nq; q += 4)  // the first pass over the pages fetches them ahead; later ones find them cached
+        pv_rows<4>(vbase, table, page_elems, keys, q == 0, probs16 + q * width, width, acc + q * 64);
     switch (nq - q) {
-        case 3: pv_rows<3>(vpair, pairs, probs16 + q * width, width, acc + q * 64); break;
-        case 2: pv_rows<2>(vpair, pairs, probs16 + q * width, width, acc + q * 64); break;
-        case 1: pv_rows<1>(vpair, pairs, probs16 + q * width, width, acc + q * 64); break;
+        case 3: pv_rows<3>(vbase, table, page_elems, keys, q == 0, probs16 + q * width, width, acc + q * 64); break;
+        case 2: pv_rows<2>(vbase, table, page_elems, keys, q == 0, probs16 + q * width, width, acc + q * 64); break;
+        case 1: pv_rows<1>(vbase, table, page_elems, keys, q == 0, probs16 + q * width, width, acc + q * 64); break;
     }
 }
 
@@ -340,9 +340,8 @@ inline void round_probs(const float* scores, int64_t n, bf16_t* out) {
 #else
 template <typename T, int PS, int DIM>
 constexpr bool kDotPath = false;
-inline void dot_scores_page(const bf16_t*, const float*, int64_t, float*, int64_t, float*) {}
-inline void pair_v_rows(const bf16_t*, const int64_t*, int64_t, int64_t, int32_t*) {}
-inline void dot_pv(const int32_t*, int64_t, const bf16_t*, int64_t, int64_t, float*) {}
+inline void dot_scores_page(const bf16_t*, const float*, int64_t, float*, int64_t) {}
+inline void dot_pv(const bf16_t*, const int64_t*, int64_t, int64_t, const bf16_t*, int64_t, int64_t, float*) {}
 inline void round_probs(const float*, int64_t, bf16_t*) {}
 #endif
 
@@ -402,15 +401,13 @@ void attend_task(const Task& t, const T* q, int64_t q_stride, const T* k_cache, 
     const int64_t npages = (last_visible + ps - 1) / ps;
     const int64_t width = npages * ps;
     const int64_t nq_pad = (nq + kQueryTile - 1) / kQueryTile * kQueryTile;
-    const size_t need = size_t(nq_pad) * (width + 2 * dim) + size_t(ps) * dim + size_t(nq) * width / 2
-                        + size_t(width) * dim / 2 + 32;
+    const size_t need = size_t(nq_pad) * (width + 2 * dim) + size_t(ps) * dim + size_t(nq) * width / 2 + 16;
     if (tl_buf.size() < need) tl_buf.resize(need);
     float* scores = tl_buf.data();                  // [nq_pad][width]
     float* qf = scores + nq_pad * width;            // [nq_pad][dim], pre-scaled; padding rows zero
     float* acc = qf + nq_pad * dim;                 // [nq_pad][dim]
-    float* kf = acc + nq_pad * dim;                 // one page in fp32: K [dim][ps] or V [ps][dim]
+    float* kf = acc + nq_pad * dim;                 // one page in fp32: K [dim][ps] or V [ps][dim] (general path)
     bf16_t* probs16 = reinterpret_cast<bf16_t*>(kf + ps * dim);  // [nq][width] (dot path)
-    int32_t* vpair = reinterpret_cast<int32_t*>(probs16 + nq * width + 32);  // [width / 2][dim] pairs (dot path)
 
     for (int64_t p = 0; p < t.count; ++p) {
         const T* qrow = q + (q_start[t.row] + t.first + p) * q_stride;
@@ -441,13 +438,13 @@ void attend_task(const Task& t, const T* q, int64_t q_stride, const T* k_cache, 
             // a row's pages lie anywhere in the pool: fetch the next one while this one computes
             if (pg + 1 < npages) prefetch_page(kbase + table[pg + 1] * page_elems, page_elems * sizeof(T));
             else prefetch_page(vbase + table[0] * page_elems, page_elems * sizeof(T));
-            dot_scores_page(kbase + table[pg] * page_elems, qf, nq_pad, scores + pg * ps, width, kf);
+            dot_scores_page(kbase + table[pg] * page_elems, qf, nq_pad, scores + pg * ps, width);
         }
     } else {
         for (int64_t pg = 0; pg < npages; ++pg) {
             const T* kp = kbase + table[pg] * page_elems;
-    #pragma omp simd
-            for (int64_t e = 0; e < page_elems; ++e) kf[e] = to_f(kp[e]);
+            for (int d = 0; d < dim; ++d)
+                for (int j = 0; j < ps; ++j) kf[d * ps + j] = to_f(kp[k_at(d, j, ps)]);
             for (int64_t q0 = 0; q0 < nq_pad; q0 += kQueryTile) {
                 float sc[kQueryTile][PS ? PS : kMaxPage] = {};
                 const float* qv = qf + q0 * dim;
@@ -472,15 +469,14 @@ void attend_task(const Task& t, const T* q, int64_t q_stride, const T* k_cache, 
     // acc = probabilities . v, over the row's keys only
     if constexpr (kDotPath<T, PS, DIM>) {
         round_probs(scores, nq * width, probs16);  // rows are width apart in both
-        pair_v_rows(vbase, table, page_elems, last_visible, vpair);
-        dot_pv(vpair, last_visible, probs16, width, nq, acc);
+        dot_pv(vbase, table, page_elems, last_visible, probs16, width, nq, acc);
     } else {
         std::fill(acc, acc + nq * dim, 0.f);
         for (int64_t pg = 0; pg < npages; ++pg) {
             const T* vp = vbase + table[pg] * page_elems;
             const int64_t keys = std::min<int64_t>(ps, last_visible - pg * ps);
-    #pragma omp simd
-            for (int64_t e = 0; e < keys * dim; ++e) kf[e] = to_f(vp[e]);
+            for (int64_t j = 0; j < keys; ++j)  // only the row's keys: a slot past them is never read
+                for (int d = 0; d < dim; ++d) kf[j * dim + d] = to_f(vp[v_at(j, d, dim)]);
             for (int64_t qi = 0; qi < nq; ++qi) {
                 const float* pr = scores + qi * width + pg * ps;
                 float a[DIM ? DIM : kMaxDim];

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfence.kernels import MAX_PAGE_SIZE, DecoderStack, cpu_kernels, supports
+from kvfence.kv.pool import k_pages, v_pages
 from kvfence.model.config import ModelConfig
 from kvfence.model.linear import Linear, SwiGLU
 from kvfence.model.weights import ModelWeights
@@ -103,8 +104,8 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor, fused: bool = True) -> torch.Tensor:
-        """kv_cache: [layers, 2, kv_heads, slots, head_dim], K pages dim-major (see
-        kv/pool.py). fused: use the CPU kernels where they are built. Returns float32 logits
+        """kv_cache: [layers, 2, kv_heads, slots, head_dim], pages in the paired layout of
+        kv/pool.py. fused: use the CPU kernels where they are built. Returns float32 logits
         [M, vocab]."""
         if self.runs_fused(fused, kv_cache.device.type, batch.page_size) and self.stack is not None:
             a = batch.attn
@@ -183,26 +184,27 @@ class LlamaModel:
     @staticmethod
     def _store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                slots: torch.Tensor, page_size: int) -> None:
-        """k, v [n, kv_heads, dim] into their slots: V slot-major, K dim-major per page."""
-        kvh, total, d = k_cache.shape
-        k_pages = k_cache.view(kvh, total // page_size, d, page_size)
-        k_pages[:, slots // page_size, :, slots % page_size] = k
-        v_cache.index_copy_(1, slots, v.transpose(0, 1))
+        """k, v [n, kv_heads, dim] into their slots, in the pool's paired in-page layout."""
+        n, kvh, d = k.shape
+        page, j = slots // page_size, slots % page_size
+        k_pages(k_cache, page_size)[:, page, :, j, :] = k.view(n, kvh, d // 2, 2)
+        v_pages(v_cache, page_size)[:, page, j // 2, :, j % 2] = v
 
     @staticmethod
     def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
                 page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of pages [rows, P] as [kv_heads, rows, P*page_size, dim] each:
         one flat dim-0 gather per plane (measured ~4x faster than index_select on an inner
-        dimension); K pages come back dim-major and are transposed."""
+        dimension), then the pairs undone."""
         kvh, total, d = k_cache.shape
         num_pages = total // page_size
         rows, p = pages.shape
         heads = torch.arange(kvh, device=pages.device).view(kvh, 1) * num_pages
         index = (heads + pages.reshape(1, -1)).view(-1)
         k = F.embedding(index, k_cache.view(kvh * num_pages, d * page_size))
-        k = k.view(kvh, rows, p, d, page_size).transpose(-1, -2).reshape(kvh, rows, p * page_size, d)
-        v = F.embedding(index, v_cache.view(kvh * num_pages, page_size * d)).view(kvh, rows, p * page_size, d)
+        k = k.view(kvh, rows, p, d // 2, page_size, 2).permute(0, 1, 2, 4, 3, 5).reshape(kvh, rows, p * page_size, d)
+        v = F.embedding(index, v_cache.view(kvh * num_pages, page_size * d))
+        v = v.view(kvh, rows, p, page_size // 2, d, 2).transpose(-1, -2).reshape(kvh, rows, p * page_size, d)
         return k, v
 
     def _attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

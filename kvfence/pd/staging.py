@@ -22,7 +22,7 @@ from kvfence.pd.manifest import HEADER_BYTES, PageHeader, page_checksum
 
 def kv_layout(pool: KVPool) -> str:
     L, two, H, _, D = pool.kv.shape
-    return (f"layers={L},kv={two},heads={H},page={pool.page_size},dim={D},k=dim-major,"
+    return (f"layers={L},kv={two},heads={H},page={pool.page_size},dim={D},k=dim-pairs,v=slot-pairs,"
             f"dtype={str(pool.dtype).removeprefix('torch.')}")
 
 

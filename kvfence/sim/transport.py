@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvfence.kv.pool import k_element
 from kvfence.pd.manifest import HEADER_BYTES, Manifest
 
 PULL_FATES = ("ok", "fail", "partial", "corrupt", "short_ok", "cut")
@@ -133,7 +134,9 @@ class SimTransport:
             if rng.random() < 0.3:   # a header byte
                 off = rng.randrange(0, 40)
             else:                    # a byte of slot 0's keys, layer 0, head 0: always a live token
-                off = HEADER_BYTES + 4 * rng.randrange(0, imp.staging.page_shape[-1])
+                ps, dim = imp.staging.page_shape[-2:]
+                elem = imp.staging.pool.kv.element_size()
+                off = HEADER_BYTES + elem * k_element(rng.randrange(0, dim), 0, ps)
             imp.staging.buf[r, off] ^= 0x5A
         p.error = error
         notice = (p.pull_id, ok, error, nbytes, 0.0)

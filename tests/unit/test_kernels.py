@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvfence.kernels import cpu_kernels
+from kvfence.kv.pool import k_pages, v_pages
 from kvfence.model.llama import AttentionRows, ForwardBatch, LlamaModel
 from kvfence.sim.model import tiny_config, tiny_weights
 
@@ -81,14 +82,14 @@ def reference_attention(q, k_cache, v_cache, pages, q_start, q_len, kv_len, page
     kv_heads = k_cache.shape[0]
     group = heads // kv_heads
     out = torch.zeros(n, heads, dim, dtype=torch.float64)
-    kp = k_cache.double().view(kv_heads, -1, dim, page_size)     # dim-major K pages
-    vp = v_cache.double().view(kv_heads, -1, page_size, dim)
+    kp = k_pages(k_cache.double(), page_size)   # the pool's paired in-page layout
+    vp = v_pages(v_cache.double(), page_size)
     for r in range(len(q_start)):
         t = int(kv_len[r])
         pos = torch.arange(t)
         pg, j = pages[r][pos // page_size], pos % page_size
-        keys = kp[:, pg, :, j]                  # [t, kv_heads, dim]
-        vals = vp[:, pg, j, :].transpose(0, 1)  # [t, kv_heads, dim]
+        keys = kp[:, pg, :, j, :].reshape(t, kv_heads, dim)          # [t, kv_heads, dim]
+        vals = vp[:, pg, j // 2, :, j % 2]                           # [t, kv_heads, dim]
         for i in range(int(q_len[r])):
             row = int(q_start[r]) + i
             seen = t - int(q_len[r]) + i + 1
@@ -134,18 +135,19 @@ def test_paged_attention_matches_dense_reference(dtype, page_size, dim):
 
 
 @pytest.mark.parametrize("page_size,dim", [(16, 64), (8, 32)])
-def test_paged_attention_reads_nothing_a_row_may_not_see(page_size, dim):
-    """NaN everywhere a row may not read: past its kv_len on its own last page, on the null
-    page, and on every page outside its table. One stray read would make its output NaN."""
-    q, kc, vc, pages, qs, ql, kl = attention_case(torch.float32, page_size, dim)
+@pytest.mark.parametrize("dtype", DTYPES)  # bf16 16 x 64: the pair-product path, odd key counts included
+def test_paged_attention_reads_nothing_a_row_may_not_see(page_size, dim, dtype):
+    """NaN everywhere a row may not read: past its kv_len on its own last page (also the
+    other half of a V pair it does read), on the null page, and on every page outside its
+    table. One stray read would make its output NaN."""
+    q, kc, vc, pages, qs, ql, kl = attention_case(dtype, page_size, dim)
     allowed = torch.zeros(kc.shape[1], dtype=torch.bool)
     for r in range(len(qs)):
         pos = torch.arange(int(kl[r]))
         allowed[pages[r][pos // page_size] * page_size + pos % page_size] = True
-    kp = kc.view(kc.shape[0], -1, dim, page_size)
     slot_ok = allowed.view(-1, page_size)
-    kp.masked_fill_(~slot_ok[None, :, None, :], math.nan)
-    vc.masked_fill_(~allowed[None, :, None], math.nan)
+    k_pages(kc, page_size).masked_fill_(~slot_ok[None, :, None, :, None], math.nan)
+    v_pages(vc, page_size).masked_fill_(~slot_ok.view(-1, page_size // 2, 2)[None, :, :, None, :], math.nan)
     out = torch.empty_like(q)
     K.paged_attention(q, kc, vc, pages, qs, ql, kl, out, page_size, dim ** -0.5)
     assert not out.isnan().any()

@@ -1,4 +1,4 @@
-"""Position addressing inside pool pages (K dim-major, V slot-major) agrees everywhere:
+"""Position addressing inside pool pages (K and V in pairs, kv/pool.py) agrees everywhere:
 the model's store and gather, and the staging buffer's tail clearing."""
 from __future__ import annotations
 
@@ -52,3 +52,15 @@ def test_staging_sends_no_position_past_the_prompt():
         k, v = LlamaModel._gather(kv[layer, 0], kv[layer, 1], torch.tensor([[0, 1]]), ps)
         want = torch.where(positions < tokens, 7.0, 0.0).view(1, 1, -1, 1)
         assert torch.equal(k, want.expand_as(k)) and torch.equal(v, want.expand_as(v))
+
+
+def test_k_element_is_where_k_pages_puts_a_key():
+    """The flat offset rule (kv/pool.py k_element, cpu_kernels.cpp k_at) and the view agree."""
+    from kvfence.kv.pool import k_element, k_pages
+
+    ps, dim = 4, 6
+    plane = torch.arange(2 * ps * dim).view(1, 2 * ps, dim)
+    pages = k_pages(plane, ps)
+    for d in range(dim):
+        for j in range(ps):
+            assert pages[0, 1, d // 2, j, d % 2] == ps * dim + k_element(d, j, ps)
