@@ -64,3 +64,10 @@ def test_k_element_is_where_k_pages_puts_a_key():
     for d in range(dim):
         for j in range(ps):
             assert pages[0, 1, d // 2, j, d % 2] == ps * dim + k_element(d, j, ps)
+
+
+def test_an_odd_page_size_is_refused_with_the_reason():
+    import pytest
+
+    with pytest.raises(ValueError, match="even"):
+        KVPool(tiny_config(), num_pages=4, page_size=5, dtype=torch.float32, device="cpu")
