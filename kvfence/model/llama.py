@@ -201,11 +201,14 @@ class LlamaModel:
         rows, p = pages.shape
         heads = torch.arange(kvh, device=pages.device).view(kvh, 1) * num_pages
         index = (heads + pages.reshape(1, -1)).view(-1)
-        k = F.embedding(index, k_cache.view(kvh * num_pages, d * page_size))
-        k = k.view(kvh, rows, p, d // 2, page_size, 2).permute(0, 1, 2, 4, 3, 5).reshape(kvh, rows, p * page_size, d)
+        # a K pair moves as one element of twice the width: [d/2, page] -> [page, d/2] is then a
+        # plain transpose (a pair-by-pair permute measured ~3x slower)
+        pair = {2: torch.int32, 4: torch.int64}[k_cache.element_size()]
+        k = F.embedding(index, k_cache.view(kvh * num_pages, d * page_size).view(pair))
+        k = k.view(kvh, rows, p, d // 2, page_size).transpose(-1, -2).reshape(kvh, rows, p * page_size, d // 2)
         v = F.embedding(index, v_cache.view(kvh * num_pages, page_size * d))
         v = v.view(kvh, rows, p, page_size // 2, d, 2).transpose(-1, -2).reshape(kvh, rows, p * page_size, d)
-        return k, v
+        return k.view(k_cache.dtype), v
 
     def _attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [rows, H, q_len, d]; k, v [kvh, rows, T, d]. For short queries (decode), explicit
