@@ -101,8 +101,7 @@ class CpuKernels:
                                          k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), slots.data_ptr(),
                                          page_size, torch.get_num_threads())
         if rc != 0:
-            raise IndexError(f"rope_store: token {-rc - 1} has a slot outside the pool or a position past the "
-                             f"RoPE table; nothing was written")
+            raise IndexError(_rope_store_refused(rc))
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for gu = [gate | up] along the last dimension."""
@@ -192,7 +191,16 @@ class CpuKernels:
             pages.shape[0], n, out.data_ptr(), out.stride(0), heads, kv_heads, dim, page_size, scale,
             torch.get_num_threads())
         if rc != 0:
-            raise IndexError(f"paged attention: row {-rc - 1} has a page table or lengths outside the pool")
+            raise IndexError(_attention_refused(rc))
+
+
+def _rope_store_refused(rc: int, where: str = "") -> str:
+    return (f"rope_store{where}: token {-rc - 1} has a slot outside the pool or a position past the RoPE table; "
+            f"nothing was written")
+
+
+def _attention_refused(rc: int, where: str = "") -> str:
+    return f"paged attention{where}: row {-rc - 1} has a page table or lengths outside the pool"
 
 
 # -- the whole bf16 decoder stack in one call (stack.cpp) --------------------------------------
@@ -232,8 +240,17 @@ class DecoderStack:
         self._weights, self._final_norm = layers, final_norm  # what the pointers below point into
         for t in (*(x for layer in layers for x in layer), final_norm):
             _require(t.device.type == "cpu" and t.is_contiguous(), "decoder_stack: contiguous CPU weights")
-        self.hidden = layers[0][0].shape[0]
+        self.hidden = hidden = final_norm.shape[0]
         self.heads, self.kv_heads, self.head_dim, self.inter, self.eps = heads, kv_heads, head_dim, inter, eps
+        q_size = heads * head_dim
+        sizes = (kernels._packed_size(q_size + 2 * kv_heads * head_dim, hidden, False),
+                 kernels._packed_size(hidden, q_size, False), kernels._packed_size(inter, hidden, True),
+                 kernels._packed_size(hidden, inter, False))
+        for attn_norm, qkv, o, ffn_norm, gate_up, down in layers:  # the C++ side trusts these sizes
+            _require(attn_norm.shape == ffn_norm.shape == (hidden,)
+                     and attn_norm.dtype == ffn_norm.dtype == torch.bfloat16
+                     and (qkv.numel(), o.numel(), gate_up.numel(), down.numel()) == sizes,
+                     "decoder_stack: bf16 norms and packed weights of the model's shapes")
         self._layers = (_StackLayer * len(layers))(*(_StackLayer(*(t.data_ptr() for t in layer)) for layer in layers))
 
     def run(self, h: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, cos: torch.Tensor,
@@ -253,7 +270,8 @@ class DecoderStack:
         _require(pages.dtype == torch.int64 and pages.is_contiguous() and pages.dim() == 2, "decoder_stack: pages")
         for t, size in ((positions, n), (write_slots, n), (q_start, pages.shape[0]), (q_len, pages.shape[0]),
                         (kv_len, pages.shape[0]), (logits_rows, logits_rows.shape[0])):
-            _require(t.dtype == torch.int64 and t.is_contiguous() and t.shape == (size,), "decoder_stack: int64 indices")
+            _require(t.dtype == torch.int64 and t.is_contiguous() and t.shape == (size,),
+                     "decoder_stack: int64 indices")
         m, q_size = logits_rows.shape[0], self.heads * self.head_dim
         out = torch.empty(m, hidden, dtype=bf16)
         if n == 0:
@@ -274,12 +292,9 @@ class DecoderStack:
             h.data_ptr(), self._final_norm.data_ptr(), out.data_ptr(), ctypes.addressof(err), torch.get_num_threads())
         if rc != 0:
             kind, layer, code = err
-            if kind == 1:
-                raise IndexError(f"rope_store (layer {layer}): token {-code - 1} has a slot outside the pool or a "
-                                 f"position past the RoPE table; nothing was written")
-            if kind == 2:
-                raise IndexError(f"paged attention (layer {layer}): row {-code - 1} has a page table or lengths "
-                                 f"outside the pool")
+            if kind in (1, 2):
+                refused = _rope_store_refused if kind == 1 else _attention_refused
+                raise IndexError(refused(code, f" (layer {layer})"))
             if kind == 3:
                 raise IndexError(f"decoder_stack: logits row {logits_rows[code].item()} is outside the batch of {n}")
             raise RuntimeError("this build of the CPU kernels has no bf16 matmul")

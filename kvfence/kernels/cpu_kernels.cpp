@@ -301,7 +301,8 @@ inline void pv_rows(const bf16_t* vbase, const int64_t* table, int64_t page_elem
     }
     const __m512i low_half = _mm512_set1_epi32(0xFFFF);
     for (int64_t pg = 0; pg * 16 < keys; ++pg) {
-        if (prefetch && (pg + 1) * 16 < keys) prefetch_page(vbase + table[pg + 1] * page_elems, page_elems * sizeof(bf16_t));
+        if (prefetch && (pg + 1) * 16 < keys)
+            prefetch_page(vbase + table[pg + 1] * page_elems, page_elems * sizeof(bf16_t));
         const int32_t* vp = reinterpret_cast<const int32_t*>(vbase + table[pg] * page_elems);
         const int64_t in_page = std::min<int64_t>(16, keys - pg * 16);
         for (int64_t jj = 0; 2 * jj < in_page; ++jj) {

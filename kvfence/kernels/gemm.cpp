@@ -147,7 +147,9 @@ void kvfence_gemm_pack(const bf16_t* weight, int64_t n, int64_t k, uint32_t* pac
 }
 
 // the gated form of gate and up, each [inter][k]
-int64_t kvfence_gemm_gated_packed_size(int64_t inter, int64_t k) { return (inter + kGated - 1) / kGated * kPanel * (k / 2); }
+int64_t kvfence_gemm_gated_packed_size(int64_t inter, int64_t k) {
+    return (inter + kGated - 1) / kGated * kPanel * (k / 2);
+}
 
 void kvfence_gemm_pack_gated(const bf16_t* gate, const bf16_t* up, int64_t inter, int64_t k, uint32_t* packed) {
     pack_panels((inter + kGated - 1) / kGated, k, packed, [&](int64_t p, int j) -> const bf16_t* {
