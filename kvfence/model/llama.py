@@ -205,10 +205,10 @@ class LlamaModel:
         # plain transpose (a pair-by-pair permute measured ~3x slower)
         pair = {2: torch.int32, 4: torch.int64}[k_cache.element_size()]
         k = F.embedding(index, k_cache.view(kvh * num_pages, d * page_size).view(pair))
-        k = k.view(kvh, rows, p, d // 2, page_size).transpose(-1, -2).reshape(kvh, rows, p * page_size, d // 2)
+        k = k.view(kvh, rows, p, d // 2, page_size).transpose(-1, -2).contiguous().view(k_cache.dtype)
         v = F.embedding(index, v_cache.view(kvh * num_pages, page_size * d))
         v = v.view(kvh, rows, p, page_size // 2, d, 2).transpose(-1, -2).reshape(kvh, rows, p * page_size, d)
-        return k.view(k_cache.dtype), v
+        return k.view(kvh, rows, p * page_size, d), v
 
     def _attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [rows, H, q_len, d]; k, v [kvh, rows, T, d]. For short queries (decode), explicit

@@ -71,3 +71,20 @@ def test_an_odd_page_size_is_refused_with_the_reason():
 
     with pytest.raises(ValueError, match="even"):
         KVPool(tiny_config(), num_pages=4, page_size=5, dtype=torch.float32, device="cpu")
+
+
+def test_store_then_gather_returns_each_position_for_one_page_or_many():
+    """The torch path's store and gather agree, in both dtypes (a pair moves as one int32 or
+    int64 element in the gather), and with a single page per row (a view, not a copy)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        cfg = tiny_config(layers=1, hidden=32, heads=4, kv_heads=2)
+        ps = 4
+        pool = KVPool(cfg, num_pages=6, page_size=ps, dtype=dtype, device="cpu")
+        for pages in ([[3]], [[2, 5], [1, 4]]):
+            table = torch.tensor(pages)
+            slots = (table.unsqueeze(-1) * ps + torch.arange(ps)).flatten()
+            vals = torch.randn(len(slots), cfg.num_kv_heads, cfg.head_dim).to(dtype)
+            LlamaModel._store(pool.kv[0, 0], pool.kv[0, 1], vals, -vals, slots, ps)
+            k, v = LlamaModel._gather(pool.kv[0, 0], pool.kv[0, 1], table, ps)
+            want = vals.view(table.shape[0], -1, cfg.num_kv_heads, cfg.head_dim).permute(2, 0, 1, 3)
+            assert torch.equal(k, want) and torch.equal(v, -want), (dtype, pages)
