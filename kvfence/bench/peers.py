@@ -229,3 +229,24 @@ class VllmPeer:
                 os.killpg(self.proc.pid, getattr(signal, name))
             except ProcessLookupError:
                 pass
+            if name == "SIGSTOP":  # delivery is asynchronous: return once the whole group has stopped
+                self._wait_stopped()
+
+    def _wait_stopped(self, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(state not in "Tt" for state in self._group_states()):
+            time.sleep(0.001)
+
+    def _group_states(self) -> list[str]:
+        """The scheduler state letter of every process in the peer's group (Linux /proc)."""
+        states = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                except OSError:  # gone meanwhile
+                    continue
+                if int(fields[2]) == self.proc.pid:  # fields: state, ppid, pgrp, ...
+                    states.append(fields[0])
+        return states
