@@ -1,4 +1,4 @@
-"""Compile the kernel sources (cpu_kernels.cpp, gemm.cpp, stack.cpp and the header they share)
+"""Compile the kernel sources (cpu_kernels.cpp, gemm.cpp, stack.cpp and the headers they share)
 into one library, once per machine and source version, and load it with ctypes.
 
 The library is built with the system C++ compiler into a cache folder
@@ -23,7 +23,7 @@ from pathlib import Path
 log = logging.getLogger("kvfence.kernels")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "gemm.cpp", "stack.cpp")]
-HEADERS = [Path(__file__).with_name("simd_bf16.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "simd_bf16.h")]
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno"]
 
 

@@ -23,9 +23,8 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+#include "kernels.h"
 #include "simd_bf16.h"
-
-typedef uint16_t bf16_t;
 
 namespace {
 

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels.h"
 #include "simd_bf16.h"
 
 namespace {
@@ -124,6 +125,19 @@ void gemm(const bf16_t* x, int64_t ldx, const uint32_t* packed, bf16_t* y, int64
     }
 }
 #endif
+
+// 0, or -1 where this build has no AVX512-BF16 path
+template <Out E>
+int run(const bf16_t* x, int64_t ldx, const uint32_t* packed, bf16_t* y, int64_t ldy, int64_t m, int64_t n,
+        int64_t k, int nt) {
+#if defined(__AVX512BF16__)
+    gemm<E>(x, ldx, packed, y, ldy, m, n, k, nt);
+    return 0;
+#else
+    (void)x, (void)ldx, (void)packed, (void)y, (void)ldy, (void)m, (void)n, (void)k, (void)nt;
+    return -1;
+#endif
+}
 }  // namespace
 
 extern "C" {
@@ -162,25 +176,13 @@ void kvfence_gemm_pack_gated(const bf16_t* gate, const bf16_t* up, int64_t inter
 // this build has no AVX512-BF16 path (the caller checked kvfence_gemm_supported first)
 int kvfence_gemm(const bf16_t* x, int64_t ldx, const uint32_t* packed, bf16_t* y, int64_t ldy, int64_t m, int64_t n,
                  int64_t k, int nt) {
-#if defined(__AVX512BF16__)
-    gemm<Out::Plain>(x, ldx, packed, y, ldy, m, n, k, nt);
-    return 0;
-#else
-    (void)x, (void)ldx, (void)packed, (void)y, (void)ldy, (void)m, (void)n, (void)k, (void)nt;
-    return -1;
-#endif
+    return run<Out::Plain>(x, ldx, packed, y, ldy, m, n, k, nt);
 }
 
 // y [m][inter] = silu(x . gate^T) * (x . up^T) through gated panels; as kvfence_gemm otherwise
 int kvfence_gemm_swiglu(const bf16_t* x, int64_t ldx, const uint32_t* packed, bf16_t* y, int64_t ldy, int64_t m,
                         int64_t inter, int64_t k, int nt) {
-#if defined(__AVX512BF16__)
-    gemm<Out::SwiGLU>(x, ldx, packed, y, ldy, m, inter, k, nt);
-    return 0;
-#else
-    (void)x, (void)ldx, (void)packed, (void)y, (void)ldy, (void)m, (void)inter, (void)k, (void)nt;
-    return -1;
-#endif
+    return run<Out::SwiGLU>(x, ldx, packed, y, ldy, m, inter, k, nt);
 }
 
 }  // extern "C"

@@ -1,8 +1,6 @@
 // Sixteen-lane bf16 helpers shared by cpu_kernels.cpp and gemm.cpp (AVX512-BF16 builds only).
 #pragma once
-#include <cstdint>
-
-typedef uint16_t bf16_t;
+#include "kernels.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>

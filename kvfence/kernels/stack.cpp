@@ -11,27 +11,7 @@
 #include <cstdint>
 #include <cstring>
 
-typedef uint16_t bf16_t;
-
-extern "C" {
-void kvfence_add_rms_norm(int dtype, void* h, const void* delta, const void* w, void* out, int64_t n, int64_t dim,
-                          float eps, int nt);
-int64_t kvfence_rope_store(int dtype, void* qkv, int64_t n, int64_t row_stride, int heads, int kv_heads, int dim,
-                           const int64_t* positions, int64_t num_positions, const void* cos, const void* sin,
-                           void* k_cache, void* v_cache, int64_t head_stride, const int64_t* slots, int page_size,
-                           int nt);
-int64_t kvfence_paged_attention(int dtype, const void* q, int64_t q_stride, const void* k_cache,
-                                const void* v_cache, int64_t head_stride, int64_t num_pages, const int64_t* pages,
-                                int64_t max_pages, const int64_t* q_start, const int64_t* q_len,
-                                const int64_t* kv_len, int64_t rows, int64_t n_tokens, void* out,
-                                int64_t out_stride, int heads, int kv_heads, int dim, int page_size, float scale,
-                                int nt);
-int kvfence_gemm(const bf16_t* x, int64_t ldx, const uint32_t* packed, bf16_t* y, int64_t ldy, int64_t m, int64_t n,
-                 int64_t k, int nt);
-int kvfence_gemm_swiglu(const bf16_t* x, int64_t ldx, const uint32_t* packed, bf16_t* y, int64_t ldy, int64_t m,
-                        int64_t inter, int64_t k, int nt);
-int kvfence_gemm_supported();
-}
+#include "kernels.h"
 
 namespace {
 constexpr int kBf16 = 1;  // the kernels' dtype code

@@ -74,9 +74,8 @@ class KVPool:
     pairs positions (j, j+1), [page_size/2, head_dim, 2], for probabilities times values. The
     kernel reads a page as it lies, with no repacking (a decode step's attention for 32 x 320
     tokens: 13.8 ms with pages repacked per read, 10.0 ms as they lie). Page sizes are
-    therefore even. `k_pages` and `v_pages` are the
-    one description of this layout in Python; whole-page operations (scrub, copy, transfer)
-    do not depend on it."""
+    therefore even. `k_pages`, `v_pages` and `k_element` are the one description of this
+    layout in Python; whole-page operations (scrub, copy, transfer) do not depend on it."""
 
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: str):
         if page_size < 2 or page_size % 2 or cfg.head_dim % 2:

@@ -82,7 +82,7 @@ class LlamaModel:
         """The layers as one kernel call, where every matmul is kvfence's (bf16 on AVX512-BF16)."""
         if self.kernels is None or self.dtype != torch.bfloat16:
             return None
-        if not all(lin.backend == "kvfence" for layer in self.layers for lin in layer[1:3] + layer[4:]):
+        if any(m.backend != "kvfence" for _, qkv, o, _, mlp_in, down in self.layers for m in (qkv, o, mlp_in, down)):
             return None
         cfg = self.config
         layers = [(attn_norm, qkv.weight, o.weight, ffn_norm, mlp_in.gated, down.weight)
@@ -107,12 +107,8 @@ class LlamaModel:
         """kv_cache: [layers, 2, kv_heads, slots, head_dim], pages in the paired layout of
         kv/pool.py. fused: use the CPU kernels where they are built. Returns float32 logits
         [M, vocab]."""
-        if self.runs_fused(fused, kv_cache.device.type, batch.page_size) and self.stack is not None:
-            a = batch.attn
-            h = self.stack.run(self.embed[batch.input_ids], batch.positions, batch.write_slots, self.cos, self.sin,
-                               kv_cache, a.pages, a.q_start, a.q_len, a.kv_len, batch.logits_rows, batch.page_size)
-        elif self.runs_fused(fused, kv_cache.device.type, batch.page_size):
-            h = self._layers_fused(batch, kv_cache)
+        if self.runs_fused(fused, kv_cache.device.type, batch.page_size):
+            h = self._layers_fused(batch, kv_cache) if self.stack is None else self._layers_stacked(batch, kv_cache)
         else:
             h = self._layers_torch(batch, kv_cache)
         if not len(h):  # a pass that only writes KV (a PD prefill, a chunk mid-prompt)
@@ -120,6 +116,12 @@ class LlamaModel:
         return self.lm_head(h).float()
 
     # -- fused CPU kernels --------------------------------------------------------------
+    def _layers_stacked(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """What _layers_fused computes, as one call into kernels/stack.cpp."""
+        a = batch.attn
+        return self.stack.run(self.embed[batch.input_ids], batch.positions, batch.write_slots, self.cos, self.sin,
+                              kv_cache, a.pages, a.q_start, a.q_len, a.kv_len, batch.logits_rows, batch.page_size)
+
     def _layers_fused(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """The decoder stack through kvfence/kernels; returns the final-normed hidden
         states of the logits rows."""
