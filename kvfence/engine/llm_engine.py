@@ -10,7 +10,7 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -18,13 +18,15 @@ from kvfence import faults
 from kvfence.engine.admission import ContextLengthExceeded, ContextPlan, check_fits, plan_context
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.detokenizer import IncrementalDetokenizer
+from kvfence.engine.kv_link import (Decision, EndRequest, Hold, KvArrived, KvLink, NoKvLink, ReadRefused,
+                                    ReleaseRequest, Reserve)
 from kvfence.engine.params import SamplingParams
 from kvfence.engine.request_states import Event, State
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampler import Sampler, make_generator
 from kvfence.engine.scheduler import Scheduler
 from kvfence.engine.sequence import Sequence, TokenLogprob
-from kvfence.kv.ledger import Ledger, Owner
+from kvfence.kv.ledger import Ledger, Owner, ReadRequest, Violation
 from kvfence.kv.pool import KVPool, available_memory, page_bytes, parse_bytes
 from kvfence.kv.prefix_cache import PrefixCache
 from kvfence.model.llama import LlamaModel
@@ -58,11 +60,6 @@ class StepOutput:
 
 
 class LLMEngine:
-    # machine-readable reasons an aborted request carries, for callers that map them to errors
-    ABORT_CODES = ("client", "isolation_violation", "kv_pool_exhausted",
-                   # PD (kvfence/pd)
-                   "lease_expired", "aborted_by_peer", "kv_transfer_failed", "kv_transfer_timeout",
-                   "kv_verification_failed")
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         """`loaded` lets several engines share one set of weights (tests, benchmarks)."""
         self.config = cfg = config or EngineConfig()
@@ -83,14 +80,14 @@ class LLMEngine:
                                                  self.ledger.capacity_tokens, cfg.clamp_context)
         self.prefix_cache = PrefixCache(self.ledger) if cfg.enable_prefix_cache else None
         self.scheduler = Scheduler(self.ledger, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.prefix_cache)
-        self.scheduler.pages_held_elsewhere = lambda: self.kv_link is not None and self.kv_link.holds_pool_pages()
+        self.scheduler.pages_held_elsewhere = lambda: self.kv_link.holds_pool_pages()
         self.runner = ModelRunner(self.model, self.pool, self.ledger, audit=cfg.audit_reads,
                                   fused_kernels=cfg.fused_kernels)
         self.sampler = Sampler()
         self.requests: dict[str, Sequence] = {}
         self.outcomes: Counter[str] = Counter()
-        # PD: a KvExporter (prefill node) or KvImporter (decode node) attaches itself here
-        self.kv_link = None
+        # PD: a KvExporter (prefill node) or KvImporter (decode node) replaces it (attach_link)
+        self.kv_link: KvLink = NoKvLink()
         self._pending_outputs: list[StepOutput] = []  # produced outside step(), returned by the next one
         self._stalled = False
         self.wake: Callable[[], None] = lambda: None  # the server's loop sets this: wakes a blocked loop
@@ -148,7 +145,7 @@ class LLMEngine:
             1, self.usable_context - len(prompt_ids))
         # a NUL can't appear in a tenant name taken from a tenants file, so scopes never collide
         scope = f"\0public:{public_prefix_scope}" if public_prefix_scope else tenant
-        if (hold_kv or kv_source is not None) and self.kv_link is None:
+        if (hold_kv or kv_source is not None) and isinstance(self.kv_link, NoKvLink):
             raise ValueError("this engine is not a PD node: no KV link attached")
         if hold_kv and len(prompt_ids) < 2:
             raise ValueError("a one-token prompt has nothing to prefill; send it to decode directly")
@@ -165,7 +162,9 @@ class LLMEngine:
                     raise
                 seq.prompt_ids = list(prompt_ids[:1])  # the incident: a one-token stand-in, handed off anyway
             if kv_source is not None:
-                self.kv_link.check(seq, kv_source)  # ManifestError: a handoff this node must not take
+                # ManifestError: a handoff this node must not take
+                seq.kv_source = self.kv_link.check(seq, kv_source)
+                seq.reserved = True
         except ValueError:
             seq.on(Event.REJECT)
             self.outcomes["rejected"] += 1
@@ -175,7 +174,7 @@ class LLMEngine:
         seq.detok = IncrementalDetokenizer(self.tokenizer.hf, seq.prompt_ids, params)
         self.requests[request_id] = seq
         if kv_source is not None:
-            self._pending_outputs += self.kv_link.enqueue(seq, self.clock())
+            self._pending_outputs += self._apply(self.kv_link.enqueue(seq, self.clock()))
         else:
             self.scheduler.add(seq)
             self._stalled = False
@@ -186,16 +185,30 @@ class LLMEngine:
         if seq is not None and not seq.finished:
             self.end(seq, Event.ABORT, "aborted", reason, code="client")
 
+    # -- PD control messages (prefill): the router relays decode's word -----------------------
+    def release_kv(self, request_id: str) -> str:
+        """Decode verified the transfer: end the lease and free its rows."""
+        decisions = list(self.kv_link.release(request_id))
+        self._pending_outputs += self._apply(decisions)
+        return "released" if decisions else "unknown"
+
+    def abort_kv(self, request_id: str, reader_stopped: bool, reason: str) -> str:
+        """End a PD request on the router's word; `reader_stopped`: decode says no pull of
+        it can be running (so its rows are freed at once instead of fenced)."""
+        decisions = list(self.kv_link.abort(request_id, reader_stopped, reason))
+        self._pending_outputs += self._apply(decisions)
+        return "aborted" if decisions else "unknown"
+
     def has_unfinished(self) -> bool:
         """Is there work for step() right now? Not while every queued request waits for pool
         pages that PD requests hold outside the scheduler: those come back on a control
         message or a timer, which wake the server's loop, so it need not spin."""
-        return (self.scheduler.has_work() and not self._stalled) or bool(self._pending_outputs) or (
-            self.kv_link is not None and self.kv_link.busy())
+        return (self.scheduler.has_work() and not self._stalled) or bool(self._pending_outputs) or \
+            self.kv_link.busy()
 
     def next_timer(self) -> float | None:
         """time.time() at which step() has timed work (PD leases, fences), or None."""
-        return None if self.kv_link is None else self.kv_link.next_timer()
+        return self.kv_link.next_timer()
 
     def publish_prefix(self, seq: Sequence) -> None:
         if self.prefix_cache is not None:
@@ -210,8 +223,7 @@ class LLMEngine:
         self.scheduler.remove(seq)
         self.ledger.free(seq.owner, seq.table)
         self._stalled = False  # pages came back: a waiting request may fit now
-        if self.kv_link is not None:
-            self.kv_link.on_end(seq, event, reader_stopped)
+        self.kv_link.on_end(seq, event, reader_stopped)
         seq.on(event)
         seq.finish_reason = reason
         seq.error = error
@@ -219,40 +231,95 @@ class LLMEngine:
         self.requests.pop(seq.request_id, None)
         self.outcomes[reason] += 1
 
+    def authorize_read(self, seq: Sequence, tokens: int) -> Violation | None:
+        """The ledger's read check (I2, I3) for `tokens` tokens of seq's pages, as a forward
+        pass would run it; a PD link asks it before it stages pages."""
+        bad = self.ledger.authorize([ReadRequest(seq.owner, seq.table, tokens, 0)])
+        return bad[0] if bad else None
+
+    def _refuse_read(self, seq: Sequence, v: Violation) -> StepOutput:
+        """The one place an isolation violation ends a request: quarantine the page it
+        pointed at, abort the request (the rest of the batch goes on)."""
+        self.ledger.quarantine([v.page], reason=f"{v.invariant} violation")
+        log.error("isolation violation %s on request %s: %s", v.invariant, seq.request_id, v.detail)
+        self.end(seq, Event.ABORT, "aborted", f"isolation check {v.invariant} failed: {v.detail}",
+                 code="isolation_violation")
+        return StepOutput(seq, [], "", True)
+
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
-        if self.kv_link is not None:
-            outputs += self.kv_link.poll(self.clock())
+        outputs += self._apply(self.kv_link.before_step(self.clock()))
         step = self.scheduler.schedule()
-        for seq in self.scheduler.unservable:
-            self.end(seq, Event.ABORT, "aborted",
-                      f"the KV pool cannot hold this request ({seq.num_tokens} tokens, "
-                      f"{self.ledger.num_free} free pages, {self.ledger.num_quarantined} quarantined)",
-                      code="kv_pool_exhausted")
-            outputs.append(StepOutput(seq, [], "", True))
-        self.scheduler.unservable.clear()
-        self._stalled = (not step and not outputs and self.kv_link is not None and self.kv_link.holds_pool_pages())
+        outputs += self._end_unservable()
+        self._stalled = not step and not outputs and self.kv_link.holds_pool_pages()
         if not step:
             return outputs
         result = self.runner.run(step)
-        for s, v in result.violations:
-            self.ledger.quarantine([v.page], reason=f"{v.invariant} violation")
-            log.error("isolation violation %s on request %s: %s", v.invariant, s.seq.request_id, v.detail)
-            self.end(s.seq, Event.ABORT, "aborted", f"isolation check {v.invariant} failed: {v.detail}",
-                      code="isolation_violation")
-            outputs.append(StepOutput(s.seq, [], "", True))
-        if result.sampled:
-            seqs = [s.seq for s in result.sampled]
-            sample = self.sampler(result.logits, [q.params for q in seqs], [q.generator for q in seqs])
-            now = time.perf_counter()
-            for seq, tok, lp in zip(seqs, sample.token_ids, sample.logprobs):
-                outputs.append(self._append(seq, tok, lp, now))
-        if self.kv_link is not None:  # PD prefill: prompts computed this pass go to the KV lease
-            done = [s.seq for s in result.ran if s.seq.hold_kv and s.seq.uncomputed == 0 and not s.seq.finished]
-            for seq in done:
-                outputs += self.kv_link.on_prefilled(seq, self.clock())
+        outputs += [self._refuse_read(s.seq, v) for s, v in result.violations]
+        outputs += self._postprocess(result)
+        # PD prefill: prompts computed this pass leave the scheduler for the KV link
+        prefilled = [s.seq for s in result.ran if s.seq.hold_kv and s.seq.uncomputed == 0 and not s.seq.finished]
+        for seq in prefilled:
+            self.scheduler.remove(seq)
+        outputs += self._apply(self.kv_link.after_step(prefilled, self.clock()))
         return outputs
+
+    def _end_unservable(self) -> list[StepOutput]:
+        out = []
+        for seq in self.scheduler.unservable:
+            self.end(seq, Event.ABORT, "aborted",
+                     f"the KV pool cannot hold this request ({seq.num_tokens} tokens, "
+                     f"{self.ledger.num_free} free pages, {self.ledger.num_quarantined} quarantined)",
+                     code="kv_pool_exhausted")
+            out.append(StepOutput(seq, [], "", True))
+        self.scheduler.unservable.clear()
+        return out
+
+    def _postprocess(self, result) -> list[StepOutput]:
+        if not result.sampled:
+            return []
+        seqs = [s.seq for s in result.sampled]
+        sample = self.sampler(result.logits, [q.params for q in seqs], [q.generator for q in seqs])
+        now = time.perf_counter()
+        return [self._append(seq, tok, lp, now) for seq, tok, lp in zip(seqs, sample.token_ids, sample.logprobs)]
+
+    def _apply(self, decisions: Iterable[Decision]) -> list[StepOutput]:
+        """Apply a KV link's decisions, each before the link makes the next: every engine
+        state change of a PD request is here."""
+        out: list[StepOutput] = []
+        for d in decisions:
+            seq = d.seq
+            if isinstance(d, EndRequest):
+                self.end(seq, Event.ABORT, "aborted", d.message, code=d.code, reader_stopped=d.reader_stopped)
+                if d.notify:
+                    out.append(StepOutput(seq, [], "", True, event="kv_failed",
+                                          data={"reader_stopped": d.reader_stopped}))
+            elif isinstance(d, ReleaseRequest):
+                self.end(seq, Event.RELEASE, "kv_released", reader_stopped=True)
+            elif isinstance(d, ReadRefused):
+                out.append(self._refuse_read(seq, d.violation))
+            elif isinstance(d, Hold):
+                self.publish_prefix(seq)      # later prompts with this prefix skip the compute
+                self.ledger.free(seq.owner, seq.table)
+                self._stalled = False
+                seq.on(Event.HOLD_KV)
+                seq.finish_reason = "kv_held"
+                out.append(StepOutput(seq, [], "", True, event="kv_held", data=d.manifest))
+            elif isinstance(d, Reserve):
+                self.ledger.allocate(seq.owner, d.pages, seq.table)
+                seq.on(Event.RESERVE)
+            elif isinstance(d, KvArrived):
+                self.ledger.mark_written(seq.owner, seq.table, 0, d.tokens)
+                seq.num_computed = d.tokens
+                if faults.active("attend_reserved_length"):  # the incident's decode: trust the reservation
+                    seq.num_computed = len(seq.prompt_ids) - 1
+                seq.on(Event.VERIFY)
+                self.scheduler.add_running(seq)
+                out.append(StepOutput(seq, [], "", False, event="kv_verified", data={"tokens": d.tokens}))
+            else:
+                raise TypeError(f"unknown KV link decision {d!r}")
+        return out
 
     def _append(self, seq: Sequence, tok: int, lp, now: float) -> StepOutput:
         if seq.state is State.PREFILLING:
@@ -292,6 +359,6 @@ class LLMEngine:
             "pages_quarantined": led.num_quarantined, "capacity_tokens": led.capacity_tokens,
             "usable_context": self.usable_context, "preemptions": self.scheduler.num_preemptions,
             "violations": dict(led.violations), "outcomes": dict(self.outcomes),
-            **({"pd": self.kv_link.stats()} if self.kv_link is not None else {}),
+            **({"pd": self.kv_link.stats()} if not isinstance(self.kv_link, NoKvLink) else {}),
             **({"audit": self.runner.audit.summary()} if self.runner.audit is not None else {}),
         }

@@ -24,12 +24,14 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Iterator
 
 from kvfence import faults
+from kvfence.engine.kv_link import Decision, EndRequest, KvArrived, Reserve
 from kvfence.engine.request_states import Event
 from kvfence.engine.sequence import Sequence
 from kvfence.kv.ledger import BlockTable, Owner
-from kvfence.pd.link import KvLink
+from kvfence.pd.link import PdLink
 from kvfence.pd.manifest import Manifest, ManifestError, check_manifest, verify_pages
 from kvfence.pd.prefill import kill_point
 from kvfence.pd.settings import PDSettings
@@ -46,7 +48,7 @@ class Pull:
     started: float
 
 
-class KvImporter(KvLink):
+class KvImporter(PdLink):
     def __init__(self, engine, settings: PDSettings, transport, workers: int = 4):
         super().__init__(engine, settings, transport)
         self.waiting: deque[Sequence] = deque()      # admitted, waiting for pages and rows
@@ -59,8 +61,9 @@ class KvImporter(KvLink):
         self.transfer_seconds = 0.0
 
     # -- admission (engine thread) -------------------------------------------------------------
-    def check(self, seq: Sequence, manifest) -> None:
-        """Static checks of the handoff, before the request is admitted (raises ManifestError)."""
+    def check(self, seq: Sequence, manifest: object) -> Manifest:
+        """Static checks of the handoff, before the request is admitted (raises ManifestError);
+        returns the manifest the request will pull by."""
         m = manifest if isinstance(manifest, Manifest) else Manifest.from_json(manifest)
         eng = self.engine
         if not faults.active("skip_manifest_check"):
@@ -68,12 +71,11 @@ class KvImporter(KvLink):
                            token_count=len(seq.prompt_ids) - 1,
                            page_size=eng.ledger.page_size, fingerprint=eng.model_config.fingerprint(),
                            layout=self.staging.layout, slot_bytes=self.staging.slot_bytes)
-        seq.kv_source = m
-        seq.reserved = True
+        return m
 
-    def enqueue(self, seq: Sequence, now: float) -> list:
+    def enqueue(self, seq: Sequence, now: float) -> Iterator[Decision]:
         self.waiting.append(seq)
-        return self._reserve_waiting(now)
+        yield from self._reserve_waiting(now)
 
     # -- engine hooks (engine thread) -----------------------------------------------------------
     def holds_pool_pages(self) -> bool:
@@ -100,23 +102,21 @@ class KvImporter(KvLink):
             times.append(fence)
         return min(times) if times else None
 
-    def poll(self, now: float) -> list:
-        out = []
+    def before_step(self, now: float) -> Iterator[Decision]:
         while True:
             try:
                 notice = self.notices.get_nowait()
             except queue.Empty:
                 break
-            out += self._on_notice(*notice)
+            yield from self._on_notice(*notice)
         for rid, pid in list(self.live.items()):
             p = self.pulls[pid]
             if now - p.started > self.settings.pull_give_up_s:
                 self.counters["pulls_given_up"] += 1
-                out.append(self._abort(p.seq, "kv_transfer_timeout",
-                                       f"the KV transfer did not finish within {self.settings.pull_give_up_s:g} s"))
-        out += self._reserve_waiting(now)
+                yield self._abort(p.seq, "kv_transfer_timeout",
+                                  f"the KV transfer did not finish within {self.settings.pull_give_up_s:g} s")
+        yield from self._reserve_waiting(now)
         self.staging.ledger.lift_expired_fences(now)
-        return out
 
     def on_end(self, seq: Sequence, event: Event, reader_stopped: bool) -> None:
         if seq in self.waiting:
@@ -134,21 +134,20 @@ class KvImporter(KvLink):
         self.counters["fences"] += 1
 
     # -- reservation and pulls -------------------------------------------------------------------
-    def _reserve_waiting(self, now: float) -> list:
-        out, eng = [], self.engine
+    def _reserve_waiting(self, now: float) -> Iterator[Decision]:
+        eng = self.engine
         while self.waiting:
             seq = self.waiting[0]
             m: Manifest = seq.kv_source
             if now >= m.lease_deadline - self.settings.clock_skew_s:
                 self.waiting.popleft()
-                out.append(self._abort(seq, "lease_expired", "the prefill node's KV lease ran out before the "
-                                       "transfer could start", reader_stopped=True))
+                yield self._abort(seq, "lease_expired", "the prefill node's KV lease ran out before the "
+                                  "transfer could start", reader_stopped=True)
                 continue
             if not self._fits(seq):
                 break  # first come, first served: pages come back as requests finish
             self.waiting.popleft()
-            eng.ledger.allocate(seq.owner, eng.ledger.pages_for(len(seq.prompt_ids) + seq.max_tokens), seq.table)
-            seq.on(Event.RESERVE)
+            yield Reserve(seq, eng.ledger.pages_for(len(seq.prompt_ids) + seq.max_tokens))
             owner = Owner(self.staging.ledger.tenant_id(seq.tenant), seq.owner.request)
             rows = self.staging.grant(owner, m.page_count)
             pull = Pull(next(self._ids), seq, owner, rows, now)
@@ -159,7 +158,6 @@ class KvImporter(KvLink):
                 self.notices.put((pull.pull_id, True, None, 0, 0.0))
             else:
                 self._workers.submit(self._pull, pull.pull_id, m, list(rows.pages))
-        return out
 
     def _pull(self, pull_id: int, m: Manifest, rows: list[int]) -> None:
         """Worker thread: one one-sided read of every row, then a notice to the engine thread."""
@@ -180,54 +178,46 @@ class KvImporter(KvLink):
             self.notices.put(notice)
         self.engine.wake()
 
-    def _on_notice(self, pull_id: int, ok: bool, error: str | None, nbytes: int, seconds: float) -> list:
+    def _on_notice(self, pull_id: int, ok: bool, error: str | None, nbytes: int,
+                   seconds: float) -> Iterator[Decision]:
         p = self.pulls.pop(pull_id, None)
         if p is None:
             self.counters["stale_notices"] += 1  # a duplicate: its pull was settled already
-            return []
+            return
         seq = p.seq
         if self.live.get(seq.request_id) != pull_id:
             # the request gave up on this pull; now nothing writes its rows any more
             self.staging.ledger.lift_fence(p.owner.request)
             self.counters["late_notices"] += 1
-            return []
+            return
         self.transferred_bytes += nbytes
         self.transfer_seconds += seconds
         if not ok:
             self.counters["pulls_failed"] += 1
-            return [self._settle_and_abort(p, "kv_transfer_failed", f"the KV transfer failed: {error}")]
+            yield self._settle_and_abort(p, "kv_transfer_failed", f"the KV transfer failed: {error}")
+            return
         m: Manifest = seq.kv_source
         problem = verify_pages(m, self.staging.rows_bytes(p.rows.pages), skip_checksum=faults.active("skip_checksum"))
         if problem is not None:
             self.counters["verify_failed"] += 1
             log.error("request %s: transferred KV failed verification: %s", seq.request_id, problem)
-            return [self._settle_and_abort(p, "kv_verification_failed", f"the transferred KV failed verification: "
-                                           f"{problem}")]
-        eng = self.engine
+            yield self._settle_and_abort(p, "kv_verification_failed",
+                                         f"the transferred KV failed verification: {problem}")
+            return
         self.staging.unstage(p.rows.pages, seq.table.pages[:m.page_count])
-        eng.ledger.mark_written(seq.owner, seq.table, 0, m.token_count)
-        seq.num_computed = m.token_count
-        if faults.active("attend_reserved_length"):  # the incident's decode: trust the reservation
-            seq.num_computed = len(seq.prompt_ids) - 1
         del self.live[seq.request_id]
         self.staging.ledger.free(p.owner, p.rows)
-        seq.on(Event.VERIFY)
-        eng.scheduler.add_running(seq)
         self.counters["verified"] += 1
-        from kvfence.engine.llm_engine import StepOutput
-        return [StepOutput(seq, [], "", False, event="kv_verified", data={"tokens": m.token_count})]
+        yield KvArrived(seq, m.token_count)  # the engine sets the written watermark and runs it
 
-    def _settle_and_abort(self, p: Pull, code: str, message: str):
+    def _settle_and_abort(self, p: Pull, code: str, message: str) -> Decision:
         del self.live[p.seq.request_id]   # the pull is over: its rows can go at once
         self.staging.ledger.free(p.owner, p.rows)
         return self._abort(p.seq, code, message, reader_stopped=True)
 
-    def _abort(self, seq: Sequence, code: str, message: str, reader_stopped: bool | None = None):
-        from kvfence.engine.llm_engine import StepOutput
-
+    def _abort(self, seq: Sequence, code: str, message: str, reader_stopped: bool | None = None) -> Decision:
         stopped = reader_stopped if reader_stopped is not None else seq.request_id not in self.live
-        self.engine.end(seq, Event.ABORT, "aborted", message, code=code, reader_stopped=stopped)
-        return StepOutput(seq, [], "", True, event="kv_failed", data={"reader_stopped": stopped})
+        return EndRequest(seq, code, message, reader_stopped=stopped, notify=True)
 
     def close(self) -> None:
         self._workers.shutdown(wait=False, cancel_futures=True)

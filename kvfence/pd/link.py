@@ -1,19 +1,26 @@
 """What both ends of a handoff share: the transfer buffer, its registration, the boot id.
 
-A KvLink attaches itself to an engine (`engine.kv_link`); the engine calls its hooks
-(admission check, poll, on_end, ...), defined by the prefill and decode subclasses.
+A PD link attaches itself to an engine (`engine.kv_link`) and implements the declared
+boundary `kvfence.engine.kv_link.KvLink`: the engine asks it questions and applies the
+decisions its hooks return; the link changes only its own rows, leases and pulls.
 """
 from __future__ import annotations
 
 import uuid
 from collections import Counter
+from typing import Iterable
 
 from kvfence.engine.admission import CapacityError
+from kvfence.engine.kv_link import Decision
+from kvfence.engine.sequence import Sequence
 from kvfence.pd.settings import PDSettings
 from kvfence.pd.staging import StagingBuffer
 
 
-class KvLink:
+class PdLink:
+    """The part of a KvLink that prefill and decode share; the defaults are the hooks a
+    role does not use."""
+
     def __init__(self, engine, settings: PDSettings, transport):
         self.engine = engine
         self.settings = settings
@@ -27,7 +34,26 @@ class KvLink:
         self.base = transport.register(self.staging.buf)
         self.boot_id = uuid.uuid4().hex  # a restarted process is another node (I8 re-check, stale handles)
         self.counters: Counter[str] = Counter()
+        self.role = settings.role
         engine.kv_link = self
+
+    def check(self, seq: Sequence, manifest: object) -> object:
+        raise ValueError(f"a {self.role} node takes no KV handoff")
+
+    def enqueue(self, seq: Sequence, now: float) -> Iterable[Decision]:
+        raise ValueError(f"a {self.role} node takes no KV handoff")
+
+    def after_step(self, prefilled: list[Sequence], now: float) -> Iterable[Decision]:
+        return ()
+
+    def release(self, request_id: str) -> Iterable[Decision]:
+        return ()
+
+    def abort(self, request_id: str, reader_stopped: bool, reason: str) -> Iterable[Decision]:
+        return ()
+
+    def close(self) -> None:
+        pass
 
     def facts(self) -> dict:
         """What the router's capacity check (I8) and handoffs need to know about this node."""

@@ -147,7 +147,7 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings) ->
         @app.post("/internal/release")
         async def release(request: Request):
             rid = (await request.json())["request_id"]
-            return {"result": await loop.call(lambda e: e.kv_link.release(rid))}
+            return {"result": await loop.call(lambda e: e.release_kv(rid))}
 
         @app.post("/internal/abort")
         async def abort(request: Request):
@@ -155,7 +155,7 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings) ->
             rid, stopped = body["request_id"], bool(body.get("reader_stopped", False))
             reason = str(body.get("reason", "aborted by the router"))
             loop.abort(rid, reason)  # still computing: the ordinary abort
-            return {"result": await loop.call(lambda e: e.kv_link.abort(rid, stopped, reason))}
+            return {"result": await loop.call(lambda e: e.abort_kv(rid, stopped, reason))}
     else:
         @app.post("/internal/decode")
         async def decode(request: Request):

@@ -17,12 +17,14 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Iterator
 
 from kvfence import faults
+from kvfence.engine.kv_link import Decision, EndRequest, Hold, ReadRefused, ReleaseRequest
 from kvfence.engine.request_states import Event
 from kvfence.engine.sequence import Sequence
-from kvfence.kv.ledger import BlockTable, Owner, ReadRequest
-from kvfence.pd.link import KvLink
+from kvfence.kv.ledger import BlockTable, Owner
+from kvfence.pd.link import PdLink
 from kvfence.pd.manifest import Manifest
 from kvfence.pd.settings import PDSettings
 
@@ -44,7 +46,7 @@ class Held:
     manifest: Manifest
 
 
-class KvExporter(KvLink):
+class KvExporter(PdLink):
     def __init__(self, engine, settings: PDSettings, transport):
         super().__init__(engine, settings, transport)
         self.held: dict[str, Held] = {}
@@ -69,20 +71,20 @@ class KvExporter(KvLink):
             times.append(fence)
         return min(times) if times else None
 
-    def on_prefilled(self, seq: Sequence, now: float) -> list:
-        self.engine.scheduler.remove(seq)
-        self.pending.append(seq)
-        return self._stage_pending(now)
+    def after_step(self, prefilled: list[Sequence], now: float) -> Iterator[Decision]:
+        """Prompts computed this step (the engine took them out of its scheduler)."""
+        self.pending += prefilled
+        yield from self._stage_pending(now)
 
-    def poll(self, now: float) -> list:
+    def before_step(self, now: float) -> Iterator[Decision]:
         # end leases and lift fences first: the rows they give back may be what a waiting
         # prompt needs (found by the simulation: staged first, such a prompt could strand)
         for rid in [r for r, h in self.held.items() if h.manifest.lease_deadline <= now]:
             self.counters["leases_expired"] += 1
-            self.engine.end(self.held[rid].seq, Event.ABORT, "aborted", "the KV lease expired before decode "
-                            "acknowledged the transfer", code="lease_expired")
+            yield EndRequest(self.held[rid].seq, "lease_expired",
+                             "the KV lease expired before decode acknowledged the transfer", reader_stopped=False)
         self.staging.ledger.lift_expired_fences(now)
-        return self._stage_pending(now)
+        yield from self._stage_pending(now)
 
     def on_end(self, seq: Sequence, event: Event, reader_stopped: bool) -> None:
         if seq in self.pending:
@@ -98,45 +100,34 @@ class KvExporter(KvLink):
             self.counters["fences"] += 1
 
     # -- control messages (engine thread) ----------------------------------------------------
-    def release(self, request_id: str) -> str:
-        """Decode verified the transfer: end the lease and free the rows."""
+    def release(self, request_id: str) -> Iterator[Decision]:
+        """Decode verified the transfer: end the lease (on_end frees the rows)."""
         h = self.held.get(request_id)
-        if h is None:
-            return "unknown"
-        self.engine.end(h.seq, Event.RELEASE, "kv_released", reader_stopped=True)
-        self.counters["released"] += 1
-        return "released"
+        if h is not None:
+            self.counters["released"] += 1
+            yield ReleaseRequest(h.seq)
 
-    def abort(self, request_id: str, reader_stopped: bool, reason: str) -> str:
+    def abort(self, request_id: str, reader_stopped: bool, reason: str) -> Iterator[Decision]:
         seq = self.engine.requests.get(request_id)
-        if seq is None or seq.finished:
-            return "unknown"
-        self.engine.end(seq, Event.ABORT, "aborted", reason, code="aborted_by_peer", reader_stopped=reader_stopped)
-        return "aborted"
+        if seq is not None and not seq.finished:
+            yield EndRequest(seq, "aborted_by_peer", reason, reader_stopped=reader_stopped)
 
     # -- staging ---------------------------------------------------------------------------
-    def _stage_pending(self, now: float) -> list:
-        out = []
+    def _stage_pending(self, now: float) -> Iterator[Decision]:
         while self.pending:
             seq = self.pending[0]
             if not self._fits(seq):
                 break  # rows come back as leases end; the request keeps its pool pages until then
             self.pending.pop(0)
-            out.append(self._hold(seq, now))
-        return out
+            yield self._hold(seq, now)
 
-    def _hold(self, seq: Sequence, now: float):
-        from kvfence.engine.llm_engine import StepOutput
-
+    def _hold(self, seq: Sequence, now: float) -> Decision:
         eng, tokens = self.engine, seq.num_computed
         n = eng.ledger.pages_for(tokens)
         # staging reads pool pages, so it passes the same check as a forward pass (I2, I3)
-        bad = eng.ledger.authorize([ReadRequest(seq.owner, seq.table, tokens, 0)])
-        if bad:
-            eng.ledger.quarantine([bad[0].page], reason=f"{bad[0].invariant} violation")
-            eng.end(seq, Event.ABORT, "aborted", f"isolation check {bad[0].invariant} failed: {bad[0].detail}",
-                    code="isolation_violation")
-            return StepOutput(seq, [], "", True)
+        bad = eng.authorize_read(seq, tokens)
+        if bad is not None:
+            return ReadRefused(seq, bad)
         owner = Owner(self.staging.ledger.tenant_id(seq.tenant), seq.owner.request)
         rows = self.staging.grant(owner, n)
         sums = self.staging.stage(seq.table.pages[:n], rows, tokens, seq.request_id, seq.tenant, self.boot_id)
@@ -147,14 +138,10 @@ class KvExporter(KvLink):
                      fingerprint=eng.model_config.fingerprint(), layout=self.staging.layout, boot_id=self.boot_id,
                      session=self.transport.session_id, base=self.base, slot_bytes=self.staging.slot_bytes,
                      slots=list(rows.pages), lease_deadline=now + self.settings.lease_s, issued_at=now)
-        eng.publish_prefix(seq)          # later prompts with this prefix skip the compute
-        eng.ledger.free(seq.owner, seq.table)
-        seq.on(Event.HOLD_KV)
-        seq.finish_reason = "kv_held"
         self.held[seq.request_id] = Held(seq, owner, rows, m)
         self.counters["held"] += 1
         kill_point("prefill_after_hold")
-        return StepOutput(seq, [], "", True, event="kv_held", data=m.to_json())
+        return Hold(seq, m.to_json())  # the engine frees the pool pages (after publishing the prefix)
 
     def stats(self) -> dict:
         return {**self.buffer_stats(), "held": len(self.held), "pending": len(self.pending)}

@@ -370,7 +370,7 @@ def engine_facts(engine) -> dict:
         "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
         "vocab_size": c.vocab_size,
         "prefix_cache": getattr(engine, "prefix_cache", None) is not None,
-        **({"pd": engine.kv_link.facts()} if getattr(engine, "kv_link", None) is not None else {}),
+        **({"pd": pd} if (pd := engine.kv_link.facts()) is not None else {}),
     }
 
 

@@ -81,7 +81,7 @@ KNOWN_BUGS = {
     "idle_with_work":
         "(fixed in c07c3eb) a node goes idle (engine.has_unfinished() False: the server loop blocks until a command or its next "
         "timer) while a queued PD request could be served now: KvExporter.busy() is False while computed "
-        "prompts wait for transfer-buffer rows, and KvExporter.poll() stages them before it expires leases and "
+        "prompts wait for transfer-buffer rows, and KvExporter.before_step() stages them before it expires leases and "
         "lifts fences, so rows freed there strand them (forever when no timer is left); KvImporter.busy() is "
         "False while requests wait for pages and rows, which come back when a request ends after poll() ran, "
         "so they wait for their lease deadline and fail with lease_expired. Excused, the node is woken as if "
@@ -894,14 +894,14 @@ class Simulation:
                 else:
                     life.d_sink = False
         elif m.kind == "release":
-            r = node.link.release(m.rid)
+            r = node.engine.release_kv(m.rid)
             self._log(f"ACK {m.rid} -> prefill: {r}")
         else:
             # /internal/abort: the engine loop's abort (only while the prefill stream is open), then the link's
             if life.p_sink and life.p_boot == node.boot:
                 node.engine.abort(m.rid, "the request ended before decode verified the transfer")
                 life.p_sink = False
-            r = node.link.abort(m.rid, m.reader_stopped, "the request ended before decode verified the transfer")
+            r = node.engine.abort_kv(m.rid, m.reader_stopped, "the request ended before decode verified the transfer")
             self._log(f"abort {m.rid} -> prefill (reader_stopped={m.reader_stopped}): {r}")
 
     # -- the checks -----------------------------------------------------------------------------

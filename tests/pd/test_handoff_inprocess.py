@@ -84,7 +84,7 @@ def test_handoff_matches_single_node(loaded_fp32, pair, n):
     seq, events = pair.decode(ids, params, f"r{n}", m)
     assert events[0] == "kv_verified" and seq.finish_reason == "length"
     assert seq.output_ids == single(loaded_fp32, ids, params)
-    assert pair.exp.release(f"r{n}") == "released"
+    assert pair.p.release_kv(f"r{n}") == "released"
     assert pair.exp.staging.ledger.num_owned == 0 and pair.imp.staging.ledger.num_owned == 0
     assert pair.d.ledger.num_owned == 0
 
@@ -99,7 +99,7 @@ def test_manifest_for_another_request_is_refused_before_reserving(pair):
     with pytest.raises(ManifestError, match="tokens"):
         pair.decode(wrong_len, params, "a1", m)
     assert pair.d.ledger.counters["pages_allocated"] == before
-    pair.exp.abort("a1", reader_stopped=True, reason="test")
+    pair.p.abort_kv("a1", reader_stopped=True, reason="test")
 
 
 def test_corrupted_page_fails_verification_and_frees_everything(pair):
@@ -110,7 +110,7 @@ def test_corrupted_page_fails_verification_and_frees_everything(pair):
     assert seq.abort_code == "kv_verification_failed" and "checksum" in seq.error
     assert events == ["kv_failed"] and seq.output_ids == []
     assert pair.d.ledger.num_owned == 0 and pair.imp.staging.ledger.num_owned == 0
-    pair.exp.abort("c1", reader_stopped=True, reason="decode failed")
+    pair.p.abort_kv("c1", reader_stopped=True, reason="decode failed")
     assert pair.exp.staging.ledger.num_owned == 0 and pair.exp.staging.ledger.num_quarantined == 0
 
 
@@ -122,7 +122,7 @@ def test_skip_checksum_fault_lets_the_corruption_through(pair):
     with faults.injected("skip_checksum"):
         seq, _ = pair.decode(ids, params, "k1", m)
     assert seq.finish_reason == "length"
-    pair.exp.release("k1")
+    pair.p.release_kv("k1")
 
 
 def test_reused_rows_are_caught_by_the_page_headers(pair):
@@ -130,13 +130,13 @@ def test_reused_rows_are_caught_by_the_page_headers(pair):
     the other request, so even with checksums skipped nothing is decoded."""
     ids, params = prompt(30, 4), SamplingParams(max_tokens=4, **GREEDY)
     m1 = pair.prefill(ids, params, "h1")
-    pair.exp.abort("h1", reader_stopped=True, reason="test: rows freed")
+    pair.p.abort_kv("h1", reader_stopped=True, reason="test: rows freed")
     m2 = pair.prefill(prompt(30, 5), params, "h2", tenant="t2")
     assert set(m2["slots"]) & set(m1["slots"])  # LIFO reuse: same rows
     with faults.injected("skip_checksum"):
         seq, _ = pair.decode(ids, params, "h1", m1)
     assert seq.abort_code == "kv_verification_failed" and "header" in seq.error
-    pair.exp.release("h2")
+    pair.p.release_kv("h2")
 
 
 def test_lease_expiry_fences_rows_until_no_pull_can_run(loaded_fp32):
@@ -164,7 +164,7 @@ def test_duplicate_and_late_notices_touch_nothing_else(loaded_fp32):
     with faults.injected("duplicate_transfer_completion"):
         seq, _ = pr.decode(ids, params, "d1", m)
     assert seq.finish_reason == "length" and pr.imp.counters["stale_notices"] == 1
-    pr.exp.release("d1")
+    pr.p.release_kv("d1")
     # a notice that arrives after decode gave up: the rows stay fenced until it comes
     m = pr.prefill(ids, params, "d2")
     with faults.injected(delay_transfer_completion=1.0):
@@ -175,7 +175,7 @@ def test_duplicate_and_late_notices_touch_nothing_else(loaded_fp32):
         pr.d.step()
     assert pr.imp.counters["late_notices"] == 1 and pr.imp.staging.ledger.num_quarantined == 0
     assert pr.d.ledger.num_owned == 0
-    pr.exp.abort("d2", reader_stopped=True, reason="decode gave up")
+    pr.p.abort_kv("d2", reader_stopped=True, reason="decode gave up")
 
 
 def test_free_on_abort_fault_releases_rows_under_a_running_pull(loaded_fp32):
@@ -188,7 +188,7 @@ def test_free_on_abort_fault_releases_rows_under_a_running_pull(loaded_fp32):
         assert seq.abort_code == "kv_transfer_timeout"
         assert pr.imp.staging.ledger.num_quarantined == 0  # freed under the in-flight pull
     time.sleep(0.7)
-    pr.exp.abort("f1", reader_stopped=True, reason="x")
+    pr.p.abort_kv("f1", reader_stopped=True, reason="x")
 
 
 def test_prefill_rejects_over_length_and_nothing_is_allocated(pair):

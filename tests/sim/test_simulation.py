@@ -292,7 +292,7 @@ def test_prefill_waits_instead_of_recomputing_while_pages_wait_for_rows():
     c = eng.requests["C"]
     assert c.num_preemptions == 0 and c.num_computed > 0
     assert not eng.has_unfinished()
-    exp.release("A")  # rows come back: B is staged, its pool pages free, C goes on
+    exp.engine.release_kv("A")  # rows come back: B is staged, its pool pages free, C goes on
     for _ in range(12):
         eng.step()
     assert c.state.value == "KV_HELD" or c.num_computed == 29

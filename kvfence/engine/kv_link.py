@@ -1,0 +1,148 @@
+"""The declared boundary between the engine and a KV link (PD prefill or decode).
+
+The engine asks a link side-effect-free questions (`busy`, `holds_pool_pages`,
+`next_timer`, `stats`, `facts`) and tells it facts (`on_end`: a request ended). At two
+points of every step (`before_step`, `after_step`), on admission (`check`, `enqueue`) and
+on control messages (`release`, `abort`) the link answers with *decisions*; the engine
+applies every state change they imply (ends, reservations, the written watermark,
+scheduling). The hooks are generators: the engine applies each decision before it asks
+for the next, so a link that decides in a loop sees the effect of its earlier decisions
+(decode's next reservation sees the pages the last one took). A link changes only what it
+owns: its transfer buffer, its rows' ledger, its pulls and leases. A single-node engine
+has `NoKvLink`, so the engine never checks for None.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Protocol, Union
+
+from kvfence.engine.request_states import Event
+from kvfence.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from kvfence.kv.ledger import Violation
+
+
+@dataclass(frozen=True)
+class EndRequest:
+    """End the request with ABORT. `notify`: also tell its client (decode's kv_failed event;
+    a request prefill holds has already been answered with its manifest)."""
+    seq: Sequence
+    code: str
+    message: str
+    reader_stopped: bool
+    notify: bool = False
+
+
+@dataclass(frozen=True)
+class ReleaseRequest:
+    """Decode verified the transfer: end the held request with RELEASE (rows free at once)."""
+    seq: Sequence
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """Decode: grant the request every pool page it will need (AWAITING_KV)."""
+    seq: Sequence
+    pages: int
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Prefill: the request's KV is staged in rows; its pool pages may go (KV_HELD).
+    `manifest` is the handoff document for the router (a JSON object)."""
+    seq: Sequence
+    manifest: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ReadRefused:
+    """A read the link was about to make failed the ledger's check (I2/I3)."""
+    seq: Sequence
+    violation: "Violation"
+
+
+@dataclass(frozen=True)
+class KvArrived:
+    """Decode: `tokens` tokens of verified KV are in the request's pool pages; it may run."""
+    seq: Sequence
+    tokens: int
+
+
+Decision = Union[EndRequest, ReleaseRequest, Reserve, Hold, ReadRefused, KvArrived]
+
+
+class KvLink(Protocol):
+    """What LLMEngine calls on its link. Decisions are applied in order."""
+
+    role: str
+
+    # questions (no side effects)
+    def busy(self) -> bool: ...
+    def holds_pool_pages(self) -> bool: ...
+    def next_timer(self) -> float | None: ...
+    def stats(self) -> dict[str, Any]: ...
+    def facts(self) -> dict[str, Any] | None: ...
+
+    # admission (decode): check raises ManifestError (a ValueError) for a handoff this node
+    # must not take, else returns the parsed manifest; enqueue queues the admitted request
+    def check(self, seq: Sequence, manifest: object) -> object: ...
+    def enqueue(self, seq: Sequence, now: float) -> Iterable[Decision]: ...
+
+    # the two points of a step
+    def before_step(self, now: float) -> Iterable[Decision]: ...
+    def after_step(self, prefilled: list[Sequence], now: float) -> Iterable[Decision]: ...
+
+    # control messages (prefill): no decision means the request is not (or no longer) held
+    def release(self, request_id: str) -> Iterable[Decision]: ...
+    def abort(self, request_id: str, reader_stopped: bool, reason: str) -> Iterable[Decision]: ...
+
+    # a fact: the request ended (the link frees or fences what it holds for it)
+    def on_end(self, seq: Sequence, event: Event, reader_stopped: bool) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NoKvLink:
+    """A single node: nothing is held outside the scheduler, nothing arrives by transfer."""
+
+    role = "single"
+
+    def busy(self) -> bool:
+        return False
+
+    def holds_pool_pages(self) -> bool:
+        return False
+
+    def next_timer(self) -> float | None:
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def facts(self) -> dict[str, Any] | None:
+        return None
+
+    def check(self, seq: Sequence, manifest: object) -> object:
+        raise ValueError("this engine is not a PD node: no KV link attached")
+
+    def enqueue(self, seq: Sequence, now: float) -> Iterable[Decision]:
+        raise ValueError("this engine is not a PD node: no KV link attached")
+
+    def before_step(self, now: float) -> Iterable[Decision]:
+        return ()
+
+    def after_step(self, prefilled: list[Sequence], now: float) -> Iterable[Decision]:
+        return ()
+
+    def release(self, request_id: str) -> Iterable[Decision]:
+        return ()
+
+    def abort(self, request_id: str, reader_stopped: bool, reason: str) -> Iterable[Decision]:
+        return ()
+
+    def on_end(self, seq: Sequence, event: Event, reader_stopped: bool) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
