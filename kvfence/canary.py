@@ -497,20 +497,21 @@ class Canary:
 
     async def _node(self, c: httpx.AsyncClient, role: str) -> dict:
         """A node's snapshot in one shape: audit, pages, buffer rows, boot id."""
+        from kvfence.pd.messages import NodeInfo
         from kvfence.pd.wire import cluster_headers
 
         url = self.node_urls[role]
         if self.mode == "pd":
             r = await c.get(url + "/internal/info", headers=cluster_headers(), timeout=10)
             r.raise_for_status()
-            info = r.json()
-            s = info["snapshot"]
+            info = NodeInfo.from_json(r.content)
+            s = info.snapshot
             pd = s.get("pd") or {}
             return {"audit": s.get("audit"), "pages_owned": s.get("pages_owned"),
                     "pages_quarantined": s.get("pages_quarantined"), "running": s.get("running"),
                     "waiting": s.get("waiting"), "buffer_rows": pd.get("buffer_rows"),
                     "buffer_free": pd.get("buffer_free"), "buffer_fenced": pd.get("buffer_fenced"),
-                    "boot_id": (info.get("pd") or {}).get("boot_id")}
+                    "boot_id": info.pd.boot_id}
         from prometheus_client.parser import text_string_to_metric_families
 
         r = await c.get(url + "/metrics", timeout=10)

@@ -34,6 +34,7 @@ from pathlib import Path
 import httpx
 
 from kvfence.bench.http_load import Report, format_report, make_prompt, run_load
+from kvfence.pd.messages import NodeInfo
 
 DEFAULTS = {"num_requests": 16, "prompt_tokens": 256, "output_tokens": 64, "kv_cache_memory": "512MiB"}
 _ENGINE_FLAGS = ("model", "dtype", "device", "kv_cache_memory", "kv_memory_fraction", "page_size", "max_model_len",
@@ -145,26 +146,26 @@ def run_single(a, logdir: Path, timeout: float) -> Report:
         procs.stop()
 
 
-def _decode_info(url: str) -> dict:
+def _decode_info(url: str) -> NodeInfo:
     from kvfence.pd.wire import cluster_headers
 
     r = httpx.get(url + "/internal/info", headers=cluster_headers(), timeout=30)
     r.raise_for_status()
-    return r.json()
+    return NodeInfo.from_json(r.content)
 
 
-def _pulls(before: dict, after: dict) -> dict:
+def _pulls(before: NodeInfo, after: NodeInfo) -> dict:
     """The decode node's pulls between two /internal/info snapshots."""
-    b, e = before["snapshot"]["pd"], after["snapshot"]["pd"]
+    b, e = before.snapshot["pd"], after.snapshot["pd"]
     pulls = e.get("pd_verified", 0) - b.get("pd_verified", 0)
     nbytes = e["transferred_bytes"] - b["transferred_bytes"]
     seconds = e["transfer_seconds"] - b["transfer_seconds"]
-    slot = int(after["pd"]["slot_bytes"])
+    slot = after.pd.slot_bytes
     return {"pulls": pulls, "bytes": nbytes, "seconds": round(seconds, 4), "row_bytes": slot,
             "rows_per_pull": round(nbytes / slot / pulls, 2) if pulls else 0.0,
             "bytes_per_pull": round(nbytes / pulls) if pulls else 0,
             "mib_per_s": round(nbytes / seconds / 2**20, 1) if seconds > 0 else None,
-            "session": after["pd"].get("transfer_session")}
+            "session": after.pd.transfer_session}
 
 
 def run_pd(a, logdir: Path, timeout: float) -> tuple[Report, dict, dict]:

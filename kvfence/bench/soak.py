@@ -30,6 +30,7 @@ import httpx
 from kvfence.bench.http_load import make_prompt
 from kvfence.bench.pd import Procs, free_ports, pd_commands
 from kvfence.bench.stats import percentiles
+from kvfence.pd.messages import NodeInfo
 
 # (node, fault) pairs a healthy cluster must ride out: each fails or slows a request, never leaks
 SURVIVABLE = [("prefill", "corrupt_staged_page"), ("decode", "duplicate_transfer_completion"),
@@ -169,7 +170,7 @@ class Soak:
                  "requests": sum(self.outcomes.values()), "outcomes": dict(self.outcomes)}
             for role in ("prefill", "decode"):
                 try:
-                    snap = (await http.get(self.urls[role] + "/internal/info")).json()["snapshot"]
+                    snap = NodeInfo.from_json((await http.get(self.urls[role] + "/internal/info")).content).snapshot
                     s[role] = {"pages_owned": snap["pages_owned"], "pages_free": snap["pages_free"],
                                "quarantined": snap["pages_quarantined"],
                                "buffer_free": snap["pd"]["buffer_free"], "buffer_fenced": snap["pd"]["buffer_fenced"]}
@@ -189,7 +190,7 @@ class Soak:
         while True:
             leaked = {}
             for role in ("prefill", "decode"):
-                snap = (await http.get(self.urls[role] + "/internal/info")).json()["snapshot"]
+                snap = NodeInfo.from_json((await http.get(self.urls[role] + "/internal/info")).content).snapshot
                 pd = snap["pd"]
                 bad = {k: v for k, v in {"pages_owned": snap["pages_owned"], "running": snap["running"],
                                          "waiting": snap["waiting"],

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvfence.pd.messages import NodeInfo
+
 # what prefill and decode must agree on for KV computed on one to mean anything on the other
 MUST_MATCH = ("fingerprint", "page_size", "dtype")
 
@@ -19,7 +21,7 @@ class ClusterCheck:
     advertised: int               # what the operator asked for (or the model's context)
     clamped: bool
     problems: list[str] = field(default_factory=list)
-    nodes: dict[str, dict] = field(default_factory=dict)   # role -> the facts checked
+    nodes: dict[str, NodeInfo] = field(default_factory=dict)   # role -> the facts checked
 
     @property
     def note(self) -> str:
@@ -33,35 +35,30 @@ class ClusterCheck:
     def to_json(self) -> dict:
         return {"ok": self.ok, "usable_context": self.usable_context, "advertised": self.advertised,
                 "clamped": self.clamped, "problems": self.problems, "note": self.note,
-                "nodes": {role: {k: f.get(k) for k in ("usable_context", "pool_tokens", "page_size", "dtype",
-                                                       "fingerprint", "model_max_context")}
-                                | {"kv_layout": f.get("pd", {}).get("kv_layout"),
-                                   "boot_id": f.get("pd", {}).get("boot_id")}
+                "nodes": {role: {"usable_context": f.usable_context, "pool_tokens": f.pool_tokens,
+                                 "page_size": f.page_size, "dtype": f.dtype, "fingerprint": f.fingerprint,
+                                 "model_max_context": f.model_max_context, "kv_layout": f.pd.kv_layout,
+                                 "boot_id": f.pd.boot_id}
                           for role, f in self.nodes.items()}}
 
 
-def check_cluster(advertised: int, nodes: dict[str, dict], clamp: bool, router_fingerprint: str | None = None
-                  ) -> ClusterCheck:
+def check_cluster(advertised: int, nodes: dict[str, NodeInfo], clamp: bool) -> ClusterCheck:
     """nodes: role -> that node's facts. Mismatched model/layout is never clampable."""
-    fatal, over = [], []
+    fatal: list[str] = []
+    over: list[str] = []
     for key in MUST_MATCH:
-        values = {role: f.get(key) for role, f in nodes.items()}
+        values = {role: getattr(f, key) for role, f in nodes.items()}
         if len(set(values.values())) > 1:
             fatal.append(f"nodes disagree on {key}: " + ", ".join(f"{r}={v}" for r, v in values.items()))
-    layouts = {role: f.get("pd", {}).get("kv_layout") for role, f in nodes.items()}
+    layouts = {role: f.pd.kv_layout for role, f in nodes.items()}
     if len(set(layouts.values())) > 1:
         fatal.append("nodes disagree on the KV layout: " + ", ".join(f"{r}={v}" for r, v in layouts.items()))
-    if router_fingerprint is not None:
-        for role, f in nodes.items():
-            if f.get("fingerprint") != router_fingerprint:
-                fatal.append(f"{role} serves model {f.get('fingerprint')}, the router's tokenizer is for "
-                             f"{router_fingerprint}")
     smallest = advertised
     for role, f in nodes.items():
-        usable = int(f["usable_context"])
+        usable = f.usable_context
         if usable < advertised:
             over.append(f"advertised context {advertised} tokens exceeds the {role} node's usable capacity of "
-                        f"{usable} tokens (KV pool {f.get('pool_tokens')} tokens)")
+                        f"{usable} tokens (KV pool {f.pool_tokens} tokens)")
         smallest = min(smallest, usable)
     if fatal or (over and not clamp):
         hint = [] if fatal else ["give the nodes more KV memory, lower --max-model-len, or pass --clamp-context"]

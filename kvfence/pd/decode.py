@@ -32,7 +32,7 @@ from kvfence.engine.request_states import Event
 from kvfence.engine.sequence import Sequence
 from kvfence.kv.ledger import BlockTable, Owner
 from kvfence.pd.link import PdLink
-from kvfence.pd.manifest import Manifest, ManifestError, check_manifest, verify_pages
+from kvfence.pd.manifest import Manifest, check_manifest, parse_manifest, verify_pages
 from kvfence.pd.prefill import kill_point
 from kvfence.pd.settings import PDSettings
 
@@ -64,7 +64,7 @@ class KvImporter(PdLink):
     def check(self, seq: Sequence, manifest: object) -> Manifest:
         """Static checks of the handoff, before the request is admitted (raises ManifestError);
         returns the manifest the request will pull by."""
-        m = manifest if isinstance(manifest, Manifest) else Manifest.from_json(manifest)
+        m = parse_manifest(manifest)
         eng = self.engine
         if not faults.active("skip_manifest_check"):
             check_manifest(m, request_id=seq.request_id, tenant=seq.tenant,

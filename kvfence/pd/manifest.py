@@ -1,6 +1,6 @@
 """What travels with a KV handoff, and decode's check of it (I5).
 
-A handoff is a manifest (request id, tenant, token and page counts, per-page epoch and
+A handoff is a manifest (kvfence/pd/messages.py: request id, tenant, token and page counts, per-page epoch and
 checksum, model and KV-layout fingerprint, the prefill process's registration and lease
 deadline) plus the staged pages themselves. Every staged page starts with a header that
 names the request, tenant, prefill process and epoch it was staged for, so the bytes that
@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
+
+from kvfence.pd.messages import Manifest
 
 MAGIC = b"KVF1"
 HEADER_BYTES = 64
@@ -64,48 +66,20 @@ class PageHeader:
         return None
 
 
-@dataclass
-class Manifest:
-    request_id: str
-    tenant: str
-    token_count: int              # tokens whose KV the pages hold: all the prompt but its last token
-    page_count: int
-    page_size: int
-    epochs: list[int]             # per page: the staging slot's epoch when it was granted
-    checksums: list[str]          # per page: blake2b of header + data
-    fingerprint: str              # model architecture (ModelConfig.fingerprint)
-    layout: str                   # KV layout and dtype of the page bytes
-    boot_id: str                  # the prefill process: a restarted one has another
-    session: str                  # its transfer engine, host:port
-    base: int                     # its staging buffer's registered address
-    slot_bytes: int
-    slots: list[int]              # staging rows holding pages 0 .. page_count-1
-    lease_deadline: float         # time.time() after which no pull may start
-    issued_at: float = 0.0
-    extra: dict = field(default_factory=dict)
+def page_header(m: Manifest, i: int) -> PageHeader:
+    """The header page i of the manifest's handoff must carry."""
+    tokens = min(m.page_size, m.token_count - i * m.page_size)
+    return PageHeader(m.request_id, m.tenant, m.boot_id, m.epochs[i], i, m.page_count, tokens)
 
-    def to_json(self) -> dict:
-        return asdict(self)
 
-    @classmethod
-    def from_json(cls, d: dict) -> "Manifest":
-        try:
-            m = cls(**d)
-        except TypeError as e:
-            raise ManifestError(f"malformed manifest: {e}") from None
-        if not (len(m.epochs) == len(m.checksums) == len(m.slots) == m.page_count):
-            raise ManifestError(f"manifest lists {len(m.slots)} slots, {len(m.epochs)} epochs and "
-                                f"{len(m.checksums)} checksums for {m.page_count} pages")
-        return m
-
-    def row_addresses(self, pages=None) -> list[int]:
-        """Addresses in prefill's registered buffer of the given pages' rows (default: all)."""
-        idx = range(self.page_count) if pages is None else pages
-        return [self.base + self.slots[i] * self.slot_bytes for i in idx]
-
-    def header(self, i: int) -> PageHeader:
-        tokens = min(self.page_size, self.token_count - i * self.page_size)
-        return PageHeader(self.request_id, self.tenant, self.boot_id, self.epochs[i], i, self.page_count, tokens)
+def parse_manifest(data: object) -> Manifest:
+    """The manifest decode was handed, checked field by field (ManifestError if malformed)."""
+    if isinstance(data, Manifest):
+        return data
+    try:
+        return Manifest.from_json(data)
+    except ValueError as e:
+        raise ManifestError(str(e)) from None
 
 
 def check_manifest(m: Manifest, *, request_id: str, tenant: str, token_count: int, page_size: int,
@@ -137,7 +111,7 @@ def verify_pages(m: Manifest, rows, skip_checksum: bool = False) -> str | None:
         return f"{len(rows)} pages arrived, the manifest lists {m.page_count}"
     for i, row in enumerate(rows):
         raw = bytes(row[:HEADER_BYTES])
-        problem = m.header(i).matches(raw)
+        problem = page_header(m, i).matches(raw)
         if problem is not None:
             return f"page {i}: {problem}"
         if not skip_checksum and page_checksum(row) != m.checksums[i]:

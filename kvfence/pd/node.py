@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -24,15 +25,22 @@ from kvfence import faults
 from kvfence.engine.admission import ContextLengthExceeded
 from kvfence.engine.config import EngineConfig
 from kvfence.pd.manifest import ManifestError
+from kvfence.pd.messages import (AbortBody, AdmittedEvent, ControlReply, DecodeBody, FailedEvent, LogprobEntry,
+                                 Manifest, MessageError, NodeInfo, PrefillBody, ProgressEvent, RejectedEvent,
+                                 ReleaseBody, WaitEvent, WireModel, event_line)
 from kvfence.pd.settings import PDSettings
-from kvfence.pd.wire import CLUSTER_TOKEN_HEADER, cluster_token, line, params_from_json
-from kvfence.server.app import _watch_disconnect
-from kvfence.server.engine_loop import EngineFailed, EngineLoop
-from kvfence.server.errors import error_body
+from kvfence.pd.wire import CLUSTER_TOKEN_HEADER, cluster_token
+from kvfence.server.backend import EngineFailed, Update
+from kvfence.server.disconnect import watch_disconnect
+from kvfence.server.engine_loop import EngineLoop
+from kvfence.server.errors import APIError, error_body
+from kvfence.server.protocol import read_body_bytes
 
 log = logging.getLogger("kvfence.pd.node")
 
 HEARTBEAT_S = 1.0
+# the largest internal body: a prompt of MAX_PROMPT_IDS ids with its manifest fits
+MAX_INTERNAL_BODY_BYTES = 16 << 20
 
 
 def build_node_engine(config: EngineConfig, settings: PDSettings, loaded=None):
@@ -56,6 +64,46 @@ def _error(status: int, message: str, code: str) -> JSONResponse:
                         status_code=status)
 
 
+M = TypeVar("M", bound=WireModel)
+
+
+async def _read(request: Request, cls: type[M]) -> M:
+    """The body as message `cls`, or an APIError (413 over the limit, 400 naming the bad
+    fields): nothing is admitted for a malformed message. Large bodies (long prompts) are
+    parsed in a worker thread so the event loop keeps serving every other stream."""
+    raw = await read_body_bytes(request, MAX_INTERNAL_BODY_BYTES)
+    try:
+        if len(raw) > 64 << 10:
+            return await asyncio.to_thread(cls.from_json, raw)
+        return cls.from_json(raw)
+    except MessageError as e:
+        raise APIError(400, f"bad internal request: {e}", code="invalid_request") from None
+
+
+def _refusal(e: Exception) -> RejectedEvent:
+    if isinstance(e, ContextLengthExceeded):
+        return RejectedEvent(code="context_length_exceeded", message=str(e), limit=e.limit,
+                             prompt_tokens=e.prompt_tokens, max_tokens=e.max_tokens)
+    if isinstance(e, ManifestError):
+        return RejectedEvent(code="kv_manifest_invalid", message=f"refused the KV handoff: {e}"[:4096])
+    if isinstance(e, EngineFailed):
+        return RejectedEvent(code="engine_unavailable", message=str(e)[:4096])
+    return RejectedEvent(code="invalid_request", message=f"bad internal request: {e}"[:4096])
+
+
+def _progress(u: Update) -> ProgressEvent:
+    data = u.data or {}
+    return ProgressEvent(
+        event=u.event or ("finished" if u.finished else "tokens"),  # type: ignore[arg-type]
+        token_ids=list(u.token_ids), text=u.text, finished=u.finished, finish_reason=u.finish_reason,
+        error=u.error, abort_code=u.abort_code, prompt_tokens=u.prompt_tokens,
+        completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens,
+        logprobs=[LogprobEntry(token_id=lp.token_id, logprob=lp.logprob, top=list(lp.top)) for lp in u.logprobs],
+        manifest=Manifest.from_json(data) if u.event == "kv_held" else None,
+        verified_tokens=data.get("tokens") if u.event == "kv_verified" else None,
+        reader_stopped=data.get("reader_stopped") if u.event == "kv_failed" else None)
+
+
 def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings) -> None:
     secret = cluster_token()
 
@@ -68,67 +116,45 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings) ->
 
     @app.get("/internal/info")
     async def info():
-        if loop.state != "ready":
+        if loop.state != "ready" or loop.facts is None:
             return _error(503, f"node is {loop.state}: {loop.error or ''}", "not_ready")
-        return {**loop.facts, "snapshot": loop.snapshot}
+        return NodeInfo.from_json({**loop.facts, "snapshot": loop.snapshot}).to_json()
 
-    def _parse(body: dict):
-        """The request's fields, or a 400 for a malformed internal request (nothing admitted)."""
-        try:
-            return [int(t) for t in body["prompt_ids"]], params_from_json(body["params"]), None
-        except (KeyError, TypeError, ValueError) as e:
-            return None, None, _error(400, f"bad internal request: {e}", "invalid_request")
-
-    def _refusal(e: Exception) -> dict:
-        if isinstance(e, ContextLengthExceeded):
-            return {"event": "rejected", "code": "context_length_exceeded", "message": str(e)}
-        if isinstance(e, ManifestError):
-            return {"event": "rejected", "code": "kv_manifest_invalid", "message": f"refused the KV handoff: {e}"}
-        if isinstance(e, EngineFailed):
-            return {"event": "rejected", "code": "engine_unavailable", "message": str(e)}
-        return {"event": "rejected", "code": "invalid_request", "message": f"bad internal request: {e}"}
-
-    def _stream(body: dict, ids, params, request: Request, **extra) -> StreamingResponse:
+    def _stream(body: PrefillBody, request: Request, **extra) -> StreamingResponse:
         """Answer at once and admit inside the stream: the router then hears a heartbeat
         every second from the start, so a node busy with a long step is not taken for a
         hung one. First line: admitted or rejected; then updates; the router hanging up
         aborts the request here."""
-        rid = body["request_id"]
+        rid = body.request_id
 
         async def gen():
-            sub = asyncio.ensure_future(loop.submit(ids, params, body["tenant"], rid,
-                                                    body.get("public_prefix_scope"), **extra))
+            sub = asyncio.ensure_future(loop.submit(body.prompt_ids, body.params.to_params(), body.tenant, rid,
+                                                    body.public_prefix_scope, **extra))
             # watch for the router hanging up explicitly (writes to a closed connection do not
             # fail reliably)
-            watcher = asyncio.create_task(_watch_disconnect(request, lambda: loop.abort(rid, "router disconnected")))
+            watcher = asyncio.create_task(watch_disconnect(request, lambda: loop.abort(rid, "router disconnected")))
             handle = None
             try:
                 while not sub.done():
                     done, _ = await asyncio.wait({sub}, timeout=HEARTBEAT_S)
                     if not done:
-                        yield line({"event": "wait"})
+                        yield event_line(WaitEvent())
                 try:
                     handle = sub.result()
                 except (ContextLengthExceeded, ManifestError, EngineFailed, ValueError) as e:
-                    yield line(_refusal(e))
+                    yield event_line(_refusal(e))
                     return
                 a = handle.admitted
-                yield line({"event": "admitted", "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens})
+                yield event_line(AdmittedEvent(prompt_tokens=a.prompt_tokens, max_tokens=a.max_tokens))
                 while not handle.done:
                     try:  # a heartbeat each second: the router tells a slow node from a hung one
                         u = await asyncio.wait_for(handle.next(), HEARTBEAT_S)
                     except asyncio.TimeoutError:
-                        yield line({"event": "wait"})
+                        yield event_line(WaitEvent())
                         continue
-                    yield line({"event": u.event or ("finished" if u.finished else "tokens"),
-                                "token_ids": list(u.token_ids), "text": u.text, "finished": u.finished,
-                                "finish_reason": u.finish_reason, "error": u.error, "abort_code": u.abort_code,
-                                "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                                "cached_tokens": u.cached_tokens, "data": u.data,
-                                "logprobs": [[lp.token_id, lp.logprob, [list(t) for t in lp.top]]
-                                             for lp in u.logprobs]})
+                    yield event_line(_progress(u))
             except EngineFailed as e:
-                yield line({"event": "failed", "finished": True, "error": str(e), "abort_code": "engine_failed"})
+                yield event_line(FailedEvent(error=str(e)[:4096]))
             finally:
                 watcher.cancel()
                 if handle is None and not sub.done():
@@ -140,29 +166,24 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings) ->
     if settings.role == "prefill":
         @app.post("/internal/prefill")
         async def prefill(request: Request):
-            body = await request.json()
-            ids, params, err = _parse(body)
-            return err or _stream(body, ids, params, request, hold_kv=True)
+            return _stream(await _read(request, PrefillBody), request, hold_kv=True)
 
         @app.post("/internal/release")
         async def release(request: Request):
-            rid = (await request.json())["request_id"]
-            return {"result": await loop.call(lambda e: e.release_kv(rid))}
+            rid = (await _read(request, ReleaseBody)).request_id
+            return ControlReply(result=await loop.call(lambda e: e.release_kv(rid))).to_json()
 
         @app.post("/internal/abort")
         async def abort(request: Request):
-            body = await request.json()
-            rid, stopped = body["request_id"], bool(body.get("reader_stopped", False))
-            reason = str(body.get("reason", "aborted by the router"))
-            loop.abort(rid, reason)  # still computing: the ordinary abort
-            return {"result": await loop.call(lambda e: e.abort_kv(rid, stopped, reason))}
+            body = await _read(request, AbortBody)
+            loop.abort(body.request_id, body.reason)  # still computing: the ordinary abort
+            result = await loop.call(lambda e: e.abort_kv(body.request_id, body.reader_stopped, body.reason))
+            return ControlReply(result=result).to_json()
     else:
         @app.post("/internal/decode")
         async def decode(request: Request):
-            body = await request.json()
-            ids, params, err = _parse(body)
-            manifest = body.get("manifest")
-            return err or _stream(body, ids, params, request, **({"kv_source": manifest} if manifest is not None else {}))
+            body = await _read(request, DecodeBody)
+            return _stream(body, request, **({"kv_source": body.manifest} if body.manifest is not None else {}))
 
 
 def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int, tenants_file: str | None = None,

@@ -19,12 +19,16 @@ node that comes back with a new boot id is checked again (I8) before it serves.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
+import os
 import threading
 import time
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, AsyncIterator
 
 import httpx
 
@@ -32,12 +36,14 @@ from kvfence import faults
 from kvfence.engine.admission import ContextLengthExceeded
 from kvfence.engine.params import SamplingParams
 from kvfence.pd.capacity import ClusterCheck, check_cluster
-from kvfence.pd.wire import cluster_headers, params_to_json
-from kvfence.server.engine_loop import Admitted, EngineFailed, Logprob, RequestHandle, Update
+from kvfence.pd.messages import (AbortBody, AdmittedEvent, DecodeBody, FailedEvent, Manifest, MessageError, NodeInfo,
+                                 PrefillBody, ProgressEvent, RejectedEvent, ReleaseBody, WaitEvent, WireModel,
+                                 WireParams, parse_event)
+from kvfence.pd.settings import ROLES
+from kvfence.pd.wire import cluster_headers
+from kvfence.server.backend import Admitted, EngineFailed, Logprob, RequestHandle, Update
 
 log = logging.getLogger("kvfence.pd.router")
-
-ROLES = ("prefill", "decode")
 
 
 def load_router_tokenizer(model: str | None):
@@ -54,13 +60,26 @@ def load_router_tokenizer(model: str | None):
 
 
 class NodeError(RuntimeError):
-    def __init__(self, message: str, code: str):
+    """A node refused or failed the request; `rejection` is the node's own refusal, if any."""
+
+    def __init__(self, message: str, code: str, rejection: RejectedEvent | None = None):
         super().__init__(message)
         self.code = code
+        self.rejection = rejection
+
+
+@dataclass
+class _Flight:
+    """One request's progress through the handoff, for its cleanup."""
+    manifest: Manifest | None = None
+    released: bool = False
+    reader_stopped: bool = False      # decode is known not to be pulling (refused, or said so)
+    decode_contacted: bool = False
+    cached: int = 0
 
 
 class RouterBackend:
-    """Duck-types server.engine_loop.EngineLoop for server/app.py."""
+    """The PD cluster as an EngineBackend (server/backend.py) for server/app.py."""
 
     def __init__(self, prefill_url: str, decode_url: str, model: str | None = None,
                  max_model_len: int | None = None, clamp_context: bool = False, wait_s: float = 300.0,
@@ -85,6 +104,7 @@ class RouterBackend:
         self._boot: dict[str, str] = {}
         self._node_ok: dict[str, bool] = {r: False for r in ROLES}
         self._tasks: dict[str, asyncio.Task] = {}
+        self._cancelled: set[str] = set()   # aborts already under way (see abort)
         self._background: set[asyncio.Task] = set()
         self._client: httpx.AsyncClient | None = None
         self.ready = threading.Event()
@@ -106,7 +126,7 @@ class RouterBackend:
         self._started = True
         self.tokenizer = load_router_tokenizer(self.model)
         deadline = time.monotonic() + self.wait_s
-        facts: dict[str, dict] = {}
+        facts: dict[str, NodeInfo] = {}
         with httpx.Client(timeout=5.0, headers=cluster_headers()) as c:
             while len(facts) < len(ROLES):
                 for role in ROLES:
@@ -115,11 +135,13 @@ class RouterBackend:
                     try:
                         r = c.get(self.urls[role] + "/internal/info")
                         if r.status_code == 200:
-                            facts[role] = r.json()
-                            log.info("%s node at %s is up (boot %s)", role, self.urls[role],
-                                     facts[role].get("pd", {}).get("boot_id"))
+                            facts[role] = NodeInfo.from_json(r.content)
+                            log.info("%s node at %s is up (boot %s)", role, self.urls[role], facts[role].pd.boot_id)
                     except httpx.HTTPError:
                         pass
+                    except MessageError as e:
+                        self.error = f"the node at {self.urls[role]} sent unusable facts: {e}"
+                        return self
                 if len(facts) < len(ROLES):
                     if time.monotonic() > deadline:
                         missing = [r for r in ROLES if r not in facts]
@@ -127,8 +149,8 @@ class RouterBackend:
                         return self
                     time.sleep(0.5)
         for role, f in facts.items():
-            if f.get("pd", {}).get("role") != role:
-                self.error = f"the node at {self.urls[role]} is not a {role} node (it says {f.get('pd', {}).get('role')})"
+            if f.pd.role != role:
+                self.error = f"the node at {self.urls[role]} is not a {role} node (it says {f.pd.role})"
                 return self
         self._apply_check(facts)
         if self.error is None:  # the monitor has its own thread and event loop; it only swaps attributes
@@ -136,12 +158,12 @@ class RouterBackend:
                              daemon=True).start()
         return self
 
-    def _apply_check(self, facts: dict[str, dict]) -> bool:
+    def _apply_check(self, facts: dict[str, NodeInfo]) -> bool:
         # default: what the nodes themselves serve (each checked its own pool at start-up);
         # an explicit --max-model-len is held against every node
-        advertised = self.max_model_len or min(int(f["usable_context"]) for f in facts.values())
+        advertised = self.max_model_len or min(f.usable_context for f in facts.values())
         chk = check_cluster(advertised, facts, self.clamp)
-        vocab = {f.get("vocab_size") for f in facts.values()}
+        vocab = {f.vocab_size for f in facts.values()}
         if self.tokenizer is not None and len(vocab) == 1 and self.tokenizer.hf.get_vocab_size() > next(iter(vocab)):
             chk.ok = False
             chk.problems.append("the router's tokenizer has more tokens than the nodes' model")
@@ -149,7 +171,7 @@ class RouterBackend:
         self.startup_checks = [{"name": "cluster capacity", "invariant": "I8",
                                 "status": "passed" if chk.ok else "failed", "detail": chk.note}]
         for role, f in facts.items():
-            self._boot[role] = f.get("pd", {}).get("boot_id")
+            self._boot[role] = f.pd.boot_id
             self._node_ok[role] = True
         if not chk.ok:
             self.error = f"cluster capacity check failed: {chk.note}"
@@ -157,10 +179,9 @@ class RouterBackend:
             log.error("%s", self.error)
             return False
         (log.warning if chk.clamped else log.info)("cluster capacity check (I8): %s", chk.note)
-        base = dict(facts["decode"])
-        base.pop("snapshot", None)
+        base = facts["decode"].facts()
         base.update(usable_context=chk.usable_context, context_clamped=chk.clamped, context_note=chk.note,
-                    pool_tokens=min(int(f["pool_tokens"]) for f in facts.values()),
+                    pool_tokens=min(f.pool_tokens for f in facts.values()),
                     configured_max_model_len=self.max_model_len, cluster=chk.to_json())
         self.facts = base
         self.snapshot = self._merge_snapshots(facts)
@@ -169,11 +190,11 @@ class RouterBackend:
         return True
 
     @staticmethod
-    def _merge_snapshots(facts: dict[str, dict]) -> dict:
-        d = dict(facts["decode"].get("snapshot") or {})
-        p = facts["prefill"].get("snapshot") or {}
+    def _merge_snapshots(facts: dict[str, NodeInfo]) -> dict:
+        d = dict(facts["decode"].snapshot)
+        p = facts["prefill"].snapshot
         d["waiting"] = d.get("waiting", 0) + p.get("waiting", 0)
-        d["nodes"] = {role: f.get("snapshot") for role, f in facts.items()}
+        d["nodes"] = {role: f.snapshot for role, f in facts.items()}
         return d
 
     def wait_ready(self, timeout: float | None = None) -> bool:
@@ -188,15 +209,18 @@ class RouterBackend:
         async with httpx.AsyncClient(timeout=2.0, headers=cluster_headers()) as c:
             while not self._stopped:
                 await asyncio.sleep(self.poll_s)
-                facts, down = {}, []
+                facts: dict[str, NodeInfo] = {}
+                down: list[str] = []
                 for role in ROLES:
                     try:
                         r = await c.get(self.urls[role] + "/internal/info")
                         if r.status_code == 200:
-                            facts[role] = r.json()
+                            facts[role] = NodeInfo.from_json(r.content)
                         else:
-                            down.append(f"{role} node is {r.json().get('error', {}).get('code', r.status_code)}")
-                    except (httpx.HTTPError, ValueError) as e:
+                            down.append(f"{role} node is {_error_code(r.content) or r.status_code}")
+                    except MessageError as e:
+                        down.append(f"{role} node at {self.urls[role]} sent unusable facts ({e})")
+                    except httpx.HTTPError as e:
                         down.append(f"{role} node at {self.urls[role]} does not answer ({type(e).__name__})")
                 self.iterations += 1
                 if down:
@@ -207,7 +231,7 @@ class RouterBackend:
                     for role in ROLES:
                         self._node_ok[role] = role in facts
                     continue
-                rejoined = [r for r in ROLES if facts[r].get("pd", {}).get("boot_id") != self._boot.get(r)]
+                rejoined = [r for r in ROLES if facts[r].pd.boot_id != self._boot.get(r)]
                 if rejoined or not self._ready:
                     log.info("node(s) %s (re)joined: running the capacity check again", ", ".join(rejoined) or "all")
                     self._apply_check(facts)
@@ -229,7 +253,7 @@ class RouterBackend:
         usable = self.facts["usable_context"]
         max_tokens = params.max_tokens if params.max_tokens is not None else max(1, usable - len(prompt_ids))
         if max_tokens != params.max_tokens:
-            params = SamplingParams(**{**params_to_json(params), "max_tokens": max_tokens})
+            params = dataclasses.replace(params, max_tokens=max_tokens)
         rid = request_id or f"pd-{time.time_ns()}"
         loop = asyncio.get_running_loop()
         admitted: asyncio.Future = loop.create_future()
@@ -250,8 +274,9 @@ class RouterBackend:
         """Idempotent: a second cancel would interrupt the first one's cleanup (closing the
         node streams, which is what aborts the request on the nodes)."""
         task = self._tasks.get(request_id)
-        if task is not None and not task.done() and not getattr(task, "kvfence_cancelled", False):
-            task.kvfence_cancelled = True
+        if task is not None and not task.done() and request_id not in self._cancelled:
+            self._cancelled.add(request_id)
+            task.add_done_callback(lambda _t: self._cancelled.discard(request_id))
             task.cancel()
 
     def _later(self, coro) -> None:
@@ -259,148 +284,162 @@ class RouterBackend:
         self._background.add(t)
         t.add_done_callback(self._background.discard)
 
-    async def _post(self, role: str, path: str, body: dict) -> None:
+    async def _post(self, role: str, path: str, body: WireModel) -> None:
         try:
-            await self._http().post(self.urls[role] + path, json=body)
+            await self._http().post(self.urls[role] + path, content=body.dumps(),
+                                    headers={"content-type": "application/json"})
         except httpx.HTTPError as e:
             log.warning("%s %s failed: %s", role, path, e)
 
-    async def _run(self, rid, ids, params, tenant, scope, handle: RequestHandle, admitted: asyncio.Future) -> None:
-        body = {"request_id": rid, "tenant": tenant, "prompt_ids": ids, "params": params_to_json(params),
-                "public_prefix_scope": scope}
-        # reader_stopped: decode is known not to be pulling (never contacted, refused, or said so)
-        state = {"manifest": None, "released": False, "reader_stopped": False, "decode_contacted": False,
-                 "cached": 0}
+    async def _run(self, rid: str, ids: list[int], params: SamplingParams, tenant: str, scope: str | None,
+                   handle: RequestHandle, admitted: asyncio.Future) -> None:
+        wire = WireParams.of(params)
+        flight = _Flight()
 
-        def fail(message: str, code: str) -> None:
+        def fail(message: str, code: str, rejection: RejectedEvent | None = None) -> None:
             if not admitted.done():
-                admitted.set_exception(_as_submit_error(message, code, len(ids), params.max_tokens))
+                admitted.set_exception(_as_submit_error(message, code, rejection))
                 return
-            handle.updates.put_nowait(Update((), "", True, "aborted", message, len(ids), 0, state["cached"],
+            handle.updates.put_nowait(Update((), "", True, "aborted", message, len(ids), 0, flight.cached,
                                              abort_code=code))
 
         try:
             if len(ids) >= 2:
-                await self._prefill(body, state)
-                if state["manifest"] is None:
+                await self._prefill(PrefillBody(request_id=rid, tenant=tenant, prompt_ids=ids, params=wire,
+                                                public_prefix_scope=scope), flight)
+                if flight.manifest is None:
                     return
                 if faults.active("delay_handoff"):
                     await asyncio.sleep(faults.arg_float("delay_handoff", 1.0))
-            await self._decode(body, state, handle, admitted, len(ids))
+            body = DecodeBody(request_id=rid, tenant=tenant, prompt_ids=ids, params=wire,
+                              public_prefix_scope=scope, manifest=flight.manifest)
+            await self._decode(body, flight, handle, admitted, len(ids))
         except asyncio.CancelledError:
             raise
         except NodeError as e:
-            fail(str(e), e.code)
-        except (httpx.HTTPError, ValueError, KeyError, StopAsyncIteration) as e:
+            fail(str(e), e.code, e.rejection)
+        except Exception as e:  # noqa: BLE001 - whatever a node did, this request fails with a code
             fail(f"a PD node failed mid-request: {type(e).__name__}: {e}", "node_failed")
         finally:
-            if state["manifest"] is not None and not state["released"]:
-                stopped = state["reader_stopped"] or not state["decode_contacted"]
-                self._later(self._post("prefill", "/internal/abort",
-                                       {"request_id": rid, "reader_stopped": stopped,
-                                        "reason": "the request ended before decode verified the transfer"}))
+            if flight.manifest is not None and not flight.released:
+                stopped = flight.reader_stopped or not flight.decode_contacted
+                self._later(self._post("prefill", "/internal/abort", AbortBody(
+                    request_id=rid, reader_stopped=stopped,
+                    reason="the request ended before decode verified the transfer")))
 
-    async def _lines(self, response: httpx.Response):
-        it = response.aiter_lines()
-        while True:
+    async def _events(self, role: str, response: httpx.Response) -> AsyncIterator[Any]:
+        """The node's NDJSON events, checked against their definitions; heartbeats dropped."""
+        async for text in response.aiter_lines():
+            if not text.strip():
+                continue
             try:
-                text = await it.__anext__()
-            except StopAsyncIteration:
-                return
-            if text.strip():
-                ev = json.loads(text)
-                if ev.get("event") != "wait":
-                    yield ev
+                ev = parse_event(text)
+            except MessageError as e:
+                raise NodeError(f"the {role} node sent {e}", "node_error") from None
+            if not isinstance(ev, WaitEvent):
+                yield ev
 
-    async def _open(self, role: str, path: str, body: dict, stack) -> httpx.Response:
+    async def _open(self, role: str, path: str, body: WireModel, stack: AsyncExitStack) -> httpx.Response:
         try:
-            r = await stack.enter_async_context(self._http().stream("POST", self.urls[role] + path, json=body))
+            r = await stack.enter_async_context(self._http().stream(
+                "POST", self.urls[role] + path, content=body.dumps(), headers={"content-type": "application/json"}))
         except httpx.HTTPError as e:
             raise NodeError(f"the {role} node is unreachable: {type(e).__name__}: {e}", "node_unavailable") from None
         if r.status_code != 200:
             raw = await r.aread()
-            try:
-                err = json.loads(raw)["error"]
-                raise NodeError(f"{role} node: {err['message']}", err.get("code") or "node_error")
-            except (ValueError, KeyError, TypeError):
-                raise NodeError(f"{role} node answered {r.status_code}", "node_error") from None
+            err = _error_of(raw)
+            if err is None:
+                raise NodeError(f"{role} node answered {r.status_code}", "node_error")
+            raise NodeError(f"{role} node: {err[0]}", err[1] or "node_error")
         return r
 
-    @staticmethod
-    def _check_admitted(role: str, first: dict) -> None:
-        if first.get("event") == "rejected":
-            raise NodeError(f"{role} node: {first.get('message')}", first.get("code") or "node_error")
-        if first.get("event") != "admitted":
-            raise NodeError(f"{role} node: unexpected {first.get('event')}", "node_error")
+    async def _admitted(self, role: str, events: AsyncIterator[Any]) -> AdmittedEvent:
+        first = await anext(events, None)
+        if isinstance(first, RejectedEvent):
+            raise NodeError(f"{role} node: {first.message}", first.code, first)
+        if not isinstance(first, AdmittedEvent):
+            what = "nothing" if first is None else first.event
+            raise NodeError(f"{role} node: expected admitted, got {what}", "node_error")
+        return first
 
-    async def _prefill(self, body, state) -> None:
+    async def _prefill(self, body: PrefillBody, flight: _Flight) -> None:
         async with AsyncExitStack() as stack:
-            r = await self._open("prefill", "/internal/prefill", body, stack)
-            events = self._lines(r)
-            self._check_admitted("prefill", await events.__anext__())
+            events = self._events("prefill", await self._open("prefill", "/internal/prefill", body, stack))
+            await self._admitted("prefill", events)
             async for ev in events:
-                if ev.get("event") == "kv_held":
-                    state["manifest"] = ev["data"]
-                    state["cached"] = ev.get("cached_tokens", 0)
+                if isinstance(ev, ProgressEvent) and ev.event == "kv_held" and ev.manifest is not None:
+                    flight.manifest = ev.manifest
+                    flight.cached = ev.cached_tokens
                     if faults.active("kill_node_at") and faults.arg("kill_node_at") == "router_after_prefill":
-                        import os
                         os._exit(137)
                     return
-                if ev.get("finished"):
-                    raise NodeError(f"prefill failed: {ev.get('error') or ev.get('finish_reason')}",
-                                    ev.get("abort_code") or "prefill_failed")
+                if isinstance(ev, (ProgressEvent, FailedEvent)) and ev.finished:
+                    raise NodeError(f"prefill failed: {ev.error or getattr(ev, 'finish_reason', None)}",
+                                    ev.abort_code or "prefill_failed")
             raise NodeError("the prefill node closed the stream before holding the KV", "node_failed")
 
-    async def _decode(self, body, state, handle: RequestHandle, admitted, n_prompt: int) -> None:
+    async def _decode(self, body: DecodeBody, flight: _Flight, handle: RequestHandle, admitted: asyncio.Future,
+                      n_prompt: int) -> None:
         async with AsyncExitStack() as stack:
-            state["decode_contacted"] = True
+            flight.decode_contacted = True
             try:
-                r = await self._open("decode", "/internal/decode", {**body, "manifest": state["manifest"]}, stack)
-                events = self._lines(r)
-                self._check_admitted("decode", await events.__anext__())
+                events = self._events("decode", await self._open("decode", "/internal/decode", body, stack))
+                await self._admitted("decode", events)
             except NodeError as e:
                 if e.code != "node_unavailable":  # decode answered and refused: it never pulls
-                    state["reader_stopped"] = True
+                    flight.reader_stopped = True
                 raise
             if not admitted.done():
                 admitted.set_result(True)
-            first_at, completion = None, 0
+            first_at = None
             async for ev in events:
-                kind = ev.get("event")
-                if kind == "kv_verified":
-                    state["released"] = True
-                    self._later(self._post("prefill", "/internal/release", {"request_id": body["request_id"]}))
+                if isinstance(ev, FailedEvent):
+                    raise NodeError(f"decode node: {ev.error}", ev.abort_code)
+                if not isinstance(ev, ProgressEvent):
+                    raise NodeError(f"decode node: unexpected {ev.event} event", "node_error")
+                if ev.event == "kv_verified":
+                    flight.released = True
+                    self._later(self._post("prefill", "/internal/release", ReleaseBody(request_id=body.request_id)))
                     continue
-                if kind == "kv_failed":
-                    state["reader_stopped"] = bool((ev.get("data") or {}).get("reader_stopped"))
+                if ev.event == "kv_failed":
+                    flight.reader_stopped = bool(ev.reader_stopped)
                 now = time.perf_counter()
-                toks = tuple(ev.get("token_ids") or ())
+                toks = tuple(ev.token_ids)
                 if toks and first_at is None:
                     first_at = now
-                completion = ev.get("completion_tokens", completion)
-                lps = tuple(Logprob(int(t), float(v), tuple((int(a), float(b)) for a, b in top))
-                            for t, v, top in ev.get("logprobs") or ())
+                completion = ev.completion_tokens
+                lps = tuple(Logprob(lp.token_id, lp.logprob, tuple(lp.top)) for lp in ev.logprobs)
                 handle.updates.put_nowait(Update(
-                    toks, ev.get("text") or "", bool(ev.get("finished")), ev.get("finish_reason"), ev.get("error"),
-                    n_prompt, completion, state["cached"], lps, first_at, (now,) * len(toks), ev.get("abort_code")))
-                if ev.get("finished"):
+                    toks, ev.text, ev.finished, ev.finish_reason, ev.error, n_prompt, completion, flight.cached, lps,
+                    first_at, (now,) * len(toks), ev.abort_code))
+                if ev.finished:
                     return
             raise NodeError("the decode node closed the stream mid-request", "node_failed")
 
 
-def _as_submit_error(message: str, code: str, prompt_tokens: int, max_tokens: int) -> Exception:
-    """What submit() raises before the request is admitted, in the shapes app.py maps to HTTP."""
-    if code == "context_length_exceeded":
-        import re
-        m = re.search(r"maximum context length is (\d+)", message)
-        if m:
-            return ContextLengthExceeded(prompt_tokens, max_tokens, int(m.group(1)))
+def _error_of(raw: bytes) -> tuple[str, str | None] | None:
+    """(message, code) of an error body in OpenAI's shape, or None."""
+    try:
+        err = json.loads(raw)["error"]
+        return str(err["message"]), (str(err["code"]) if err.get("code") is not None else None)
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _error_code(raw: bytes) -> str | None:
+    err = _error_of(raw)
+    return None if err is None else err[1]
+
+
+def _as_submit_error(message: str, code: str, rejection: RejectedEvent | None) -> Exception:
+    """What submit() raises before the request is admitted, in the shapes app.py maps to HTTP.
+    A node's context-length refusal arrives with its numbers as fields."""
+    r = rejection
+    if code == "context_length_exceeded" and r is not None and None not in (r.limit, r.prompt_tokens, r.max_tokens):
+        return ContextLengthExceeded(r.prompt_tokens, r.max_tokens, r.limit)  # type: ignore[arg-type]
+    if code in ("invalid_request", "context_length_exceeded"):
         return ValueError(message)
-    if code == "invalid_request":
-        return ValueError(message)
-    e = EngineFailed(message)
-    e.code = code
-    return e
+    return EngineFailed(message, code)
 
 
 def serve_router(prefill_url: str, decode_url: str, model: str | None, host: str, port: int,

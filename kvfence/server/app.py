@@ -19,7 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvfence import faults
 from kvfence.engine.admission import ContextLengthExceeded, check_fits
 from kvfence.model.tokenizer import ChatTemplateError
-from kvfence.server.engine_loop import EngineFailed, EngineLoop, RequestHandle, Update
+from kvfence.server.backend import EngineBackend, EngineFailed, RequestHandle, Update
+from kvfence.server.disconnect import watch_disconnect
 from kvfence.server.errors import APIError, bad_request, error_body
 from kvfence.server.isolation import isolation_statement
 from kvfence.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -34,7 +35,7 @@ UNAUTHENTICATED = "unauthenticated"
 
 
 class ServerState:
-    def __init__(self, engine: EngineLoop, tenants: TenantRegistry, served_model_name: str | None = None,
+    def __init__(self, engine: EngineBackend, tenants: TenantRegistry, served_model_name: str | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, owns_engine: bool = True):
         self.engine = engine
         self.tenants = tenants
@@ -158,8 +159,8 @@ _REJECTION_REASON = {"context_length_exceeded": "context_length_exceeded",
                      "model_not_ready": "not_ready", "engine_unavailable": "not_ready"}
 
 
-# how an aborted request's machine-readable code reaches the client (LLMEngine.ABORT_CODES,
-# and the PD router's node_* codes)
+# how an aborted request's machine-readable code reaches the client (the codes LLMEngine.end
+# is given, and the PD router's node_* codes); an unknown code is a 500
 _ABORT_STATUS = {
     "kv_pool_exhausted": (503, "The server cannot hold this request right now"),   # capacity: retry later
     "isolation_violation": (500, "The request was stopped by an isolation check"),
@@ -207,8 +208,7 @@ async def _generate(state: ServerState, request: Request, kind: str):
             raise APIError(400, str(e), code="context_length_exceeded", param=req.prompt_param,
                            outcome="rejected") from None
         except EngineFailed as e:  # the PD router's failures carry a machine-readable code
-            code = getattr(e, "code", None) or "engine_unavailable"
-            raise APIError(_ABORT_STATUS.get(code, (503,))[0], str(e), code=code) from None
+            raise APIError(_ABORT_STATUS.get(e.code, (503,))[0], str(e), code=e.code) from None
         except ValueError as e:
             raise bad_request(str(e), param=req.prompt_param) from None
     except APIError as e:
@@ -234,7 +234,7 @@ async def _submit_unless_gone(state: ServerState, request: Request, ids, req: Ge
     single node submit is only admission; behind the PD router it lasts the whole prefill."""
     sub = asyncio.ensure_future(state.engine.submit(ids, req.params, tenant.name, rid, tenant.public_prefix_scope))
     gone = asyncio.Event()
-    watcher = asyncio.create_task(_watch_disconnect(request, gone.set))
+    watcher = asyncio.create_task(watch_disconnect(request, gone.set))
     waiter = asyncio.create_task(gone.wait())
     try:
         await asyncio.wait({sub, waiter}, return_when=asyncio.FIRST_COMPLETED)
@@ -279,16 +279,6 @@ def _count_refusal(state: ServerState, tenant: Tenant | None, e: APIError) -> No
         reason = "invalid_request"
     if reason is not None:
         state.metrics.rejections.labels(reason).inc()
-
-
-async def _watch_disconnect(request: Request, on_gone) -> None:
-    """Wait for the client to go away (the body is already read, so the next ASGI message is
-    http.disconnect), then call on_gone."""
-    while True:
-        msg = await request.receive()
-        if msg["type"] == "http.disconnect":
-            on_gone()
-            return
 
 
 class _Run:
@@ -358,7 +348,7 @@ class _Run:
         return APIError(status, f"{what}: {u.error or u.finish_reason}.", code=u.abort_code or "request_aborted")
 
     async def collect(self) -> Response:
-        watcher = asyncio.create_task(_watch_disconnect(self.request, self._client_gone))
+        watcher = asyncio.create_task(watch_disconnect(self.request, self._client_gone))
         text, lps = [], []
         try:
             while not self.handle.done:
@@ -383,7 +373,7 @@ class _Run:
     async def events(self):
         want_lps = self.req.logprobs is not None
         inc = self.req.include_usage
-        watcher = asyncio.create_task(_watch_disconnect(self.request, self._client_gone))
+        watcher = asyncio.create_task(watch_disconnect(self.request, self._client_gone))
         try:
             if self.req.kind == "chat":
                 yield sse(self.fmt.chunk("", None, [] if want_lps else None, inc, first=True))

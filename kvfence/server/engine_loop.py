@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvfence.engine.params import SamplingParams
+from kvfence.server.backend import Admitted, EngineFailed, Logprob, RequestHandle, Update
 
 log = logging.getLogger("kvfence.server.engine")
 
@@ -31,43 +32,6 @@ log = logging.getLogger("kvfence.server.engine")
 def cached_tokens_of(seq) -> int:
     """Prompt tokens served from the prefix cache: the one place the server reads it."""
     return int(getattr(seq, "cached_tokens", 0) or 0)
-
-
-@dataclass(frozen=True)
-class Logprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-
-
-@dataclass(frozen=True)
-class Update:
-    """What one engine iteration produced for one request."""
-    token_ids: tuple[int, ...]
-    text: str
-    finished: bool
-    finish_reason: str | None
-    error: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    logprobs: tuple[Logprob, ...] = ()
-    first_token_at: float | None = None
-    token_times: tuple[float, ...] = ()
-    abort_code: str | None = None
-    event: str | None = None      # PD: kv_held (data: the manifest), kv_verified, kv_failed
-    data: dict | None = None
-
-
-@dataclass
-class Admitted:
-    request_id: str
-    prompt_tokens: int
-    max_tokens: int
-
-
-class EngineFailed(RuntimeError):
-    pass
 
 
 @dataclass
@@ -109,24 +73,9 @@ _STOP = object()
 _WAKE = object()   # something happened off the engine thread (a PD transfer notice)
 
 
-@dataclass
-class RequestHandle:
-    request_id: str
-    updates: asyncio.Queue
-    admitted: Admitted | None = None
-    done: bool = False
-
-    async def next(self) -> Update:
-        u = await self.updates.get()
-        if isinstance(u, BaseException):
-            self.done = True
-            raise u
-        if u.finished:
-            self.done = True
-        return u
-
-
 class EngineLoop:
+    """The single-node EngineBackend (server/backend.py)."""
+
     def __init__(self, factory: Callable[[], object], startup: Callable[[object], list] | None = None,
                  name: str = "kvfence-engine"):
         """factory builds the engine inside the engine thread; startup(engine) runs the

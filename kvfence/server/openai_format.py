@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import time
 
-from kvfence.server.engine_loop import Logprob
+from kvfence.server.backend import Logprob
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

@@ -37,8 +37,8 @@ class GenerationRequest:
 
 # -- body -> JSON ------------------------------------------------------------------------
 
-async def read_json_body(request, limit: int) -> dict:
-    """The request body as a JSON object, or a 400/413 that says what is wrong with it."""
+async def read_body_bytes(request, limit: int) -> bytes:
+    """The raw request body, or a 413 as soon as it passes `limit` bytes."""
     length = request.headers.get("content-length")
     if length is not None:
         try:
@@ -52,7 +52,12 @@ async def read_json_body(request, limit: int) -> dict:
         if size > limit:
             raise _too_large(limit)
         chunks.append(chunk)
-    raw = b"".join(chunks)
+    return b"".join(chunks)
+
+
+async def read_json_body(request, limit: int) -> dict:
+    """The request body as a JSON object, or a 400/413 that says what is wrong with it."""
+    raw = await read_body_bytes(request, limit)
     if not raw.strip():
         raise bad_request("The request body is empty; send a JSON object.")
     try:

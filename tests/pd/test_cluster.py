@@ -329,3 +329,25 @@ def test_decode_killed_mid_pull_then_rejoins(cluster, client):
     cluster.wait_ready(120)
     cluster.wait_quiet(30)
     assert client.completions.create(model=m, prompt=LONG, max_tokens=4).choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("field,value", [("token_count", 3.0), ("lease_deadline", "x"), ("page_count", 1.0),
+                                         ("slots", "0")])
+def test_malformed_manifest_is_a_400_and_decode_keeps_serving(cluster, client, field, value):
+    """A wrong type in one manifest field used to pass the checks and raise inside
+    engine.step(), stopping decode for every tenant. Now the message definition refuses it
+    before anything is admitted, naming the field."""
+    before = _decode_allocations(cluster)
+    manifest = dict(request_id="m1", tenant="default", token_count=3, page_count=1, page_size=16, epochs=[1],
+                    checksums=["0" * 32], fingerprint="x", layout="x", boot_id="x", session="127.0.0.1:1",
+                    base=0, slot_bytes=1, slots=[1], lease_deadline=time.time() + 30)
+    manifest[field] = value
+    body = {"request_id": "m1", "tenant": "default", "prompt_ids": [1, 2, 3, 4], "params": {"max_tokens": 2},
+            "manifest": manifest}
+    r = httpx.post(cluster.url("decode") + "/internal/decode", json=body, timeout=30)
+    assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+    assert _decode_allocations(cluster) == before
+    out = client.completions.create(model=model_name(client), prompt="The capital of France is", max_tokens=4,
+                                    temperature=0)
+    assert out.choices[0].finish_reason == "length"
+    assert cluster.info("decode")["snapshot"]["running"] == 0

@@ -1,0 +1,280 @@
+"""Every message that crosses between the PD router and its nodes, one typed definition each.
+
+The router builds them, the nodes parse them (and the other way round for events and node
+info); the canary harness, the benches and the simulator use the same definitions. Each is
+a strict pydantic model: exact JSON types (an int field refuses 39.0 and "39", a bool
+refuses 1), ranges and lengths bounded, unknown fields refused, NaN and infinities refused.
+`from_json` raises `MessageError` (a ValueError) naming every field that is wrong, so a
+node answers a malformed message with a 400 before anything is admitted.
+"""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, TypeVar, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from kvfence.engine.params import SamplingParams
+
+# bounds: generous for any real request, small enough that no field can make a node
+# allocate or loop without limit
+MAX_ID = 128                  # request ids, boot ids
+MAX_NAME = 256                # tenant and scope names, sessions, fingerprints
+MAX_TEXT = 4096               # reasons and error messages
+MAX_PROMPT_IDS = 1 << 20      # a prompt's token ids
+MAX_TOKEN_ID = (1 << 31) - 1
+MAX_PAGES = 1 << 20           # pages of one handoff
+U64 = (1 << 64) - 1
+
+Id = Annotated[str, Field(min_length=1, max_length=MAX_ID)]
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
+Text = Annotated[str, Field(max_length=MAX_TEXT)]
+Count = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+
+
+class MessageError(ValueError):
+    """A message that does not match its definition; the text names each bad field."""
+
+
+M = TypeVar("M", bound="WireModel")
+
+
+def _explain(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors()[:8]:
+        where = ".".join(str(p) for p in err["loc"]) or "(body)"
+        parts.append(f"{where}: {err['msg']}")
+    more = e.error_count() - len(parts)
+    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
+
+
+class WireModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, allow_inf_nan=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def dumps(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def from_json(cls: type[M], data: Any) -> M:
+        """From a decoded JSON value (dict) or raw JSON text/bytes."""
+        try:
+            if isinstance(data, (bytes, bytearray, str)):
+                return cls.model_validate_json(data)
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise MessageError(f"malformed {cls.__name__}: {_explain(e)}") from None
+
+
+# -- sampling parameters -------------------------------------------------------------------
+class WireParams(WireModel):
+    """SamplingParams as they cross the wire (SamplingParams itself checks the ranges)."""
+    temperature: Annotated[float, Field(ge=0.0, le=100.0)] = 1.0
+    top_p: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=-1, le=MAX_TOKEN_ID)] = 0
+    seed: Annotated[int, Field(ge=-(1 << 63), le=U64)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKEN_ID)] | None = 16
+    stop: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_TEXT)]], Field(max_length=64)] = []
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] = []
+    ignore_eos: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @classmethod
+    def of(cls, p: SamplingParams) -> "WireParams":
+        return cls(temperature=float(p.temperature), top_p=float(p.top_p), top_k=p.top_k, seed=p.seed,
+                   max_tokens=p.max_tokens, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
+                   ignore_eos=p.ignore_eos, logprobs=p.logprobs, skip_special_tokens=p.skip_special_tokens,
+                   include_stop_str_in_output=p.include_stop_str_in_output)
+
+    def to_params(self) -> SamplingParams:
+        return SamplingParams(**self.model_dump())
+
+
+# -- the handoff manifest ------------------------------------------------------------------
+class Manifest(WireModel):
+    """What travels with a KV handoff (kvfence/pd/manifest.py holds decode's checks of it)."""
+    request_id: Id
+    tenant: Name
+    token_count: Count                # tokens whose KV the pages hold: all the prompt but its last token
+    page_count: Annotated[int, Field(ge=0, le=MAX_PAGES)]
+    page_size: Annotated[int, Field(ge=1, le=1 << 16)]
+    epochs: Annotated[list[Annotated[int, Field(ge=0, le=U64)]], Field(max_length=MAX_PAGES)]
+    checksums: Annotated[list[Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]], Field(max_length=MAX_PAGES)]
+    fingerprint: Name                 # model architecture (ModelConfig.fingerprint)
+    layout: Name                      # KV layout and dtype of the page bytes
+    boot_id: Id                       # the prefill process: a restarted one has another
+    session: Name                     # its transfer engine, host:port
+    base: Annotated[int, Field(ge=0, le=U64)]          # its staging buffer's registered address
+    slot_bytes: Annotated[int, Field(ge=1, le=1 << 40)]
+    slots: Annotated[list[Annotated[int, Field(ge=0, le=MAX_PAGES)]], Field(max_length=MAX_PAGES)]
+    lease_deadline: float             # time.time() after which no pull may start
+    issued_at: float = 0.0
+
+    def model_post_init(self, _context: Any) -> None:
+        if not (len(self.epochs) == len(self.checksums) == len(self.slots) == self.page_count):
+            raise ValueError(f"manifest lists {len(self.slots)} slots, {len(self.epochs)} epochs and "
+                             f"{len(self.checksums)} checksums for {self.page_count} pages")
+
+    def row_addresses(self, pages=None) -> list[int]:
+        """Addresses in prefill's registered buffer of the given pages' rows (default: all)."""
+        idx = range(self.page_count) if pages is None else pages
+        return [self.base + self.slots[i] * self.slot_bytes for i in idx]
+
+
+# -- router -> node requests -----------------------------------------------------------------
+class PrefillBody(WireModel):
+    """POST /internal/prefill: admit, compute all but the last prompt token, hold the KV."""
+    request_id: Id
+    tenant: Name
+    prompt_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_IDS)]
+    params: WireParams
+    public_prefix_scope: Name | None = None
+
+
+class DecodeBody(PrefillBody):
+    """POST /internal/decode: admit, pull by the manifest (none for a one-token prompt), decode."""
+    manifest: Manifest | None = None
+
+
+class ReleaseBody(WireModel):
+    """POST /internal/release: decode verified the transfer (the ACK)."""
+    request_id: Id
+
+
+class AbortBody(WireModel):
+    """POST /internal/abort: end a request; reader_stopped says no pull of it can be running."""
+    request_id: Id
+    reader_stopped: bool = False
+    reason: Text = "aborted by the router"
+
+
+class ControlReply(WireModel):
+    result: Literal["released", "aborted", "unknown"]
+
+
+# -- node -> router NDJSON events --------------------------------------------------------------
+class WaitEvent(WireModel):
+    """A heartbeat: the node is alive but has nothing new."""
+    event: Literal["wait"] = "wait"
+
+
+class AdmittedEvent(WireModel):
+    event: Literal["admitted"] = "admitted"
+    prompt_tokens: Count
+    max_tokens: Count
+
+
+class RejectedEvent(WireModel):
+    """Refused at admission. A context_length_exceeded refusal carries its numbers as fields."""
+    event: Literal["rejected"] = "rejected"
+    code: Name
+    message: Text
+    limit: Count | None = None
+    prompt_tokens: Count | None = None
+    max_tokens: Count | None = None
+
+
+class LogprobEntry(WireModel):
+    token_id: TokenId
+    logprob: float
+    top: Annotated[list[tuple[TokenId, float]], Field(max_length=20)] = []
+
+
+class ProgressEvent(WireModel):
+    """One engine iteration's output for the request (tokens, or a PD milestone)."""
+    event: Literal["tokens", "finished", "kv_held", "kv_verified", "kv_failed"]
+    token_ids: Annotated[list[TokenId], Field(max_length=MAX_PROMPT_IDS)] = []
+    text: Annotated[str, Field(max_length=1 << 24)] = ""
+    finished: bool = False
+    finish_reason: Name | None = None
+    error: Text | None = None
+    abort_code: Name | None = None
+    prompt_tokens: Count = 0
+    completion_tokens: Count = 0
+    cached_tokens: Count = 0
+    logprobs: Annotated[list[LogprobEntry], Field(max_length=MAX_PROMPT_IDS)] = []
+    manifest: Manifest | None = None          # kv_held
+    verified_tokens: Count | None = None      # kv_verified
+    reader_stopped: bool | None = None        # kv_failed: decode is known not to be pulling
+
+
+class FailedEvent(WireModel):
+    """The node's engine failed under the request."""
+    event: Literal["failed"] = "failed"
+    finished: bool = True
+    error: Text
+    abort_code: Name = "engine_failed"
+
+
+NodeEvent = Annotated[Union[WaitEvent, AdmittedEvent, RejectedEvent, ProgressEvent, FailedEvent],
+                      Field(discriminator="event")]
+_EVENTS: TypeAdapter[Any] = TypeAdapter(NodeEvent)
+
+
+def parse_event(raw: str | bytes) -> WaitEvent | AdmittedEvent | RejectedEvent | ProgressEvent | FailedEvent:
+    """One NDJSON line from a node, checked against the event definitions."""
+    try:
+        return _EVENTS.validate_json(raw, strict=True)
+    except ValidationError as e:
+        raise MessageError(f"malformed node event: {_explain(e)}") from None
+
+
+def event_line(ev: WireModel) -> bytes:
+    return ev.dumps() + b"\n"
+
+
+# -- GET /internal/info ----------------------------------------------------------------------
+class PdFacts(WireModel):
+    """What a PD node's KV link says about itself (KvLink.facts)."""
+    role: Literal["prefill", "decode"]
+    boot_id: Id
+    transfer_session: Name
+    kv_layout: Name
+    slot_bytes: Annotated[int, Field(ge=1)]
+    buffer_rows: Annotated[int, Field(ge=0)]
+    lease_s: Annotated[float, Field(gt=0)]
+    max_pull_s: Annotated[float, Field(gt=0)]
+    clock_skew_s: Annotated[float, Field(ge=0)]
+
+
+class NodeInfo(WireModel):
+    """A node's static facts (server/engine_loop.engine_facts), its PD facts, and the live
+    snapshot of its engine (counts only; read by the router, benches and the canary)."""
+    model_name: Name
+    model_path: Text
+    default_served_name: Name
+    fingerprint: Name
+    dtype: Name
+    device: Name
+    page_size: Annotated[int, Field(ge=1)]
+    pool_pages: Count
+    pool_tokens: Count
+    pool_bytes: Annotated[int, Field(ge=0)]
+    model_max_context: Count
+    configured_max_model_len: Count | None
+    usable_context: Count
+    context_clamped: bool
+    context_note: Text
+    scrub: Name
+    read_checks: bool
+    max_num_seqs: Annotated[int, Field(ge=1)]
+    max_num_batched_tokens: Annotated[int, Field(ge=1)]
+    vocab_size: Annotated[int, Field(ge=1)]
+    prefix_cache: bool
+    pd: PdFacts
+    snapshot: dict[str, Any] = {}
+
+    def facts(self) -> dict[str, Any]:
+        """The static facts as the server's dict (without the snapshot)."""
+        d = self.to_json()
+        d.pop("snapshot")
+        return d
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))

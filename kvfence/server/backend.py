@@ -1,0 +1,96 @@
+"""The declared boundary between the HTTP app (server/app.py) and what serves its requests.
+
+Two backends implement `EngineBackend`: `EngineLoop` (one engine in this process) and the
+PD router's `RouterBackend` (requests go to prefill and decode nodes). The app uses
+nothing else of either. What crosses the boundary is immutable data (`Update`,
+`Admitted`) and errors that carry their code and numbers as fields: `submit` raises
+`ContextLengthExceeded` (400, with the limit), `ValueError` (400) or `EngineFailed` (with
+a code the app maps to a status).
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvfence.engine.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Logprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class Update:
+    """What one engine iteration produced for one request."""
+    token_ids: tuple[int, ...]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    error: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    logprobs: tuple[Logprob, ...] = ()
+    first_token_at: float | None = None
+    token_times: tuple[float, ...] = ()
+    abort_code: str | None = None
+    event: str | None = None      # PD: kv_held (data: the manifest), kv_verified, kv_failed
+    data: dict | None = None
+
+
+@dataclass
+class Admitted:
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+
+
+class EngineFailed(RuntimeError):
+    """The backend cannot take or finish the request. `code` says why, machine-readably
+    (engine_unavailable, or a PD router's node_* and kv_* codes); app.py maps it to a status."""
+
+    def __init__(self, message: str, code: str = "engine_unavailable"):
+        super().__init__(message)
+        self.code = code
+
+
+
+@dataclass
+class RequestHandle:
+    request_id: str
+    updates: asyncio.Queue
+    admitted: Admitted | None = None
+    done: bool = False
+
+    async def next(self) -> Update:
+        u = await self.updates.get()
+        if isinstance(u, BaseException):
+            self.done = True
+            raise u
+        if u.finished:
+            self.done = True
+        return u
+
+
+class EngineBackend(Protocol):
+    error: str | None                   # why it is not serving, if it is not
+    facts: dict[str, Any] | None        # static facts (model, pool, context), once known
+    snapshot: dict[str, Any]            # live counts, refreshed by the backend
+    startup_checks: list[dict[str, Any]]
+    tokenizer: Any                      # kvfence.model.tokenizer.KvTokenizer, once loaded
+
+    @property
+    def state(self) -> str: ...         # loading | ready | not_ready | failed | stopped
+
+    def start(self) -> "EngineBackend": ...
+    def stop(self, timeout: float = 30.0) -> None: ...
+    def wait_ready(self, timeout: float | None = None) -> bool: ...
+
+    async def submit(self, prompt_ids: list[int], params: SamplingParams, tenant: str,
+                     request_id: str | None = None, public_prefix_scope: str | None = None) -> RequestHandle: ...
+
+    def abort(self, request_id: str, reason: str = "client disconnected") -> None: ...
