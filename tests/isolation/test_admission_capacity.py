@@ -9,6 +9,8 @@ from kvfence import CapacityError, ContextLengthExceeded, SamplingParams
 from kvfence.engine.admission import check_fits, plan_context
 from kvfence.engine.request_states import State
 
+from .conftest import run_to_end
+
 
 def test_over_length_request_is_rejected_before_any_allocation(make_llm):
     llm = make_llm(max_model_len=512)
@@ -44,8 +46,7 @@ def test_default_max_tokens_fills_the_context(make_llm):
     llm = make_llm(max_model_len=64)
     seq = llm.engine.add_request([5] * 60, SamplingParams(max_tokens=None, ignore_eos=True))
     assert seq.max_tokens == 4
-    while llm.engine.has_unfinished():
-        llm.engine.step()
+    run_to_end(llm.engine)
     assert seq.finish_reason == "length" and len(seq.output_ids) == 4
 
 
@@ -80,8 +81,7 @@ def test_scrub_policy_applies_to_freed_pages(make_llm, policy, expect):
     seq = eng.add_request(llm.tokenizer.encode("Some private text of a tenant"), SamplingParams(max_tokens=3))
     eng.step()
     pages = list(seq.table.pages)
-    while eng.has_unfinished():
-        eng.step()
+    run_to_end(eng)
     data = eng.pool.read_pages(pages)
     if expect is None:
         assert data.abs().sum() > 0  # left as it was: only the ledger protects it
@@ -100,8 +100,7 @@ def test_request_the_pool_cannot_hold_is_aborted_with_a_capacity_code(make_llm):
     led = eng.ledger
     led.quarantine(range(1, led.num_pages - 4), "test")  # 4 pages (64 tokens) left
     seq = eng.add_request([100] * 100, SamplingParams(max_tokens=4))
-    while eng.has_unfinished():
-        eng.step()
+    run_to_end(eng)
     assert seq.finish_reason == "aborted" and seq.abort_code == "kv_pool_exhausted"
     assert "cannot hold" in seq.error and led.num_owned == 0
     other = eng.add_request([100] * 10, SamplingParams(max_tokens=4))

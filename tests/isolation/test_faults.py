@@ -18,12 +18,10 @@ import pytest
 
 from kvfence import ContextLengthExceeded, SamplingParams, faults
 from kvfence.engine.request_states import State
-from kvfence.kv.audit import ReadAudit
+
+from .conftest import GREEDY, audited, claim_unwritten, point_at_neighbour, run_three, run_to_end
 
 ROOT = Path(__file__).resolve().parents[2]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-PROMPTS = ["The secret code of tenant A is", "Tenant B writes about the weather today:",
-           "A recipe for bread starts with"]
 
 
 @pytest.fixture(autouse=True)
@@ -111,38 +109,6 @@ def test_a_disabled_fault_point_is_near_free():
 
 # -- wired faults, with the engine ----------------------------------------------------------
 
-def run_three(llm, fault, at_step: int = 12):
-    eng = llm.engine
-    seqs = [eng.add_request(llm.tokenizer.encode(p), GREEDY, tenant=t) for p, t in zip(PROMPTS, "ABC")]
-    step = 0
-    while eng.has_unfinished():
-        if step == at_step:
-            fault(eng, seqs)
-        eng.step()
-        step += 1
-    return seqs
-
-
-def point_at_neighbour(eng, seqs):
-    a, b = seqs[0], seqs[1]
-    a.table.pages[0] = b.table.pages[0]
-    a.table.epochs[0] = b.table.epochs[0]
-
-
-def claim_unwritten(eng, seqs):
-    """A claims 32 more computed tokens than it wrote, on freshly granted (poisoned) pages."""
-    a = seqs[0]
-    need = eng.ledger.pages_for(a.num_computed + 40) - len(a.table)
-    eng.ledger.allocate(a.owner, need, a.table)
-    a.output_ids.extend([42] * 32)
-    a.num_computed += 32
-
-
-def audited(llm) -> ReadAudit:
-    llm.engine.runner.audit = audit = ReadAudit(llm.engine.ledger)
-    return audit
-
-
 @pytest.mark.parametrize("on", [True, False], ids=["fault_on", "fault_off"])
 def test_skip_ledger_check(make_llm, on):
     llm = make_llm()
@@ -204,8 +170,7 @@ def test_skip_node_admission(make_llm, on):
     if on:
         with faults.injected("skip_node_admission"):
             seq = eng.add_request(prompt, params, request_id="too-long")
-            while eng.has_unfinished():
-                eng.step()
+            run_to_end(eng)
         # the over-length request got pages and ran through the model (I4 bypassed)
         assert eng.ledger.counters["pages_allocated"] > before
         assert len(audit.entries_of("too-long")) > 0

@@ -8,6 +8,8 @@ from kvfence.engine.request_states import State
 from kvfence.kv import prefix_cache
 from kvfence.kv.ledger import PageState
 
+from .conftest import run_to_end
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SYSTEM = ("You are the support assistant of a bank. Never reveal account numbers. Answer briefly and "
           "politely, in plain English, and ask for clarification when a question is ambiguous. ") * 3
@@ -15,8 +17,7 @@ SYSTEM = ("You are the support assistant of a bank. Never reveal account numbers
 
 def run(eng, prompt_ids, tenant, **kw):
     seq = eng.add_request(prompt_ids, GREEDY, tenant=tenant, **kw)
-    while eng.has_unfinished():
-        eng.step()
+    run_to_end(eng)
     return seq
 
 
@@ -94,8 +95,7 @@ def test_forced_cross_tenant_read_of_a_shared_page_is_an_I2_violation(llm):
     eng.step()
     b.table.pages[0] = shared[0]
     b.table.epochs[0] = int(eng.ledger.epoch[shared[0]])
-    while eng.has_unfinished():
-        eng.step()
+    run_to_end(eng)
     assert b.state is State.ABORTED and "I2" in b.error
     assert eng.ledger.state[shared[0]] == PageState.QUARANTINED  # no longer served to anyone
 
@@ -110,8 +110,7 @@ def test_writing_into_a_shared_page_is_refused(llm):
     last = (a2.num_computed) // 16  # the page the next token goes to
     a2.table.pages[last] = shared[-1]
     a2.table.epochs[last] = int(eng.ledger.epoch[shared[-1]])
-    while eng.has_unfinished():
-        eng.step()
+    run_to_end(eng)
     assert a2.state is State.ABORTED and "would write" in a2.error
     assert a.state is State.FINISHED
 

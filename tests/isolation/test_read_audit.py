@@ -14,40 +14,7 @@ from kvfence.engine.request_states import State
 from kvfence.kv.audit import ReadAudit
 from kvfence.kv.ledger import LedgerError, PageState
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-PROMPTS = ["The secret code of tenant A is", "Tenant B writes about the weather today:",
-           "A recipe for bread starts with"]
-
-
-def audited(llm) -> ReadAudit:
-    audit = ReadAudit(llm.engine.ledger)
-    llm.engine.runner.audit = audit
-    return audit
-
-
-def run_three(llm, fault=None, at_step: int = 12):
-    eng = llm.engine
-    seqs = [eng.add_request(llm.tokenizer.encode(p), GREEDY, tenant=t) for p, t in zip(PROMPTS, "ABC")]
-    step = 0
-    while eng.has_unfinished():
-        if fault is not None and step == at_step:
-            fault(eng, seqs)
-        eng.step()
-        step += 1
-    return seqs
-
-
-def point_at_neighbour(eng, seqs):
-    a, b = seqs[0], seqs[1]
-    a.table.pages[0] = b.table.pages[0]
-    a.table.epochs[0] = b.table.epochs[0]
-
-
-def unwritten_slots(eng, seqs):
-    a = seqs[0]
-    eng.ledger.allocate(a.owner, 1, a.table)
-    a.output_ids.extend([42] * 8)
-    a.num_computed += 8
+from .conftest import audited, point_at_neighbour, run_three, run_to_end, unwritten_slots
 
 
 def test_runner_takes_the_audit_from_its_constructor(make_llm):
@@ -75,8 +42,7 @@ def test_clean_mixed_workload_has_no_audit_violation(make_llm):
         t = "AB"[i % 2]
         seqs.append(eng.add_request(llm.tokenizer.encode(shared_prefix + f"Question number {i}?"), params,
                                     tenant=t))
-    while eng.has_unfinished():
-        eng.step()
+    run_to_end(eng)
     assert all(s.state is State.FINISHED for s in seqs)
     assert eng.scheduler.num_preemptions > 0, "the workload must exercise preemption"
     assert sum(s.cached_tokens for s in seqs) > 0, "the workload must exercise the prefix cache"
@@ -99,8 +65,7 @@ def test_audit_sees_reads_of_shared_prefix_pages(make_llm):
     seq = llm.engine.add_request(llm.tokenizer.encode(prefix + "two"), p, tenant="A", request_id="second")
     llm.engine.step()  # scheduling attaches the cached prefix pages
     shared = [pg for pg in seq.table.pages if llm.engine.ledger.state[pg] == PageState.SHARED]
-    while llm.engine.has_unfinished():
-        llm.engine.step()
+    run_to_end(llm.engine)
     assert seq.cached_tokens > 0 and shared
     read = set(audit.entries_of("second")[["page", "write"]].tolist())
     assert {(pg, False) for pg in shared} <= read  # attended, never written
@@ -178,8 +143,7 @@ def test_audit_checks_the_batch_not_the_block_tables(make_llm):
 
 def test_log_is_bounded(make_llm):
     llm = make_llm()
-    audit = ReadAudit(llm.engine.ledger, log_steps=3)
-    llm.engine.runner.audit = audit
+    audit = audited(llm, log_steps=3)
     llm.generate(["a short prompt"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert audit.steps >= 8 and len(audit.log) == 3
     assert [r.step for r in audit.log] == list(range(audit.steps - 3, audit.steps))
@@ -188,7 +152,6 @@ def test_log_is_bounded(make_llm):
 @pytest.mark.parametrize("log_steps", [0])
 def test_log_can_be_off(make_llm, log_steps):
     llm = make_llm()
-    audit = ReadAudit(llm.engine.ledger, log_steps=log_steps)
-    llm.engine.runner.audit = audit
+    audit = audited(llm, log_steps=log_steps)
     llm.generate(["a short prompt"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert audit.steps == 4 and not audit.log and audit.clean

@@ -9,31 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvfence import SamplingParams
 from kvfence.engine.request_states import State
 from kvfence.kv.ledger import PageState
 
-PROMPTS = ["The secret code of tenant A is", "Tenant B writes about the weather today:",
-           "A recipe for bread starts with"]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-
-
-def run_with_fault(llm, fault, at_step: int = 4):
-    """Submit the three prompts as three tenants, apply fault(engine, seqs) before step
-    `at_step`, run to the end; return the sequences."""
-    eng = llm.engine
-    seqs = [eng.add_request(llm.tokenizer.encode(p), GREEDY, tenant=t) for p, t in zip(PROMPTS, "ABC")]
-    step = 0
-    while eng.has_unfinished():
-        if step == at_step:
-            fault(eng, seqs)
-        eng.step()
-        step += 1
-    return seqs
+from .conftest import GREEDY, audited, claim_unwritten, point_at_neighbour, run_three, unwritten_slots
 
 
 def clean_outputs(make_llm):
-    return [s.output_ids for s in run_with_fault(make_llm(), lambda e, s: None)]
+    return [s.output_ids for s in run_three(make_llm())]
 
 
 @pytest.fixture(scope="module")
@@ -41,23 +24,8 @@ def baseline(make_llm):
     return clean_outputs(make_llm)
 
 
-def point_at_neighbour(eng, seqs):
-    """A's first page is replaced by one of B's live pages, with B's epoch: the worst case."""
-    a, b = seqs[0], seqs[1]
-    a.table.pages[0] = b.table.pages[0]
-    a.table.epochs[0] = b.table.epochs[0]
-
-
 def stale_epoch(eng, seqs):
     seqs[0].table.epochs[0] -= 1
-
-
-def unwritten_slots(eng, seqs):
-    """A claims 8 more computed tokens than were ever written (reserved-but-unwritten slots)."""
-    a = seqs[0]
-    eng.ledger.allocate(a.owner, 1, a.table)
-    a.output_ids.extend([42] * 8)
-    a.num_computed += 8
 
 
 # At step 4 A's current page is its first, so a swapped first page is also a write
@@ -67,7 +35,7 @@ def unwritten_slots(eng, seqs):
     (unwritten_slots, "I3", 12)])
 def test_fault_aborts_only_the_faulty_request(make_llm, baseline, fault, invariant, at_step):
     llm = make_llm()
-    seqs = run_with_fault(llm, fault, at_step)
+    seqs = run_three(llm, fault, at_step)
     a, b, c = seqs
     assert a.state is State.ABORTED and a.finish_reason == "aborted" and a.abort_code == "isolation_violation"
     assert f"isolation check {invariant} failed" in a.error
@@ -83,7 +51,7 @@ def test_fault_aborts_only_the_faulty_request(make_llm, baseline, fault, invaria
 
 def test_neighbour_page_is_quarantined_not_reused(make_llm):
     llm = make_llm()
-    seqs = run_with_fault(llm, point_at_neighbour)
+    seqs = run_three(llm, point_at_neighbour, at_step=4)
     led = llm.engine.ledger
     assert led.num_quarantined == 1
     q = int((led.state == PageState.QUARANTINED).nonzero()[0][0])
@@ -93,7 +61,7 @@ def test_neighbour_page_is_quarantined_not_reused(make_llm):
 def test_without_the_check_a_reads_b(make_llm, baseline):
     """Mutant: switch the check off and the same fault makes A attend B's page."""
     llm = make_llm(verify_reads=False)
-    seqs = run_with_fault(llm, point_at_neighbour, at_step=12)
+    seqs = run_three(llm, point_at_neighbour, at_step=12)
     assert len(seqs[0].table) == 0 and seqs[0].num_computed > 16  # A was reading, not writing, page 0
     assert seqs[0].state is State.FINISHED  # nothing noticed...
     assert seqs[0].output_ids != baseline[0]  # ...yet A's answer was computed over B's KV
@@ -104,20 +72,10 @@ def test_without_the_check_unwritten_slots_are_read(make_llm):
     """Mutant for I3: with the check off, a request that claims 32 more computed tokens than
     it wrote attends those reserved-but-unwritten slots (the read audit, which looks at the
     batch the model actually runs, sees it); the watermark check is what prevents it."""
-    from kvfence.kv.audit import ReadAudit
-
     llm = make_llm(verify_reads=False, scrub="none")
     llm.generate(["warm the pool up so freed pages hold stale data"] * 4, GREEDY)
-    audit = llm.engine.runner.audit = ReadAudit(llm.engine.ledger)
-
-    def claim_unwritten(eng, seqs):
-        a = seqs[0]
-        need = eng.ledger.pages_for(a.num_computed + 40) - len(a.table)
-        eng.ledger.allocate(a.owner, need, a.table)  # reused pages: earlier requests' KV
-        a.output_ids.extend([42] * 32)
-        a.num_computed += 32
-
-    run_with_fault(llm, claim_unwritten)
+    audit = audited(llm)
+    run_three(llm, claim_unwritten, at_step=4)  # reused pages: earlier requests' KV
     assert audit.counters["violations:read_unwritten"] > 0
 
 
@@ -143,14 +101,6 @@ def test_poison_scrub_leaves_honest_requests_alone(make_llm):
 def test_checks_on_catch_the_same_poisoned_read(make_llm):
     llm = make_llm(scrub="poison")
     llm.generate(["warm the pool up so freed pages are poisoned"] * 4, GREEDY)
-
-    def claim_unwritten(eng, seqs):
-        a = seqs[0]
-        need = eng.ledger.pages_for(a.num_computed + 40) - len(a.table)
-        eng.ledger.allocate(a.owner, need, a.table)
-        a.output_ids.extend([42] * 32)
-        a.num_computed += 32
-
-    seqs = run_with_fault(llm, claim_unwritten)
+    seqs = run_three(llm, claim_unwritten, at_step=4)
     assert seqs[0].state is State.ABORTED and "I3" in seqs[0].error
     assert all(s.state is State.FINISHED for s in seqs[1:])
