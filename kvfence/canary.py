@@ -40,9 +40,9 @@ import string
 import time
 import tomllib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import httpx
 
@@ -331,7 +331,7 @@ class NodeKill:
     point: str | None = None   # fault: prefill_after_hold | decode_after_pull | ...
 
     @classmethod
-    def parse(cls, spec: str) -> "NodeKill":
+    def parse(cls, spec: str) -> NodeKill:
         """'decode@3' (fault at the role's default point) or 'prefill@2:prefill_after_hold'."""
         role, _, rest = spec.partition("@")
         at, _, point = rest.partition(":")
@@ -585,7 +585,7 @@ class Canary:
                     res.client_aborted = True
                     return
             await asyncio.wait_for(asyncio.shield(task), self.opts.timeout_s - (time.monotonic() - start))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             res.hung = True
             task.cancel()
         except Exception as e:  # noqa: BLE001 - a transport or protocol failure is this request's outcome

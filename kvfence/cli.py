@@ -7,10 +7,12 @@ import sys
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None,
+                   help="GGUF file or Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (default: a fraction of free memory)")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="KV pool size, e.g. 2GiB (default: a fraction of free memory)")
     p.add_argument("--kv-memory-fraction", type=float, default=0.1)
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page, even (default 16)")
     p.add_argument("--max-model-len", type=int, default=None, help="advertised context (default: the model's)")
@@ -18,7 +20,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="clamp the context to the pool instead of refusing to start")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
-    p.add_argument("--scrub", default="zero", choices=["none", "zero", "poison"], help="what freed pages are overwritten with")
+    p.add_argument("--scrub", default="zero", choices=["none", "zero", "poison"],
+                   help="what freed pages are overwritten with")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--audit-reads", action="store_true",
                    help="record and check every page and slot each forward pass touches (a test oracle; costs time)")
@@ -180,7 +183,8 @@ def cmd_isolation(a) -> int:
 def _server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tenants", default=None, metavar="FILE",
                    help="TOML file mapping API keys to tenants and limits (default: single-tenant, no keys)")
-    p.add_argument("--served-model-name", default=None, help="model name clients send (default: the model file's name, e.g. SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name clients send (default: the model file's name, e.g. SmolLM2-135M-Instruct)")
 
 
 def _pd_args(p: argparse.ArgumentParser) -> None:

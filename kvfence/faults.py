@@ -21,8 +21,8 @@ import logging
 import os
 import threading
 from collections import Counter
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Iterator, Mapping
 
 ENV_VAR = "KVFENCE_TEST_FAULTS"
 

@@ -105,7 +105,7 @@ class Report:
             result = fn(*a, **kw)
             entry["status"] = "ok"
             entry["result"] = result
-        except Exception as e:  # one phase's failure must not lose the others
+        except Exception as e:  # noqa: BLE001 - one phase's failure must not lose the others
             tb = traceback.format_exc()
             print(tb, flush=True)
             entry.update(status="error", error=repr(e), traceback=tb)
@@ -134,11 +134,11 @@ def free_memory(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def guarded(rep: "Report", label: str, fn, *a, **kw):
+def guarded(rep: Report, label: str, fn, *a, **kw):
     """Run one part of a phase; on failure print the traceback, note it, return the error."""
     try:
         return fn(*a, **kw)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - a check that fails is reported, the others still run
         tb = traceback.format_exc()
         print(tb, flush=True)
         rep.line(f"  !! {label} FAILED: {e!r}")
@@ -152,12 +152,12 @@ def _strict_fp32(device: str) -> dict:
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
             torch.set_float32_matmul_precision("highest")
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a check that fails is reported, the others still run
             print(f"could not turn TF32 off: {e!r}", flush=True)
     try:
         return {"tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
                 "float32_matmul_precision": torch.get_float32_matmul_precision()}
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - a check that fails is reported, the others still run
         return {"tf32_state": repr(e)}
 
 
@@ -193,7 +193,7 @@ def phase_env(args, rep: Report) -> dict:
     try:
         import transformers
         info["transformers"] = transformers.__version__
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - a check that fails is reported, the others still run
         info["transformers"] = f"import failed: {e!r}"
     rep.line(f"torch {info['torch']} (cuda {info['torch_cuda']}), transformers {info['transformers']}, "
              f"python {info['python']}, {info['cpu_threads']} CPU threads, device {args.device}"
@@ -294,7 +294,8 @@ def phase_build(args, rep: Report, folder: Path) -> dict:
         raise RuntimeError(f"kvfence reads config.json differently from the intended shape: {wrong} "
                            f"(config.json rope keys: rope_theta={raw.get('rope_theta')}, "
                            f"rope_parameters={raw.get('rope_parameters')}, rope_scaling={raw.get('rope_scaling')})")
-    return {"folder": str(folder), "params": n_params, "hf_rope_theta": _hf_theta(hf_cfg), "tokenizer": tokenizer, "files_mib": files,
+    return {"folder": str(folder), "params": n_params, "hf_rope_theta": _hf_theta(hf_cfg), "tokenizer": tokenizer,
+            "files_mib": files,
             "kvfence_config": got, "config_json_rope": {k: raw.get(k) for k in
                                                         ("rope_theta", "rope_parameters", "rope_scaling")}}
 
@@ -440,7 +441,8 @@ def phase_parity(args, rep: Report, folder: Path) -> dict:
     loaded = LoadedModel(llm.engine.model, llm.engine.tokenizer, llm.engine.model_path)
     first = llm.generate([[300, 400, 500, 600]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
     out["entry_point"] = {"tokens": first.token_ids, "finish": first.finish_reason,
-                          "pool_device": str(llm.engine.pool.kv.device), "weights_device": str(loaded.model.embed.device)}
+                          "pool_device": str(llm.engine.pool.kv.device),
+                          "weights_device": str(loaded.model.embed.device)}
     rep.line(f"LLM(model=folder, dtype=float32, device={dev}): pool on {out['entry_point']['pool_device']}, "
              f"weights on {out['entry_point']['weights_device']}, 4 greedy tokens {first.token_ids}; "
              f"TF32 matmul {out.get('tf32_matmul')}, fp32 matmul precision {out.get('float32_matmul_precision')}")
@@ -664,7 +666,7 @@ def _workload(rep: Report, label: str, wl, mem: str, rounds: int, loaded, peer_m
         peer = run_hf_generate(peer_model["hf"], wl, dev)
         _print_row(peer)
         entry["transformers"] = _res(peer)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - a check that fails is reported, the others still run
         tb = traceback.format_exc()
         print(tb, flush=True)
         entry["transformers_error"] = tb

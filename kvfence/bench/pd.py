@@ -34,11 +34,11 @@ from pathlib import Path
 import httpx
 
 from kvfence.bench.http_load import Report, format_report, make_prompt, run_load
+from kvfence.pd.launch import ENGINE_FLAGS, flags
 from kvfence.pd.messages import NodeInfo
+from kvfence.procs import stop_processes
 
 DEFAULTS = {"num_requests": 16, "prompt_tokens": 256, "output_tokens": 64, "kv_cache_memory": "512MiB"}
-_ENGINE_FLAGS = ("model", "dtype", "device", "kv_cache_memory", "kv_memory_fraction", "page_size", "max_model_len",
-                 "max_num_seqs", "max_num_batched_tokens", "scrub")
 HOST = "127.0.0.1"
 SEQUENTIAL = 4  # requests sent one at a time after the load: pulls on idle cores
 
@@ -100,25 +100,13 @@ class Procs:
                            "\n".join(f"--- {n}\n{self.log_tail(n, 1500)}" for n in self.procs))
 
     def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
+        stop_processes(self.procs.values(), grace_s=30)
 
 
 def single_node_command(a, port: int) -> list[str]:
     cmd = [sys.executable, "-m", "kvfence.cli", "serve", "--host", HOST, "--port", str(port),
            "--threads", str(a.threads or len(os.sched_getaffinity(0)))]
-    for n in _ENGINE_FLAGS:
-        v = getattr(a, n, None)
-        if v is not None:
-            cmd += [f"--{n.replace('_', '-')}", str(v)]
-    return cmd + (["--clamp-context"] if a.clamp_context else [])
+    return cmd + flags(a, ENGINE_FLAGS) + (["--clamp-context"] if a.clamp_context else [])
 
 
 def pd_commands(a, port: int) -> dict[str, list[str]]:

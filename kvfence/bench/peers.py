@@ -62,8 +62,8 @@ def run_llama_cpp(gguf_path: str, prompts: list[list[int]], output_tokens: int, 
     step. Greedy is an argmax over the logits, so the result does not depend on a sampler.
     Returns seconds from submission to the last token, the output token count, per-request
     first-token and token times (seconds since submission) and the generated ids."""
-    import numpy as np
     import llama_cpp as L
+    import numpy as np
 
     n_seq, plen = len(prompts), max(len(p) for p in prompts)
     _quiet_llama_log(L)

@@ -166,7 +166,8 @@ class Soak:
     async def sampler(self, http: httpx.AsyncClient, until: float) -> None:
         t0 = time.monotonic()
         while True:
-            s = {"t": round(time.monotonic() - t0, 1), "rss_mib": {n: round(_rss_mib(p), 1) for n, p in self.pids.items()},
+            s = {"t": round(time.monotonic() - t0, 1),
+                 "rss_mib": {n: round(_rss_mib(p), 1) for n, p in self.pids.items()},
                  "requests": sum(self.outcomes.values()), "outcomes": dict(self.outcomes)}
             for role in ("prefill", "decode"):
                 try:

@@ -13,14 +13,16 @@ has `NoKvLink`, so the engine never checks for None.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Protocol, Union
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvfence.engine.request_states import Event
 from kvfence.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from kvfence.kv.ledger import Violation
+    from kvfence.pd.messages import Manifest
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class Hold:
 class ReadRefused:
     """A read the link was about to make failed the ledger's check (I2/I3)."""
     seq: Sequence
-    violation: "Violation"
+    violation: Violation
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ class KvArrived:
     tokens: int
 
 
-Decision = Union[EndRequest, ReleaseRequest, Reserve, Hold, ReadRefused, KvArrived]
+Decision = EndRequest | ReleaseRequest | Reserve | Hold | ReadRefused | KvArrived
 
 
 class KvLink(Protocol):
@@ -86,7 +88,7 @@ class KvLink(Protocol):
 
     # admission (decode): check raises ManifestError (a ValueError) for a handoff this node
     # must not take, else returns the parsed manifest; enqueue queues the admitted request
-    def check(self, seq: Sequence, manifest: object) -> object: ...
+    def check(self, seq: Sequence, manifest: object) -> Manifest: ...
     def enqueue(self, seq: Sequence, now: float) -> Iterable[Decision]: ...
 
     # the two points of a step
@@ -123,7 +125,7 @@ class NoKvLink:
     def facts(self) -> dict[str, Any] | None:
         return None
 
-    def check(self, seq: Sequence, manifest: object) -> object:
+    def check(self, seq: Sequence, manifest: object) -> Manifest:
         raise ValueError("this engine is not a PD node: no KV link attached")
 
     def enqueue(self, seq: Sequence, now: float) -> Iterable[Decision]:

@@ -1,8 +1,8 @@
 """Offline API: `LLM().generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, fields
-from typing import Sequence as Seq
 
 from kvfence.engine.admission import ContextLengthExceeded
 from kvfence.engine.config import EngineConfig
@@ -25,7 +25,7 @@ class RequestOutput:
     token_times: list[float] = field(default_factory=list)
 
     @classmethod
-    def of(cls, seq: Sequence) -> "RequestOutput":
+    def of(cls, seq: Sequence) -> RequestOutput:
         return cls(seq.request_id, seq.prompt, seq.prompt_ids, list(seq.output_ids), seq.text,
                    seq.finish_reason or "aborted", seq.error, list(seq.logprobs),
                    None if seq.first_token_at is None else seq.first_token_at - seq.arrival,
@@ -47,7 +47,8 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **engine_args), loaded)
         self.tokenizer = self.engine.tokenizer
 
-    def generate(self, prompts: PromptLike | Seq[PromptLike], params: SamplingParams | Seq[SamplingParams] | None = None,
+    def generate(self, prompts: PromptLike | Seq[PromptLike],
+                 params: SamplingParams | Seq[SamplingParams] | None = None,
                  tenant: str = "default") -> list[RequestOutput]:
         """Generate for every prompt (a string or a list of token ids). A prompt that does not
         fit comes back with finish_reason 'rejected' and an error naming the sizes; the
@@ -57,7 +58,8 @@ class LLM:
         prompts = list(prompts)
         if params is None:
             params = SamplingParams()
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        plist: list[SamplingParams] = (list(params) if isinstance(params, (list, tuple))
+                                       else [params] * len(prompts))  # type: ignore[list-item]
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
         results: list[RequestOutput | Sequence] = []
@@ -71,9 +73,9 @@ class LLM:
     def chat(self, conversations: list[dict] | list[list[dict]], params: SamplingParams | None = None,
              tenant: str = "default") -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]
-        ids = [self.tokenizer.encode_chat(c) for c in conversations]
+        convs: list[list[dict]] = ([conversations] if conversations and isinstance(conversations[0], dict)
+                                   else conversations)  # type: ignore[assignment]
+        ids = [self.tokenizer.encode_chat(c) for c in convs]
         return self.generate(ids, params, tenant)
 
     def _submit(self, ids: list[int], sp: SamplingParams, tenant: str, text: str | None):

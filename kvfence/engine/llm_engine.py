@@ -8,9 +8,9 @@ import logging
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
 
 import torch
 
@@ -18,8 +18,17 @@ from kvfence import faults
 from kvfence.engine.admission import ContextLengthExceeded, ContextPlan, check_fits, plan_context
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.detokenizer import IncrementalDetokenizer
-from kvfence.engine.kv_link import (Decision, EndRequest, Hold, KvArrived, KvLink, NoKvLink, ReadRefused,
-                                    ReleaseRequest, Reserve)
+from kvfence.engine.kv_link import (
+    Decision,
+    EndRequest,
+    Hold,
+    KvArrived,
+    KvLink,
+    NoKvLink,
+    ReadRefused,
+    ReleaseRequest,
+    Reserve,
+)
 from kvfence.engine.params import SamplingParams
 from kvfence.engine.request_states import Event, State
 from kvfence.engine.runner import ModelRunner
@@ -43,7 +52,7 @@ class LoadedModel:
     path: Path
 
     @classmethod
-    def load(cls, cfg: EngineConfig) -> "LoadedModel":
+    def load(cls, cfg: EngineConfig) -> LoadedModel:
         device = cfg.resolved_device()
         weights, tok, path = load_model(cfg.model, cfg.torch_dtype(), device, cfg.progress)
         return cls(LlamaModel(weights, device), tok, path)
@@ -331,18 +340,19 @@ class LLMEngine:
         seq.token_times.append(now)
         if lp is not None:
             seq.logprobs.append(TokenLogprob(tok, lp.logprob, list(lp.top)))
-        p = seq.params
+        p, detok = seq.params, seq.detok
+        assert detok is not None  # set at admission
         delta, reason = "", None
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.tokenizer.end_ids):
             reason = "stop"
         else:
-            delta = seq.detok.add(tok)
-            if seq.detok.stopped_by is not None:
+            delta = detok.add(tok)
+            if detok.stopped_by is not None:
                 reason = "stop"
         if reason is None and (len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.usable_context):
             reason = "length"
-        if reason is not None and seq.detok.stopped_by is None:
-            delta += seq.detok.flush()
+        if reason is not None and detok.stopped_by is None:
+            delta += detok.flush()
         seq.text += delta
         if reason is not None:
             self.end(seq, Event.FINISH, reason)

@@ -157,7 +157,7 @@ class Sampler:
         # Reported logprobs come from the unmodified distribution, as OpenAI and vLLM report them.
         lsm = torch.log_softmax(logits.index_select(0, idx).float(), dim=-1)
         chosen_lp = lsm.gather(1, chosen.index_select(0, idx).unsqueeze(1)).squeeze(1).tolist()
-        n_top = min(max(params[i].logprobs for i in rows), lsm.shape[1])
+        n_top = min(max(params[i].logprobs or 0 for i in rows), lsm.shape[1])
         if n_top > 0:
             top_v, top_i = lsm.topk(n_top, dim=-1)
             top_v, top_i = top_v.tolist(), top_i.tolist()

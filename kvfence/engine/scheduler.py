@@ -7,8 +7,8 @@ most recently started sequence is preempted: its pages go back and it is recompu
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from kvfence.engine.request_states import Event, State
 from kvfence.engine.sequence import Sequence

@@ -4,12 +4,17 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvfence.engine.params import SamplingParams
 from kvfence.engine.request_states import TERMINAL, Event, State, advance
 from kvfence.kv.ledger import BlockTable, Owner
+
+if TYPE_CHECKING:
+    from kvfence.engine.detokenizer import IncrementalDetokenizer
+    from kvfence.pd.messages import Manifest
 
 _numbers = itertools.count(1)
 
@@ -35,12 +40,12 @@ class Sequence:
     table: BlockTable = field(default_factory=BlockTable)
     num_computed: int = 0                    # tokens whose K/V are in this request's pages
     generator: torch.Generator | None = None
-    detok: object | None = None
+    detok: IncrementalDetokenizer | None = None
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
-    abort_code: str | None = None            # why an aborted request ended: see LLMEngine.ABORT_CODES
+    abort_code: str | None = None            # why an aborted request ended (server/app.py maps the codes)
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -52,7 +57,7 @@ class Sequence:
     # (reserved: never preempted, it could not get its transferred KV back) from kv_source.
     hold_kv: bool = False
     reserved: bool = False
-    kv_source: object | None = None          # the handoff's Manifest
+    kv_source: Manifest | None = None        # the handoff's manifest (decode)
 
     @staticmethod
     def next_number() -> int:

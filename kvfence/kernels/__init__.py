@@ -23,7 +23,7 @@ def enabled_by_env() -> bool:
     return os.environ.get("KVFENCE_KERNELS", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
-def cpu_kernels() -> "CpuKernels | None":
+def cpu_kernels() -> CpuKernels | None:
     """The process's kernels (built or loaded on first call), or None."""
     global _cached
     if _cached is _UNSET:
@@ -32,7 +32,7 @@ def cpu_kernels() -> "CpuKernels | None":
             try:
                 from kvfence.kernels.build import load_library
                 _cached = CpuKernels(load_library())
-            except Exception as e:  # no compiler, failed build: slower, still correct
+            except Exception as e:  # noqa: BLE001 - no compiler, failed build: slower, still correct
                 log.warning("CPU kernels unavailable, using plain torch ops (slower): %s", e)
     return _cached
 

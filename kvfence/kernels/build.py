@@ -24,7 +24,8 @@ log = logging.getLogger("kvfence.kernels")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "gemm.cpp", "stack.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "simd_bf16.h")]
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno"]
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
+         "-fno-math-errno"]
 
 
 def cache_dir() -> Path:
@@ -78,7 +79,8 @@ def build() -> Path:
         try:
             proc = subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True)
             if proc.returncode != 0:
-                raise RuntimeError(f"{cxx} failed building {' '.join(src.name for src in SOURCES)}:\n{proc.stderr[-2000:]}")
+                names = " ".join(src.name for src in SOURCES)
+                raise RuntimeError(f"{cxx} failed building {names}:\n{proc.stderr[-2000:]}")
             os.replace(tmp, target)  # atomic: a reader never sees half a library
         finally:
             if os.path.exists(tmp):

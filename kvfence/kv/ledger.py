@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import enum
 from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -37,7 +37,7 @@ class ScrubPolicy(str, enum.Enum):
     POISON = "poison"
 
     @classmethod
-    def parse(cls, value: "str | ScrubPolicy") -> "ScrubPolicy":
+    def parse(cls, value: str | ScrubPolicy) -> ScrubPolicy:
         if isinstance(value, ScrubPolicy):
             return value
         aliases = {"zero-on-free": "zero", "poison-on-free": "poison"}
@@ -406,7 +406,7 @@ class Ledger:
                 seen.add(i)
                 p = int(pages[j])
                 if kind == "I2":
-                    detail = (f"page {p} is {PageState(self.state[p]).name.lower()} "
+                    detail = (f"page {p} is {PageState(int(self.state[p])).name.lower()} "
                               f"(owner request {self.owner_request[p]}, scope {self.owner_tenant[p]}, "
                               f"epoch {self.epoch[p]}), block table says request {req[j]}, epoch {epochs[j]}"
                               + (", and this pass would write it" if writes[j] else ""))
@@ -428,10 +428,10 @@ class Ledger:
         for p in range(1, self.num_pages):
             st = self.state[p]
             if (p in free) != (st == PageState.FREE):
-                raise LedgerError(f"page {p}: state {PageState(st).name} but on free list: {p in free}")
+                raise LedgerError(f"page {p}: state {PageState(int(st)).name} but on free list: {p in free}")
             if (st == PageState.SHARED) != (p in self._evictable or self.refcount[p] > 0):
                 raise LedgerError(f"page {p}: shared={st == PageState.SHARED} but refcount {self.refcount[p]}")
             if st != PageState.OWNED and self.owner_request[p] != -1:
-                raise LedgerError(f"page {p} is {PageState(st).name} yet has an owner")
+                raise LedgerError(f"page {p} is {PageState(int(st)).name} yet has an owner")
             if st == PageState.OWNED and self.owner_request[p] < 0:
                 raise LedgerError(f"page {p} is owned by nobody")

@@ -92,7 +92,7 @@ class KVPool:
 
     @classmethod
     def from_budget(cls, cfg: ModelConfig, budget_bytes: int, page_size: int, dtype: torch.dtype,
-                    device: str) -> "KVPool":
+                    device: str) -> KVPool:
         per = page_bytes(cfg, page_size, dtype)
         num_pages = budget_bytes // per
         if num_pages < 2:

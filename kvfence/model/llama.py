@@ -92,7 +92,8 @@ class LlamaModel:
 
     def _build_rope(self, max_pos: int) -> None:
         cfg = self.config
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+        dims = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float()
+        inv_freq = 1.0 / (cfg.rope_theta ** (dims / cfg.head_dim))
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = emb.cos().to(self.device, self.dtype).contiguous()

@@ -1,8 +1,8 @@
 """The weights a Llama-family decoder needs, named independently of any file format."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from tqdm import tqdm

@@ -22,9 +22,9 @@ import logging
 import queue
 import time
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterator
 
 from kvfence import faults
 from kvfence.engine.kv_link import Decision, EndRequest, KvArrived, Reserve
@@ -37,6 +37,12 @@ from kvfence.pd.prefill import kill_point
 from kvfence.pd.settings import PDSettings
 
 log = logging.getLogger("kvfence.pd.decode")
+
+
+def _manifest(seq: Sequence) -> Manifest:
+    if seq.kv_source is None:  # the engine admits a decode request only with its manifest
+        raise RuntimeError(f"request {seq.request_id} has no KV handoff")
+    return seq.kv_source
 
 
 @dataclass
@@ -91,12 +97,12 @@ class KvImporter(PdLink):
         eng = self.engine
         need = eng.ledger.pages_for(len(seq.prompt_ids) + seq.max_tokens)
         return (len(eng.scheduler.running) + len(self.live) < eng.config.max_num_seqs
-                and need <= eng.ledger.num_available and seq.kv_source.page_count <= self.staging.ledger.num_available)
+                and need <= eng.ledger.num_available and _manifest(seq).page_count <= self.staging.ledger.num_available)
 
     def next_timer(self) -> float | None:
         times = [p.started + self.settings.pull_give_up_s for p in self.pulls.values()
                  if self.live.get(p.seq.request_id) == p.pull_id]
-        times += [s.kv_source.lease_deadline - self.settings.clock_skew_s for s in self.waiting]
+        times += [_manifest(s).lease_deadline - self.settings.clock_skew_s for s in self.waiting]
         fence = self.staging.ledger.next_fence_time()
         if fence is not None:
             times.append(fence)
@@ -109,7 +115,7 @@ class KvImporter(PdLink):
             except queue.Empty:
                 break
             yield from self._on_notice(*notice)
-        for rid, pid in list(self.live.items()):
+        for pid in list(self.live.values()):
             p = self.pulls[pid]
             if now - p.started > self.settings.pull_give_up_s:
                 self.counters["pulls_given_up"] += 1
@@ -138,7 +144,7 @@ class KvImporter(PdLink):
         eng = self.engine
         while self.waiting:
             seq = self.waiting[0]
-            m: Manifest = seq.kv_source
+            m = _manifest(seq)
             if now >= m.lease_deadline - self.settings.clock_skew_s:
                 self.waiting.popleft()
                 yield self._abort(seq, "lease_expired", "the prefill node's KV lease ran out before the "
@@ -165,7 +171,8 @@ class KvImporter(PdLink):
         try:
             nbytes = self.transport.read(m.session, self.staging.row_addresses(rows),
                                          m.row_addresses(), [m.slot_bytes] * len(rows))
-            notice = (pull_id, True, None, nbytes, time.perf_counter() - t0)
+            notice: tuple[int, bool, str | None, int, float] = (pull_id, True, None, nbytes,
+                                                                 time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001 - any failure of the transfer is a failed pull
             notice = (pull_id, False, f"{type(e).__name__}: {e}", 0, time.perf_counter() - t0)
         kill_point("decode_after_pull")
@@ -196,7 +203,7 @@ class KvImporter(PdLink):
             self.counters["pulls_failed"] += 1
             yield self._settle_and_abort(p, "kv_transfer_failed", f"the KV transfer failed: {error}")
             return
-        m: Manifest = seq.kv_source
+        m = _manifest(seq)
         problem = verify_pages(m, self.staging.rows_bytes(p.rows.pages), skip_checksum=faults.active("skip_checksum"))
         if problem is not None:
             self.counters["verify_failed"] += 1

@@ -14,12 +14,15 @@ import subprocess
 import sys
 import time
 
+from kvfence.procs import stop_processes
+
+# the engine options a node takes from launch-pd's (and the PD bench's) command line
 ENGINE_FLAGS = ("model", "dtype", "device", "kv_cache_memory", "kv_memory_fraction", "page_size", "max_model_len",
                 "max_num_seqs", "max_num_batched_tokens", "scrub")
 PD_FLAGS = ("transfer_host", "transfer_buffer_pages", "lease", "transfer_timeout", "max_pull", "clock_skew")
 
 
-def _flags(a, names) -> list[str]:
+def flags(a, names) -> list[str]:
     out = []
     for n in names:
         v = getattr(a, n, None)
@@ -32,12 +35,12 @@ def node_commands(a) -> dict[str, list[str]]:
     cores = len(os.sched_getaffinity(0))
     threads = {"prefill": a.threads or max(1, cores // 2), "decode": a.threads or max(1, cores - cores // 2)}
     base = [sys.executable, "-m", "kvfence.cli"] + (["-v"] if getattr(a, "verbose", False) else [])
-    engine = _flags(a, ENGINE_FLAGS) + (["--clamp-context"] if a.clamp_context else [])
+    engine = flags(a, ENGINE_FLAGS) + (["--clamp-context"] if a.clamp_context else [])
     tenants = ["--tenants", a.tenants] if a.tenants else []
     cmds = {}
     for i, role in enumerate(("prefill", "decode"), start=1):
         cmds[role] = base + ["serve", "--role", role, "--host", a.host, "--port", str(a.port + i),
-                             "--threads", str(threads[role])] + engine + _flags(a, PD_FLAGS) + tenants
+                             "--threads", str(threads[role])] + engine + flags(a, PD_FLAGS) + tenants
     cmds["router"] = base + ["serve", "--role", "router", "--host", a.host, "--port", str(a.port),
                              "--prefill-url", f"http://{a.host}:{a.port + 1}",
                              "--decode-url", f"http://{a.host}:{a.port + 2}"] + tenants + (
@@ -75,12 +78,5 @@ def launch_pd(a) -> int:
                 break
             time.sleep(0.5)
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs.values(), grace_s=20)
     return code

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
-from typing import Iterable
+from collections.abc import Iterable
 
 from kvfence.engine.admission import CapacityError
 from kvfence.engine.kv_link import Decision
 from kvfence.engine.sequence import Sequence
+from kvfence.pd.messages import Manifest
 from kvfence.pd.settings import PDSettings
 from kvfence.pd.staging import StagingBuffer
 
@@ -37,7 +38,7 @@ class PdLink:
         self.role = settings.role
         engine.kv_link = self
 
-    def check(self, seq: Sequence, manifest: object) -> object:
+    def check(self, seq: Sequence, manifest: object) -> Manifest:
         raise ValueError(f"a {self.role} node takes no KV handoff")
 
     def enqueue(self, seq: Sequence, now: float) -> Iterable[Decision]:

@@ -10,7 +10,7 @@ node answers a malformed message with a 400 before anything is admitted.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, TypeVar, Union
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -85,7 +85,7 @@ class WireParams(WireModel):
     include_stop_str_in_output: bool = False
 
     @classmethod
-    def of(cls, p: SamplingParams) -> "WireParams":
+    def of(cls, p: SamplingParams) -> WireParams:
         return cls(temperature=float(p.temperature), top_p=float(p.top_p), top_k=p.top_k, seed=p.seed,
                    max_tokens=p.max_tokens, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
                    ignore_eos=p.ignore_eos, logprobs=p.logprobs, skip_special_tokens=p.skip_special_tokens,
@@ -211,7 +211,7 @@ class FailedEvent(WireModel):
     abort_code: Name = "engine_failed"
 
 
-NodeEvent = Annotated[Union[WaitEvent, AdmittedEvent, RejectedEvent, ProgressEvent, FailedEvent],
+NodeEvent = Annotated[WaitEvent | AdmittedEvent | RejectedEvent | ProgressEvent | FailedEvent,
                       Field(discriminator="event")]
 _EVENTS: TypeAdapter[Any] = TypeAdapter(NodeEvent)
 

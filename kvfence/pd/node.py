@@ -25,9 +25,24 @@ from kvfence import faults
 from kvfence.engine.admission import ContextLengthExceeded
 from kvfence.engine.config import EngineConfig
 from kvfence.pd.manifest import ManifestError
-from kvfence.pd.messages import (AbortBody, AdmittedEvent, ControlReply, DecodeBody, FailedEvent, LogprobEntry,
-                                 Manifest, MessageError, NodeInfo, PrefillBody, ProgressEvent, RejectedEvent,
-                                 ReleaseBody, WaitEvent, WireModel, event_line)
+from kvfence.pd.messages import (
+    AbortBody,
+    AdmittedEvent,
+    ControlReply,
+    DecodeBody,
+    FailedEvent,
+    LogprobEntry,
+    Manifest,
+    MessageError,
+    NodeInfo,
+    PrefillBody,
+    ProgressEvent,
+    RejectedEvent,
+    ReleaseBody,
+    WaitEvent,
+    WireModel,
+    event_line,
+)
 from kvfence.pd.settings import PDSettings
 from kvfence.pd.wire import CLUSTER_TOKEN_HEADER, cluster_token
 from kvfence.server.backend import EngineFailed, Update
@@ -144,12 +159,12 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings) ->
                 except (ContextLengthExceeded, ManifestError, EngineFailed, ValueError) as e:
                     yield event_line(_refusal(e))
                     return
-                a = handle.admitted
+                a = handle.admission
                 yield event_line(AdmittedEvent(prompt_tokens=a.prompt_tokens, max_tokens=a.max_tokens))
                 while not handle.done:
                     try:  # a heartbeat each second: the router tells a slow node from a hung one
                         u = await asyncio.wait_for(handle.next(), HEARTBEAT_S)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         yield event_line(WaitEvent())
                         continue
                     yield event_line(_progress(u))

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from kvfence import faults
 from kvfence.engine.kv_link import Decision, EndRequest, Hold, ReadRefused, ReleaseRequest

@@ -25,10 +25,11 @@ import logging
 import os
 import threading
 import time
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import httpx
 
@@ -36,9 +37,23 @@ from kvfence import faults
 from kvfence.engine.admission import ContextLengthExceeded
 from kvfence.engine.params import SamplingParams
 from kvfence.pd.capacity import ClusterCheck, check_cluster
-from kvfence.pd.messages import (AbortBody, AdmittedEvent, DecodeBody, FailedEvent, Manifest, MessageError, NodeInfo,
-                                 PrefillBody, ProgressEvent, RejectedEvent, ReleaseBody, WaitEvent, WireModel,
-                                 WireParams, parse_event)
+from kvfence.pd.messages import (
+    AbortBody,
+    AdmittedEvent,
+    DecodeBody,
+    FailedEvent,
+    Manifest,
+    MessageError,
+    NodeInfo,
+    PrefillBody,
+    ProgressEvent,
+    RejectedEvent,
+    ReleaseBody,
+    WaitEvent,
+    WireModel,
+    WireParams,
+    parse_event,
+)
 from kvfence.pd.settings import ROLES
 from kvfence.pd.wire import cluster_headers
 from kvfence.server.backend import Admitted, EngineFailed, Logprob, RequestHandle, Update
@@ -118,7 +133,7 @@ class RouterBackend:
             return "ready"
         return "loading" if self.check is None and self.error is None else "not_ready"
 
-    def start(self) -> "RouterBackend":
+    def start(self) -> RouterBackend:
         """Synchronous start-up: wait for both nodes and run the capacity check (I8).
         Returns with `error` set if the cluster may not serve."""
         if self._started:
@@ -248,7 +263,7 @@ class RouterBackend:
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, tenant: str,
                      request_id: str | None = None, public_prefix_scope: str | None = None) -> RequestHandle:
-        if not self._ready:
+        if not self._ready or self.facts is None:
             raise EngineFailed(self.error or f"the cluster is {self.state}")
         usable = self.facts["usable_context"]
         max_tokens = params.max_tokens if params.max_tokens is not None else max(1, usable - len(prompt_ids))

@@ -17,7 +17,7 @@ MC_* setting we found lowers it. Once connected, a hung peer fails within the ti
 from __future__ import annotations
 
 import os
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 # Mooncake reads these once, when the first engine in a process is created; operator
 # settings in the environment win. Defaults are 30 s or more, so a hung peer would stall a
@@ -126,7 +126,7 @@ class InProcessTransport:
     tensors). For unit tests and the deterministic simulation only: real PD nodes always
     use PageTransport."""
 
-    _sessions: dict[str, "InProcessTransport"] = {}
+    _sessions: dict[str, InProcessTransport] = {}
     _count = 0
 
     def __init__(self, name: str | None = None):

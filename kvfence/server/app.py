@@ -61,8 +61,17 @@ class ServerState:
         raise APIError(503, f"The engine is not serving ({st}): {self.engine.error or 'stopped'}.",
                        code="engine_unavailable")
 
+    @property
+    def facts(self) -> dict:
+        """The backend's static facts; they exist once it is ready (503 before)."""
+        f = self.engine.facts
+        if f is None:
+            raise APIError(503, "The model is still loading; try again shortly.", code="model_not_ready",
+                           headers={"Retry-After": "5"})
+        return f
+
     def statement(self) -> dict:
-        return isolation_statement(self.engine.facts, self.engine.startup_checks, self.tenants,
+        return isolation_statement(self.facts, self.engine.startup_checks, self.tenants,
                                    self.engine.snapshot, self.served_name)
 
 
@@ -146,7 +155,7 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 def _model_card(state: ServerState) -> dict:
-    f = state.engine.facts
+    f = state.facts
     return {"id": state.served_name, "object": "model", "created": 0, "owned_by": "kvfence",
             "max_model_len": f["usable_context"], "fingerprint": f["fingerprint"]}
 
@@ -190,7 +199,7 @@ async def _generate(state: ServerState, request: Request, kind: str):
         if req.model is not None and req.model != state.served_name:
             raise APIError(404, f"The model '{req.model}' does not exist.", code="model_not_found", param="model")
         ids = await _tokenize(state, req)
-        facts = state.engine.facts
+        facts = state.facts
         try:  # I4 here, before any tenant accounting or engine work; the engine checks again
             if not faults.active("skip_router_admission"):
                 check_fits(len(ids), req.params.max_tokens or 1, facts["usable_context"])
@@ -260,7 +269,7 @@ async def _tokenize(state: ServerState, req: GenerationRequest) -> list[int]:
         except ChatTemplateError as e:
             raise bad_request(str(e), param="messages") from None
     elif req.prompt_ids is not None:
-        vocab = state.engine.facts["vocab_size"]
+        vocab = state.facts["vocab_size"]
         if any(t < 0 or t >= vocab for t in req.prompt_ids):
             raise bad_request(f"Prompt token ids must be in [0, {vocab}).", param="prompt")
         ids = req.prompt_ids
@@ -291,9 +300,9 @@ class _Run:
         self.state, self.request, self.handle, self.tenant, self.lease = state, request, handle, tenant, lease
         self.arrival, self.req = arrival, req
         tok = state.engine.tokenizer
-        self.fmt = Formatter(req.kind, handle.request_id, state.served_name, state.engine.facts["fingerprint"],
+        self.fmt = Formatter(req.kind, handle.request_id, state.served_name, state.facts["fingerprint"],
                              lambda tid: tok.decode([tid], skip_special_tokens=False))
-        self.prompt_tokens = handle.admitted.prompt_tokens
+        self.prompt_tokens = handle.admission.prompt_tokens
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.first_token_at: float | None = None
@@ -318,8 +327,12 @@ class _Run:
     def _usage(self) -> dict:
         return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
+    @property
+    def _reason(self) -> str | None:
+        return None if self.last is None else self.last.finish_reason
+
     def _ok(self) -> bool:
-        return self.last is not None and self.last.finish_reason in ("stop", "length")
+        return self._reason in ("stop", "length")
 
     def close(self, outcome: str | None = None) -> None:
         if self._closed:
@@ -330,7 +343,7 @@ class _Run:
             self.disconnected = True
         if outcome is None:
             outcome = ("client_disconnected" if self.disconnected and not self._ok() else
-                       self.last.finish_reason if self._ok() else "error")
+                       self._reason or "error" if self._ok() else "error")
         self.lease.release(self.completion_tokens)
         self.state.metrics.finished(self.tenant.name, outcome, self.prompt_tokens, self.completion_tokens,
                                     self.arrival, self.first_token_at, self.token_times)
@@ -349,7 +362,8 @@ class _Run:
 
     async def collect(self) -> Response:
         watcher = asyncio.create_task(watch_disconnect(self.request, self._client_gone))
-        text, lps = [], []
+        text: list[str] = []
+        lps: list = []
         try:
             while not self.handle.done:
                 u = await self.handle.next()
@@ -367,7 +381,7 @@ class _Run:
             self.close()
             raise self._failure()
         self.close()
-        return JSONResponse(self.fmt.response("".join(text), self.last.finish_reason,
+        return JSONResponse(self.fmt.response("".join(text), self._reason or "stop",
                                               lps if self.req.logprobs is not None else None, self._usage()))
 
     async def events(self):
@@ -390,7 +404,7 @@ class _Run:
                 yield sse(self._failure().body())
                 yield sse("[DONE]")
                 return
-            yield sse(self.fmt.chunk("", self.last.finish_reason, None, inc))
+            yield sse(self.fmt.chunk("", self._reason, None, inc))
             if inc:
                 yield sse(self.fmt.usage_chunk(self._usage()))
             yield sse("[DONE]")

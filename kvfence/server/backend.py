@@ -66,6 +66,13 @@ class RequestHandle:
     admitted: Admitted | None = None
     done: bool = False
 
+    @property
+    def admission(self) -> Admitted:
+        """What admission granted; submit() returns only admitted handles."""
+        if self.admitted is None:
+            raise RuntimeError(f"request {self.request_id} was not admitted")
+        return self.admitted
+
     async def next(self) -> Update:
         u = await self.updates.get()
         if isinstance(u, BaseException):
@@ -86,7 +93,7 @@ class EngineBackend(Protocol):
     @property
     def state(self) -> str: ...         # loading | ready | not_ready | failed | stopped
 
-    def start(self) -> "EngineBackend": ...
+    def start(self) -> EngineBackend: ...
     def stop(self, timeout: float = 30.0) -> None: ...
     def wait_ready(self, timeout: float | None = None) -> bool: ...
 

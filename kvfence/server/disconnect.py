@@ -1,7 +1,7 @@
 """Noticing that an HTTP client went away, for the app's requests and a PD node's streams."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from starlette.requests import Request
 

@@ -20,11 +20,16 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Any
 
 from kvfence.engine.params import SamplingParams
 from kvfence.server.backend import Admitted, EngineFailed, Logprob, RequestHandle, Update
+
+if TYPE_CHECKING:
+    from kvfence.engine.llm_engine import LLMEngine
+    from kvfence.engine.sequence import Sequence
 
 log = logging.getLogger("kvfence.server.engine")
 
@@ -38,7 +43,7 @@ def cached_tokens_of(seq) -> int:
 class _Sink:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    seq: object
+    seq: Sequence
     sent_logprobs: int = 0
     sent_times: int = 0
 
@@ -76,7 +81,7 @@ _WAKE = object()   # something happened off the engine thread (a PD transfer not
 class EngineLoop:
     """The single-node EngineBackend (server/backend.py)."""
 
-    def __init__(self, factory: Callable[[], object], startup: Callable[[object], list] | None = None,
+    def __init__(self, factory: Callable[[], LLMEngine], startup: Callable[[LLMEngine], list] | None = None,
                  name: str = "kvfence-engine"):
         """factory builds the engine inside the engine thread; startup(engine) runs the
         start-up checks there and returns their results (see isolation.py)."""
@@ -91,11 +96,11 @@ class EngineLoop:
         self.facts: dict | None = None       # static facts about the engine, set once it is built
         self.startup_checks: list[dict] = []
         self.snapshot: dict = {}
-        self.tokenizer = None
+        self.tokenizer: Any = None
         self.iterations = 0                  # loop turns; stays put while idle (the thread blocks)
 
     # -- lifecycle (any thread) -----------------------------------------------------------
-    def start(self) -> "EngineLoop":
+    def start(self) -> EngineLoop:
         if not self._thread.is_alive() and not self.finished.is_set():
             self._thread.start()
         return self
@@ -135,7 +140,8 @@ class EngineLoop:
             raise EngineFailed(self.error or f"the engine is {self.state}")
         loop = asyncio.get_running_loop()
         rid = request_id or uuid.uuid4().hex
-        fut, updates = loop.create_future(), asyncio.Queue()
+        fut = loop.create_future()
+        updates: asyncio.Queue = asyncio.Queue()
         self._commands.put(_Submit(rid, list(prompt_ids), params, tenant, public_prefix_scope, loop, fut, updates,
                                    extra or None))
         handle = RequestHandle(rid, updates)
@@ -279,7 +285,7 @@ class EngineLoop:
         self.snapshot = s
 
     def _fail_all(self, exc: BaseException) -> None:
-        for rid, sink in list(self._sinks.items()):
+        for sink in list(self._sinks.values()):
             sink.loop.call_soon_threadsafe(sink.queue.put_nowait, exc)
         self._sinks.clear()
 

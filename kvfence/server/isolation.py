@@ -140,7 +140,7 @@ def isolation_statement(facts: dict, checks: list[dict], tenants, snapshot: dict
     prefix = _prefix_cache_terms(facts.get("prefix_cache", False), tenants)
     return {
         "service": "kvfence", "version": __version__,
-        "generated_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "generated_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "model": {"served_name": served_model_name, "name": facts["model_name"],
                   "fingerprint": facts["fingerprint"], "dtype": facts["dtype"], "device": facts["device"]},
         "kv_memory_isolation": {

@@ -82,4 +82,4 @@ class Formatter:
 
 def sse(obj: dict | str) -> bytes:
     data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {data}\n\n".encode("utf-8")
+    return f"data: {data}\n\n".encode()

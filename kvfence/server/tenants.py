@@ -77,11 +77,11 @@ class TenantRegistry:
             self._entries += [(d, tenant) for d in digests]
 
     @classmethod
-    def single(cls) -> "TenantRegistry":
+    def single(cls) -> TenantRegistry:
         return cls(None)
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "TenantRegistry":
+    def from_file(cls, path: str | Path) -> TenantRegistry:
         path = Path(path)
         try:
             data = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -92,7 +92,7 @@ class TenantRegistry:
         return cls.from_dict(data, source=str(path))
 
     @classmethod
-    def from_dict(cls, data: dict, source: str | None = None) -> "TenantRegistry":
+    def from_dict(cls, data: dict, source: str | None = None) -> TenantRegistry:
         where = source or "tenants file"
         unknown = set(data) - {"defaults", "tenants"}
         if unknown:
@@ -102,7 +102,8 @@ class TenantRegistry:
         tenants = data.get("tenants")
         if not isinstance(tenants, dict) or not tenants:
             raise TenantsFileError(f"{where}: no tenants; add at least one [tenants.NAME] table with api_keys")
-        out, seen = [], {}
+        out: list = []
+        seen: dict[bytes, str] = {}
         for name, spec in tenants.items():
             here = f"{where} [tenants.{name}]"
             if not _NAME.fullmatch(name):
@@ -187,7 +188,7 @@ def _limits(spec: dict, where: str, base: Limits) -> Limits:
 class Lease:
     """One admitted request's hold on its tenant's concurrency slot; release exactly once."""
 
-    def __init__(self, limiter: "TenantLimiter", tenant: Tenant):
+    def __init__(self, limiter: TenantLimiter, tenant: Tenant):
         self._limiter, self.tenant, self._open = limiter, tenant, True
 
     def release(self, completion_tokens: int = 0) -> None:

@@ -79,7 +79,8 @@ KNOWN_BUGS = {
         "KvExporter.pending; decode: reservations AWAITING_KV), because Scheduler.schedule() took 'nothing "
         "running' to mean 'no page will ever come back'",
     "idle_with_work":
-        "(fixed in c07c3eb) a node goes idle (engine.has_unfinished() False: the server loop blocks until a command or its next "
+        "(fixed in c07c3eb) a node goes idle (engine.has_unfinished() False: the server loop blocks until a command "
+        "or its next "
         "timer) while a queued PD request could be served now: KvExporter.busy() is False while computed "
         "prompts wait for transfer-buffer rows, and KvExporter.before_step() stages them before it expires leases and "
         "lifts fences, so rows freed there strand them (forever when no timer is left); KvImporter.busy() is "
@@ -137,7 +138,7 @@ class SimConfig:
     trace_all: bool = False         # print every step as it happens
 
     @classmethod
-    def draw(cls, seed: int, lives: int = 1000, **overrides) -> "SimConfig":
+    def draw(cls, seed: int, lives: int = 1000, **overrides) -> SimConfig:
         """A configuration drawn from the seed, so that a campaign covers many regimes: pool
         and buffer sizes, concurrency, chunking, crash, abort and transfer-fault rates."""
         r = random.Random(f"config-{seed}")
@@ -230,7 +231,7 @@ class Msg:
 
 
 class Node:
-    def __init__(self, sim: "Simulation", role: str):
+    def __init__(self, sim: Simulation, role: str):
         self.sim, self.role = sim, role
         self.boot = 0
         self.engine: LLMEngine | None = None
@@ -489,7 +490,7 @@ class Simulation:
             self.fail(invariant, message)
 
     # -- the loop -----------------------------------------------------------------------------
-    def run(self) -> "SimResult":
+    def run(self) -> SimResult:
         with quiet_logs(), torch.inference_mode():
             try:
                 while self.arrived < self.cfg.lives:
@@ -966,12 +967,12 @@ class Simulation:
         # transfer-buffer rows: owned rows belong to a live hold (prefill) or live pull (decode)
         if role == "prefill":
             holders = {h.owner.request: h for h in link.held.values()}
-            for rid, h in link.held.items():
+            for rid in link.held:
                 self._check(rid in eng.requests and eng.requests[rid].state is State.KV_HELD, "I1",
                             f"prefill holds rows for {rid}, which is not KV_HELD")
         else:
             holders = {link.pulls[pid].owner.request: link.pulls[pid] for pid in link.live.values()}
-            for rid, pid in link.live.items():
+            for rid in link.live:
                 self._check(rid in eng.requests and eng.requests[rid].state is State.AWAITING_KV, "I1",
                             f"decode has a live pull for {rid}, which is not AWAITING_KV")
         owned = np.flatnonzero(rows.state == OWNED)

@@ -58,7 +58,7 @@ class SimNotice:
 class SimWorkers:
     """Stands in for KvImporter._workers (a ThreadPoolExecutor): submit() only queues."""
 
-    def __init__(self, transport: "SimTransport", importer):
+    def __init__(self, transport: SimTransport, importer):
         self.transport = transport
         self.importer = importer
 

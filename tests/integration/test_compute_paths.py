@@ -24,7 +24,8 @@ def workload(llm):
     ]
 
 
-@pytest.mark.parametrize("pool", ["64MiB", "24MiB"], ids=["roomy", "preempting"])  # fp32 page: 728 KiB; 24MiB: 32 pages, the long prompt needs all of them
+# fp32 page: 728 KiB; 24MiB: 32 pages, the long prompt needs all of them
+@pytest.mark.parametrize("pool", ["64MiB", "24MiB"], ids=["roomy", "preempting"])
 def test_fused_and_torch_paths_give_the_same_tokens(make_llm, pool):
     runs = {}
     for fused in (True, False):

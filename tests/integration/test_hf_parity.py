@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import torch
 
 from kvfence import SamplingParams
@@ -120,7 +119,8 @@ def test_long_prompts_chunked_over_many_pages(hf_reference, make_llm):
 def test_preempted_requests_match(hf_reference, make_llm):
     # 26 usable pages shared by 4 requests that each grow to ~7 pages: preemption must happen
     llm = make_llm(kv_cache_memory=27 * 16 * 30 * 2 * 3 * 64 * 4, max_num_batched_tokens=512)
-    prompts = [llm.tokenizer.encode(f"Story number {i}: once upon a time in a land far away, there was") for i in range(4)]
+    prompts = [llm.tokenizer.encode(f"Story number {i}: once upon a time in a land far away, there was")
+               for i in range(4)]
     engine = llm.engine
     assert engine.ledger.usable_pages == 26
     check_against_reference(hf_reference, llm, prompts, steps=90)

@@ -7,7 +7,6 @@ import torch
 
 from kvfence import CapacityError, ContextLengthExceeded, SamplingParams
 from kvfence.engine.admission import check_fits, plan_context
-from kvfence.engine.request_states import State
 
 from .conftest import run_to_end
 

@@ -51,7 +51,7 @@ def test_fault_aborts_only_the_faulty_request(make_llm, baseline, fault, invaria
 
 def test_neighbour_page_is_quarantined_not_reused(make_llm):
     llm = make_llm()
-    seqs = run_three(llm, point_at_neighbour, at_step=4)
+    run_three(llm, point_at_neighbour, at_step=4)
     led = llm.engine.ledger
     assert led.num_quarantined == 1
     q = int((led.state == PageState.QUARANTINED).nonzero()[0][0])

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import httpx
 
+from kvfence.procs import stop_processes
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -69,7 +71,7 @@ class Cluster:
         self.procs[role] = p
         return p
 
-    def start_all(self, timeout: float = 240) -> "Cluster":
+    def start_all(self, timeout: float = 240) -> Cluster:
         try:
             for role in ("prefill", "decode", "router"):
                 self.start(role)
@@ -143,15 +145,4 @@ class Cluster:
         raise AssertionError(f"the cluster did not settle: {last}")
 
     def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                try:
-                    p.send_signal(signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
-                p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(self.procs.values(), grace_s=20, wake=True)

@@ -15,16 +15,12 @@ over HTTP between runs.
 """
 from __future__ import annotations
 
-
-import signal
-import subprocess
-
 import httpx
 import pytest
+from pd_cluster import NODE_ARGS, Cluster
 
 from kvfence.canary import CanaryOptions, NodeKill, run_canary
-
-from pd_cluster import NODE_ARGS, Cluster
+from kvfence.procs import stop_processes
 
 pytest.importorskip("mooncake.engine", reason="the PD tests need mooncake-transfer-engine-non-cuda")
 
@@ -68,16 +64,7 @@ class CanaryCluster(Cluster):
 
     def stop(self) -> None:
         """As Cluster.stop, but a node that ignores SIGTERM for 5 s is killed (keeps CI short)."""
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
+        stop_processes(self.procs.values(), grace_s=5, wake=True)
 
     def apply(self, faults: dict[str, str]) -> None:
         for role in ("prefill", "decode", "router"):
@@ -166,7 +153,8 @@ def test_only_one_layer_on_still_keeps_kv_private(cl, layer):
     admission the verified-count layer serves over-length prompts, computing them itself: a
     200, but over the request's own KV only; the ledger check aborts the request after decode
     admitted it (a streamed 200 that ends in an isolation_violation error)."""
-    rest = [n for n in LAYERS if n != layer and not (layer == "ledger check (I2, I3)" and n == "written watermark (I3)")]
+    rest = [n for n in LAYERS
+            if n != layer and not (layer == "ledger check (I2, I3)" and n == "written watermark (I3)")]
     cl.apply(merged(rest))
     r = canary(cl, CanaryOptions(num_requests=4, over_length_fraction=1.0, over_total_share=1.0, abort_fraction=0.0,
                                  concurrency=2, max_tokens=(2, 4), over_total_room=(4, 8), settle_s=25.0,

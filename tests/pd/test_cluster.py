@@ -12,10 +12,9 @@ import time
 import httpx
 import openai
 import pytest
+from pd_cluster import ROOT, Cluster, free_port
 
 from kvfence.engine.params import SamplingParams
-
-from pd_cluster import ROOT, Cluster, free_port
 
 pytest.importorskip("mooncake.engine", reason="the PD tests need mooncake-transfer-engine-non-cuda")
 

@@ -11,9 +11,8 @@ from kvfence.engine.admission import ContextLengthExceeded
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.params import SamplingParams
-from kvfence.engine.request_states import State
 from kvfence.pd.decode import KvImporter
-from kvfence.pd.manifest import Manifest, ManifestError
+from kvfence.pd.manifest import ManifestError
 from kvfence.pd.prefill import KvExporter
 from kvfence.pd.settings import PDSettings
 from kvfence.pd.transfer import InProcessTransport

@@ -22,7 +22,6 @@ import subprocess
 import httpx
 import openai
 import pytest
-
 from pd_cluster import Cluster
 from test_cluster import LONG, model_name, single_node_text
 

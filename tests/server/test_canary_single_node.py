@@ -15,7 +15,8 @@ OPTS = dict(concurrency=4, max_tokens=(2, 6), long_prompt_tokens=256, settle_s=2
 
 def test_single_node_all_defenses_on_nothing_leaks(make_server):
     srv = make_server(tenants=TENANTS, scrub="none", audit_reads=True)
-    r = run_canary(srv.url, KEYS, CanaryOptions(num_requests=10, warmup_requests=1, warmup_tokens=400, over_length_fraction=0.3,
+    r = run_canary(srv.url, KEYS, CanaryOptions(num_requests=10, warmup_requests=1, warmup_tokens=400,
+                                                over_length_fraction=0.3,
                                                 abort_fraction=0.2, seed=3, **OPTS))
     print(r.text())
     assert r.mode == "single" and r.nodes["single"].audit_enabled

@@ -236,7 +236,7 @@ def test_decode_reserves_a_waiting_request_when_pages_come_back():
     now = _Now()
     pre.clock = dec.clock = now
     settings = dict(lease_s=30.0, max_pull_s=75.0, clock_skew_s=1.0)
-    exp = KvExporter(pre, PDSettings("prefill", **settings), InProcessTransport())
+    KvExporter(pre, PDSettings("prefill", **settings), InProcessTransport())  # attaches itself to pre
     imp = KvImporter(dec, PDSettings("decode", **settings), InProcessTransport())
 
     class Inline:  # run each pull at once, in this thread

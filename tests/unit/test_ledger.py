@@ -4,8 +4,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvfence.kv.ledger import (NULL_PAGE, BlockTable, Ledger, LedgerError, Owner, PageState, PoolExhausted,
-                               ReadRequest, ScrubPolicy)
+from kvfence.kv.ledger import (
+    NULL_PAGE,
+    BlockTable,
+    Ledger,
+    LedgerError,
+    Owner,
+    PageState,
+    PoolExhausted,
+    ReadRequest,
+    ScrubPolicy,
+)
 
 
 def owner(led: Ledger, tenant: str, req: int) -> Owner:

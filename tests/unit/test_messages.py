@@ -8,9 +8,21 @@ import pytest
 
 from kvfence.engine.params import SamplingParams
 from kvfence.pd.manifest import ManifestError, parse_manifest
-from kvfence.pd.messages import (AbortBody, AdmittedEvent, DecodeBody, FailedEvent, Manifest, MessageError,
-                                 PrefillBody, ProgressEvent, RejectedEvent, WaitEvent, WireParams, event_line,
-                                 parse_event)
+from kvfence.pd.messages import (
+    AbortBody,
+    AdmittedEvent,
+    DecodeBody,
+    FailedEvent,
+    Manifest,
+    MessageError,
+    PrefillBody,
+    ProgressEvent,
+    RejectedEvent,
+    WaitEvent,
+    WireParams,
+    event_line,
+    parse_event,
+)
 
 
 def manifest(**over) -> dict:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvfence.engine.params import SamplingParams
-from kvfence.engine.sampler import Sampler, SampleOutput, TokenLogprobs, make_generator
+from kvfence.engine.sampler import SampleOutput, Sampler, TokenLogprobs, make_generator
 
 V = 50
 
@@ -98,7 +98,8 @@ def test_seeded_row_is_independent_of_batch_composition_and_order():
         # Other requests: unseeded sampled, greedy, differently-seeded, varying count.
         n = 2 + step % 4
         ls = list(_logits(n, seed=900 + step))
-        ps = [SamplingParams(temperature=[1.0, 0.0, 0.7, 2.0][i % 4], top_p=[1.0, 1.0, 0.5, 0.9][i % 4]) for i in range(n)]
+        ps = [SamplingParams(temperature=[1.0, 0.0, 0.7, 2.0][i % 4], top_p=[1.0, 1.0, 0.5, 0.9][i % 4])
+              for i in range(n)]
         gs = [None if i % 2 else make_generator(step * 10 + i, "cpu") for i in range(n)]
         return ls, ps, gs
 
