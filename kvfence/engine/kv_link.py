@@ -105,8 +105,9 @@ class KvLink(Protocol):
     def close(self) -> None: ...
 
 
-class NoKvLink:
-    """A single node: nothing is held outside the scheduler, nothing arrives by transfer."""
+class KvLinkBase:
+    """The hooks' defaults: nothing held outside the scheduler, nothing arriving by
+    transfer, nothing to decide. NoKvLink is exactly this; PD links override what they use."""
 
     role = "single"
 
@@ -126,10 +127,10 @@ class NoKvLink:
         return None
 
     def check(self, seq: Sequence, manifest: object) -> Manifest:
-        raise ValueError("this engine is not a PD node: no KV link attached")
+        raise ValueError(f"a {self.role} node takes no KV handoff")
 
     def enqueue(self, seq: Sequence, now: float) -> Iterable[Decision]:
-        raise ValueError("this engine is not a PD node: no KV link attached")
+        raise ValueError(f"a {self.role} node takes no KV handoff")
 
     def before_step(self, now: float) -> Iterable[Decision]:
         return ()
@@ -148,3 +149,7 @@ class NoKvLink:
 
     def close(self) -> None:
         pass
+
+
+class NoKvLink(KvLinkBase):
+    """A single node."""

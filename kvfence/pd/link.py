@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
-from collections.abc import Iterable
 
 from kvfence.engine.admission import CapacityError
-from kvfence.engine.kv_link import Decision
-from kvfence.engine.sequence import Sequence
-from kvfence.pd.messages import Manifest
+from kvfence.engine.kv_link import KvLinkBase
 from kvfence.pd.settings import PDSettings
 from kvfence.pd.staging import StagingBuffer
 
 
-class PdLink:
+class PdLink(KvLinkBase):
     """The part of a KvLink that prefill and decode share; the defaults are the hooks a
     role does not use."""
 
@@ -37,24 +34,6 @@ class PdLink:
         self.counters: Counter[str] = Counter()
         self.role = settings.role
         engine.kv_link = self
-
-    def check(self, seq: Sequence, manifest: object) -> Manifest:
-        raise ValueError(f"a {self.role} node takes no KV handoff")
-
-    def enqueue(self, seq: Sequence, now: float) -> Iterable[Decision]:
-        raise ValueError(f"a {self.role} node takes no KV handoff")
-
-    def after_step(self, prefilled: list[Sequence], now: float) -> Iterable[Decision]:
-        return ()
-
-    def release(self, request_id: str) -> Iterable[Decision]:
-        return ()
-
-    def abort(self, request_id: str, reader_stopped: bool, reason: str) -> Iterable[Decision]:
-        return ()
-
-    def close(self) -> None:
-        pass
 
     def facts(self) -> dict:
         """What the router's capacity check (I8) and handoffs need to know about this node."""
