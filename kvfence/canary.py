@@ -47,6 +47,7 @@ from pathlib import Path
 import httpx
 
 from kvfence.bench.http_load import sse_messages
+from kvfence.pd.wire import cluster_headers
 
 log = logging.getLogger("kvfence.canary")
 
@@ -498,7 +499,6 @@ class Canary:
     async def _node(self, c: httpx.AsyncClient, role: str) -> dict:
         """A node's snapshot in one shape: audit, pages, buffer rows, boot id."""
         from kvfence.pd.messages import NodeInfo
-        from kvfence.pd.wire import cluster_headers
 
         url = self.node_urls[role]
         if self.mode == "pd":
@@ -721,7 +721,8 @@ class Canary:
         else:
             point = k.point or DEFAULT_KILL_POINTS.get(k.role, f"{k.role}_after_hold")
             spec = ",".join(s for s in (self.node_faults.get(k.role, ""), f"kill_node_at:{point}") if s)
-            r = await c.post(self.node_urls[k.role] + "/internal/test/faults", json={"spec": spec})
+            r = await c.post(self.node_urls[k.role] + "/internal/test/faults", json={"spec": spec},
+                             headers=cluster_headers())
             if r.status_code != 200:
                 report.problems.append(f"cannot arm kill_node_at on {k.role}: HTTP {r.status_code} (needs "
                                        f"KVFENCE_TEST_FAULT_CONTROL=1)")
@@ -755,7 +756,7 @@ class Canary:
             if k.how != "signal" or proc is None:   # never died: disarm the kill point
                 try:
                     await c.post(self.node_urls[k.role] + "/internal/test/faults",
-                                 json={"spec": self.node_faults.get(k.role, "")})
+                                 json={"spec": self.node_faults.get(k.role, "")}, headers=cluster_headers())
                 except httpx.HTTPError:
                     pass
         report.kills.append(what)

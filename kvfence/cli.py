@@ -108,8 +108,23 @@ def cmd_bench(a) -> int:
     return main(a)
 
 
+def _cluster_secret(a) -> bytes | None:
+    """PD roles: the cluster secret, or None after saying why there is none."""
+    from kvfence.pd.seal import SecretError, load_secret
+
+    try:
+        return load_secret(a.cluster_secret_file)
+    except SecretError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+
+
 def cmd_serve(a) -> int:
     level = "debug" if a.verbose else "info"
+    if a.role in ("prefill", "decode", "router"):
+        secret = _cluster_secret(a)
+        if secret is None:
+            return 2
     if a.role == "router":
         from kvfence.pd.router import serve_router
 
@@ -117,22 +132,23 @@ def cmd_serve(a) -> int:
             print("error: --role router needs --prefill-url and --decode-url", file=sys.stderr)
             return 2
         return serve_router(a.prefill_url, a.decode_url, a.model, a.host, a.port, a.max_model_len,
-                            a.clamp_context, a.tenants, a.served_model_name, level, a.node_wait, a.node_stall)
+                            a.clamp_context, secret, a.tenants, a.served_model_name, level, a.node_wait,
+                            a.node_stall)
     if a.role in ("prefill", "decode"):
         from kvfence.pd.node import serve_node
 
-        return serve_node(_config(a), _pd_settings(a, a.role), a.host, a.port, a.tenants, level)
+        return serve_node(_config(a), _pd_settings(a, a.role, secret), a.host, a.port, a.tenants, level)
     from kvfence.server.serve import serve
 
     return serve(_config(a), a.host, a.port, a.tenants, a.served_model_name, a.max_body_bytes, level)
 
 
-def _pd_settings(a, role: str):
+def _pd_settings(a, role: str, secret: bytes):
     from kvfence.pd.settings import PDSettings
 
     return PDSettings(role, transfer_host=a.transfer_host, transfer_buffer_pages=a.transfer_buffer_pages,
                       lease_s=a.lease, transfer_timeout_s=a.transfer_timeout, max_pull_s=a.max_pull,
-                      clock_skew_s=a.clock_skew)
+                      clock_skew_s=a.clock_skew, cluster_secret=secret)
 
 
 def cmd_soak(a) -> int:
@@ -188,6 +204,10 @@ def _server_args(p: argparse.ArgumentParser) -> None:
 
 
 def _pd_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster-secret-file", default=None, metavar="FILE",
+                   help="PD roles: file holding the cluster secret (>= 32 bytes; or $KVFENCE_CLUSTER_SECRET_FILE, "
+                        "$KVFENCE_CLUSTER_SECRET). It seals KV transfers and authenticates internal calls; "
+                        "launch-pd makes one")
     p.add_argument("--transfer-host", default="127.0.0.1",
                    help="PD nodes: address the Mooncake transfer engine advertises (its ports listen on all "
                         "interfaces: run PD nodes on a trusted network)")

@@ -36,15 +36,14 @@ FAULTS: dict[str, str] = {
                            "placeholder, and still hands it off to decode",
     "skip_ledger_check": "the per-pass ownership check (I2, I3) passes every sequence without looking",
     "skip_watermark": "the per-pass check skips only the written-watermark part (I3)",
-    "skip_checksum": "decode accepts transferred pages without verifying the manifest checksums (I5)",
+    "skip_row_auth": "decode decrypts transferred rows without checking their AEAD tags (I5, I10)",
     "free_on_abort_during_transfer": "an aborted request's pages are freed at once although a transfer may still "
                                      "write into them (I6)",
     "drop_transfer_completion": "a transfer's completion notice is lost",
     "delay_transfer_completion": "a transfer's completion notice is delayed by ARG seconds (default 1)",
     "duplicate_transfer_completion": "a transfer's completion notice is delivered twice",
     "kill_node_at": "the node process exits at the point named by ARG",
-    "corrupt_staged_page": "prefill flips one byte of a staged page after computing its checksum (a corrupted "
-                           "transfer, I5)",
+    "corrupt_staged_page": "prefill flips one byte of a staged row after sealing it (a corrupted transfer, I5)",
     "delay_handoff": "the PD router waits ARG seconds (default 1) between prefill and decode",
     "skip_manifest_check": "decode takes a handoff without checking it is for this request, tenant, token count "
                            "and model (I4, I5)",

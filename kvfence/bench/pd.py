@@ -34,8 +34,10 @@ from pathlib import Path
 import httpx
 
 from kvfence.bench.http_load import Report, format_report, make_prompt, run_load
-from kvfence.pd.launch import ENGINE_FLAGS, flags
+from kvfence.pd.launch import ENGINE_FLAGS, flags, node_commands, write_secret_file
 from kvfence.pd.messages import NodeInfo
+from kvfence.pd.seal import load_secret
+from kvfence.pd.wire import cluster_headers
 from kvfence.procs import stop_processes
 
 DEFAULTS = {"num_requests": 16, "prompt_tokens": 256, "output_tokens": 64, "kv_cache_memory": "512MiB"}
@@ -72,6 +74,12 @@ class Procs:
         self.logdir = logdir
         self.procs: dict[str, subprocess.Popen] = {}
         self.env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
+        self.secret_file = write_secret_file(str(logdir))  # PD processes started here share it
+
+    @property
+    def internal_headers(self) -> dict[str, str]:
+        """The credential for the nodes' internal routes."""
+        return cluster_headers(load_secret(self.secret_file))
 
     def start(self, name: str, cmd: list[str]) -> None:
         with open(self.logdir / f"{name}.log", "ab") as log:
@@ -109,12 +117,10 @@ def single_node_command(a, port: int) -> list[str]:
     return cmd + flags(a, ENGINE_FLAGS) + (["--clamp-context"] if a.clamp_context else [])
 
 
-def pd_commands(a, port: int) -> dict[str, list[str]]:
+def pd_commands(a, port: int, secret_file: str) -> dict[str, list[str]]:
     """Exactly what `kvfence launch-pd --port PORT` would start (router on PORT, nodes after)."""
-    from kvfence.pd.launch import node_commands
-
     return node_commands(argparse.Namespace(**{**vars(a), "host": HOST, "port": port, "tenants": None,
-                                               "served_model_name": None, "verbose": False}))
+                                               "served_model_name": None, "verbose": False}), secret_file)
 
 
 def _load(url: str, a) -> Report:
@@ -134,10 +140,8 @@ def run_single(a, logdir: Path, timeout: float) -> Report:
         procs.stop()
 
 
-def _decode_info(url: str) -> NodeInfo:
-    from kvfence.pd.wire import cluster_headers
-
-    r = httpx.get(url + "/internal/info", headers=cluster_headers(), timeout=30)
+def _decode_info(url: str, headers: dict[str, str]) -> NodeInfo:
+    r = httpx.get(url + "/internal/info", headers=headers, timeout=30)
     r.raise_for_status()
     return NodeInfo.from_json(r.content)
 
@@ -163,7 +167,7 @@ def run_pd(a, logdir: Path, timeout: float) -> tuple[Report, dict, dict]:
     router, decode = f"http://{HOST}:{port}", f"http://{HOST}:{port + 2}"
     procs = Procs(logdir)
     try:
-        cmds = pd_commands(a, port)
+        cmds = pd_commands(a, port, procs.secret_file)
         for role in ("prefill", "decode", "router"):
             procs.start(role, cmds[role])
         procs.wait(lambda: httpx.get(router + "/v1/kvfence/cluster", timeout=2).json()["ready"], "the PD cluster",
@@ -177,12 +181,12 @@ def run_pd(a, logdir: Path, timeout: float) -> tuple[Report, dict, dict]:
         # one request first: the transfer engines' first contact (P2P handshake) is not
         # part of any measured pull
         one("warm up", 2)
-        before = _decode_info(decode)
+        before = _decode_info(decode, procs.internal_headers)
         report = _load(router, a)
-        after = _decode_info(decode)
+        after = _decode_info(decode, procs.internal_headers)
         for i in range(SEQUENTIAL):
             one(make_prompt(i, a.prompt_tokens, seed=1), 1)
-        idle = _pulls(after, _decode_info(decode))
+        idle = _pulls(after, _decode_info(decode, procs.internal_headers))
         return report, _pulls(before, after), idle
     finally:
         procs.stop()

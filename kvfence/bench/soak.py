@@ -83,9 +83,10 @@ class SoakSummary:
 
 
 class Soak:
-    def __init__(self, a, urls: dict, pids: dict, usable: int):
+    def __init__(self, a, urls: dict, pids: dict, usable: int, internal_headers: dict[str, str]):
         self.a = a
         self.urls = urls
+        self.internal_headers = internal_headers   # the nodes' internal routes need the credential
         self.pids = pids
         self.usable = usable
         self.rng = random.Random(a.seed)
@@ -152,16 +153,22 @@ class Soak:
         while time.monotonic() < until:
             await asyncio.sleep(self.a.fault_every)
             node, spec = self.rng.choice(SURVIVABLE)
-            await http.post(self.urls[node] + "/internal/test/faults", json={"spec": spec})
+            await http.post(self.urls[node] + "/internal/test/faults", json={"spec": spec},
+                            headers=self.internal_headers)
             self.fault_on = spec
             self.faults[spec] += 1
             window = [time.monotonic(), None]
             self.fault_windows.append(window)
             await asyncio.sleep(self.a.fault_length)
-            await http.post(self.urls[node] + "/internal/test/faults", json={"spec": ""})
+            await http.post(self.urls[node] + "/internal/test/faults", json={"spec": ""},
+                            headers=self.internal_headers)
             self.fault_on = None
             # a request may still fail from it while its pull or lease runs out
             window[1] = time.monotonic() + self.a.lease + self.a.max_pull + self.a.clock_skew
+
+    async def node_info(self, http: httpx.AsyncClient, role: str) -> NodeInfo:
+        r = await http.get(self.urls[role] + "/internal/info", headers=self.internal_headers)
+        return NodeInfo.from_json(r.content)
 
     async def sampler(self, http: httpx.AsyncClient, until: float) -> None:
         t0 = time.monotonic()
@@ -171,7 +178,7 @@ class Soak:
                  "requests": sum(self.outcomes.values()), "outcomes": dict(self.outcomes)}
             for role in ("prefill", "decode"):
                 try:
-                    snap = NodeInfo.from_json((await http.get(self.urls[role] + "/internal/info")).content).snapshot
+                    snap = (await self.node_info(http, role)).snapshot
                     s[role] = {"pages_owned": snap["pages_owned"], "pages_free": snap["pages_free"],
                                "quarantined": snap["pages_quarantined"],
                                "buffer_free": snap["pd"]["buffer_free"], "buffer_fenced": snap["pd"]["buffer_fenced"]}
@@ -191,7 +198,7 @@ class Soak:
         while True:
             leaked = {}
             for role in ("prefill", "decode"):
-                snap = NodeInfo.from_json((await http.get(self.urls[role] + "/internal/info")).content).snapshot
+                snap = (await self.node_info(http, role)).snapshot
                 pd = snap["pd"]
                 bad = {k: v for k, v in {"pages_owned": snap["pages_owned"], "running": snap["running"],
                                          "waiting": snap["waiting"],
@@ -233,7 +240,7 @@ def main(a) -> int:
     procs = Procs(logdir)
     if a.faults:
         procs.env["KVFENCE_TEST_FAULT_CONTROL"] = "1"
-    cmds = pd_commands(a, port)
+    cmds = pd_commands(a, port, procs.secret_file)
     for role, cmd in cmds.items():
         procs.start(role, cmd)
     urls = {"router": f"http://127.0.0.1:{port}", "prefill": f"http://127.0.0.1:{port + 1}",
@@ -244,7 +251,8 @@ def main(a) -> int:
         a.model_name = httpx.get(urls["router"] + "/v1/models").json()["data"][0]["id"]
         print(f"soak: cluster up (usable context {usable}), logs in {logdir}; {a.duration:.0f} s of load, "
               f"{a.concurrency} clients, faults {'on' if a.faults else 'off'}", flush=True)
-        summary = asyncio.run(Soak(a, urls, {r: p.pid for r, p in procs.procs.items()}, usable).run())
+        summary = asyncio.run(Soak(a, urls, {r: p.pid for r, p in procs.procs.items()}, usable,
+                                   procs.internal_headers).run())
     finally:
         procs.stop()
     print(summary.text())

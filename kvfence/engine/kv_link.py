@@ -22,7 +22,7 @@ from kvfence.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from kvfence.kv.ledger import Violation
-    from kvfence.pd.messages import Manifest
+    from kvfence.pd.messages import Handoff
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class KvLink(Protocol):
 
     # admission (decode): check raises ManifestError (a ValueError) for a handoff this node
     # must not take, else returns the parsed manifest; enqueue queues the admitted request
-    def check(self, seq: Sequence, manifest: object) -> Manifest: ...
+    def check(self, seq: Sequence, handoff: object) -> Handoff: ...
     def enqueue(self, seq: Sequence, now: float) -> Iterable[Decision]: ...
 
     # the two points of a step
@@ -126,7 +126,7 @@ class KvLinkBase:
     def facts(self) -> dict[str, Any] | None:
         return None
 
-    def check(self, seq: Sequence, manifest: object) -> Manifest:
+    def check(self, seq: Sequence, handoff: object) -> Handoff:
         raise ValueError(f"a {self.role} node takes no KV handoff")
 
     def enqueue(self, seq: Sequence, now: float) -> Iterable[Decision]:

@@ -142,7 +142,7 @@ class LLMEngine:
         the same public scope (I9).
 
         PD: `hold_kv` (prefill node) computes all prompt tokens but the last and hands the
-        KV to the attached KvExporter; `kv_source` (decode node) is the handoff's manifest,
+        KV to the attached KvExporter; `kv_source` (decode node) is the handoff (manifest + source),
         and the attached KvImporter reserves, pulls and verifies before the request runs.
         Either way the request is admitted against its whole prompt + max_tokens."""
         request_id = request_id or uuid.uuid4().hex

@@ -14,7 +14,7 @@ from kvfence.kv.ledger import BlockTable, Owner
 
 if TYPE_CHECKING:
     from kvfence.engine.detokenizer import IncrementalDetokenizer
-    from kvfence.pd.messages import Manifest
+    from kvfence.pd.messages import Handoff
 
 _numbers = itertools.count(1)
 
@@ -57,7 +57,7 @@ class Sequence:
     # (reserved: never preempted, it could not get its transferred KV back) from kv_source.
     hold_kv: bool = False
     reserved: bool = False
-    kv_source: Manifest | None = None        # the handoff's manifest (decode)
+    kv_source: Handoff | None = None         # decode: the manifest and where to pull it from
 
     @staticmethod
     def next_number() -> int:

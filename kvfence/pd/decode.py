@@ -32,17 +32,23 @@ from kvfence.engine.request_states import Event
 from kvfence.engine.sequence import Sequence
 from kvfence.kv.ledger import BlockTable, Owner
 from kvfence.pd.link import PdLink
-from kvfence.pd.manifest import Manifest, check_manifest, parse_manifest, verify_pages
+from kvfence.pd.manifest import check_manifest, parse_handoff
+from kvfence.pd.messages import Handoff, Manifest
 from kvfence.pd.prefill import kill_point
+from kvfence.pd.seal import SealError
 from kvfence.pd.settings import PDSettings
 
 log = logging.getLogger("kvfence.pd.decode")
 
 
-def _manifest(seq: Sequence) -> Manifest:
-    if seq.kv_source is None:  # the engine admits a decode request only with its manifest
+def _handoff(seq: Sequence) -> Handoff:
+    if seq.kv_source is None:  # the engine admits a decode request only with its handoff
         raise RuntimeError(f"request {seq.request_id} has no KV handoff")
     return seq.kv_source
+
+
+def _manifest(seq: Sequence) -> Manifest:
+    return _handoff(seq).manifest
 
 
 @dataclass
@@ -67,17 +73,17 @@ class KvImporter(PdLink):
         self.transfer_seconds = 0.0
 
     # -- admission (engine thread) -------------------------------------------------------------
-    def check(self, seq: Sequence, manifest: object) -> Manifest:
+    def check(self, seq: Sequence, handoff: object) -> Handoff:
         """Static checks of the handoff, before the request is admitted (raises ManifestError);
-        returns the manifest the request will pull by."""
-        m = parse_manifest(manifest)
+        returns the handoff the request will pull by."""
+        h = parse_handoff(handoff)
         eng = self.engine
         if not faults.active("skip_manifest_check"):
-            check_manifest(m, request_id=seq.request_id, tenant=seq.tenant,
+            check_manifest(h, request_id=seq.request_id, tenant=seq.tenant,
                            token_count=len(seq.prompt_ids) - 1,
                            page_size=eng.ledger.page_size, fingerprint=eng.model_config.fingerprint(),
                            layout=self.staging.layout, slot_bytes=self.staging.slot_bytes)
-        return m
+        return h
 
     def enqueue(self, seq: Sequence, now: float) -> Iterator[Decision]:
         self.waiting.append(seq)
@@ -163,14 +169,16 @@ class KvImporter(PdLink):
             if m.page_count == 0:
                 self.notices.put((pull.pull_id, True, None, 0, 0.0))
             else:
-                self._workers.submit(self._pull, pull.pull_id, m, list(rows.pages))
+                self._workers.submit(self._pull, pull.pull_id, _handoff(seq), list(rows.pages))
 
-    def _pull(self, pull_id: int, m: Manifest, rows: list[int]) -> None:
-        """Worker thread: one one-sided read of every row, then a notice to the engine thread."""
+    def _pull(self, pull_id: int, h: Handoff, rows: list[int]) -> None:
+        """Worker thread: one one-sided read of every row, from the source the router named
+        (never an address from the manifest), then a notice to the engine thread."""
         t0 = time.perf_counter()
+        m = h.manifest
         try:
-            nbytes = self.transport.read(m.session, self.staging.row_addresses(rows),
-                                         m.row_addresses(), [m.slot_bytes] * len(rows))
+            nbytes = self.transport.read(h.source.session, self.staging.row_addresses(rows),
+                                         h.source.row_addresses(m), [m.slot_bytes] * len(rows))
             notice: tuple[int, bool, str | None, int, float] = (pull_id, True, None, nbytes,
                                                                  time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001 - any failure of the transfer is a failed pull
@@ -204,14 +212,15 @@ class KvImporter(PdLink):
             yield self._settle_and_abort(p, "kv_transfer_failed", f"the KV transfer failed: {error}")
             return
         m = _manifest(seq)
-        problem = verify_pages(m, self.staging.rows_bytes(p.rows.pages), skip_checksum=faults.active("skip_checksum"))
-        if problem is not None:
+        try:  # authenticated and decrypted once, in private memory (kvfence/pd/seal.py)
+            plain = self.staging.open_rows(p.rows.pages, m, self.cipher(m, seq),
+                                           authenticate=not faults.active("skip_row_auth"))
+        except SealError as e:
             self.counters["verify_failed"] += 1
-            log.error("request %s: transferred KV failed verification: %s", seq.request_id, problem)
-            yield self._settle_and_abort(p, "kv_verification_failed",
-                                         f"the transferred KV failed verification: {problem}")
+            log.error("request %s: transferred KV failed verification: %s", seq.request_id, e)
+            yield self._settle_and_abort(p, "kv_verification_failed", f"the transferred KV failed verification: {e}")
             return
-        self.staging.unstage(p.rows.pages, seq.table.pages[:m.page_count])
+        self.staging.unstage(plain, seq.table.pages[:m.page_count])
         del self.live[seq.request_id]
         self.staging.ledger.free(p.owner, p.rows)
         self.counters["verified"] += 1

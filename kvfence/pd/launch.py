@@ -12,8 +12,10 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
+from kvfence.pd.seal import new_secret
 from kvfence.procs import stop_processes
 
 # the engine options a node takes from launch-pd's (and the PD bench's) command line
@@ -31,19 +33,21 @@ def flags(a, names) -> list[str]:
     return out
 
 
-def node_commands(a) -> dict[str, list[str]]:
+def node_commands(a, secret_file: str) -> dict[str, list[str]]:
+    """The three processes' command lines; each reads the cluster secret from secret_file."""
     cores = len(os.sched_getaffinity(0))
     threads = {"prefill": a.threads or max(1, cores // 2), "decode": a.threads or max(1, cores - cores // 2)}
     base = [sys.executable, "-m", "kvfence.cli"] + (["-v"] if getattr(a, "verbose", False) else [])
     engine = flags(a, ENGINE_FLAGS) + (["--clamp-context"] if a.clamp_context else [])
     tenants = ["--tenants", a.tenants] if a.tenants else []
+    secret = ["--cluster-secret-file", secret_file]
     cmds = {}
     for i, role in enumerate(("prefill", "decode"), start=1):
         cmds[role] = base + ["serve", "--role", role, "--host", a.host, "--port", str(a.port + i),
-                             "--threads", str(threads[role])] + engine + flags(a, PD_FLAGS) + tenants
+                             "--threads", str(threads[role])] + engine + flags(a, PD_FLAGS) + tenants + secret
     cmds["router"] = base + ["serve", "--role", "router", "--host", a.host, "--port", str(a.port),
                              "--prefill-url", f"http://{a.host}:{a.port + 1}",
-                             "--decode-url", f"http://{a.host}:{a.port + 2}"] + tenants + (
+                             "--decode-url", f"http://{a.host}:{a.port + 2}"] + tenants + secret + (
         ["--model", a.model] if a.model else []) + (
         ["--max-model-len", str(a.max_model_len)] if a.max_model_len else []) + (
         ["--clamp-context"] if a.clamp_context else []) + (
@@ -51,10 +55,32 @@ def node_commands(a) -> dict[str, list[str]]:
     return cmds
 
 
+def write_secret_file(directory: str | None = None) -> str:
+    """A fresh cluster secret in a file only its owner can read; returns the path."""
+    fd, path = tempfile.mkstemp(prefix="kvfence-cluster-", suffix=".secret", dir=directory)
+    with os.fdopen(fd, "w") as f:   # mkstemp creates it 0600
+        f.write(new_secret() + "\n")
+    return path
+
+
 def launch_pd(a) -> int:
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    secret_file = a.cluster_secret_file
+    if secret_file is None:
+        secret_file = write_secret_file()
+        print(f"kvfence launch-pd: made a random cluster secret for this cluster in {secret_file} (0600; removed "
+              f"on exit); clients of the nodes' internal API need it: KVFENCE_CLUSTER_SECRET_FILE={secret_file}",
+              file=sys.stderr)
+    try:
+        return _run(a, env, secret_file)
+    finally:
+        if a.cluster_secret_file is None:
+            os.unlink(secret_file)
+
+
+def _run(a, env: dict[str, str], secret_file: str) -> int:
     procs: dict[str, subprocess.Popen] = {}
-    for role, cmd in node_commands(a).items():
+    for role, cmd in node_commands(a, secret_file).items():
         procs[role] = subprocess.Popen(cmd, env=env)
         print(f"kvfence launch-pd: started {role} (pid {procs[role].pid}): {' '.join(cmd[2:])}", file=sys.stderr)
     print(f"kvfence launch-pd: the OpenAI API will be at http://{a.host}:{a.port}/v1 once the router reports "

@@ -11,6 +11,9 @@ from collections import Counter
 
 from kvfence.engine.admission import CapacityError
 from kvfence.engine.kv_link import KvLinkBase
+from kvfence.engine.sequence import Sequence
+from kvfence.pd.messages import Manifest
+from kvfence.pd.seal import RowCipher
 from kvfence.pd.settings import PDSettings
 from kvfence.pd.staging import StagingBuffer
 
@@ -35,10 +38,17 @@ class PdLink(KvLinkBase):
         self.role = settings.role
         engine.kv_link = self
 
+    def cipher(self, m: Manifest, seq: Sequence) -> RowCipher:
+        """The key of one hold's rows, from the cluster secret and this node's own knowledge
+        of the request (decode has checked the manifest names the same)."""
+        assert self.settings.cluster_secret is not None  # PDSettings refuses to exist without it
+        return RowCipher(self.settings.cluster_secret, m.seal_salt, m.boot_id, seq.request_id, seq.tenant)
+
     def facts(self) -> dict:
         """What the router's capacity check (I8) and handoffs need to know about this node."""
         s = self.settings
         return {"role": s.role, "boot_id": self.boot_id, "transfer_session": self.transport.session_id,
+                "buffer_base": self.base,
                 "kv_layout": self.staging.layout, "slot_bytes": self.staging.slot_bytes,
                 "buffer_rows": self.staging.capacity_pages, "lease_s": s.lease_s, "max_pull_s": s.max_pull_s,
                 "clock_skew_s": s.clock_skew_s}

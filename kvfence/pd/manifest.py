@@ -1,11 +1,13 @@
-"""What travels with a KV handoff, and decode's check of it (I5).
+"""What decode checks of a handoff (I5), and the header each transferred page is bound to.
 
-A handoff is a manifest (kvfence/pd/messages.py: request id, tenant, token and page counts, per-page epoch and
-checksum, model and KV-layout fingerprint, the prefill process's registration and lease
-deadline) plus the staged pages themselves. Every staged page starts with a header that
-names the request, tenant, prefill process and epoch it was staged for, so the bytes that
-arrive say whose they are; the checksum covers header and data. Decode runs nothing until
-every page passed `verify_pages` and then attends exactly `token_count` tokens (I3).
+A handoff is a manifest (kvfence/pd/messages.py: request id, tenant, token and page counts,
+per-page row epoch, model and KV-layout fingerprint, the prefill boot id, the seal salt and
+lease deadline), the transfer source the router read from the prefill node, and the sealed
+rows themselves. Each row is bound by AEAD to its page header (request, tenant, prefill
+process, epoch, page index, page count, tokens in the page), which decode builds from the
+manifest: a row that opens under that header is the page the manifest promised, and
+nothing else opens (kvfence/pd/seal.py). Decode runs nothing until every page opened, and
+then attends exactly `token_count` tokens (I3).
 """
 from __future__ import annotations
 
@@ -13,28 +15,24 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
-from kvfence.pd.messages import Manifest
+from kvfence.pd.messages import Handoff, Manifest
 
-MAGIC = b"KVF1"
-HEADER_BYTES = 64
+MAGIC = b"KVF2"
 # magic, request digest, tenant digest, boot digest, epoch, page index, page count, tokens in page
-_HEADER = struct.Struct("<4s16s8s8sqIII")
+_HEADER = struct.Struct("<4s32s32s32sQIII")
 
 
 class ManifestError(ValueError):
     """A handoff that must not be used; the message says which check failed."""
 
 
-def digest(text: str, size: int) -> bytes:
-    return hashlib.blake2b(text.encode(), digest_size=size).digest()
-
-
-def page_checksum(slot_bytes) -> str:
-    return hashlib.blake2b(slot_bytes, digest_size=16).hexdigest()
+def digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode(), digest_size=32).digest()
 
 
 @dataclass(frozen=True)
 class PageHeader:
+    """A page's identity: the associated data its row is sealed with (never stored)."""
     request_id: str
     tenant: str
     boot_id: str
@@ -44,53 +42,39 @@ class PageHeader:
     tokens: int
 
     def pack(self) -> bytes:
-        raw = _HEADER.pack(MAGIC, digest(self.request_id, 16), digest(self.tenant, 8), digest(self.boot_id, 8),
-                           self.epoch, self.index, self.count, self.tokens)
-        return raw.ljust(HEADER_BYTES, b"\0")
-
-    def matches(self, raw: bytes) -> str | None:
-        """None if raw is this header, else what differs."""
-        try:
-            magic, req, ten, boot, epoch, index, count, tokens = _HEADER.unpack_from(raw)
-        except struct.error:
-            return "short header"
-        if magic != MAGIC:
-            return "no page header (bytes are not a staged kvfence page)"
-        for name, got, want in (("request", req, digest(self.request_id, 16)),
-                                ("tenant", ten, digest(self.tenant, 8)),
-                                ("prefill process", boot, digest(self.boot_id, 8)),
-                                ("epoch", epoch, self.epoch), ("page index", index, self.index),
-                                ("page count", count, self.count), ("token count", tokens, self.tokens)):
-            if got != want:
-                return f"page header names another {name}"
-        return None
+        return _HEADER.pack(MAGIC, digest(self.request_id), digest(self.tenant), digest(self.boot_id),
+                            self.epoch, self.index, self.count, self.tokens)
 
 
 def page_header(m: Manifest, i: int) -> PageHeader:
-    """The header page i of the manifest's handoff must carry."""
+    """The header page i of the manifest's handoff is sealed under."""
     tokens = min(m.page_size, m.token_count - i * m.page_size)
     return PageHeader(m.request_id, m.tenant, m.boot_id, m.epochs[i], i, m.page_count, tokens)
 
 
-def parse_manifest(data: object) -> Manifest:
-    """The manifest decode was handed, checked field by field (ManifestError if malformed)."""
-    if isinstance(data, Manifest):
+def parse_handoff(data: object) -> Handoff:
+    """The handoff decode was given, checked field by field (ManifestError if malformed)."""
+    if isinstance(data, Handoff):
         return data
     try:
-        return Manifest.from_json(data)
+        return Handoff.from_json(data)
     except ValueError as e:
         raise ManifestError(str(e)) from None
 
 
-def check_manifest(m: Manifest, *, request_id: str, tenant: str, token_count: int, page_size: int,
+def check_manifest(h: Handoff, *, request_id: str, tenant: str, token_count: int, page_size: int,
                    fingerprint: str, layout: str, slot_bytes: int) -> None:
     """Decode's checks before it reserves anything: the manifest is for this request and
-    this model, and its counts are the ones the router asked for (never trust its own)."""
+    this model, comes from the prefill process the source names, and its counts are the
+    ones the router asked for (never trust its own)."""
+    m = h.manifest
     problems = []
     if m.request_id != request_id:
         problems.append(f"manifest is for request {m.request_id!r}, not {request_id!r}")
     if m.tenant != tenant:
         problems.append("manifest names another tenant")
+    if m.boot_id != h.source.boot_id:
+        problems.append("manifest is from another prefill process than the transfer source")
     if m.token_count != token_count:
         problems.append(f"manifest holds {m.token_count} tokens, the request needs {token_count}")
     if m.page_size != page_size or m.page_count != -(-token_count // page_size):
@@ -102,18 +86,3 @@ def check_manifest(m: Manifest, *, request_id: str, tenant: str, token_count: in
         problems.append(f"KV layout {m.layout}/{m.slot_bytes} differs from decode's {layout}/{slot_bytes}")
     if problems:
         raise ManifestError("; ".join(problems))
-
-
-def verify_pages(m: Manifest, rows, skip_checksum: bool = False) -> str | None:
-    """I5 on the bytes that arrived: rows[i] is page i's staged bytes (header + data).
-    Returns None when every page is the one the manifest promised, else the first problem."""
-    if len(rows) != m.page_count:
-        return f"{len(rows)} pages arrived, the manifest lists {m.page_count}"
-    for i, row in enumerate(rows):
-        raw = bytes(row[:HEADER_BYTES])
-        problem = page_header(m, i).matches(raw)
-        if problem is not None:
-            return f"page {i}: {problem}"
-        if not skip_checksum and page_checksum(row) != m.checksums[i]:
-            return f"page {i}: checksum mismatch"
-    return None

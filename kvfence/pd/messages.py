@@ -97,33 +97,48 @@ class WireParams(WireModel):
 
 # -- the handoff manifest ------------------------------------------------------------------
 class Manifest(WireModel):
-    """What travels with a KV handoff (kvfence/pd/manifest.py holds decode's checks of it)."""
+    """What prefill says about a hold (kvfence/pd/manifest.py holds decode's checks of it).
+    It names no address to pull from: decode pulls from the TransferSource the router read
+    from the prefill node itself."""
     request_id: Id
     tenant: Name
     token_count: Count                # tokens whose KV the pages hold: all the prompt but its last token
     page_count: Annotated[int, Field(ge=0, le=MAX_PAGES)]
     page_size: Annotated[int, Field(ge=1, le=1 << 16)]
     epochs: Annotated[list[Annotated[int, Field(ge=0, le=U64)]], Field(max_length=MAX_PAGES)]
-    checksums: Annotated[list[Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]], Field(max_length=MAX_PAGES)]
     fingerprint: Name                 # model architecture (ModelConfig.fingerprint)
     layout: Name                      # KV layout and dtype of the page bytes
     boot_id: Id                       # the prefill process: a restarted one has another
-    session: Name                     # its transfer engine, host:port
-    base: Annotated[int, Field(ge=0, le=U64)]          # its staging buffer's registered address
+    seal_salt: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]   # per hold: with the secret, the rows' key
     slot_bytes: Annotated[int, Field(ge=1, le=1 << 40)]
     slots: Annotated[list[Annotated[int, Field(ge=0, le=MAX_PAGES)]], Field(max_length=MAX_PAGES)]
     lease_deadline: float             # time.time() after which no pull may start
     issued_at: float = 0.0
 
     def model_post_init(self, _context: Any) -> None:
-        if not (len(self.epochs) == len(self.checksums) == len(self.slots) == self.page_count):
-            raise ValueError(f"manifest lists {len(self.slots)} slots, {len(self.epochs)} epochs and "
-                             f"{len(self.checksums)} checksums for {self.page_count} pages")
+        if not (len(self.epochs) == len(self.slots) == self.page_count):
+            raise ValueError(f"manifest lists {len(self.slots)} slots and {len(self.epochs)} epochs for "
+                             f"{self.page_count} pages")
 
-    def row_addresses(self, pages=None) -> list[int]:
+
+class TransferSource(WireModel):
+    """Where decode pulls a handoff from: the prefill node's transfer engine and registered
+    buffer as that node reported them to the router (GET /internal/info), never as a
+    manifest says."""
+    session: Name                     # the transfer engine, host:port
+    base: Annotated[int, Field(ge=0, le=U64)]   # the transfer buffer's registered address
+    boot_id: Id                       # the prefill process that reported them
+
+    def row_addresses(self, m: Manifest, pages=None) -> list[int]:
         """Addresses in prefill's registered buffer of the given pages' rows (default: all)."""
-        idx = range(self.page_count) if pages is None else pages
-        return [self.base + self.slots[i] * self.slot_bytes for i in idx]
+        idx = range(m.page_count) if pages is None else pages
+        return [self.base + m.slots[i] * m.slot_bytes for i in idx]
+
+
+class Handoff(WireModel):
+    """What decode admits a transferred request by: prefill's manifest and the router's source."""
+    manifest: Manifest
+    source: TransferSource
 
 
 # -- router -> node requests -----------------------------------------------------------------
@@ -137,8 +152,8 @@ class PrefillBody(WireModel):
 
 
 class DecodeBody(PrefillBody):
-    """POST /internal/decode: admit, pull by the manifest (none for a one-token prompt), decode."""
-    manifest: Manifest | None = None
+    """POST /internal/decode: admit, pull by the handoff (none for a one-token prompt), decode."""
+    handoff: Handoff | None = None
 
 
 class ReleaseBody(WireModel):
@@ -234,6 +249,7 @@ class PdFacts(WireModel):
     role: Literal["prefill", "decode"]
     boot_id: Id
     transfer_session: Name
+    buffer_base: Annotated[int, Field(ge=0, le=U64)]
     kv_layout: Name
     slot_bytes: Annotated[int, Field(ge=1)]
     buffer_rows: Annotated[int, Field(ge=0)]
@@ -268,6 +284,10 @@ class NodeInfo(WireModel):
     prefix_cache: bool
     pd: PdFacts
     snapshot: dict[str, Any] = {}
+
+    def source(self) -> TransferSource:
+        """Where a decode node pulls this (prefill) node's holds from."""
+        return TransferSource(session=self.pd.transfer_session, base=self.pd.buffer_base, boot_id=self.pd.boot_id)
 
     def facts(self) -> dict[str, Any]:
         """The static facts as the server's dict (without the snapshot)."""

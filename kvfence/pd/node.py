@@ -14,7 +14,6 @@ A router that disconnects from a prefill or decode stream aborts that request on
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from typing import TypeVar
 
@@ -43,8 +42,8 @@ from kvfence.pd.messages import (
     WireModel,
     event_line,
 )
+from kvfence.pd.seal import CONTROL_HEADER, check_control
 from kvfence.pd.settings import PDSettings
-from kvfence.pd.wire import CLUSTER_TOKEN_HEADER, cluster_token
 from kvfence.server.backend import EngineFailed, Update
 from kvfence.server.disconnect import watch_disconnect
 from kvfence.server.engine_loop import EngineLoop
@@ -120,13 +119,14 @@ def _progress(u: Update) -> ProgressEvent:
 
 
 def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings) -> None:
-    secret = cluster_token()
+    secret = settings.cluster_secret
+    assert secret is not None  # PDSettings refuses to exist without it
 
     @app.middleware("http")
     async def _cluster_only(request: Request, call_next):
-        if request.url.path.startswith("/internal/") and secret is not None:
-            if not hmac.compare_digest(request.headers.get(CLUSTER_TOKEN_HEADER, ""), secret):
-                return _error(401, "internal API: missing or wrong cluster token", "unauthorized")
+        # every internal route, the test-only fault switch included, needs the credential (I11)
+        if request.url.path.startswith("/internal/") and not check_control(secret, request.headers.get(CONTROL_HEADER)):
+            return _error(401, "internal API: missing or wrong cluster credential", "unauthorized")
         return await call_next(request)
 
     @app.get("/internal/info")
@@ -198,7 +198,7 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings) ->
         @app.post("/internal/decode")
         async def decode(request: Request):
             body = await _read(request, DecodeBody)
-            return _stream(body, request, **({"kv_source": body.manifest} if body.manifest is not None else {}))
+            return _stream(body, request, **({"kv_source": body.handoff} if body.handoff is not None else {}))
 
 
 def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int, tenants_file: str | None = None,
@@ -219,7 +219,9 @@ def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int,
     if not loop.wait_ready():
         log.error("%s node not serving: %s", settings.role, loop.error)
         return 2
-    state = ServerState(loop, tenants)
+    # the public API only with a tenants file: otherwise anyone reaching the node could
+    # generate around the router's admission and tenant limits
+    state = ServerState(loop, tenants, public_api=tenants_file is not None)
     app = create_app(state)
     add_internal_routes(app, loop, settings)
     faults.announce(log)

@@ -2,10 +2,11 @@
 
 A request arrives with `hold_kv`: the engine computes every prompt token but the last
 (decode computes that one, so all sampling happens in one place), then hands the request
-here instead of sampling. Here its pages pass the ledger's read check, are copied into
-transfer-buffer rows with headers and checksums, the pool pages go back (or into the
-prefix cache), and the rows are held under a lease (KV_HELD). The router gets the
-manifest. The lease ends one of three ways:
+here instead of sampling. Here its pages pass the ledger's read check, are sealed into
+transfer-buffer rows (AES-GCM under a key for this hold, each row bound to its page
+header; kvfence/pd/seal.py), the pool pages go back (or into the prefix cache), and the
+rows are held under a lease (KV_HELD). The router gets the manifest. The lease ends one
+of three ways:
 
 - RELEASE: decode acknowledged a verified transfer; the rows are freed.
 - ABORT with the reader known stopped (decode said no pull is running): freed.
@@ -26,6 +27,7 @@ from kvfence.engine.sequence import Sequence
 from kvfence.kv.ledger import BlockTable, Owner
 from kvfence.pd.link import PdLink
 from kvfence.pd.manifest import Manifest
+from kvfence.pd.seal import new_salt
 from kvfence.pd.settings import PDSettings
 
 log = logging.getLogger("kvfence.pd.prefill")
@@ -130,14 +132,15 @@ class KvExporter(PdLink):
             return ReadRefused(seq, bad)
         owner = Owner(self.staging.ledger.tenant_id(seq.tenant), seq.owner.request)
         rows = self.staging.grant(owner, n)
-        sums = self.staging.stage(seq.table.pages[:n], rows, tokens, seq.request_id, seq.tenant, self.boot_id)
+        m = Manifest(request_id=seq.request_id, tenant=seq.tenant, token_count=tokens, page_count=n,
+                     page_size=eng.ledger.page_size, epochs=list(rows.epochs),
+                     fingerprint=eng.model_config.fingerprint(), layout=self.staging.layout, boot_id=self.boot_id,
+                     seal_salt=new_salt(),
+                     slot_bytes=self.staging.slot_bytes, slots=list(rows.pages),
+                     lease_deadline=now + self.settings.lease_s, issued_at=now)
+        self.staging.stage(seq.table.pages[:n], rows, m, self.cipher(m, seq))
         if n and faults.active("corrupt_staged_page"):
             self.staging.buf[rows.pages[0], -1] ^= 0x5A
-        m = Manifest(request_id=seq.request_id, tenant=seq.tenant, token_count=tokens, page_count=n,
-                     page_size=eng.ledger.page_size, epochs=list(rows.epochs), checksums=sums,
-                     fingerprint=eng.model_config.fingerprint(), layout=self.staging.layout, boot_id=self.boot_id,
-                     session=self.transport.session_id, base=self.base, slot_bytes=self.staging.slot_bytes,
-                     slots=list(rows.pages), lease_deadline=now + self.settings.lease_s, issued_at=now)
         self.held[seq.request_id] = Held(seq, owner, rows, m)
         self.counters["held"] += 1
         kill_point("prefill_after_hold")

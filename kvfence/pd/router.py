@@ -42,6 +42,7 @@ from kvfence.pd.messages import (
     AdmittedEvent,
     DecodeBody,
     FailedEvent,
+    Handoff,
     Manifest,
     MessageError,
     NodeInfo,
@@ -49,6 +50,7 @@ from kvfence.pd.messages import (
     ProgressEvent,
     RejectedEvent,
     ReleaseBody,
+    TransferSource,
     WaitEvent,
     WireModel,
     WireParams,
@@ -96,10 +98,12 @@ class _Flight:
 class RouterBackend:
     """The PD cluster as an EngineBackend (server/backend.py) for server/app.py."""
 
-    def __init__(self, prefill_url: str, decode_url: str, model: str | None = None,
+    def __init__(self, prefill_url: str, decode_url: str, secret: bytes, model: str | None = None,
                  max_model_len: int | None = None, clamp_context: bool = False, wait_s: float = 300.0,
                  stall_s: float = 10.0, poll_s: float = 1.0):
         self.urls = {"prefill": prefill_url.rstrip("/"), "decode": decode_url.rstrip("/")}
+        self._headers = cluster_headers(secret)
+        self._source: TransferSource | None = None   # where decode pulls prefill's holds from
         self.model = model
         self.max_model_len = max_model_len
         self.clamp = clamp_context
@@ -142,7 +146,7 @@ class RouterBackend:
         self.tokenizer = load_router_tokenizer(self.model)
         deadline = time.monotonic() + self.wait_s
         facts: dict[str, NodeInfo] = {}
-        with httpx.Client(timeout=5.0, headers=cluster_headers()) as c:
+        with httpx.Client(timeout=5.0, headers=self._headers) as c:
             while len(facts) < len(ROLES):
                 for role in ROLES:
                     if role in facts:
@@ -188,6 +192,7 @@ class RouterBackend:
         for role, f in facts.items():
             self._boot[role] = f.pd.boot_id
             self._node_ok[role] = True
+        self._source = facts["prefill"].source()
         if not chk.ok:
             self.error = f"cluster capacity check failed: {chk.note}"
             self._ready = False
@@ -221,7 +226,7 @@ class RouterBackend:
 
     # -- the monitor (I8 on rejoin) ---------------------------------------------------------------
     async def run_monitor(self) -> None:
-        async with httpx.AsyncClient(timeout=2.0, headers=cluster_headers()) as c:
+        async with httpx.AsyncClient(timeout=2.0, headers=self._headers) as c:
             while not self._stopped:
                 await asyncio.sleep(self.poll_s)
                 facts: dict[str, NodeInfo] = {}
@@ -257,7 +262,7 @@ class RouterBackend:
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.stall_s, connect=5.0),
-                                             headers=cluster_headers(),
+                                             headers=self._headers,
                                              limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
         return self._client
 
@@ -326,8 +331,14 @@ class RouterBackend:
                     return
                 if faults.active("delay_handoff"):
                     await asyncio.sleep(faults.arg_float("delay_handoff", 1.0))
+            handoff = None
+            if flight.manifest is not None:
+                source = self._source
+                if source is None or source.boot_id != flight.manifest.boot_id:
+                    raise NodeError("the prefill node restarted after holding the KV", "node_failed")
+                handoff = Handoff(manifest=flight.manifest, source=source)
             body = DecodeBody(request_id=rid, tenant=tenant, prompt_ids=ids, params=wire,
-                              public_prefix_scope=scope, manifest=flight.manifest)
+                              public_prefix_scope=scope, handoff=handoff)
             await self._decode(body, flight, handle, admitted, len(ids))
         except asyncio.CancelledError:
             raise
@@ -458,7 +469,7 @@ def _as_submit_error(message: str, code: str, rejection: RejectedEvent | None) -
 
 
 def serve_router(prefill_url: str, decode_url: str, model: str | None, host: str, port: int,
-                 max_model_len: int | None, clamp_context: bool, tenants_file: str | None = None,
+                 max_model_len: int | None, clamp_context: bool, secret: bytes, tenants_file: str | None = None,
                  served_model_name: str | None = None, log_level: str = "info", wait_s: float = 300.0,
                  stall_s: float = 10.0) -> int:
     import uvicorn
@@ -468,7 +479,8 @@ def serve_router(prefill_url: str, decode_url: str, model: str | None, host: str
     from kvfence.server.serve import load_tenants
 
     tenants = load_tenants(tenants_file)
-    backend = RouterBackend(prefill_url, decode_url, model, max_model_len, clamp_context, wait_s, stall_s).start()
+    backend = RouterBackend(prefill_url, decode_url, secret, model, max_model_len, clamp_context, wait_s,
+                            stall_s).start()
     if backend.error is not None:
         log.error("router not serving: %s", backend.error)
         return 2

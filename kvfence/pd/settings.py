@@ -20,7 +20,7 @@ so the bound must cover it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ROLES = ("prefill", "decode")
 
@@ -35,12 +35,16 @@ class PDSettings:
     max_pull_s: float = 75.0                # upper bound on a started pull, see above
     pull_give_up_s: float = 10.0            # decode answers the client with an error after this
     clock_skew_s: float = 1.0               # largest clock difference between prefill and decode
+    # the cluster secret (kvfence/pd/seal.py): seals transfer rows, derives the control credential
+    cluster_secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"PD role must be one of {', '.join(ROLES)}; got {self.role!r}")
         if self.lease_s <= 2 * self.clock_skew_s:
             raise ValueError("lease_s must exceed twice clock_skew_s, or no pull could ever start")
+        if self.cluster_secret is None:
+            raise ValueError("a PD node needs the cluster secret (kvfence/pd/seal.py load_secret)")
         if self.max_pull_s < self.transfer_timeout_s:
             raise ValueError("max_pull_s must be at least the transfer engine's timeout")
 

@@ -1,20 +1,12 @@
-"""The cluster credential on the internal API (the nodes' /internal/* routes).
-
-The messages themselves are defined in kvfence/pd/messages.py.
+"""The control-plane credential as HTTP headers, for clients of the nodes' /internal/* routes
+(the router, the canary harness, the benches). The messages are in kvfence/pd/messages.py;
+the secret and what is derived from it in kvfence/pd/seal.py.
 """
 from __future__ import annotations
 
-import os
-
-CLUSTER_TOKEN_ENV = "KVFENCE_CLUSTER_TOKEN"
-CLUSTER_TOKEN_HEADER = "x-kvfence-cluster-token"
+from kvfence.pd.seal import control_headers, load_secret
 
 
-def cluster_token() -> str | None:
-    """An optional shared secret on the internal API."""
-    return os.environ.get(CLUSTER_TOKEN_ENV) or None
-
-
-def cluster_headers() -> dict:
-    tok = cluster_token()
-    return {CLUSTER_TOKEN_HEADER: tok} if tok else {}
+def cluster_headers(secret: bytes | None = None) -> dict[str, str]:
+    """The credential header; the secret from $KVFENCE_CLUSTER_SECRET(_FILE) unless given."""
+    return control_headers(secret if secret is not None else load_secret())

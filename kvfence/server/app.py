@@ -36,8 +36,11 @@ UNAUTHENTICATED = "unauthenticated"
 
 class ServerState:
     def __init__(self, engine: EngineBackend, tenants: TenantRegistry, served_model_name: str | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, owns_engine: bool = True):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, owns_engine: bool = True, public_api: bool = True):
         self.engine = engine
+        # False on a PD node without a tenants file: no /v1 generation or model routes, so
+        # nothing reaches its engine around the router's admission and tenant limits
+        self.public_api = public_api
         self.tenants = tenants
         self.limiter = TenantLimiter()
         self.metrics = ServerMetrics(engine)
@@ -125,6 +128,20 @@ def create_app(state: ServerState) -> FastAPI:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     # -- OpenAI API ------------------------------------------------------------------------
+    if state.public_api:
+        _openai_routes(app, state)
+
+    @app.get("/v1/kvfence/isolation")
+    async def isolation(request: Request):
+        state.tenants.authenticate(request.headers.get("authorization"))
+        state.ensure_ready()
+        return state.statement()
+
+    return app
+
+
+def _openai_routes(app: FastAPI, state: ServerState) -> None:
+    """The public OpenAI API: models, completions, chat completions."""
     @app.get("/v1/models")
     async def models(request: Request):
         state.tenants.authenticate(request.headers.get("authorization"))
@@ -144,14 +161,6 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await _generate(state, request, "chat")
-
-    @app.get("/v1/kvfence/isolation")
-    async def isolation(request: Request):
-        state.tenants.authenticate(request.headers.get("authorization"))
-        state.ensure_ready()
-        return state.statement()
-
-    return app
 
 
 def _model_card(state: ServerState) -> dict:

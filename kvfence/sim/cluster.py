@@ -43,13 +43,16 @@ from kvfence.engine.request_states import TERMINAL, State
 from kvfence.kv.ledger import PageState
 from kvfence.kv.pool import page_bytes
 from kvfence.pd.decode import KvImporter
-from kvfence.pd.manifest import HEADER_BYTES, ManifestError
+from kvfence.pd.manifest import ManifestError
+from kvfence.pd.messages import Manifest
 from kvfence.pd.prefill import KvExporter
+from kvfence.pd.seal import SealError
 from kvfence.pd.settings import PDSettings
 from kvfence.pd.transfer import InProcessTransport
 from kvfence.sim.transport import FAILING_FATES, SimPull, SimTransport, SimWorkers
 
 _uids = itertools.count(1)
+SIM_SECRET = b"the simulated cluster's secret (32+ bytes)"
 
 # PageState values as plain ints: an enum attribute lookup costs microseconds, and the
 # checks below do thousands per step
@@ -302,7 +305,8 @@ class Simulation:
         self.loaded = loaded or shared_model(cfg.layers, cfg.hidden)
         self.settings = PDSettings("prefill", lease_s=cfg.lease_s, max_pull_s=cfg.max_pull_s,
                                    pull_give_up_s=cfg.pull_give_up_s, clock_skew_s=cfg.clock_skew_s,
-                                   transfer_timeout_s=min(5, int(cfg.max_pull_s)))
+                                   transfer_timeout_s=min(5, int(cfg.max_pull_s)), cluster_secret=SIM_SECRET)
+        self.p_source: dict | None = None   # the router's view of prefill's transfer source (/internal/info)
         self.true_skew = cfg.clock_skew_s if cfg.true_skew is None else cfg.true_skew
         self.now = 1000.0
         self.step_no = 0
@@ -357,7 +361,8 @@ class Simulation:
         tr = InProcessTransport(name)
         st = PDSettings(node.role, transfer_buffer_pages=c.prefill_rows if node.role == "prefill" else c.decode_rows,
                         lease_s=c.lease_s, max_pull_s=c.max_pull_s, pull_give_up_s=c.pull_give_up_s,
-                        clock_skew_s=c.clock_skew_s, transfer_timeout_s=self.settings.transfer_timeout_s)
+                        clock_skew_s=c.clock_skew_s, transfer_timeout_s=self.settings.transfer_timeout_s,
+                        cluster_secret=SIM_SECRET)
         if node.role == "prefill":
             link = KvExporter(eng, st, tr)
         else:
@@ -372,6 +377,8 @@ class Simulation:
         self._watch_unservable(node, eng)
         node.engine, node.link, node.transport = eng, link, tr
         node.down_until = None
+        if node.role == "prefill":  # the router's monitor reads the new boot's facts
+            self.p_source = {"session": tr.session_id, "base": link.base, "boot_id": link.boot_id}
 
     def _boot_of(self, role: str) -> int:
         node = self.nodes[role]
@@ -439,9 +446,10 @@ class Simulation:
         st = imp.staging
         orig = st.unstage
 
-        def unstage(rows, pages):
-            owner = int(st.ledger.owner_request[rows[0]]) if rows else -1
-            orig(rows, pages)
+        def unstage(plain, pages):
+            # the pool pages' owner record names the same request number as its rows'
+            owner = int(imp.engine.ledger.owner_request[pages[0]]) if pages else -1
+            orig(plain, pages)
             pool = imp.engine.pool
             slots = pool.slots_of(torch.as_tensor(pages, dtype=torch.int64))
             self._unstaged[owner] = pool.kv.index_select(3, slots).clone()
@@ -661,12 +669,16 @@ class Simulation:
         life = self.rng.choice([lf for lf in self.open if lf.stage == "handoff"])
         d = self.nodes["decode"]
         self._log(f"router -> decode {life.rid}")
+        source = self.p_source
+        if life.manifest is not None and (source is None or source["boot_id"] != life.manifest["boot_id"]):
+            life.excuses.add("crash")   # kvfence/pd/router.py: the prefill node restarted after holding
+            return self._answer(life, "error", "node_failed")
         life.decode_contacted = True
         if not d.up:
             life.excuses.add("crash")
             return self._answer(life, "error", "node_unavailable")
         life.d_boot = d.boot
-        kw = {"kv_source": dict(life.manifest)} if life.manifest is not None else {}
+        kw = {"kv_source": {"manifest": dict(life.manifest), "source": source}} if life.manifest is not None else {}
         granted = (d.engine.ledger.counters["pages_allocated"], d.link.staging.ledger.counters["pages_allocated"])
         try:
             seq = d.engine.add_request(life.ids, life.params, tenant=life.tenant, request_id=life.rid, **kw)
@@ -777,7 +789,7 @@ class Simulation:
             if out.event == "kv_held":
                 m = out.data
                 life.held = m
-                life.truth = node.link.staging.buf[m["slots"], HEADER_BYTES:].clone()
+                life.truth = self._staged_plaintext(node, out.seq, m)
                 self._log(f"  {life.rid} kv_held: {m['token_count']} tokens in rows {m['slots']}")
                 self._check(m["token_count"] == len(life.ids) - 1 or not self.cfg.check_handoff, "I5",
                             f"prefill held {m['token_count']} tokens of {life.rid}, its prompt has {len(life.ids)}")
@@ -789,6 +801,16 @@ class Simulation:
                 self._known_pool_bug(node, life, code)
                 self._log(f"  prefill failed {life.rid}: {out.seq.error}")
                 self._answer(life, "error", code, where="prefill")
+
+    @staticmethod
+    def _staged_plaintext(node: Node, seq, m: dict) -> torch.Tensor | None:
+        """The content oracle's truth: the KV prefill sealed into the rows, opened right after
+        staging (None when a fault corrupted them: then nothing may verify)."""
+        man = Manifest.from_json(m)
+        try:
+            return node.link.staging.open_rows(m["slots"], man, node.link.cipher(man, seq))
+        except SealError:
+            return None
 
     def _on_decode(self, node: Node, outs) -> None:
         for out in outs:
@@ -1022,7 +1044,7 @@ class Simulation:
                                            f"although {rows} are free: it waits {until}")
         if node.role == "decode" and link.waiting:
             s = link.waiting[0]
-            m = s.kv_source
+            m = s.kv_source.manifest
             if node.clock() < m.lease_deadline - self.cfg.clock_skew_s:
                 need = eng.ledger.pages_for(len(s.prompt_ids) + s.max_tokens)
                 busy = len(eng.scheduler.running) + len(link.live)

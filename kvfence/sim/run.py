@@ -2,7 +2,7 @@
 
     python -m kvfence.sim --lives 100000 --seeds 100           # a campaign (lives split over the seeds)
     python -m kvfence.sim --seed 1234 --lives 1000 --trace      # replay one seed, printing every step
-    python -m kvfence.sim --seeds 20 --fault skip_checksum      # show a fault point being caught
+    python -m kvfence.sim --seeds 20 --fault skip_row_auth      # show a fault point being caught
 
 Each seed draws its own configuration (pool and buffer sizes, concurrency, fault rates; see
 SimConfig.draw) unless --fixed. It prints a line per seed, then the count of lives, wall

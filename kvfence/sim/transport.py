@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvfence.kv.pool import k_element
-from kvfence.pd.manifest import HEADER_BYTES, Manifest
+from kvfence.pd.messages import Handoff, Manifest
 
 PULL_FATES = ("ok", "fail", "partial", "corrupt", "short_ok", "cut")
 NOTICE_FATES = ("deliver", "drop", "duplicate")
@@ -36,6 +36,7 @@ class SimPull:
     pull_id: int
     importer: object            # the KvImporter (one node boot) that submitted it
     manifest: Manifest
+    handoff: Handoff            # the manifest and the source decode pulls from
     rows: list[int]             # decode transfer-buffer rows it writes
     request_id: str
     submitted: float            # true (simulator) time
@@ -63,8 +64,8 @@ class SimWorkers:
         self.importer = importer
 
     def submit(self, fn, *args):
-        pull_id, manifest, rows = args
-        self.transport.enqueue(self.importer, pull_id, manifest, rows)
+        pull_id, handoff, rows = args
+        self.transport.enqueue(self.importer, pull_id, handoff, rows)
 
     def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
         pass
@@ -77,11 +78,12 @@ class SimTransport:
         self.notices: list[SimNotice] = []  # run, notice not yet delivered
         self.counters = {f: 0 for f in PULL_FATES + NOTICE_FATES}
 
-    def enqueue(self, importer, pull_id: int, m: Manifest, rows: list[int]) -> None:
+    def enqueue(self, importer, pull_id: int, h: Handoff, rows: list[int]) -> None:
         sim = self.sim
         fate = sim.draw_fate()
         nfate = sim.draw_notice_fate()
-        p = SimPull(pull_id, importer, m, list(rows), m.request_id, sim.now, sim.now + sim.settings.max_pull_s,
+        m = h.manifest
+        p = SimPull(pull_id, importer, m, h, list(rows), m.request_id, sim.now, sim.now + sim.settings.max_pull_s,
                     fate, nfate, sim.now + sim.draw_pull_duration())
         self.pending.append(p)
         sim.on_pull_submitted(p)
@@ -124,19 +126,19 @@ class SimTransport:
         if idx:
             try:
                 rows = [p.rows[i] for i in idx]
-                nbytes = imp.transport.read(m.session, imp.staging.row_addresses(rows),
-                                            m.row_addresses(idx),
+                nbytes = imp.transport.read(p.handoff.source.session, imp.staging.row_addresses(rows),
+                                            p.handoff.source.row_addresses(m, idx),
                                             [m.slot_bytes] * len(idx))
             except Exception as e:  # noqa: BLE001 - the real _pull turns any failure into a failed notice
                 ok, error, nbytes = False, f"{type(e).__name__}: {e}", 0
         if ok and p.fate == "corrupt":
             r = p.rows[rng.randrange(n)]
-            if rng.random() < 0.3:   # a header byte
-                off = rng.randrange(0, 40)
+            if rng.random() < 0.3:   # a byte of the tag
+                off = imp.staging.slot_bytes - 1 - rng.randrange(0, 16)
             else:                    # a byte of slot 0's keys, layer 0, head 0: always a live token
                 ps, dim = imp.staging.page_shape[-2:]
                 elem = imp.staging.pool.kv.element_size()
-                off = HEADER_BYTES + elem * k_element(rng.randrange(0, dim), 0, ps)
+                off = elem * k_element(rng.randrange(0, dim), 0, ps)
             imp.staging.buf[r, off] ^= 0x5A
         p.error = error
         notice = (p.pull_id, ok, error, nbytes, 0.0)

@@ -65,10 +65,10 @@ def test_an_unknown_name_in_the_environment_fails_the_import():
 
 
 def test_load_env_and_unknown_names():
-    assert faults.load_env({faults.ENV_VAR: "kill_node_at:after_stage,skip_checksum"}) == {
-        "kill_node_at": "after_stage", "skip_checksum": None}
+    assert faults.load_env({faults.ENV_VAR: "kill_node_at:after_stage,skip_row_auth"}) == {
+        "kill_node_at": "after_stage", "skip_row_auth": None}
     try:
-        assert faults.active("skip_checksum") and not faults.active("skip_watermark")
+        assert faults.active("skip_row_auth") and not faults.active("skip_watermark")
         assert faults.arg("kill_node_at") == "after_stage"
         with pytest.raises(faults.FaultConfigError, match="unknown"):
             faults.active("no_such_fault")

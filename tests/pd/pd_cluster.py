@@ -10,6 +10,7 @@ third to its transfer peer (`transfer_hosts`).
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -19,6 +20,8 @@ from pathlib import Path
 
 import httpx
 
+from kvfence.pd.seal import SECRET_ENV, SECRET_FILE_ENV
+from kvfence.pd.wire import cluster_headers
 from kvfence.procs import stop_processes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,9 +52,12 @@ class Cluster:
         self.prefixes = prefixes or {}
         self.ports = {r: free_port() for r in ("prefill", "decode", "router")}
         self.procs: dict[str, subprocess.Popen] = {}
+        self.secret = secrets.token_hex(32)   # this cluster's; in the environment, never on a command line
         self.env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "KVFENCE_TEST_FAULT_CONTROL": "1",
-                    "PYTHONUNBUFFERED": "1", **(env or {})}
+                    "PYTHONUNBUFFERED": "1", SECRET_ENV: self.secret, **(env or {})}
         self.env.pop("KVFENCE_TEST_FAULTS", None)
+        self.env.pop(SECRET_FILE_ENV, None)
+        self.headers = cluster_headers(self.secret.encode())   # the credential for /internal/*
 
     def url(self, role: str) -> str:
         return f"http://{self.hosts[role]}:{self.ports[role]}"
@@ -106,13 +112,14 @@ class Cluster:
                            "\n".join(f"--- {r}\n{self.log(r)[-2000:]}" for r in self.procs))
 
     def info(self, role: str) -> dict:
-        return httpx.get(self.url(role) + "/internal/info", timeout=10).json()
+        return httpx.get(self.url(role) + "/internal/info", headers=self.headers, timeout=10).json()
 
     def pd(self, role: str) -> dict:
         return self.info(role)["snapshot"]["pd"]
 
     def set_faults(self, role: str, spec: str = "") -> None:
-        r = httpx.post(self.url(role) + "/internal/test/faults", json={"spec": spec}, timeout=10)
+        r = httpx.post(self.url(role) + "/internal/test/faults", json={"spec": spec}, headers=self.headers,
+                       timeout=10)
         r.raise_for_status()
 
     def clear_faults(self) -> None:

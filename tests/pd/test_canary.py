@@ -15,11 +15,15 @@ over HTTP between runs.
 """
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import httpx
 import pytest
 from pd_cluster import NODE_ARGS, Cluster
 
 from kvfence.canary import CanaryOptions, NodeKill, run_canary
+from kvfence.pd.seal import SECRET_ENV
 from kvfence.procs import stop_processes
 
 pytest.importorskip("mooncake.engine", reason="the PD tests need mooncake-transfer-engine-non-cuda")
@@ -87,7 +91,8 @@ def cl(cluster):
 
 
 def canary(c: CanaryCluster, opts: CanaryOptions, **kw):
-    report = run_canary(c.url("router"), c.tenants_file, opts, **kw)
+    with mock.patch.dict(os.environ, {SECRET_ENV: c.secret}):   # the harness reads the nodes' internal API
+        report = run_canary(c.url("router"), c.tenants_file, opts, **kw)
     print(report.text())
     return report
 

@@ -338,12 +338,12 @@ def test_malformed_manifest_is_a_400_and_decode_keeps_serving(cluster, client, f
     before anything is admitted, naming the field."""
     before = _decode_allocations(cluster)
     manifest = dict(request_id="m1", tenant="default", token_count=3, page_count=1, page_size=16, epochs=[1],
-                    checksums=["0" * 32], fingerprint="x", layout="x", boot_id="x", session="127.0.0.1:1",
-                    base=0, slot_bytes=1, slots=[1], lease_deadline=time.time() + 30)
+                    fingerprint="x", layout="x", boot_id="x", seal_salt="0" * 32, slot_bytes=1, slots=[1],
+                    lease_deadline=time.time() + 30)
     manifest[field] = value
     body = {"request_id": "m1", "tenant": "default", "prompt_ids": [1, 2, 3, 4], "params": {"max_tokens": 2},
-            "manifest": manifest}
-    r = httpx.post(cluster.url("decode") + "/internal/decode", json=body, timeout=30)
+            "handoff": {"manifest": manifest, "source": {"session": "127.0.0.1:1", "base": 0, "boot_id": "x"}}}
+    r = httpx.post(cluster.url("decode") + "/internal/decode", json=body, headers=cluster.headers, timeout=30)
     assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
     assert _decode_allocations(cluster) == before
     out = client.completions.create(model=model_name(client), prompt="The capital of France is", max_tokens=4,

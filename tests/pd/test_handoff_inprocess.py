@@ -13,11 +13,13 @@ from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.params import SamplingParams
 from kvfence.pd.decode import KvImporter
 from kvfence.pd.manifest import ManifestError
+from kvfence.pd.messages import Manifest
 from kvfence.pd.prefill import KvExporter
 from kvfence.pd.settings import PDSettings
 from kvfence.pd.transfer import InProcessTransport
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+SECRET = b"in-process test cluster secret, 32+ bytes long"
 
 
 def engine(loaded, **kw) -> LLMEngine:
@@ -31,8 +33,14 @@ class Pair:
     def __init__(self, loaded, prefill_kw=None, decode_kw=None, **settings):
         self.p = engine(loaded, **(prefill_kw or {}))
         self.d = engine(loaded, enable_prefix_cache=False, **(decode_kw or {}))
+        settings.setdefault("cluster_secret", SECRET)
         self.exp = KvExporter(self.p, PDSettings("prefill", **settings), InProcessTransport())
         self.imp = KvImporter(self.d, PDSettings("decode", **settings), InProcessTransport())
+
+    def handoff(self, manifest: dict) -> dict:
+        """What the router sends decode: the manifest and the source it read from prefill."""
+        source = {"session": self.exp.transport.session_id, "base": self.exp.base, "boot_id": self.exp.boot_id}
+        return {"manifest": manifest, "source": source}
 
     def prefill(self, ids, params, rid, tenant="t1") -> dict:
         self.p.add_request(ids, params, tenant=tenant, request_id=rid, hold_kv=True)
@@ -44,7 +52,7 @@ class Pair:
         raise AssertionError("prefill never finished")
 
     def decode(self, ids, params, rid, manifest, tenant="t1", steps=2000):
-        seq = self.d.add_request(ids, params, tenant=tenant, request_id=rid, kv_source=manifest)
+        seq = self.d.add_request(ids, params, tenant=tenant, request_id=rid, kv_source=self.handoff(manifest))
         events = []
         for _ in range(steps):
             for out in self.d.step():
@@ -106,36 +114,75 @@ def test_corrupted_page_fails_verification_and_frees_everything(pair):
     m = pair.prefill(ids, params, "c1")
     pair.exp.staging.buf[m["slots"][1], 100] ^= 0xFF  # one byte flipped on the wire
     seq, events = pair.decode(ids, params, "c1", m)
-    assert seq.abort_code == "kv_verification_failed" and "checksum" in seq.error
+    assert seq.abort_code == "kv_verification_failed" and "authentication failed" in seq.error
     assert events == ["kv_failed"] and seq.output_ids == []
     assert pair.d.ledger.num_owned == 0 and pair.imp.staging.ledger.num_owned == 0
     pair.p.abort_kv("c1", reader_stopped=True, reason="decode failed")
     assert pair.exp.staging.ledger.num_owned == 0 and pair.exp.staging.ledger.num_quarantined == 0
 
 
-def test_skip_checksum_fault_lets_the_corruption_through(pair):
-    """The mutant for I5's checksum: with the check skipped the flipped byte is decoded."""
+def test_skip_row_auth_fault_lets_the_corruption_through(pair):
+    """The mutant for the rows' authentication (I5, I10): with the tag unchecked the flipped
+    byte is decrypted and decoded."""
     ids, params = prompt(50, 3), SamplingParams(max_tokens=4, **GREEDY)
     m = pair.prefill(ids, params, "k1")
     pair.exp.staging.buf[m["slots"][0], 200] ^= 0xFF
-    with faults.injected("skip_checksum"):
+    with faults.injected("skip_row_auth"):
         seq, _ = pair.decode(ids, params, "k1", m)
     assert seq.finish_reason == "length"
     pair.p.release_kv("k1")
 
 
-def test_reused_rows_are_caught_by_the_page_headers(pair):
-    """A handle whose rows now hold another request's KV (a lease bug): the headers name
-    the other request, so even with checksums skipped nothing is decoded."""
+def test_reused_rows_fail_authentication(pair):
+    """A handle whose rows now hold another request's KV (a lease bug): they are sealed under
+    the other request's key and header, so they do not open, and nothing is decoded. With
+    the authentication skipped (the mutant) the foreign rows decrypt to noise and reach the
+    pool: the tag check is what stops them."""
     ids, params = prompt(30, 4), SamplingParams(max_tokens=4, **GREEDY)
     m1 = pair.prefill(ids, params, "h1")
     pair.p.abort_kv("h1", reader_stopped=True, reason="test: rows freed")
     m2 = pair.prefill(prompt(30, 5), params, "h2", tenant="t2")
     assert set(m2["slots"]) & set(m1["slots"])  # LIFO reuse: same rows
-    with faults.injected("skip_checksum"):
-        seq, _ = pair.decode(ids, params, "h1", m1)
-    assert seq.abort_code == "kv_verification_failed" and "header" in seq.error
+    seq, _ = pair.decode(ids, params, "h1", m1)
+    assert seq.abort_code == "kv_verification_failed" and "authentication failed" in seq.error
+    assert pair.d.ledger.num_owned == 0
+    with faults.injected("skip_row_auth"):
+        seq, _ = pair.decode(ids, params, "h1x", {**m1, "request_id": "h1x"})
+    assert seq.finish_reason == "length"   # the mutant decoded over foreign bytes
     pair.p.release_kv("h2")
+
+
+def test_rows_are_ciphertext_while_held_and_zero_once_released(pair):
+    """I10 on both nodes' registered memory: a held row is not the page's plaintext, and a
+    released row (prefill after the ACK, decode after unstaging) is all zeros."""
+    ids, params = prompt(40, 11), SamplingParams(max_tokens=2, **GREEDY)
+    m = pair.prefill(ids, params, "z1")
+    man, st = Manifest.from_json(m), pair.exp.staging
+    plain = st.open_rows(m["slots"], man, pair.exp.cipher(man, pair.p.requests["z1"]))
+    sealed = st.buf[m["slots"], :st.data_bytes]
+    assert plain.any(dim=1).all()                       # the pages hold real KV ...
+    assert (plain != sealed).float().mean() > 0.99      # ... and the registered rows do not show it
+    seq, events = pair.decode(ids, params, "z1", m)
+    assert events[0] == "kv_verified"
+    assert not pair.imp.staging.buf.any()               # decode's rows zeroed after unstaging
+    pair.p.release_kv("z1")
+    assert not pair.exp.staging.buf.any()               # prefill's rows zeroed after the ACK
+
+
+def test_handoff_from_another_prefill_boot_is_refused(loaded_fp32):
+    """A restarted prefill (same cluster secret, new boot id) re-registers at the same
+    address with the old rows still in memory: a manifest of the old boot with the new
+    source is refused before anything is reserved; the old rows, read through a source that
+    claims the old boot, do not open under the new process's identity either."""
+    pr = Pair(loaded_fp32)
+    ids, params = prompt(30, 12), SamplingParams(max_tokens=2, **GREEDY)
+    m = pr.prefill(ids, params, "b1")
+    old = pr.handoff(m)
+    KvExporter(pr.p, PDSettings("prefill", cluster_secret=SECRET), pr.exp.transport)  # the new boot
+    new_source = {**old["source"], "boot_id": pr.p.kv_link.boot_id}
+    with pytest.raises(ManifestError, match="another prefill process"):
+        pr.d.add_request(ids, params, request_id="b1", kv_source={"manifest": m, "source": new_source})
+    assert pr.d.ledger.num_owned == 0
 
 
 def test_lease_expiry_fences_rows_until_no_pull_can_run(loaded_fp32):

@@ -23,23 +23,23 @@ def test_production_style_server_has_no_fault_active(server):
 
 
 def test_server_with_a_fault_enabled_is_loud(make_server, caplog):
-    # skip_checksum is a PD fault point: harmless on a single node, but still announced
+    # skip_row_auth is a PD fault point: harmless on a single node, but still announced
     with caplog.at_level(logging.ERROR, logger="kvfence.faults"):
-        with faults.injected("skip_checksum"):
+        with faults.injected("skip_row_auth"):
             srv = make_server(tenants=None)
             banner = [r for r in caplog.records if r.levelno == logging.ERROR and r.name == "kvfence.faults"]
             assert banner and "FAULT INJECTION ACTIVE" in banner[0].getMessage()
-            assert "skip_checksum" in banner[0].getMessage()
+            assert "skip_row_auth" in banner[0].getMessage()
             c = _checks(srv)["fault injection"]
-            assert c["status"] == "failed" and c["detail"].startswith("ACTIVE (skip_checksum)")
+            assert c["status"] == "failed" and c["detail"].startswith("ACTIVE (skip_row_auth)")
             with srv.http(None) as h:
                 st = h.get("/v1/kvfence/isolation").json()
                 assert h.get("/health").status_code == 200  # it serves: tests need it to
-            assert st["fault_injection"] == {"active": True, "faults": ["skip_checksum"],
+            assert st["fault_injection"] == {"active": True, "faults": ["skip_row_auth"],
                                              "meaning": st["fault_injection"]["meaning"]}
             assert "do NOT hold" in st["fault_injection"]["meaning"]
             assert srv.metric("kvfence_fault_injection_active") == 1.0
-            assert srv.metric("kvfence_fault_injection_enabled", fault="skip_checksum") == 1.0
+            assert srv.metric("kvfence_fault_injection_enabled", fault="skip_row_auth") == 1.0
         # the live view follows the setting; the start-up record keeps what start-up saw
         assert srv.metric("kvfence_fault_injection_active") == 0.0
         assert _checks(srv)["fault injection"]["status"] == "failed"

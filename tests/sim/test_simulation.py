@@ -20,6 +20,7 @@ from kvfence.kv.pool import page_bytes
 from kvfence.pd.prefill import KvExporter
 from kvfence.pd.settings import PDSettings
 from kvfence.pd.transfer import InProcessTransport
+from kvfence.sim.cluster import SIM_SECRET as SECRET
 from kvfence.sim.cluster import SimFailure, shared_model, simulate
 
 KNOWN: tuple[str, ...] = ()  # open bugs the clean runs excuse: none
@@ -102,8 +103,8 @@ def test_free_on_abort_during_transfer_is_caught_as_I6():
     assert e.invariant == "I6" and "still in flight" in e.message
 
 
-def test_skip_checksum_lets_a_corrupted_pull_through_and_the_content_oracle_catches_it():
-    e = caught(["skip_checksum"], range(4), 200, pull_fates={"ok": 0.7, "corrupt": 0.3})
+def test_skip_row_auth_lets_a_corrupted_pull_through_and_the_content_oracle_catches_it():
+    e = caught(["skip_row_auth"], range(4), 200, pull_fates={"ok": 0.7, "corrupt": 0.3})
     assert e.invariant == "I5" and "does not hold the KV prefill staged" in e.message
 
 
@@ -169,7 +170,7 @@ def test_prefill_does_not_abort_a_request_that_fits_while_pages_wait_for_rows():
     prefill waits for transfer-buffer rows holding its pool pages (they come back when a
     lease ends); a new request that fits the pool must wait, not fail with kv_pool_exhausted."""
     eng = tiny_engine(12)
-    exp = KvExporter(eng, PDSettings("prefill", transfer_buffer_pages=8), InProcessTransport())
+    exp = KvExporter(eng, PDSettings("prefill", transfer_buffer_pages=8, cluster_secret=SECRET), InProcessTransport())
     params = SamplingParams(max_tokens=1)
 
     def steps():
@@ -214,8 +215,8 @@ def test_prefill_stages_a_waiting_prompt_when_a_fence_frees_the_rows():
     eng = tiny_engine(12)
     now = _Now()
     eng.clock = now
-    exp = KvExporter(eng, PDSettings("prefill", transfer_buffer_pages=8, lease_s=2.0, max_pull_s=3.0,
-                                     clock_skew_s=0.2, transfer_timeout_s=1), InProcessTransport())
+    exp = KvExporter(eng, PDSettings("prefill", transfer_buffer_pages=8, cluster_secret=SECRET, lease_s=2.0,
+                                     max_pull_s=3.0, clock_skew_s=0.2, transfer_timeout_s=1), InProcessTransport())
     params = SamplingParams(max_tokens=1)
     eng.add_request(list(range(10, 40)), params, request_id="A", hold_kv=True)  # all 8 rows; no ACK ever comes
     assert _serve_once(eng, now) == [("A", "kv_held")]
@@ -235,8 +236,8 @@ def test_decode_reserves_a_waiting_request_when_pages_come_back():
     dec = tiny_engine(24, max_num_seqs=1, enable_prefix_cache=False)
     now = _Now()
     pre.clock = dec.clock = now
-    settings = dict(lease_s=30.0, max_pull_s=75.0, clock_skew_s=1.0)
-    KvExporter(pre, PDSettings("prefill", **settings), InProcessTransport())  # attaches itself to pre
+    settings = dict(lease_s=30.0, max_pull_s=75.0, clock_skew_s=1.0, cluster_secret=SECRET)
+    exp = KvExporter(pre, PDSettings("prefill", **settings), InProcessTransport())
     imp = KvImporter(dec, PDSettings("decode", **settings), InProcessTransport())
 
     class Inline:  # run each pull at once, in this thread
@@ -257,7 +258,9 @@ def test_decode_reserves_a_waiting_request_when_pages_come_back():
                 if o.event == "kv_held":
                     manifests[rid] = o.data
     for rid, base in (("A", 10), ("B", 60)):
-        dec.add_request(list(range(base, base + 20)), params, request_id=rid, kv_source=manifests[rid])
+        source = {"session": exp.transport.session_id, "base": exp.base, "boot_id": exp.boot_id}
+        dec.add_request(list(range(base, base + 20)), params, request_id=rid,
+                        kv_source={"manifest": manifests[rid], "source": source})
     assert [s.request_id for s in imp.waiting] == ["B"]
     events = []
     for _ in range(8):
@@ -279,7 +282,7 @@ def test_prefill_waits_instead_of_recomputing_while_pages_wait_for_rows():
     eng = LLMEngine(EngineConfig(dtype="float32", device="cpu", page_size=4, kv_cache_memory=13 * pb,
                                  max_model_len=32, scrub="none", num_threads=1, progress=False,
                                  max_num_batched_tokens=8), loaded)
-    exp = KvExporter(eng, PDSettings("prefill", transfer_buffer_pages=8), InProcessTransport())
+    exp = KvExporter(eng, PDSettings("prefill", transfer_buffer_pages=8, cluster_secret=SECRET), InProcessTransport())
     params = SamplingParams(max_tokens=1)
     for rid, start in (("A", 10), ("B", 50)):
         eng.add_request(list(range(start, start + 30)), params, request_id=rid, hold_kv=True)

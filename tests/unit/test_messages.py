@@ -7,17 +7,19 @@ import math
 import pytest
 
 from kvfence.engine.params import SamplingParams
-from kvfence.pd.manifest import ManifestError, parse_manifest
+from kvfence.pd.manifest import ManifestError, parse_handoff
 from kvfence.pd.messages import (
     AbortBody,
     AdmittedEvent,
     DecodeBody,
     FailedEvent,
+    Handoff,
     Manifest,
     MessageError,
     PrefillBody,
     ProgressEvent,
     RejectedEvent,
+    TransferSource,
     WaitEvent,
     WireParams,
     event_line,
@@ -27,8 +29,8 @@ from kvfence.pd.messages import (
 
 def manifest(**over) -> dict:
     d = dict(request_id="r1", tenant="acme", token_count=39, page_count=3, page_size=16, epochs=[1, 2, 3],
-             checksums=["0" * 32] * 3, fingerprint="fp", layout="layout", boot_id="b" * 32,
-             session="127.0.0.1:1234", base=1 << 40, slot_bytes=1024, slots=[4, 5, 6], lease_deadline=1e9)
+             fingerprint="fp", layout="layout", boot_id="b" * 32, seal_salt="ab" * 16, slot_bytes=1024,
+             slots=[4, 5, 6], lease_deadline=1e9)
     d.update(over)
     return d
 
@@ -36,25 +38,27 @@ def manifest(**over) -> dict:
 def test_manifest_round_trip():
     m = Manifest.from_json(manifest())
     assert Manifest.from_json(m.to_json()) == m and Manifest.from_json(m.dumps()) == m
-    assert m.row_addresses() == [(1 << 40) + s * 1024 for s in (4, 5, 6)]
+    src = TransferSource(session="127.0.0.1:1234", base=1 << 40, boot_id="b" * 32)
+    assert src.row_addresses(m) == [(1 << 40) + s * 1024 for s in (4, 5, 6)]
 
 
 @pytest.mark.parametrize("field,value", [
     ("token_count", 39.0), ("token_count", "39"), ("token_count", True), ("token_count", -1),
     ("page_count", 3.0), ("lease_deadline", "x"), ("lease_deadline", math.nan), ("lease_deadline", math.inf),
-    ("slots", [4, 5, "6"]), ("epochs", [1, 2, 3.5]), ("checksums", ["zz"] * 3), ("base", 1 << 64),
-    ("request_id", ""), ("request_id", "x" * 129), ("tenant", None), ("session", 7),
+    ("slots", [4, 5, "6"]), ("epochs", [1, 2, 3.5]), ("seal_salt", "zz" * 16), ("seal_salt", "ab"),
+    ("request_id", ""), ("request_id", "x" * 129), ("tenant", None), ("boot_id", 7),
 ])
 def test_manifest_wrong_type_or_range_names_the_field(field, value):
     with pytest.raises(MessageError, match=field):
         Manifest.from_json(manifest(**{field: value}))
+    src = {"session": "s:1", "base": 0, "boot_id": "b" * 32}
     with pytest.raises(ManifestError, match=field):   # what decode's admission raises (a 400 / refusal)
-        parse_manifest(manifest(**{field: value}))
+        parse_handoff({"manifest": manifest(**{field: value}), "source": src})
 
 
 def test_manifest_unknown_and_missing_fields_refused():
-    with pytest.raises(MessageError, match="session_override"):
-        Manifest.from_json(manifest(session_override="evil:1"))
+    with pytest.raises(MessageError, match="session"):   # a manifest names no address to pull from
+        Manifest.from_json(manifest(session="evil:1"))
     d = manifest()
     del d["boot_id"]
     with pytest.raises(MessageError, match="boot_id"):
@@ -62,7 +66,7 @@ def test_manifest_unknown_and_missing_fields_refused():
 
 
 def test_manifest_counts_must_agree():
-    with pytest.raises(MessageError, match="3 slots, 3 epochs and 3 checksums for 4 pages"):
+    with pytest.raises(MessageError, match="3 slots and 3 epochs for 4 pages"):
         Manifest.from_json(manifest(page_count=4))
 
 
@@ -84,8 +88,9 @@ def test_params_round_trip_and_checks():
 
 
 def test_bodies():
-    body = DecodeBody(request_id="r1", tenant="acme", prompt_ids=[1, 2, 3], params=WireParams(),
-                      manifest=Manifest.from_json(manifest()))
+    h = Handoff(manifest=Manifest.from_json(manifest()),
+                source=TransferSource(session="127.0.0.1:9", base=4096, boot_id="b" * 32))
+    body = DecodeBody(request_id="r1", tenant="acme", prompt_ids=[1, 2, 3], params=WireParams(), handoff=h)
     assert DecodeBody.from_json(body.dumps()) == body
     with pytest.raises(MessageError, match="prompt_ids"):
         PrefillBody.from_json({"request_id": "r", "tenant": "t", "prompt_ids": [], "params": {}})

@@ -1,0 +1,140 @@
+"""The cluster secret and the sealed transfer plane (I10, I11).
+
+Every PD process of a cluster holds one secret (from a file or the environment, never the
+command line). Nothing derived from it in a way that reveals it crosses the network:
+
+- the control-plane credential, HKDF(secret, "control"), is what the router presents on
+  every /internal/* call (constant-time compared by the node);
+- the key that seals one handoff's transfer rows, HKDF(secret, salt, "kv rows" | prefill
+  boot id | request id | tenant), is computed by prefill and by decode on their own; the
+  salt is random per hold and travels in the manifest (it is not secret).
+
+Rows are sealed with AES-256-GCM (the `cryptography` package). Measured on this machine,
+one core, 368,704-byte rows: 8.6 GB/s sealing, 9.3 GB/s opening, against ~1.3 GB/s for
+Mooncake over loopback TCP; ChaCha20-Poly1305 does 3.3 GB/s, so GCM wins wherever the CPU
+has AES instructions (ChaCha20 would be the pick on CPUs without them). A key seals one
+hold's rows only, so the 96-bit nonce is simply the page index. The associated data is the
+page's header (request, tenant, prefill boot id, row epoch, page index, page count, tokens
+in the page), built from the manifest on both sides and never stored: a row of another
+request, tenant, epoch or boot fails authentication, and the registered memory holds
+nothing but ciphertext and tags.
+"""
+from __future__ import annotations
+
+import hmac
+import os
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+SECRET_ENV = "KVFENCE_CLUSTER_SECRET"
+SECRET_FILE_ENV = "KVFENCE_CLUSTER_SECRET_FILE"
+MIN_SECRET_BYTES = 32
+TAG_BYTES = 16
+SALT_BYTES = 16
+CONTROL_HEADER = "x-kvfence-cluster-token"
+
+
+class SecretError(ValueError):
+    """No usable cluster secret; the message says how to provide one."""
+
+
+class SealError(ValueError):
+    """A transfer row failed authentication."""
+
+
+def load_secret(path: str | None = None, env: Mapping[str, str] | None = None) -> bytes:
+    """The cluster secret: the file `path` (or $KVFENCE_CLUSTER_SECRET_FILE), else
+    $KVFENCE_CLUSTER_SECRET. At least 32 bytes; surrounding whitespace is ignored."""
+    env_: Mapping[str, str] = os.environ if env is None else env
+    path = path or env_.get(SECRET_FILE_ENV) or None
+    if path:
+        try:
+            raw = Path(path).read_bytes().strip()
+        except OSError as e:
+            raise SecretError(f"cannot read the cluster secret file {path}: {e.strerror}") from None
+        where = f"the cluster secret file {path}"
+    elif env_.get(SECRET_ENV):
+        raw = env_[SECRET_ENV].strip().encode()
+        where = f"${SECRET_ENV}"
+    else:
+        raise SecretError(
+            "a PD node or router needs the cluster secret: put at least 32 random bytes in a file readable only "
+            f"by kvfence and pass --cluster-secret-file FILE (or set ${SECRET_FILE_ENV}, or ${SECRET_ENV}); "
+            "e.g. `python -c 'import secrets; print(secrets.token_hex(32))' > cluster.secret`. "
+            "`kvfence launch-pd` makes one for its own processes")
+    if len(raw) < MIN_SECRET_BYTES:
+        raise SecretError(f"{where} holds {len(raw)} bytes; the cluster secret needs at least {MIN_SECRET_BYTES}")
+    return raw
+
+
+def new_secret() -> str:
+    """A fresh random secret, as text for a file (what launch-pd writes)."""
+    return os.urandom(32).hex()
+
+
+def _hkdf(secret: bytes, info: bytes, salt: bytes | None = None, length: int = 32) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=length, salt=salt, info=info).derive(secret)
+
+
+def _field(text: str) -> bytes:
+    b = text.encode()
+    return struct.pack("<I", len(b)) + b   # length-prefixed: no two identities encode alike
+
+
+def control_token(secret: bytes) -> str:
+    """The credential the router presents on the nodes' internal routes."""
+    return _hkdf(secret, b"kvfence v1 control-plane credential").hex()
+
+
+def control_headers(secret: bytes) -> dict[str, str]:
+    return {CONTROL_HEADER: control_token(secret)}
+
+
+def check_control(secret: bytes, presented: str | None) -> bool:
+    """Constant-time comparison of a presented credential."""
+    return hmac.compare_digest((presented or "").encode(), control_token(secret).encode())
+
+
+def new_salt() -> str:
+    return os.urandom(SALT_BYTES).hex()
+
+
+def _nonce(index: int) -> bytes:
+    return struct.pack("<I", index) + bytes(8)
+
+
+class RowCipher:
+    """Seals and opens the rows of one hold (one request's handoff from one prefill boot)."""
+
+    def __init__(self, secret: bytes, salt_hex: str, boot_id: str, request_id: str, tenant: str):
+        info = b"kvfence v1 kv rows" + _field(boot_id) + _field(request_id) + _field(tenant)
+        self._key = _hkdf(secret, info, salt=bytes.fromhex(salt_hex))
+        self._aead = AESGCM(self._key)
+
+    def seal_into(self, index: int, plaintext, aad: bytes, out) -> None:
+        """Write ciphertext || tag of page `index` into `out` (len(plaintext) + 16 bytes)."""
+        self._aead.encrypt_into(_nonce(index), plaintext, aad, out)
+
+    def open_into(self, index: int, sealed: bytes, aad: bytes, out) -> None:
+        """Authenticate and decrypt page `index` into `out`, or raise SealError (then `out`
+        holds nothing usable). `sealed` must be a private copy: the bytes authenticated are
+        the bytes decrypted."""
+        try:
+            self._aead.decrypt_into(_nonce(index), sealed, aad, out)
+        except InvalidTag:
+            raise SealError(f"page {index}: authentication failed (a row of another request, tenant, epoch or "
+                            f"prefill process, or bytes changed in transit)") from None
+
+    def open_unauthenticated_into(self, index: int, sealed: bytes, out) -> None:
+        """Fault injection only (skip_row_auth): GCM's decryption without its tag check,
+        i.e. AES-CTR from counter 2, so tests can show what the authentication stops."""
+        ctr = Cipher(algorithms.AES(self._key), modes.CTR(_nonce(index) + struct.pack(">I", 2))).decryptor()
+        ctr.update_into(sealed[:-TAG_BYTES], out)
+        ctr.finalize()
