@@ -122,8 +122,22 @@ def _cluster_secret(a) -> bytes | None:
 def cmd_serve(a) -> int:
     level = "debug" if a.verbose else "info"
     if a.role in ("prefill", "decode", "router"):
+        from kvfence.pd.tls import PlaintextNetworkError, check_listen, check_node_url
+
         secret = _cluster_secret(a)
         if secret is None:
+            return 2
+        tls = _tls(a)
+        if (a.tls_cert is None) != (a.tls_key is None):
+            print("error: --tls-cert and --tls-key go together", file=sys.stderr)
+            return 2
+        try:
+            check_listen(a.role, a.host, tls)
+            for url in (a.prefill_url, a.decode_url) if a.role == "router" else ():
+                if url:
+                    check_node_url(url, tls)
+        except PlaintextNetworkError as e:
+            print(f"error: {e}", file=sys.stderr)
             return 2
     if a.role == "router":
         from kvfence.pd.router import serve_router
@@ -132,12 +146,12 @@ def cmd_serve(a) -> int:
             print("error: --role router needs --prefill-url and --decode-url", file=sys.stderr)
             return 2
         return serve_router(a.prefill_url, a.decode_url, a.model, a.host, a.port, a.max_model_len,
-                            a.clamp_context, secret, a.tenants, a.served_model_name, level, a.node_wait,
+                            a.clamp_context, secret, tls, a.tenants, a.served_model_name, level, a.node_wait,
                             a.node_stall)
     if a.role in ("prefill", "decode"):
         from kvfence.pd.node import serve_node
 
-        return serve_node(_config(a), _pd_settings(a, a.role, secret), a.host, a.port, a.tenants, level)
+        return serve_node(_config(a), _pd_settings(a, a.role, secret), a.host, a.port, tls, a.tenants, level)
     from kvfence.server.serve import serve
 
     return serve(_config(a), a.host, a.port, a.tenants, a.served_model_name, a.max_body_bytes, level)
@@ -220,6 +234,28 @@ def _pd_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clock-skew", type=float, default=1.0, help="PD nodes: largest clock difference between nodes (s)")
 
 
+def _tls_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-cert", default=None, metavar="FILE",
+                   help="PD roles: serve HTTPS with this certificate (PEM; needs --tls-key). Required to listen "
+                        "anywhere but loopback")
+    p.add_argument("--tls-key", default=None, metavar="FILE", help="PD roles: the certificate's private key (PEM)")
+    p.add_argument("--tls-ca", default=None, metavar="FILE",
+                   help="nodes: require client certificates signed by this CA (mTLS); router: verify the nodes' "
+                        "certificates against it")
+    p.add_argument("--tls-client-cert", default=None, metavar="FILE",
+                   help="router: the client certificate it presents to nodes that require one")
+    p.add_argument("--tls-client-key", default=None, metavar="FILE", help="router: that certificate's key")
+    p.add_argument("--allow-plaintext-network", action="store_true",
+                   help="PD roles: allow internal HTTP in the clear off loopback (the isolation statement warns)")
+
+
+def _tls(a):
+    from kvfence.pd.tls import TlsSettings
+
+    return TlsSettings(a.tls_cert, a.tls_key, a.tls_ca, a.tls_client_cert, a.tls_client_key,
+                       a.allow_plaintext_network)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["sim"]:
@@ -244,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     _server_args(s)
     _engine_args(s)
     _pd_args(s)
+    _tls_args(s)
     s.set_defaults(func=cmd_serve)
 
     so = sub.add_parser("soak", help="mixed load with faults against a local PD cluster for a while; checks for "

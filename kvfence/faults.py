@@ -37,6 +37,8 @@ FAULTS: dict[str, str] = {
     "skip_ledger_check": "the per-pass ownership check (I2, I3) passes every sequence without looking",
     "skip_watermark": "the per-pass check skips only the written-watermark part (I3)",
     "skip_row_auth": "decode decrypts transferred rows without checking their AEAD tags (I5, I10)",
+    "skip_row_seal": "prefill stages rows in the clear, as a network peer could read them without I10 (decode's "
+                     "authentication then fails)",
     "free_on_abort_during_transfer": "an aborted request's pages are freed at once although a transfer may still "
                                      "write into them (I6)",
     "drop_transfer_completion": "a transfer's completion notice is lost",

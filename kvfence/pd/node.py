@@ -44,6 +44,7 @@ from kvfence.pd.messages import (
 )
 from kvfence.pd.seal import CONTROL_HEADER, check_control
 from kvfence.pd.settings import PDSettings
+from kvfence.pd.tls import TlsSettings, uvicorn_options
 from kvfence.server.backend import EngineFailed, Update
 from kvfence.server.disconnect import watch_disconnect
 from kvfence.server.engine_loop import EngineLoop
@@ -201,8 +202,8 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings) ->
             return _stream(body, request, **({"kv_source": body.handoff} if body.handoff is not None else {}))
 
 
-def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int, tenants_file: str | None = None,
-               log_level: str = "info") -> int:
+def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int, tls: TlsSettings,
+               tenants_file: str | None = None, log_level: str = "info") -> int:
     import uvicorn
 
     from kvfence.server import fault_control
@@ -226,6 +227,9 @@ def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int,
     add_internal_routes(app, loop, settings)
     faults.announce(log)
     fault_control.mount(app)
-    log.info("%s node serving its internal API on http://%s:%d/internal", settings.role, host, port)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+    scheme = "https" if tls.serving else "http"
+    log.info("%s node serving its internal API on %s://%s:%d/internal%s", settings.role, scheme, host, port,
+             " (client certificates required)" if tls.serving and tls.ca else "")
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False,
+                **uvicorn_options(tls, client_certificates=True))
     return 0

@@ -138,7 +138,7 @@ class KvExporter(PdLink):
                      seal_salt=new_salt(),
                      slot_bytes=self.staging.slot_bytes, slots=list(rows.pages),
                      lease_deadline=now + self.settings.lease_s, issued_at=now)
-        self.staging.stage(seq.table.pages[:n], rows, m, self.cipher(m, seq))
+        self.staging.stage(seq.table.pages[:n], rows, m, self.cipher(m, seq), seal=not faults.active("skip_row_seal"))
         if n and faults.active("corrupt_staged_page"):
             self.staging.buf[rows.pages[0], -1] ^= 0x5A
         self.held[seq.request_id] = Held(seq, owner, rows, m)

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import logging
 import os
+import ssl
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -57,6 +58,7 @@ from kvfence.pd.messages import (
     parse_event,
 )
 from kvfence.pd.settings import ROLES
+from kvfence.pd.tls import TlsSettings, client_context, uvicorn_options
 from kvfence.pd.wire import cluster_headers
 from kvfence.server.backend import Admitted, EngineFailed, Logprob, RequestHandle, Update
 
@@ -98,11 +100,16 @@ class _Flight:
 class RouterBackend:
     """The PD cluster as an EngineBackend (server/backend.py) for server/app.py."""
 
-    def __init__(self, prefill_url: str, decode_url: str, secret: bytes, model: str | None = None,
+    def __init__(self, prefill_url: str, decode_url: str, secret: bytes, tls: TlsSettings | None = None,
+                 model: str | None = None,
                  max_model_len: int | None = None, clamp_context: bool = False, wait_s: float = 300.0,
                  stall_s: float = 10.0, poll_s: float = 1.0):
         self.urls = {"prefill": prefill_url.rstrip("/"), "decode": decode_url.rstrip("/")}
         self._headers = cluster_headers(secret)
+        self.tls = tls or TlsSettings()
+        # https node URLs are verified against --tls-ca (the system's CAs without it)
+        self._verify: ssl.SSLContext | bool = (client_context(self.tls) if any(
+            u.startswith("https://") for u in self.urls.values()) else True)
         self._source: TransferSource | None = None   # where decode pulls prefill's holds from
         self.model = model
         self.max_model_len = max_model_len
@@ -146,7 +153,7 @@ class RouterBackend:
         self.tokenizer = load_router_tokenizer(self.model)
         deadline = time.monotonic() + self.wait_s
         facts: dict[str, NodeInfo] = {}
-        with httpx.Client(timeout=5.0, headers=self._headers) as c:
+        with httpx.Client(timeout=5.0, headers=self._headers, verify=self._verify) as c:
             while len(facts) < len(ROLES):
                 for role in ROLES:
                     if role in facts:
@@ -226,7 +233,7 @@ class RouterBackend:
 
     # -- the monitor (I8 on rejoin) ---------------------------------------------------------------
     async def run_monitor(self) -> None:
-        async with httpx.AsyncClient(timeout=2.0, headers=self._headers) as c:
+        async with httpx.AsyncClient(timeout=2.0, headers=self._headers, verify=self._verify) as c:
             while not self._stopped:
                 await asyncio.sleep(self.poll_s)
                 facts: dict[str, NodeInfo] = {}
@@ -261,7 +268,7 @@ class RouterBackend:
     # -- requests -----------------------------------------------------------------------------
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.stall_s, connect=5.0),
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.stall_s, connect=5.0), verify=self._verify,
                                              headers=self._headers,
                                              limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
         return self._client
@@ -469,7 +476,8 @@ def _as_submit_error(message: str, code: str, rejection: RejectedEvent | None) -
 
 
 def serve_router(prefill_url: str, decode_url: str, model: str | None, host: str, port: int,
-                 max_model_len: int | None, clamp_context: bool, secret: bytes, tenants_file: str | None = None,
+                 max_model_len: int | None, clamp_context: bool, secret: bytes, tls: TlsSettings,
+                 tenants_file: str | None = None,
                  served_model_name: str | None = None, log_level: str = "info", wait_s: float = 300.0,
                  stall_s: float = 10.0) -> int:
     import uvicorn
@@ -479,7 +487,7 @@ def serve_router(prefill_url: str, decode_url: str, model: str | None, host: str
     from kvfence.server.serve import load_tenants
 
     tenants = load_tenants(tenants_file)
-    backend = RouterBackend(prefill_url, decode_url, secret, model, max_model_len, clamp_context, wait_s,
+    backend = RouterBackend(prefill_url, decode_url, secret, tls, model, max_model_len, clamp_context, wait_s,
                             stall_s).start()
     if backend.error is not None:
         log.error("router not serving: %s", backend.error)
@@ -498,5 +506,6 @@ def serve_router(prefill_url: str, decode_url: str, model: str | None, host: str
 
     log.info("router serving model %r on http://%s:%d/v1 (prefill %s, decode %s)", state.served_name, host, port,
              prefill_url, decode_url)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False,
+                **uvicorn_options(tls, client_certificates=False))
     return 0

@@ -60,9 +60,10 @@ class StagingBuffer:
         return rows
 
     # -- prefill side -------------------------------------------------------------------
-    def stage(self, pages: list[int], rows: BlockTable, m: Manifest, cipher: RowCipher) -> None:
+    def stage(self, pages: list[int], rows: BlockTable, m: Manifest, cipher: RowCipher, seal: bool = True) -> None:
         """Seal pool pages into rows, each bound to its page header; slots past the token
-        count are zeroed first so nothing but this request's own KV leaves the node."""
+        count are zeroed first so nothing but this request's own KV leaves the node.
+        seal=False is the skip_row_seal fault point, for tests only."""
         n = len(pages)
         if n == 0:
             return
@@ -75,7 +76,10 @@ class StagingBuffer:
         plain = plain.view(torch.uint8).numpy()
         buf = self.buf.numpy()
         for i, r in enumerate(rows.pages):
-            cipher.seal_into(i, plain[i].data, page_header(m, i).pack(), buf[r].data)
+            if seal:
+                cipher.seal_into(i, plain[i].data, page_header(m, i).pack(), buf[r].data)
+            else:
+                buf[r, :self.data_bytes] = plain[i]
 
     # -- decode side --------------------------------------------------------------------
     def open_rows(self, rows: list[int], m: Manifest, cipher: RowCipher, authenticate: bool = True) -> torch.Tensor:

@@ -13,6 +13,7 @@ import os
 import secrets
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -40,7 +41,7 @@ NODE_ARGS = ["--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-le
 
 class Cluster:
     def __init__(self, workdir: Path, node_args=None, router_args=None, hosts=None, prefixes=None, env=None,
-                 binds=None, transfer_hosts=None):
+                 binds=None, transfer_hosts=None, pki: dict[str, str] | None = None):
         self.workdir = Path(workdir)
         self.node_args = list(NODE_ARGS if node_args is None else node_args)
         self.router_args = list(router_args or [])
@@ -50,6 +51,8 @@ class Cluster:
         self.binds = {**self.hosts, **(binds or {})}
         self.transfer_hosts = {**self.hosts, **(transfer_hosts or {})}
         self.prefixes = prefixes or {}
+        # pki (tests/pd/certs.py): nodes serve HTTPS and require the router's client certificate
+        self.pki = pki
         self.ports = {r: free_port() for r in ("prefill", "decode", "router")}
         self.procs: dict[str, subprocess.Popen] = {}
         self.secret = secrets.token_hex(32)   # this cluster's; in the environment, never on a command line
@@ -60,16 +63,33 @@ class Cluster:
         self.headers = cluster_headers(self.secret.encode())   # the credential for /internal/*
 
     def url(self, role: str) -> str:
-        return f"http://{self.hosts[role]}:{self.ports[role]}"
+        scheme = "https" if self.pki is not None and role != "router" else "http"
+        return f"{scheme}://{self.hosts[role]}:{self.ports[role]}"
+
+    def http_kwargs(self, role: str) -> dict:
+        """What an httpx call to `role` needs besides the credential (CA and client cert under TLS)."""
+        if self.pki is None or role == "router":
+            return {}
+        ctx = ssl.create_default_context(cafile=self.pki["ca"])
+        ctx.load_cert_chain(self.pki["client_cert"], self.pki["client_key"])
+        return {"verify": ctx}
+
+    def _tls_args(self, role: str) -> list[str]:
+        if self.pki is None:
+            return []
+        k = self.pki
+        if role == "router":
+            return ["--tls-ca", k["ca"], "--tls-client-cert", k["client_cert"], "--tls-client-key", k["client_key"]]
+        return ["--tls-cert", k["server_cert"], "--tls-key", k["server_key"], "--tls-ca", k["ca"]]
 
     def command(self, role: str, extra=()) -> list[str]:
         base = [sys.executable, "-m", "kvfence.cli", "serve", "--role", role, "--host", self.binds[role],
                 "--port", str(self.ports[role])]
         if role == "router":
             return base + ["--prefill-url", self.url("prefill"), "--decode-url", self.url("decode"),
-                           "--node-stall", "5"] + self.router_args + list(extra)
+                           "--node-stall", "5"] + self.router_args + self._tls_args(role) + list(extra)
         return (list(self.prefixes.get(role, [])) + base + ["--transfer-host", self.transfer_hosts[role]]
-                + self.node_args + list(extra))
+                + self.node_args + self._tls_args(role) + list(extra))
 
     def start(self, role: str, extra=()) -> subprocess.Popen:
         log = open(self.workdir / f"{role}.log", "ab")
@@ -112,14 +132,15 @@ class Cluster:
                            "\n".join(f"--- {r}\n{self.log(r)[-2000:]}" for r in self.procs))
 
     def info(self, role: str) -> dict:
-        return httpx.get(self.url(role) + "/internal/info", headers=self.headers, timeout=10).json()
+        return httpx.get(self.url(role) + "/internal/info", headers=self.headers, timeout=10,
+                         **self.http_kwargs(role)).json()
 
     def pd(self, role: str) -> dict:
         return self.info(role)["snapshot"]["pd"]
 
     def set_faults(self, role: str, spec: str = "") -> None:
         r = httpx.post(self.url(role) + "/internal/test/faults", json={"spec": spec}, headers=self.headers,
-                       timeout=10)
+                       timeout=10, **self.http_kwargs(role))
         r.raise_for_status()
 
     def clear_faults(self) -> None:

@@ -350,3 +350,32 @@ def test_malformed_manifest_is_a_400_and_decode_keeps_serving(cluster, client, f
                                     temperature=0)
     assert out.choices[0].finish_reason == "length"
     assert cluster.info("decode")["snapshot"]["running"] == 0
+
+
+INTERNAL_ROUTES = [("prefill", "GET", "/internal/info"), ("prefill", "POST", "/internal/prefill"),
+                   ("prefill", "POST", "/internal/release"), ("prefill", "POST", "/internal/abort"),
+                   ("prefill", "POST", "/internal/test/faults"), ("decode", "GET", "/internal/info"),
+                   ("decode", "POST", "/internal/decode"), ("decode", "POST", "/internal/test/faults")]
+
+
+@pytest.mark.parametrize("role,method,path", INTERNAL_ROUTES)
+def test_internal_routes_need_the_cluster_credential(cluster, role, method, path):
+    """I11: without the credential, or with a wrong one (the raw secret included: only its
+    derived credential is accepted), every internal route is a 401 and does nothing."""
+    before = _decode_allocations(cluster)
+    body = {"request_id": "x1", "tenant": "default", "prompt_ids": [1, 2, 3], "params": {}, "spec": "skip_row_auth"}
+    for headers in ({}, {"x-kvfence-cluster-token": "0" * 64}, {"x-kvfence-cluster-token": cluster.secret}):
+        r = httpx.request(method, cluster.url(role) + path, json=body, headers=headers, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized", (headers, r.text)
+    assert _decode_allocations(cluster) == before
+    assert cluster.info(role)["snapshot"]["running"] == 0
+    assert httpx.get(cluster.url("router") + "/v1/kvfence/isolation", timeout=10).json()["fault_injection"][
+        "active"] is False
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_nodes_serve_no_public_api_without_a_tenants_file(cluster, role):
+    """Anyone reaching a node could otherwise generate around the router's admission and limits."""
+    r = httpx.post(cluster.url(role) + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=10)
+    assert r.status_code == 404
+    assert httpx.get(cluster.url(role) + "/health", timeout=10).status_code == 200

@@ -17,11 +17,13 @@ import json
 import os
 import random
 import shutil
+import ssl
 import subprocess
 
 import httpx
 import openai
 import pytest
+from certs import make_pki
 from pd_cluster import Cluster
 from test_cluster import LONG, model_name, single_node_text
 
@@ -97,13 +99,20 @@ def hosts():
 
 
 @pytest.fixture(scope="module")
-def cluster(hosts, tmp_path_factory):
+def pki(hosts, tmp_path_factory):
+    return make_pki(tmp_path_factory.mktemp("pki"), [hosts["http_addr"][r] for r in ("prefill", "decode")])
+
+
+@pytest.fixture(scope="module")
+def cluster(hosts, pki, tmp_path_factory):
+    """Off loopback the nodes must serve TLS (they refuse to start otherwise): each serves
+    HTTPS and requires the router's client certificate (mTLS)."""
     ns = hosts["ns"]
     c = Cluster(tmp_path_factory.mktemp("pd-netns"),
                 hosts={role: hosts["http_addr"][role] for role in ("prefill", "decode")},
                 binds={"prefill": "0.0.0.0", "decode": "0.0.0.0"},
                 transfer_hosts=hosts["kv_addr"],
-                prefixes={role: ["ip", "netns", "exec", ns[role]] for role in ("prefill", "decode")})
+                prefixes={role: ["ip", "netns", "exec", ns[role]] for role in ("prefill", "decode")}, pki=pki)
     try:
         yield c.start_all()
     finally:
@@ -138,3 +147,23 @@ def test_pd_output_equals_single_node_across_hosts(hosts, cluster, make_llm):
     crossed = _rx_bytes(ns, link) - rx_before
     assert crossed >= pulled, (crossed, pulled)  # ... over the P<->D veth, into decode's namespace
     cluster.wait_quiet()
+
+
+def test_nodes_off_loopback_speak_only_tls_with_the_routers_certificate(hosts, cluster, pki):
+    """The internal API across hosts: plain HTTP is not served, a client without a
+    certificate or with one from another CA is refused in the handshake, and even with the
+    right certificate the credential is still required."""
+    url = cluster.url("prefill")
+    assert url.startswith("https://")
+    with pytest.raises(httpx.HTTPError):   # the port speaks TLS only
+        httpx.get(url.replace("https://", "http://") + "/internal/info", headers=cluster.headers, timeout=10)
+    no_cert = ssl.create_default_context(cafile=pki["ca"])
+    with pytest.raises(httpx.HTTPError):   # no client certificate: the handshake fails
+        httpx.get(url + "/internal/info", headers=cluster.headers, verify=no_cert, timeout=10)
+    foreign = ssl.create_default_context(cafile=pki["ca"])
+    foreign.load_cert_chain(pki["other_client_cert"], pki["other_client_key"])
+    with pytest.raises(httpx.HTTPError):   # a certificate of another CA
+        httpx.get(url + "/internal/info", headers=cluster.headers, verify=foreign, timeout=10)
+    r = httpx.get(url + "/internal/info", timeout=10, **cluster.http_kwargs("prefill"))
+    assert r.status_code == 401            # the right certificate, no credential
+    assert cluster.info("prefill")["pd"]["role"] == "prefill"

@@ -1,0 +1,90 @@
+"""TLS between the PD router and its nodes (I11), and the rule that makes it the default.
+
+A PD process refuses to listen on an address other than loopback without TLS, and the
+router refuses to reach a node over plain HTTP anywhere but loopback, unless the operator
+passes --allow-plaintext-network (the isolation statement then says so in its warnings).
+Nodes serve uvicorn's TLS; with a CA file they also require a client certificate signed by
+it (mTLS). The router verifies the nodes' certificates against its CA file and presents a
+client certificate when given one.
+"""
+from __future__ import annotations
+
+import ipaddress
+import socket
+import ssl
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+
+@dataclass(frozen=True)
+class TlsSettings:
+    cert: str | None = None          # this process's certificate (server side; PEM)
+    key: str | None = None
+    ca: str | None = None            # nodes: require client certs from this CA; router: verify nodes with it
+    client_cert: str | None = None   # router: the certificate it presents to nodes (mTLS)
+    client_key: str | None = None
+    allow_plaintext: bool = False    # --allow-plaintext-network
+
+    @property
+    def serving(self) -> bool:
+        return self.cert is not None
+
+    def describe(self) -> dict[str, Any]:
+        return {"tls": self.serving, "client_certificates_required": self.serving and self.ca is not None,
+                "plaintext_network_allowed": self.allow_plaintext}
+
+
+class PlaintextNetworkError(ValueError):
+    """A PD process would send or accept internal traffic in the clear off loopback."""
+
+
+def is_loopback(host: str) -> bool:
+    """True for loopback addresses and names that resolve only to loopback."""
+    host = host.strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        addrs = {ai[4][0] for ai in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return bool(addrs) and all(ipaddress.ip_address(str(a).split("%")[0]).is_loopback for a in addrs)
+
+
+def check_listen(role: str, host: str, tls: TlsSettings) -> None:
+    if tls.serving or tls.allow_plaintext or is_loopback(host):
+        return
+    raise PlaintextNetworkError(
+        f"the {role} would serve its internal API in the clear on {host}, which is not loopback: give it a "
+        "certificate (--tls-cert FILE --tls-key FILE, and --tls-ca FILE to require client certificates), or "
+        "listen on 127.0.0.1, or pass --allow-plaintext-network to accept the risk")
+
+
+def check_node_url(url: str, tls: TlsSettings) -> None:
+    parts = urlsplit(url)
+    if parts.scheme == "https" or tls.allow_plaintext or is_loopback(parts.hostname or ""):
+        return
+    raise PlaintextNetworkError(
+        f"the router would reach the node {url} over plain HTTP off loopback: serve the nodes with TLS and use an "
+        "https:// URL (with --tls-ca FILE to verify them), or pass --allow-plaintext-network to accept the risk")
+
+
+def uvicorn_options(tls: TlsSettings, client_certificates: bool) -> dict[str, Any]:
+    """uvicorn's TLS options. client_certificates: a node requires them when it has a CA; the
+    router's public listener never does (tenants authenticate with API keys)."""
+    if not tls.serving:
+        return {}
+    opts: dict[str, Any] = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
+    if client_certificates and tls.ca is not None:
+        opts.update(ssl_ca_certs=tls.ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    return opts
+
+
+def client_context(tls: TlsSettings) -> ssl.SSLContext:
+    """What the router's HTTP client verifies nodes with (and presents to them)."""
+    ctx = ssl.create_default_context(cafile=tls.ca)
+    if tls.client_cert is not None:
+        ctx.load_cert_chain(tls.client_cert, tls.client_key)
+    return ctx

@@ -1,0 +1,50 @@
+"""PD processes refuse insecure configurations at start-up, before loading anything, and say
+how to fix them (I11): no cluster secret, or internal HTTP in the clear off loopback."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from pd_cluster import ROOT
+
+from kvfence.pd.seal import SECRET_ENV, SECRET_FILE_ENV
+
+SECRET = "s" * 64
+
+
+def serve(*args: str, secret: str | None = SECRET) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, SECRET_FILE_ENV)}
+    if secret is not None:
+        env[SECRET_ENV] = secret
+    return subprocess.run([sys.executable, "-m", "kvfence.cli", "serve", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "router"])
+def test_pd_roles_refuse_to_start_without_the_cluster_secret(role):
+    extra = ["--prefill-url", "http://127.0.0.1:1", "--decode-url", "http://127.0.0.1:2"] if role == "router" else []
+    r = serve("--role", role, *extra, secret=None)
+    assert r.returncode == 2 and "needs the cluster secret" in r.stderr and "--cluster-secret-file" in r.stderr
+
+
+def test_a_short_secret_is_refused():
+    r = serve("--role", "prefill", secret="too short")
+    assert r.returncode == 2 and "at least 32" in r.stderr
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_node_refuses_to_listen_off_loopback_without_tls(role):
+    r = serve("--role", role, "--host", "0.0.0.0")
+    assert r.returncode == 2 and "in the clear on 0.0.0.0" in r.stderr and "--tls-cert" in r.stderr, r.stderr
+
+
+def test_the_router_refuses_plain_http_to_a_node_off_loopback():
+    r = serve("--role", "router", "--prefill-url", "http://192.0.2.1:8001", "--decode-url", "http://127.0.0.1:2")
+    assert r.returncode == 2 and "over plain HTTP off loopback" in r.stderr and "https://" in r.stderr, r.stderr
+
+
+def test_cert_without_key_is_refused():
+    r = serve("--role", "prefill", "--tls-cert", "/nonexistent.crt")
+    assert r.returncode == 2 and "--tls-cert and --tls-key go together" in r.stderr
