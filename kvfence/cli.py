@@ -224,7 +224,7 @@ def _pd_args(p: argparse.ArgumentParser) -> None:
                         "launch-pd makes one")
     p.add_argument("--transfer-host", default="127.0.0.1",
                    help="PD nodes: address the Mooncake transfer engine advertises (its ports listen on all "
-                        "interfaces: run PD nodes on a trusted network)")
+                        "interfaces; every row crossing them is sealed, see docs/pd.md)")
     p.add_argument("--transfer-buffer-pages", type=int, default=None,
                    help="PD nodes: rows in the KV transfer buffer (default: as many as the KV pool has pages)")
     p.add_argument("--lease", type=float, default=30.0, help="prefill: seconds computed KV is held for decode's pull")

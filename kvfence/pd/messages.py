@@ -258,6 +258,13 @@ class PdFacts(WireModel):
     clock_skew_s: Annotated[float, Field(ge=0)]
 
 
+class PdSecurity(WireModel):
+    """How a PD process's internal HTTP is protected (kvfence/pd/tls.py TlsSettings.describe)."""
+    tls: bool
+    client_certificates_required: bool
+    plaintext_network_allowed: bool
+
+
 class NodeInfo(WireModel):
     """A node's static facts (server/engine_loop.engine_facts), its PD facts, and the live
     snapshot of its engine (counts only; read by the router, benches and the canary)."""
@@ -283,6 +290,7 @@ class NodeInfo(WireModel):
     vocab_size: Annotated[int, Field(ge=1)]
     prefix_cache: bool
     pd: PdFacts
+    pd_security: PdSecurity | None = None
     snapshot: dict[str, Any] = {}
 
     def source(self) -> TransferSource:

@@ -220,6 +220,8 @@ def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int,
     if not loop.wait_ready():
         log.error("%s node not serving: %s", settings.role, loop.error)
         return 2
+    assert loop.facts is not None
+    loop.facts = {**loop.facts, "pd_security": tls.describe()}   # for /internal/info and the statement
     # the public API only with a tenants file: otherwise anyone reaching the node could
     # generate around the router's admission and tenant limits
     state = ServerState(loop, tenants, public_api=tenants_file is not None)

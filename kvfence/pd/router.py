@@ -209,7 +209,8 @@ class RouterBackend:
         base = facts["decode"].facts()
         base.update(usable_context=chk.usable_context, context_clamped=chk.clamped, context_note=chk.note,
                     pool_tokens=min(f.pool_tokens for f in facts.values()),
-                    configured_max_model_len=self.max_model_len, cluster=chk.to_json())
+                    configured_max_model_len=self.max_model_len, cluster=chk.to_json(),
+                    pd_security=self.tls.describe())
         self.facts = base
         self.snapshot = self._merge_snapshots(facts)
         self.error = None

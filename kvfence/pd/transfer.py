@@ -7,8 +7,8 @@ the pool's base address to the peer; the reader then pulls pages by offset.
 Mooncake is imported lazily, so `import kvfence` never needs it.
 
 Mooncake's ports (RPC/handshake and TCP data) listen on all interfaces whatever hostname
-is given here: a peer that can reach the machine can read registered memory. Run PD nodes
-on a trusted network only.
+is given here, and a peer that can reach the machine can read and write registered
+memory: so only sealed rows are ever registered (kvfence/pd/seal.py, docs/pd.md).
 
 Known limit: the first transfer to a peer does the P2P handshake; if the peer accepts the
 connection but never answers (hung, SIGSTOPped), that first call blocks about 60 s, and no

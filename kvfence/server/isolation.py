@@ -133,6 +133,48 @@ def _prefix_cache_terms(enabled: bool, tenants) -> dict:
     }
 
 
+def _pd_terms(facts: dict) -> dict:
+    """The network part of the statement, for a PD router or node (I10, I11)."""
+    security = facts.get("pd_security")
+    if security is None and "pd" not in facts and "cluster" not in facts:
+        return {}
+    security = security or {"tls": False, "client_certificates_required": False, "plaintext_network_allowed": False}
+    warnings = []
+    if security["plaintext_network_allowed"]:
+        warnings.append("WARNING: this PD process was started with --allow-plaintext-network: internal HTTP (the "
+                        "cluster credential, prompts as token ids, manifests) may cross the network in the clear")
+    return {
+        "warnings": warnings,
+        "pd_network": {
+            "threat_model": "any host that reaches a node's ports is a possible adversary; Mooncake's transfer "
+                            "ports listen on all interfaces and authenticate nothing",
+            "transfer_plane": {
+                "cipher": "AES-256-GCM (cryptography), a key per hold: HKDF-SHA256 of the cluster secret, a "
+                          "random salt, the prefill boot id, request id and tenant; nonce = page index; "
+                          "associated data = the page header (request, tenant, boot, epoch, index, count, "
+                          "tokens), never stored",
+                "decode": "each pulled row is copied once into private memory, authenticated and decrypted "
+                          "there; only that plaintext reaches pool pages",
+                "freed_rows": "zeroed on both nodes",
+                "a_network_peer_can": "see row sizes, how many rows are in use and when; read ciphertext or "
+                                      "zeros; overwrite rows, which fails the affected request "
+                                      "(kv_verification_failed)",
+                "a_network_peer_cannot": "read a byte of any tenant's KV, learn which tenant a row belongs to, "
+                                         "or make a forged, replayed or foreign row reach attention",
+            },
+            "control_plane": {
+                "credential": "every /internal/* route requires HKDF(cluster secret, 'control'), compared in "
+                              "constant time (401 otherwise); PD processes refuse to start without the secret",
+                "transport": security,
+                "messages": "one strict definition per internal message (kvfence/pd/messages.py); a malformed "
+                            "one is a 400 and the node keeps serving",
+                "pull_source": "decode pulls only from the transfer session the router read from the prefill "
+                               "node itself, never from an address a manifest names",
+            },
+        },
+    }
+
+
 def isolation_statement(facts: dict, checks: list[dict], tenants, snapshot: dict, served_model_name: str) -> dict:
     """The statement, as JSON. `facts` and `snapshot` come from the engine loop."""
     scrub = facts["scrub"]
@@ -191,6 +233,7 @@ def isolation_statement(facts: dict, checks: list[dict], tenants, snapshot: dict
             "retention": "prompt and completion text live only in memory for the life of the request; the engine "
                          "is given token ids, never the prompt text",
         },
+        **_pd_terms(facts),
         "fault_injection": _fault_terms(),
         "startup_checks": checks,
         "live": {

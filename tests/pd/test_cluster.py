@@ -57,6 +57,8 @@ def test_pd_output_equals_single_node(cluster, client, make_llm):
     metrics = httpx.get(cluster.url("decode") + "/metrics").text
     assert 'kvfence_pd_events_total{event="verified"}' in metrics and "kvfence_pd_transferred_bytes_total" in metrics
     assert 'kvfence_pd_transfer_buffer_rows{state="fenced"} 0.0' in httpx.get(cluster.url("prefill") + "/metrics").text
+    st = httpx.get(cluster.url("router") + "/v1/kvfence/isolation", timeout=10).json()
+    assert st["warnings"] == [] and "AES-256-GCM" in st["pd_network"]["transfer_plane"]["cipher"]
 
 
 def test_concurrent_requests_and_streaming(cluster, client, make_llm):
@@ -134,7 +136,7 @@ def test_clamped_router_serves_the_smallest_node_capacity(cluster, tmp_path):
     port = free_port()
     cmd = [sys.executable, "-m", "kvfence.cli", "serve", "--role", "router", "--port", str(port),
            "--prefill-url", cluster.url("prefill"), "--decode-url", cluster.url("decode"), "--max-model-len", "4096",
-           "--clamp-context"]
+           "--clamp-context", "--allow-plaintext-network"]
     p = subprocess.Popen(cmd, cwd=ROOT, env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for _ in range(240):
@@ -150,6 +152,10 @@ def test_clamped_router_serves_the_smallest_node_capacity(cluster, tmp_path):
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         with pytest.raises(openai.BadRequestError, match="1024"):
             c.completions.create(model=model_name(c), prompt="word " * 1100, max_tokens=8)
+        # the override is stated, as a warning, in the isolation statement
+        st = httpx.get(f"http://127.0.0.1:{port}/v1/kvfence/isolation", timeout=10).json()
+        assert any("--allow-plaintext-network" in w for w in st["warnings"])
+        assert st["pd_network"]["control_plane"]["transport"]["plaintext_network_allowed"] is True
     finally:
         p.terminate()
         p.wait(20)
@@ -168,7 +174,7 @@ def _expect_error(fn, status: int, code: str | None = None, within: float = 30.0
     return e.value
 
 
-def test_checksum_mismatch_is_a_500_and_frees_both_sides(cluster, client):
+def test_corrupted_row_is_a_500_and_frees_both_sides(cluster, client):
     cluster.set_faults("prefill", "corrupt_staged_page")
     m = model_name(client)
     _expect_error(lambda: client.completions.create(model=m, prompt=LONG, max_tokens=4), 500, "kv_verification_failed")
