@@ -46,6 +46,18 @@
 #define GARBAGE 3   /* data: corrupted in flight                                */
 #define OLD     4   /* data: KV of a request from before the model starts.
                        Pools are never zeroed (scrub policy "none", I7).       */
+#define ADV     5   /* data: bytes a network adversary wrote (ADVERSARY only)   */
+
+/* The network adversary (I10, I11), compiled in with -DADVERSARY (spec/adversary.pml):
+ * a party on the PD network without the cluster secret. It may read any registered
+ * page, overwrite one with bytes of its own, copy a sealed page over another (replay,
+ * splice), and forge control messages. Rows are sealed: a page carries the binding it
+ * was sealed under (request, row epoch, prefill generation), which only prefill can
+ * produce, and decode accepts a pulled page only if it opens under the binding the
+ * manifest names. ADVS bounds its actions per run. */
+#ifndef ADVS
+#define ADVS 1
+#endif
 
 /* --------------------------------------------------------------- the names */
 
@@ -81,6 +93,8 @@ hidden byte END_no_transfer_running;
 hidden byte END_no_page_leaked;
 hidden byte END_200_only_after_decode;
 hidden byte END_400_iff_over_length;
+hidden byte I10_network_reads_see_no_plaintext;
+hidden byte I10_attention_reads_no_foreign_bytes;
 #define CHECK(name, cond) assert((cond) || name)
 
 /* ------------------------------------------------------------ global state */
@@ -90,6 +104,11 @@ typedef Page {
     byte  epoch;   /* bumped every time the page is freed                      */
     mtype:pg st;
     byte  data;    /* whose KV the page holds: a request id, GARBAGE or OLD    */
+#ifdef ADVERSARY
+    byte  sr;      /* sealed for this request (NOBODY: bytes in the clear)     */
+    byte  se;      /* ... this row epoch                                       */
+    byte  sg;      /* ... by this prefill generation                           */
+#endif
 };
 Page pp[NP];       /* prefill pool */
 Page dp[ND];       /* decode pool  */
@@ -145,6 +164,9 @@ byte xc[NREQ];              /* completion notices queued for decode             
 
 /* fault budgets */
 byte crashes, corruptions, duplicates;
+#ifdef ADVERSARY
+byte advs;                  /* adversary actions so far                         */
+#endif
 
 /* scratch for loops inside d_steps; hidden: not part of the state */
 hidden byte ti, tj, tk, tp;
@@ -358,7 +380,42 @@ inline wipe_dp() {
  * bookkeeping again: zero it, so that runs differing only in dead values
  * are one state. Leftover messages and notices are dropped here too.
  * Called at the end of every step. */
+#ifdef ADVERSARY
+/* The adversary reads every registered page at every moment: prefill's held rows (a
+ * KV_HELD request's, or quarantined) and decode's rows of requests awaiting KV. None may
+ * hold a tenant's KV in the clear. (Pages being computed or decoded are the code's
+ * private pool pages; free rows are zeroed in the code, and never read here.) */
+inline adversary_reads() {
+    tj = 0;
+    do
+    :: tj < NP ->
+        if
+        :: pp[tj].st == QUARANTINED || (pp[tj].st == OWNED && ps[pp[tj].owner] == KV_HELD) ->
+            CHECK(I10_network_reads_see_no_plaintext, pp[tj].sr != NOBODY || pp[tj].data >= NREQ)
+        :: else
+        fi;
+        tj++
+    :: else -> break
+    od;
+    tj = 0;
+    do
+    :: tj < ND ->
+        if
+        :: dp[tj].st == OWNED && ds[dp[tj].owner] == AWAITING_KV ->
+            CHECK(I10_network_reads_see_no_plaintext, dp[tj].sr != NOBODY || dp[tj].data >= NREQ)
+        :: else
+        fi;
+        tj++
+    :: else -> break
+    od
+}
+#define ADV_READS adversary_reads();
+#else
+#define ADV_READS
+#endif
+
 inline reap() {
+    ADV_READS
     tp = 0;
     do
     :: tp < NREQ ->
@@ -398,6 +455,9 @@ inline attend(r, upto) {
               dp[DBT(r, ti)].owner == r && dp[DBT(r, ti)].epoch == DEP(r, ti) &&
               dp[DBT(r, ti)].st == OWNED);
         CHECK(I3_reads_written_slots_only, ti < dwm[r]);
+#ifdef ADVERSARY
+        CHECK(I10_attention_reads_no_foreign_bytes, dp[DBT(r, ti)].data != ADV);
+#endif
         CHECK(I2_reader_reads_own_data, dp[DBT(r, ti)].data == r);
         ti++
     :: else -> break
@@ -497,7 +557,19 @@ end:
             :: ti < pn[r] ->
                 CHECK(I2_writer_owns_page,
                       pp[PBT(r, ti)].owner == r && pp[PBT(r, ti)].st == OWNED);
-                pp[PBT(r, ti)].data = r; MSUM(r, ti) = r; ti++
+                pp[PBT(r, ti)].data = r; MSUM(r, ti) = r;
+#ifdef ADVERSARY
+                pp[PBT(r, ti)].sr = NOBODY;   /* computed in the clear (private pool) ... */
+#ifdef MUTANT_E
+                /* MUTANT E: ... and left in the clear in the registered row */
+                skip;
+#else
+                /* ... then sealed under the hold's key (request, generation) and the
+                   page's header (its epoch) */
+                pp[PBT(r, ti)].sr = r; pp[PBT(r, ti)].se = pp[PBT(r, ti)].epoch; pp[PBT(r, ti)].sg = pgen;
+#endif
+#endif
+                ti++
             :: else -> break
             od;
             mcount[r] = pn[r]; mgen[r] = pgen;
@@ -593,7 +665,22 @@ end:
             tk = 1; ti = 0;
             do
             :: ti < mcount[r] ->
-                tk = tk && dp[DBT(r, ti)].data == MSUM(r, ti); ti++
+#ifdef ADVERSARY
+                /* the AEAD tag: the page opens only under the binding the manifest
+                   names, and only if its bytes are the ones sealed (not GARBAGE or
+                   ADV). Opened once, from a private copy: see the adversary's writes */
+#ifdef MUTANT_F
+                /* MUTANT F: the key is not bound to the request */
+                tk = tk && dp[DBT(r, ti)].data != GARBAGE && dp[DBT(r, ti)].data != ADV &&
+                     dp[DBT(r, ti)].se == PEP(r, ti) && dp[DBT(r, ti)].sg == mgen[r];
+#else
+                tk = tk && dp[DBT(r, ti)].data != GARBAGE && dp[DBT(r, ti)].data != ADV &&
+                     dp[DBT(r, ti)].sr == r && dp[DBT(r, ti)].se == PEP(r, ti) && dp[DBT(r, ti)].sg == mgen[r];
+#endif
+#else
+                tk = tk && dp[DBT(r, ti)].data == MSUM(r, ti);
+#endif
+                ti++
             :: else -> break
             od;
             if
@@ -693,7 +780,14 @@ inline copy_checks(r) {
     /* the read, on behalf of r, of prefill's page (I2) */
     CHECK(I2_reader_owns_page,
           pp[PBT(r, xk[r])].owner == r && pp[PBT(r, xk[r])].epoch == PEP(r, xk[r]));
+#ifdef ADVERSARY
+    /* a one-sided read copies whatever the row holds; bytes the adversary put there
+       (its own, or a row sealed for someone else) are only ciphertext to decode */
+    CHECK(I2_reader_reads_own_data, pp[PBT(r, xk[r])].data == r || pp[PBT(r, xk[r])].data == ADV ||
+                                    pp[PBT(r, xk[r])].sr != r);
+#else
     CHECK(I2_reader_reads_own_data, pp[PBT(r, xk[r])].data == r);
+#endif
     /* the write into decode's page (I6) */
     CHECK(I6_transfer_writes_own_page,
           dp[DBT(r, xk[r])].owner == r && dp[DBT(r, xk[r])].epoch == DEP(r, xk[r]) &&
@@ -709,7 +803,12 @@ end:
        running prefill process (a restarted one has new registrations) */
     :: d_step { xst[r] == X_RUN && xk[r] < mcount[r] && mgen[r] == pgen ->
             copy_checks(r);
-            dp[DBT(r, xk[r])].data = pp[PBT(r, xk[r])].data; xk[r]++; reap() }
+            dp[DBT(r, xk[r])].data = pp[PBT(r, xk[r])].data;
+#ifdef ADVERSARY
+            dp[DBT(r, xk[r])].sr = pp[PBT(r, xk[r])].sr; dp[DBT(r, xk[r])].se = pp[PBT(r, xk[r])].se;
+            dp[DBT(r, xk[r])].sg = pp[PBT(r, xk[r])].sg;
+#endif
+            xk[r]++; reap() }
     /* ... or copy it corrupted */
     :: d_step { xst[r] == X_RUN && xk[r] < mcount[r] && mgen[r] == pgen &&
                 corruptions < CORRUPTIONS ->
@@ -728,6 +827,84 @@ end:
             duplicates++; xst[r] = X_OK; xc[r] = 2; reap() }
     od
 }
+
+/* ============================================================ ADVERSARY */
+
+#ifdef ADVERSARY
+/* may the adversary write prefill page i / decode page i? Registered memory only: not a
+ * page being computed (prefill's private pool), nor one being decoded after VERIFY
+ * (decode's private pool: the pulled rows were opened once into it). MUTANT_G lets it
+ * write those too: decode reading the registered rows again after verifying them. */
+#define PP_WRITABLE(i) (pp[i].st != OWNED || ps[pp[i].owner] != PREFILLING)
+#define DP_WRITABLE(i) (dp[i].st != OWNED || ds[dp[i].owner] != DECODING)
+
+proctype Adversary() {
+    byte i, j;
+end:
+    do
+    /* overwrite a registered page with bytes of its own */
+    :: d_step { advs < ADVS -> advs++;
+            i = 0;
+            if
+            :: i = 0 :: i = 1
+            fi;
+            if :: PP_WRITABLE(i) -> pp[i].data = ADV :: else fi;
+            i = 0; j = 0; reap() }
+    :: d_step { advs < ADVS -> advs++;
+            i = 0;
+            if
+            :: i = 0 :: i = 1 :: i = 2 :: i = 3
+            fi;
+            if
+#ifdef MUTANT_G
+            /* MUTANT G: what decode attends is still the registered rows */
+            :: dp[i].data = ADV
+#else
+            :: DP_WRITABLE(i) -> dp[i].data = ADV
+            :: else
+#endif
+            fi;
+            i = 0; reap() }
+    /* copy a sealed row over another one (a replay, or a splice of another request's
+       row into this one's) */
+    :: d_step { advs < ADVS -> advs++;
+            i = 0; j = 0;
+            if
+            :: i = 0; j = 1 :: i = 1; j = 0
+            fi;
+            if
+            :: PP_WRITABLE(j) && (pp[i].st != OWNED || ps[pp[i].owner] != PREFILLING) ->
+                pp[j].data = pp[i].data; pp[j].sr = pp[i].sr; pp[j].se = pp[i].se; pp[j].sg = pp[i].sg
+            :: else
+            fi;
+            i = 0; j = 0; reap() }
+    :: d_step { advs < ADVS -> advs++;
+            i = 0; j = 0;
+            if
+            :: i = 0 :: i = 1
+            fi;
+            if
+            :: j = 0 :: j = 1 :: j = 2 :: j = 3
+            fi;
+            if
+            :: DP_WRITABLE(j) && (pp[i].st != OWNED || ps[pp[i].owner] != PREFILLING) ->
+                if :: pp[i].sr < NREQ && dp[j].st == OWNED && pp[i].sr != dp[j].owner ->
+                        REACHED(adversary_splices_another_requests_row)
+                :: else fi;
+                dp[j].data = pp[i].data; dp[j].sr = pp[i].sr; dp[j].se = pp[i].se; dp[j].sg = pp[i].sg
+            :: else
+            fi;
+            i = 0; j = 0; reap() }
+    /* forge a control message: "decode stopped reading r" to prefill, which would free
+       rows a pull may still read. Without the cluster credential it is refused (401). */
+    :: d_step { advs < ADVS -> advs++;
+#ifdef MUTANT_H
+            to_p[0] = to_p[0] | P_DSTOP;
+#endif
+            REACHED(adversary_forges_a_control_message); reap() }
+    od
+}
+#endif
 
 /* ============================================================ ENVIRONMENT */
 
@@ -834,12 +1011,20 @@ init {
     atomic {
         ti = 0;
         do
-        :: ti < NP -> pp[ti].owner = NOBODY; pp[ti].st = FREE; pp[ti].data = OLD; ti++
+        :: ti < NP -> pp[ti].owner = NOBODY; pp[ti].st = FREE; pp[ti].data = OLD;
+#ifdef ADVERSARY
+            pp[ti].sr = OLD; pp[ti].sg = 255;   /* an earlier process's sealed rows */
+#endif
+            ti++
         :: else -> break
         od;
         ti = 0;
         do
-        :: ti < ND -> dp[ti].owner = NOBODY; dp[ti].st = FREE; dp[ti].data = OLD; ti++
+        :: ti < ND -> dp[ti].owner = NOBODY; dp[ti].st = FREE; dp[ti].data = OLD;
+#ifdef ADVERSARY
+            dp[ti].sr = OLD; dp[ti].sg = 255;
+#endif
+            ti++
         :: else -> break
         od;
         ti = 0;
@@ -863,6 +1048,9 @@ init {
         run Decode(0); run Decode(1);
         run Transfer(0); run Transfer(1);
         run Env();
+#ifdef ADVERSARY
+        run Adversary();
+#endif
         run Watchdog()
     }
 }

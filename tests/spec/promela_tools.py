@@ -18,7 +18,13 @@ MUTANTS = {
     "b": ("b_attend_reserved_length.pml", {"I3_reads_written_slots_only"}),
     "c": ("c_free_during_pull.pml", {"I6_transfer_writes_own_page", "I6_no_reuse_under_transfer"}),
     "d": ("d_lease_expiry_without_fence.pml", {"I2_reader_owns_page", "I6_no_reuse_under_transfer"}),
+    # with the network adversary (spec/adversary.pml)
+    "e": ("e_rows_not_sealed.pml", {"I10_network_reads_see_no_plaintext"}),
+    "f": ("f_key_not_bound_to_request.pml", {"I5_decode_after_verified_transfer", "I2_reader_reads_own_data"}),
+    "g": ("g_verify_then_reread.pml", {"I10_attention_reads_no_foreign_bytes", "I2_reader_reads_own_data"}),
+    "h": ("h_control_plane_not_authenticated.pml", {"I2_reader_owns_page", "I6_no_reuse_under_transfer"}),
 }
+ADVERSARY_MUTANTS = frozenset("efgh")   # these include the adversary (#define ADVERSARY)
 
 
 # ----------------------------------------------------------------- source

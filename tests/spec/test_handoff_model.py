@@ -40,6 +40,23 @@ def test_clean_model_verifies_exhaustively(spin_tools, tmp_path):
     assert re.search(r"invalid end states\s+\+", result.output)
 
 
+def test_model_with_a_network_adversary_verifies(spin_tools, tmp_path):
+    """I10/I11: an adversary on the network that reads every registered page at every step,
+    overwrites one, splices another request's sealed row into this one's or replays one,
+    or forges a control message: no plaintext in registered memory, no adversary bytes and
+    no foreign row reach attention, every other property as in the clean model. Built with
+    COVERAGE so that the search also shows each adversary scenario happens."""
+    spec = copy_spec(tmp_path)
+    pan = build_pan(spec / "adversary.pml", spin_defines=["-DCOVERAGE"], cc_flags=["-DSAFETY"])
+    result = run_pan(pan, PAN_ARGS)
+    print("adversary model:", result.summary())
+    assert_complete_and_clean(result)
+    reached = set(re.findall(r"^REACHED (\w+) @\d+$", result.output, flags=re.M))
+    adversary = {m for m in reached_markers(MODEL.read_text(), frozenset({"ADVERSARY"})) if m.startswith("adversary_")}
+    assert adversary == {"adversary_splices_another_requests_row", "adversary_forges_a_control_message"}
+    assert adversary <= reached, sorted(adversary - reached)
+
+
 @pytest.fixture(scope="module")
 def liveness_run(spin_tools, tmp_path_factory) -> PanResult:
     """One search for non-progress cycles (there is no progress label, so any

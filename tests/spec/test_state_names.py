@@ -12,7 +12,7 @@ import re
 import pytest
 
 from kvfence.engine.request_states import TERMINAL, TRANSITIONS, Event, State
-from promela_tools import MODEL, MUTANTS, SPEC, advances, mtype_names, preprocess
+from promela_tools import ADVERSARY_MUTANTS, MODEL, MUTANTS, SPEC, advances, mtype_names, preprocess
 
 SOURCE = MODEL.read_text()
 
@@ -87,12 +87,15 @@ def test_mutant_is_a_small_switch_on_the_model(key):
     assert re.search(rf"^#define\s+{macro}\s*$", text, flags=re.M)
     assert re.search(r'^#include\s+"\.\./handoff\.pml"\s*$', text, flags=re.M)
     assert len(re.findall(rf"#\s*ifdef\s+{macro}\b", SOURCE)) == 1, f"one #ifdef {macro} block"
+    base = frozenset({"ADVERSARY"}) if key in ADVERSARY_MUTANTS else frozenset()
+    if base:
+        assert re.search(r"^#define\s+ADVERSARY\s*$", text, flags=re.M)
     # the mutated code must differ from the clean code, and be small
-    clean = [line for _, line in preprocess(SOURCE)]
-    mutated = [line for _, line in preprocess(SOURCE, frozenset({macro}))]
+    clean = [line for _, line in preprocess(SOURCE, base)]
+    mutated = [line for _, line in preprocess(SOURCE, base | {macro})]
     assert clean != mutated
     changed = len(set(mutated) ^ set(clean))
     assert changed <= 12, f"{macro} changes {changed} lines: keep mutants small"
-    illegal = [a for a in advances(SOURCE, frozenset({macro}))
+    illegal = [a for a in advances(SOURCE, base | {macro})
                if (a.frm, a.event, a.to) not in table()]
     assert not illegal, f"{macro} uses transitions outside the table: {illegal}"
