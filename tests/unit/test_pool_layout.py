@@ -31,10 +31,12 @@ def test_clear_positions_from_zeroes_exactly_the_positions_past_the_prompt():
 
 
 def test_staging_sends_no_position_past_the_prompt():
-    """Prefill copies a request's pages into transfer rows; the slots past its token count
-    (an earlier owner's bytes, in the pool's in-page layout) must leave the node as zeros."""
+    """Prefill seals a request's pages into transfer rows; the slots past its token count
+    (an earlier owner's bytes, in the pool's in-page layout) must leave the node as zeros:
+    what the rows open to is read back by position."""
     from kvfence.kv.ledger import Owner
-    from kvfence.pd.manifest import HEADER_BYTES
+    from kvfence.pd.messages import Manifest
+    from kvfence.pd.seal import RowCipher, new_salt
     from kvfence.pd.staging import StagingBuffer
 
     cfg = tiny_config(layers=2, hidden=32, heads=4, kv_heads=2)
@@ -43,9 +45,13 @@ def test_staging_sends_no_position_past_the_prompt():
     pool.kv.fill_(7.0)  # every slot holds something: stale bytes past the prompt included
     staging = StagingBuffer(pool, num_rows=4)
     rows = staging.grant(Owner(tenant=1, request=1), len(pages))
-    staging.stage(pages, rows, tokens, "r1", "t1", "boot")
+    m = Manifest(request_id="r1", tenant="t1", token_count=tokens, page_count=len(pages), page_size=ps,
+                 epochs=list(rows.epochs), fingerprint="f", layout=staging.layout, boot_id="boot",
+                 seal_salt=new_salt(), slot_bytes=staging.slot_bytes, slots=list(rows.pages), lease_deadline=1.0)
+    cipher = RowCipher(b"s" * 32, m.seal_salt, "boot", "r1", "t1")
+    staging.stage(pages, rows, m, cipher)
     L, two, H, _, D = pool.kv.shape
-    data = staging.buf[rows.pages, HEADER_BYTES:].contiguous().view(torch.float32)
+    data = staging.open_rows(rows.pages, m, cipher).view(torch.float32)
     kv = data.view(len(pages), L, two, H, ps, D).permute(1, 2, 3, 0, 4, 5).reshape(L, two, H, len(pages) * ps, D)
     positions = torch.arange(len(pages) * ps)
     for layer in range(L):  # read back by position through the model's gather
