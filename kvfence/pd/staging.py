@@ -64,22 +64,26 @@ class StagingBuffer:
         """Seal pool pages into rows, each bound to its page header; slots past the token
         count are zeroed first so nothing but this request's own KV leaves the node.
         seal=False is the skip_row_seal fault point, for tests only."""
-        n = len(pages)
-        if n == 0:
+        if not pages:
             return
-        ps = self.pool.page_size
-        slots = self.pool.slots_of(torch.as_tensor(pages, dtype=torch.int64, device=self.pool.device))
-        kv = self.pool.kv.index_select(3, slots)                              # [L, 2, H, n*ps, D]
-        L, two, H, _, D = self.page_shape
-        self.pool.clear_positions_from(kv, m.token_count)
-        plain = kv.view(L, two, H, n, ps, D).permute(3, 0, 1, 2, 4, 5).contiguous().cpu().view(n, -1)
-        plain = plain.view(torch.uint8).numpy()
+        plain = self.plaintext_rows(pages, m.token_count).numpy()
         buf = self.buf.numpy()
         for i, r in enumerate(rows.pages):
             if seal:
                 cipher.seal_into(i, plain[i].data, page_header(m, i).pack(), buf[r].data)
             else:
                 buf[r, :self.data_bytes] = plain[i]
+
+    def plaintext_rows(self, pages: list[int], token_count: int) -> torch.Tensor:
+        """The pages as rows of bytes [n, data_bytes], page-contiguous, slots from
+        token_count on zeroed: what stage() seals (private memory)."""
+        n, ps = len(pages), self.pool.page_size
+        slots = self.pool.slots_of(torch.as_tensor(pages, dtype=torch.int64, device=self.pool.device))
+        kv = self.pool.kv.index_select(3, slots)                              # [L, 2, H, n*ps, D]
+        L, two, H, _, D = self.page_shape
+        self.pool.clear_positions_from(kv, token_count)
+        plain = kv.view(L, two, H, n, ps, D).permute(3, 0, 1, 2, 4, 5).contiguous().cpu().view(n, -1)
+        return plain.view(torch.uint8)
 
     # -- decode side --------------------------------------------------------------------
     def open_rows(self, rows: list[int], m: Manifest, cipher: RowCipher, authenticate: bool = True) -> torch.Tensor:

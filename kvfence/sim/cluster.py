@@ -44,11 +44,10 @@ from kvfence.kv.ledger import PageState
 from kvfence.kv.pool import page_bytes
 from kvfence.pd.decode import KvImporter
 from kvfence.pd.manifest import ManifestError
-from kvfence.pd.messages import Manifest
 from kvfence.pd.prefill import KvExporter
-from kvfence.pd.seal import SealError
 from kvfence.pd.settings import PDSettings
 from kvfence.pd.transfer import InProcessTransport
+from kvfence.sim.adversary import NetworkAdversary
 from kvfence.sim.transport import FAILING_FATES, SimPull, SimTransport, SimWorkers
 
 _uids = itertools.count(1)
@@ -64,7 +63,7 @@ FREE, OWNED, QUARANTINED, RESERVED_NULL, SHARED = (int(PageState.FREE), int(Page
 EXPLAINED_BY = {
     "client": {"client_abort"},
     "kv_transfer_failed": {"transfer", "crash"},
-    "kv_verification_failed": {"transfer", "crash"},
+    "kv_verification_failed": {"transfer", "crash", "adversary"},
     "kv_transfer_timeout": {"slow"},
     "lease_expired": {"slow"},
     "node_failed": {"crash"},
@@ -124,6 +123,7 @@ class SimConfig:
     w_abort: float = 0.15           # action weights
     w_crash: float = 0.004
     w_jump: float = 0.12
+    w_adversary: float = 0.0        # the network adversary's actions (kvfence/sim/adversary.py)
     slow_pulls: float = 0.1         # share of pulls that take a random time up to max_pull_s to run
     reuse_memory: float = 0.5       # a restarted node gets its old transfer-buffer memory back, un-zeroed
     pull_fates: dict = field(default_factory=lambda: {"ok": 0.86, "fail": 0.03, "partial": 0.02, "corrupt": 0.04,
@@ -168,6 +168,8 @@ class SimConfig:
                   pull_fates=fates, notice_fates={"deliver": 1.0 - drop - dup, "drop": drop, "duplicate": dup})
         if r.random() < 0.5:   # the default: as many rows as pool pages
             kw.update(prefill_rows=kw["prefill_pages"], decode_rows=kw["decode_pages"])
+        # a network adversary in most campaigns (drawn last: the other draws stay as they were)
+        kw["w_adversary"] = r.choice([0.0, 0.02, 0.1, 0.3])
         kw.update(overrides)
         return cls(**kw)
 
@@ -243,6 +245,7 @@ class Node:
         self.down_until: float | None = None
         self.offset = 0.0
         self.stalled = False   # its last step changed nothing: stepping again is pointless until something else happens
+        self.reused_memory = False   # restarted on its old, un-zeroed transfer-buffer memory
         self.poked = False     # a message or notice reached it: the server's loop runs a step after each one
 
     @property
@@ -315,6 +318,11 @@ class Simulation:
         self.lives: dict[str, Life] = {}
         self.open: list[Life] = []         # router_live lives
         self.msgs: list[Msg] = []
+        self.delivered: deque[Msg] = deque(maxlen=64)   # what the adversary may replay
+        self.adversary = NetworkAdversary(self)
+        # plaintexts prefill sealed in the current step, in order (_watch_stage); each kv_held
+        # output of that step takes the next one
+        self._staged_plain: deque[torch.Tensor] = deque()
         self.trace: deque[str] = deque(maxlen=cfg.trace_len)
         self.digest = hashlib.blake2b(digest_size=16)  # of every trace line: equal runs, equal digests
         self.outcomes: Counter[str] = Counter()
@@ -374,9 +382,12 @@ class Simulation:
             link.base = tr.register(old[1])
         if node.role == "decode":
             self._watch_unstage(link)
+        else:
+            self._watch_stage(link)
         self._watch_unservable(node, eng)
         node.engine, node.link, node.transport = eng, link, tr
         node.down_until = None
+        node.reused_memory = node.reused_memory or old is not None
         if node.role == "prefill":  # the router's monitor reads the new boot's facts
             self.p_source = {"session": tr.session_id, "base": link.base, "boot_id": link.boot_id}
 
@@ -440,6 +451,18 @@ class Simulation:
             return out
 
         sched.schedule = schedule
+
+    def _watch_stage(self, exp: KvExporter) -> None:
+        """Observe, for the content oracle, the plaintext prefill seals for each hold."""
+        st = exp.staging
+        orig = st.plaintext_rows
+
+        def plaintext_rows(pages, token_count):
+            plain = orig(pages, token_count)
+            self._staged_plain.append(plain.clone())
+            return plain
+
+        st.plaintext_rows = plaintext_rows
 
     def _watch_unstage(self, imp: KvImporter) -> None:
         """Observe, for the content oracle, what decode copies into its pool after verifying."""
@@ -548,6 +571,8 @@ class Simulation:
                 for node in (p, d):
                     if node.up:
                         acts.append((c.w_crash, self._crash, (node,)))
+            if c.w_adversary:
+                acts.append((c.w_adversary, self.adversary.act, ()))
         acts += self._progress_actions()
         acts.append((1.0, self._tick, ()))
         acts.append((c.w_jump, self._jump, ()))
@@ -771,6 +796,7 @@ class Simulation:
         self._advance(self.rng.uniform(0.0, self.settings.pull_give_up_s / 100))
         before = self._signature(node)
         node.poked = False
+        self._staged_plain.clear()
         outs = node.engine.step()
         node.stalled = not outs and self._signature(node) == before
         self._log(f"step {node.role}: {len(outs)} outputs{' (nothing moved)' if node.stalled else ''}")
@@ -789,7 +815,8 @@ class Simulation:
             if out.event == "kv_held":
                 m = out.data
                 life.held = m
-                life.truth = self._staged_plaintext(node, out.seq, m)
+                # the content oracle's truth: the plaintext prefill sealed for this hold
+                life.truth = self._staged_plain.popleft() if self._staged_plain else None
                 self._log(f"  {life.rid} kv_held: {m['token_count']} tokens in rows {m['slots']}")
                 self._check(m["token_count"] == len(life.ids) - 1 or not self.cfg.check_handoff, "I5",
                             f"prefill held {m['token_count']} tokens of {life.rid}, its prompt has {len(life.ids)}")
@@ -801,16 +828,6 @@ class Simulation:
                 self._known_pool_bug(node, life, code)
                 self._log(f"  prefill failed {life.rid}: {out.seq.error}")
                 self._answer(life, "error", code, where="prefill")
-
-    @staticmethod
-    def _staged_plaintext(node: Node, seq, m: dict) -> torch.Tensor | None:
-        """The content oracle's truth: the KV prefill sealed into the rows, opened right after
-        staging (None when a fault corrupted them: then nothing may verify)."""
-        man = Manifest.from_json(m)
-        try:
-            return node.link.staging.open_rows(m["slots"], man, node.link.cipher(man, seq))
-        except SealError:
-            return None
 
     def _on_decode(self, node: Node, outs) -> None:
         for out in outs:
@@ -900,6 +917,7 @@ class Simulation:
     def _deliver_msg(self) -> None:
         m = self.rng.choice(self.msgs)
         self.msgs.remove(m)
+        self.delivered.append(m)
         node = self.nodes[m.role]
         life = self.lives[m.rid]
         if node.up and node.boot == m.boot:

@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     print("outcomes:")
     for k, v in sorted(outcomes.items(), key=lambda kv: -kv[1]):
         print(f"  {v:8d}  {k}")
-    interesting = {k: v for k, v in stats.items() if v and (k.startswith(("transport_", "crash", "known_bug"))
+    kinds = ("transport_", "crash", "known_bug", "adversary_")
+    interesting = {k: v for k, v in stats.items() if v and (k.startswith(kinds)
                                                             or k.endswith(("fences", "late_notices", "stale_notices",
                                                                            "verify_failed", "leases_expired",
                                                                            "pulls_given_up", "never_settled")))}
