@@ -32,6 +32,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 from kvfence.bench.http_load import Report, format_report, make_prompt, run_load
 from kvfence.pd.launch import ENGINE_FLAGS, flags, node_commands, write_secret_file
@@ -252,6 +253,35 @@ def raw_mooncake(rows: int, row_bytes: int, batches: int) -> dict:
             peer.wait(10)
 
 
+# -- sealing ---------------------------------------------------------------------------------------
+
+def seal_throughput(row_bytes: int, rows: int, rounds: int = 5) -> dict:
+    """AES-256-GCM on this machine, one thread, rows of kvfence's size: seal (prefill, into
+    the registered row) and open (decode, from a private copy), as pd/staging.py does."""
+    from kvfence.pd.seal import TAG_BYTES, RowCipher, new_salt
+
+    data = row_bytes - TAG_BYTES
+    plain = np.random.default_rng(0).integers(0, 256, (rows, data), dtype=np.uint8)
+    sealed = np.empty((rows, row_bytes), dtype=np.uint8)
+    out = np.empty((rows, data), dtype=np.uint8)
+    cipher = RowCipher(b"b" * 32, new_salt(), "boot", "request", "tenant")
+    aad = b"h" * 108
+    best_seal = best_open = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for i in range(rows):
+            cipher.seal_into(i, plain[i].data, aad, sealed[i].data)
+        t1 = time.perf_counter()
+        for i in range(rows):
+            cipher.open_into(i, sealed[i].tobytes(), aad, out[i].data)
+        t2 = time.perf_counter()
+        best_seal, best_open = min(best_seal, t1 - t0), min(best_open, t2 - t1)
+    assert np.array_equal(out, plain)
+    nbytes = rows * data
+    return {"rows": rows, "row_bytes": row_bytes, "seal_mib_per_s": round(nbytes / best_seal / 2**20, 1),
+            "open_mib_per_s": round(nbytes / best_open / 2**20, 1)}
+
+
 # -- report ---------------------------------------------------------------------------------------
 
 def _ratio(a, b):
@@ -266,7 +296,7 @@ def ratios(single: Report, pd: Report) -> dict:
     return out
 
 
-def format_table(single: Report, pd: Report, r: dict, kv: dict, idle: dict, raw: dict, a) -> str:
+def format_table(single: Report, pd: Report, r: dict, kv: dict, idle: dict, raw: dict, seal: dict, a) -> str:
     def ms(rep, k, q):
         v = getattr(rep, k).get(q)
         return "-" if v is None else f"{v:.1f}"
@@ -293,6 +323,11 @@ def format_table(single: Report, pd: Report, r: dict, kv: dict, idle: dict, raw:
     lines.append("  MiB/s = bytes / summed pull time (the decode node's counters). During the load up to 4 pulls run "
                  "at once while the cores compute; one at a time, nothing else runs; raw: the same rows between two "
                  "processes, one batch at a time, after the PD cluster stopped.")
+    vs_seal = _ratio(seal["seal_mib_per_s"], raw["mib_per_s"])
+    vs_open = _ratio(seal["open_mib_per_s"], raw["mib_per_s"])
+    lines.append(f"Sealing (AES-256-GCM, one thread, {seal['rows']} rows of {seal['row_bytes']} bytes): seal "
+                 f"{seal['seal_mib_per_s']:.0f} MiB/s, open {seal['open_mib_per_s']:.0f} MiB/s = {vs_seal}x / "
+                 f"{vs_open}x raw Mooncake's bandwidth (the pull numbers above include it)")
     return "\n".join(lines)
 
 
@@ -315,9 +350,10 @@ def main(a) -> int:
     raw = raw_mooncake(rows, kv["row_bytes"], max(4, kv["pulls"]))
     for x in (kv, idle):
         x["vs_raw"] = _ratio(x["mib_per_s"], raw["mib_per_s"])
+    seal = seal_throughput(kv["row_bytes"], max(rows, 16))
     r = ratios(single, pd)
     print()
-    print(format_table(single, pd, r, kv, idle, raw, a))
+    print(format_table(single, pd, r, kv, idle, raw, seal, a))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"workload": {"num_requests": a.num_requests, "prompt_words": a.prompt_tokens,
@@ -325,7 +361,8 @@ def main(a) -> int:
                                     "dtype": a.dtype, "kv_cache_memory": a.kv_cache_memory,
                                     "cores": len(os.sched_getaffinity(0))},
                        "single": asdict(single), "pd": asdict(pd), "ratios": r,
-                       "transfer": {"kvfence_under_load": kv, "kvfence_one_at_a_time": idle, "raw_mooncake": raw}},
+                       "transfer": {"kvfence_under_load": kv, "kvfence_one_at_a_time": idle, "raw_mooncake": raw},
+                       "sealing": seal},
                       f, indent=2)
     ok = single.ok == single.num_requests and pd.ok == pd.num_requests and kv["pulls"] > 0
     return 0 if ok else 1

@@ -28,3 +28,5 @@ def test_bench_pd_tiny_workload_writes_results(tmp_path):
         assert x["pulls"] >= 2 and x["bytes"] >= x["pulls"] * x["row_bytes"], x
     assert raw["row_bytes"] == kv["row_bytes"] and raw["rows_per_pull"] == round(kv["rows_per_pull"])
     assert raw["mib_per_s"] > 0 and kv["vs_raw"] is not None
+    seal = data["sealing"]   # AES-GCM on rows of the same size, measured in the same run
+    assert seal["row_bytes"] == kv["row_bytes"] and seal["seal_mib_per_s"] > 0 and seal["open_mib_per_s"] > 0
