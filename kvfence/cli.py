@@ -139,6 +139,9 @@ def cmd_serve(a) -> int:
         except PlaintextNetworkError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+        if tls.allow_plaintext and not tls.serving:
+            _print_warnings({"warnings": ["WARNING: --allow-plaintext-network: this process's internal HTTP may "
+                                          "cross the network in the clear"]})
     if a.role == "router":
         from kvfence.pd.router import serve_router
 
@@ -177,6 +180,13 @@ def cmd_launch_pd(a) -> int:
     return launch_pd(a)
 
 
+def _print_warnings(statement: dict) -> None:
+    """The statement's warnings, in red on a terminal, on stderr."""
+    red, end = ("\033[1;31m", "\033[0m") if sys.stderr.isatty() else ("", "")
+    for w in statement.get("warnings") or ():
+        print(f"{red}{w}{end}", file=sys.stderr)
+
+
 def cmd_isolation(a) -> int:
     """Print the isolation statement: from a running server (--url), or from this configuration
     (builds the engine and runs the same start-up checks `serve` runs)."""
@@ -192,6 +202,7 @@ def cmd_isolation(a) -> int:
             print(f"error: HTTP {r.status_code}: {r.text}", file=sys.stderr)
             return 1
         print(json.dumps(r.json(), indent=2))
+        _print_warnings(r.json())
         return 0
     from kvfence.server.isolation import isolation_statement
     from kvfence.server.serve import load_tenants, start_engine
