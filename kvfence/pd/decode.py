@@ -71,6 +71,7 @@ class KvImporter(PdLink):
         self._workers = ThreadPoolExecutor(workers, thread_name_prefix="kvfence-pull")
         self.transferred_bytes = 0
         self.transfer_seconds = 0.0
+        self.open_seconds = 0.0      # authenticating, decrypting and unstaging pulled rows
 
     # -- admission (engine thread) -------------------------------------------------------------
     def check(self, seq: Sequence, handoff: object) -> Handoff:
@@ -212,6 +213,7 @@ class KvImporter(PdLink):
             yield self._settle_and_abort(p, "kv_transfer_failed", f"the KV transfer failed: {error}")
             return
         m = _manifest(seq)
+        t0 = time.perf_counter()
         try:  # authenticated and decrypted once, in private memory (kvfence/pd/seal.py)
             plain = self.staging.open_rows(p.rows.pages, m, self.cipher(m, seq),
                                            authenticate=not faults.active("skip_row_auth"))
@@ -221,6 +223,7 @@ class KvImporter(PdLink):
             yield self._settle_and_abort(p, "kv_verification_failed", f"the transferred KV failed verification: {e}")
             return
         self.staging.unstage(plain, seq.table.pages[:m.page_count])
+        self.open_seconds += time.perf_counter() - t0
         del self.live[seq.request_id]
         self.staging.ledger.free(p.owner, p.rows)
         self.counters["verified"] += 1
@@ -240,4 +243,5 @@ class KvImporter(PdLink):
 
     def stats(self) -> dict:
         return {**self.buffer_stats(), "awaiting_kv": len(self.live), "waiting_for_pages": len(self.waiting),
-                "transferred_bytes": self.transferred_bytes, "transfer_seconds": round(self.transfer_seconds, 4)}
+                "transferred_bytes": self.transferred_bytes, "transfer_seconds": round(self.transfer_seconds, 4),
+                "open_seconds": round(self.open_seconds, 4)}
