@@ -47,6 +47,10 @@ FAULTS: dict[str, str] = {
     "kill_node_at": "the node process exits at the point named by ARG",
     "corrupt_staged_page": "prefill flips one byte of a staged row after sealing it (a corrupted transfer, I5)",
     "delay_handoff": "the PD router waits ARG seconds (default 1) between prefill and decode",
+    "poison_request": "processing the sampled token of a request whose prompt contains token id ARG raises "
+                      "(containment: only that request fails)",
+    "poison_forward": "a forward pass that includes a request whose prompt contains token id ARG raises; ARG 'all': "
+                      "every forward pass raises (the engine is broken and the process exits)",
     "skip_manifest_check": "decode takes a handoff without checking it is for this request, tenant, token count "
                            "and model (I4, I5)",
     "attend_reserved_length": "the incident's decode: after a transfer it treats the whole prompt as computed, "

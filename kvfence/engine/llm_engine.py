@@ -68,6 +68,14 @@ class StepOutput:
     data: dict | None = None
 
 
+# consecutive steps in which every request failed, even alone, before the engine counts as broken
+MAX_FAILED_STEPS = 3
+
+
+class EngineBroken(RuntimeError):
+    """The engine cannot run any request any more; the process should exit and be restarted."""
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None):
         """`loaded` lets several engines share one set of weights (tests, benchmarks)."""
@@ -98,6 +106,7 @@ class LLMEngine:
         # PD: a KvExporter (prefill node) or KvImporter (decode node) replaces it (attach_link)
         self.kv_link: KvLink = NoKvLink()
         self._pending_outputs: list[StepOutput] = []  # produced outside step(), returned by the next one
+        self._failed_steps = 0                        # consecutive steps in which nothing could run
         self._stalled = False
         self.wake: Callable[[], None] = lambda: None  # the server's loop sets this: wakes a blocked loop
         self.clock: Callable[[], float] = time.time   # PD leases and fences; the simulation swaps it
@@ -264,11 +273,15 @@ class LLMEngine:
         self._stalled = not step and not outputs and self.kv_link.holds_pool_pages()
         if not step:
             return outputs
-        result = self.runner.run(step)
-        outputs += [self._refuse_read(s.seq, v) for s, v in result.violations]
-        outputs += self._postprocess(result)
+        results, failed = self._run_contained(step)
+        outputs += failed
+        ran = []
+        for result in results:
+            outputs += [self._refuse_read(s.seq, v) for s, v in result.violations]
+            outputs += self._postprocess(result)
+            ran += result.ran
         # PD prefill: prompts computed this pass leave the scheduler for the KV link
-        prefilled = [s.seq for s in result.ran if s.seq.hold_kv and s.seq.uncomputed == 0 and not s.seq.finished]
+        prefilled = [s.seq for s in ran if s.seq.hold_kv and s.seq.uncomputed == 0 and not s.seq.finished]
         for seq in prefilled:
             self.scheduler.remove(seq)
         outputs += self._apply(self.kv_link.after_step(prefilled, self.clock()))
@@ -285,13 +298,76 @@ class LLMEngine:
         self.scheduler.unservable.clear()
         return out
 
+    # -- fault containment: one request's exception ends that request, not the engine -----------
+    def _fail(self, seq: Sequence, e: BaseException) -> StepOutput:
+        """End a request whose processing raised (500 engine_error); its pages go back through
+        the ledger as on any abort, and a PD link frees or fences its rows."""
+        log.error("request %s failed inside the engine step, aborting it alone: %s: %s", seq.request_id,
+                  type(e).__name__, e, exc_info=e)
+        self.outcomes["engine_error"] += 1
+        if not seq.finished:
+            self.end(seq, Event.ABORT, "aborted", f"internal error while processing this request "
+                     f"({type(e).__name__})", code="engine_error")
+        return StepOutput(seq, [], "", True)
+
+    def _run_contained(self, step: list) -> tuple[list, list[StepOutput]]:
+        """Run the step's forward pass. If it raises, run each request alone to find the one
+        at fault: a failed pass changes nothing before its end (the written watermark and the
+        computed counts move only after the model returns), so the rest recompute the same KV
+        into the same slots. Only when every request fails alone, MAX_FAILED_STEPS steps in
+        a row, is the engine itself broken: EngineBroken stops it."""
+        try:
+            results = [self.runner.run(step)]
+        except Exception as e:  # noqa: BLE001 - contained below
+            if len(step) == 1:
+                results, failed = [], [self._fail(step[0].seq, e)]
+            else:
+                log.warning("a forward pass of %d requests raised %s; running them one at a time", len(step),
+                            type(e).__name__)
+                results, failed = [], []
+                for s in step:
+                    try:
+                        results.append(self.runner.run([s]))
+                    except Exception as e1:  # noqa: BLE001 - this one is at fault
+                        failed.append(self._fail(s.seq, e1))
+            if not results:
+                self._failed_steps += 1
+                if self._failed_steps >= MAX_FAILED_STEPS:
+                    raise EngineBroken(f"{self._failed_steps} steps in a row failed for every request; last: "
+                                       f"{type(e).__name__}: {e}") from e
+            else:
+                self._failed_steps = 0
+            return results, failed
+        self._failed_steps = 0
+        return results, []
+
     def _postprocess(self, result) -> list[StepOutput]:
         if not result.sampled:
             return []
         seqs = [s.seq for s in result.sampled]
-        sample = self.sampler(result.logits, [q.params for q in seqs], [q.generator for q in seqs])
         now = time.perf_counter()
-        return [self._append(seq, tok, lp, now) for seq, tok, lp in zip(seqs, sample.token_ids, sample.logprobs)]
+        try:
+            sample = self.sampler(result.logits, [q.params for q in seqs], [q.generator for q in seqs])
+        except Exception:  # noqa: BLE001 - sample each alone: only the one at fault fails
+            out = []
+            for i, seq in enumerate(seqs):
+                try:
+                    one = self.sampler(result.logits[i:i + 1], [seq.params], [seq.generator])
+                except Exception as e:  # noqa: BLE001
+                    out.append(self._fail(seq, e))
+                    continue
+                out.append(self._append_contained(seq, one.token_ids[0], one.logprobs[0], now))
+            return out
+        return [self._append_contained(seq, tok, lp, now)
+                for seq, tok, lp in zip(seqs, sample.token_ids, sample.logprobs)]
+
+    def _append_contained(self, seq: Sequence, tok: int, lp, now: float) -> StepOutput:
+        try:
+            if faults.active("poison_request") and int(faults.arg("poison_request") or -1) in seq.prompt_ids:
+                raise RuntimeError("fault injection: a poisoned request raises while its token is processed")
+            return self._append(seq, tok, lp, now)
+        except Exception as e:  # noqa: BLE001 - a detokenizer or stop-string failure ends this request only
+            return self._fail(seq, e)
 
     def _apply(self, decisions: Iterable[Decision]) -> list[StepOutput]:
         """Apply a KV link's decisions, each before the link makes the next: every engine

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvfence import faults
 from kvfence.engine.scheduler import ScheduledSeq
 from kvfence.kv.audit import AuditRow, ReadAudit
 from kvfence.kv.ledger import NULL_PAGE, Ledger, ReadRequest, Violation
@@ -42,6 +43,10 @@ class ModelRunner:
         self.check_seconds = 0.0   # time spent in the ledger check, for the bench's cost report
 
     def run(self, step: list[ScheduledSeq]) -> StepResult:
+        if faults.active("poison_forward"):
+            which = faults.arg("poison_forward") or "all"
+            if which == "all" or any(int(which) in s.seq.prompt_ids for s in step):
+                raise RuntimeError("fault injection: a poisoned forward pass")
         reads = [ReadRequest(s.seq.owner, s.seq.table, s.seq.num_computed, s.num_new) for s in step]
         t0 = time.perf_counter()
         violations = self.ledger.authorize(reads)

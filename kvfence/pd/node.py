@@ -136,15 +136,22 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings) ->
             return _error(503, f"node is {loop.state}: {loop.error or ''}", "not_ready")
         return NodeInfo.from_json({**loop.facts, "snapshot": loop.snapshot}).to_json()
 
+    def _params(body: PrefillBody):
+        try:   # WireParams bounds every field already; SamplingParams' own checks are the last word
+            return body.params.to_params()
+        except ValueError as e:
+            raise APIError(400, f"bad internal request: params: {e}", code="invalid_request") from None
+
     def _stream(body: PrefillBody, request: Request, **extra) -> StreamingResponse:
         """Answer at once and admit inside the stream: the router then hears a heartbeat
         every second from the start, so a node busy with a long step is not taken for a
         hung one. First line: admitted or rejected; then updates; the router hanging up
         aborts the request here."""
         rid = body.request_id
+        params = _params(body)
 
         async def gen():
-            sub = asyncio.ensure_future(loop.submit(body.prompt_ids, body.params.to_params(), body.tenant, rid,
+            sub = asyncio.ensure_future(loop.submit(body.prompt_ids, params, body.tenant, rid,
                                                     body.public_prefix_scope, **extra))
             # watch for the router hanging up explicitly (writes to a closed connection do not
             # fail reliably)
@@ -209,7 +216,7 @@ def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int,
     from kvfence.server import fault_control
     from kvfence.server.app import ServerState, create_app
     from kvfence.server.isolation import run_startup_checks
-    from kvfence.server.serve import load_tenants
+    from kvfence.server.serve import load_tenants, run_until_engine_fails
 
     if settings.role == "decode":
         config.enable_prefix_cache = False  # decode's KV arrives by transfer; nothing to reuse
@@ -232,6 +239,6 @@ def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int,
     scheme = "https" if tls.serving else "http"
     log.info("%s node serving its internal API on %s://%s:%d/internal%s", settings.role, scheme, host, port,
              " (client certificates required)" if tls.serving and tls.ca else "")
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False,
-                **uvicorn_options(tls, client_certificates=True))
-    return 0
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                                           **uvicorn_options(tls, client_certificates=True)))
+    return run_until_engine_fails(server, loop)

@@ -182,6 +182,7 @@ _REJECTION_REASON = {"context_length_exceeded": "context_length_exceeded",
 _ABORT_STATUS = {
     "kv_pool_exhausted": (503, "The server cannot hold this request right now"),   # capacity: retry later
     "isolation_violation": (500, "The request was stopped by an isolation check"),
+    "engine_error": (500, "The server hit an internal error on this request (other requests were not affected)"),
     "context_length_exceeded": (400, "A serving node refused the request"),        # PD: a node's own I4
     "kv_manifest_invalid": (500, "The KV handoff was refused"),
     "kv_transfer_failed": (503, "The KV transfer between prefill and decode failed"),

@@ -98,6 +98,9 @@ class EngineLoop:
         self.snapshot: dict = {}
         self.tokenizer: Any = None
         self.iterations = 0                  # loop turns; stays put while idle (the thread blocks)
+        # called (from the engine thread) once the engine has failed and every caller was
+        # answered: serve() uses it to stop the process, so that a supervisor restarts it
+        self.on_failure: Callable[[], None] | None = None
 
     # -- lifecycle (any thread) -----------------------------------------------------------
     def start(self) -> EngineLoop:
@@ -183,6 +186,8 @@ class EngineLoop:
             log.error("engine thread failed: %s\n%s", self.error, traceback.format_exc())
             self._fail_all(EngineFailed(f"the engine failed: {self.error}"))
             self._drain_failed()
+            if self.on_failure is not None and self.ready.is_set():
+                self.on_failure()
         finally:
             self.ready.clear()
             self.finished.set()

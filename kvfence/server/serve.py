@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 from kvfence.engine.config import EngineConfig
 from kvfence.server.app import DEFAULT_MAX_BODY_BYTES, ServerState, create_app
@@ -47,5 +48,25 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, tenan
                 c["name"], c["invariant"], c["status"], c["detail"])
     state = ServerState(engine, tenants, served_model_name, max_body_bytes)
     log.info("serving model %r on http://%s:%d/v1", state.served_name, host, port)
-    uvicorn.run(create_app(state), host=host, port=port, log_level=log_level, access_log=True)
-    return 0
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
+                                           access_log=True))
+    return run_until_engine_fails(server, engine)
+
+
+EXIT_ENGINE_FAILED = 3
+
+
+def run_until_engine_fails(server, engine: EngineLoop, grace_s: float = 1.0) -> int:
+    """Serve until stopped, or until the engine fails for good: then every request in flight
+    has been answered with an error, /health/live says so for grace_s, and the process exits
+    with EXIT_ENGINE_FAILED so that a supervisor (launch-pd, Kubernetes) restarts it."""
+    def stop() -> None:
+        log.error("the engine failed (%s): stopping the server in %.0f s, exit code %d", engine.error, grace_s,
+                  EXIT_ENGINE_FAILED)
+        timer = threading.Timer(grace_s, lambda: setattr(server, "should_exit", True))
+        timer.daemon = True
+        timer.start()
+
+    engine.on_failure = stop
+    server.run()
+    return EXIT_ENGINE_FAILED if engine.error is not None else 0
