@@ -41,6 +41,8 @@ FAULTS: dict[str, str] = {
                      "authentication then fails)",
     "free_on_abort_during_transfer": "an aborted request's pages are freed at once although a transfer may still "
                                      "write into them (I6)",
+    "fence_pull_from_submit": "decode fences a given-up pull's rows from when the pull was queued, not from when "
+                              "its read began, and lets a queued read begin after its request gave up (I6)",
     "drop_transfer_completion": "a transfer's completion notice is lost",
     "delay_transfer_completion": "a transfer's completion notice is delayed by ARG seconds (default 1)",
     "duplicate_transfer_completion": "a transfer's completion notice is delivered twice",

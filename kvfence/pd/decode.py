@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -57,7 +58,10 @@ class Pull:
     seq: Sequence
     owner: Owner        # the rows' owner record in the transfer buffer's ledger
     rows: BlockTable
-    started: float
+    started: float                  # queued (decode's clock): the give-up timer runs from here
+    # guarded by KvImporter._lock (the worker thread and the engine thread both look):
+    read_at: float | None = None    # the worker began the one-sided read: the fence runs from here
+    cancelled: bool = False         # given up before its read began: the read never begins
 
 
 class KvImporter(PdLink):
@@ -69,6 +73,7 @@ class KvImporter(PdLink):
         self.notices: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count(1)
         self._workers = ThreadPoolExecutor(workers, thread_name_prefix="kvfence-pull")
+        self._lock = threading.Lock()   # Pull.read_at / Pull.cancelled: begin_read vs on_end
         self.transferred_bytes = 0
         self.transfer_seconds = 0.0
         self.open_seconds = 0.0      # authenticating, decrypting and unstaging pulled rows
@@ -141,9 +146,21 @@ class KvImporter(PdLink):
         if faults.active("free_on_abort_during_transfer"):
             self.staging.ledger.free(p.owner, p.rows)
             return
-        # the pull may still be writing these rows: keep them until its notice, or until
-        # no pull can still be running
-        self.staging.ledger.fence(p.owner, p.rows, "pull in flight", until=p.started + self.settings.max_pull_s)
+        if faults.active("fence_pull_from_submit"):   # the old rule: a queued read may still begin
+            self.staging.ledger.fence(p.owner, p.rows, "pull in flight", until=p.started + self.settings.max_pull_s)
+            self.counters["fences"] += 1
+            return
+        with self._lock:
+            began = p.read_at
+            if began is None:
+                p.cancelled = True       # still queued behind the workers: it will never read
+        if began is None:
+            self.staging.ledger.free(p.owner, p.rows)
+            self.counters["pulls_cancelled"] += 1
+            return
+        # the read may still be writing these rows: keep them until its notice, or until no
+        # read that began at `began` can still be running (I6)
+        self.staging.ledger.fence(p.owner, p.rows, "pull in flight", until=began + self.settings.max_pull_s)
         self.counters["fences"] += 1
 
     # -- reservation and pulls -------------------------------------------------------------------
@@ -170,18 +187,41 @@ class KvImporter(PdLink):
             if m.page_count == 0:
                 self.notices.put((pull.pull_id, True, None, 0, 0.0))
             else:
-                self._workers.submit(self._pull, pull.pull_id, _handoff(seq), list(rows.pages))
+                self._workers.submit(self._pull, pull, _handoff(seq))
 
-    def _pull(self, pull_id: int, h: Handoff, rows: list[int]) -> None:
+    def begin_read(self, pull: Pull, m: Manifest) -> str | None:
+        """Called by whoever runs the read, just before it begins: None to go ahead, else why
+        it must not (its request gave up while it waited for a worker, or the lease no
+        longer lets a read begin). Either way a read that has not begun never begins, so its
+        rows were free to go at once (I6 for queued pulls)."""
+        if faults.active("fence_pull_from_submit"):
+            return None
+        with self._lock:
+            if pull.cancelled:
+                return "the request gave up on this pull before its read began"
+            now = self.engine.clock()
+            if now >= m.lease_deadline - self.settings.clock_skew_s:
+                pull.cancelled = True
+                return "the prefill node's KV lease ran out before the read could begin"
+            pull.read_at = now
+            return None
+
+    def _pull(self, pull: Pull, h: Handoff) -> None:
         """Worker thread: one one-sided read of every row, from the source the router named
         (never an address from the manifest), then a notice to the engine thread."""
         t0 = time.perf_counter()
-        m = h.manifest
+        m, rows, pull_id = h.manifest, list(pull.rows.pages), pull.pull_id
+        notice: tuple[int, bool, str | None, int, float]
+        refused = self.begin_read(pull, m)
+        if refused is not None:
+            notice = (pull_id, False, refused, 0, 0.0)
+            self.notices.put(notice)
+            self.engine.wake()
+            return
         try:
             nbytes = self.transport.read(h.source.session, self.staging.row_addresses(rows),
                                          h.source.row_addresses(m), [m.slot_bytes] * len(rows))
-            notice: tuple[int, bool, str | None, int, float] = (pull_id, True, None, nbytes,
-                                                                 time.perf_counter() - t0)
+            notice = (pull_id, True, None, nbytes, time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001 - any failure of the transfer is a failed pull
             notice = (pull_id, False, f"{type(e).__name__}: {e}", 0, time.perf_counter() - t0)
         kill_point("decode_after_pull")
@@ -210,6 +250,9 @@ class KvImporter(PdLink):
         self.transfer_seconds += seconds
         if not ok:
             self.counters["pulls_failed"] += 1
+            if p.cancelled:   # the lease ran out while the read waited for a worker
+                yield self._settle_and_abort(p, "lease_expired", f"the KV transfer did not begin: {error}")
+                return
             yield self._settle_and_abort(p, "kv_transfer_failed", f"the KV transfer failed: {error}")
             return
         m = _manifest(seq)

@@ -1075,6 +1075,8 @@ class Simulation:
         """I6: a pull still in flight may write its destination rows and read its source rows;
         none of them may be free or another request's, on either side."""
         for sp in self.transport.pending:
+            if sp.pull.cancelled:   # given up before it began: begin_read refuses it, it reads nothing
+                continue
             meta = self._pull_meta[(sp.importer.boot_id, sp.pull_id)]
             owner, epochs, _ = meta
             if d.up and sp.importer is d.link:

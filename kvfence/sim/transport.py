@@ -46,6 +46,7 @@ class SimPull:
     not_before: float = 0.0     # true time before which it cannot have finished (a slow transfer)
     ran: bool = False
     error: str | None = None
+    pull: object = None         # the importer's Pull record (begin_read looks at it)
 
 
 @dataclass
@@ -64,8 +65,8 @@ class SimWorkers:
         self.importer = importer
 
     def submit(self, fn, *args):
-        pull_id, handoff, rows = args
-        self.transport.enqueue(self.importer, pull_id, handoff, rows)
+        pull, handoff = args
+        self.transport.enqueue(self.importer, pull, handoff)
 
     def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
         pass
@@ -76,15 +77,15 @@ class SimTransport:
         self.sim = sim
         self.pending: list[SimPull] = []    # submitted, not yet run: in flight
         self.notices: list[SimNotice] = []  # run, notice not yet delivered
-        self.counters = {f: 0 for f in PULL_FATES + NOTICE_FATES}
+        self.counters = {f: 0 for f in PULL_FATES + NOTICE_FATES + ("not_begun",)}
 
-    def enqueue(self, importer, pull_id: int, h: Handoff, rows: list[int]) -> None:
+    def enqueue(self, importer, pull, h: Handoff) -> None:
         sim = self.sim
         fate = sim.draw_fate()
         nfate = sim.draw_notice_fate()
         m = h.manifest
-        p = SimPull(pull_id, importer, m, h, list(rows), m.request_id, sim.now, sim.now + sim.settings.max_pull_s,
-                    fate, nfate, sim.now + sim.draw_pull_duration())
+        p = SimPull(pull.pull_id, importer, m, h, list(pull.rows.pages), m.request_id, sim.now,
+                    sim.now + sim.settings.max_pull_s, fate, nfate, sim.now + sim.draw_pull_duration(), pull=pull)
         self.pending.append(p)
         sim.on_pull_submitted(p)
 
@@ -108,6 +109,12 @@ class SimTransport:
         self.pending.remove(p)
         p.ran = True
         imp, m = p.importer, p.manifest
+        refused = imp.begin_read(p.pull, m)   # what KvImporter._pull asks before its read
+        if refused is not None:
+            self.counters["not_begun"] += 1
+            p.error = refused
+            self.notices.append(SimNotice(imp, p.pull_id, p.request_id, (p.pull_id, False, refused, 0, 0.0)))
+            return
         n = len(p.rows)
         self.counters[p.fate] += 1
         copy = {"ok": n, "corrupt": n, "fail": 0, "cut": 0,

@@ -243,3 +243,54 @@ def test_prefill_rejects_over_length_and_nothing_is_allocated(pair):
     with pytest.raises(ContextLengthExceeded):
         pair.p.add_request(ids, SamplingParams(max_tokens=100), request_id="o1", hold_kv=True)
     assert pair.p.ledger.counters["pages_allocated"] == before
+
+
+def _queued_pull_scenario(loaded_fp32) -> list[str]:
+    """One pull worker and a slow transport: B's pull waits behind A's, B gives up, then C
+    takes rows. Returns every read that began writing rows its pull no longer owned."""
+    pr = Pair(loaded_fp32, pull_give_up_s=0.3, max_pull_s=1.0, transfer_timeout_s=1)
+    pr.imp._workers.shutdown(wait=True)
+    from concurrent.futures import ThreadPoolExecutor
+    pr.imp._workers = ThreadPoolExecutor(1)
+    st, read, wrong = pr.imp.staging, pr.imp.transport.read, []
+
+    def slow_read(session, local_addrs, remote_addrs, lengths):
+        rows = [(a - st.base) // st.slot_bytes for a in local_addrs]
+        mine = [p for p in list(pr.imp.pulls.values()) if list(p.rows.pages) == rows]
+        owners = {int(st.ledger.owner_request[r]) for r in rows}
+        if not mine or owners != {mine[0].owner.request}:
+            wrong.append(f"a read began writing rows {rows} owned by {owners}")
+        time.sleep(1.2)
+        return read(session, local_addrs, remote_addrs, lengths)
+    pr.imp.transport.read = slow_read
+    params = SamplingParams(max_tokens=2, **GREEDY)
+    ids = {k: prompt(20, 30 + i) for i, k in enumerate("abc")}
+    ms = {k: pr.prefill(ids[k], params, f"q{k}") for k in "abc"}
+    seqs = {k: pr.d.add_request(ids[k], params, tenant="t1", request_id=f"q{k}", kv_source=pr.handoff(ms[k]))
+            for k in "ab"}
+    end = time.monotonic() + 10
+    while not seqs["b"].finished and time.monotonic() < end:   # B gives up while queued behind A
+        pr.d.step()
+        time.sleep(0.01)
+    assert seqs["b"].abort_code == "kv_transfer_timeout"
+    time.sleep(1.05)   # past B's queue time + max_pull: the old rule's fence has lifted by now
+    pr.d.step()
+    seqs["c"] = pr.d.add_request(ids["c"], params, tenant="t1", request_id="qc", kv_source=pr.handoff(ms["c"]))
+    end = time.monotonic() + 20
+    while not all(s.finished for s in seqs.values()) and time.monotonic() < end:
+        pr.d.step()
+        time.sleep(0.01)
+    time.sleep(1.5)    # let a read of B that might still begin do so
+    pr.d.step()
+    return wrong
+
+
+def test_a_queued_pull_given_up_never_begins_its_read(loaded_fp32):
+    """I6 for queued pulls: B's rows go back at once because its read has not begun and never
+    will; C, granted them, is written only by its own read. Mutant fence_pull_from_submit (the
+    old rule: fenced from when B was queued): B's rows go at queue time + max_pull while its
+    read has not begun, and that read later begins writing C's rows."""
+    assert _queued_pull_scenario(loaded_fp32) == []
+    with faults.injected("fence_pull_from_submit"):
+        wrong = _queued_pull_scenario(loaded_fp32)
+    assert wrong, "the mutant's late read should have hit rows owned by another request"
