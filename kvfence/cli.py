@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # -- sim: the deterministic PD simulation's campaigns (kvfence/sim; same as python -m kvfence.sim)
     # (listed for --help; main() hands `kvfence sim ...` to kvfence.sim.run before parsing)
-    sub.add_parser("sim", help="deterministic PD simulation: seeds x request lives, I1-I9 after every step "
+    sub.add_parser("sim", help="deterministic PD simulation: seeds x request lives, I1-I11 after every step "
                                "(kvfence sim --help)", add_help=False)
 
     a = parser.parse_args(args)
