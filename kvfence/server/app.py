@@ -205,7 +205,10 @@ async def _generate(state: ServerState, request: Request, kind: str):
         tenant = state.tenants.authenticate(request.headers.get("authorization"))
         state.ensure_ready()
         body = await read_json_body(request, state.max_body_bytes)
-        req = parse_completion(body) if kind == "completion" else parse_chat(body)
+        parse = parse_completion if kind == "completion" else parse_chat
+        # a long token-id prompt or conversation is validated off the event loop, like its JSON
+        big = any(isinstance(v, list) and len(v) > 4096 for v in (body.get("prompt"), body.get("messages")))
+        req = await asyncio.to_thread(parse, body) if big else parse(body)
         if req.model is not None and req.model != state.served_name:
             raise APIError(404, f"The model '{req.model}' does not exist.", code="model_not_found", param="model")
         ids = await _tokenize(state, req)
@@ -279,7 +282,10 @@ async def _tokenize(state: ServerState, req: GenerationRequest) -> list[int]:
         except ChatTemplateError as e:
             raise bad_request(str(e), param="messages") from None
     elif req.prompt_ids is not None:
-        vocab = state.facts["vocab_size"]
+        vocab, usable = state.facts["vocab_size"], state.facts["usable_context"]
+        if len(req.prompt_ids) > usable:   # refused before any per-id work
+            raise APIError(400, str(ContextLengthExceeded(len(req.prompt_ids), req.params.max_tokens or 1, usable)),
+                           code="context_length_exceeded", param=req.prompt_param, outcome="rejected")
         if any(t < 0 or t >= vocab for t in req.prompt_ids):
             raise bad_request(f"Prompt token ids must be in [0, {vocab}).", param="prompt")
         ids = req.prompt_ids

@@ -1,0 +1,54 @@
+"""A maximal body is parsed off the event loop: while ~4 M token ids are decoded and checked,
+/health/live and other requests keep being answered (no timing threshold: the check is that
+the event loop answered many polls while the big request was in progress), and the big
+request is refused as over-length before any per-id work."""
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+
+
+@pytest.fixture(scope="module")
+def big_server(make_server):
+    return make_server(tenants=None, max_body_bytes=16 << 20)
+
+
+def test_a_maximal_token_id_body_does_not_stall_the_event_loop(big_server, monkeypatch):
+    import kvfence.server.app as app
+    import kvfence.server.protocol as protocol
+
+    threads: dict[str, threading.Thread] = {}   # where the JSON and the request fields were parsed
+
+    def spy(name, fn):
+        def wrapped(*a, **kw):
+            threads[name] = threading.current_thread()
+            return fn(*a, **kw)
+        return wrapped
+    monkeypatch.setattr(protocol, "parse_json_body", spy("json", protocol.parse_json_body))
+    monkeypatch.setattr(app, "parse_completion", spy("fields", app.parse_completion))
+    raw = json.dumps({"prompt": [1] * 4_000_000, "max_tokens": 1}).encode()
+    assert len(raw) > 8 << 20
+    done, result = threading.Event(), {}
+
+    def big():
+        r = httpx.post(big_server.url + "/v1/completions", content=raw, timeout=120,
+                       headers={"content-type": "application/json"})
+        result["r"] = r
+        done.set()
+    t = threading.Thread(target=big)
+    with httpx.Client(timeout=30) as c:
+        t.start()
+        polls = 0
+        while not done.is_set():
+            assert c.get(big_server.url + "/health/live").status_code == 200
+            polls += 1
+    t.join(60)
+    r = result["r"]
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
+    assert polls >= 5, f"only {polls} health polls were answered while the big body was in progress"
+    # both passes over the 4 M ids ran in a worker thread, not on the server's event loop thread
+    assert set(threads) == {"json", "fields"}
+    assert all(t is not big_server.thread for t in threads.values()), threads
