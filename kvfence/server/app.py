@@ -219,7 +219,10 @@ async def _generate(state: ServerState, request: Request, kind: str):
         except ContextLengthExceeded as e:
             raise APIError(400, str(e), code="context_length_exceeded", param=req.prompt_param,
                            outcome="rejected") from None
-        lease = state.limiter.admit(tenant, len(ids))
+        # tokens_per_minute reserves the most this request can use: prompt + max_tokens, or the
+        # rest of the context when it sets none (what the engine will allow); refunded at the end
+        most = req.params.max_tokens or max(1, facts["usable_context"] - len(ids))
+        lease = state.limiter.admit(tenant, len(ids), most)
         try:
             handle = await _submit_unless_gone(state, request, ids, req, tenant, rid)
         except _ClientGone:

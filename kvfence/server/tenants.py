@@ -186,15 +186,20 @@ def _limits(spec: dict, where: str, base: Limits) -> Limits:
 
 
 class Lease:
-    """One admitted request's hold on its tenant's concurrency slot; release exactly once."""
+    """One admitted request's hold on its tenant's concurrency slot and on the tokens it may
+    use this minute (prompt + max_tokens, reserved at admission); release exactly once, with
+    the completion tokens it really produced: the rest is refunded."""
 
-    def __init__(self, limiter: TenantLimiter, tenant: Tenant):
+    def __init__(self, limiter: TenantLimiter, tenant: Tenant, prompt_tokens: int = 0,
+                 entry: list | None = None):
         self._limiter, self.tenant, self._open = limiter, tenant, True
+        self.prompt_tokens = prompt_tokens
+        self._entry = entry     # [time, tokens] in the tenant's window, while it has a TPM limit
 
     def release(self, completion_tokens: int = 0) -> None:
         if self._open:
             self._open = False
-            self._limiter._release(self.tenant, completion_tokens)
+            self._limiter._release(self, completion_tokens)
 
 
 class TenantLimiter:
@@ -204,7 +209,7 @@ class TenantLimiter:
         self._clock = clock
         self._lock = threading.Lock()
         self._in_flight: dict[str, int] = {}
-        self._used: dict[str, deque[tuple[float, int]]] = {}
+        self._used: dict[str, deque[list]] = {}   # tenant -> [time, tokens] entries, oldest first
 
     def in_flight(self, tenant: str) -> int:
         return self._in_flight.get(tenant, 0)
@@ -219,8 +224,11 @@ class TenantLimiter:
             used.popleft()
         return sum(n for _, n in used), used
 
-    def admit(self, tenant: Tenant, prompt_tokens: int) -> Lease:
+    def admit(self, tenant: Tenant, prompt_tokens: int, max_tokens: int = 0) -> Lease:
+        """Admit or refuse; a tokens_per_minute limit reserves prompt + max_tokens now (the
+        most the request can use), and release() refunds what it did not use."""
         lim = tenant.limits
+        need = prompt_tokens + max_tokens
         if lim.max_prompt_tokens is not None and prompt_tokens > lim.max_prompt_tokens:
             # Not a rate limit: retrying cannot help, so 400 (the client's retry logic stays out of it).
             raise APIError(400, f"This API key may send at most {lim.max_prompt_tokens} prompt tokens per "
@@ -232,17 +240,24 @@ class TenantLimiter:
                 raise APIError(429, f"Too many concurrent requests: this API key may have "
                                     f"{lim.max_concurrent_requests} in flight.",
                                code="tenant_max_concurrent_requests", headers={"Retry-After": "1"})
+            entry = None
             if lim.tokens_per_minute is not None:
+                if need > lim.tokens_per_minute:   # it could never pass: not a rate limit
+                    raise APIError(400, f"This request may use {need} tokens ({prompt_tokens} in the prompt, "
+                                        f"max_tokens {max_tokens}), more than the {lim.tokens_per_minute} tokens "
+                                        "per minute this API key may use; lower max_tokens.",
+                                   code="tenant_tokens_per_minute", param="max_tokens", outcome="rejected")
                 total, used = self._window(tenant.name, now)
-                if total + prompt_tokens > lim.tokens_per_minute:
-                    wait = self._wait_for(used, total + prompt_tokens - lim.tokens_per_minute, now)
+                if total + need > lim.tokens_per_minute:
+                    wait = self._wait_for(used, total + need - lim.tokens_per_minute, now)
                     raise APIError(429, f"Rate limit reached: this API key may use {lim.tokens_per_minute} tokens "
-                                        f"per minute; {total} used in the last minute, this request needs "
-                                        f"{prompt_tokens} more. Try again in {wait} s.",
+                                        f"per minute; {total} used or reserved in the last minute, this request "
+                                        f"may need {need} more. Try again in {wait} s.",
                                    code="tenant_tokens_per_minute", headers={"Retry-After": str(wait)})
-                used.append((now, prompt_tokens))
+                entry = [now, need]
+                used.append(entry)
             self._in_flight[tenant.name] = self.in_flight(tenant.name) + 1
-        return Lease(self, tenant)
+        return Lease(self, tenant, prompt_tokens, entry)
 
     @staticmethod
     def _wait_for(used: deque, excess: int, now: float) -> int:
@@ -253,8 +268,9 @@ class TenantLimiter:
                 return max(1, math.ceil(t + WINDOW_S - now))
         return int(WINDOW_S)
 
-    def _release(self, tenant: Tenant, completion_tokens: int) -> None:
+    def _release(self, lease: Lease, completion_tokens: int) -> None:
         with self._lock:
-            self._in_flight[tenant.name] = max(0, self.in_flight(tenant.name) - 1)
-            if completion_tokens and tenant.limits.tokens_per_minute is not None:
-                self._used.setdefault(tenant.name, deque()).append((self._clock(), completion_tokens))
+            name = lease.tenant.name
+            self._in_flight[name] = max(0, self.in_flight(name) - 1)
+            if lease._entry is not None:   # the reservation becomes what was used
+                lease._entry[1] = min(lease._entry[1], lease.prompt_tokens + completion_tokens)

@@ -83,6 +83,11 @@ def test_max_concurrent_requests_gives_429_and_others_keep_going(server):
 
 def test_tokens_per_minute_gives_429_with_retry_after(server):
     c = server.client("metered")
+    # a request that may use more than the whole minute's budget (prompt + max_tokens > 60)
+    # could never pass: 400, and it takes nothing from the budget
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=100)
+    assert e.value.code == "tenant_tokens_per_minute" and server.state.limiter.tokens_in_window("metered") == 0
     r = c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=52, temperature=0,
                              extra_body={"ignore_eos": True})
     used = r.usage.total_tokens
@@ -95,11 +100,33 @@ def test_tokens_per_minute_gives_429_with_retry_after(server):
     assert server.client("alice").completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage
 
 
+def test_limiter_reserves_prompt_plus_max_tokens_and_refunds_the_rest():
+    """tokens_per_minute holds the most a request can use while it runs (so N concurrent
+    requests cannot each take the whole budget) and keeps only what it used."""
+    now = [1000.0]
+    lim = TenantLimiter(clock=lambda: now[0])
+    t = Tenant("t", Limits(tokens_per_minute=300))
+    a = lim.admit(t, 20, 200)                  # 220 reserved
+    with pytest.raises(APIError) as e:         # 220 + 100 > 300 while a runs
+        lim.admit(t, 20, 80)
+    assert e.value.status == 429 and e.value.code == "tenant_tokens_per_minute"
+    a.release(completion_tokens=30)            # a used 50: 170 refunded
+    assert lim.tokens_in_window("t") == 50
+    b = lim.admit(t, 20, 80)
+    b.release(completion_tokens=80)
+    assert lim.tokens_in_window("t") == 150
+    with pytest.raises(APIError) as e:         # alone more than the whole minute's budget: never, so 400
+        lim.admit(t, 100, 201)
+    assert e.value.status == 400 and e.value.param == "max_tokens"
+    now[0] += 61
+    assert lim.tokens_in_window("t") == 0
+
+
 def test_limiter_window_slides():
     now = [1000.0]
     lim = TenantLimiter(clock=lambda: now[0])
     t = Tenant("t", Limits(tokens_per_minute=100, max_concurrent_requests=2))
-    a = lim.admit(t, 50)
+    a = lim.admit(t, 50, 30)
     a.release(completion_tokens=30)            # 80 used
     with pytest.raises(APIError) as e:
         lim.admit(t, 30)
