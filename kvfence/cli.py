@@ -20,6 +20,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="clamp the context to the pool instead of refusing to start")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
+    p.add_argument("--max-waiting", type=int, default=1024,
+                   help="requests admitted but not yet running, at most (beyond: 503 server_overloaded with "
+                        "Retry-After); one tenant at most half of them")
     p.add_argument("--scrub", default="zero", choices=["none", "zero", "poison"],
                    help="what freed pages are overwritten with")
     p.add_argument("--threads", type=int, default=None)
@@ -33,7 +36,8 @@ def _config(a):
     return EngineConfig(model=a.model, dtype=a.dtype, device=a.device, page_size=a.page_size,
                         kv_cache_memory=a.kv_cache_memory, kv_memory_fraction=a.kv_memory_fraction,
                         max_model_len=a.max_model_len, clamp_context=a.clamp_context, max_num_seqs=a.max_num_seqs,
-                        max_num_batched_tokens=a.max_num_batched_tokens, scrub=a.scrub, num_threads=a.threads,
+                        max_num_batched_tokens=a.max_num_batched_tokens, max_waiting=a.max_waiting,
+                        scrub=a.scrub, num_threads=a.threads,
                         audit_reads=a.audit_reads)
 
 

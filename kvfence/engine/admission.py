@@ -22,6 +22,17 @@ class ContextLengthExceeded(ValueError):
             f"completion). Please reduce the prompt or max_tokens.")
 
 
+class Overloaded(RuntimeError):
+    """Too many requests wait already (for this node, or for this tenant's share of it): shed
+    early, with a retry hint, instead of queueing without bound."""
+
+    code = "server_overloaded"
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class CapacityError(RuntimeError):
     """The advertised context does not fit the KV pool (the incident's misconfiguration)."""
 

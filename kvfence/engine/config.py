@@ -22,6 +22,7 @@ class EngineConfig:
     clamp_context: bool = False
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048        # per-step token budget (chunked prefill)
+    max_waiting: int = 1024                   # admitted but not running; beyond it: Overloaded (503)
     scrub: str = "zero"                       # none | zero | poison (I7)
     verify_reads: bool = True                 # I2/I3 check before every pass; off only to measure its cost
     enable_prefix_cache: bool = True          # tenant-scoped reuse of prompt-prefix pages (I9)

@@ -83,6 +83,7 @@ class KvLink(Protocol):
     def busy(self) -> bool: ...
     def holds_pool_pages(self) -> bool: ...
     def next_timer(self) -> float | None: ...
+    def queued(self) -> list[Sequence]: ...   # admitted requests waiting inside the link
     def stats(self) -> dict[str, Any]: ...
     def facts(self) -> dict[str, Any] | None: ...
 
@@ -119,6 +120,9 @@ class KvLinkBase:
 
     def next_timer(self) -> float | None:
         return None
+
+    def queued(self) -> list[Sequence]:
+        return []
 
     def stats(self) -> dict[str, Any]:
         return {}

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from kvfence import faults
-from kvfence.engine.admission import ContextLengthExceeded, ContextPlan, check_fits, plan_context
+from kvfence.engine.admission import ContextLengthExceeded, ContextPlan, Overloaded, check_fits, plan_context
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.detokenizer import IncrementalDetokenizer
 from kvfence.engine.kv_link import (
@@ -157,6 +157,7 @@ class LLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_load(tenant)
         if any((not isinstance(t, int)) or t < 0 or t >= self.model_config.vocab_size for t in prompt_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})")
         max_tokens = params.max_tokens if params.max_tokens is not None else max(
@@ -197,6 +198,22 @@ class LLMEngine:
             self.scheduler.add(seq)
             self._stalled = False
         return seq
+
+    def _check_load(self, tenant: str) -> None:
+        """Load shedding before anything is allocated: at most max_waiting requests wait, and one
+        tenant at most half of them, so the other half is always there for other tenants."""
+        limit = self.config.max_waiting
+        queued = list(self.scheduler.waiting) + self.kv_link.queued()
+        if len(queued) >= limit:
+            self.outcomes["overloaded"] += 1
+            raise Overloaded(f"The server is overloaded: {len(queued)} requests are waiting (at most {limit}); "
+                             "retry shortly.")
+        share = max(1, limit // 2)
+        mine = sum(1 for s in queued if s.tenant == tenant)
+        if mine >= share:
+            self.outcomes["overloaded"] += 1
+            raise Overloaded(f"The server is overloaded for this tenant: {mine} of its requests are waiting (a "
+                             f"tenant's share is {share} of {limit}); retry shortly.")
 
     def abort(self, request_id: str, reason: str = "aborted by client") -> None:
         seq = self.requests.get(request_id)

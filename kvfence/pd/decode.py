@@ -99,6 +99,9 @@ class KvImporter(PdLink):
     def holds_pool_pages(self) -> bool:
         return bool(self.live)  # reservations awaiting their transfer
 
+    def queued(self) -> list[Sequence]:
+        return list(self.waiting)
+
     def busy(self) -> bool:
         """Could poll() reserve for the first waiting request right now? Pages freed by a
         request that ended during a step make it so without any wake-up (found by the

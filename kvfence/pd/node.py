@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvfence import faults
-from kvfence.engine.admission import ContextLengthExceeded
+from kvfence.engine.admission import ContextLengthExceeded, Overloaded
 from kvfence.engine.config import EngineConfig
 from kvfence.pd.manifest import ManifestError
 from kvfence.pd.messages import (
@@ -103,6 +103,8 @@ def _refusal(e: Exception) -> RejectedEvent:
         return RejectedEvent(code="kv_manifest_invalid", message=f"refused the KV handoff: {e}"[:4096])
     if isinstance(e, EngineFailed):
         return RejectedEvent(code="engine_unavailable", message=str(e)[:4096])
+    if isinstance(e, Overloaded):
+        return RejectedEvent(code="server_overloaded", message=str(e)[:4096])
     return RejectedEvent(code="invalid_request", message=f"bad internal request: {e}"[:4096])
 
 
@@ -164,7 +166,7 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings) ->
                         yield event_line(WaitEvent())
                 try:
                     handle = sub.result()
-                except (ContextLengthExceeded, ManifestError, EngineFailed, ValueError) as e:
+                except (ContextLengthExceeded, ManifestError, EngineFailed, Overloaded, ValueError) as e:
                     yield event_line(_refusal(e))
                     return
                 a = handle.admission

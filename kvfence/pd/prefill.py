@@ -63,6 +63,9 @@ class KvExporter(PdLink):
     def _fits(self, seq: Sequence) -> bool:
         return self.engine.ledger.pages_for(seq.num_computed) <= self.staging.ledger.num_available
 
+    def queued(self) -> list[Sequence]:
+        return list(self.pending)
+
     def holds_pool_pages(self) -> bool:
         return bool(self.pending)  # computed prompts keep their pool pages until rows are free
 

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvfence import faults
-from kvfence.engine.admission import ContextLengthExceeded, check_fits
+from kvfence.engine.admission import ContextLengthExceeded, Overloaded, check_fits
 from kvfence.model.tokenizer import ChatTemplateError
 from kvfence.server.backend import EngineBackend, EngineFailed, RequestHandle, Update
 from kvfence.server.disconnect import watch_disconnect
@@ -174,7 +174,8 @@ _REJECTION_REASON = {"context_length_exceeded": "context_length_exceeded",
                      "tenant_max_concurrent_requests": "tenant_max_concurrent_requests",
                      "tenant_tokens_per_minute": "tenant_tokens_per_minute",
                      "invalid_api_key": "unauthorized", "model_not_found": "model_not_found",
-                     "model_not_ready": "not_ready", "engine_unavailable": "not_ready"}
+                     "model_not_ready": "not_ready", "engine_unavailable": "not_ready",
+                     "server_overloaded": "server_overloaded"}
 
 
 # how an aborted request's machine-readable code reaches the client (the codes LLMEngine.end
@@ -193,6 +194,7 @@ _ABORT_STATUS = {
     "node_failed": (503, "A PD node failed during the request"),
     "node_unavailable": (503, "A PD node is unavailable"),
     "node_error": (502, "A PD node answered with an error"),
+    "server_overloaded": (503, "The server is overloaded"),
 }
 
 
@@ -232,8 +234,12 @@ async def _generate(state: ServerState, request: Request, kind: str):
         except ContextLengthExceeded as e:
             raise APIError(400, str(e), code="context_length_exceeded", param=req.prompt_param,
                            outcome="rejected") from None
+        except Overloaded as e:
+            raise APIError(503, str(e), code="server_overloaded", headers={"Retry-After": str(e.retry_after_s)},
+                           outcome="overloaded") from None
         except EngineFailed as e:  # the PD router's failures carry a machine-readable code
-            raise APIError(_ABORT_STATUS.get(e.code, (503,))[0], str(e), code=e.code) from None
+            headers = {"Retry-After": "1"} if e.code == "server_overloaded" else None
+            raise APIError(_ABORT_STATUS.get(e.code, (503,))[0], str(e), code=e.code, headers=headers) from None
         except ValueError as e:
             raise bad_request(str(e), param=req.prompt_param) from None
     except APIError as e:

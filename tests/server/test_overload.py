@@ -1,0 +1,81 @@
+"""Load shedding: more concurrent requests than the node's waiting queue holds. Some get 503
+server_overloaded with Retry-After at once, none hang, every 200 is the text the same request
+gets alone, and afterwards the pool is back at baseline; one tenant cannot take the whole
+queue while another waits."""
+from __future__ import annotations
+
+import threading
+
+import openai
+import pytest
+from server_harness import MODEL, pool_intact, wait_for
+
+PROMPT = "Once upon a time, in a land far away,"
+
+
+@pytest.fixture(scope="module")
+def small(make_server):
+    return make_server(max_num_seqs=1, max_waiting=2)
+
+
+def ask(srv, who="alice"):
+    return srv.client(who).completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                              extra_body={"ignore_eos": True})
+
+
+def burst(srv, who_list) -> list:
+    out: list = [None] * len(who_list)
+
+    def run(i, who):
+        try:
+            out[i] = ask(srv, who).choices[0].text
+        except openai.APIStatusError as e:
+            out[i] = e
+    threads = [threading.Thread(target=run, args=(i, w)) for i, w in enumerate(who_list)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a request hung"
+    return out
+
+
+def test_more_requests_than_the_queue_holds(small):
+    reference = ask(small).choices[0].text
+    out = burst(small, ["alice"] * 8)
+    refused = [o for o in out if isinstance(o, openai.APIStatusError)]
+    served = [o for o in out if isinstance(o, str)]
+    assert refused and served, out
+    for e in refused:
+        assert e.status_code == 503 and e.code == "server_overloaded", e
+        assert int(e.response.headers["retry-after"]) >= 1
+    assert all(t == reference for t in served)
+    wait_for(lambda: pool_intact(small.wait_idle()))
+    assert pool_intact(small.engine.snapshot)
+    assert small.metric("kvfence_admission_rejections_total", reason="server_overloaded") >= len(refused)
+
+
+def test_one_tenant_holds_at_most_half_the_queue(loaded_fp32):
+    """The engine's own rule, step by step: with a queue of 4 (max_num_seqs 1), alice may hold
+    2 waiting places; her third is refused, bob still gets in."""
+    from kvfence.engine.admission import Overloaded
+    from kvfence.engine.config import EngineConfig
+    from kvfence.engine.llm_engine import LLMEngine
+    from kvfence.engine.params import SamplingParams
+
+    eng = LLMEngine(EngineConfig(dtype="float32", kv_cache_memory="16MiB", max_model_len=256, max_num_seqs=1,
+                                 max_waiting=4, progress=False), loaded_fp32)
+    p = SamplingParams(max_tokens=4)
+    eng.add_request([1, 2, 3], p, tenant="alice")
+    eng.step()                                   # the first one runs
+    eng.add_request([1, 2, 3], p, tenant="alice")
+    eng.add_request([1, 2, 3], p, tenant="alice")
+    with pytest.raises(Overloaded, match="for this tenant"):
+        eng.add_request([1, 2, 3], p, tenant="alice")
+    eng.add_request([1, 2, 3], p, tenant="bob")
+    eng.add_request([1, 2, 3], p, tenant="bob")
+    with pytest.raises(Overloaded, match="4 requests are waiting"):
+        eng.add_request([1, 2, 3], p, tenant="carol")
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.ledger.num_owned == 0
