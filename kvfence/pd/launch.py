@@ -3,8 +3,10 @@
 Three processes, as in production (where they are three machines), on loopback: the
 router on --port, prefill on --port+1, decode on --port+2. The CPU cores are split between
 the two nodes so their thread pools do not fight (OMP_WAIT_POLICY=PASSIVE as well: a
-spinning OpenMP pool next to another process was measured ~40x slower). If one process
-dies, the others are stopped and the exit code says which.
+spinning OpenMP pool next to another process was measured ~40x slower). A node that exits
+(a crash, or a broken engine's exit code 3) is started again, up to MAX_RESTARTS times; the
+router checks the new boot (I8) before routing to it. If the router exits, or a node keeps
+dying, the others are stopped and the exit code says which.
 """
 from __future__ import annotations
 
@@ -78,9 +80,16 @@ def launch_pd(a) -> int:
             os.unlink(secret_file)
 
 
+# a node that exits is started again this many times (the router re-checks it, I8, before
+# it serves again); past that, or when the router exits, launch-pd stops everything
+MAX_RESTARTS = 3
+
+
 def _run(a, env: dict[str, str], secret_file: str) -> int:
     procs: dict[str, subprocess.Popen] = {}
-    for role, cmd in node_commands(a, secret_file).items():
+    cmds = node_commands(a, secret_file)
+    restarts = dict.fromkeys(cmds, 0)
+    for role, cmd in cmds.items():
         procs[role] = subprocess.Popen(cmd, env=env)
         print(f"kvfence launch-pd: started {role} (pid {procs[role].pid}): {' '.join(cmd[2:])}", file=sys.stderr)
     print(f"kvfence launch-pd: the OpenAI API will be at http://{a.host}:{a.port}/v1 once the router reports "
@@ -97,11 +106,18 @@ def _run(a, env: dict[str, str], secret_file: str) -> int:
     try:
         while not stopping:
             dead = {r: p.returncode for r, p in procs.items() if p.poll() is not None}
-            if dead:
-                role, code = next(iter(dead.items()))
+            fatal = {r: c for r, c in dead.items() if r == "router" or restarts[r] >= MAX_RESTARTS}
+            if fatal:
+                role, code = next(iter(fatal.items()))
                 print(f"kvfence launch-pd: {role} exited with code {code}; stopping the others", file=sys.stderr)
                 code = code or 1
                 break
+            for role, rc in dead.items():
+                restarts[role] += 1
+                procs[role] = subprocess.Popen(cmds[role], env=env)
+                print(f"kvfence launch-pd: {role} exited with code {rc}; restarted it (pid {procs[role].pid}, "
+                      f"restart {restarts[role]} of {MAX_RESTARTS}); the router checks it again before it serves",
+                      file=sys.stderr)
             time.sleep(0.5)
     finally:
         stop_processes(procs.values(), grace_s=20)
