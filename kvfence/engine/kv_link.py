@@ -84,6 +84,7 @@ class KvLink(Protocol):
     def holds_pool_pages(self) -> bool: ...
     def next_timer(self) -> float | None: ...
     def queued(self) -> list[Sequence]: ...   # admitted requests waiting inside the link
+    def reader_stopped(self, request_id: str) -> bool: ...   # no transfer read of it can be running
     def stats(self) -> dict[str, Any]: ...
     def facts(self) -> dict[str, Any] | None: ...
 
@@ -123,6 +124,9 @@ class KvLinkBase:
 
     def queued(self) -> list[Sequence]:
         return []
+
+    def reader_stopped(self, request_id: str) -> bool:
+        return True
 
     def stats(self) -> dict[str, Any]:
         return {}

@@ -102,6 +102,12 @@ class KvImporter(PdLink):
     def queued(self) -> list[Sequence]:
         return list(self.waiting)
 
+    def reader_stopped(self, request_id: str) -> bool:
+        """No read for this request can be running: none began, or each that began has sent
+        its notice (pull records stay until then)."""
+        with self._lock:
+            return not any(p.seq.request_id == request_id and p.read_at is not None for p in self.pulls.values())
+
     def busy(self) -> bool:
         """Could poll() reserve for the first waiting request right now? Pages freed by a
         request that ended during a step make it so without any wake-up (found by the

@@ -168,6 +168,16 @@ class AbortBody(WireModel):
     reason: Text = "aborted by the router"
 
 
+class StopPullBody(WireModel):
+    """POST /internal/stop_pull (decode): the router gave up on the request; end it, and say
+    whether a read of prefill's rows for it can still be running."""
+    request_id: Id
+
+
+class StopPullReply(WireModel):
+    reader_stopped: bool   # True: no read of it began, or every read that began has ended
+
+
 class ControlReply(WireModel):
     result: Literal["released", "aborted", "unknown"]
 

@@ -38,6 +38,8 @@ from kvfence.pd.messages import (
     ProgressEvent,
     RejectedEvent,
     ReleaseBody,
+    StopPullBody,
+    StopPullReply,
     WaitEvent,
     WireModel,
     event_line,
@@ -205,6 +207,13 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings) ->
             result = await loop.call(lambda e: e.abort_kv(body.request_id, body.reader_stopped, body.reason))
             return ControlReply(result=result).to_json()
     else:
+        @app.post("/internal/stop_pull")
+        async def stop_pull(request: Request):
+            rid = (await _read(request, StopPullBody)).request_id
+            loop.abort(rid, "the router gave up on the request")   # processed before the question below
+            stopped = await loop.call(lambda e: e.kv_link.reader_stopped(rid))
+            return StopPullReply(reader_stopped=stopped).to_json()
+
         @app.post("/internal/decode")
         async def decode(request: Request):
             body = await _read(request, DecodeBody)

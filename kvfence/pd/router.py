@@ -51,6 +51,8 @@ from kvfence.pd.messages import (
     ProgressEvent,
     RejectedEvent,
     ReleaseBody,
+    StopPullBody,
+    StopPullReply,
     TransferSource,
     WaitEvent,
     WireModel,
@@ -356,10 +358,23 @@ class RouterBackend:
             fail(f"a PD node failed mid-request: {type(e).__name__}: {e}", "node_failed")
         finally:
             if flight.manifest is not None and not flight.released:
-                stopped = flight.reader_stopped or not flight.decode_contacted
-                self._later(self._post("prefill", "/internal/abort", AbortBody(
-                    request_id=rid, reader_stopped=stopped,
-                    reason="the request ended before decode verified the transfer")))
+                self._later(self._settle_prefill(rid, flight))
+
+    async def _settle_prefill(self, rid: str, flight: _Flight) -> None:
+        """Tell prefill the request is over, and whether a pull of its rows can still run: if
+        decode was contacted and did not say, ask it (it ends the request and answers), so
+        rows decode never began to read are freed at once instead of fenced (I6)."""
+        stopped = flight.reader_stopped or not flight.decode_contacted
+        if not stopped:
+            try:
+                r = await self._http().post(self.urls["decode"] + "/internal/stop_pull",
+                                            content=StopPullBody(request_id=rid).dumps(),
+                                            headers={"content-type": "application/json"})
+                stopped = r.status_code == 200 and StopPullReply.from_json(r.content).reader_stopped
+            except (httpx.HTTPError, MessageError) as e:
+                log.warning("decode did not say whether it still reads %s (%s): prefill fences its rows", rid, e)
+        await self._post("prefill", "/internal/abort", AbortBody(
+            request_id=rid, reader_stopped=stopped, reason="the request ended before decode verified the transfer"))
 
     async def _events(self, role: str, response: httpx.Response) -> AsyncIterator[Any]:
         """The node's NDJSON events, checked against their definitions; heartbeats dropped."""

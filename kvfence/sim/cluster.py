@@ -228,7 +228,8 @@ class Life:
 
 @dataclass
 class Msg:
-    kind: str          # release | abort (router -> prefill /internal/*), drop (the router's stream closed)
+    kind: str          # release | abort (router -> prefill /internal/*), stop_pull (router -> decode, then its
+                       # answer goes on to prefill as an abort), drop (the router's stream closed)
     role: str
     rid: str
     boot: int          # the node process the message was sent to
@@ -753,7 +754,10 @@ class Simulation:
         if life.manifest is not None and not life.released and not life.abort_posted:
             life.abort_posted = True
             stopped = life.reader_stopped or not life.decode_contacted
-            self.msgs.append(Msg("abort", "prefill", life.rid, self._boot_of("prefill"), stopped))
+            if stopped:
+                self.msgs.append(Msg("abort", "prefill", life.rid, self._boot_of("prefill"), True))
+            else:   # RouterBackend._settle_prefill: ask decode first
+                self.msgs.append(Msg("stop_pull", "decode", life.rid, life.d_boot))
         self._judge(life, where)
 
     def _judge(self, life: Life, where: str | None) -> None:
@@ -924,6 +928,16 @@ class Simulation:
             node.poked = True   # kvfence/server/engine_loop.py steps the engine after every command
         if not node.up or node.boot != m.boot:  # sent to a process that is gone (or was down): the POST failed
             self._log(f"{m.kind} {m.rid} -> {m.role}: lost (node gone)")
+            if m.kind == "stop_pull":   # no answer: the router tells prefill a read may still run
+                self.msgs.append(Msg("abort", "prefill", m.rid, self._boot_of("prefill"), False))
+            return
+        if m.kind == "stop_pull":   # kvfence/pd/node.py /internal/stop_pull: abort, then the question
+            if life.d_sink:
+                node.engine.abort(m.rid, "the router gave up on the request")
+                life.d_sink = False
+            stopped = node.link.reader_stopped(m.rid)
+            self._log(f"stop_pull {m.rid} -> decode: reader_stopped={stopped}")
+            self.msgs.append(Msg("abort", "prefill", m.rid, self._boot_of("prefill"), stopped))
             return
         if m.kind == "drop":  # kvfence/pd/node.py: the stream closed before the request finished
             open_ = life.p_sink if m.role == "prefill" else life.d_sink

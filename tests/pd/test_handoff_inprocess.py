@@ -294,3 +294,25 @@ def test_a_queued_pull_given_up_never_begins_its_read(loaded_fp32):
     with faults.injected("fence_pull_from_submit"):
         wrong = _queued_pull_scenario(loaded_fp32)
     assert wrong, "the mutant's late read should have hit rows owned by another request"
+
+
+def test_decode_says_whether_a_read_can_still_run(loaded_fp32):
+    """What /internal/stop_pull answers the router (which relays it to prefill as
+    reader_stopped): a request still waiting for decode's pages has no read, so prefill may
+    free its rows at once instead of fencing them; once a read's notice came, it has ended.
+    (A read that began and has not reported counts as running: the queued-pull test above.)"""
+    pr = Pair(loaded_fp32, decode_kw={"kv_cache_memory": "40MiB"})
+    params = SamplingParams(max_tokens=400, **GREEDY)
+    ids_x, ids_y = prompt(300, 40), prompt(300, 41)
+    mx, my = pr.prefill(ids_x, params, "sx"), pr.prefill(ids_y, params, "sy")
+    x = pr.d.add_request(ids_x, params, tenant="t1", request_id="sx", kv_source=pr.handoff(mx))
+    y = pr.d.add_request(ids_y, params, tenant="t1", request_id="sy", kv_source=pr.handoff(my))
+    assert [s.request_id for s in pr.imp.waiting] == ["sy"]          # no pages for y while x holds them
+    pr.d.abort("sy", "the router gave up")
+    assert y.finished and pr.d.kv_link.reader_stopped("sy")          # y never read: prefill may free at once
+    assert pr.p.abort_kv("sy", reader_stopped=True, reason="client gone") == "aborted"
+    assert pr.exp.staging.ledger.num_quarantined == 0                # freed, not fenced
+    while not x.finished:
+        pr.d.step()
+    assert pr.d.kv_link.reader_stopped("sx")                         # x's read ended with its notice
+    pr.p.release_kv("sx")

@@ -52,8 +52,9 @@ BODIES = {
                                                                       "boot_id": "b"}}},
     "/internal/release": {"request_id": "f1"},
     "/internal/abort": {"request_id": "f1", "reader_stopped": False, "reason": "fuzz"},
+    "/internal/stop_pull": {"request_id": "f1"},
 }
-ROLE = {"/internal/decode": "decode"}
+ROLE = {"/internal/decode": "decode", "/internal/stop_pull": "decode"}
 
 
 def _paths(body: dict, prefix=()) -> list[tuple]:
