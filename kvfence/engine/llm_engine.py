@@ -30,12 +30,12 @@ from kvfence.engine.kv_link import (
     Reserve,
 )
 from kvfence.engine.params import SamplingParams
-from kvfence.engine.request_states import Event, State
+from kvfence.engine.request_states import Event, IllegalTransition, State
 from kvfence.engine.runner import ModelRunner
 from kvfence.engine.sampler import Sampler, make_generator
 from kvfence.engine.scheduler import Scheduler
 from kvfence.engine.sequence import Sequence, TokenLogprob
-from kvfence.kv.ledger import Ledger, Owner, ReadRequest, Violation
+from kvfence.kv.ledger import Ledger, LedgerError, Owner, ReadRequest, Violation
 from kvfence.kv.pool import KVPool, available_memory, page_bytes, parse_bytes
 from kvfence.kv.prefix_cache import PrefixCache
 from kvfence.model.llama import LlamaModel
@@ -70,6 +70,10 @@ class StepOutput:
 
 # consecutive steps in which every request failed, even alone, before the engine counts as broken
 MAX_FAILED_STEPS = 3
+# never contained: the ledger catching a page touched by a request that does not own it, or a
+# transition the state table forbids, means the engine's own bookkeeping is wrong; it stops
+# (fail closed), as it always did
+FAIL_CLOSED = (LedgerError, IllegalTransition)
 
 
 class EngineBroken(RuntimeError):
@@ -335,6 +339,8 @@ class LLMEngine:
         a row, is the engine itself broken: EngineBroken stops it."""
         try:
             results = [self.runner.run(step)]
+        except FAIL_CLOSED:
+            raise
         except Exception as e:  # noqa: BLE001 - contained below
             if len(step) == 1:
                 results, failed = [], [self._fail(step[0].seq, e)]
@@ -345,6 +351,8 @@ class LLMEngine:
                 for s in step:
                     try:
                         results.append(self.runner.run([s]))
+                    except FAIL_CLOSED:
+                        raise
                     except Exception as e1:  # noqa: BLE001 - this one is at fault
                         failed.append(self._fail(s.seq, e1))
             if not results:
@@ -365,11 +373,15 @@ class LLMEngine:
         now = time.perf_counter()
         try:
             sample = self.sampler(result.logits, [q.params for q in seqs], [q.generator for q in seqs])
+        except FAIL_CLOSED:
+            raise
         except Exception:  # noqa: BLE001 - sample each alone: only the one at fault fails
             out = []
             for i, seq in enumerate(seqs):
                 try:
                     one = self.sampler(result.logits[i:i + 1], [seq.params], [seq.generator])
+                except FAIL_CLOSED:
+                    raise
                 except Exception as e:  # noqa: BLE001
                     out.append(self._fail(seq, e))
                     continue
@@ -383,6 +395,8 @@ class LLMEngine:
             if faults.active("poison_request") and int(faults.arg("poison_request") or -1) in seq.prompt_ids:
                 raise RuntimeError("fault injection: a poisoned request raises while its token is processed")
             return self._append(seq, tok, lp, now)
+        except FAIL_CLOSED:
+            raise
         except Exception as e:  # noqa: BLE001 - a detokenizer or stop-string failure ends this request only
             return self._fail(seq, e)
 
