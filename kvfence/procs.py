@@ -1,9 +1,36 @@
-"""Stopping the processes kvfence starts (launch-pd, benches, test clusters), one way."""
+"""The processes kvfence starts (launch-pd, benches, test clusters): their ports, and stopping them."""
 from __future__ import annotations
 
+import random
 import signal
+import socket
 import subprocess
 from collections.abc import Iterable
+
+# Ports for servers this project starts, picked below the kernel's ephemeral range (32768-60999
+# on Linux) and above Mooncake's own (15xxx-16xxx seen): a port picked from the ephemeral range
+# by binding port 0 could be taken by another process's outgoing or transfer-engine socket
+# between the check and the server's bind (seen once in CI: "address already in use").
+PORT_RANGE = (20000, 32000)
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def free_ports(n: int = 1, host: str = "127.0.0.1") -> int:
+    """A base port with base .. base+n-1 all free now, outside the ephemeral range."""
+    lo, hi = PORT_RANGE
+    for _ in range(500):
+        base = random.randrange(lo, hi - n)
+        if all(_bindable(host, base + i) for i in range(n)):
+            return base
+    raise RuntimeError(f"no run of {n} free ports in {lo}-{hi}")
 
 
 def stop_processes(procs: Iterable[subprocess.Popen], grace_s: float = 20.0, wake: bool = False) -> None:

@@ -22,7 +22,6 @@ import asyncio
 import json
 import logging
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,7 +38,7 @@ from kvfence.pd.launch import ENGINE_FLAGS, flags, node_commands, write_secret_f
 from kvfence.pd.messages import NodeInfo
 from kvfence.pd.seal import load_secret
 from kvfence.pd.wire import cluster_headers
-from kvfence.procs import stop_processes
+from kvfence.procs import free_ports, stop_processes
 
 DEFAULTS = {"num_requests": 16, "prompt_tokens": 256, "output_tokens": 64, "kv_cache_memory": "512MiB"}
 HOST = "127.0.0.1"
@@ -47,26 +46,6 @@ SEQUENTIAL = 4  # requests sent one at a time after the load: pulls on idle core
 
 
 # -- processes -----------------------------------------------------------------------------------
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((HOST, port))
-            return True
-        except OSError:
-            return False
-
-
-def free_ports(n: int) -> int:
-    """A base port with base..base+n-1 all free (launch-pd's layout: router, prefill, decode)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind((HOST, 0))
-            base = s.getsockname()[1]
-        if base + n < 65536 and all(_port_free(base + i) for i in range(1, n)):
-            return base
-    raise RuntimeError("no run of free ports found")
-
 
 class Procs:
     """Server processes of one mode, their logs in `logdir`; stop() ends them all."""

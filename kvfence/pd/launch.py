@@ -4,7 +4,7 @@ Three processes, as in production (where they are three machines), on loopback: 
 router on --port, prefill on --port+1, decode on --port+2. The CPU cores are split between
 the two nodes so their thread pools do not fight (OMP_WAIT_POLICY=PASSIVE as well: a
 spinning OpenMP pool next to another process was measured ~40x slower). A node that exits
-(a crash, or a broken engine's exit code 3) is started again, up to MAX_RESTARTS times; the
+(a crash, or a broken engine's exit code 70) is started again, up to MAX_RESTARTS times; the
 router checks the new boot (I8) before routing to it. If the router exits, or a node keeps
 dying, the others are stopped and the exit code says which.
 """

@@ -53,7 +53,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, tenan
     return run_until_engine_fails(server, engine)
 
 
-EXIT_ENGINE_FAILED = 3
+EXIT_ENGINE_FAILED = 70   # EX_SOFTWARE; not uvicorn's 3 (it could not bind) nor 2 (refused to start)
 
 
 def run_until_engine_fails(server, engine: EngineLoop, grace_s: float = 1.0) -> int:

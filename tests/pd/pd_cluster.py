@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -23,15 +22,13 @@ import httpx
 
 from kvfence.pd.seal import SECRET_ENV, SECRET_FILE_ENV
 from kvfence.pd.wire import cluster_headers
-from kvfence.procs import stop_processes
+from kvfence.procs import free_ports, stop_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)
 
 
 NODE_ARGS = ["--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "1024", "--threads", "1",

@@ -13,7 +13,9 @@ import time
 import httpx
 import openai
 import pytest
-from pd_cluster import ROOT, free_port
+from pd_cluster import ROOT
+
+from kvfence.procs import free_ports
 
 pytest.importorskip("mooncake.engine", reason="the PD tests need mooncake-transfer-engine-non-cuda")
 
@@ -37,9 +39,7 @@ def wait_until(pred, timeout: float):
 
 
 def test_launch_pd_restarts_a_node_that_dies(tmp_path):
-    port = free_port()
-    while any(_busy(port + i) for i in (1, 2)):
-        port = free_port()
+    port = free_ports(3)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVFENCE_CLUSTER_SECRET")}
     log = open(tmp_path / "launch.log", "w+")
     p = subprocess.Popen([sys.executable, "-m", "kvfence.cli", "launch-pd", "--port", str(port), "--dtype", "float32",
@@ -71,13 +71,3 @@ def test_launch_pd_restarts_a_node_that_dies(tmp_path):
             p.wait(10)
     assert not os.path.exists(secret_file)   # removed on exit
 
-
-def _busy(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return False
-        except OSError:
-            return True

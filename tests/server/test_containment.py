@@ -19,6 +19,7 @@ import pytest
 from server_harness import pool_intact, wait_for
 
 from kvfence import faults
+from kvfence.server.serve import EXIT_ENGINE_FAILED
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 POISON = 4242                                # a token id only the poisoned prompt contains
@@ -79,13 +80,13 @@ def test_a_broken_engine_makes_the_process_exit_for_its_supervisor(tmp_path):
         for _ in range(3):   # each fails alone: three steps in a row in which nothing could run
             r = httpx.post(url + "/v1/completions", json=body, timeout=60)
             assert r.status_code in (500, 503), r.text
-        assert p.wait(30) == 3
+        assert p.wait(30) == EXIT_ENGINE_FAILED
     finally:
         if p.poll() is None:
             p.kill()
             p.wait(10)
     text = (tmp_path / "serve.log").read_text(errors="replace")
-    assert "EngineBroken" in text and "exit code 3" in text, text[-3000:]
+    assert "EngineBroken" in text and f"exit code {EXIT_ENGINE_FAILED}" in text, text[-3000:]
 
 
 def _ok(url: str) -> bool:
@@ -96,9 +97,7 @@ def _ok(url: str) -> bool:
 
 
 def _free_port() -> int:
-    import socket
+    from kvfence.procs import free_ports
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)
 
