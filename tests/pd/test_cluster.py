@@ -259,6 +259,40 @@ def test_client_disconnect_at_each_stage_aborts_and_frees_everything(cluster, cl
     assert client.completions.create(model=m, prompt="Hi", max_tokens=2).choices[0].finish_reason
 
 
+def test_a_hang_up_before_decode_pulled_frees_prefills_rows_at_once(cluster, client):
+    """I6 without over-fencing, across processes: X holds most of decode's pool while it
+    streams (read to its end in the background), Y's KV is held by prefill and Y waits for
+    decode's pages, then Y's client hangs up. The router asks decode (/internal/stop_pull),
+    which ends Y and says no read began, so prefill frees Y's rows at once: no fence."""
+    m = model_name(client)
+    fences0 = cluster.pd("prefill").get("pd_fences", 0)
+    x_body = {"model": m, "prompt": LONG, "max_tokens": 400, "stream": True, "temperature": 0,
+              "ignore_eos": True}                                   # 457 + 400 tokens: 54 of 90 pages
+    started = threading.Event()
+
+    def x():
+        with httpx.Client(timeout=120) as h, h.stream("POST", cluster.url("router") + "/v1/completions",
+                                                      json=x_body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    started.set()
+    t = threading.Thread(target=x)
+    t.start()
+    assert started.wait(60), "X never streamed"
+    held0 = cluster.pd("prefill").get("pd_held", 0)
+    y_body = {**x_body, "prompt": LONG + " Y", "stream": False}     # fits only once X is done
+    _hang_up_when(cluster.url("router"), y_body,
+                  lambda: cluster.pd("prefill").get("pd_held", 0) > held0
+                  and cluster.pd("decode")["waiting_for_pages"] >= 1, timeout=60)
+    end = time.monotonic() + 20
+    while cluster.pd("decode")["waiting_for_pages"] and time.monotonic() < end:
+        time.sleep(0.1)
+    assert cluster.pd("decode")["waiting_for_pages"] == 0            # Y is gone from decode's queue ...
+    t.join(120)
+    cluster.wait_quiet(30)
+    assert cluster.pd("prefill").get("pd_fences", 0) == fences0      # ... and its rows were freed, not fenced
+
+
 def test_hung_prefill_fails_the_request_in_bounded_time(cluster, client):
     m = model_name(client)
     client.completions.create(model=m, prompt="warm", max_tokens=1)
