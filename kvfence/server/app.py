@@ -219,8 +219,11 @@ async def _generate(state: ServerState, request: Request, kind: str):
             if not faults.active("skip_router_admission"):
                 check_fits(len(ids), req.params.max_tokens or 1, facts["usable_context"])
         except ContextLengthExceeded as e:
-            raise APIError(400, str(e), code="context_length_exceeded", param=req.prompt_param,
-                           outcome="rejected") from None
+            raise _too_long(e, req) from None
+        if req.prompt_ids is not None:   # after I4: an over-length id list is refused before any per-id work
+            vocab = facts["vocab_size"]
+            if any(t < 0 or t >= vocab for t in ids):
+                raise bad_request(f"Prompt token ids must be in [0, {vocab}).", param="prompt")
         # tokens_per_minute reserves the most this request can use: prompt + max_tokens, or the
         # rest of the context when it sets none (what the engine will allow); refunded at the end
         most = req.params.max_tokens or max(1, facts["usable_context"] - len(ids))
@@ -232,8 +235,7 @@ async def _generate(state: ServerState, request: Request, kind: str):
             state.metrics.finished(tenant.name, "client_disconnected")
             return Response(status_code=499)  # nobody is listening; the request never started
         except ContextLengthExceeded as e:
-            raise APIError(400, str(e), code="context_length_exceeded", param=req.prompt_param,
-                           outcome="rejected") from None
+            raise _too_long(e, req) from None
         except Overloaded as e:
             raise APIError(503, str(e), code="server_overloaded", headers={"Retry-After": str(e.retry_after_s)},
                            outcome="overloaded") from None
@@ -253,6 +255,10 @@ async def _generate(state: ServerState, request: Request, kind: str):
     if req.stream:
         return _EventStream(run.events(), run.close)
     return await run.collect()
+
+
+def _too_long(e: ContextLengthExceeded, req: GenerationRequest) -> APIError:
+    return APIError(400, str(e), code="context_length_exceeded", param=req.prompt_param, outcome="rejected")
 
 
 class _ClientGone(Exception):
@@ -291,13 +297,7 @@ async def _tokenize(state: ServerState, req: GenerationRequest) -> list[int]:
         except ChatTemplateError as e:
             raise bad_request(str(e), param="messages") from None
     elif req.prompt_ids is not None:
-        vocab, usable = state.facts["vocab_size"], state.facts["usable_context"]
-        if len(req.prompt_ids) > usable:   # refused before any per-id work
-            raise APIError(400, str(ContextLengthExceeded(len(req.prompt_ids), req.params.max_tokens or 1, usable)),
-                           code="context_length_exceeded", param=req.prompt_param, outcome="rejected")
-        if any(t < 0 or t >= vocab for t in req.prompt_ids):
-            raise bad_request(f"Prompt token ids must be in [0, {vocab}).", param="prompt")
-        ids = req.prompt_ids
+        ids = req.prompt_ids   # checked against the vocabulary after admission (I4): see _generate
     else:
         ids = await asyncio.to_thread(tok.encode, req.prompt_text)
     if not ids:
