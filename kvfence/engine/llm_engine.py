@@ -11,6 +11,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -31,9 +32,9 @@ from kvfence.engine.kv_link import (
 )
 from kvfence.engine.params import SamplingParams
 from kvfence.engine.request_states import Event, IllegalTransition, State
-from kvfence.engine.runner import ModelRunner
-from kvfence.engine.sampler import Sampler, make_generator
-from kvfence.engine.scheduler import Scheduler
+from kvfence.engine.runner import ModelRunner, StepResult
+from kvfence.engine.sampler import SampleOutput, Sampler, make_generator
+from kvfence.engine.scheduler import ScheduledSeq, Scheduler
 from kvfence.engine.sequence import Sequence, TokenLogprob
 from kvfence.kv.ledger import Ledger, LedgerError, Owner, ReadRequest, Violation
 from kvfence.kv.pool import KVPool, available_memory, page_bytes, parse_bytes
@@ -67,6 +68,8 @@ class StepOutput:
     event: str | None = None     # PD: kv_held (data: the manifest), kv_verified, kv_failed
     data: dict | None = None
 
+
+T = TypeVar("T")
 
 # consecutive steps in which every request failed, even alone, before the engine counts as broken
 MAX_FAILED_STEPS = 3
@@ -331,12 +334,25 @@ class LLMEngine:
                      f"({type(e).__name__})", code="engine_error")
         return StepOutput(seq, [], "", True)
 
+    def _alone(self, seq: Sequence, fn: Callable[[], T], failed: list[StepOutput]) -> T | None:
+        """fn() on behalf of one request; if it raises, the request ends (its failure output
+        goes to `failed`) and None comes back. The one place the containment rule lives:
+        FAIL_CLOSED errors are never contained."""
+        try:
+            return fn()
+        except FAIL_CLOSED:
+            raise
+        except Exception as e:  # noqa: BLE001 - only this request fails
+            failed.append(self._fail(seq, e))
+            return None
+
     def _run_contained(self, step: list) -> tuple[list, list[StepOutput]]:
         """Run the step's forward pass. If it raises, run each request alone to find the one
         at fault: a failed pass changes nothing before its end (the written watermark and the
         computed counts move only after the model returns), so the rest recompute the same KV
         into the same slots. Only when every request fails alone, MAX_FAILED_STEPS steps in
         a row, is the engine itself broken: EngineBroken stops it."""
+        failed: list[StepOutput] = []
         try:
             results = [self.runner.run(step)]
         except FAIL_CLOSED:
@@ -347,58 +363,54 @@ class LLMEngine:
             else:
                 log.warning("a forward pass of %d requests raised %s; running them one at a time", len(step),
                             type(e).__name__)
-                results, failed = [], []
+                results = []
                 for s in step:
-                    try:
-                        results.append(self.runner.run([s]))
-                    except FAIL_CLOSED:
-                        raise
-                    except Exception as e1:  # noqa: BLE001 - this one is at fault
-                        failed.append(self._fail(s.seq, e1))
+                    def run_one(s: ScheduledSeq = s) -> StepResult:
+                        return self.runner.run([s])
+                    r = self._alone(s.seq, run_one, failed)
+                    if r is not None:
+                        results.append(r)
             if not results:
                 self._failed_steps += 1
                 if self._failed_steps >= MAX_FAILED_STEPS:
                     raise EngineBroken(f"{self._failed_steps} steps in a row failed for every request; last: "
                                        f"{type(e).__name__}: {e}") from e
-            else:
-                self._failed_steps = 0
-            return results, failed
+                return results, failed
         self._failed_steps = 0
-        return results, []
+        return results, failed
 
     def _postprocess(self, result) -> list[StepOutput]:
         if not result.sampled:
             return []
         seqs = [s.seq for s in result.sampled]
         now = time.perf_counter()
+        out: list[StepOutput] = []
         try:
             sample = self.sampler(result.logits, [q.params for q in seqs], [q.generator for q in seqs])
         except FAIL_CLOSED:
             raise
         except Exception:  # noqa: BLE001 - sample each alone: only the one at fault fails
-            out = []
             for i, seq in enumerate(seqs):
-                try:
-                    one = self.sampler(result.logits[i:i + 1], [seq.params], [seq.generator])
-                except FAIL_CLOSED:
-                    raise
-                except Exception as e:  # noqa: BLE001
-                    out.append(self._fail(seq, e))
-                    continue
-                out.append(self._append_contained(seq, one.token_ids[0], one.logprobs[0], now))
+                def sample_one(i: int = i, seq: Sequence = seq) -> SampleOutput:
+                    return self.sampler(result.logits[i:i + 1], [seq.params], [seq.generator])
+                one = self._alone(seq, sample_one, out)
+                if one is not None:
+                    self._append_contained(seq, one.token_ids[0], one.logprobs[0], now, out)
             return out
-        return [self._append_contained(seq, tok, lp, now)
-                for seq, tok, lp in zip(seqs, sample.token_ids, sample.logprobs)]
+        for seq, tok, lp in zip(seqs, sample.token_ids, sample.logprobs):
+            self._append_contained(seq, tok, lp, now, out)
+        return out
 
-    def _append_contained(self, seq: Sequence, tok: int, lp, now: float) -> StepOutput:
-        try:
+    def _append_contained(self, seq: Sequence, tok: int, lp, now: float, out: list[StepOutput]) -> None:
+        """_append for one request, into `out`; a detokenizer or stop-string failure ends this
+        request only."""
+        def append() -> StepOutput:
             if faults.active("poison_request") and int(faults.arg("poison_request") or -1) in seq.prompt_ids:
                 raise RuntimeError("fault injection: a poisoned request raises while its token is processed")
             return self._append(seq, tok, lp, now)
-        except FAIL_CLOSED:
-            raise
-        except Exception as e:  # noqa: BLE001 - a detokenizer or stop-string failure ends this request only
-            return self._fail(seq, e)
+        done = self._alone(seq, append, out)
+        if done is not None:
+            out.append(done)
 
     def _apply(self, decisions: Iterable[Decision]) -> list[StepOutput]:
         """Apply a KV link's decisions, each before the link makes the next: every engine
