@@ -9,7 +9,6 @@ node answers a malformed message with a 400 before anything is admitted.
 """
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -313,6 +312,3 @@ class NodeInfo(WireModel):
         d.pop("snapshot")
         return d
 
-
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))

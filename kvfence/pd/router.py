@@ -316,8 +316,7 @@ class RouterBackend:
 
     async def _post(self, role: str, path: str, body: WireModel) -> None:
         try:
-            await self._http().post(self.urls[role] + path, content=body.dumps(),
-                                    headers={"content-type": "application/json"})
+            await self._http().post(self.urls[role] + path, **_json(body))
         except httpx.HTTPError as e:
             log.warning("%s %s failed: %s", role, path, e)
 
@@ -368,8 +367,7 @@ class RouterBackend:
         if not stopped:
             try:
                 r = await self._http().post(self.urls["decode"] + "/internal/stop_pull",
-                                            content=StopPullBody(request_id=rid).dumps(),
-                                            headers={"content-type": "application/json"})
+                                            **_json(StopPullBody(request_id=rid)))
                 stopped = r.status_code == 200 and StopPullReply.from_json(r.content).reader_stopped
             except (httpx.HTTPError, MessageError) as e:
                 log.warning("decode did not say whether it still reads %s (%s): prefill fences its rows", rid, e)
@@ -390,8 +388,7 @@ class RouterBackend:
 
     async def _open(self, role: str, path: str, body: WireModel, stack: AsyncExitStack) -> httpx.Response:
         try:
-            r = await stack.enter_async_context(self._http().stream(
-                "POST", self.urls[role] + path, content=body.dumps(), headers={"content-type": "application/json"}))
+            r = await stack.enter_async_context(self._http().stream("POST", self.urls[role] + path, **_json(body)))
         except httpx.HTTPError as e:
             raise NodeError(f"the {role} node is unreachable: {type(e).__name__}: {e}", "node_unavailable") from None
         if r.status_code != 200:
@@ -464,6 +461,11 @@ class RouterBackend:
                 if ev.finished:
                     return
             raise NodeError("the decode node closed the stream mid-request", "node_failed")
+
+
+def _json(body: WireModel) -> dict[str, Any]:
+    """An internal message as an httpx request's body."""
+    return {"content": body.dumps(), "headers": {"content-type": "application/json"}}
 
 
 def _error_of(raw: bytes) -> tuple[str, str | None] | None:
