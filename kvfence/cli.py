@@ -124,7 +124,14 @@ def _cluster_secret(a) -> bytes | None:
 
 
 def cmd_serve(a) -> int:
+    from kvfence.server.http_limits import HttpLimits
+
     level = "debug" if a.verbose else "info"
+    try:
+        limits = HttpLimits(a.header_timeout, a.body_timeout, a.max_connections)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if a.role in ("prefill", "decode", "router"):
         from kvfence.pd.tls import PlaintextNetworkError, check_listen, check_node_url
 
@@ -154,14 +161,14 @@ def cmd_serve(a) -> int:
             return 2
         return serve_router(a.prefill_url, a.decode_url, a.model, a.host, a.port, a.max_model_len,
                             a.clamp_context, secret, tls, a.tenants, a.served_model_name, level, a.node_wait,
-                            a.node_stall)
+                            a.node_stall, limits)
     if a.role in ("prefill", "decode"):
         from kvfence.pd.node import serve_node
 
-        return serve_node(_config(a), _pd_settings(a, a.role, secret), a.host, a.port, tls, a.tenants, level)
+        return serve_node(_config(a), _pd_settings(a, a.role, secret), a.host, a.port, tls, a.tenants, level, limits)
     from kvfence.server.serve import serve
 
-    return serve(_config(a), a.host, a.port, a.tenants, a.served_model_name, a.max_body_bytes, level)
+    return serve(_config(a), a.host, a.port, a.tenants, a.served_model_name, a.max_body_bytes, level, limits)
 
 
 def _pd_settings(a, role: str, secret: bytes):
@@ -285,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get HTTP 413")
+    s.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a client has to send its request headers (then 408 and close)")
+    s.add_argument("--body-timeout", type=float, default=60.0,
+                   help="seconds a client has to send its whole request body (then 408 and close)")
+    s.add_argument("--max-connections", type=int, default=2048,
+                   help="open connections beyond this are answered 503 at once")
     s.add_argument("--role", default="single", choices=["single", "prefill", "decode", "router"],
                    help="single node (default), or one part of a prefill/decode deployment")
     s.add_argument("--prefill-url", default=None, help="router: the prefill node, e.g. http://10.0.0.2:8001")

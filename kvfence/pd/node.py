@@ -51,6 +51,7 @@ from kvfence.server.backend import EngineFailed, Update
 from kvfence.server.disconnect import watch_disconnect
 from kvfence.server.engine_loop import EngineLoop
 from kvfence.server.errors import APIError, error_body
+from kvfence.server.http_limits import HttpLimits, uvicorn_server
 from kvfence.server.protocol import read_body_bytes
 
 log = logging.getLogger("kvfence.pd.node")
@@ -221,9 +222,7 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings) ->
 
 
 def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int, tls: TlsSettings,
-               tenants_file: str | None = None, log_level: str = "info") -> int:
-    import uvicorn
-
+               tenants_file: str | None = None, log_level: str = "info", limits: HttpLimits | None = None) -> int:
     from kvfence.server import fault_control
     from kvfence.server.app import ServerState, create_app
     from kvfence.server.isolation import run_startup_checks
@@ -250,6 +249,6 @@ def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int,
     scheme = "https" if tls.serving else "http"
     log.info("%s node serving its internal API on %s://%s:%d/internal%s", settings.role, scheme, host, port,
              " (client certificates required)" if tls.serving and tls.ca else "")
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                                           **uvicorn_options(tls, client_certificates=True)))
+    server = uvicorn_server(app, host, port, limits or HttpLimits(), log_level,
+                            **uvicorn_options(tls, client_certificates=True))
     return run_until_engine_fails(server, loop)

@@ -63,6 +63,7 @@ from kvfence.pd.settings import ROLES
 from kvfence.pd.tls import TlsSettings, client_context, uvicorn_options
 from kvfence.pd.wire import cluster_headers
 from kvfence.server.backend import Admitted, EngineFailed, Logprob, RequestHandle, Update
+from kvfence.server.http_limits import HttpLimits, uvicorn_server
 
 log = logging.getLogger("kvfence.pd.router")
 
@@ -497,9 +498,7 @@ def serve_router(prefill_url: str, decode_url: str, model: str | None, host: str
                  max_model_len: int | None, clamp_context: bool, secret: bytes, tls: TlsSettings,
                  tenants_file: str | None = None,
                  served_model_name: str | None = None, log_level: str = "info", wait_s: float = 300.0,
-                 stall_s: float = 10.0) -> int:
-    import uvicorn
-
+                 stall_s: float = 10.0, limits: HttpLimits | None = None) -> int:
     from kvfence.server import fault_control
     from kvfence.server.app import ServerState, create_app
     from kvfence.server.serve import load_tenants
@@ -524,6 +523,6 @@ def serve_router(prefill_url: str, decode_url: str, model: str | None, host: str
 
     log.info("router serving model %r on http://%s:%d/v1 (prefill %s, decode %s)", state.served_name, host, port,
              prefill_url, decode_url)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False,
-                **uvicorn_options(tls, client_certificates=False))
+    uvicorn_server(app, host, port, limits or HttpLimits(), log_level,
+                   **uvicorn_options(tls, client_certificates=False)).run()
     return 0

@@ -14,6 +14,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from starlette.requests import ClientDisconnect
+
 from kvfence.engine.params import SamplingParams
 from kvfence.server.errors import APIError, bad_request
 
@@ -48,11 +50,15 @@ async def read_body_bytes(request, limit: int) -> bytes:
         except ValueError:
             raise bad_request("Content-Length is not a number.") from None
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # the client hung up, or its body was too slow (the server closed it); nobody reads this
+        raise bad_request("The connection closed before the request body was complete.") from None
     return b"".join(chunks)
 
 

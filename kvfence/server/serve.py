@@ -7,6 +7,7 @@ import threading
 from kvfence.engine.config import EngineConfig
 from kvfence.server.app import DEFAULT_MAX_BODY_BYTES, ServerState, create_app
 from kvfence.server.engine_loop import EngineLoop
+from kvfence.server.http_limits import HttpLimits, uvicorn_server
 from kvfence.server.isolation import run_startup_checks
 from kvfence.server.tenants import TenantRegistry
 
@@ -34,9 +35,7 @@ def start_engine(config: EngineConfig, loaded=None) -> EngineLoop:
 
 def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, tenants_file: str | None = None,
           served_model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-          log_level: str = "info") -> int:
-    import uvicorn
-
+          log_level: str = "info", limits: HttpLimits | None = None) -> int:
     tenants = load_tenants(tenants_file)          # a bad tenants file fails before the model loads
     log.info("loading the model and sizing the KV pool ...")
     engine = start_engine(config)
@@ -48,8 +47,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, tenan
                 c["name"], c["invariant"], c["status"], c["detail"])
     state = ServerState(engine, tenants, served_model_name, max_body_bytes)
     log.info("serving model %r on http://%s:%d/v1", state.served_name, host, port)
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
-                                           access_log=True))
+    server = uvicorn_server(create_app(state), host, port, limits or HttpLimits(), log_level, access_log=True)
     return run_until_engine_fails(server, engine)
 
 

@@ -10,6 +10,7 @@ from server_harness import ENGINE, TENANTS_TOML, LiveServer, SpyEngine
 from kvfence.engine.config import EngineConfig
 from kvfence.server.app import ServerState
 from kvfence.server.engine_loop import EngineLoop
+from kvfence.server.http_limits import HttpLimits
 from kvfence.server.isolation import run_startup_checks
 from kvfence.server.tenants import TenantRegistry
 
@@ -19,14 +20,14 @@ def make_server(loaded_fp32):
     started: list[LiveServer] = []
 
     def make(tenants: str | None = TENANTS_TOML, gate: threading.Event | None = None, wait: bool = True,
-             max_body_bytes: int = 256 << 10, **engine_kw) -> LiveServer:
+             max_body_bytes: int = 256 << 10, limits: HttpLimits | None = None, **engine_kw) -> LiveServer:
         cfg = EngineConfig(**{**ENGINE, **engine_kw})
         spy = SpyEngine(cfg, loaded_fp32, gate)
         engine = EngineLoop(spy, run_startup_checks).start()
         if wait:
             assert engine.wait_ready(60), engine.error
         reg = TenantRegistry.single() if tenants is None else TenantRegistry.from_dict(tomllib.loads(tenants))
-        srv = LiveServer(ServerState(engine, reg, None, max_body_bytes=max_body_bytes), spy)
+        srv = LiveServer(ServerState(engine, reg, None, max_body_bytes=max_body_bytes), spy, limits)
         started.append(srv)
         return srv
 

@@ -12,12 +12,12 @@ import time
 
 import httpx
 import openai
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.server.app import ServerState, create_app
+from kvfence.server.http_limits import HttpLimits, uvicorn_server
 
 TENANTS_TOML = """
 [defaults]
@@ -89,7 +89,7 @@ class SpyEngine:
 
 
 class LiveServer:
-    def __init__(self, state: ServerState, spy: SpyEngine):
+    def __init__(self, state: ServerState, spy: SpyEngine, limits: HttpLimits | None = None):
         self.state, self.spy, self.engine = state, spy, state.engine
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -97,9 +97,8 @@ class LiveServer:
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.base_url = self.url + "/v1"
-        config = uvicorn.Config(create_app(state), log_config=None, log_level="info", access_log=True,
-                                timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn_server(create_app(state), "127.0.0.1", self.port, limits or HttpLimits(),
+                                     access_log=True, log_config=None, timeout_graceful_shutdown=2)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

@@ -1,0 +1,125 @@
+"""Connection-level limits for every kvfence HTTP server (single node, PD nodes, router).
+
+uvicorn bounds header size (h11's incomplete-event limit) and can cap connections
+(`limit_concurrency`, answered 503), but it has no read deadline: a client that sends half a
+request line, or a body one byte every few seconds, holds its connection and its share of the
+server forever (slowloris). `GuardedH11Protocol` adds two deadlines, checked once a second:
+
+- the request line and headers must arrive within `header_timeout_s` of the connection
+  opening or of the previous response ending (then 408 and close);
+- the whole body must arrive within `body_timeout_s` of the headers (then the connection is
+  closed; the app sees a disconnect and frees whatever it held).
+
+Nothing is timed once a request has been read: a response may stream for as long as it
+generates.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger("kvfence.http")
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0       # an 8 MiB body needs ~140 KB/s to make it
+    max_connections: int = 2048        # beyond this uvicorn answers 503 at once
+    max_header_bytes: int = 64 << 10   # request line + headers; larger gets 400
+
+    def __post_init__(self) -> None:
+        if not (self.header_timeout_s > 0 and self.body_timeout_s > 0):
+            raise ValueError("HTTP read timeouts must be positive")
+        if self.max_connections < 1 or self.max_header_bytes < 1024:
+            raise ValueError("max_connections must be >= 1 and max_header_bytes >= 1024")
+
+
+def uvicorn_kwargs(limits: HttpLimits) -> dict[str, Any]:
+    """The options of uvicorn.Config that enforce `limits` (pass them with the app's own)."""
+    return {"http": _protocol_for(limits), "limit_concurrency": limits.max_connections,
+            "h11_max_incomplete_event_size": limits.max_header_bytes}
+
+
+def _protocol_for(limits: HttpLimits) -> type[H11Protocol]:
+    # uvicorn builds the protocol itself, so the limits travel as class attributes
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits})
+
+
+class GuardedH11Protocol(H11Protocol):
+    limits = HttpLimits()
+    CHECK_EVERY_S = 1.0
+    LINGER_S = 2.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)
+        self._discarding = False
+        self._phase: object = h11.IDLE
+        self._phase_since = self.loop.time()
+        self._watchdog: asyncio.TimerHandle | None = self.loop.call_later(self.CHECK_EVERY_S, self._check_deadlines)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._phase, self._phase_since = h11.IDLE, self.loop.time()   # the next request's header clock
+
+    def _check_deadlines(self) -> None:
+        self._watchdog = None
+        if self.transport.is_closing():
+            return
+        state, now = self.conn.their_state, self.loop.time()
+        if state is not self._phase:
+            if state is h11.SEND_BODY or (state is h11.IDLE and self._phase is not h11.IDLE):
+                self._phase_since = now
+            self._phase = state
+        waited = now - self._phase_since
+        if state is h11.IDLE and self.conn.our_state is h11.IDLE and waited > self.limits.header_timeout_s:
+            self._give_up("request headers", waited, answer_408=True)
+            return
+        if state is h11.SEND_BODY and waited > self.limits.body_timeout_s:
+            self._give_up("request body", waited, answer_408=self.cycle is None or not self.cycle.response_started)
+            return
+        self._watchdog = self.loop.call_later(self.CHECK_EVERY_S, self._check_deadlines)
+
+    def _give_up(self, what: str, waited: float, answer_408: bool) -> None:
+        client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+        log.warning("closing the connection from %s: its %s did not arrive within %.0f s", client, what, waited)
+        if answer_408:
+            # written raw: h11 frames no response before a request, and the app's own response,
+            # if it tries one later, is dropped because the cycle is marked disconnected
+            body = f"{what} not received in time\n".encode()
+            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                                 b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        if self.cycle is not None:
+            self.cycle.disconnected = True       # the app's receive() returns http.disconnect
+            self.cycle.message_event.set()
+        # a lingering close: closing with the client's bytes still arriving makes the kernel send
+        # a reset, which can destroy the 408 before the client reads it
+        self._discarding = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(self.LINGER_S, self.transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        if self._discarding:
+            return
+        super().data_received(data)
+
+
+def uvicorn_server(app: Any, host: str, port: int, limits: HttpLimits, log_level: str = "info",
+                   access_log: bool = False, **options: Any):
+    """The one way kvfence builds its uvicorn servers, so that no role runs without the limits."""
+    import uvicorn
+
+    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
+                                         **uvicorn_kwargs(limits), **options))

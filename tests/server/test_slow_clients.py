@@ -1,0 +1,162 @@
+"""Slow and idle clients cannot hold a connection: a request line or headers that do not
+arrive within the header deadline get 408 and a close, a body trickled slower than the body
+deadline gets the same, and past the connection cap new connections get 503 at once. Other
+clients are served throughout, and nothing the slow requests touched stays held.
+
+Each wait below is a bound on a read (a test that fails instead of hanging), not a speed
+assertion: without the deadlines these sockets stay open until the read times out."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from kvfence.server.http_limits import HttpLimits
+
+READ_BOUND_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def guarded(make_server):
+    return make_server(limits=HttpLimits(header_timeout_s=1.0, body_timeout_s=2.0))
+
+
+def _connect(srv) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", srv.port), timeout=READ_BOUND_S)
+    return s
+
+
+def _read_until_closed(s: socket.socket) -> bytes:
+    """Everything the server sends until it closes; fails (socket.timeout) if it never does."""
+    got = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            return got
+        got += chunk
+
+
+def _completion_ok(srv) -> None:
+    with srv.http("alice") as c:
+        r = c.post("/v1/completions", json={"prompt": "The sky is", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200, r.text
+
+
+def test_a_half_sent_request_line_gets_408_and_a_close(guarded):
+    with _connect(guarded) as s:
+        s.sendall(b"POST /v1/completions HTT")
+        _completion_ok(guarded)          # served while the slow one waits
+        got = _read_until_closed(s)
+    assert got.startswith(b"HTTP/1.1 408"), got[:200]
+    assert b"request headers not received in time" in got
+
+
+def test_an_idle_connection_is_closed(guarded):
+    with _connect(guarded) as s:
+        got = _read_until_closed(s)
+    assert got.startswith(b"HTTP/1.1 408"), got[:200]
+
+
+def test_headers_trickled_on_a_kept_alive_connection_are_cut(guarded):
+    with _connect(guarded) as s:
+        s.sendall(b"GET /health/live HTTP/1.1\r\nhost: x\r\n\r\n")
+        first = b""
+        while b"\r\n\r\n" not in first or not first.rstrip().endswith(b"}"):
+            first += s.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200"), first[:200]
+        for piece in (b"GET /health", b"/live HTT", b"P/1.1\r\n", b"host"):   # slower than the deadline
+            try:
+                s.sendall(piece)
+            except OSError:
+                break
+            time.sleep(0.4)
+        got = _read_until_closed(s)
+    assert got.startswith(b"HTTP/1.1 408"), got[:200]
+
+
+def test_a_trickled_body_gets_408_and_holds_nothing(guarded):
+    body = b'{"prompt": "The sky is", "max_tokens": 3}' + b" " * 200
+    head = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"authorization: Bearer sk-alice-0001\r\ncontent-length: %d\r\n\r\n" % len(body))
+    sent = 0
+    with _connect(guarded) as s:
+        s.sendall(head)
+        s.settimeout(0.3)
+        got = b""
+        deadline = time.monotonic() + READ_BOUND_S
+        while time.monotonic() < deadline:
+            try:
+                s.sendall(body[sent:sent + 1])    # one byte per 0.3 s: the body needs a minute
+                sent += 1
+            except OSError:
+                break
+            try:
+                chunk = s.recv(65536)
+            except TimeoutError:
+                continue
+            if not chunk:
+                break
+            got += chunk
+        s.settimeout(READ_BOUND_S)
+        try:
+            got += _read_until_closed(s)
+        except OSError:
+            pass                                   # reset after the 408 is also a close
+    assert got.startswith(b"HTTP/1.1 408"), got[:200]
+    assert b"request body not received in time" in got
+    assert sent < len(body)
+    _completion_ok(guarded)
+    snap = guarded.wait_idle()
+    assert snap["pages_owned"] == 0
+    assert guarded.state.limiter.in_flight("alice") == 0
+
+
+def test_connections_past_the_cap_get_503_at_once_and_the_cap_frees(make_server):
+    srv = make_server(limits=HttpLimits(header_timeout_s=60.0, max_connections=4))
+    held = [_connect(srv) for _ in range(4)]
+    try:
+        for s in held:
+            s.sendall(b"GET /health/li")      # open and unfinished: each holds a connection
+        time.sleep(0.3)
+        with httpx.Client(timeout=READ_BOUND_S) as c:
+            r = c.get(srv.url + "/health/live")
+        assert r.status_code == 503, r.text
+    finally:
+        for s in held:
+            s.close()
+    deadline = time.monotonic() + READ_BOUND_S
+    while True:
+        with httpx.Client(timeout=READ_BOUND_S) as c:
+            r = c.get(srv.url + "/health/live")
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert r.status_code == 200, r.text
+
+
+def test_many_slow_clients_at_once_do_not_stop_the_others(guarded):
+    held = [_connect(guarded) for _ in range(30)]
+    for s in held:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n")
+    errors: list[BaseException] = []
+
+    def served():
+        try:
+            _completion_ok(guarded)
+        except BaseException as e:      # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+    workers = [threading.Thread(target=served) for _ in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(READ_BOUND_S * 3)
+    closed = 0
+    for s in held:
+        with s:
+            if _read_until_closed(s).startswith(b"HTTP/1.1 408"):
+                closed += 1
+    assert not errors, errors
+    assert closed == len(held)
