@@ -53,6 +53,8 @@ FAULTS: dict[str, str] = {
                       "(containment: only that request fails)",
     "poison_forward": "a forward pass that includes a request whose prompt contains token id ARG raises; ARG 'all': "
                       "every forward pass raises (the engine is broken and the process exits)",
+"poison_link": "the KV link's work on a request whose prompt contains token id ARG raises (prefill: while "
+                   "staging its rows; decode: while opening its pulled rows); containment: only that request fails",
     "skip_manifest_check": "decode takes a handoff without checking it is for this request, tenant, token count "
                            "and model (I4, I5)",
     "attend_reserved_length": "the incident's decode: after a transfer it treats the whole prompt as computed, "

@@ -13,10 +13,11 @@ has `NoKvLink`, so the engine never checks for None.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvfence.engine.containment import FAIL_CLOSED
 from kvfence.engine.request_states import Event
 from kvfence.engine.sequence import Sequence
 
@@ -71,7 +72,28 @@ class KvArrived:
     tokens: int
 
 
-Decision = EndRequest | ReleaseRequest | Reserve | Hold | ReadRefused | KvArrived
+@dataclass(frozen=True)
+class Failed:
+    """The link's work on this request raised: the engine ends it alone, as it ends a request
+    whose forward pass raised (500 engine_error). The link has put back what that work took."""
+    seq: Sequence
+    error: Exception
+
+
+Decision = EndRequest | ReleaseRequest | Reserve | Hold | ReadRefused | KvArrived | Failed
+
+
+def contained(seq: Sequence, work: Iterable[Decision], undo: Callable[[], None] = lambda: None) -> Iterator[Decision]:
+    """The decisions of a link's work on one request; if the work raises (but for a fail-closed
+    error), `undo()` puts back what it took in the link and the request ends as Failed, so a
+    link bug or a bad input ends one request, not the node."""
+    try:
+        yield from work
+    except FAIL_CLOSED:
+        raise
+    except Exception as e:  # noqa: BLE001 - only this request fails
+        undo()
+        yield Failed(seq, e)
 
 
 class KvLink(Protocol):

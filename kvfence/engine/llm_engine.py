@@ -18,10 +18,12 @@ import torch
 from kvfence import faults
 from kvfence.engine.admission import ContextLengthExceeded, ContextPlan, Overloaded, check_fits, plan_context
 from kvfence.engine.config import EngineConfig
+from kvfence.engine.containment import FAIL_CLOSED, MAX_FAILED_STEPS
 from kvfence.engine.detokenizer import IncrementalDetokenizer
 from kvfence.engine.kv_link import (
     Decision,
     EndRequest,
+    Failed,
     Hold,
     KvArrived,
     KvLink,
@@ -31,12 +33,12 @@ from kvfence.engine.kv_link import (
     Reserve,
 )
 from kvfence.engine.params import SamplingParams
-from kvfence.engine.request_states import Event, IllegalTransition, State
+from kvfence.engine.request_states import Event, State
 from kvfence.engine.runner import ModelRunner, StepResult
 from kvfence.engine.sampler import SampleOutput, Sampler, make_generator
 from kvfence.engine.scheduler import ScheduledSeq, Scheduler
 from kvfence.engine.sequence import Sequence, TokenLogprob
-from kvfence.kv.ledger import Ledger, LedgerError, Owner, ReadRequest, Violation
+from kvfence.kv.ledger import Ledger, Owner, ReadRequest, Violation
 from kvfence.kv.pool import KVPool, available_memory, page_bytes, parse_bytes
 from kvfence.kv.prefix_cache import PrefixCache
 from kvfence.model.llama import LlamaModel
@@ -71,12 +73,6 @@ class StepOutput:
 
 T = TypeVar("T")
 
-# consecutive steps in which every request failed, even alone, before the engine counts as broken
-MAX_FAILED_STEPS = 3
-# never contained: the ledger catching a page touched by a request that does not own it, or a
-# transition the state table forbids, means the engine's own bookkeeping is wrong; it stops
-# (fail closed), as it always did
-FAIL_CLOSED = (LedgerError, IllegalTransition)
 
 
 class EngineBroken(RuntimeError):
@@ -437,6 +433,8 @@ class LLMEngine:
             elif isinstance(d, Reserve):
                 self.ledger.allocate(seq.owner, d.pages, seq.table)
                 seq.on(Event.RESERVE)
+            elif isinstance(d, Failed):
+                out.append(self._fail(seq, d.error))
             elif isinstance(d, KvArrived):
                 self.ledger.mark_written(seq.owner, seq.table, 0, d.tokens)
                 seq.num_computed = d.tokens

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kvfence import faults
-from kvfence.engine.kv_link import Decision, EndRequest, KvArrived, Reserve
+from kvfence.engine.kv_link import Decision, EndRequest, KvArrived, Reserve, contained
 from kvfence.engine.request_states import Event
 from kvfence.engine.sequence import Sequence
 from kvfence.kv.ledger import BlockTable, Owner
@@ -257,6 +257,12 @@ class KvImporter(PdLink):
             return
         self.transferred_bytes += nbytes
         self.transfer_seconds += seconds
+        # the read is over: whatever goes wrong from here, the rows can go at once
+        yield from contained(seq, self._arrive(p, ok, error), undo=lambda: self._settle(p))
+
+    def _arrive(self, p: Pull, ok: bool, error: str | None) -> Iterator[Decision]:
+        """The read of p's rows is over: authenticate and unstage them, or fail the request."""
+        seq = p.seq
         if not ok:
             self.counters["pulls_failed"] += 1
             if p.cancelled:   # the lease ran out while the read waited for a worker
@@ -274,16 +280,22 @@ class KvImporter(PdLink):
             log.error("request %s: transferred KV failed verification: %s", seq.request_id, e)
             yield self._settle_and_abort(p, "kv_verification_failed", f"the transferred KV failed verification: {e}")
             return
+        if faults.active("poison_link") and int(faults.arg("poison_link") or -1) in seq.prompt_ids:
+            raise RuntimeError("fault injection: opening a poisoned request's rows raises")
         self.staging.unstage(plain, seq.table.pages[:m.page_count])
         self.open_seconds += time.perf_counter() - t0
-        del self.live[seq.request_id]
-        self.staging.ledger.free(p.owner, p.rows)
+        self._settle(p)
         self.counters["verified"] += 1
         yield KvArrived(seq, m.token_count)  # the engine sets the written watermark and runs it
 
+    def _settle(self, p: Pull) -> None:
+        """p's read is over and its request no longer waits on it: its rows go at once."""
+        if self.live.get(p.seq.request_id) == p.pull_id:
+            del self.live[p.seq.request_id]
+            self.staging.ledger.free(p.owner, p.rows)
+
     def _settle_and_abort(self, p: Pull, code: str, message: str) -> Decision:
-        del self.live[p.seq.request_id]   # the pull is over: its rows can go at once
-        self.staging.ledger.free(p.owner, p.rows)
+        self._settle(p)
         return self._abort(p.seq, code, message, reader_stopped=True)
 
     def _abort(self, seq: Sequence, code: str, message: str, reader_stopped: bool | None = None) -> Decision:

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvfence import faults
-from kvfence.engine.kv_link import Decision, EndRequest, Hold, ReadRefused, ReleaseRequest
+from kvfence.engine.kv_link import Decision, EndRequest, Hold, ReadRefused, ReleaseRequest, contained
 from kvfence.engine.request_states import Event
 from kvfence.engine.sequence import Sequence
 from kvfence.kv.ledger import BlockTable, Owner
@@ -124,17 +124,33 @@ class KvExporter(PdLink):
             if not self._fits(seq):
                 break  # rows come back as leases end; the request keeps its pool pages until then
             self.pending.pop(0)
-            yield self._hold(seq, now)
+            yield from contained(seq, self._hold(seq, now))
 
-    def _hold(self, seq: Sequence, now: float) -> Decision:
+    def _hold(self, seq: Sequence, now: float) -> Iterator[Decision]:
         eng, tokens = self.engine, seq.num_computed
         n = eng.ledger.pages_for(tokens)
         # staging reads pool pages, so it passes the same check as a forward pass (I2, I3)
         bad = eng.authorize_read(seq, tokens)
         if bad is not None:
-            return ReadRefused(seq, bad)
+            yield ReadRefused(seq, bad)
+            return
         owner = Owner(self.staging.ledger.tenant_id(seq.tenant), seq.owner.request)
         rows = self.staging.grant(owner, n)
+        try:
+            m = self._stage(seq, owner, rows, now)
+        except Exception:
+            self.staging.ledger.free(owner, rows)   # no manifest went out: nobody can read them
+            raise
+        self.held[seq.request_id] = Held(seq, owner, rows, m)
+        self.counters["held"] += 1
+        kill_point("prefill_after_hold")
+        yield Hold(seq, m.to_json())  # the engine frees the pool pages (after publishing the prefix)
+
+    def _stage(self, seq: Sequence, owner: Owner, rows, now: float) -> Manifest:
+        """Seal seq's computed pages into `rows`; the manifest that describes them."""
+        eng, tokens, n = self.engine, seq.num_computed, len(rows.pages)
+        if faults.active("poison_link") and int(faults.arg("poison_link") or -1) in seq.prompt_ids:
+            raise RuntimeError("fault injection: staging a poisoned request raises")
         m = Manifest(request_id=seq.request_id, tenant=seq.tenant, token_count=tokens, page_count=n,
                      page_size=eng.ledger.page_size, epochs=list(rows.epochs),
                      fingerprint=eng.model_config.fingerprint(), layout=self.staging.layout, boot_id=self.boot_id,
@@ -144,10 +160,7 @@ class KvExporter(PdLink):
         self.staging.stage(seq.table.pages[:n], rows, m, self.cipher(m, seq), seal=not faults.active("skip_row_seal"))
         if n and faults.active("corrupt_staged_page"):
             self.staging.buf[rows.pages[0], -1] ^= 0x5A
-        self.held[seq.request_id] = Held(seq, owner, rows, m)
-        self.counters["held"] += 1
-        kill_point("prefill_after_hold")
-        return Hold(seq, m.to_json())  # the engine frees the pool pages (after publishing the prefix)
+        return m
 
     def stats(self) -> dict:
         return {**self.buffer_stats(), "held": len(self.held), "pending": len(self.pending)}

@@ -316,3 +316,64 @@ def test_decode_says_whether_a_read_can_still_run(loaded_fp32):
         pr.d.step()
     assert pr.d.kv_link.reader_stopped("sx")                         # x's read ended with its notice
     pr.p.release_kv("sx")
+
+
+POISON = 4242          # a token id only the poisoned prompts contain (prompt() draws from 100..40000 minus it)
+
+
+def _poisoned(n, seed):
+    ids = [t for t in prompt(n, seed) if t != POISON]
+    ids[n // 3] = POISON
+    return ids
+
+
+def test_an_exception_in_prefill_staging_fails_only_that_request(loaded_fp32):
+    """Fault point poison_link: staging one request's rows raises. That request ends alone
+    (engine_error) with its rows and pages back; a request staged in the same step is held
+    and hands off as usual. Without containment the exception leaves step() and stops the node."""
+    pr = Pair(loaded_fp32)
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    good, bad = prompt(40, 60), _poisoned(40, 61)
+    pr.p.add_request(good, params, tenant="t1", request_id="g", hold_kv=True)
+    pr.p.add_request(bad, params, tenant="t2", request_id="b", hold_kv=True)
+    ended: dict[str, object] = {}
+    with faults.injected(poison_link=str(POISON)):
+        for _ in range(50):
+            for out in pr.p.step():
+                if out.finished:
+                    ended[out.seq.request_id] = out
+            if len(ended) == 2:
+                break
+    assert ended["b"].seq.abort_code == "engine_error" and ended["b"].event is None
+    assert ended["g"].event == "kv_held"
+    assert pr.exp.staging.ledger.num_owned == pr.p.ledger.pages_for(39)     # only g's rows
+    assert pr.exp.staging.ledger.num_quarantined == 0
+    seq, _ = pr.decode(good, params, "g", ended["g"].data)
+    assert seq.output_ids == single(loaded_fp32, good, params)
+    pr.p.release_kv("g")
+    assert pr.exp.staging.ledger.num_owned == 0 and pr.p.ledger.num_owned == 0
+
+
+def test_an_exception_while_decode_opens_rows_fails_only_that_request(loaded_fp32):
+    """poison_link on decode: opening one pulled request's rows raises after its read ended.
+    It fails alone (engine_error) with its rows freed at once (the read is over) and its pool
+    pages back; another request pulled in the same step runs to the single-node output."""
+    pr = Pair(loaded_fp32)
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    good, bad = prompt(50, 62), _poisoned(50, 63)
+    mg, mb = pr.prefill(good, params, "g"), pr.prefill(bad, params, "b", tenant="t2")
+    with faults.injected(poison_link=str(POISON)):
+        g = pr.d.add_request(good, params, tenant="t1", request_id="g", kv_source=pr.handoff(mg))
+        b = pr.d.add_request(bad, params, tenant="t2", request_id="b", kv_source=pr.handoff(mb))
+        end = time.monotonic() + 30
+        while not (g.finished and b.finished) and time.monotonic() < end:
+            pr.d.step()
+            time.sleep(0.001)
+    assert b.abort_code == "engine_error" and b.output_ids == []
+    assert g.finish_reason == "length" and g.output_ids == single(loaded_fp32, good, params)
+    assert pr.d.kv_link.reader_stopped("b")
+    assert pr.imp.staging.ledger.num_owned == 0 and pr.imp.staging.ledger.num_quarantined == 0
+    assert pr.d.ledger.num_owned == 0
+    pr.p.release_kv("g")
+    pr.p.abort_kv("b", reader_stopped=True, reason="decode failed")
+    assert pr.exp.staging.ledger.num_owned == 0
