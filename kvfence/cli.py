@@ -176,7 +176,8 @@ def _pd_settings(a, role: str, secret: bytes):
 
     return PDSettings(role, transfer_host=a.transfer_host, transfer_buffer_pages=a.transfer_buffer_pages,
                       lease_s=a.lease, transfer_timeout_s=a.transfer_timeout, max_pull_s=a.max_pull,
-                      clock_skew_s=a.clock_skew, cluster_secret=secret)
+                      clock_skew_s=a.clock_skew, decode_reserve_tokens=a.decode_reserve_tokens,
+                      cluster_secret=secret)
 
 
 def cmd_soak(a) -> int:
@@ -254,6 +255,9 @@ def _pd_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-pull", type=float, default=75.0,
                    help="PD nodes: upper bound on one pull (s); fences last lease deadline + this + --clock-skew")
     p.add_argument("--clock-skew", type=float, default=1.0, help="PD nodes: largest clock difference between nodes (s)")
+    p.add_argument("--decode-reserve-tokens", type=int, default=256,
+                   help="decode: generated tokens reserved with the prompt before the pull; beyond them a "
+                        "request grows page by page (and may be preempted and recomputed when the pool is full)")
 
 
 def _tls_args(p: argparse.ArgumentParser) -> None:

@@ -43,7 +43,8 @@ class Scheduler:
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
-        """A PD decode request whose transferred KV was verified: it holds all its pages."""
+        """A PD decode request whose transferred KV was verified: it holds its prompt's pages
+        and grows from there like any running request."""
         assert seq.state is State.DECODING and seq.reserved
         self.running.append(seq)
 
@@ -57,17 +58,14 @@ class Scheduler:
             self.waiting.remove(seq)
 
     def _victim_after(self, seq: Sequence) -> Sequence | None:
-        """The most recently started running sequence behind seq that may be preempted."""
-        for victim in reversed(self.running):
-            if victim is seq:
-                return None
-            if not victim.reserved:
-                return victim
-        return None
+        """The most recently started running sequence, if it is behind seq."""
+        victim = self.running[-1]
+        return None if victim is seq else victim
 
     def _preempt(self, victim: Sequence) -> None:
-        if victim.reserved:  # its KV came from a transfer: recomputing is not ours to do
-            raise RuntimeError(f"request {victim.request_id} holds reserved pages and cannot be preempted")
+        # a PD decode request too: its transferred KV goes back with its pages and is
+        # recomputed here from its tokens, like any preempted request
+        victim.reserved = False
         self.ledger.free(victim.owner, victim.table)
         victim.num_computed = 0
         victim.num_preemptions += 1

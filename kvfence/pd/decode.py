@@ -3,9 +3,17 @@
 A request arrives with the manifest prefill returned. Its static checks run before
 anything is reserved (`check_manifest`: this request, this tenant, the token count the
 router asked for, this model and layout). Then, when pool pages and transfer-buffer rows
-are free, RESERVE takes every pool page the request will ever need (prompt + max_tokens,
-so it is never preempted) and rows for the pull, and the pull starts, but only while
-the lease has more than the clock skew left. The pull writes the rows, never pool pages.
+are free, RESERVE takes pool pages for the prompt and its first `decode_reserve_tokens`
+generated tokens, and rows for the pull, and the pull starts, but only while the lease has
+more than the clock skew left. The pull writes the rows, never pool pages. Waiting requests
+are reserved by need and tenant share, not strictly first in, first out (`_pick`).
+
+Once verified, a request grows page by page as it generates, like on a single node. If the
+pool runs out, the most recently started request is preempted: its pages go back through
+the ledger and decode recomputes its KV (prompt and generated tokens) when pages return, so
+it goes on with the same tokens; it never reads a page it does not own. Only a request that
+cannot fit even alone ends, with kv_pool_exhausted (the router's start-up check, I8, makes
+that impossible for any request it admits).
 
 A pull's completion notice names its pull id; a notice for a pull that is not the
 request's live pull (duplicated, late, after an abort) changes nothing but the fence of
@@ -22,7 +30,7 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,6 +46,10 @@ from kvfence.pd.messages import Handoff, Manifest
 from kvfence.pd.prefill import kill_point
 from kvfence.pd.seal import SealError
 from kvfence.pd.settings import PDSettings
+
+# reservations that may be made past a waiting request (for later arrivals) before it blocks
+# the queue until it fits; bounds how long need-and-share ordering can pass a large request over
+BYPASS_LIMIT = 8
 
 log = logging.getLogger("kvfence.pd.decode")
 
@@ -67,7 +79,8 @@ class Pull:
 class KvImporter(PdLink):
     def __init__(self, engine, settings: PDSettings, transport, workers: int = 4):
         super().__init__(engine, settings, transport)
-        self.waiting: deque[Sequence] = deque()      # admitted, waiting for pages and rows
+        self.waiting: deque[Sequence] = deque()      # admitted, waiting for pages and rows (arrival order)
+        self._bypassed: Counter[str] = Counter()     # request id -> reservations made past it while it waited
         self.pulls: dict[int, Pull] = {}             # every pull whose notice has not come
         self.live: dict[str, int] = {}               # request id -> its pull, while AWAITING_KV
         self.notices: queue.SimpleQueue = queue.SimpleQueue()
@@ -109,16 +122,49 @@ class KvImporter(PdLink):
             return not any(p.seq.request_id == request_id and p.read_at is not None for p in self.pulls.values())
 
     def busy(self) -> bool:
-        """Could poll() reserve for the first waiting request right now? Pages freed by a
-        request that ended during a step make it so without any wake-up (found by the
-        simulation: such a request otherwise waited for its lease to run out)."""
-        return bool(self.waiting) and self._fits(self.waiting[0])
+        """Could a step reserve for a waiting request right now? Pages freed by a request
+        that ended during a step make it so without any wake-up (found by the simulation:
+        such a request otherwise waited for its lease to run out)."""
+        return self._pick() is not None
+
+    def _reserve_pages(self, seq: Sequence) -> int:
+        """Pool pages reserved before the pull: the prompt and the first generated tokens. The
+        rest come page by page as it generates, as on a single node, so a request without
+        max_tokens (allowed the whole remaining context) does not pin a context for its life."""
+        ahead = min(seq.max_tokens, self.settings.decode_reserve_tokens)
+        return self.engine.ledger.pages_for(len(seq.prompt_ids) + ahead)
 
     def _fits(self, seq: Sequence) -> bool:
         eng = self.engine
-        need = eng.ledger.pages_for(len(seq.prompt_ids) + seq.max_tokens)
         return (len(eng.scheduler.running) + len(self.live) < eng.config.max_num_seqs
-                and need <= eng.ledger.num_available and _manifest(seq).page_count <= self.staging.ledger.num_available)
+                and self._reserve_pages(seq) <= eng.ledger.num_available
+                and _manifest(seq).page_count <= self.staging.ledger.num_available)
+
+    def _pick(self) -> Sequence | None:
+        """The waiting request to reserve for next, or None. By need: among those that fit, the
+        one whose tenant holds the fewest of decode's pages, then the oldest, so one tenant's
+        large requests cannot hold the queue. A request passed over BYPASS_LIMIT times (others
+        that arrived after it were reserved first) stops the rest until it fits: nothing
+        starves."""
+        if not self.waiting:
+            return None
+        for seq in self.waiting:        # arrival order: the oldest barrier first
+            if self._bypassed[seq.request_id] >= BYPASS_LIMIT:
+                return seq if self._fits(seq) else None
+        held = self._pages_by_tenant()
+        for seq in sorted(self.waiting, key=lambda s: (held[s.tenant], s.arrival)):
+            if self._fits(seq):
+                return seq
+        return None
+
+    def _pages_by_tenant(self) -> Counter[str]:
+        held: Counter[str] = Counter()
+        for s in self.engine.scheduler.running:
+            held[s.tenant] += len(s.table)
+        for pid in self.live.values():
+            s = self.pulls[pid].seq
+            held[s.tenant] += len(s.table)
+        return held
 
     def next_timer(self) -> float | None:
         times = [p.started + self.settings.pull_give_up_s for p in self.pulls.values()
@@ -146,6 +192,7 @@ class KvImporter(PdLink):
         self.staging.ledger.lift_expired_fences(now)
 
     def on_end(self, seq: Sequence, event: Event, reader_stopped: bool) -> None:
+        self._bypassed.pop(seq.request_id, None)
         if seq in self.waiting:
             self.waiting.remove(seq)
         pid = self.live.pop(seq.request_id, None)
@@ -174,19 +221,19 @@ class KvImporter(PdLink):
 
     # -- reservation and pulls -------------------------------------------------------------------
     def _reserve_waiting(self, now: float) -> Iterator[Decision]:
-        eng = self.engine
-        while self.waiting:
-            seq = self.waiting[0]
+        for late in [s for s in self.waiting if now >= _manifest(s).lease_deadline - self.settings.clock_skew_s]:
+            self.waiting.remove(late)
+            self._bypassed.pop(late.request_id, None)
+            yield self._abort(late, "lease_expired", "the prefill node's KV lease ran out before the "
+                              "transfer could start", reader_stopped=True)
+        while (seq := self._pick()) is not None:
             m = _manifest(seq)
-            if now >= m.lease_deadline - self.settings.clock_skew_s:
-                self.waiting.popleft()
-                yield self._abort(seq, "lease_expired", "the prefill node's KV lease ran out before the "
-                                  "transfer could start", reader_stopped=True)
-                continue
-            if not self._fits(seq):
-                break  # first come, first served: pages come back as requests finish
-            self.waiting.popleft()
-            yield Reserve(seq, eng.ledger.pages_for(len(seq.prompt_ids) + seq.max_tokens))
+            self.waiting.remove(seq)
+            self._bypassed.pop(seq.request_id, None)
+            for other in self.waiting:
+                if other.arrival < seq.arrival:
+                    self._bypassed[other.request_id] += 1
+            yield Reserve(seq, self._reserve_pages(seq))
             owner = Owner(self.staging.ledger.tenant_id(seq.tenant), seq.owner.request)
             rows = self.staging.grant(owner, m.page_count)
             pull = Pull(next(self._ids), seq, owner, rows, now)

@@ -23,7 +23,8 @@ from kvfence.procs import stop_processes
 # the engine options a node takes from launch-pd's (and the PD bench's) command line
 ENGINE_FLAGS = ("model", "dtype", "device", "kv_cache_memory", "kv_memory_fraction", "page_size", "max_model_len",
                 "max_num_seqs", "max_num_batched_tokens", "scrub")
-PD_FLAGS = ("transfer_host", "transfer_buffer_pages", "lease", "transfer_timeout", "max_pull", "clock_skew")
+PD_FLAGS = ("transfer_host", "transfer_buffer_pages", "lease", "transfer_timeout", "max_pull", "clock_skew",
+            "decode_reserve_tokens")
 
 
 def flags(a, names) -> list[str]:

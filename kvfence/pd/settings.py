@@ -35,6 +35,9 @@ class PDSettings:
     max_pull_s: float = 75.0                # upper bound on a started pull, see above
     pull_give_up_s: float = 10.0            # decode answers the client with an error after this
     clock_skew_s: float = 1.0               # largest clock difference between prefill and decode
+    # decode reserves the prompt plus at most this many generated tokens before the transfer;
+    # a request grows page by page past that, like on a single node (kvfence/pd/decode.py)
+    decode_reserve_tokens: int = 256
     # the cluster secret (kvfence/pd/seal.py): seals transfer rows, derives the control credential
     cluster_secret: bytes | None = field(default=None, repr=False)
 
@@ -45,6 +48,8 @@ class PDSettings:
             raise ValueError("lease_s must exceed twice clock_skew_s, or no pull could ever start")
         if self.cluster_secret is None:
             raise ValueError("a PD node needs the cluster secret (kvfence/pd/seal.py load_secret)")
+        if self.decode_reserve_tokens < 1:
+            raise ValueError("decode_reserve_tokens must be at least 1")
         if self.max_pull_s < self.transfer_timeout_s:
             raise ValueError("max_pull_s must be at least the transfer engine's timeout")
 

@@ -267,7 +267,7 @@ def test_a_hang_up_before_decode_pulled_frees_prefills_rows_at_once(cluster, cli
     m = model_name(client)
     fences0 = cluster.pd("prefill").get("pd_fences", 0)
     x_body = {"model": m, "prompt": LONG, "max_tokens": 400, "stream": True, "temperature": 0,
-              "ignore_eos": True}                                   # 457 + 400 tokens: 54 of 90 pages
+              "ignore_eos": True}              # reserves 457 + 256 tokens (45 of 90 pages), grows to 54
     started = threading.Event()
 
     def x():
@@ -280,7 +280,8 @@ def test_a_hang_up_before_decode_pulled_frees_prefills_rows_at_once(cluster, cli
     t.start()
     assert started.wait(60), "X never streamed"
     held0 = cluster.pd("prefill").get("pd_held", 0)
-    y_body = {**x_body, "prompt": LONG + " Y", "stream": False}     # fits only once X is done
+    y_body = {**x_body, "prompt": LONG + " Y " + LONG, "max_tokens": 100,
+              "stream": False}                                  # 915 + 100 tokens: 64 pages, once X is done
     _hang_up_when(cluster.url("router"), y_body,
                   lambda: cluster.pd("prefill").get("pd_held", 0) > held0
                   and cluster.pd("decode")["waiting_for_pages"] >= 1, timeout=60)

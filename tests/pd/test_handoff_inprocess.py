@@ -377,3 +377,104 @@ def test_an_exception_while_decode_opens_rows_fails_only_that_request(loaded_fp3
     pr.p.release_kv("g")
     pr.p.abort_kv("b", reader_stopped=True, reason="decode failed")
     assert pr.exp.staging.ledger.num_owned == 0
+
+
+# -- decode reservations: by need and tenant share, a bounded reservation ahead -----------------
+
+def _admit(pr, ids, params, rid, tenant):
+    m = pr.prefill(ids, params, rid, tenant=tenant)
+    return pr.d.add_request(ids, params, tenant=tenant, request_id=rid, kv_source=pr.handoff(m))
+
+
+def _run_until(pr, done, limit_s=60):
+    end = time.monotonic() + limit_s
+    while not done() and time.monotonic() < end:
+        pr.d.step()
+        time.sleep(0.001)
+    assert done()
+
+
+def test_a_small_request_of_another_tenant_passes_a_large_one_that_does_not_fit(loaded_fp32):
+    """Decode reserves by need: B's small request, arriving after A's large one that waits for
+    pages, is reserved at once (strict first-in-first-out made it wait behind A's)."""
+    from kvfence.engine.request_states import State
+    pr = Pair(loaded_fp32, decode_kw={"kv_cache_memory": "16MiB"})
+    big, small = SamplingParams(max_tokens=40, **GREEDY), SamplingParams(max_tokens=8, **GREEDY)
+    a1 = _admit(pr, prompt(200, 70), big, "a1", "A")                  # 15 of decode's 22 pages
+    a2 = _admit(pr, prompt(200, 71), big, "a2", "A")
+    b1 = _admit(pr, prompt(20, 72), small, "b1", "B")
+    assert a1.state is State.AWAITING_KV and a2.state is State.WAITING
+    assert b1.state is State.AWAITING_KV, "B's small request waited behind A's large one"
+    _run_until(pr, lambda: a1.finished and a2.finished and b1.finished)
+    assert [s.finish_reason for s in (a1, a2, b1)] == ["length"] * 3
+    for rid in ("a1", "a2", "b1"):
+        pr.p.release_kv(rid)
+    assert pr.d.ledger.num_owned == 0 and pr.imp.staging.ledger.num_owned == 0
+
+
+def test_a_request_passed_over_too_often_stops_the_queue_until_it_fits(loaded_fp32):
+    """The bound on need-based order: once BYPASS_LIMIT later requests were reserved past A's
+    waiting request, the next one (which fits) waits until A's has been reserved."""
+    from kvfence.engine.request_states import State
+    from kvfence.pd.decode import BYPASS_LIMIT
+    pr = Pair(loaded_fp32, decode_kw={"kv_cache_memory": "16MiB"})
+    big, tiny = SamplingParams(max_tokens=40, **GREEDY), SamplingParams(max_tokens=1, **GREEDY)
+    a1 = _admit(pr, prompt(200, 80), big, "a1", "A")
+    a2 = _admit(pr, prompt(200, 81), big, "a2", "A")
+    assert a2.state is State.WAITING
+    passed = []
+    for i in range(BYPASS_LIMIT):
+        b = _admit(pr, prompt(10, 90 + i), tiny, f"b{i}", "B")
+        assert b.state is State.AWAITING_KV
+        passed.append(b)
+        _run_until(pr, lambda b=b: b.finished)      # done and gone: its pages and rows are back
+        pr.p.release_kv(f"b{i}")
+    late = _admit(pr, prompt(10, 99), tiny, "late", "B")
+    assert late.state is State.WAITING, "a request passed over BYPASS_LIMIT times should stop the queue"
+    end = time.monotonic() + 60
+    while a2.state is State.WAITING and time.monotonic() < end:   # until A's first request leaves
+        assert late.state is State.WAITING
+        pr.d.step()
+        time.sleep(0.001)
+    _run_until(pr, lambda: a1.finished and a2.finished and late.finished)
+    assert late.finish_reason == "length" and a2.finish_reason == "length"
+
+
+def test_a_request_without_max_tokens_reserves_a_step_not_a_context_and_grows(loaded_fp32):
+    """No max_tokens: decode reserves the prompt and decode_reserve_tokens, not the whole
+    rest of the context, and the request then grows page by page to the same output as a
+    single node."""
+    short = {"max_model_len": 192}
+    pr = Pair(loaded_fp32, prefill_kw=short, decode_kw=short, decode_reserve_tokens=32)
+    ids = prompt(60, 100)
+    params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
+    m = pr.prefill(ids, params, "nm")
+    seq = pr.d.add_request(ids, params, tenant="t1", request_id="nm", kv_source=pr.handoff(m))
+    assert seq.max_tokens == pr.d.usable_context - len(ids)              # it may use the whole context ...
+    assert len(seq.table) == pr.d.ledger.pages_for(len(ids) + 32)        # ... but reserves only a step
+    _run_until(pr, lambda: seq.finished)
+    assert seq.finish_reason == "length" and seq.num_tokens == pr.d.usable_context
+    assert seq.output_ids == single(loaded_fp32, ids, SamplingParams(max_tokens=seq.max_tokens, **GREEDY))
+    pr.p.release_kv("nm")
+    assert pr.d.ledger.num_owned == 0
+
+
+def test_decode_out_of_pages_mid_generation_preempts_and_recomputes(loaded_fp32):
+    """Two requests outgrow decode's pool while generating: the later one is preempted, its
+    pages go back through the ledger, decode recomputes its KV from its tokens and both end
+    with the single-node output. No error, no page of one read by the other (the ledger's
+    check runs on every pass)."""
+    pr = Pair(loaded_fp32, decode_kw={"kv_cache_memory": "12MiB"}, decode_reserve_tokens=16)
+    params = SamplingParams(max_tokens=100, **GREEDY)
+    ids_x, ids_y = prompt(60, 110), prompt(60, 111)
+    x = _admit(pr, ids_x, params, "px", "A")
+    y = _admit(pr, ids_y, params, "py", "B")
+    assert 2 * pr.d.ledger.pages_for(160) > pr.d.ledger.usable_pages       # they cannot both finish at once
+    _run_until(pr, lambda: x.finished and y.finished, 120)
+    assert pr.d.scheduler.num_preemptions >= 1
+    assert x.finish_reason == y.finish_reason == "length"
+    assert x.output_ids == single(loaded_fp32, ids_x, params)
+    assert y.output_ids == single(loaded_fp32, ids_y, params)
+    pr.p.release_kv("px")
+    pr.p.release_kv("py")
+    assert pr.d.ledger.num_owned == 0 and pr.d.ledger.num_quarantined == 0
