@@ -69,6 +69,14 @@ FILLER = ("The quarterly report covers shipping volumes, staff rotas and the mai
 KINDS = ("warm", "normal", "probe", "over_prompt", "over_total")
 
 
+def _node_of(cluster: dict, url: str) -> dict:
+    """The router's /v1/kvfence/cluster entry of the node at `url` (KeyError if none)."""
+    for n in cluster.get("nodes") or []:
+        if n["url"] == url:
+            return n
+    raise KeyError(url)
+
+
 # -- tenants and canaries -----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -486,8 +494,8 @@ class Canary:
             self.usable = int(body["check"]["usable_context"])
             self.smallest_pool = min(int(n["pool_tokens"]) for n in nodes.values())
             self.page_size = min(int(n.get("page_size") or 0) for n in nodes.values())
-            for role, n in (body.get("nodes") or {}).items():
-                self.node_urls.setdefault(role, n["url"])
+            for n in body.get("nodes") or []:      # the first node of each role
+                self.node_urls.setdefault(n["role"], n["url"])
         else:
             r = await c.get(self.url + "/v1/kvfence/isolation", headers=self._headers())
             r.raise_for_status()
@@ -710,7 +718,7 @@ class Canary:
         old_boot = None
         try:
             r = await c.get(self.url + "/v1/kvfence/cluster")
-            old_boot = r.json()["nodes"][k.role]["boot_id"]
+            old_boot = _node_of(r.json(), self.node_urls[k.role])["boot_id"]
         except (httpx.HTTPError, ValueError, KeyError):
             pass
         proc = self.procs.get(k.role)
@@ -744,7 +752,7 @@ class Canary:
             try:
                 r = await c.get(self.url + "/v1/kvfence/cluster")
                 b = r.json()
-                if b.get("ready") and b["nodes"][k.role]["boot_id"] not in (None, old_boot):
+                if b.get("ready") and _node_of(b, self.node_urls[k.role])["boot_id"] not in (None, old_boot):
                     what += f", rejoined {time.monotonic() - t_kill:.1f} s after the kill"
                     report.nodes[k.role].restarts += 1
                     break

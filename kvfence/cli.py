@@ -144,9 +144,10 @@ def cmd_serve(a) -> int:
             return 2
         try:
             check_listen(a.role, a.host, tls)
-            for url in (a.prefill_url, a.decode_url) if a.role == "router" else ():
-                if url:
-                    check_node_url(url, tls)
+            for url in (a.prefill_url or []) + (a.decode_url or []) if a.role == "router" else ():
+                for u in url.split(","):
+                    if u.strip():
+                        check_node_url(u.strip(), tls)
         except PlaintextNetworkError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -304,8 +305,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="open connections beyond this are answered 503 at once")
     s.add_argument("--role", default="single", choices=["single", "prefill", "decode", "router"],
                    help="single node (default), or one part of a prefill/decode deployment")
-    s.add_argument("--prefill-url", default=None, help="router: the prefill node, e.g. http://10.0.0.2:8001")
-    s.add_argument("--decode-url", default=None, help="router: the decode node, e.g. http://10.0.0.3:8002")
+    s.add_argument("--prefill-url", action="append", default=None,
+                   help="router: a prefill node, e.g. http://10.0.0.2:8001; repeat it or give a comma-separated list")
+    s.add_argument("--decode-url", action="append", default=None,
+                   help="router: a decode node, e.g. http://10.0.0.3:8002; repeat it or give a comma-separated list")
     s.add_argument("--node-wait", type=float, default=300.0, help="router: seconds to wait for the nodes at start")
     s.add_argument("--node-stall", type=float, default=10.0,
                    help="router: a node silent this long (no heartbeat) fails the request")
@@ -324,9 +327,12 @@ def main(argv: list[str] | None = None) -> int:
     so.set_defaults(func=cmd_soak, kv_cache_memory="256MiB", lease=10.0, transfer_timeout=3, max_pull=5.0,
                     max_model_len=1024, clamp_context=True)
 
-    lp = sub.add_parser("launch-pd", help="start 1 prefill + 1 decode node + 1 router on this machine (demo)")
+    lp = sub.add_parser("launch-pd", help="start N prefill + M decode nodes and a router on this machine")
     lp.add_argument("--host", default="127.0.0.1")
-    lp.add_argument("--port", type=int, default=8000, help="the router's port; nodes take the next two")
+    lp.add_argument("--port", type=int, default=8000,
+                    help="the router's port; prefill nodes take the ports after it, then decode nodes")
+    lp.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill nodes (default 1)")
+    lp.add_argument("--decode", type=int, default=1, metavar="M", help="decode nodes (default 1)")
     _server_args(lp)
     _engine_args(lp)
     _pd_args(lp)

@@ -36,21 +36,33 @@ def flags(a, names) -> list[str]:
     return out
 
 
+def node_names(a) -> dict[str, list[str]]:
+    """role -> the names of its processes: prefill, prefill-2, ..., decode, decode-2, ..."""
+    counts = {"prefill": getattr(a, "prefill", 1) or 1, "decode": getattr(a, "decode", 1) or 1}
+    return {role: [role if i == 1 else f"{role}-{i}" for i in range(1, n + 1)] for role, n in counts.items()}
+
+
 def node_commands(a, secret_file: str) -> dict[str, list[str]]:
-    """The three processes' command lines; each reads the cluster secret from secret_file."""
+    """Every process's command line (the router on --port, prefill nodes on the ports after
+    it, then decode nodes); each reads the cluster secret from secret_file."""
+    names = node_names(a)
+    nodes = [(role, name) for role in ("prefill", "decode") for name in names[role]]
     cores = len(os.sched_getaffinity(0))
-    threads = {"prefill": a.threads or max(1, cores // 2), "decode": a.threads or max(1, cores - cores // 2)}
     base = [sys.executable, "-m", "kvfence.cli"] + (["-v"] if getattr(a, "verbose", False) else [])
     engine = flags(a, ENGINE_FLAGS) + (["--clamp-context"] if a.clamp_context else [])
     tenants = ["--tenants", a.tenants] if a.tenants else []
     secret = ["--cluster-secret-file", secret_file]
-    cmds = {}
-    for i, role in enumerate(("prefill", "decode"), start=1):
-        cmds[role] = base + ["serve", "--role", role, "--host", a.host, "--port", str(a.port + i),
-                             "--threads", str(threads[role])] + engine + flags(a, PD_FLAGS) + tenants + secret
+    cmds, urls = {}, {"prefill": [], "decode": []}
+    for i, (role, name) in enumerate(nodes, start=1):
+        # the cores split between the nodes; with one pair, the decode node takes the odd one
+        share = cores // len(nodes) + (1 if len(nodes) == 2 and role == "decode" and cores % 2 else 0)
+        cmds[name] = base + ["serve", "--role", role, "--host", a.host, "--port", str(a.port + i),
+                             "--threads", str(a.threads or max(1, share))] + engine + flags(a, PD_FLAGS) + \
+            tenants + secret
+        urls[role].append(f"http://{a.host}:{a.port + i}")
     cmds["router"] = base + ["serve", "--role", "router", "--host", a.host, "--port", str(a.port),
-                             "--prefill-url", f"http://{a.host}:{a.port + 1}",
-                             "--decode-url", f"http://{a.host}:{a.port + 2}"] + tenants + secret + (
+                             "--prefill-url", ",".join(urls["prefill"]),
+                             "--decode-url", ",".join(urls["decode"])] + tenants + secret + (
         ["--model", a.model] if a.model else []) + (
         ["--max-model-len", str(a.max_model_len)] if a.max_model_len else []) + (
         ["--clamp-context"] if a.clamp_context else []) + (
@@ -92,7 +104,9 @@ def _run(a, env: dict[str, str], secret_file: str) -> int:
     restarts = dict.fromkeys(cmds, 0)
     for role, cmd in cmds.items():
         procs[role] = subprocess.Popen(cmd, env=env)
-        print(f"kvfence launch-pd: started {role} (pid {procs[role].pid}): {' '.join(cmd[2:])}", file=sys.stderr)
+        port = cmd[cmd.index("--port") + 1]
+        print(f"kvfence launch-pd: started {role} on port {port} (pid {procs[role].pid}): {' '.join(cmd[2:])}",
+              file=sys.stderr)
     print(f"kvfence launch-pd: the OpenAI API will be at http://{a.host}:{a.port}/v1 once the router reports "
           f"ready; cluster check at http://{a.host}:{a.port}/v1/kvfence/cluster", file=sys.stderr)
 

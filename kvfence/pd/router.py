@@ -26,8 +26,8 @@ import os
 import ssl
 import threading
 import time
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,8 @@ import httpx
 from kvfence import faults
 from kvfence.engine.admission import ContextLengthExceeded
 from kvfence.engine.params import SamplingParams
-from kvfence.pd.capacity import ClusterCheck, check_cluster
+from kvfence.pd.capacity import ClusterCheck, plan_fleet
+from kvfence.pd.fleet import Fleet, Node
 from kvfence.pd.messages import (
     AbortBody,
     AdmittedEvent,
@@ -53,7 +54,6 @@ from kvfence.pd.messages import (
     ReleaseBody,
     StopPullBody,
     StopPullReply,
-    TransferSource,
     WaitEvent,
     WireModel,
     WireParams,
@@ -82,12 +82,19 @@ def load_router_tokenizer(model: str | None):
 
 
 class NodeError(RuntimeError):
-    """A node refused or failed the request; `rejection` is the node's own refusal, if any."""
+    """A node refused or failed the request; `rejection` is the node's own refusal, if any.
+    `retryable`: the node took nothing of it (never reached, or refused for load), so
+    another node of the role may be tried."""
 
-    def __init__(self, message: str, code: str, rejection: RejectedEvent | None = None):
+    def __init__(self, message: str, code: str, rejection: RejectedEvent | None = None, retryable: bool = False):
         super().__init__(message)
         self.code = code
         self.rejection = rejection
+        self.retryable = retryable
+
+
+# failures after which a request that has sent nothing to its client is tried once more
+RETRY_CODES = frozenset({"node_unavailable", "node_failed", "server_overloaded", "not_ready", "draining"})
 
 
 @dataclass
@@ -98,40 +105,41 @@ class _Flight:
     reader_stopped: bool = False      # decode is known not to be pulling (refused, or said so)
     decode_contacted: bool = False
     cached: int = 0
+    prefill: Node | None = None       # the nodes this request is on
+    decode: Node | None = None
 
 
 class RouterBackend:
-    """The PD cluster as an EngineBackend (server/backend.py) for server/app.py."""
+    """The PD fleet as an EngineBackend (server/backend.py) for server/app.py."""
 
-    def __init__(self, prefill_url: str, decode_url: str, secret: bytes, tls: TlsSettings | None = None,
-                 model: str | None = None,
+    def __init__(self, prefill_urls: str | list[str], decode_urls: str | list[str], secret: bytes,
+                 tls: TlsSettings | None = None, model: str | None = None,
                  max_model_len: int | None = None, clamp_context: bool = False, wait_s: float = 300.0,
-                 stall_s: float = 10.0, poll_s: float = 1.0):
-        self.urls = {"prefill": prefill_url.rstrip("/"), "decode": decode_url.rstrip("/")}
+                 stall_s: float = 10.0, poll_s: float = 1.0, join_grace_s: float = 5.0):
+        self.urls = {"prefill": _url_list(prefill_urls), "decode": _url_list(decode_urls)}
         self._headers = cluster_headers(secret)
         self.tls = tls or TlsSettings()
         # https node URLs are verified against --tls-ca (the system's CAs without it)
         self._verify: ssl.SSLContext | bool = (client_context(self.tls) if any(
-            u.startswith("https://") for u in self.urls.values()) else True)
-        self._source: TransferSource | None = None   # where decode pulls prefill's holds from
+            u.startswith("https://") for us in self.urls.values() for u in us) else True)
         self.model = model
         self.max_model_len = max_model_len
         self.clamp = clamp_context
         self.wait_s = wait_s
         self.stall_s = stall_s
         self.poll_s = poll_s
+        self.join_grace_s = join_grace_s
         self.tokenizer = None
         self.facts: dict | None = None
         self.snapshot: dict = {}
         self.startup_checks: list[dict] = []
         self.check: ClusterCheck | None = None
+        self.fleet: Fleet | None = None
         self.error: str | None = None
         self.iterations = 0
         self._ready = False
         self._started = False
         self._stopped = False
-        self._boot: dict[str, str] = {}
-        self._node_ok: dict[str, bool] = {r: False for r in ROLES}
         self._tasks: dict[str, asyncio.Task] = {}
         self._cancelled: set[str] = set()   # aborts already under way (see abort)
         self._background: set[asyncio.Task] = set()
@@ -147,86 +155,102 @@ class RouterBackend:
             return "ready"
         return "loading" if self.check is None and self.error is None else "not_ready"
 
+    def _fetch_info(self, c: httpx.Client, url: str) -> tuple[NodeInfo | None, str | None]:
+        try:
+            r = c.get(url + "/internal/info")
+        except httpx.HTTPError as e:
+            return None, f"does not answer ({type(e).__name__})"
+        if r.status_code != 200:
+            return None, f"answered {_error_code(r.content) or r.status_code}"
+        try:
+            return NodeInfo.from_json(r.content), None
+        except MessageError as e:
+            return None, f"sent unusable facts ({e})"
+
     def start(self) -> RouterBackend:
-        """Synchronous start-up: wait for both nodes and run the capacity check (I8).
-        Returns with `error` set if the cluster may not serve."""
+        """Synchronous start-up: wait for at least one node of each role (then join_grace_s
+        for the rest), fix the advertised context and check every node that answered (I8).
+        Returns with `error` set if the fleet may not serve."""
         if self._started:
             return self
         self._started = True
         self.tokenizer = load_router_tokenizer(self.model)
         deadline = time.monotonic() + self.wait_s
-        facts: dict[str, NodeInfo] = {}
+        every = [(role, u) for role in ROLES for u in self.urls[role]]
+        found: dict[str, tuple[str, NodeInfo]] = {}
+        why: dict[str, str] = {}
+        grace_end: float | None = None
         with httpx.Client(timeout=5.0, headers=self._headers, verify=self._verify) as c:
-            while len(facts) < len(ROLES):
-                for role in ROLES:
-                    if role in facts:
+            while True:
+                for role, url in every:
+                    if url in found:
                         continue
-                    try:
-                        r = c.get(self.urls[role] + "/internal/info")
-                        if r.status_code == 200:
-                            facts[role] = NodeInfo.from_json(r.content)
-                            log.info("%s node at %s is up (boot %s)", role, self.urls[role], facts[role].pd.boot_id)
-                    except httpx.HTTPError:
-                        pass
-                    except MessageError as e:
-                        self.error = f"the node at {self.urls[role]} sent unusable facts: {e}"
-                        return self
-                if len(facts) < len(ROLES):
-                    if time.monotonic() > deadline:
-                        missing = [r for r in ROLES if r not in facts]
-                        self.error = f"no answer from the {' and '.join(missing)} node(s) within {self.wait_s:g} s"
-                        return self
-                    time.sleep(0.5)
-        for role, f in facts.items():
-            if f.pd.role != role:
-                self.error = f"the node at {self.urls[role]} is not a {role} node (it says {f.pd.role})"
-                return self
-        self._apply_check(facts)
-        if self.error is None:  # the monitor has its own thread and event loop; it only swaps attributes
-            threading.Thread(target=lambda: asyncio.run(self.run_monitor()), name="kvfence-router-monitor",
-                             daemon=True).start()
-        return self
-
-    def _apply_check(self, facts: dict[str, NodeInfo]) -> bool:
-        # default: what the nodes themselves serve (each checked its own pool at start-up);
-        # an explicit --max-model-len is held against every node
-        advertised = self.max_model_len or min(f.usable_context for f in facts.values())
-        chk = check_cluster(advertised, facts, self.clamp)
-        vocab = {f.vocab_size for f in facts.values()}
+                    info, err = self._fetch_info(c, url)
+                    if info is None:
+                        why[url] = err or "no answer"
+                        continue
+                    found[url] = (role, info)
+                    log.info("%s node at %s is up (boot %s)", role, url, info.pd.boot_id)
+                roles_up = {r for r, _ in found.values()}
+                if len(found) == len(every):
+                    break
+                if roles_up >= set(ROLES):
+                    grace_end = grace_end or time.monotonic() + self.join_grace_s
+                    if time.monotonic() > grace_end:
+                        break
+                if time.monotonic() > deadline:
+                    missing = [f"{r} node at {u} ({why.get(u, 'no answer')})" for r, u in every if u not in found]
+                    if roles_up >= set(ROLES):
+                        break
+                    self.error = f"no answer within {self.wait_s:g} s from: " + "; ".join(missing)
+                    return self
+                time.sleep(0.5)
+        chk = plan_fleet(self.max_model_len, found, self.clamp)
+        vocab = {f.vocab_size for _, f in found.values()}
         if self.tokenizer is not None and len(vocab) == 1 and self.tokenizer.hf.get_vocab_size() > next(iter(vocab)):
             chk.ok = False
             chk.problems.append("the router's tokenizer has more tokens than the nodes' model")
         self.check = chk
         self.startup_checks = [{"name": "cluster capacity", "invariant": "I8",
                                 "status": "passed" if chk.ok else "failed", "detail": chk.note}]
-        for role, f in facts.items():
-            self._boot[role] = f.pd.boot_id
-            self._node_ok[role] = True
-        self._source = facts["prefill"].source()
         if not chk.ok:
             self.error = f"cluster capacity check failed: {chk.note}"
-            self._ready = False
             log.error("%s", self.error)
-            return False
-        (log.warning if chk.clamped else log.info)("cluster capacity check (I8): %s", chk.note)
-        base = facts["decode"].facts()
+            return self
+        (log.warning if chk.clamped or chk.refused else log.info)("cluster capacity check (I8): %s", chk.note)
+        reference = next(f for u, (r, f) in sorted(found.items()) if r == "prefill" and u not in chk.refused)
+        self.fleet = Fleet(self.urls, chk.usable_context, reference)
+        for node in self.fleet.nodes:
+            if node.url in found:
+                self.fleet.observe(node, found[node.url][1])
+            else:
+                self.fleet.observe(node, None, why.get(node.url))
+        decode = next(f for u, (r, f) in sorted(found.items()) if r == "decode" and u not in chk.refused)
+        base = decode.facts()
         base.update(usable_context=chk.usable_context, context_clamped=chk.clamped, context_note=chk.note,
-                    pool_tokens=min(f.pool_tokens for f in facts.values()),
+                    pool_tokens=min(f.pool_tokens for u, (_, f) in found.items() if u not in chk.refused),
                     configured_max_model_len=self.max_model_len, cluster=chk.to_json(),
                     pd_security=self.tls.describe())
         self.facts = base
-        self.snapshot = self._merge_snapshots(facts)
-        self.error = None
-        self._ready = True
-        return True
+        self._refresh()
+        # the monitor has its own thread and event loop; it only swaps attributes
+        threading.Thread(target=lambda: asyncio.run(self.run_monitor()), name="kvfence-router-monitor",
+                         daemon=True).start()
+        return self
 
-    @staticmethod
-    def _merge_snapshots(facts: dict[str, NodeInfo]) -> dict:
-        d = dict(facts["decode"].snapshot)
-        p = facts["prefill"].snapshot
-        d["waiting"] = d.get("waiting", 0) + p.get("waiting", 0)
-        d["nodes"] = {role: f.snapshot for role, f in facts.items()}
-        return d
+    def _refresh(self) -> None:
+        """Readiness and the merged snapshot, from the fleet's current state."""
+        assert self.fleet is not None
+        fleet = self.fleet
+        self._ready = fleet.ready and not self._stopped
+        if self._ready:
+            self.error = None
+        else:
+            missing = [r for r in ROLES if not fleet.serving(r)]
+            self.error = "; ".join(f"no {r} node is ready (" + ", ".join(
+                f"{n.url}: {n.state}{' - ' + n.reason if n.reason else ''}" for n in fleet.nodes if n.role == r) + ")"
+                for r in missing)
+        self.snapshot = _merge_snapshots(fleet)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         return self._ready
@@ -235,39 +259,32 @@ class RouterBackend:
         self._stopped = True
         self._ready = False
 
-    # -- the monitor (I8 on rejoin) ---------------------------------------------------------------
+    # -- the monitor (I8 on every answer) ---------------------------------------------------------
     async def run_monitor(self) -> None:
+        assert self.fleet is not None
+        fleet = self.fleet
         async with httpx.AsyncClient(timeout=2.0, headers=self._headers, verify=self._verify) as c:
+            async def poll(node: Node) -> None:
+                try:
+                    r = await c.get(node.url + "/internal/info")
+                    if r.status_code == 200:
+                        fleet.observe(node, NodeInfo.from_json(r.content))
+                    else:
+                        fleet.observe(node, None, f"answered {_error_code(r.content) or r.status_code}")
+                except MessageError as e:
+                    fleet.observe(node, None, f"sent unusable facts ({e})")
+                except httpx.HTTPError as e:
+                    fleet.observe(node, None, f"does not answer ({type(e).__name__})")
             while not self._stopped:
                 await asyncio.sleep(self.poll_s)
-                facts: dict[str, NodeInfo] = {}
-                down: list[str] = []
-                for role in ROLES:
-                    try:
-                        r = await c.get(self.urls[role] + "/internal/info")
-                        if r.status_code == 200:
-                            facts[role] = NodeInfo.from_json(r.content)
-                        else:
-                            down.append(f"{role} node is {_error_code(r.content) or r.status_code}")
-                    except MessageError as e:
-                        down.append(f"{role} node at {self.urls[role]} sent unusable facts ({e})")
-                    except httpx.HTTPError as e:
-                        down.append(f"{role} node at {self.urls[role]} does not answer ({type(e).__name__})")
+                await asyncio.gather(*(poll(n) for n in fleet.nodes))
+                was = self._ready
+                self._refresh()
+                if was and not self._ready:
+                    log.error("fleet not ready: %s", self.error)
+                elif self._ready and not was:
+                    log.info("fleet ready again")
                 self.iterations += 1
-                if down:
-                    if self._ready or self.error is None or "does not answer" not in (self.error or ""):
-                        log.error("cluster not ready: %s", "; ".join(down))
-                    self._ready = False
-                    self.error = "; ".join(down)
-                    for role in ROLES:
-                        self._node_ok[role] = role in facts
-                    continue
-                rejoined = [r for r in ROLES if facts[r].pd.boot_id != self._boot.get(r)]
-                if rejoined or not self._ready:
-                    log.info("node(s) %s (re)joined: running the capacity check again", ", ".join(rejoined) or "all")
-                    self._apply_check(facts)
-                else:
-                    self.snapshot = self._merge_snapshots(facts)
 
     # -- requests -----------------------------------------------------------------------------
     def _http(self) -> httpx.AsyncClient:
@@ -315,11 +332,11 @@ class RouterBackend:
         self._background.add(t)
         t.add_done_callback(self._background.discard)
 
-    async def _post(self, role: str, path: str, body: WireModel) -> None:
+    async def _post(self, node: Node, path: str, body: WireModel) -> None:
         try:
-            await self._http().post(self.urls[role] + path, **_json(body))
+            await self._http().post(node.url + path, **_json(body))
         except httpx.HTTPError as e:
-            log.warning("%s %s failed: %s", role, path, e)
+            log.warning("%s %s %s failed: %s", node.role, node.url, path, e)
 
     async def _run(self, rid: str, ids: list[int], params: SamplingParams, tenant: str, scope: str | None,
                    handle: RequestHandle, admitted: asyncio.Future) -> None:
@@ -335,21 +352,14 @@ class RouterBackend:
 
         try:
             if len(ids) >= 2:
-                await self._prefill(PrefillBody(request_id=rid, tenant=tenant, prompt_ids=ids, params=wire,
-                                                public_prefix_scope=scope), flight)
-                if flight.manifest is None:
-                    return
+                body = PrefillBody(request_id=rid, tenant=tenant, prompt_ids=ids, params=wire,
+                                   public_prefix_scope=scope)
+                await self._prefill_on_some_node(body, flight, scope or tenant)
                 if faults.active("delay_handoff"):
                     await asyncio.sleep(faults.arg_float("delay_handoff", 1.0))
-            handoff = None
-            if flight.manifest is not None:
-                source = self._source
-                if source is None or source.boot_id != flight.manifest.boot_id:
-                    raise NodeError("the prefill node restarted after holding the KV", "node_failed")
-                handoff = Handoff(manifest=flight.manifest, source=source)
             body = DecodeBody(request_id=rid, tenant=tenant, prompt_ids=ids, params=wire,
-                              public_prefix_scope=scope, handoff=handoff)
-            await self._decode(body, flight, handle, admitted, len(ids))
+                              public_prefix_scope=scope, handoff=self._handoff(flight))
+            await self._decode_on_some_node(body, flight, handle, admitted, len(ids))
         except asyncio.CancelledError:
             raise
         except NodeError as e:
@@ -360,19 +370,81 @@ class RouterBackend:
             if flight.manifest is not None and not flight.released:
                 self._later(self._settle_prefill(rid, flight))
 
+    async def _prefill_on_some_node(self, body: PrefillBody, flight: _Flight, scope: str) -> None:
+        """Prefill on the node the fleet picks; once more on another if that node could not
+        take it or died before holding the KV (nothing has reached the client yet, and what
+        the first node held is its own: it aborts the request when the stream drops)."""
+        assert self.fleet is not None
+        tried: set[str] = set()
+        while True:
+            node = self.fleet.pick_prefill(scope, body.prompt_ids, self.fleet.reference.page_size, frozenset(tried))
+            if node is None:
+                raise NodeError("no prefill node is ready" + (" (tried " + ", ".join(sorted(tried)) + ")"
+                                                                if tried else ""), "node_unavailable")
+            flight.prefill = node
+            try:
+                with _routed(node):
+                    await self._prefill(body, flight, node)
+                return
+            except (NodeError, httpx.HTTPError) as e:
+                code = e.code if isinstance(e, NodeError) else "node_failed"
+                retry = flight.manifest is None and not tried and code in RETRY_CODES
+                if not retry or self.fleet.pick_prefill(scope, body.prompt_ids, self.fleet.reference.page_size,
+                                                        frozenset({node.url})) is None:
+                    raise
+                log.warning("request %s: prefill on %s failed (%s: %s); trying another prefill node", body.request_id,
+                            node.url, code, e)
+                tried.add(node.url)
+
+    def _handoff(self, flight: _Flight) -> Handoff | None:
+        if flight.manifest is None:
+            return None
+        node = flight.prefill
+        info = node.info if node is not None else None
+        if info is None or info.pd.boot_id != flight.manifest.boot_id:
+            raise NodeError("the prefill node restarted after holding the KV", "node_failed")
+        return Handoff(manifest=flight.manifest, source=info.source())
+
+    async def _decode_on_some_node(self, body: DecodeBody, flight: _Flight, handle: RequestHandle,
+                                   admitted: asyncio.Future, n_prompt: int) -> None:
+        """Decode on the node the fleet picks; once more on another if that node was not
+        reached or refused for load before admitting (it never saw the handoff, or said it
+        will not pull it: prefill's rows are still held under the same lease)."""
+        assert self.fleet is not None
+        tried: set[str] = set()
+        while True:
+            node = self.fleet.pick_decode(frozenset(tried))
+            if node is None:
+                raise NodeError("no decode node is ready" + (" (tried " + ", ".join(sorted(tried)) + ")"
+                                                               if tried else ""), "node_unavailable")
+            flight.decode, flight.decode_contacted, flight.reader_stopped = node, False, False
+            try:
+                with _routed(node):
+                    await self._decode(body, flight, handle, admitted, n_prompt, node)
+                return
+            except NodeError as e:
+                retry = not admitted.done() and not tried and e.retryable and e.code in RETRY_CODES
+                if not retry or self.fleet.pick_decode(frozenset({node.url})) is None:
+                    raise
+                log.warning("request %s: decode on %s failed before admitting it (%s: %s); trying another decode node",
+                            body.request_id, node.url, e.code, e)
+                tried.add(node.url)
+
     async def _settle_prefill(self, rid: str, flight: _Flight) -> None:
         """Tell prefill the request is over, and whether a pull of its rows can still run: if
         decode was contacted and did not say, ask it (it ends the request and answers), so
         rows decode never began to read are freed at once instead of fenced (I6)."""
-        stopped = flight.reader_stopped or not flight.decode_contacted
+        stopped = flight.reader_stopped or not flight.decode_contacted or flight.decode is None
         if not stopped:
+            assert flight.decode is not None
             try:
-                r = await self._http().post(self.urls["decode"] + "/internal/stop_pull",
+                r = await self._http().post(flight.decode.url + "/internal/stop_pull",
                                             **_json(StopPullBody(request_id=rid)))
                 stopped = r.status_code == 200 and StopPullReply.from_json(r.content).reader_stopped
             except (httpx.HTTPError, MessageError) as e:
                 log.warning("decode did not say whether it still reads %s (%s): prefill fences its rows", rid, e)
-        await self._post("prefill", "/internal/abort", AbortBody(
+        assert flight.prefill is not None
+        await self._post(flight.prefill, "/internal/abort", AbortBody(
             request_id=rid, reader_stopped=stopped, reason="the request ended before decode verified the transfer"))
 
     async def _events(self, role: str, response: httpx.Response) -> AsyncIterator[Any]:
@@ -387,9 +459,13 @@ class RouterBackend:
             if not isinstance(ev, WaitEvent):
                 yield ev
 
-    async def _open(self, role: str, path: str, body: WireModel, stack: AsyncExitStack) -> httpx.Response:
+    async def _open(self, node: Node, path: str, body: WireModel, stack: AsyncExitStack) -> httpx.Response:
+        role = node.role
         try:
-            r = await stack.enter_async_context(self._http().stream("POST", self.urls[role] + path, **_json(body)))
+            r = await stack.enter_async_context(self._http().stream("POST", node.url + path, **_json(body)))
+        except httpx.ConnectError as e:    # the node never got the request: another may take it
+            raise NodeError(f"the {role} node is unreachable: {type(e).__name__}: {e}", "node_unavailable",
+                            retryable=True) from None
         except httpx.HTTPError as e:
             raise NodeError(f"the {role} node is unreachable: {type(e).__name__}: {e}", "node_unavailable") from None
         if r.status_code != 200:
@@ -397,7 +473,9 @@ class RouterBackend:
             err = _error_of(raw)
             if err is None:
                 raise NodeError(f"{role} node answered {r.status_code}", "node_error")
-            raise NodeError(f"{role} node: {err[0]}", err[1] or "node_error")
+            # a node refusing for load or state took nothing: another may take it
+            raise NodeError(f"{role} node: {err[0]}", err[1] or "node_error",
+                            retryable=(err[1] or "") in ("server_overloaded", "not_ready", "draining"))
         return r
 
     async def _admitted(self, role: str, events: AsyncIterator[Any]) -> AdmittedEvent:
@@ -409,9 +487,9 @@ class RouterBackend:
             raise NodeError(f"{role} node: expected admitted, got {what}", "node_error")
         return first
 
-    async def _prefill(self, body: PrefillBody, flight: _Flight) -> None:
+    async def _prefill(self, body: PrefillBody, flight: _Flight, node: Node) -> None:
         async with AsyncExitStack() as stack:
-            events = self._events("prefill", await self._open("prefill", "/internal/prefill", body, stack))
+            events = self._events("prefill", await self._open(node, "/internal/prefill", body, stack))
             await self._admitted("prefill", events)
             async for ev in events:
                 if isinstance(ev, ProgressEvent) and ev.event == "kv_held" and ev.manifest is not None:
@@ -426,14 +504,14 @@ class RouterBackend:
             raise NodeError("the prefill node closed the stream before holding the KV", "node_failed")
 
     async def _decode(self, body: DecodeBody, flight: _Flight, handle: RequestHandle, admitted: asyncio.Future,
-                      n_prompt: int) -> None:
+                      n_prompt: int, node: Node) -> None:
         async with AsyncExitStack() as stack:
             flight.decode_contacted = True
             try:
-                events = self._events("decode", await self._open("decode", "/internal/decode", body, stack))
+                events = self._events("decode", await self._open(node, "/internal/decode", body, stack))
                 await self._admitted("decode", events)
             except NodeError as e:
-                if e.code != "node_unavailable":  # decode answered and refused: it never pulls
+                if e.code != "node_unavailable" or e.retryable:  # refused or never reached: it never pulls
                     flight.reader_stopped = True
                 raise
             if not admitted.done():
@@ -446,7 +524,9 @@ class RouterBackend:
                     raise NodeError(f"decode node: unexpected {ev.event} event", "node_error")
                 if ev.event == "kv_verified":
                     flight.released = True
-                    self._later(self._post("prefill", "/internal/release", ReleaseBody(request_id=body.request_id)))
+                    assert flight.prefill is not None
+                    self._later(self._post(flight.prefill, "/internal/release",
+                                           ReleaseBody(request_id=body.request_id)))
                     continue
                 if ev.event == "kv_failed":
                     flight.reader_stopped = bool(ev.reader_stopped)
@@ -462,6 +542,51 @@ class RouterBackend:
                 if ev.finished:
                     return
             raise NodeError("the decode node closed the stream mid-request", "node_failed")
+
+
+@contextmanager
+def _routed(node: Node) -> Iterator[None]:
+    """Count a request on a node while the router has it there (routing reads the counts)."""
+    node.in_flight += 1
+    node.routed += 1
+    try:
+        yield
+    finally:
+        node.in_flight -= 1
+
+
+def _url_list(urls: str | list[str]) -> list[str]:
+    """Node URLs from repeated flags and/or comma-separated lists, without duplicates."""
+    items = [urls] if isinstance(urls, str) else list(urls)
+    out: list[str] = []
+    for item in items:
+        for u in item.split(","):
+            u = u.strip().rstrip("/")
+            if u and u not in out:
+                out.append(u)
+    return out
+
+
+def _merge_snapshots(fleet: Fleet) -> dict:
+    """The fleet's counts as one engine snapshot: pool numbers summed over ready decode
+    nodes, queues over every ready node, violations over all; each node's own under nodes."""
+    snaps = {n.url: n.info.snapshot for n in fleet.nodes if n.info is not None}
+    ready = [snaps[n.url] for n in fleet.nodes if n.state == "ready" and n.url in snaps]
+    out: dict[str, Any] = {}
+    for n in fleet.nodes:
+        if n.role == "decode" and n.state == "ready" and n.url in snaps:
+            for k, v in snaps[n.url].items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    out[k] = out.get(k, 0) + v
+    out["waiting"] = sum(int(s.get("waiting", 0)) for s in ready)
+    violations: dict[str, int] = {}
+    for s in snaps.values():
+        for inv, c in (s.get("violations") or {}).items():
+            violations[inv] = violations.get(inv, 0) + int(c)
+    out["violations"] = violations
+    out["nodes"] = snaps
+    out["fleet"] = fleet.counts()
+    return out
 
 
 def _json(body: WireModel) -> dict[str, Any]:
@@ -494,7 +619,7 @@ def _as_submit_error(message: str, code: str, rejection: RejectedEvent | None) -
     return EngineFailed(message, code)
 
 
-def serve_router(prefill_url: str, decode_url: str, model: str | None, host: str, port: int,
+def serve_router(prefill_urls: list[str], decode_urls: list[str], model: str | None, host: str, port: int,
                  max_model_len: int | None, clamp_context: bool, secret: bytes, tls: TlsSettings,
                  tenants_file: str | None = None,
                  served_model_name: str | None = None, log_level: str = "info", wait_s: float = 300.0,
@@ -504,7 +629,7 @@ def serve_router(prefill_url: str, decode_url: str, model: str | None, host: str
     from kvfence.server.serve import load_tenants
 
     tenants = load_tenants(tenants_file)
-    backend = RouterBackend(prefill_url, decode_url, secret, tls, model, max_model_len, clamp_context, wait_s,
+    backend = RouterBackend(prefill_urls, decode_urls, secret, tls, model, max_model_len, clamp_context, wait_s,
                             stall_s).start()
     if backend.error is not None:
         log.error("router not serving: %s", backend.error)
@@ -518,11 +643,11 @@ def serve_router(prefill_url: str, decode_url: str, model: str | None, host: str
     async def cluster():
         return {"ready": backend.state == "ready", "error": backend.error,
                 "check": backend.check.to_json() if backend.check else None,
-                "nodes": {r: {"url": backend.urls[r], "answering": backend._node_ok[r], "boot_id": backend._boot.get(r)}
-                          for r in ROLES}}
+                "usable_context": backend.facts["usable_context"] if backend.facts else None,
+                "nodes": backend.fleet.to_json() if backend.fleet else []}
 
-    log.info("router serving model %r on http://%s:%d/v1 (prefill %s, decode %s)", state.served_name, host, port,
-             prefill_url, decode_url)
+    log.info("router serving model %r on http://%s:%d/v1 (prefill %s; decode %s)", state.served_name, host, port,
+             ", ".join(backend.urls["prefill"]), ", ".join(backend.urls["decode"]))
     uvicorn_server(app, host, port, limits or HttpLimits(), log_level,
                    **uvicorn_options(tls, client_certificates=False)).run()
     return 0

@@ -124,6 +124,15 @@ class _EngineCollector:
             ledger.add_metric([ev], float(counters.get(ev, 0)))
         yield ledger
         yield from _pd_metrics(s.get("pd"))
+        fleet = s.get("fleet")
+        if fleet:
+            nodes = GaugeMetricFamily("kvfence_pd_fleet_nodes", "PD router: nodes by role and state (only ready "
+                                      "nodes get requests; refused ones failed the capacity check, I8)",
+                                      labels=["role", "state"])
+            for role, states in sorted(fleet.items()):
+                for st, n in sorted(states.items()):
+                    nodes.add_metric([role, st], float(n))
+            yield nodes
         audit = s.get("audit")
         if audit is not None:
             a = CounterMetricFamily("kvfence_read_audit_violations", "Reads and writes the read audit (a test "

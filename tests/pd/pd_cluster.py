@@ -119,7 +119,7 @@ class Cluster:
             try:  # ready, and the router has checked the nodes that run now (not ones that died)
                 r = httpx.get(self.url("router") + "/v1/kvfence/cluster", timeout=2)
                 if r.status_code == 200 and r.json().get("ready"):
-                    seen = {role: n["boot_id"] for role, n in r.json()["nodes"].items()}
+                    seen = {n["role"]: n["boot_id"] for n in r.json()["nodes"] if n["state"] == "ready"}
                     if all(self.info(role)["pd"]["boot_id"] == seen[role] for role in ("prefill", "decode")):
                         return
             except (httpx.HTTPError, KeyError, ValueError):
@@ -131,6 +131,11 @@ class Cluster:
     def info(self, role: str) -> dict:
         return httpx.get(self.url(role) + "/internal/info", headers=self.headers, timeout=10,
                          **self.http_kwargs(role)).json()
+
+    def routed_node(self, role: str) -> dict:
+        """The router's /v1/kvfence/cluster entry for this cluster's node of `role`."""
+        nodes = httpx.get(self.url("router") + "/v1/kvfence/cluster", timeout=10).json()["nodes"]
+        return next(n for n in nodes if n["url"] == self.url(role))
 
     def pd(self, role: str) -> dict:
         return self.info(role)["snapshot"]["pd"]

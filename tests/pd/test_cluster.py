@@ -319,10 +319,10 @@ def test_prefill_killed_after_holding_then_rejoins(cluster, client):
         time.sleep(0.5)
     _expect_error(lambda: client.completions.create(model=m, prompt="Hi", max_tokens=2), 503)
     # ... and checks the restarted node again (new boot id) before it serves
-    old_boot = httpx.get(cluster.url("router") + "/v1/kvfence/cluster").json()["nodes"]["prefill"]["boot_id"]
+    old_boot = cluster.routed_node("prefill")["boot_id"]
     cluster.start("prefill")
     cluster.wait_ready(120)
-    new_boot = httpx.get(cluster.url("router") + "/v1/kvfence/cluster").json()["nodes"]["prefill"]["boot_id"]
+    new_boot = cluster.routed_node("prefill")["boot_id"]
     assert new_boot != old_boot
     assert client.completions.create(model=m, prompt=LONG, max_tokens=4).choices[0].finish_reason == "length"
     cluster.wait_quiet(30)

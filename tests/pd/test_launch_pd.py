@@ -20,6 +20,11 @@ from kvfence.procs import free_ports
 pytest.importorskip("mooncake.engine", reason="the PD tests need mooncake-transfer-engine-non-cuda")
 
 
+def _boot(state: dict, role: str) -> str | None:
+    """The boot id of the ready node of `role` in a /v1/kvfence/cluster answer."""
+    return next((n["boot_id"] for n in state["nodes"] if n["role"] == role and n["state"] == "ready"), None)
+
+
 def cluster_state(url: str) -> dict | None:
     try:
         r = httpx.get(url + "/v1/kvfence/cluster", timeout=3)
@@ -55,10 +60,10 @@ def test_launch_pd_restarts_a_node_that_dies(tmp_path):
         text = (tmp_path / "launch.log").read_text()
         secret_file = re.search(r"made a random cluster secret for this cluster in (\S+)", text).group(1)
         assert os.path.exists(secret_file) and not re.search(r"[0-9a-f]{64}", text)   # the path, never the secret
-        pid = int(re.search(r"started prefill \(pid (\d+)\)", text).group(1))
+        pid = int(re.search(r"started prefill on port \d+ \(pid (\d+)\)", text).group(1))
         os.kill(pid, signal.SIGKILL)
         again = wait_until(lambda: (s := cluster_state(url)) and s["ready"] and
-                           s["nodes"]["prefill"]["boot_id"] != first["nodes"]["prefill"]["boot_id"] and s, 240)
+                           _boot(s, "prefill") != _boot(first, "prefill") and s, 240)
         assert again["check"]["ok"]
         assert c.completions.create(model=model, prompt="Hello", max_tokens=2).choices
         assert "restarted it" in (tmp_path / "launch.log").read_text()

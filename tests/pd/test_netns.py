@@ -131,7 +131,8 @@ def test_pd_output_equals_single_node_across_hosts(hosts, cluster, make_llm):
     assert pre["transfer_session"].startswith(hosts["kv_addr"]["prefill"] + ":"), pre["transfer_session"]
     assert cluster.info("decode")["pd"]["transfer_session"].startswith(hosts["kv_addr"]["decode"] + ":")
     nodes = httpx.get(cluster.url("router") + "/v1/kvfence/cluster", timeout=10).json()
-    assert nodes["ready"] and set(nodes["nodes"]) == {"prefill", "decode"}
+    assert nodes["ready"] and sorted(n["role"] for n in nodes["nodes"]) == ["decode", "prefill"]
+    assert all(n["state"] == "ready" for n in nodes["nodes"]), nodes
 
     ns, link = hosts["ns"]["decode"], hosts["pd_link"]["decode"]
     rx_before, bytes_before = _rx_bytes(ns, link), cluster.pd("decode")["transferred_bytes"]

@@ -1,0 +1,150 @@
+"""The router's view of its PD fleet: every node, its state, and where a request goes.
+
+A node is `checking` until the router has heard from it, `ready` when its facts pass the
+fleet's capacity check (kvfence/pd/capacity.py, I8), `refused` (with the reason) when they
+do not, `down` when it stops answering, and `draining` when it said it is finishing its
+requests before it exits. Only `ready` nodes get requests. The check runs on every answer,
+so a node that restarts (new boot id) serves again only once its new facts passed it.
+
+Routing:
+
+- prefill: rendezvous hashing on (the tenant's cache scope, the prompt's leading pages),
+  so requests of one scope with the same leading pages reach the same node and its prefix
+  cache, bounded by load: a node already carrying more than LOAD_BOUND times its share of
+  the requests in flight is passed over for the next in that request's order. The scope
+  comes from the authenticated tenant (server/app.py), never from a request field.
+- decode: the node with the fewest requests routed to it in flight, then the most free pool
+  pages (from its last report).
+
+Why this keeps I9 (no cross-tenant prefix-cache signal) across the fleet: a request's node
+order depends only on its own scope and tokens; other tenants can move it down that order
+only through load, which they can observe as load whatever the routing. The prefix cache on
+each node is scoped by tenant (kv/prefix_cache.py), so landing on a node where another
+tenant's identical prefix is cached gives no hit and no timing difference from a miss.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+from kvfence.pd.capacity import node_problems
+from kvfence.pd.messages import NodeInfo
+
+log = logging.getLogger("kvfence.pd.fleet")
+
+STATES = ("checking", "ready", "refused", "down", "draining")
+LOAD_BOUND = 1.25          # bounded-load hashing: at most this times the average in flight per node
+AFFINITY_PAGES = 4         # leading full pages of the prompt that pick the prefill node
+
+
+@dataclass
+class Node:
+    role: str
+    url: str
+    state: str = "checking"
+    reason: str = ""
+    info: NodeInfo | None = None
+    in_flight: int = 0           # requests the router has on it now
+    routed: int = 0              # requests the router ever sent it
+    since: float = 0.0           # when it entered its state (time.time())
+
+    @property
+    def boot_id(self) -> str | None:
+        return self.info.pd.boot_id if self.info is not None else None
+
+    def to_json(self) -> dict:
+        snap = self.info.snapshot if self.info is not None else {}
+        return {"role": self.role, "url": self.url, "state": self.state, "reason": self.reason or None,
+                "boot_id": self.boot_id, "usable_context": self.info.usable_context if self.info else None,
+                "pool_pages_free": snap.get("pages_free"), "pool_pages_total": snap.get("pages_total"),
+                "running": snap.get("running"), "waiting": snap.get("waiting"),
+                "in_flight": self.in_flight, "routed": self.routed, "since": self.since}
+
+
+class Fleet:
+    def __init__(self, urls: dict[str, list[str]], usable_context: int, reference: NodeInfo):
+        self.usable_context = usable_context       # fixed while serving
+        self.reference = reference                 # the model and KV layout every node must match
+        self.nodes = [Node(role, url, since=time.time()) for role, us in urls.items() for url in us]
+
+    def by_url(self, url: str) -> Node | None:
+        return next((n for n in self.nodes if n.url == url), None)
+
+    def serving(self, role: str) -> list[Node]:
+        return [n for n in self.nodes if n.role == role and n.state == "ready"]
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.serving("prefill")) and bool(self.serving("decode"))
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """role -> state -> nodes, every state listed (for the metrics)."""
+        return {role: {s: sum(1 for n in self.nodes if n.role == role and n.state == s) for s in STATES}
+                for role in ("prefill", "decode")}
+
+    # -- what the monitor saw -------------------------------------------------------------------
+    def observe(self, node: Node, info: NodeInfo | None, error: str | None = None) -> None:
+        """A node's answer to /internal/info (info), or why there was none (error)."""
+        if info is None:
+            self._move(node, "down", error or "no answer")
+            return
+        new_boot = info.pd.boot_id != node.boot_id
+        node.info = info
+        if info.snapshot.get("draining"):
+            self._move(node, "draining", "the node is draining")
+            return
+        problems = node_problems(self.usable_context, self.reference, info, node.role)
+        if problems:
+            self._move(node, "refused", "; ".join(problems), loud=new_boot)
+        else:
+            self._move(node, "ready", "", rejoined=new_boot and node.since > 0)
+
+    def _move(self, node: Node, state: str, reason: str, loud: bool = False, rejoined: bool = False) -> None:
+        if state == node.state and reason == node.reason and not loud and not rejoined:
+            return
+        before = node.state
+        node.state, node.reason, node.since = state, reason, time.time()
+        if state == "ready":
+            log.info("%s node %s is ready (boot %s, passed the capacity check, I8)%s", node.role, node.url,
+                     node.boot_id, " after a restart" if rejoined and before != "checking" else "")
+        elif state == "refused":
+            log.error("%s node %s is refused and gets no request: %s", node.role, node.url, reason)
+        else:
+            log.warning("%s node %s is %s: %s", node.role, node.url, state, reason)
+
+    # -- routing ----------------------------------------------------------------------------------
+    def pick_prefill(self, scope: str, prompt_ids: list[int], page_size: int,
+                     exclude: frozenset[str] = frozenset()) -> Node | None:
+        nodes = [n for n in self.serving("prefill") if n.url not in exclude]
+        if not nodes:
+            return None
+        key = affinity_key(scope, prompt_ids, page_size)
+        order = sorted(nodes, key=lambda n: _score(key, n.url), reverse=True)
+        bound = math.ceil(LOAD_BOUND * (sum(n.in_flight for n in nodes) + 1) / len(nodes))
+        return next((n for n in order if n.in_flight < bound), order[0])
+
+    def pick_decode(self, exclude: frozenset[str] = frozenset()) -> Node | None:
+        nodes = [n for n in self.serving("decode") if n.url not in exclude]
+        if not nodes:
+            return None
+        return min(nodes, key=lambda n: (n.in_flight, -(n.info.snapshot.get("pages_free", 0) if n.info else 0),
+                                         n.url))
+
+    def to_json(self) -> list[dict]:
+        return [n.to_json() for n in self.nodes]
+
+
+def affinity_key(scope: str, prompt_ids: list[int], page_size: int) -> bytes:
+    """The cache scope and the prompt's first AFFINITY_PAGES full pages (all of the full
+    pages of a shorter prompt): what decides which prefill node's cache a prompt can hit."""
+    full = min(AFFINITY_PAGES, max(0, len(prompt_ids) - 1) // page_size) * page_size
+    h = hashlib.sha256(scope.encode("utf-8", "surrogatepass") + b"\0")
+    h.update(b",".join(str(t).encode() for t in prompt_ids[:full]))
+    return h.digest()
+
+
+def _score(key: bytes, url: str) -> bytes:
+    return hashlib.sha256(key + url.encode()).digest()
