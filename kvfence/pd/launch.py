@@ -52,7 +52,8 @@ def node_commands(a, secret_file: str) -> dict[str, list[str]]:
     engine = flags(a, ENGINE_FLAGS) + (["--clamp-context"] if a.clamp_context else [])
     tenants = ["--tenants", a.tenants] if a.tenants else []
     secret = ["--cluster-secret-file", secret_file]
-    cmds, urls = {}, {"prefill": [], "decode": []}
+    cmds: dict[str, list[str]] = {}
+    urls: dict[str, list[str]] = {"prefill": [], "decode": []}
     for i, (role, name) in enumerate(nodes, start=1):
         # the cores split between the nodes; with one pair, the decode node takes the odd one
         share = cores // len(nodes) + (1 if len(nodes) == 2 and role == "decode" and cores % 2 else 0)

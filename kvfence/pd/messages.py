@@ -178,7 +178,7 @@ class StopPullReply(WireModel):
 
 
 class ControlReply(WireModel):
-    result: Literal["released", "aborted", "unknown"]
+    result: Literal["released", "aborted", "unknown", "draining", "already_draining"]
 
 
 # -- node -> router NDJSON events --------------------------------------------------------------

@@ -8,6 +8,7 @@ statement) whose engine has a KV link attached, plus the internal routes the rou
   POST /internal/release   prefill: decode verified the transfer (the ACK)
   POST /internal/abort     prefill: end a request; reader_stopped says no pull can be running
   POST /internal/decode    decode: admit, reserve, pull, verify, generate; NDJSON updates
+  POST /internal/drain     take no new request, finish, exit 0 (also on SIGTERM; pd/drain.py)
 
 A router that disconnects from a prefill or decode stream aborts that request on the node.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
@@ -23,6 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from kvfence import faults
 from kvfence.engine.admission import ContextLengthExceeded, Overloaded
 from kvfence.engine.config import EngineConfig
+from kvfence.pd.drain import Drain
 from kvfence.pd.manifest import ManifestError
 from kvfence.pd.messages import (
     AbortBody,
@@ -124,7 +127,7 @@ def _progress(u: Update) -> ProgressEvent:
         reader_stopped=data.get("reader_stopped") if u.event == "kv_failed" else None)
 
 
-def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings) -> None:
+def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, drain: Drain) -> None:
     secret = settings.cluster_secret
     assert secret is not None  # PDSettings refuses to exist without it
 
@@ -139,7 +142,16 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings) ->
     async def info():
         if loop.state != "ready" or loop.facts is None:
             return _error(503, f"node is {loop.state}: {loop.error or ''}", "not_ready")
-        return NodeInfo.from_json({**loop.facts, "snapshot": loop.snapshot}).to_json()
+        return NodeInfo.from_json({**loop.facts, "snapshot": {**loop.snapshot, "draining": drain.active}}).to_json()
+
+    @app.post("/internal/drain")
+    async def start_drain():
+        started = drain.start("the router or an operator asked (POST /internal/drain)")
+        return ControlReply(result="draining" if started else "already_draining").to_json()
+
+    def _refuse_if_draining() -> None:
+        if drain.active:
+            raise APIError(503, "node is draining: it takes no new request", code="draining")
 
     def _params(body: PrefillBody):
         try:   # WireParams bounds every field already; SamplingParams' own checks are the last word
@@ -154,6 +166,7 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings) ->
         aborts the request here."""
         rid = body.request_id
         params = _params(body)
+        drain.streams += 1
 
         async def gen():
             sub = asyncio.ensure_future(loop.submit(body.prompt_ids, params, body.tenant, rid,
@@ -184,6 +197,7 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings) ->
             except EngineFailed as e:
                 yield event_line(FailedEvent(error=str(e)[:4096]))
             finally:
+                drain.streams -= 1
                 watcher.cancel()
                 if handle is None and not sub.done():
                     sub.cancel()  # still waiting for admission: EngineLoop.submit aborts it
@@ -194,6 +208,7 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings) ->
     if settings.role == "prefill":
         @app.post("/internal/prefill")
         async def prefill(request: Request):
+            _refuse_if_draining()
             return _stream(await _read(request, PrefillBody), request, hold_kv=True)
 
         @app.post("/internal/release")
@@ -217,6 +232,7 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings) ->
 
         @app.post("/internal/decode")
         async def decode(request: Request):
+            _refuse_if_draining()
             body = await _read(request, DecodeBody)
             return _stream(body, request, **({"kv_source": body.handoff} if body.handoff is not None else {}))
 
@@ -243,7 +259,9 @@ def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int,
     # generate around the router's admission and tenant limits
     state = ServerState(loop, tenants, public_api=tenants_file is not None)
     app = create_app(state)
-    add_internal_routes(app, loop, settings)
+    exit_now: list = []
+    drain = Drain(lambda: loop.snapshot, lambda: exit_now[0]())
+    add_internal_routes(app, loop, settings, drain)
     faults.announce(log)
     fault_control.mount(app)
     scheme = "https" if tls.serving else "http"
@@ -251,4 +269,14 @@ def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int,
              " (client certificates required)" if tls.serving and tls.ca else "")
     server = uvicorn_server(app, host, port, limits or HttpLimits(), log_level,
                             **uvicorn_options(tls, client_certificates=True))
+    exit_now.append(lambda: setattr(server, "should_exit", True))
+    stop_at_once = server.handle_exit
+
+    def handle_exit(sig, frame) -> None:
+        # the first SIGTERM drains (the router stops routing here, what is here finishes);
+        # a second one, or SIGINT, stops at once
+        if sig == signal.SIGTERM and drain.start("SIGTERM"):
+            return
+        stop_at_once(sig, frame)
+    server.handle_exit = handle_exit
     return run_until_engine_fails(server, loop)

@@ -183,6 +183,52 @@ def test_a_killed_prefill_node_is_routed_around_and_rejoins_after_its_check(flee
         assert not snap["violations"], snap
 
 
+def test_a_rolling_restart_under_load_loses_no_request(fleet):
+    """Every node in turn is told to drain (POST /internal/drain, with the credential): it
+    takes no new request, finishes its own, exits 0; launch-pd starts it again and the router
+    serves from it only after checking the new boot. Meanwhile a steady load of requests of
+    three tenants: none fails, and the drained nodes' last requests finish."""
+    outcomes: list[str] = []
+    stop = threading.Event()
+
+    def load(k):
+        i = 0
+        while not stop.is_set() and i < 200:
+            try:
+                _complete(fleet, KEYS[k % 3], f"{PROMPTS[(k + i) % len(PROMPTS)]} {k}-{i}", max_tokens=6)
+                outcomes.append("ok")
+            except openai.APIStatusError as e:
+                outcomes.append(f"{e.status_code}:{e.code}:{e.message[:120]}")
+            i += 1
+    workers = [threading.Thread(target=load, args=(k,)) for k in range(3)]
+    for w in workers:
+        w.start()
+    try:
+        for node in fleet.cluster()["nodes"]:
+            r = httpx.post(node["url"] + "/internal/drain", headers=fleet.headers, timeout=10)
+            assert r.status_code == 200 and r.json()["result"] == "draining", r.text
+            again = httpx.post(node["url"] + "/internal/drain", headers=fleet.headers, timeout=10)
+            assert again.status_code != 200 or again.json()["result"] == "already_draining"
+            _wait(lambda node=node: (n := next(x for x in fleet.cluster()["nodes"] if x["url"] == node["url"]))
+                  and n["state"] == "ready" and n["boot_id"] != node["boot_id"], 300, f"{node['url']} to come back")
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(300)
+    failed = [o for o in outcomes if o != "ok"]
+    assert outcomes and not failed, failed
+    text = fleet.log_path.read_text()
+    for name in ("prefill", "prefill-2", "decode", "decode-2"):
+        assert re.search(rf"{name} exited with code 0; restarted it", text), name
+
+
+def test_draining_needs_the_credential(fleet):
+    node = fleet.cluster()["nodes"][0]
+    r = httpx.post(node["url"] + "/internal/drain", timeout=10)
+    assert r.status_code == 401
+    assert next(n for n in fleet.cluster()["nodes"] if n["url"] == node["url"])["state"] == "ready"
+
+
 def test_a_node_too_small_for_the_advertised_context_is_refused_and_gets_nothing(fleet, tmp_path):
     """The incident's configuration: a prefill node whose pool holds fewer tokens than the
     context the router advertises. A second router over the fleet plus that node serves
