@@ -200,6 +200,36 @@ def _print_warnings(statement: dict) -> None:
         print(f"{red}{w}{end}", file=sys.stderr)
 
 
+def cmd_probe(a) -> int:
+    """A liveness/readiness probe for a process on this host (Kubernetes exec probes): PD nodes
+    require client certificates, which the kubelet's own HTTPS probes cannot present. The
+    chain is verified against --tls-ca; the host name is not, since the probe reaches its own
+    pod over loopback, where the certificate's names (the pod's DNS names) do not apply."""
+    import ssl
+
+    import httpx
+
+    path = {"live": "/health/live", "ready": "/health"}[a.what]
+    verify: ssl.SSLContext | bool = False
+    scheme = "http"
+    if a.tls_ca or a.tls_client_cert:
+        scheme = "https"
+        ctx = ssl.create_default_context(cafile=a.tls_ca)
+        ctx.check_hostname = False
+        if a.tls_client_cert:
+            ctx.load_cert_chain(a.tls_client_cert, a.tls_client_key)
+        verify = ctx
+    try:
+        r = httpx.get(f"{scheme}://127.0.0.1:{a.port}{path}", verify=verify, timeout=a.timeout)
+    except httpx.HTTPError as e:
+        print(f"probe {a.what}: no answer on port {a.port}: {e}", file=sys.stderr)
+        return 1
+    if r.status_code != 200:
+        print(f"probe {a.what}: HTTP {r.status_code}: {r.text[:300]}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_isolation(a) -> int:
     """Print the isolation statement: from a running server (--url), or from this configuration
     (builds the engine and runs the same start-up checks `serve` runs)."""
@@ -283,12 +313,8 @@ def _tls(a):
                        a.allow_plaintext_network)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if args[:1] == ["sim"]:
-        from kvfence.sim.run import main as sim_main
-
-        return sim_main(args[1:])
+def build_parser() -> argparse.ArgumentParser:
+    """kvfence's command line (deploy/ tests parse the manifests' commands with it)."""
     parser = argparse.ArgumentParser(prog="kvfence", description="KV-isolated LLM inference")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -337,6 +363,15 @@ def main(argv: list[str] | None = None) -> int:
     _engine_args(lp)
     _pd_args(lp)
     lp.set_defaults(func=cmd_launch_pd)
+
+    pr = sub.add_parser("probe", help="exit 0 if the kvfence process on this host's --port is alive or ready")
+    pr.add_argument("what", choices=["live", "ready"])
+    pr.add_argument("--port", type=int, default=8000)
+    pr.add_argument("--timeout", type=float, default=3.0)
+    pr.add_argument("--tls-ca", default=None, metavar="FILE", help="verify the process's certificate chain with it")
+    pr.add_argument("--tls-client-cert", default=None, metavar="FILE", help="present this certificate (PD nodes)")
+    pr.add_argument("--tls-client-key", default=None, metavar="FILE")
+    pr.set_defaults(func=cmd_probe)
 
     iso = sub.add_parser("isolation", help="print the isolation statement (same as GET /v1/kvfence/isolation)")
     iso.add_argument("--url", default=None, help="ask a running server instead of building the engine here")
@@ -400,7 +435,16 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("sim", help="deterministic PD simulation: seeds x request lives, I1-I11 after every step "
                                "(kvfence sim --help)", add_help=False)
 
-    a = parser.parse_args(args)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["sim"]:
+        from kvfence.sim.run import main as sim_main
+
+        return sim_main(args[1:])
+    a = build_parser().parse_args(args)
     # INFO by default: operators want the start-up summary (pool capacity, context, scrub)
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

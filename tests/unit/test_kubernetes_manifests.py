@@ -1,0 +1,118 @@
+"""The Kubernetes manifests (deploy/kubernetes) are valid against the Kubernetes schemas
+(kubernetes-validate, offline, strict: an unknown field is an error), and what they run is
+a kvfence command line this version accepts, wired the way a sealed PD fleet needs: every
+process has the cluster secret and TLS, nodes require client certificates, the router lists
+every node pod by its stable name, and every container has both probes."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+MANIFESTS = sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
+K8S_VERSION = "1.33.0"
+
+
+def _docs():
+    out = []
+    for path in MANIFESTS:
+        if path.name == "kustomization.yaml":
+            continue
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                out.append((path.name, doc))
+    return out
+
+
+DOCS = _docs()
+
+
+def _by_kind(kind):
+    return {d["metadata"]["name"]: d for _, d in DOCS if d["kind"] == kind}
+
+
+def _container(workload):
+    (c,) = workload["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def _parse(args):
+    """args through kvfence's own argument parser (SystemExit on an unknown flag)."""
+    from kvfence.cli import build_parser
+    return build_parser().parse_args([str(x).replace("$(POD_IP)", "10.0.0.9") for x in args])
+
+
+def test_every_manifest_validates_against_the_kubernetes_schemas():
+    assert len(DOCS) >= 9, [n for n, _ in DOCS]
+    for name, doc in DOCS:
+        assert kubernetes_validate.validate(doc, K8S_VERSION, strict=True) is not None, name
+
+
+def test_an_invalid_manifest_is_caught():
+    """The check can fail: a misspelt field in a copy of the router Deployment."""
+    bad = yaml.safe_load(yaml.safe_dump(_by_kind("Deployment")["kvfence-router"]))
+    bad["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {"httpGet": {"path": "/health", "port": 8000}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
+
+
+def test_the_kustomization_lists_every_manifest():
+    kust = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "kustomization.yaml").read_text())
+    assert sorted(kust["resources"]) == sorted(p.name for p in MANIFESTS if p.name != "kustomization.yaml")
+
+
+@pytest.mark.parametrize("name", ["kvfence-prefill", "kvfence-decode", "kvfence-router"])
+def test_each_process_runs_a_sealed_kvfence_command_with_both_probes(name):
+    work = {**_by_kind("StatefulSet"), **_by_kind("Deployment")}[name]
+    c = _container(work)
+    a = _parse(c["args"])
+    role = name.removeprefix("kvfence-")
+    assert a.role == role and a.host == "0.0.0.0"
+    assert a.cluster_secret_file and a.tls_cert and a.tls_key and a.tls_ca and not a.allow_plaintext_network
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    for f in (a.cluster_secret_file, a.tls_cert, a.tls_key, a.tls_ca):
+        assert str(Path(f).parent) in mounts, f
+    for probe in ("readinessProbe", "livenessProbe"):
+        p = c[probe]
+        if "exec" in p:   # nodes: kvfence probe, presenting the node's certificate
+            pa = _parse(p["exec"]["command"][1:])
+            assert pa.port == a.port and pa.tls_ca and pa.tls_client_cert
+            assert pa.what == ("ready" if probe == "readinessProbe" else "live")
+        else:
+            assert p["httpGet"]["port"] == a.port and p["httpGet"]["scheme"] == "HTTPS"
+            assert p["httpGet"]["path"] == ("/health" if probe == "readinessProbe" else "/health/live")
+    assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
+    if role != "router":
+        assert work["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 120   # room to drain
+
+
+def test_the_router_lists_every_node_pod_by_its_stable_name():
+    a = _parse(_container(_by_kind("Deployment")["kvfence-router"])["args"])
+    services = _by_kind("Service")
+    for role, flag in (("prefill", a.prefill_url), ("decode", a.decode_url)):
+        sts = _by_kind("StatefulSet")[f"kvfence-{role}"]
+        svc = services[sts["spec"]["serviceName"]]
+        assert svc["spec"]["clusterIP"] == "None"        # headless: one DNS name per pod
+        port = svc["spec"]["ports"][0]["port"]
+        want = [f"https://kvfence-{role}-{i}.{svc['metadata']['name']}.kvfence.svc.cluster.local:{port}"
+                for i in range(sts["spec"]["replicas"])]
+        assert ",".join(flag).split(",") == want
+
+
+def test_the_shipped_secrets_are_placeholders_every_process_refuses():
+    from kvfence.pd.seal import SecretError, load_secret
+    secret = _by_kind("Secret")["kvfence-cluster"]["stringData"]["cluster.secret"]
+    with pytest.raises(SecretError):
+        load_secret(env={"KVFENCE_CLUSTER_SECRET": secret})
+    assert all("REPLACE-ME" in v for v in _by_kind("Secret")["kvfence-tls"]["stringData"].values())
+
+
+def test_the_image_runs_the_readme_set_up_and_the_readme_points_at_it():
+    docker = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert "bash scripts/setup.sh" in docker and 'ENTRYPOINT ["kvfence"]' in docker
+    assert all(c["image"] == "kvfence:latest" for kind in ("StatefulSet", "Deployment")
+               for c in [_container(w) for w in _by_kind(kind).values()])
+    assert "deploy/kubernetes" in (ROOT / "README.md").read_text()
