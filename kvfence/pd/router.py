@@ -567,18 +567,22 @@ def _url_list(urls: str | list[str]) -> list[str]:
     return out
 
 
+# engine counts that add up across nodes (the router's snapshot sums them)
+_DECODE_SUMS = ("running", "pages_total", "pages_free", "pages_owned", "pages_shared", "pages_quarantined",
+                "capacity_tokens", "preemptions")
+
+
 def _merge_snapshots(fleet: Fleet) -> dict:
-    """The fleet's counts as one engine snapshot: pool numbers summed over ready decode
-    nodes, queues over every ready node, violations over all; each node's own under nodes."""
+    """The fleet's counts as one engine snapshot: decode pools summed over ready decode
+    nodes, prefix-cache hits over prefill nodes, queues over every ready node, violations
+    over all; the usable context is the fleet's; each node's own under nodes."""
     snaps = {n.url: n.info.snapshot for n in fleet.nodes if n.info is not None}
-    ready = [snaps[n.url] for n in fleet.nodes if n.state == "ready" and n.url in snaps]
-    out: dict[str, Any] = {}
-    for n in fleet.nodes:
-        if n.role == "decode" and n.state == "ready" and n.url in snaps:
-            for k, v in snaps[n.url].items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    out[k] = out.get(k, 0) + v
-    out["waiting"] = sum(int(s.get("waiting", 0)) for s in ready)
+    ready = [(n.role, snaps[n.url]) for n in fleet.nodes if n.state == "ready" and n.url in snaps]
+    out: dict[str, Any] = {k: sum(int(s.get(k, 0)) for r, s in ready if r == "decode") for k in _DECODE_SUMS}
+    out["prefix_cache_hit_tokens"] = sum(int(s.get("prefix_cache_hit_tokens", 0)) for r, s in ready
+                                         if r == "prefill")
+    out["waiting"] = sum(int(s.get("waiting", 0)) for _, s in ready)
+    out["usable_context"] = fleet.usable_context
     violations: dict[str, int] = {}
     for s in snaps.values():
         for inv, c in (s.get("violations") or {}).items():

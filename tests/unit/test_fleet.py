@@ -1,0 +1,113 @@
+"""The router's fleet logic without processes: the per-node capacity check (I8) and states,
+prefix-affinity routing with its load bound, decode by load, and the merged snapshot."""
+from __future__ import annotations
+
+from collections import Counter
+
+from kvfence.pd.capacity import plan_fleet
+from kvfence.pd.fleet import Fleet
+from kvfence.pd.messages import NodeInfo
+from kvfence.pd.router import _merge_snapshots
+
+
+def info(role="prefill", usable=1024, boot="b1", fingerprint="fp", free=80, draining=False, **kw) -> NodeInfo:
+    d = dict(model_name="m", model_path="/m", default_served_name="m", fingerprint=fingerprint, dtype="float32",
+             device="cpu", page_size=16, pool_pages=90, pool_tokens=1440, pool_bytes=1, model_max_context=8192,
+             configured_max_model_len=1024, usable_context=usable, context_clamped=False, context_note="",
+             scrub="zero", read_checks=True, max_num_seqs=8, max_num_batched_tokens=512, vocab_size=49152,
+             prefix_cache=True,
+             pd=dict(role=role, boot_id=boot, transfer_session="127.0.0.1:1", buffer_base=0, kv_layout="L",
+                     slot_bytes=1, buffer_rows=90, lease_s=4.0, max_pull_s=3.0, clock_skew_s=0.5),
+             snapshot={"running": 1, "waiting": 2, "pages_free": free, "pages_total": 90, "usable_context": usable,
+                       "draining": draining, "violations": {}})
+    d.update(kw)
+    return NodeInfo.from_json(d)
+
+
+URLS = {"prefill": ["http://p1", "http://p2", "http://p3"], "decode": ["http://d1", "http://d2"]}
+
+
+def fleet(usable=1024) -> Fleet:
+    f = Fleet(URLS, usable, info())
+    for n in f.nodes:
+        f.observe(n, info(n.role, boot=n.url))
+    return f
+
+
+def test_a_node_below_the_advertised_context_or_on_another_model_is_refused():
+    f = fleet()
+    p1, p2 = f.nodes[0], f.nodes[1]
+    f.observe(p1, info(usable=512, boot="new"))
+    assert p1.state == "refused" and "exceeds the prefill node's usable capacity of 512 tokens" in p1.reason
+    f.observe(p2, info(fingerprint="other", boot="x"))
+    assert p2.state == "refused" and "fingerprint other" in p2.reason
+    assert [n.url for n in f.serving("prefill")] == ["http://p3"] and f.ready
+    f.observe(p1, info(boot="again"))                       # restarted with a big enough pool: checked, back
+    assert p1.state == "ready"
+
+
+def test_down_and_draining_nodes_get_nothing():
+    f = fleet()
+    f.observe(f.nodes[0], None, "does not answer (ConnectError)")
+    f.observe(f.nodes[1], info(boot="p2", draining=True))
+    assert [n.state for n in f.nodes[:3]] == ["down", "draining", "ready"]
+    for i in range(50):
+        assert f.pick_prefill("alice", list(range(i, i + 80)), 16).url == "http://p3"
+    f.observe(f.nodes[3], None, "gone")
+    f.observe(f.nodes[4], None, "gone")
+    assert not f.ready and f.pick_decode() is None
+
+
+def test_plan_fleet_fixes_the_context_and_refuses_the_small_node():
+    nodes = {"http://p1": ("prefill", info()), "http://p2": ("prefill", info(usable=256, boot="2")),
+             "http://d1": ("decode", info("decode"))}
+    chk = plan_fleet(1024, nodes, clamp=False)
+    assert chk.ok and chk.usable_context == 1024 and list(chk.refused) == ["http://p2"]
+    clamped = plan_fleet(1024, nodes, clamp=True)
+    assert clamped.ok and clamped.usable_context == 256 and clamped.clamped and not clamped.refused
+    none_left = plan_fleet(4096, nodes, clamp=False)
+    assert not none_left.ok and "no decode and no prefill node passes" in none_left.note
+
+
+def test_the_same_scope_and_leading_pages_go_to_the_same_prefill_node():
+    f = fleet()
+    system = list(range(1000, 1064))                      # 4 full pages shared by every request
+    picks = {f.pick_prefill("alice", system + [7, i, i + 1], 16).url for i in range(30)}
+    assert len(picks) == 1
+    # another tenant's identical prompt is keyed by its own scope: its node does not depend on alice's
+    bob = {f.pick_prefill("bob", system + [7, i, i + 1], 16).url for i in range(30)}
+    assert len(bob) == 1
+    # different prefixes spread over the nodes
+    spread = Counter(f.pick_prefill("alice", [i] * 80, 16).url for i in range(300))
+    assert set(spread) == set(URLS["prefill"]) and min(spread.values()) > 50, spread
+
+
+def test_a_hot_prefix_is_bounded_by_load():
+    f = fleet()
+    ids = list(range(2000, 2080))
+    home = f.pick_prefill("alice", ids, 16)
+    home.in_flight = 10
+    other = f.pick_prefill("alice", ids, 16)
+    assert other is not home                               # past 1.25x its share: the next in its order
+    home.in_flight = 0
+    assert f.pick_prefill("alice", ids, 16) is home
+
+
+def test_decode_goes_to_the_least_loaded_then_the_freest_node():
+    f = fleet()
+    d1, d2 = f.nodes[3], f.nodes[4]
+    f.observe(d1, info("decode", boot="d1", free=10))
+    f.observe(d2, info("decode", boot="d2", free=70))
+    assert f.pick_decode() is d2
+    d2.in_flight = 1
+    assert f.pick_decode() is d1
+    assert f.pick_decode(exclude=frozenset({"http://d1"})) is d2
+
+
+def test_the_merged_snapshot_sums_pools_but_not_the_context():
+    f = fleet()
+    snap = _merge_snapshots(f)
+    assert snap["usable_context"] == 1024                  # the fleet's, not 2 x 1024
+    assert snap["pages_total"] == 180 and snap["pages_free"] == 160 and snap["running"] == 2
+    assert snap["waiting"] == 10                           # every ready node's queue
+    assert snap["fleet"]["prefill"]["ready"] == 3 and snap["fleet"]["decode"]["refused"] == 0
