@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import random
 import tempfile
 import time
@@ -234,6 +235,7 @@ def parse_duration(text: str) -> float:
 
 def main(a) -> int:
     a.duration = parse_duration(a.duration)
+    logging.getLogger("httpx").setLevel(logging.WARNING)   # one line per request drowned the samples
     logdir = Path(a.logdir or tempfile.mkdtemp(prefix="kvfence-soak-"))
     logdir.mkdir(parents=True, exist_ok=True)
     port = free_ports(3)
