@@ -92,6 +92,10 @@ def cmd_info(a) -> int:
 
 
 def cmd_bench(a) -> int:
+    if a.fleet:
+        from kvfence.bench.fleet import main as fleet_main
+
+        return fleet_main(a)
     if a.pd:
         if a.url:
             print("error: --pd starts its own servers; it does not take --url", file=sys.stderr)
@@ -162,7 +166,7 @@ def cmd_serve(a) -> int:
             return 2
         return serve_router(a.prefill_url, a.decode_url, a.model, a.host, a.port, a.max_model_len,
                             a.clamp_context, secret, tls, a.tenants, a.served_model_name, level, a.node_wait,
-                            a.node_stall, limits)
+                            a.node_stall, limits, a.prefill_routing)
     if a.role in ("prefill", "decode"):
         from kvfence.pd.node import serve_node
 
@@ -323,6 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get HTTP 413")
+    s.add_argument("--prefill-routing", default="affinity", choices=["affinity", "round-robin"],
+                   help="router: prefill nodes by tenant-scoped prefix affinity (bounded by load), or in turn")
     s.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a client has to send its request headers (then 408 and close)")
     s.add_argument("--body-timeout", type=float, default=60.0,
@@ -411,6 +417,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeat", type=int, default=3, help="interleaved rounds per variant; medians are reported")
     b.add_argument("--json", default=None, help="also write results to this file")
     b.add_argument("--url", default=None, help="load-test this OpenAI-compatible server (e.g. http://127.0.0.1:8000)")
+    b.add_argument("--fleet", action="store_true",
+                   help="a PD fleet (--prefill, --decode nodes) with prefix-affinity routing against round robin: "
+                        "prefix hit rate and TTFT for tenants with shared system prompts")
+    b.add_argument("--prefill", type=int, default=None, metavar="N", help="--fleet: prefill nodes (default 2)")
+    b.add_argument("--decode", type=int, default=None, metavar="M", help="--fleet: decode nodes (default 2)")
     b.add_argument("--pd", action="store_true",
                    help="start a single-node server, then a PD cluster (as launch-pd), run the --url workload "
                         "through each and compare; then KV transfer bandwidth vs raw Mooncake "

@@ -36,6 +36,7 @@ from kvfence.pd.messages import NodeInfo
 log = logging.getLogger("kvfence.pd.fleet")
 
 STATES = ("checking", "ready", "refused", "down", "draining")
+PREFILL_ROUTING = ("affinity", "round-robin")   # round-robin: for comparison (kvfence bench --fleet)
 LOAD_BOUND = 1.25          # bounded-load hashing: at most this times the average in flight per node
 AFFINITY_PAGES = 4         # leading full pages of the prompt that pick the prefill node
 
@@ -65,10 +66,15 @@ class Node:
 
 
 class Fleet:
-    def __init__(self, urls: dict[str, list[str]], usable_context: int, reference: NodeInfo):
+    def __init__(self, urls: dict[str, list[str]], usable_context: int, reference: NodeInfo,
+                 prefill_routing: str = "affinity"):
+        if prefill_routing not in PREFILL_ROUTING:
+            raise ValueError(f"prefill routing must be one of {', '.join(PREFILL_ROUTING)}")
         self.usable_context = usable_context       # fixed while serving
         self.reference = reference                 # the model and KV layout every node must match
         self.nodes = [Node(role, url, since=time.time()) for role, us in urls.items() for url in us]
+        self.prefill_routing = prefill_routing
+        self._turn = 0
 
     def by_url(self, url: str) -> Node | None:
         return next((n for n in self.nodes if n.url == url), None)
@@ -121,6 +127,9 @@ class Fleet:
         nodes = [n for n in self.serving("prefill") if n.url not in exclude]
         if not nodes:
             return None
+        if self.prefill_routing == "round-robin":
+            self._turn += 1
+            return nodes[self._turn % len(nodes)]
         key = affinity_key(scope, prompt_ids, page_size)
         order = sorted(nodes, key=lambda n: _score(key, n.url), reverse=True)
         bound = math.ceil(LOAD_BOUND * (sum(n.in_flight for n in nodes) + 1) / len(nodes))

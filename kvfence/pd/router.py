@@ -115,7 +115,8 @@ class RouterBackend:
     def __init__(self, prefill_urls: str | list[str], decode_urls: str | list[str], secret: bytes,
                  tls: TlsSettings | None = None, model: str | None = None,
                  max_model_len: int | None = None, clamp_context: bool = False, wait_s: float = 300.0,
-                 stall_s: float = 10.0, poll_s: float = 1.0, join_grace_s: float = 5.0):
+                 stall_s: float = 10.0, poll_s: float = 1.0, join_grace_s: float = 5.0,
+                 prefill_routing: str = "affinity"):
         self.urls = {"prefill": _url_list(prefill_urls), "decode": _url_list(decode_urls)}
         self._headers = cluster_headers(secret)
         self.tls = tls or TlsSettings()
@@ -129,6 +130,7 @@ class RouterBackend:
         self.stall_s = stall_s
         self.poll_s = poll_s
         self.join_grace_s = join_grace_s
+        self.prefill_routing = prefill_routing
         self.tokenizer = None
         self.facts: dict | None = None
         self.snapshot: dict = {}
@@ -219,7 +221,7 @@ class RouterBackend:
             return self
         (log.warning if chk.clamped or chk.refused else log.info)("cluster capacity check (I8): %s", chk.note)
         reference = next(f for u, (r, f) in sorted(found.items()) if r == "prefill" and u not in chk.refused)
-        self.fleet = Fleet(self.urls, chk.usable_context, reference)
+        self.fleet = Fleet(self.urls, chk.usable_context, reference, self.prefill_routing)
         for node in self.fleet.nodes:
             if node.url in found:
                 self.fleet.observe(node, found[node.url][1])
@@ -627,14 +629,14 @@ def serve_router(prefill_urls: list[str], decode_urls: list[str], model: str | N
                  max_model_len: int | None, clamp_context: bool, secret: bytes, tls: TlsSettings,
                  tenants_file: str | None = None,
                  served_model_name: str | None = None, log_level: str = "info", wait_s: float = 300.0,
-                 stall_s: float = 10.0, limits: HttpLimits | None = None) -> int:
+                 stall_s: float = 10.0, limits: HttpLimits | None = None, prefill_routing: str = "affinity") -> int:
     from kvfence.server import fault_control
     from kvfence.server.app import ServerState, create_app
     from kvfence.server.serve import load_tenants
 
     tenants = load_tenants(tenants_file)
     backend = RouterBackend(prefill_urls, decode_urls, secret, tls, model, max_model_len, clamp_context, wait_s,
-                            stall_s).start()
+                            stall_s, prefill_routing=prefill_routing).start()
     if backend.error is not None:
         log.error("router not serving: %s", backend.error)
         return 2

@@ -111,3 +111,11 @@ def test_the_merged_snapshot_sums_pools_but_not_the_context():
     assert snap["pages_total"] == 180 and snap["pages_free"] == 160 and snap["running"] == 2
     assert snap["waiting"] == 10                           # every ready node's queue
     assert snap["fleet"]["prefill"]["ready"] == 3 and snap["fleet"]["decode"]["refused"] == 0
+
+
+def test_round_robin_takes_the_prefill_nodes_in_turn_whatever_the_prefix():
+    f = Fleet(URLS, 1024, info(), prefill_routing="round-robin")
+    for n in f.nodes:
+        f.observe(n, info(n.role, boot=n.url))
+    ids = list(range(3000, 3080))
+    assert Counter(f.pick_prefill("alice", ids, 16).url for _ in range(30)) == {u: 10 for u in URLS["prefill"]}
