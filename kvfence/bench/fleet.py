@@ -2,8 +2,9 @@
 
 Twice, on fresh processes (cold caches): a fleet as `kvfence launch-pd --prefill P
 --decode D` starts it, the router with `--prefill-routing affinity`, then `round-robin`.
-The workload: T tenants, each with its own system prompt (the same leading pages for every
-request of that tenant), R requests per tenant with a short question after it, C in flight,
+The workload: T tenants, each with its own system prompt of --prompt-tokens words (the same
+leading pages for every request of that tenant), --num-requests requests per tenant with a
+short question after it, C in flight,
 greedy, streamed. Reported per mode: the prefill nodes' prefix-cache hit tokens as a share
 of all prompt tokens, TTFT percentiles, wall time, and the ratios between the modes.
 """
@@ -25,7 +26,7 @@ from kvfence.bench.stats import percentiles
 from kvfence.pd.messages import NodeInfo
 from kvfence.procs import free_ports
 
-TENANTS, PER_TENANT, SYSTEM_WORDS, QUESTION_WORDS, CONCURRENCY, MAX_TOKENS = 4, 8, 160, 12, 4, 4
+TENANTS, QUESTION_WORDS, CONCURRENCY, MAX_TOKENS = 4, 12, 4, 4
 
 
 def _tenants_file(path: Path, n: int) -> list[str]:
@@ -51,10 +52,10 @@ async def _one(http: httpx.AsyncClient, url: str, key: str, model: str, prompt: 
     return (ttft if ttft is not None else time.perf_counter() - t0), prompt_tokens
 
 
-async def _workload(url: str, keys: list[str], model: str, seed: int) -> dict:
-    systems = [make_prompt(0, SYSTEM_WORDS, seed=100 + t) for t in range(len(keys))]
+async def _workload(url: str, keys: list[str], model: str, seed: int, system_words: int, per_tenant: int) -> dict:
+    systems = [make_prompt(0, system_words, seed=100 + t) for t in range(len(keys))]
     jobs = [(keys[t], f"{systems[t]}\nQuestion {i}: {make_prompt(i, QUESTION_WORDS, seed=200 + t)}")
-            for t in range(len(keys)) for i in range(PER_TENANT)]
+            for t in range(len(keys)) for i in range(per_tenant)]
     random.Random(seed).shuffle(jobs)
     sem = asyncio.Semaphore(CONCURRENCY)
     out: list[tuple[float, int]] = []
@@ -85,7 +86,8 @@ def run_mode(a, mode: str, logdir: Path, timeout: float = 600.0) -> dict:
                    all(n["state"] == "ready" for n in s["nodes"]), f"the fleet ({mode})", timeout)
         model = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {keys[0]}"},
                           timeout=30).json()["data"][0]["id"]
-        result = asyncio.run(_workload(url, keys, model, getattr(a, "seed", None) or 0))
+        result = asyncio.run(_workload(url, keys, model, getattr(a, "seed", None) or 0, a.prompt_tokens,
+                                       a.num_requests))
         nodes = httpx.get(url + "/v1/kvfence/cluster", timeout=10).json()["nodes"]
         hits = 0
         for n in nodes:
@@ -105,6 +107,8 @@ def main(a) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     a.kv_cache_memory = a.kv_cache_memory or "512MiB"
     a.prefill, a.decode = a.prefill or 2, a.decode or 2
+    a.num_requests = a.num_requests or 8       # per tenant
+    a.prompt_tokens = a.prompt_tokens or 160   # words of each tenant's system prompt
     with tempfile.TemporaryDirectory(prefix="kvfence-bench-fleet-") as tmp:
         results = {}
         for i, mode in enumerate(("affinity", "round-robin"), start=1):
@@ -112,7 +116,8 @@ def main(a) -> int:
                   flush=True)
             results[mode] = run_mode(a, mode, Path(tmp))
     aff, rr = results["affinity"], results["round-robin"]
-    print(f"\n{TENANTS} tenants x {PER_TENANT} requests, system prompt {SYSTEM_WORDS} words, {CONCURRENCY} in flight")
+    print(f"\n{TENANTS} tenants x {a.num_requests} requests, system prompt {a.prompt_tokens} words, "
+          f"{CONCURRENCY} in flight")
     print(f"{'routing':<12} {'hit rate':>9} {'TTFT p50':>10} {'TTFT p90':>10} {'wall s':>8}")
     for r in (aff, rr):
         print(f"{r['mode']:<12} {r['hit_rate']:>9.3f} {r['ttft_ms']['p50']:>8.0f}ms {r['ttft_ms']['p90']:>8.0f}ms "
@@ -121,4 +126,4 @@ def main(a) -> int:
     print(f"TTFT p50 affinity / round-robin: {ratio}")
     if a.json:
         Path(a.json).write_text(json.dumps({"affinity": aff, "round_robin": rr, "ttft_p50_ratio": ratio}, indent=2))
-    return 0 if aff["requests"] == rr["requests"] == TENANTS * PER_TENANT else 1
+    return 0 if aff["requests"] == rr["requests"] == TENANTS * a.num_requests else 1

@@ -11,7 +11,7 @@ Routing:
 - prefill: rendezvous hashing on (the tenant's cache scope, the prompt's leading pages),
   so requests of one scope with the same leading pages reach the same node and its prefix
   cache, bounded by load: a node already carrying more than LOAD_BOUND times its share of
-  the requests in flight is passed over for the next in that request's order. The scope
+  the requests in flight (plus LOAD_SLACK) is passed over for the next in that request's order. The scope
   comes from the authenticated tenant (server/app.py), never from a request field.
 - decode: the node with the fewest requests routed to it in flight, then the most free pool
   pages (from its last report).
@@ -37,7 +37,9 @@ log = logging.getLogger("kvfence.pd.fleet")
 
 STATES = ("checking", "ready", "refused", "down", "draining")
 PREFILL_ROUTING = ("affinity", "round-robin")   # round-robin: for comparison (kvfence bench --fleet)
-LOAD_BOUND = 1.25          # bounded-load hashing: at most this times the average in flight per node
+LOAD_BOUND = 1.25          # bounded-load hashing: at most this times the average in flight per node ...
+LOAD_SLACK = 2             # ... plus this many: a hit on the home node's cache is cheap, a miss elsewhere is not
+                           # (measured: without it, 4 in flight over 2 nodes sent hits away and lost to round robin)
 AFFINITY_PAGES = 4         # leading full pages of the prompt that pick the prefill node
 
 
@@ -132,7 +134,7 @@ class Fleet:
             return nodes[self._turn % len(nodes)]
         key = affinity_key(scope, prompt_ids, page_size)
         order = sorted(nodes, key=lambda n: _score(key, n.url), reverse=True)
-        bound = math.ceil(LOAD_BOUND * (sum(n.in_flight for n in nodes) + 1) / len(nodes))
+        bound = math.ceil(LOAD_BOUND * (sum(n.in_flight for n in nodes) + 1) / len(nodes)) + LOAD_SLACK
         return next((n for n in order if n.in_flight < bound), order[0])
 
     def pick_decode(self, exclude: frozenset[str] = frozenset()) -> Node | None:
