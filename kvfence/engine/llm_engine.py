@@ -32,6 +32,7 @@ from kvfence.engine.kv_link import (
     ReleaseRequest,
     Reserve,
 )
+from kvfence.engine.logits_processors import History
 from kvfence.engine.params import SamplingParams
 from kvfence.engine.request_states import Event, State
 from kvfence.engine.runner import ModelRunner, StepResult
@@ -382,13 +383,15 @@ class LLMEngine:
         now = time.perf_counter()
         out: list[StepOutput] = []
         try:
-            sample = self.sampler(result.logits, [q.params for q in seqs], [q.generator for q in seqs])
+            sample = self.sampler(result.logits, [q.params for q in seqs], [q.generator for q in seqs],
+                                  self._histories(seqs))
         except FAIL_CLOSED:
             raise
         except Exception:  # noqa: BLE001 - sample each alone: only the one at fault fails
             for i, seq in enumerate(seqs):
                 def sample_one(i: int = i, seq: Sequence = seq) -> SampleOutput:
-                    return self.sampler(result.logits[i:i + 1], [seq.params], [seq.generator])
+                    return self.sampler(result.logits[i:i + 1], [seq.params], [seq.generator],
+                                        self._histories([seq]))
                 one = self._alone(seq, sample_one, out)
                 if one is not None:
                     self._append_contained(seq, one.token_ids[0], one.logprobs[0], now, out)
@@ -396,6 +399,15 @@ class LLMEngine:
         for seq, tok, lp in zip(seqs, sample.token_ids, sample.logprobs):
             self._append_contained(seq, tok, lp, now, out)
         return out
+
+    def _histories(self, seqs: list[Sequence]) -> list[History] | None:
+        """What the sampler's logit adjustments read, when any row asks for one."""
+        if not any(q.params.adjusts_logits for q in seqs):
+            return None
+        ends = frozenset(self.tokenizer.end_ids)
+        return [History(q.prompt_ids, q.output_ids,
+                        frozenset(q.params.stop_token_ids) | (frozenset() if q.params.ignore_eos else ends))
+                for q in seqs]
 
     def _append_contained(self, seq: Sequence, tok: int, lp, now: float, out: list[StepOutput]) -> None:
         """_append for one request, into `out`; a detokenizer or stop-string failure ends this

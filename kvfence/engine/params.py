@@ -17,6 +17,14 @@ class SamplingParams:
     logprobs: int | None = None       # number of top alternatives to return per token (0: only the chosen)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # OpenAI's penalties on tokens generated so far (-2..2), vLLM's repetition penalty on prompt
+    # and output tokens (1: none), min_p, min_tokens and logit_bias (engine/logits_processors.py)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -38,9 +46,29 @@ class SamplingParams:
             problems.append(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             problems.append("stop strings must be non-empty strings")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (-2.0 <= getattr(self, name) <= 2.0):
+                problems.append(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (0.0 < self.repetition_penalty <= 2.0):
+            problems.append(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not (0.0 <= self.min_p <= 1.0):
+            problems.append(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            problems.append(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        if len(self.logit_bias) > 1024:
+            problems.append("logit_bias may name at most 1024 tokens")
+        if any(k < 0 for k in self.logit_bias) or any(not (-100.0 <= v <= 100.0) for v in self.logit_bias.values()):
+            problems.append("logit_bias maps token ids >= 0 to values in [-100, 100]")
         if problems:
             raise ValueError("; ".join(problems))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Does anything change this request's logits before it samples?"""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.min_tokens or self.logit_bias)

@@ -1,7 +1,8 @@
 """Turns a batch of logits into next tokens, plus logprobs when a request asks.
 
+Rows that ask are adjusted first (logit_bias, min_tokens, penalties: logits_processors.py).
 Greedy rows take the argmax (first index on ties). Sampled rows apply temperature,
-top-k, then top-p, and draw with their own generator, so a seeded request's tokens
+top-k, top-p, then min_p, and draw with their own generator, so a seeded request's tokens
 depend only on its seed and its own logits, never on the rest of the batch.
 """
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvfence.engine.logits_processors import History, adjust
 from kvfence.engine.params import SamplingParams
 from kvfence.kernels import cpu_kernels
 
@@ -58,6 +60,7 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        histories: list[History] | None = None,
     ) -> SampleOutput:
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
@@ -66,6 +69,12 @@ class Sampler:
             raise ValueError(
                 f"batch of {batch} logits rows, {len(params)} params, {len(generators)} generators"
             )
+
+        raw = logits     # logprobs describe the model's own distribution, not the adjusted one
+        if histories is not None:
+            logits = adjust(logits, params, histories)
+        elif any(p.adjusts_logits for p in params):
+            raise ValueError("penalties, logit_bias and min_tokens need each row's history")
 
         # Hot path: one argmax for the whole batch. float32 conversion cannot change the
         # order of fp16/bf16 values, so argmax on the raw dtype is the same answer, minus a copy.
@@ -91,7 +100,7 @@ class Sampler:
             )
 
         token_ids = chosen.tolist()
-        return SampleOutput(token_ids, self._logprobs(logits, params, chosen, token_ids))
+        return SampleOutput(token_ids, self._logprobs(raw, params, chosen, token_ids))
 
     def _sample(
         self, x: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
@@ -103,6 +112,10 @@ class Sampler:
         x.div_(temps.unsqueeze(1))
         x = self._top_k_top_p(x, params)
         probs = torch.softmax(x, dim=-1)
+        min_p = [p.min_p for p in params]
+        if any(min_p):   # vLLM's min_p: drop tokens below min_p x the most likely one's probability
+            floor = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, device=device).unsqueeze(1)
+            probs = probs.masked_fill(probs < floor, 0.0)
 
         # Each seeded row draws alone from its own generator: its stream of draws then
         # does not depend on batch size, position, or other requests.

@@ -82,13 +82,24 @@ class WireParams(WireModel):
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)] = 0
+    # JSON object keys are strings: token ids as decimal strings
+    logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
+                               Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=1024)] = {}
 
     @classmethod
     def of(cls, p: SamplingParams) -> WireParams:
         return cls(temperature=float(p.temperature), top_p=float(p.top_p), top_k=p.top_k, seed=p.seed,
                    max_tokens=p.max_tokens, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
                    ignore_eos=p.ignore_eos, logprobs=p.logprobs, skip_special_tokens=p.skip_special_tokens,
-                   include_stop_str_in_output=p.include_stop_str_in_output)
+                   include_stop_str_in_output=p.include_stop_str_in_output,
+                   presence_penalty=float(p.presence_penalty), frequency_penalty=float(p.frequency_penalty),
+                   repetition_penalty=float(p.repetition_penalty), min_p=float(p.min_p), min_tokens=p.min_tokens,
+                   logit_bias={str(k): float(v) for k, v in p.logit_bias.items()})
 
     def to_params(self) -> SamplingParams:
         return SamplingParams(**self.model_dump())

@@ -224,6 +224,10 @@ async def _generate(state: ServerState, request: Request, kind: str):
             vocab = facts["vocab_size"]
             if any(t < 0 or t >= vocab for t in ids):
                 raise bad_request(f"Prompt token ids must be in [0, {vocab}).", param="prompt")
+        bad_bias = [t for t in req.params.logit_bias if t >= facts["vocab_size"]]
+        if bad_bias:
+            raise bad_request(f"'logit_bias' names token {bad_bias[0]}, outside the vocabulary "
+                              f"[0, {facts['vocab_size']}).", param="logit_bias")
         # tokens_per_minute reserves the most this request can use: prompt + max_tokens, or the
         # rest of the context when it sets none (what the engine will allow); refunded at the end
         most = req.params.max_tokens or max(1, facts["usable_context"] - len(ids))

@@ -181,11 +181,6 @@ def _common(body: dict, kind: str) -> dict:
     n = _int(body, "n", 1)
     if n != 1:
         raise bad_request("Only n=1 is supported.", param="n")
-    for name in ("frequency_penalty", "presence_penalty"):
-        if _num(body, name, 0.0) != 0.0:
-            raise bad_request(f"'{name}' is not supported (only 0).", param=name)
-    if _field(body, "logit_bias", (dict,), None, "an object"):
-        raise bad_request("'logit_bias' is not supported.", param="logit_bias")
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -216,14 +211,53 @@ def _common(body: dict, kind: str) -> dict:
         seed=_int(body, "seed", None, -(2**63), 2**64 - 1),
         stop=stop, stop_token_ids=stop_ids,
         ignore_eos=_bool(body, "ignore_eos", False),
+        presence_penalty=_num(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_repetition_penalty(body),
+        min_p=_num(body, "min_p", 0.0, 0.0, 1.0),
+        min_tokens=_int(body, "min_tokens", 0, 0, 1 << 20),
+        logit_bias=_logit_bias(body),
     )
+
+
+MAX_LOGIT_BIAS = 1024
+
+
+def _repetition_penalty(body: dict) -> float:
+    v = _num(body, "repetition_penalty", 1.0, None, 2.0)
+    if v <= 0.0:
+        raise bad_request(f"'repetition_penalty' must be > 0, got {v}.", param="repetition_penalty")
+    return v
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids (as JSON object keys, so strings) to values in
+    [-100, 100]. The ids are checked against the model's vocabulary in app.py."""
+    raw = _field(body, "logit_bias", (dict,), None, "an object")
+    if not raw:
+        return {}
+    if len(raw) > MAX_LOGIT_BIAS:
+        raise bad_request(f"'logit_bias' may name at most {MAX_LOGIT_BIAS} tokens.", param="logit_bias")
+    out: dict[int, float] = {}
+    for k, v in raw.items():
+        if not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 9):
+            raise bad_request(f"'logit_bias' keys must be token ids (non-negative integers), got {k!r}.",
+                              param="logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not -100 <= v <= 100:
+            raise bad_request(f"'logit_bias' values must be numbers in [-100, 100]; token {k} has {v!r}.",
+                              param="logit_bias")
+        out[int(k)] = float(v)
+    return out
 
 
 def _params(c: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     try:
         return SamplingParams(temperature=c["temperature"], top_p=c["top_p"], top_k=c["top_k"], seed=c["seed"],
                               max_tokens=max_tokens, stop=c["stop"], stop_token_ids=c["stop_token_ids"],
-                              ignore_eos=c["ignore_eos"], logprobs=logprobs)
+                              ignore_eos=c["ignore_eos"], logprobs=logprobs,
+                              presence_penalty=c["presence_penalty"], frequency_penalty=c["frequency_penalty"],
+                              repetition_penalty=c["repetition_penalty"], min_p=c["min_p"],
+                              min_tokens=c["min_tokens"], logit_bias=c["logit_bias"])
     except ValueError as e:
         raise bad_request(str(e)) from None
 

@@ -1,0 +1,77 @@
+"""OpenAI's presence/frequency penalties and logit_bias, and vLLM's repetition_penalty,
+min_p and min_tokens, through the real server and the official client: each changes the
+answer the way its definition says, and a wrong value is a 400 naming the field."""
+from __future__ import annotations
+
+from collections import Counter
+
+import openai
+import pytest
+from server_harness import MODEL
+
+
+def _complete(client, **kw):
+    return client.completions.create(model=MODEL, temperature=0, **kw)
+
+
+def test_logit_bias_plus_100_forces_a_token_and_minus_100_bans_one(server):
+    c = server.client("alice")
+    enc = server.engine.tokenizer.hf.encode
+    forced = _complete(c, prompt="The capital of France is", max_tokens=4, logit_bias={"1234": 100})
+    assert set(enc(forced.choices[0].text, add_special_tokens=False).ids) == {1234}, forced.choices[0].text
+    # ban the greedy first token: the answer starts differently
+    plain = _complete(c, prompt="The capital of France is", max_tokens=4)
+    first_id = enc(plain.choices[0].text, add_special_tokens=False).ids[0]
+    banned = _complete(c, prompt="The capital of France is", max_tokens=4, logit_bias={str(first_id): -100})
+    assert enc(banned.choices[0].text, add_special_tokens=False).ids[0] != first_id
+
+
+def test_frequency_penalty_repeats_less(server):
+    c = server.client("alice")
+    prompt = "List the word apple again and again: apple apple apple apple"
+    plain = _complete(c, prompt=prompt, max_tokens=24, extra_body={"ignore_eos": True})
+    pen = _complete(c, prompt=prompt, max_tokens=24, frequency_penalty=2.0, extra_body={"ignore_eos": True})
+    enc = server.engine.tokenizer.hf.encode
+    most = lambda text: Counter(enc(text, add_special_tokens=False).ids).most_common(1)[0][1]  # noqa: E731
+    assert most(pen.choices[0].text) < most(plain.choices[0].text), (plain.choices[0].text, pen.choices[0].text)
+    pres = _complete(c, prompt=prompt, max_tokens=24, presence_penalty=2.0, extra_body={"ignore_eos": True})
+    assert pres.choices[0].text != plain.choices[0].text
+    rep = _complete(c, prompt=prompt, max_tokens=24, extra_body={"ignore_eos": True, "repetition_penalty": 1.8})
+    assert most(rep.choices[0].text) < most(plain.choices[0].text)
+
+
+def test_min_tokens_holds_back_the_end(server):
+    c = server.client("alice")
+    msgs = [{"role": "user", "content": "Say hi."}]
+    short = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=60, temperature=0)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 30
+    held = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=60, temperature=0,
+                                     extra_body={"min_tokens": 30})
+    assert held.usage.completion_tokens >= 30
+
+
+def test_min_p_is_accepted_and_seeded_sampling_stays_reproducible(server):
+    c = server.client("alice")
+    kw = dict(prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=7, extra_body={"min_p": 0.2})
+    a = c.completions.create(model=MODEL, **kw)
+    b = c.completions.create(model=MODEL, **kw)
+    assert a.choices[0].text == b.choices[0].text
+
+
+@pytest.mark.parametrize("field,value", [
+    ("presence_penalty", 2.5), ("frequency_penalty", -2.01), ("logit_bias", {"abc": 1}), ("logit_bias", {"5": 101}),
+    ("logit_bias", {"99999999": 1}), ("logit_bias", {"5": "x"}), ("logit_bias", [1, 2]),
+    ("repetition_penalty", 0), ("min_p", 1.5), ("min_tokens", -1),
+])
+def test_a_wrong_value_is_a_400_naming_the_field(server, field, value):
+    c = server.client("alice")
+    body = {field: value} if field in ("presence_penalty", "frequency_penalty", "logit_bias") else {}
+    extra = {} if body else {field: value}
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt="hi", max_tokens=2, **body, extra_body=extra)
+    assert e.value.body["param"] == field, e.value.body
+
+
+def test_min_tokens_above_max_tokens_is_a_400(server):
+    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+        server.client("alice").completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"min_tokens": 5})

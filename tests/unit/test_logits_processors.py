@@ -1,0 +1,98 @@
+"""The logit adjustments against their definitions, written out element by element (OpenAI's
+presence/frequency penalties, vLLM's repetition penalty, logit_bias, min_tokens, min_p), and
+their passage through the sampler: greedy rows adjusted, logprobs left as the model's."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvfence.engine.logits_processors import History, adjust
+from kvfence.engine.params import SamplingParams
+from kvfence.engine.sampler import Sampler
+from kvfence.pd.messages import WireParams
+
+V = 50
+
+
+def _reference(row: list[float], p: SamplingParams, h: History) -> list[float]:
+    out = list(row)
+    for t, b in p.logit_bias.items():
+        out[t] += b
+    if p.repetition_penalty != 1.0:
+        for t in set(h.prompt_ids) | set(h.output_ids):
+            out[t] = out[t] / p.repetition_penalty if out[t] > 0 else out[t] * p.repetition_penalty
+    for t in set(h.output_ids):
+        c = h.output_ids.count(t)
+        out[t] -= p.frequency_penalty * c + p.presence_penalty
+    if len(h.output_ids) < p.min_tokens:
+        for t in h.end_ids:
+            out[t] = -math.inf
+    return out
+
+
+@pytest.mark.parametrize("kw", [
+    dict(presence_penalty=0.7), dict(frequency_penalty=1.3), dict(frequency_penalty=-0.5, presence_penalty=2.0),
+    dict(repetition_penalty=1.4), dict(repetition_penalty=0.6), dict(logit_bias={3: 100.0, 7: -100.0, 9: 2.5}),
+    dict(min_tokens=5, max_tokens=10), dict(min_tokens=2, max_tokens=10),
+    dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2, logit_bias={1: -3.0}, min_tokens=9,
+         max_tokens=20),
+])
+def test_adjust_matches_the_definitions(kw):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, V, generator=g) * 3
+    p = SamplingParams(**kw)
+    h = History(prompt_ids=[1, 2, 3, 2], output_ids=[5, 5, 6, 2], end_ids=frozenset({0, 11}))
+    plain = SamplingParams()
+    out = adjust(logits, [p, plain], [h, h])
+    want = _reference(logits[0].tolist(), p, h)
+    assert out[0].tolist() == pytest.approx(want, rel=1e-6, abs=1e-6)
+    assert torch.equal(out[1], logits[1])          # a row that asks for nothing is untouched
+    assert out is not logits                       # a copy: the model's logits stay for logprobs
+
+
+def test_nothing_asked_nothing_copied():
+    logits = torch.randn(3, V)
+    assert adjust(logits, [SamplingParams()] * 3, [History([], [], frozenset())] * 3) is logits
+
+
+def test_greedy_rows_are_adjusted_and_logprobs_stay_the_models():
+    logits = torch.zeros(1, V)
+    logits[0, 4] = 5.0
+    p = SamplingParams(temperature=0.0, logit_bias={9: 100.0}, logprobs=1)
+    out = Sampler()(logits, [p], [None], [History([1], [], frozenset())])
+    assert out.token_ids == [9]
+    lp = out.logprobs[0]
+    assert lp.top[0][0] == 4                                  # the model's own best token ...
+    assert lp.logprob == pytest.approx(torch.log_softmax(logits[0], -1)[9].item())   # ... and its logprob of 9
+
+
+def test_min_p_removes_the_unlikely_tokens():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    p = SamplingParams(temperature=1.0, min_p=0.4, seed=1)
+    drawn = {Sampler()(logits, [p], [torch.Generator().manual_seed(s)], None).token_ids[0] for s in range(200)}
+    assert drawn == {0, 1}                                    # 0.15 and 0.05 are below 0.4 x 0.5
+
+
+def test_the_sampler_refuses_adjustments_without_histories():
+    with pytest.raises(ValueError, match="history"):
+        Sampler()(torch.zeros(1, V), [SamplingParams(frequency_penalty=1.0)], [None])
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-3), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(min_p=1.5), "min_p"),
+    (dict(min_tokens=20, max_tokens=10), "min_tokens"), (dict(logit_bias={1: 101.0}), "logit_bias"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias"),
+])
+def test_out_of_range_values_are_refused(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kw)
+
+
+def test_the_fields_cross_the_pd_wire_unchanged():
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.3, min_p=0.1, min_tokens=3,
+                       logit_bias={42: -100.0, 7: 3.5}, max_tokens=8)
+    back = WireParams.from_json(WireParams.of(p).dumps()).to_params()
+    assert back == p
