@@ -41,11 +41,11 @@ class LogitRecorder:
         self._engine = engine
         engine.sampler = self
 
-    def __call__(self, logits, params, generators):
+    def __call__(self, logits, params, generators, histories=None):
         seqs = [s.seq for s in self._engine.runner_last_sampled]
         for row, seq in enumerate(seqs):
             self.by_request.setdefault(seq.owner.request, []).append(logits[row].clone())
-        return self.inner(logits, params, generators)
+        return self.inner(logits, params, generators, histories)
 
 
 def record_logits(llm):

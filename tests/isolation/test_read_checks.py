@@ -89,9 +89,9 @@ def test_poison_scrub_leaves_honest_requests_alone(make_llm):
     nan_seen = []
     sampler = llm.engine.sampler
 
-    def spy(logits, params, gens):
+    def spy(logits, params, gens, histories=None):
         nan_seen.append(bool(torch.isnan(logits).any()))
-        return sampler(logits, params, gens)
+        return sampler(logits, params, gens, histories)
 
     llm.engine.sampler = spy
     assert [o.text for o in llm.generate(prompts, GREEDY)] == zero
