@@ -25,7 +25,14 @@ from kvfence.server.errors import APIError, bad_request, error_body
 from kvfence.server.isolation import isolation_statement
 from kvfence.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvfence.server.openai_format import Formatter, sse, usage
-from kvfence.server.protocol import GenerationRequest, parse_chat, parse_completion, read_json_body
+from kvfence.server.protocol import (
+    GenerationRequest,
+    parse_chat,
+    parse_completion,
+    parse_detokenize,
+    parse_tokenize,
+    read_json_body,
+)
 from kvfence.server.tenants import Lease, Tenant, TenantLimiter, TenantRegistry
 
 log = logging.getLogger("kvfence.server")
@@ -157,6 +164,33 @@ def _openai_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await _generate(state, request, "completion")
+
+    # vLLM's extension routes, for clients that count tokens before they send: the same key
+    # as generation, the same tokenizer and chat template, nothing reaches the engine
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        state.tenants.authenticate(request.headers.get("authorization"))
+        state.ensure_ready()
+        body = await read_json_body(request, state.max_body_bytes)
+        text, messages, add_prompt = parse_tokenize(body)
+        tok = state.engine.tokenizer
+        try:
+            ids = await asyncio.to_thread(tok.encode_chat, messages, add_prompt) if messages is not None else \
+                await asyncio.to_thread(tok.encode, text)
+        except ChatTemplateError as e:
+            raise bad_request(str(e), param="messages") from None
+        return {"count": len(ids), "max_model_len": state.facts["usable_context"], "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        state.tenants.authenticate(request.headers.get("authorization"))
+        state.ensure_ready()
+        ids = parse_detokenize(await read_json_body(request, state.max_body_bytes))
+        vocab = state.facts["vocab_size"]
+        if any(t < 0 or t >= vocab for t in ids):
+            raise bad_request(f"Token ids must be in [0, {vocab}).", param="tokens")
+        text = await asyncio.to_thread(state.engine.tokenizer.decode, ids, False)
+        return {"prompt": text}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

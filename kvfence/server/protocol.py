@@ -357,3 +357,31 @@ def _content(c, role: str, where: str) -> str:
             parts.append(part["text"])
         return "".join(parts)
     raise bad_request(f"'{where}' must be a string or an array of text parts.", param=where)
+
+
+# -- /tokenize and /detokenize (vLLM's extension routes) -------------------------------------
+
+MAX_DETOKENIZE_IDS = 1 << 20
+
+
+def parse_tokenize(body: dict) -> tuple[str | None, list[dict] | None, bool]:
+    """(prompt text, or chat messages; add_generation_prompt) of a /tokenize body."""
+    _field(body, "model", (str,), None, "a string")
+    if "messages" in body and body["messages"] is not None:
+        if body.get("prompt") is not None:
+            raise bad_request("Give 'prompt' or 'messages', not both.", param="prompt")
+        return None, _messages(body["messages"]), _bool(body, "add_generation_prompt", True)
+    p = body.get("prompt", _MISSING)
+    if not isinstance(p, str):
+        raise bad_request("'prompt' must be a string (or give 'messages').", param="prompt")
+    return p, None, False
+
+
+def parse_detokenize(body: dict) -> list[int]:
+    _field(body, "model", (str,), None, "a string")
+    ids = body.get("tokens", _MISSING)
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise bad_request("'tokens' must be an array of token ids.", param="tokens")
+    if len(ids) > MAX_DETOKENIZE_IDS:
+        raise bad_request(f"'tokens' may hold at most {MAX_DETOKENIZE_IDS} ids.", param="tokens")
+    return ids

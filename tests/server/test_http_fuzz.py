@@ -64,6 +64,7 @@ def test_generation_endpoints_never_5xx(http, endpoint, data, auth, headers):
 
 _paths = st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/models", f"/v1/models/{MODEL}",
                           "/v1/models/..%2f..%2fetc", "/v1/kvfence/isolation", "/v1/embeddings", "/v1", "/",
+                          "/tokenize", "/detokenize",
                           "/v1/completions/", "//v1//models", "/v1/chat/completions?stream=true"]) | st.text(
     st.characters(min_codepoint=33, max_codepoint=126, exclude_characters="#?%"), max_size=20).map(lambda s: "/" + s)
 

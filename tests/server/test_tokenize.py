@@ -1,0 +1,48 @@
+"""/tokenize and /detokenize (vLLM's extension routes): the same tokenizer and chat template
+as generation, so the count a client gets is the prompt_tokens a completion reports; the
+same key as generation; clear 400s for wrong input."""
+from __future__ import annotations
+
+import pytest
+from server_harness import MODEL
+
+
+def _post(server, path, body, who="alice"):
+    with server.http(who) as c:
+        return c.post(path, json=body)
+
+
+def test_tokenize_counts_what_a_completion_reports(server):
+    r = _post(server, "/tokenize", {"model": MODEL, "prompt": "The capital of France is"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    done = server.client("alice").completions.create(model=MODEL, prompt="The capital of France is", max_tokens=1)
+    assert body["count"] == len(body["tokens"]) == done.usage.prompt_tokens
+    assert body["max_model_len"] == server.engine.facts["usable_context"]
+    back = _post(server, "/detokenize", {"tokens": body["tokens"]})
+    assert back.status_code == 200 and back.json()["prompt"].endswith("The capital of France is")
+
+
+def test_tokenize_messages_uses_the_chat_template(server):
+    msgs = [{"role": "user", "content": "Say hi."}]
+    r = _post(server, "/tokenize", {"messages": msgs})
+    done = server.client("alice").chat.completions.create(model=MODEL, messages=msgs, max_tokens=1)
+    assert r.status_code == 200 and r.json()["count"] == done.usage.prompt_tokens
+
+
+def test_tokenize_needs_a_key(server):
+    assert _post(server, "/tokenize", {"prompt": "hi"}, who=None).status_code == 401
+    assert _post(server, "/detokenize", {"tokens": [1]}, who="sk-not-a-key").status_code == 401
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "wizard", "content": "b"}]}, "messages[0].role"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"), ("/detokenize", {"tokens": [1, -1]}, "tokens"),
+    ("/detokenize", {"tokens": [10**9]}, "tokens"), ("/detokenize", {"tokens": [True]}, "tokens"),
+])
+def test_wrong_input_is_a_400_naming_the_field(server, path, body, param):
+    r = _post(server, path, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
