@@ -40,14 +40,15 @@ def adjust(logits: torch.Tensor, params: list[SamplingParams], histories: list[H
         p, h, row = params[i], histories[i], out[i]
         if p.logit_bias:
             ids = [t for t in p.logit_bias if t < vocab]
-            row[ids] += torch.tensor([p.logit_bias[t] for t in ids], dtype=row.dtype)
+            row[ids] += torch.tensor([p.logit_bias[t] for t in ids], dtype=row.dtype, device=row.device)
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(h.prompt_ids) | set(h.output_ids)), dtype=torch.long)
+            seen = torch.tensor(sorted(set(h.prompt_ids) | set(h.output_ids)), dtype=torch.long, device=row.device)
             seen = seen[seen < vocab]
             vals = row[seen]
             row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if (p.frequency_penalty or p.presence_penalty) and h.output_ids:
-            counts = torch.bincount(torch.tensor(h.output_ids, dtype=torch.long), minlength=vocab)[:vocab]
+            counts = torch.bincount(torch.tensor(h.output_ids, dtype=torch.long, device=row.device),
+                                    minlength=vocab)[:vocab]
             row -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty * (counts > 0).to(row.dtype)
         if p.min_tokens and len(h.output_ids) < p.min_tokens:
             ends = [t for t in h.end_ids if t < vocab]

@@ -11,6 +11,7 @@ prefill nodes' KV pool.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from kvfence.pd.messages import NodeInfo
@@ -72,15 +73,22 @@ class ClusterCheck:
                           for url, f in self.nodes.items()}}
 
 
+def _model_of(f: NodeInfo) -> tuple:
+    return (*(getattr(f, k) for k in MUST_MATCH), f.pd.kv_layout)
+
+
 def plan_fleet(requested: int | None, nodes: dict[str, tuple[str, NodeInfo]], clamp: bool) -> ClusterCheck:
     """The start-up check. nodes: url -> (role, facts) of every node that answered. The
-    reference model is the first prefill node's (by URL); mismatched nodes are never
-    clampable. ok: at least one node of each role passes."""
+    reference model is the one most nodes run (ties: the first prefill node's, by URL), so
+    one misconfigured node is refused instead of refusing the rest; mismatched nodes are
+    never clampable. ok: at least one node of each role passes."""
     prefill = sorted(u for u, (r, _) in nodes.items() if r == "prefill")
     ordered = prefill + sorted(u for u in nodes if u not in prefill)
     if not ordered:
         return ClusterCheck(False, requested or 0, requested or 0, False, ["no node answered"])
-    reference = nodes[ordered[0]][1]
+    votes = Counter(_model_of(nodes[u][1]) for u in ordered)
+    best = max(votes.values())
+    reference = next(nodes[u][1] for u in ordered if votes[_model_of(nodes[u][1])] == best)
     matching = [u for u in ordered if not node_problems(0, reference, nodes[u][1], nodes[u][0])]
     smallest = min((nodes[u][1].usable_context for u in matching), default=0)
     advertised = requested or smallest

@@ -146,7 +146,9 @@ class KvImporter(PdLink):
         large requests cannot hold the queue. A request passed over BYPASS_LIMIT times (others
         that arrived after it were reserved first) stops the rest until it fits: nothing
         starves."""
-        if not self.waiting:
+        if not self.waiting or self.engine.scheduler.waiting:
+            # requests preempted here wait in the scheduler for pages: they go first (a new
+            # reservation would take the pages they need, and they have no lease to end them)
             return None
         for seq in self.waiting:        # arrival order: the oldest barrier first
             if self._bypassed[seq.request_id] >= BYPASS_LIMIT:

@@ -38,6 +38,7 @@ class Drain:
         # prefill/decode streams open on this node: a request accepted just before the drain
         # began may not be in the engine's snapshot yet (changed on the event loop only)
         self.streams = 0
+        self.last_stream_end = 0.0   # time.time(): the engine's snapshot must be newer to count
         self._lock = threading.Lock()
 
     @property
@@ -54,9 +55,19 @@ class Drain:
         threading.Thread(target=self._wait_then_exit, name="kvfence-drain", daemon=True).start()
         return True
 
+    def stream_ended(self) -> None:
+        self.streams -= 1
+        self.last_stream_end = time.time()
+
+    def _idle_after_last_stream(self) -> bool:
+        # the engine delivers a step's outputs before it publishes that step's snapshot: a
+        # stream that just ended (its request held for a pull) may not be in the snapshot yet
+        snap = self._snapshot()
+        return snap.get("published_at", 0.0) > self.last_stream_end and idle(snap)
+
     def _wait_then_exit(self) -> None:
         assert self.since is not None
-        while self.streams or not idle(self._snapshot()):
+        while self.streams or not self._idle_after_last_stream():
             if time.monotonic() - self.since > self.limit_s:
                 log.error("drain: still busy after %.0f s; exiting anyway (the router fails what is left)",
                           self.limit_s)

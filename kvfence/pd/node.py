@@ -197,7 +197,7 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
             except EngineFailed as e:
                 yield event_line(FailedEvent(error=str(e)[:4096]))
             finally:
-                drain.streams -= 1
+                drain.stream_ended()
                 watcher.cancel()
                 if handle is None and not sub.done():
                     sub.cancel()  # still waiting for admission: EngineLoop.submit aborts it

@@ -220,7 +220,7 @@ class RouterBackend:
             log.error("%s", self.error)
             return self
         (log.warning if chk.clamped or chk.refused else log.info)("cluster capacity check (I8): %s", chk.note)
-        reference = next(f for u, (r, f) in sorted(found.items()) if r == "prefill" and u not in chk.refused)
+        reference = next(f for u, (r, f) in sorted(found.items()) if u not in chk.refused)
         self.fleet = Fleet(self.urls, chk.usable_context, reference, self.prefill_routing)
         for node in self.fleet.nodes:
             if node.url in found:

@@ -59,6 +59,7 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
         self._discarding = False
+        self._began = False          # bytes of the current request have arrived
         self._phase: object = h11.IDLE
         self._phase_since = self.loop.time()
         self._watchdog: asyncio.TimerHandle | None = self.loop.call_later(self.CHECK_EVERY_S, self._check_deadlines)
@@ -72,6 +73,7 @@ class GuardedH11Protocol(H11Protocol):
     def on_response_complete(self) -> None:
         super().on_response_complete()
         self._phase, self._phase_since = h11.IDLE, self.loop.time()   # the next request's header clock
+        self._began = False
 
     def _check_deadlines(self) -> None:
         self._watchdog = None
@@ -84,7 +86,9 @@ class GuardedH11Protocol(H11Protocol):
             self._phase = state
         waited = now - self._phase_since
         if state is h11.IDLE and self.conn.our_state is h11.IDLE and waited > self.limits.header_timeout_s:
-            self._give_up("request headers", waited, answer_408=True)
+            # a 408 only to a client that began a request: on a silent kept-alive connection it
+            # could race the client's next request and be read as its answer
+            self._give_up("request headers", waited, answer_408=self._began)
             return
         if state is h11.SEND_BODY and waited > self.limits.body_timeout_s:
             self._give_up("request body", waited, answer_408=self.cycle is None or not self.cycle.response_started)
@@ -113,6 +117,7 @@ class GuardedH11Protocol(H11Protocol):
     def data_received(self, data: bytes) -> None:
         if self._discarding:
             return
+        self._began = True
         super().data_received(data)
 
 

@@ -54,10 +54,12 @@ def test_a_half_sent_request_line_gets_408_and_a_close(guarded):
     assert b"request headers not received in time" in got
 
 
-def test_an_idle_connection_is_closed(guarded):
+def test_an_idle_connection_is_closed_silently(guarded):
+    """No byte sent: closed without a 408, which on a kept-alive connection could race the
+    client's next request and be read as its answer."""
     with _connect(guarded) as s:
         got = _read_until_closed(s)
-    assert got.startswith(b"HTTP/1.1 408"), got[:200]
+    assert got == b""
 
 
 def test_headers_trickled_on_a_kept_alive_connection_are_cut(guarded):

@@ -119,3 +119,23 @@ def test_round_robin_takes_the_prefill_nodes_in_turn_whatever_the_prefix():
         f.observe(n, info(n.role, boot=n.url))
     ids = list(range(3000, 3080))
     assert Counter(f.pick_prefill("alice", ids, 16).url for _ in range(30)) == {u: 10 for u in URLS["prefill"]}
+
+
+def test_one_odd_node_is_refused_not_the_rest():
+    """The fleet's model is the one most nodes run: a lone prefill node on other weights with
+    the lowest URL is refused, the others serve."""
+    nodes = {"http://a-odd": ("prefill", info(fingerprint="other")), "http://p2": ("prefill", info(boot="2")),
+             "http://d1": ("decode", info("decode")), "http://d2": ("decode", info("decode", boot="d2"))}
+    chk = plan_fleet(1024, nodes, clamp=False)
+    assert chk.ok and list(chk.refused) == ["http://a-odd"], chk.note
+
+
+def test_a_preempted_decode_request_goes_before_new_reservations():
+    """Decode reserves nothing new while a request it preempted waits for pages."""
+    from types import SimpleNamespace
+
+    from kvfence.pd.decode import KvImporter
+    imp = KvImporter.__new__(KvImporter)
+    imp.waiting = [object()]
+    imp.engine = SimpleNamespace(scheduler=SimpleNamespace(waiting=[object()]))
+    assert imp._pick() is None
