@@ -20,6 +20,7 @@ log = logging.getLogger("kvfence.pd.drain")
 
 # a node's PD counts that mean a request still depends on it
 BUSY_PD_COUNTS = ("held", "pending", "awaiting_kv", "waiting_for_pages")
+SNAPSHOT_LAG_S = 1.0
 
 
 def idle(snapshot: dict) -> bool:
@@ -60,10 +61,15 @@ class Drain:
         self.last_stream_end = time.time()
 
     def _idle_after_last_stream(self) -> bool:
-        # the engine delivers a step's outputs before it publishes that step's snapshot: a
-        # stream that just ended (its request held for a pull) may not be in the snapshot yet
+        # the engine delivers a step's outputs just before it publishes that step's snapshot:
+        # a stream that just ended (its request held for a pull) may not be in the snapshot
+        # yet. A snapshot published after the stream ended is current; so is any once a
+        # second has passed (an idle engine publishes nothing new, and the publish that
+        # follows a delivery takes microseconds)
         snap = self._snapshot()
-        return snap.get("published_at", 0.0) > self.last_stream_end and idle(snap)
+        current = snap.get("published_at", 0.0) > self.last_stream_end or \
+            time.time() - self.last_stream_end > SNAPSHOT_LAG_S
+        return current and idle(snap)
 
     def _wait_then_exit(self) -> None:
         assert self.since is not None
