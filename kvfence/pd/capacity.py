@@ -49,6 +49,7 @@ class ClusterCheck:
     nodes: dict[str, NodeInfo] = field(default_factory=dict)   # url -> the facts checked at start
     roles: dict[str, str] = field(default_factory=dict)        # url -> role
     refused: dict[str, list[str]] = field(default_factory=dict)   # url -> why, at start
+    reference: NodeInfo | None = None   # the model and KV layout every node must match
 
     @property
     def note(self) -> str:
@@ -102,4 +103,5 @@ def plan_fleet(requested: int | None, nodes: dict[str, tuple[str, NodeInfo]], cl
         problems.append(f"no {' and no '.join(missing)} node passes the check: give the nodes more KV memory, "
                         f"lower --max-model-len, or pass --clamp-context")
     return ClusterCheck(ok, usable, advertised, usable < advertised, problems,
-                        {u: f for u, (_, f) in nodes.items()}, {u: r for u, (r, _) in nodes.items()}, refused)
+                        {u: f for u, (_, f) in nodes.items()}, {u: r for u, (r, _) in nodes.items()}, refused,
+                        reference)

@@ -108,7 +108,7 @@ class Fleet:
         if problems:
             self._move(node, "refused", "; ".join(problems), loud=new_boot)
         else:
-            self._move(node, "ready", "", rejoined=new_boot and node.since > 0)
+            self._move(node, "ready", "", rejoined=new_boot)
 
     def _move(self, node: Node, state: str, reason: str, loud: bool = False, rejoined: bool = False) -> None:
         if state == node.state and reason == node.reason and not loud and not rejoined:

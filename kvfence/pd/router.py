@@ -159,15 +159,9 @@ class RouterBackend:
 
     def _fetch_info(self, c: httpx.Client, url: str) -> tuple[NodeInfo | None, str | None]:
         try:
-            r = c.get(url + "/internal/info")
+            return _info_of(c.get(url + "/internal/info"))
         except httpx.HTTPError as e:
             return None, f"does not answer ({type(e).__name__})"
-        if r.status_code != 200:
-            return None, f"answered {_error_code(r.content) or r.status_code}"
-        try:
-            return NodeInfo.from_json(r.content), None
-        except MessageError as e:
-            return None, f"sent unusable facts ({e})"
 
     def start(self) -> RouterBackend:
         """Synchronous start-up: wait for at least one node of each role (then join_grace_s
@@ -220,8 +214,8 @@ class RouterBackend:
             log.error("%s", self.error)
             return self
         (log.warning if chk.clamped or chk.refused else log.info)("cluster capacity check (I8): %s", chk.note)
-        reference = next(f for u, (r, f) in sorted(found.items()) if u not in chk.refused)
-        self.fleet = Fleet(self.urls, chk.usable_context, reference, self.prefill_routing)
+        assert chk.reference is not None   # ok: some node passed
+        self.fleet = Fleet(self.urls, chk.usable_context, chk.reference, self.prefill_routing)
         for node in self.fleet.nodes:
             if node.url in found:
                 self.fleet.observe(node, found[node.url][1])
@@ -268,15 +262,10 @@ class RouterBackend:
         async with httpx.AsyncClient(timeout=2.0, headers=self._headers, verify=self._verify) as c:
             async def poll(node: Node) -> None:
                 try:
-                    r = await c.get(node.url + "/internal/info")
-                    if r.status_code == 200:
-                        fleet.observe(node, NodeInfo.from_json(r.content))
-                    else:
-                        fleet.observe(node, None, f"answered {_error_code(r.content) or r.status_code}")
-                except MessageError as e:
-                    fleet.observe(node, None, f"sent unusable facts ({e})")
+                    info, why = _info_of(await c.get(node.url + "/internal/info"))
                 except httpx.HTTPError as e:
-                    fleet.observe(node, None, f"does not answer ({type(e).__name__})")
+                    info, why = None, f"does not answer ({type(e).__name__})"
+                fleet.observe(node, info, why)
             while not self._stopped:
                 await asyncio.sleep(self.poll_s)
                 await asyncio.gather(*(poll(n) for n in fleet.nodes))
@@ -555,6 +544,16 @@ def _routed(node: Node) -> Iterator[None]:
         yield
     finally:
         node.in_flight -= 1
+
+
+def _info_of(r: httpx.Response) -> tuple[NodeInfo | None, str | None]:
+    """A node's /internal/info answer as its facts, or why it gave none."""
+    if r.status_code != 200:
+        return None, f"answered {_error_code(r.content) or r.status_code}"
+    try:
+        return NodeInfo.from_json(r.content), None
+    except MessageError as e:
+        return None, f"sent unusable facts ({e})"
 
 
 def _url_list(urls: str | list[str]) -> list[str]:
