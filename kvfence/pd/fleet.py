@@ -110,6 +110,12 @@ class Fleet:
         else:
             self._move(node, "ready", "", rejoined=new_boot)
 
+    def recheck(self, node: Node, reason: str) -> None:
+        """The node refused a request as not ready (it restarted since its last check, or is
+        starting): no request goes to it until the monitor's next answer from it passes."""
+        if node.state == "ready":
+            self._move(node, "checking", reason)
+
     def _move(self, node: Node, state: str, reason: str, loud: bool = False, rejoined: bool = False) -> None:
         if state == node.state and reason == node.reason and not loud and not rejoined:
             return

@@ -159,6 +159,9 @@ class PrefillBody(WireModel):
     prompt_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_IDS)]
     params: WireParams
     public_prefix_scope: Name | None = None
+    # the node process the router checked (I8); another boot refuses with not_ready, so a
+    # restarted node serves only once the router has checked it again
+    expect_boot: Id | None = None
 
 
 class DecodeBody(PrefillBody):

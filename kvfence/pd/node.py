@@ -153,6 +153,12 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
         if drain.active:
             raise APIError(503, "node is draining: it takes no new request", code="draining")
 
+    def _refuse_if_unchecked(body: PrefillBody) -> None:
+        boot = (loop.facts or {}).get("pd", {}).get("boot_id")
+        if body.expect_boot is not None and body.expect_boot != boot:
+            raise APIError(503, f"this node is boot {boot}, the router checked boot {body.expect_boot}: it takes "
+                                "requests once the router has checked it again", code="not_ready")
+
     def _params(body: PrefillBody):
         try:   # WireParams bounds every field already; SamplingParams' own checks are the last word
             return body.params.to_params()
@@ -209,7 +215,9 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
         @app.post("/internal/prefill")
         async def prefill(request: Request):
             _refuse_if_draining()
-            return _stream(await _read(request, PrefillBody), request, hold_kv=True)
+            body = await _read(request, PrefillBody)
+            _refuse_if_unchecked(body)
+            return _stream(body, request, hold_kv=True)
 
         @app.post("/internal/release")
         async def release(request: Request):
@@ -234,6 +242,7 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
         async def decode(request: Request):
             _refuse_if_draining()
             body = await _read(request, DecodeBody)
+            _refuse_if_unchecked(body)
             return _stream(body, request, **({"kv_source": body.handoff} if body.handoff is not None else {}))
 
 

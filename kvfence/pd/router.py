@@ -452,6 +452,8 @@ class RouterBackend:
 
     async def _open(self, node: Node, path: str, body: WireModel, stack: AsyncExitStack) -> httpx.Response:
         role = node.role
+        if isinstance(body, PrefillBody):   # and DecodeBody: only the boot the fleet checked may take it
+            body = body.model_copy(update={"expect_boot": node.boot_id})
         try:
             r = await stack.enter_async_context(self._http().stream("POST", node.url + path, **_json(body)))
         except httpx.ConnectError as e:    # the node never got the request: another may take it
@@ -464,6 +466,8 @@ class RouterBackend:
             err = _error_of(raw)
             if err is None:
                 raise NodeError(f"{role} node answered {r.status_code}", "node_error")
+            if err[1] == "not_ready" and self.fleet is not None:   # e.g. restarted since it was checked
+                self.fleet.recheck(node, err[0])
             # a node refusing for load or state took nothing: another may take it
             raise NodeError(f"{role} node: {err[0]}", err[1] or "node_error",
                             retryable=(err[1] or "") in ("server_overloaded", "not_ready", "draining"))

@@ -3,6 +3,7 @@ the incident, and every failure the PD issue lists: each must end with a clear e
 the client in bounded time, give back or fence every page, and leave the cluster serving."""
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -421,3 +422,31 @@ def test_nodes_serve_no_public_api_without_a_tenants_file(cluster, role):
     r = httpx.post(cluster.url(role) + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=10)
     assert r.status_code == 404
     assert httpx.get(cluster.url(role) + "/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_node_refuses_requests_meant_for_another_boot(cluster, role):
+    """A router that checked an earlier boot of a node (I8) must not have its request served by
+    the restarted process before it is checked again: the node answers 503 not_ready, takes
+    nothing, and serves the same request addressed to its own boot."""
+    path = "/internal/prefill" if role == "prefill" else "/internal/decode"
+    rid = f"boot-{role}"
+    # a one-token prompt needs no handoff on decode
+    body = {"request_id": rid, "tenant": "default", "prompt_ids": [7] if role == "decode" else [1, 2, 3],
+            "params": {"max_tokens": 1, "temperature": 0.0}}
+    before = _decode_allocations(cluster)
+    r = httpx.post(cluster.url(role) + path, json={**body, "expect_boot": "an-earlier-boot"}, headers=cluster.headers,
+                   timeout=10)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready", r.text
+    assert "checked boot an-earlier-boot" in r.json()["error"]["message"]
+    assert _decode_allocations(cluster) == before and cluster.info(role)["snapshot"]["running"] == 0
+    boot = cluster.info(role)["pd"]["boot_id"]
+    with httpx.stream("POST", cluster.url(role) + path, json={**body, "expect_boot": boot}, headers=cluster.headers,
+                      timeout=30) as r:
+        assert r.status_code == 200
+        events = [json.loads(line) for line in r.iter_lines() if line.strip()]
+    assert any(e.get("event") == "admitted" for e in events), events
+    if role == "prefill":   # it holds the KV for a decode that will not come
+        httpx.post(cluster.url(role) + "/internal/abort", json={"request_id": rid, "reader_stopped": True},
+                   headers=cluster.headers, timeout=10).raise_for_status()
+    cluster.wait_quiet(30)

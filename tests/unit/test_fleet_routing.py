@@ -139,3 +139,20 @@ def test_a_preempted_decode_request_goes_before_new_reservations():
     imp.waiting = [object()]
     imp.engine = SimpleNamespace(scheduler=SimpleNamespace(waiting=[object()]))
     assert imp._pick() is None
+
+
+def test_a_node_that_refused_as_not_ready_gets_nothing_until_checked_again():
+    """A restarted node refuses requests addressed to the boot the router checked; until the
+    monitor's next answer passes the check, the fleet routes around it."""
+    f = fleet()
+    p1 = f.nodes[0]
+    f.recheck(p1, "this node is boot new, the router checked boot http://p1")
+    assert p1.state == "checking"
+    for i in range(30):
+        assert f.pick_prefill("alice", list(range(i, i + 80)), 16).url != "http://p1"
+    f.observe(p1, info(usable=512, boot="new"))              # the new boot's facts fail: refused
+    assert p1.state == "refused"
+    f.recheck(p1, "again")                                  # only a ready node moves back to checking
+    assert p1.state == "refused"
+    f.observe(p1, info(boot="newer"))
+    assert p1.state == "ready"
