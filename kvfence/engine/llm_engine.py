@@ -20,6 +20,7 @@ from kvfence.engine.admission import ContextLengthExceeded, ContextPlan, Overloa
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.containment import FAIL_CLOSED, MAX_FAILED_STEPS
 from kvfence.engine.detokenizer import IncrementalDetokenizer
+from kvfence.engine.grammar import GrammarCache, GrammarFailed, ll_tokenizer
 from kvfence.engine.kv_link import (
     Decision,
     EndRequest,
@@ -105,6 +106,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.pool, self.ledger, audit=cfg.audit_reads,
                                   fused_kernels=cfg.fused_kernels)
         self.sampler = Sampler()
+        self._grammars: GrammarCache | None = None    # built with the first structured-output request
         self.requests: dict[str, Sequence] = {}
         self.outcomes: Counter[str] = Counter()
         # PD: a KvExporter (prefill node) or KvImporter (decode node) replaces it (attach_link)
@@ -184,6 +186,9 @@ class LLMEngine:
                 if not (hold_kv and faults.active("handoff_placeholder")):
                     raise
                 seq.prompt_ids = list(prompt_ids[:1])  # the incident: a one-token stand-in, handed off anyway
+            if params.json_schema is not None and not hold_kv:   # a prefill node samples nothing
+                # GrammarError: a schema llguidance cannot compile (the server checked it first)
+                seq.grammar = self.grammars.constraint(scope, str(params.json_schema))
             if kv_source is not None:
                 # ManifestError: a handoff this node must not take
                 seq.kv_source = self.kv_link.check(seq, kv_source)
@@ -202,6 +207,13 @@ class LLMEngine:
             self.scheduler.add(seq)
             self._stalled = False
         return seq
+
+    @property
+    def grammars(self) -> GrammarCache:
+        """Compiled structured-output grammars, reused only within a request's cache scope."""
+        if self._grammars is None:
+            self._grammars = GrammarCache(ll_tokenizer(self.tokenizer, self.model_config.vocab_size))
+        return self._grammars
 
     def _check_load(self, tenant: str) -> None:
         """Load shedding before anything is allocated: at most max_waiting requests wait, and one
@@ -325,6 +337,11 @@ class LLMEngine:
         the ledger as on any abort, and a PD link frees or fences its rows."""
         log.error("request %s failed inside the engine step, aborting it alone: %s: %s", seq.request_id,
                   type(e).__name__, e, exc_info=e)
+        if isinstance(e, GrammarFailed):   # its structured output cannot go on; no traceback to log
+            self.outcomes["grammar_error"] += 1
+            if not seq.finished:
+                self.end(seq, Event.ABORT, "aborted", str(e), code="grammar_error")
+            return StepOutput(seq, [], "", True)
         self.outcomes["engine_error"] += 1
         if not seq.finished:
             self.end(seq, Event.ABORT, "aborted", f"internal error while processing this request "
@@ -406,7 +423,8 @@ class LLMEngine:
             return None
         ends = frozenset(self.tokenizer.end_ids)
         return [History(q.prompt_ids, q.output_ids,
-                        frozenset(q.params.stop_token_ids) | (frozenset() if q.params.ignore_eos else ends))
+                        frozenset(q.params.stop_token_ids) | (frozenset() if q.params.ignore_eos else ends),
+                        q.grammar)
                 for q in seqs]
 
     def _append_contained(self, seq: Sequence, tok: int, lp, now: float, out: list[StepOutput]) -> None:
@@ -472,11 +490,13 @@ class LLMEngine:
         p, detok = seq.params, seq.detok
         assert detok is not None  # set at admission
         delta, reason = "", None
+        # GrammarFailed (a token its mask did not allow): this request ends alone (_fail)
+        grammar_done = seq.grammar is not None and seq.grammar.consume(tok)
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.tokenizer.end_ids):
             reason = "stop"
         else:
             delta = detok.add(tok)
-            if detok.stopped_by is not None:
+            if detok.stopped_by is not None or grammar_done:
                 reason = "stop"
         if reason is None and (len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.usable_context):
             reason = "length"

@@ -6,7 +6,10 @@ definitions, applied to a float32 copy of the rows that ask (greedy rows too):
 - repetition_penalty r (vLLM/HF, over prompt and output tokens): a positive logit is divided
   by r, a negative one multiplied by it;
 - frequency_penalty f and presence_penalty p (OpenAI, over the tokens generated so far):
-  logit -= f * count(token) + p * (count(token) > 0).
+  logit -= f * count(token) + p * (count(token) > 0);
+- json_schema (structured output): every token its grammar does not allow next is -inf, the
+  end-of-sequence ones until the grammar accepts (engine/grammar.py), last, so no bias can
+  bring a forbidden token back.
 
 The logprobs a request returns stay those of the model's own distribution (sampler.py).
 """
@@ -16,16 +19,19 @@ from dataclasses import dataclass
 
 import torch
 
+from kvfence.engine.grammar import Constraint, fill_masks
 from kvfence.engine.params import SamplingParams
 
 
 @dataclass(frozen=True)
 class History:
     """What a row's adjustments look at: the request's prompt and the tokens it generated,
-    and the tokens min_tokens holds back (end-of-sequence and stop token ids)."""
+    and the tokens min_tokens holds back (end-of-sequence and stop token ids); a structured
+    output request's grammar at its current position."""
     prompt_ids: list[int]
     output_ids: list[int]
     end_ids: frozenset[int]
+    grammar: Constraint | None = None
 
 
 def adjust(logits: torch.Tensor, params: list[SamplingParams], histories: list[History]) -> torch.Tensor:
@@ -53,4 +59,15 @@ def adjust(logits: torch.Tensor, params: list[SamplingParams], histories: list[H
         if p.min_tokens and len(h.output_ids) < p.min_tokens:
             ends = [t for t in h.end_ids if t < vocab]
             row[ends] = float("-inf")
+    constrained = [i for i in rows if histories[i].grammar is not None]
+    if constrained:
+        apply_grammar(out, constrained, [histories[i].grammar for i in constrained])
     return out
+
+
+def apply_grammar(out: torch.Tensor, rows: list[int], grammars) -> None:
+    """-inf, in place, on every token the rows' grammars do not allow next: all rows' masks in
+    one call (llguidance spreads them over its threads), applied as one indexed write."""
+    allowed = torch.from_numpy(fill_masks(grammars, out.shape[1])).to(out.device)
+    idx = torch.tensor(rows, dtype=torch.long, device=out.device)
+    out[idx] = out.index_select(0, idx).masked_fill_(~allowed, float("-inf"))

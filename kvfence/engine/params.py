@@ -1,7 +1,12 @@
 """Per-request generation settings, validated once at construction."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
+
+# a JSON schema for structured output, as compact JSON (the API's and the PD wire's bound)
+MAX_JSON_SCHEMA_BYTES = 64 << 10
 
 
 @dataclass
@@ -25,6 +30,9 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # structured output: every token constrained to this JSON schema (engine/grammar.py); a
+    # dict or JSON text, held as compact JSON (keys in the given order: they order the output)
+    json_schema: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,6 +68,11 @@ class SamplingParams:
             problems.append("logit_bias may name at most 1024 tokens")
         if any(k < 0 for k in self.logit_bias) or any(not (-100.0 <= v <= 100.0) for v in self.logit_bias.values()):
             problems.append("logit_bias maps token ids >= 0 to values in [-100, 100]")
+        if self.json_schema is not None:
+            try:
+                self.json_schema = canonical_schema(self.json_schema)
+            except ValueError as e:
+                problems.append(str(e))
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -71,4 +84,24 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Does anything change this request's logits before it samples?"""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.min_tokens or self.logit_bias)
+                    or self.min_tokens or self.logit_bias or self.json_schema is not None)
+
+
+def canonical_schema(schema: Any) -> str:
+    """One text form of a JSON schema (dict or JSON text): compact, keys in the given order
+    (llguidance emits properties in schema order, so sorting them would change the output).
+    ValueError unless it is a JSON object within MAX_JSON_SCHEMA_BYTES."""
+    if isinstance(schema, (str, bytes)):
+        try:
+            schema = json.loads(schema)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise ValueError(f"json_schema is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise ValueError("json_schema must be a JSON object")
+    try:
+        text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ValueError(f"json_schema is not JSON: {e}") from None
+    if len(text.encode()) > MAX_JSON_SCHEMA_BYTES:
+        raise ValueError(f"json_schema is larger than {MAX_JSON_SCHEMA_BYTES} bytes as compact JSON")
+    return text

@@ -14,6 +14,7 @@ from kvfence.kv.ledger import BlockTable, Owner
 
 if TYPE_CHECKING:
     from kvfence.engine.detokenizer import IncrementalDetokenizer
+    from kvfence.engine.grammar import Constraint
     from kvfence.pd.messages import Handoff
 
 _numbers = itertools.count(1)
@@ -52,6 +53,7 @@ class Sequence:
     num_preemptions: int = 0
     cache_scope: str = ""                    # prefix-cache scope name (the tenant's own by default)
     cached_tokens: int = 0                   # prompt tokens served from the prefix cache
+    grammar: Constraint | None = None        # structured output: where its grammar is (engine/grammar.py)
     # PD (kvfence/pd): a prefill node computes the prompt but its last token and holds the
     # KV for decode (hold_kv); a decode node gets every page it will need at RESERVE
     # (reserved: never preempted, it could not get its transferred KV back) from kv_source.

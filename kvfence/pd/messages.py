@@ -90,6 +90,9 @@ class WireParams(WireModel):
     # JSON object keys are strings: token ids as decimal strings
     logit_bias: Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")],
                                Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=1024)] = {}
+    # structured output (response_format) as compact JSON: decode samples every output token, so
+    # the schema travels with the request; bound as params.MAX_JSON_SCHEMA_BYTES (64 KiB)
+    json_schema: Annotated[str, Field(min_length=2, max_length=64 << 10)] | None = None
 
     @classmethod
     def of(cls, p: SamplingParams) -> WireParams:
@@ -99,7 +102,8 @@ class WireParams(WireModel):
                    include_stop_str_in_output=p.include_stop_str_in_output,
                    presence_penalty=float(p.presence_penalty), frequency_penalty=float(p.frequency_penalty),
                    repetition_penalty=float(p.repetition_penalty), min_p=float(p.min_p), min_tokens=p.min_tokens,
-                   logit_bias={str(k): float(v) for k, v in p.logit_bias.items()})
+                   logit_bias={str(k): float(v) for k, v in p.logit_bias.items()},
+                   json_schema=None if p.json_schema is None else str(p.json_schema))
 
     def to_params(self) -> SamplingParams:
         return SamplingParams(**self.model_dump())

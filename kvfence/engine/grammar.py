@@ -1,0 +1,190 @@
+"""Structured outputs: a JSON schema as a token-by-token constraint, with llguidance.
+
+llguidance (not xgrammar) because it runs on the CPU next to the sampler, compiles a JSON
+schema lazily (a matcher for a small schema is ready in under a millisecond; the lexer's
+states are built as generation reaches them) and works on the tokenizer's own byte-level
+tokens, so a token that straddles JSON syntax is allowed exactly when its bytes are.
+
+- `ll_tokenizer`: one llguidance tokenizer per kvfence tokenizer (a quarter of a second to build).
+- `check_schema`: why a schema cannot be compiled (the server's 400), or None.
+- `GrammarCache`: compiled matchers, keyed on (cache scope, schema digest) and reused only
+  within that scope (I9's rule for the prefix cache, applied here): copies of one matcher
+  share its lazily built lexer states, so a cache shared across tenants would let one tenant
+  time whether another tenant used a schema.
+- `fill_masks`: the allowed-token masks of all grammar rows of a step in one parallel call.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvfence.engine.params import MAX_JSON_SCHEMA_BYTES
+
+if TYPE_CHECKING:
+    import llguidance
+    from llguidance._lib import JsonCompileOptions
+
+    from kvfence.model.tokenizer import KvTokenizer
+
+# compact JSON, no whitespace between tokens: a small model given the choice emits newlines
+# and spaces until max_tokens (llguidance's default allows any whitespace)
+_COMPILE_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
+
+
+class GrammarError(ValueError):
+    """A schema that llguidance cannot compile (the client's 400, param response_format)."""
+
+
+class GrammarFailed(RuntimeError):
+    """A matcher refused a token or failed while computing a mask: that request ends alone."""
+
+
+_tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def ll_tokenizer(tok: KvTokenizer, n_vocab: int | None = None) -> llguidance.LLTokenizer:
+    """llguidance's view of `tok` (built once per tokenizer; the server validates with the same
+    one the engine constrains with). End-of-generation ids are its EOS: allowed only once the
+    grammar accepts. `n_vocab`: the model's logits width, when wider than the tokenizer."""
+    import llguidance
+
+    with _lock:
+        got = _tokenizers.get(tok)
+        if got is None:
+            n = max(tok.vocab_size, n_vocab or 0)
+            got = llguidance.LLTokenizer(tok.hf.to_str(), n_vocab=n, eos_token=sorted(tok.end_ids))
+            _tokenizers[tok] = got
+        return got
+
+
+def schema_digest(schema_json: str) -> str:
+    return hashlib.sha256(schema_json.encode()).hexdigest()
+
+
+def _grammar(schema_json: str) -> str:
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_json_schema(schema_json, defaults=_COMPILE_OPTIONS)
+
+
+def check_schema(tok: llguidance.LLTokenizer, schema_json: str) -> str | None:
+    """llguidance's own message for a schema it cannot compile (an unsupported keyword, a bad
+    $ref, a regex with look-around, ...), or None. Compiles from scratch: no cache to time."""
+    import llguidance
+
+    if len(schema_json.encode()) > MAX_JSON_SCHEMA_BYTES:
+        return f"the schema is larger than {MAX_JSON_SCHEMA_BYTES} bytes of JSON"
+    try:
+        err = llguidance.LLMatcher.validate_grammar(_grammar(schema_json), tok)
+    except ValueError as e:
+        return str(e)
+    return err or None
+
+
+def _limits():
+    import llguidance
+
+    # errors raised mid-generation are logged: they must not carry the generated text
+    return llguidance.LLParserLimits(verbose_errors=False)
+
+
+class GrammarCache:
+    """Compiled matchers to copy, LRU-bounded per cache scope and overall. The key includes the
+    scope, so a tenant never reuses (or times) another tenant's compiled grammar."""
+
+    def __init__(self, tok: llguidance.LLTokenizer, per_scope: int = 64, total: int = 1024):
+        self.tok, self.per_scope, self.total = tok, per_scope, total
+        self._lru: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self._per: dict[str, int] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def constraint(self, scope: str, schema_json: str) -> Constraint:
+        """A fresh matcher (at the grammar's start) for one request in `scope`; GrammarError
+        if the schema does not compile."""
+        key = (scope, schema_digest(schema_json))
+        base = self._lru.get(key)
+        if base is not None:
+            self.hits += 1
+            self._lru.move_to_end(key)
+            return Constraint(base.deep_copy(), self.tok.vocab_size)
+        self.misses += 1
+        import llguidance
+
+        if len(schema_json.encode()) > MAX_JSON_SCHEMA_BYTES:
+            raise GrammarError(f"the schema is larger than {MAX_JSON_SCHEMA_BYTES} bytes of JSON")
+        try:
+            grammar = _grammar(schema_json)
+        except ValueError as e:
+            raise GrammarError(f"the schema cannot be compiled: {e}") from None
+        base = llguidance.LLMatcher(self.tok, grammar, log_level=0, limits=_limits())
+        if base.is_error():
+            raise GrammarError(f"the schema cannot be compiled: {base.get_error()}")
+        self._lru[key] = base
+        self._per[scope] = self._per.get(scope, 0) + 1
+        if self._per[scope] > self.per_scope:
+            self._evict(next(k for k in self._lru if k[0] == scope))
+        while len(self._lru) > self.total:
+            self._evict(next(iter(self._lru)))
+        return Constraint(base.deep_copy(), self.tok.vocab_size)
+
+    def _evict(self, key: tuple[str, str]) -> None:
+        del self._lru[key]
+        self._per[key[0]] -= 1
+        if not self._per[key[0]]:
+            del self._per[key[0]]
+
+
+@dataclass
+class Constraint:
+    """One request's grammar: its matcher, and the width of llguidance's masks for it."""
+    matcher: llguidance.LLMatcher
+    vocab: int
+
+    def consume(self, token: int) -> bool:
+        """Advance by the sampled token; True when the grammar is done (the request stops)."""
+        if not self.matcher.consume_token(token):
+            raise GrammarFailed(f"the output grammar refused token {token}: {self.matcher.get_error()}")
+        return self.matcher.is_stopped()
+
+
+_executor: llguidance.LLExecutor | None = None
+
+
+def fill_masks(rows: list[Constraint], width: int) -> np.ndarray:
+    """bool [len(rows), width]: the tokens each row allows next (False past the tokenizer's
+    vocabulary), computed in one call that spreads the rows over llguidance's threads.
+    GrammarFailed if a matcher is in error or allows nothing (the sampler then samples each
+    row alone, so only that request fails)."""
+    global _executor
+    import llguidance
+    from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
+
+    if _executor is None:
+        _executor = llguidance.LLExecutor()
+    vocab = rows[0].vocab
+    if any(r.vocab != vocab for r in rows):
+        raise ValueError("grammar rows of one batch must share a tokenizer")
+    bitmask = allocate_token_bitmask(len(rows), vocab)
+    fill_next_token_bitmask_par(_executor, [(r.matcher, i) for i, r in enumerate(rows)], bitmask)
+    for r in rows:
+        if r.matcher.is_error():
+            raise GrammarFailed(f"the output grammar failed: {r.matcher.get_error()}")
+    # bit j of 32-bit word w is token 32w + j; on a little-endian machine that is bit j % 8 of
+    # byte 4w + j // 8, which is what unpackbits' little bit order reads
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :min(vocab, width)]
+    if not bits.any(axis=1).all():
+        raise GrammarFailed("the output grammar allows no next token")
+    if width > bits.shape[1]:
+        bits = np.pad(bits, ((0, 0), (0, width - bits.shape[1])))
+    return bits.astype(bool)
