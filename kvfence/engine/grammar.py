@@ -109,6 +109,9 @@ class GrammarCache:
     def __len__(self) -> int:
         return len(self._lru)
 
+    def stats(self) -> dict[str, int]:
+        return {"entries": len(self._lru), "scopes": len(self._per), "hits": self.hits, "misses": self.misses}
+
     def constraint(self, scope: str, schema_json: str) -> Constraint:
         """A fresh matcher (at the grammar's start) for one request in `scope`; GrammarError
         if the schema does not compile."""

@@ -520,4 +520,5 @@ class LLMEngine:
             "violations": dict(led.violations), "outcomes": dict(self.outcomes),
             **({"pd": self.kv_link.stats()} if not isinstance(self.kv_link, NoKvLink) else {}),
             **({"audit": self.runner.audit.summary()} if self.runner.audit is not None else {}),
+            **({"grammar_cache": self._grammars.stats()} if self._grammars is not None else {}),
         }

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvfence import faults
 from kvfence.engine.admission import ContextLengthExceeded, Overloaded, check_fits
+from kvfence.engine.grammar import GrammarError, check_schema, ll_tokenizer
 from kvfence.model.tokenizer import ChatTemplateError
 from kvfence.server.backend import EngineBackend, EngineFailed, RequestHandle, Update
 from kvfence.server.disconnect import watch_disconnect
@@ -218,6 +219,8 @@ _ABORT_STATUS = {
     "kv_pool_exhausted": (503, "The server cannot hold this request right now"),   # capacity: retry later
     "isolation_violation": (500, "The request was stopped by an isolation check"),
     "engine_error": (500, "The server hit an internal error on this request (other requests were not affected)"),
+    "grammar_error": (500, "The response_format constraint failed during generation (other requests were not "
+                           "affected)"),
     "context_length_exceeded": (400, "A serving node refused the request"),        # PD: a node's own I4
     "kv_manifest_invalid": (500, "The KV handoff was refused"),
     "kv_transfer_failed": (503, "The KV transfer between prefill and decode failed"),
@@ -262,6 +265,8 @@ async def _generate(state: ServerState, request: Request, kind: str):
         if bad_bias:
             raise bad_request(f"'logit_bias' names token {bad_bias[0]}, outside the vocabulary "
                               f"[0, {facts['vocab_size']}).", param="logit_bias")
+        if req.params.json_schema is not None:
+            await _check_schema(state, str(req.params.json_schema))
         # tokens_per_minute reserves the most this request can use: prompt + max_tokens, or the
         # rest of the context when it sets none (what the engine will allow); refunded at the end
         most = req.params.max_tokens or max(1, facts["usable_context"] - len(ids))
@@ -280,6 +285,8 @@ async def _generate(state: ServerState, request: Request, kind: str):
         except EngineFailed as e:  # the PD router's failures carry a machine-readable code
             headers = {"Retry-After": "1"} if e.code == "server_overloaded" else None
             raise APIError(_ABORT_STATUS.get(e.code, (503,))[0], str(e), code=e.code, headers=headers) from None
+        except GrammarError as e:
+            raise bad_request(str(e), param="response_format") from None
         except ValueError as e:
             raise bad_request(str(e), param=req.prompt_param) from None
     except APIError as e:
@@ -293,6 +300,19 @@ async def _generate(state: ServerState, request: Request, kind: str):
     if req.stream:
         return _EventStream(run.events(), run.close)
     return await run.collect()
+
+
+async def _check_schema(state: ServerState, schema_json: str) -> None:
+    """A 400 that names what llguidance cannot compile, before anything reaches an engine (on
+    every role: in PD mode decode compiles it again only after prefill has run). Off the event
+    loop: a large schema takes milliseconds."""
+    def check() -> str | None:
+        return check_schema(ll_tokenizer(state.engine.tokenizer, state.facts["vocab_size"]), schema_json)
+
+    err = await asyncio.to_thread(check)
+    if err is not None:
+        raise bad_request(f"'response_format' has a schema this server cannot enforce: {err}",
+                          param="response_format")
 
 
 def _too_long(e: ContextLengthExceeded, req: GenerationRequest) -> APIError:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from starlette.requests import ClientDisconnect
 
-from kvfence.engine.params import SamplingParams
+from kvfence.engine.params import MAX_JSON_SCHEMA_BYTES, SamplingParams, canonical_schema
 from kvfence.server.errors import APIError, bad_request
 
 MAX_STOP_STRINGS = 16
@@ -217,7 +217,49 @@ def _common(body: dict, kind: str) -> dict:
         min_p=_num(body, "min_p", 0.0, 0.0, 1.0),
         min_tokens=_int(body, "min_tokens", 0, 0, 1 << 20),
         logit_bias=_logit_bias(body),
+        json_schema=_response_format(body),
     )
+
+
+_SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def _response_format(body: dict) -> str | None:
+    """OpenAI's response_format (also on /v1/completions, as vLLM takes it) -> the JSON schema
+    the output is held to, as compact JSON, or None for plain text. Whether llguidance can
+    compile it is checked in app.py, with the tokenizer."""
+    fmt = _field(body, "response_format", (dict,), None, "an object")
+    if fmt is None:
+        return None
+    kind = fmt.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return '{"type":"object"}'
+    if kind != "json_schema":
+        raise bad_request("'response_format.type' must be 'text', 'json_object' or 'json_schema'.",
+                          param="response_format")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_request("'response_format.json_schema' must be an object with 'name' and 'schema'.",
+                          param="response_format")
+    name = spec.get("name")
+    if not isinstance(name, str) or not _SCHEMA_NAME.match(name):
+        raise bad_request("'response_format.json_schema.name' must be 1-64 letters, digits, '_' or '-'.",
+                          param="response_format")
+    if not isinstance(spec.get("strict", False), bool):
+        raise bad_request("'response_format.json_schema.strict' must be a boolean.", param="response_format")
+    if "schema" not in spec or spec["schema"] is None:
+        raise bad_request("'response_format.json_schema.schema' is required.", param="response_format")
+    schema = spec["schema"]
+    if not isinstance(schema, dict):
+        raise bad_request(f"'response_format.json_schema.schema' must be a JSON Schema object, got "
+                          f"{_type_name(schema)}.", param="response_format")
+    try:
+        return canonical_schema(schema)
+    except ValueError:
+        raise bad_request(f"'response_format.json_schema.schema' is larger than {MAX_JSON_SCHEMA_BYTES} bytes "
+                          "as compact JSON.", param="response_format") from None
 
 
 MAX_LOGIT_BIAS = 1024
@@ -257,7 +299,8 @@ def _params(c: dict, max_tokens: int | None, logprobs: int | None) -> SamplingPa
                               ignore_eos=c["ignore_eos"], logprobs=logprobs,
                               presence_penalty=c["presence_penalty"], frequency_penalty=c["frequency_penalty"],
                               repetition_penalty=c["repetition_penalty"], min_p=c["min_p"],
-                              min_tokens=c["min_tokens"], logit_bias=c["logit_bias"])
+                              min_tokens=c["min_tokens"], logit_bias=c["logit_bias"],
+                              json_schema=c["json_schema"])
     except ValueError as e:
         raise bad_request(str(e)) from None
 
@@ -305,9 +348,6 @@ def parse_chat(body: dict) -> GenerationRequest:
     for name in ("tools", "functions"):
         if body.get(name):
             raise bad_request(f"'{name}' is not supported.", param=name)
-    fmt = _field(body, "response_format", (dict,), None, "an object")
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise bad_request("Only response_format type 'text' is supported.", param="response_format")
     max_tokens = _int(body, "max_tokens", None, 1, MAX_TOKENS_CAP)
     mct = _int(body, "max_completion_tokens", None, 1, MAX_TOKENS_CAP)
     if mct is not None:

@@ -1,0 +1,132 @@
+"""response_format (structured output) through the real server and the official client:
+json_object and strict json_schema answers parse and validate, streamed or not, on chat and
+on completions; client.chat.completions.parse returns the model object; a schema the server
+cannot enforce is a 400 naming response_format; the compile cache is per tenant scope."""
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+from server_harness import MODEL
+
+PERSON = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 16},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+ASK = [{"role": "user", "content": "Give me a person as JSON with name, age and city."}]
+STRICT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=16)
+    age: int = Field(ge=0, le=120)
+    city: Literal["Paris", "London", "Tokyo"]
+
+
+def _chat(client, **kw):
+    kw.setdefault("max_tokens", 96)
+    return client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, **kw)
+
+
+def _streamed(client, **kw) -> tuple[str, str | None]:
+    text, reason = [], None
+    for chunk in _chat(client, stream=True, **kw):
+        for ch in chunk.choices:
+            text.append(ch.delta.content or "")
+            reason = ch.finish_reason or reason
+    return "".join(text), reason
+
+
+def test_json_object_answers_parse_as_json_objects(server):
+    c = server.client("alice")
+    r = _chat(c, response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop", r
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    text, reason = _streamed(c, response_format={"type": "json_object"})
+    assert reason == "stop" and text == r.choices[0].message.content
+
+
+def test_strict_json_schema_answers_validate(server):
+    c = server.client("alice")
+    r = _chat(c, response_format=STRICT)
+    assert r.choices[0].finish_reason == "stop", r
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    text, reason = _streamed(c, response_format=STRICT)
+    assert reason == "stop"
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_completions_take_response_format_too(server):
+    c = server.client("alice")
+    r = c.completions.create(model=MODEL, prompt="A person: ", max_tokens=64, temperature=0,
+                             extra_body={"response_format": STRICT})
+    assert r.choices[0].finish_reason == "stop", r
+    jsonschema.validate(json.loads(r.choices[0].text), PERSON)
+
+
+def test_the_clients_parse_returns_the_model_object(server):
+    r = server.client("alice").chat.completions.parse(model=MODEL, messages=ASK, response_format=Person,
+                                                      temperature=0, max_tokens=96)
+    person = r.choices[0].message.parsed
+    assert isinstance(person, Person) and person.city in ("Paris", "London", "Tokyo"), r
+
+
+def test_a_length_cut_is_reported_as_length(server):
+    r = _chat(server.client("alice"), response_format=STRICT, max_tokens=3)
+    assert r.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("fmt,words", [
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "dependentSchemas": {"a": {}}}}},
+     "dependentSchemas"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}}},
+     "look-around"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}, "objekt"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}, "nowhere"),
+    ({"type": "json_schema", "json_schema": {"name": "x"}}, "json_schema.schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}, "json_schema.schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}}, "json_schema.schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": ["y" * (64 << 10)]}}}, "larger than"),
+    ({"type": "json_schema", "json_schema": {"schema": PERSON}}, "json_schema.name"),
+    ({"type": "json_schema"}, "json_schema"),
+    ({"type": "regex"}, "response_format.type"),
+])
+def test_a_schema_the_server_cannot_enforce_is_a_400_naming_it(server, fmt, words):
+    for create in (lambda c: _chat(c, response_format=fmt),
+                   lambda c: c.completions.create(model=MODEL, prompt="hi", max_tokens=4,
+                                                  extra_body={"response_format": fmt})):
+        with pytest.raises(openai.BadRequestError) as e:
+            create(server.client("alice"))
+        assert e.value.body["param"] == "response_format", e.value.body
+        assert words in e.value.body["message"], e.value.body
+
+
+def test_response_format_text_is_plain_output(server):
+    c = server.client("alice")
+    a = _chat(c, response_format={"type": "text"}, max_tokens=16)
+    b = _chat(c, max_tokens=16)
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_the_compile_cache_is_per_tenant_scope(make_server):
+    srv = make_server()    # its own engine: a cache no other test has filled
+    schema = {"type": "json_schema", "json_schema": {"name": "p", "schema": {**PERSON, "title": "scoped"}}}
+
+    def stats() -> dict:
+        srv.wait_idle()
+        return dict(srv.engine.snapshot.get("grammar_cache", {}))
+
+    for who in ("alice", "alice2"):           # two keys of one tenant: one scope
+        _chat(srv.client(who), response_format=schema, max_tokens=4)
+    assert (stats()["hits"], stats()["misses"]) == (1, 1)
+    _chat(srv.client("bob"), response_format=schema, max_tokens=4)
+    assert (stats()["hits"], stats()["misses"]) == (1, 2)      # bob compiled his own
+    for who in ("pub1", "pub2"):              # tenants that opted into one public prefix scope share it
+        _chat(srv.client(who), response_format=schema, max_tokens=4)
+    assert (stats()["hits"], stats()["misses"]) == (2, 3)
+    assert stats()["scopes"] == 3
