@@ -53,8 +53,10 @@ FAULTS: dict[str, str] = {
                       "(containment: only that request fails)",
     "poison_forward": "a forward pass that includes a request whose prompt contains token id ARG raises; ARG 'all': "
                       "every forward pass raises (the engine is broken and the process exits)",
-"poison_link": "the KV link's work on a request whose prompt contains token id ARG raises (prefill: while "
+    "poison_link": "the KV link's work on a request whose prompt contains token id ARG raises (prefill: while "
                    "staging its rows; decode: while opening its pulled rows); containment: only that request fails",
+    "skip_boot_check": "a PD node serves a request the router addressed to an earlier boot of it, before the router "
+                       "checked the restarted process (I8)",
     "skip_manifest_check": "decode takes a handoff without checking it is for this request, tenant, token count "
                            "and model (I4, I5)",
     "attend_reserved_length": "the incident's decode: after a transfer it treats the whole prompt as computed, "

@@ -64,6 +64,15 @@ HEARTBEAT_S = 1.0
 MAX_INTERNAL_BODY_BYTES = 16 << 20
 
 
+def unchecked_boot(expected: str | None, boot: str | None) -> str | None:
+    """Why a request the router addressed to boot `expected` may not run on this process
+    (boot `boot`), or None: a restarted node serves only once the router checked it (I8)."""
+    if expected is None or expected == boot or faults.active("skip_boot_check"):
+        return None
+    return (f"this node is boot {boot}, the router checked boot {expected}: it takes requests once the router has "
+            f"checked it again")
+
+
 def build_node_engine(config: EngineConfig, settings: PDSettings, loaded=None):
     """Runs in the engine thread: the engine, then its KV link on a Mooncake transport."""
     from kvfence.engine.llm_engine import LLMEngine
@@ -154,10 +163,9 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
             raise APIError(503, "node is draining: it takes no new request", code="draining")
 
     def _refuse_if_unchecked(body: PrefillBody) -> None:
-        boot = (loop.facts or {}).get("pd", {}).get("boot_id")
-        if body.expect_boot is not None and body.expect_boot != boot:
-            raise APIError(503, f"this node is boot {boot}, the router checked boot {body.expect_boot}: it takes "
-                                "requests once the router has checked it again", code="not_ready")
+        why = unchecked_boot(body.expect_boot, (loop.facts or {}).get("pd", {}).get("boot_id"))
+        if why:
+            raise APIError(503, why, code="not_ready")
 
     def _params(body: PrefillBody):
         try:   # WireParams bounds every field already; SamplingParams' own checks are the last word

@@ -97,6 +97,19 @@ class NodeError(RuntimeError):
 RETRY_CODES = frozenset({"node_unavailable", "node_failed", "server_overloaded", "not_ready", "draining"})
 
 
+def may_retry_prefill(code: str, holds_kv: bool, tried: int) -> bool:
+    """Prefill once more on another node? Only the first failure, and only before the node
+    held the KV (what it had is its own: it aborts the request when the stream drops)."""
+    return not holds_kv and not tried and code in RETRY_CODES
+
+
+def may_retry_decode(code: str, retryable: bool, admitted: bool, tried: int) -> bool:
+    """Decode once more on another node? Only the first failure, and only if the node never
+    took the request (not reached, or refused for load or state before admitting it):
+    prefill still holds the rows under the same lease, and nothing reached the client."""
+    return not admitted and not tried and retryable and code in RETRY_CODES
+
+
 @dataclass
 class _Flight:
     """One request's progress through the handoff, for its cleanup."""
@@ -379,7 +392,7 @@ class RouterBackend:
                 return
             except (NodeError, httpx.HTTPError) as e:
                 code = e.code if isinstance(e, NodeError) else "node_failed"
-                retry = flight.manifest is None and not tried and code in RETRY_CODES
+                retry = may_retry_prefill(code, flight.manifest is not None, len(tried))
                 if not retry or self.fleet.pick_prefill(scope, body.prompt_ids, self.fleet.reference.page_size,
                                                         frozenset({node.url})) is None:
                     raise
@@ -414,7 +427,7 @@ class RouterBackend:
                     await self._decode(body, flight, handle, admitted, n_prompt, node)
                 return
             except NodeError as e:
-                retry = not admitted.done() and not tried and e.retryable and e.code in RETRY_CODES
+                retry = may_retry_decode(e.code, e.retryable, admitted.done(), len(tried))
                 if not retry or self.fleet.pick_decode(frozenset({node.url})) is None:
                     raise
                 log.warning("request %s: decode on %s failed before admitting it (%s: %s); trying another decode node",

@@ -53,7 +53,7 @@ class NetworkAdversary:
         st = node.link.staging
         for i, row in enumerate(rows):
             self.sim._check(not torch.equal(st.buf[row, :st.data_bytes], life.truth[i]), "I10",
-                            f"{node.role}'s registered row {row} holds {life.rid}'s page {i} in the clear")
+                            f"{node.name}'s registered row {row} holds {life.rid}'s page {i} in the clear")
 
     def read(self, node: Node) -> None:
         """Everything it can reach: both nodes' registered buffers."""
@@ -79,11 +79,11 @@ class NetworkAdversary:
                     self._no_plaintext(node, life, list(p.rows.pages))
         if not node.reused_memory:
             free = [int(r) for r in (led.state == FREE).nonzero()[0] if r != 0
-                    and self.dirty.get((node.role, node.boot, int(r))) != int(led.epoch[r])]
+                    and self.dirty.get((node.name, node.boot, int(r))) != int(led.epoch[r])]
             if free:
                 bad = [r for r in free if buf[r].any()]
-                self.sim._check(not bad, "I10", f"free rows {bad} of {node.role}'s transfer buffer are not zeroed")
-        self.sim._log(f"ADVERSARY reads {node.role}'s transfer buffer")
+                self.sim._check(not bad, "I10", f"free rows {bad} of {node.name}'s transfer buffer are not zeroed")
+        self.sim._log(f"ADVERSARY reads {node.name}'s transfer buffer")
 
     def _victim(self, node: Node, row: int) -> Life | None:
         led = node.link.staging.ledger
@@ -96,7 +96,7 @@ class NetworkAdversary:
         return None
 
     def _mark(self, node: Node, row: int) -> None:
-        self.dirty[(node.role, node.boot, row)] = int(node.link.staging.ledger.epoch[row])
+        self.dirty[(node.name, node.boot, row)] = int(node.link.staging.ledger.epoch[row])
         life = self._victim(node, row)
         if life is not None:
             life.excuses.add("adversary")
@@ -112,7 +112,7 @@ class NetworkAdversary:
         if torch.equal(before, st.buf[row, start:start + n]):
             st.buf[row, start] ^= 0x01   # never a no-op write
         self._mark(node, row)
-        self.sim._log(f"ADVERSARY writes {n} bytes into {node.role}'s row {row}")
+        self.sim._log(f"ADVERSARY writes {n} bytes into {node.name}'s row {row}")
 
     def splice(self, node: Node) -> None:
         st = node.link.staging
@@ -122,7 +122,7 @@ class NetworkAdversary:
             return
         st.buf[dst] = st.buf[src]
         self._mark(node, dst)
-        self.sim._log(f"ADVERSARY copies {node.role}'s row {src} over row {dst}")
+        self.sim._log(f"ADVERSARY copies {node.name}'s row {src} over row {dst}")
 
     def replay(self, node: Node) -> None:
         """An internal message delivered once already, delivered again (the credential is
@@ -132,7 +132,7 @@ class NetworkAdversary:
             return
         m = self.rng.choice(self.sim.delivered)
         self.sim.msgs.append(m)
-        self.sim._log(f"ADVERSARY replays {m.kind} {m.rid} -> {m.role}")
+        self.sim._log(f"ADVERSARY replays {m.kind} {m.rid} -> {m.node}")
 
     def forge(self, node: Node) -> None:
         """An internal call under a made-up credential: the node's check refuses it."""
@@ -140,4 +140,4 @@ class NetworkAdversary:
         accepted = check_control(self.sim.settings.cluster_secret, presented)
         self.sim._check(not accepted, "I11", "a node accepted an internal call under a forged credential")
         self.sim.stats["adversary_forged_refused"] += 1
-        self.sim._log(f"ADVERSARY forges an internal call to {node.role}: refused")
+        self.sim._log(f"ADVERSARY forges an internal call to {node.name}: refused")

@@ -42,16 +42,24 @@ from kvfence.engine.params import SamplingParams
 from kvfence.engine.request_states import TERMINAL, State
 from kvfence.kv.ledger import PageState
 from kvfence.kv.pool import page_bytes
+from kvfence.pd.capacity import plan_fleet
 from kvfence.pd.decode import KvImporter
+from kvfence.pd.drain import idle as drained_idle
+from kvfence.pd.fleet import Fleet
 from kvfence.pd.manifest import ManifestError
+from kvfence.pd.messages import NodeInfo
+from kvfence.pd.node import unchecked_boot
 from kvfence.pd.prefill import KvExporter
+from kvfence.pd.router import may_retry_decode, may_retry_prefill
 from kvfence.pd.settings import PDSettings
 from kvfence.pd.transfer import InProcessTransport
+from kvfence.server.engine_loop import engine_facts
 from kvfence.sim.adversary import NetworkAdversary
 from kvfence.sim.transport import FAILING_FATES, SimPull, SimTransport, SimWorkers
 
 _uids = itertools.count(1)
 SIM_SECRET = b"the simulated cluster's secret (32+ bytes)"
+POLL_S = 1.0   # the router's monitor asks every node for /internal/info this often (RouterBackend.poll_s)
 
 # PageState values as plain ints: an enum attribute lookup costs microseconds, and the
 # checks below do thousands per step
@@ -67,8 +75,9 @@ EXPLAINED_BY = {
     "kv_transfer_timeout": {"slow"},
     "lease_expired": {"slow"},
     "node_failed": {"crash"},
-    "node_unavailable": {"crash"},
-    "not_ready": {"crash"},
+    "node_unavailable": {"crash", "fleet"},
+    "not_ready": {"crash", "fleet"},
+    "draining": {"fleet"},
     "kv_pool_exhausted": {"known_bug_pool_held_outside_scheduler"},
 }
 
@@ -139,11 +148,19 @@ class SimConfig:
     drain_steps: int = 20_000       # a drain longer than this is a livelock
     trace_len: int = 300
     trace_all: bool = False         # print every step as it happens
+    # the fleet (kvfence/pd/fleet.py routes across it): nodes per role, drains (a node takes
+    # nothing new, finishes, exits, restarts), and restarts that come up misconfigured (a pool
+    # below the advertised context: the router must refuse the node, I8)
+    prefill_nodes: int = 1
+    decode_nodes: int = 1
+    w_drain: float = 0.0
+    misconfigured: float = 0.0      # share of restarts that come up with a pool below the advertised context
 
     @classmethod
-    def draw(cls, seed: int, lives: int = 1000, **overrides) -> SimConfig:
+    def draw(cls, seed: int, lives: int = 1000, fleet: bool = False, **overrides) -> SimConfig:
         """A configuration drawn from the seed, so that a campaign covers many regimes: pool
-        and buffer sizes, concurrency, chunking, crash, abort and transfer-fault rates."""
+        and buffer sizes, concurrency, chunking, crash, abort and transfer-fault rates; with
+        `fleet`, 2-4 prefill and 2-4 decode nodes, drains and misconfigured restarts too."""
         r = random.Random(f"config-{seed}")
         ps = 4
         ctx = r.choice([32, 48, 64, 96])
@@ -170,6 +187,11 @@ class SimConfig:
             kw.update(prefill_rows=kw["prefill_pages"], decode_rows=kw["decode_pages"])
         # a network adversary in most campaigns (drawn last: the other draws stay as they were)
         kw["w_adversary"] = r.choice([0.0, 0.02, 0.1, 0.3])
+        if fleet:   # drawn after everything else, from its own stream: the rest is as without it
+            f = random.Random(f"fleet-{seed}")
+            kw.update(prefill_nodes=f.randint(2, 4), decode_nodes=f.randint(2, 4),
+                      w_crash=f.choice([0.002, 0.006, 0.012]), w_drain=f.choice([0.002, 0.006, 0.02]),
+                      misconfigured=f.choice([0.0, 0.2, 0.5]), concurrency=f.randint(4, 16))
         kw.update(overrides)
         return cls(**kw)
 
@@ -202,9 +224,17 @@ class Life:
     manifest: dict | None = None  # what the router got from prefill
     held: dict | None = None      # the manifest prefill produced (even if the router was gone by then)
     truth: torch.Tensor | None = None  # the staged rows' data bytes at kv_held: what decode must end up with
+    p_node: str = ""              # the prefill node it was routed to (its name; "" before routing)
     p_boot: int = -1
     p_owner: int = -1             # the prefill Sequence's owner number (its pages' and rows' owner)
+    d_node: str = ""
     d_boot: int = -1
+    p_tries: int = 0              # nodes tried (RouterBackend._prefill_on_some_node / _decode_on_some_node)
+    d_tries: int = 0
+    p_excluded: set = field(default_factory=set)
+    d_excluded: set = field(default_factory=set)
+    p_flight: object = None       # the fleet Node counting it in flight (kvfence/pd/router._routed)
+    d_flight: object = None
     d_owner: int = -1
     p_sink: bool = False          # the prefill node's stream for it is open
     d_sink: bool = False
@@ -230,15 +260,18 @@ class Life:
 class Msg:
     kind: str          # release | abort (router -> prefill /internal/*), stop_pull (router -> decode, then its
                        # answer goes on to prefill as an abort), drop (the router's stream closed)
-    role: str
+    node: str          # the node's name
     rid: str
     boot: int          # the node process the message was sent to
     reader_stopped: bool = False
 
 
 class Node:
-    def __init__(self, sim: Simulation, role: str):
-        self.sim, self.role = sim, role
+    def __init__(self, sim: Simulation, role: str, name: str):
+        self.sim, self.role, self.name = sim, role, name
+        self.fnode = None      # the router's record of it (kvfence/pd/fleet.Node)
+        self.draining = False  # told to drain: takes nothing new, exits once idle (kvfence/pd/drain.py)
+        self.small = False     # this boot came up with a pool below the advertised context (I8: refused)
         self.boot = 0
         self.engine: LLMEngine | None = None
         self.link = None
@@ -310,7 +343,6 @@ class Simulation:
         self.settings = PDSettings("prefill", lease_s=cfg.lease_s, max_pull_s=cfg.max_pull_s,
                                    pull_give_up_s=cfg.pull_give_up_s, clock_skew_s=cfg.clock_skew_s,
                                    transfer_timeout_s=min(5, int(cfg.max_pull_s)), cluster_secret=SIM_SECRET)
-        self.p_source: dict | None = None   # the router's view of prefill's transfer source (/internal/info)
         self.true_skew = cfg.clock_skew_s if cfg.true_skew is None else cfg.true_skew
         self.now = 1000.0
         self.step_no = 0
@@ -342,17 +374,31 @@ class Simulation:
         # would be possible if the cache were not tenant-scoped (I9)
         self.prefixes = [[self.rng.randrange(2, vocab) for _ in range(self.rng.randint(3, 6) * cfg.page_size)]
                          for _ in range(3)]
-        self.nodes = {"prefill": Node(self, "prefill"), "decode": Node(self, "decode")}
+        names = {role: [role] + [f"{role}-{i}" for i in range(2, count + 1)]
+                 for role, count in (("prefill", cfg.prefill_nodes), ("decode", cfg.decode_nodes))}
+        self.nodes = {name: Node(self, role, name) for role, ns in names.items() for name in ns}
         for node in self.nodes.values():
             self._start(node, None)
+        # the router's start-up check and fleet: the real code (kvfence/pd/capacity.py, fleet.py)
+        chk = plan_fleet(None, {n.name: (n.role, self._info(n)) for n in self.nodes.values()}, clamp=False)
+        if not chk.ok or chk.reference is None:
+            raise ValueError(f"the simulated fleet fails its start-up check: {chk.note}")
+        self.advertised = chk.usable_context
+        self.fleet = Fleet(names, chk.usable_context, chk.reference)
+        for node in self.nodes.values():
+            node.fnode = self.fleet.by_url(node.name)
+        self._poll()
         self.started_at = time.perf_counter()
 
     # -- nodes ------------------------------------------------------------------------------
-    def _engine_config(self, role: str) -> EngineConfig:
+    def _engine_config(self, role: str, small: bool = False) -> EngineConfig:
         c = self.cfg
         pb = page_bytes(self.loaded.model.config, c.page_size, torch.float32)
         pages = c.prefill_pages if role == "prefill" else c.decode_pages
         ctx = c.context if role == "prefill" else (c.decode_context or c.context)
+        if small:   # the incident's configuration: less KV memory than the fleet advertises
+            ctx = max(4 * c.page_size, ctx // 2)
+            pages = ctx // c.page_size + 1
         return EngineConfig(dtype="float32", device="cpu", page_size=c.page_size, kv_cache_memory=(pages + 1) * pb,
                             max_model_len=ctx, scrub="none", audit_reads=True, num_threads=1, progress=False,
                             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_batched_tokens,
@@ -363,10 +409,11 @@ class Simulation:
         before a crash whose memory the new one gets back, registered at the same address."""
         c = self.cfg
         node.boot += 1
-        eng = LLMEngine(self._engine_config(node.role), self.loaded)
+        node.draining = False
+        eng = LLMEngine(self._engine_config(node.role, node.small), self.loaded)
         node.offset = self.rng.uniform(-self.true_skew / 2, self.true_skew / 2)
         eng.clock = node.clock
-        name = old[0].session_id if old else f"sim{self.uid}:{node.role}:{node.boot}"
+        name = old[0].session_id if old else f"sim{self.uid}:{node.name}:{node.boot}"
         tr = InProcessTransport(name)
         st = PDSettings(node.role, transfer_buffer_pages=c.prefill_rows if node.role == "prefill" else c.decode_rows,
                         lease_s=c.lease_s, max_pull_s=c.max_pull_s, pull_give_up_s=c.pull_give_up_s,
@@ -389,17 +436,37 @@ class Simulation:
         node.engine, node.link, node.transport = eng, link, tr
         node.down_until = None
         node.reused_memory = node.reused_memory or old is not None
-        if node.role == "prefill":  # the router's monitor reads the new boot's facts
-            self.p_source = {"session": tr.session_id, "base": link.base, "boot_id": link.boot_id}
 
-    def _boot_of(self, role: str) -> int:
-        node = self.nodes[role]
+    def _info(self, node: Node) -> NodeInfo:
+        """The node's /internal/info answer (kvfence/pd/node.py)."""
+        snap = node.engine.stats()
+        snap["draining"] = node.draining
+        return NodeInfo.from_json({**engine_facts(node.engine), "snapshot": snap})
+
+    def _poll(self) -> None:
+        """The router's monitor (RouterBackend.run_monitor): every node's facts, checked (I8)."""
+        for node in self.nodes.values():
+            before = node.fnode.state
+            if node.up:
+                self.fleet.observe(node.fnode, self._info(node))
+            else:
+                self.fleet.observe(node.fnode, None, "does not answer (ConnectError)")
+            if node.fnode.state != before:
+                self.stats[f"fleet_{node.role}_{node.fnode.state}"] += 1
+                self._log(f"monitor: {node.name} {before} -> {node.fnode.state}"
+                          f"{' (' + node.fnode.reason + ')' if node.fnode.reason else ''}")
+        self.next_poll = self.now + POLL_S
+
+    def _boot_of(self, name: str) -> int:
+        node = self.nodes[name]
         return node.boot if node.up else -1
 
-    def _crash(self, node: Node) -> None:
+    def _crash(self, node: Node, drained: bool = False) -> None:
+        """The node's process ends: killed, or (drained) exiting 0 after a drain, which
+        releases its memory and leaves nothing behind that a request needs."""
         old_link, old_tr = node.link, node.transport
-        reuse = self.rng.random() < self.cfg.reuse_memory
-        self.stats[f"crash_{node.role}"] += 1
+        reuse = not drained and self.rng.random() < self.cfg.reuse_memory
+        self.stats[f"{'drained' if drained else 'crash'}_{node.role}"] += 1
         if node.role == "decode":
             self.stats["pulls_died_with_decode"] += self.transport.forget_importer(old_link)
         if not reuse:
@@ -408,32 +475,61 @@ class Simulation:
         downtime = self.rng.choice([0.0, 0.0, self.rng.uniform(0.1, 3.0)])
         node.down_until = self.now + downtime
         node.reuse = (old_tr, old_link.staging.buf) if reuse else None
-        self._log(f"CRASH {node.role} (boot {node.boot}); memory {'kept, un-zeroed' if reuse else 'released'}; "
-                  f"down {downtime:.2f}s")
+        self._log(f"{'EXIT (drained)' if drained else 'CRASH'} {node.name} (boot {node.boot}); memory "
+                  f"{'kept, un-zeroed' if reuse else 'released'}; down {downtime:.2f}s")
         # the router: every stream this node held drops
         for life in list(self.open):
-            if node.role == "prefill" and life.p_boot == node.boot and not life.verified:
+            on_p = life.p_node == node.name and life.p_boot == node.boot
+            on_d = life.d_node == node.name and life.d_boot == node.boot
+            if drained:   # its hold lives until decode's ACK or the lease (then the request fails anyway)
+                needed = on_p and (life.stage == "prefill" or (
+                    not life.verified and life.held is not None and node.clock() < life.held["lease_deadline"]))
+                self._check(not (needed or (on_d and life.stage == "decode")), "drain",
+                            f"{node.name} exited after draining while {life.rid} (stage {life.stage}) still needed it")
+            if on_p and not life.verified:
                 life.excuses.add("crash")
-                if life.stage == "prefill":
-                    self._answer(life, "error", "node_failed")
-            if node.role == "decode" and life.d_boot == node.boot:
+                if life.stage == "prefill":   # died before holding the KV: another node may take it
+                    self._prefill_failed(life, "node_failed", "the prefill node closed the stream before holding "
+                                                              "the KV")
+            if on_d:
                 life.excuses.add("crash")
                 if life.stage == "decode":
                     self._answer(life, "error", "node_failed")
         for life in self.lives.values():
-            if node.role == "prefill" and life.p_boot == node.boot:
+            if life.p_node == node.name and life.p_boot == node.boot:
                 life.p_sink = False
-            if node.role == "decode" and life.d_boot == node.boot:
+            if life.d_node == node.name and life.d_boot == node.boot:
                 life.d_sink = False
         # messages in flight to the dead process are lost
-        self.msgs = [m for m in self.msgs if not (m.role == node.role and m.boot == node.boot)]
+        self.msgs = [m for m in self.msgs if not (m.node == node.name and m.boot == node.boot)]
         if downtime == 0.0:
             self._restart(node)
 
     def _restart(self, node: Node) -> None:
+        # a restart may come up misconfigured (only drawn when the configuration asks for it,
+        # so that other configurations replay as before)
+        node.small = bool(self.cfg.misconfigured) and self.rng.random() < self.cfg.misconfigured
         self._start(node, getattr(node, "reuse", None))
         node.reuse = None
-        self._log(f"RESTART {node.role} (boot {node.boot})")
+        small = " with a pool below the advertised context" if node.small else ""
+        self._log(f"RESTART {node.name} (boot {node.boot}){small}")
+
+    def _drain_node(self, node: Node) -> None:
+        """POST /internal/drain (or SIGTERM): no new request; the node exits once idle."""
+        node.draining = True
+        self.stats[f"drain_{node.role}"] += 1
+        self._log(f"DRAIN {node.name} (boot {node.boot})")
+
+    def _exit_if_drained(self, node: Node) -> None:
+        """kvfence/pd/drain.py: the node exits once no stream is open on it and its engine and
+        link have nothing a request still needs."""
+        if not (node.up and node.draining):
+            return
+        streams = sum(1 for lf in self.lives.values()
+                      if (lf.p_sink and lf.p_node == node.name and lf.p_boot == node.boot)
+                      or (lf.d_sink and lf.d_node == node.name and lf.d_boot == node.boot))
+        if not streams and drained_idle(node.engine.stats()):
+            self._crash(node, drained=True)
 
     def _watch_unservable(self, node: Node, eng: LLMEngine) -> None:
         """Observe, when the scheduler gives up on a request (kv_pool_exhausted), whether pool
@@ -547,6 +643,8 @@ class Simulation:
         for node in self.nodes.values():
             if not node.up and node.down_until is not None and self.now >= node.down_until:
                 self._restart(node)
+        if self.now >= self.next_poll:
+            self._poll()
         acts = self._actions()
         weights = [a[0] for a in acts]
         _, fn, args = self.rng.choices(acts, weights)[0]
@@ -555,6 +653,8 @@ class Simulation:
         if fn != self._step_node:
             for node in self.nodes.values():
                 node.stalled = False
+        for node in list(self.nodes.values()):
+            self._exit_if_drained(node)
         # moving the clock or queueing a notice changes nothing the checks look at, unless a
         # pull ran on the way (its hard deadline)
         if self._moved or fn not in (self._tick, self._jump, self._deliver_notice):
@@ -562,16 +662,16 @@ class Simulation:
 
     def _actions(self) -> list:
         c, acts = self.cfg, []
-        p, d = self.nodes["prefill"], self.nodes["decode"]
         if not self.draining:
             if len(self.open) < c.concurrency and self.arrived < c.lives:
                 acts.append((3.0, self._arrive, ()))
             if self.open:
                 acts.append((c.w_abort, self._client_abort, ()))
-            if c.w_crash:
-                for node in (p, d):
-                    if node.up:
-                        acts.append((c.w_crash, self._crash, (node,)))
+            for node in self.nodes.values():
+                if node.up and c.w_crash:
+                    acts.append((c.w_crash, self._crash, (node,)))
+                if node.up and c.w_drain and not node.draining:
+                    acts.append((c.w_drain, self._drain_node, (node,)))
             if c.w_adversary:
                 acts.append((c.w_adversary, self.adversary.act, ()))
         acts += self._progress_actions()
@@ -663,47 +763,130 @@ class Simulation:
         over = " (over-length)" if life.over_p or life.over_d else ""
         self._log(f"arrive {life.rid} {life.tenant} prompt {n} max_tokens {max_tokens}{over}"
                   f"{'' if checked else ' (router check skipped)'}")
-        p, d = self.nodes["prefill"], self.nodes["decode"]
-        if not (p.up and d.up):
-            life.excuses.add("crash")
+        if not self.fleet.ready:   # RouterBackend.submit
+            life.excuses |= {"crash", "fleet"}
             return self._answer(life, "error", "not_ready")
-        if checked and not faults.active("skip_router_admission") and n + max_tokens > limit:
+        if checked and not faults.active("skip_router_admission") and n + max_tokens > self.advertised:
             return self._answer(life, "error", "context_length_exceeded", where="router")
         if n < 2:
             life.stage = "handoff"   # the router sends a one-token prompt straight to decode
             return
-        life.p_boot = p.boot
+        self._route_prefill(life)
+
+    def _refused(self, life: Life, node: Node) -> tuple[str, str] | None:
+        """What a node answers before its stream opens (kvfence/pd/node.py and the router's
+        _open): unreachable, draining, or another boot than the router checked; None when it
+        takes the request."""
+        if not node.up:
+            life.excuses.add("crash")
+            return "node_unavailable", "unreachable (ConnectError)"
+        if node.draining:
+            life.excuses.add("fleet")
+            return "draining", "node is draining"
+        why = unchecked_boot(node.fnode.boot_id, node.link.boot_id)
+        if why:
+            self.stats["fleet_unchecked_boot_refused"] += 1
+            life.excuses.add("fleet")
+            self.fleet.recheck(node.fnode, why)
+            return "not_ready", "a boot the router has not checked"   # (boot ids are random: not in the trace)
+        return None
+
+    def _route_prefill(self, life: Life) -> None:
+        """RouterBackend._prefill_on_some_node: the fleet picks; a node that refuses before
+        taking the request, or dies before holding its KV, costs one retry on another."""
+        fn = self.fleet.pick_prefill(life.tenant, life.ids, self.fleet.reference.page_size,
+                                     frozenset(life.p_excluded))
+        if fn is None:
+            life.excuses.add("fleet")
+            return self._answer(life, "error", "node_unavailable", where="router")
+        p = self.nodes[fn.url]
+        life.p_node, life.p_boot, life.p_flight = p.name, p.boot, fn
+        fn.in_flight += 1
+        fn.routed += 1
+        refused = self._refused(life, p)
+        if refused is not None:
+            self._log(f"  {p.name} refuses {life.rid}: {refused[1]}")
+            return self._prefill_failed(life, *refused)
+        n, max_tokens = len(life.ids), life.params.max_tokens
         granted = p.engine.ledger.counters["pages_allocated"]
         try:
-            seq = p.engine.add_request(ids, params, tenant=life.tenant, request_id=life.rid, hold_kv=True)
+            seq = p.engine.add_request(life.ids, life.params, tenant=life.tenant, request_id=life.rid, hold_kv=True)
         except ContextLengthExceeded:
             self._check(p.engine.ledger.counters["pages_allocated"] == granted and life.rid not in p.engine.requests,
                         "I4", f"prefill allocated for {life.rid} although it rejected it")
-            return self._answer(life, "error", "context_length_exceeded", where="prefill")
+            self._unroute(life, "p")
+            return self._answer(life, "error", "context_length_exceeded", where=p.name)
         except ValueError as e:
             self.fail("router", f"prefill refused {life.rid}: {e}")
-        self._check(not life.over_p or not self.cfg.check_admission, "I4",
-                    f"prefill admitted {life.rid} although prompt + max_tokens = {n + max_tokens} exceeds its "
-                    f"usable context {ctx_p} (seq state {seq.state.value})")
+        self._check(n + max_tokens <= p.engine.usable_context or not self.cfg.check_admission, "I4",
+                    f"{p.name} admitted {life.rid} although prompt + max_tokens = {n + max_tokens} exceeds its "
+                    f"usable context {p.engine.usable_context} (seq state {seq.state.value})")
         life.p_owner = seq.owner.request
-        self._names[seq.owner.request] = f"{life.rid}@prefill"
+        self._names[seq.owner.request] = f"{life.rid}@{p.name}"
         p.poked = True
         life.p_sink = True
         life.stage = "prefill"
+        self._log(f"  {life.rid} -> {p.name}")
+
+    def _prefill_failed(self, life: Life, code: str, message: str) -> None:
+        """A prefill attempt failed before the KV was held: retry on another node if the
+        router would, else answer the client."""
+        self._unroute(life, "p")
+        life.p_sink = False
+        life.p_excluded.add(life.p_node)
+        retry = may_retry_prefill(code, life.manifest is not None, life.p_tries)
+        life.p_tries += 1
+        other = self.fleet.pick_prefill(life.tenant, life.ids, self.fleet.reference.page_size,
+                                        frozenset({life.p_node}))
+        if retry and other is not None:
+            self._log(f"  {life.rid}: prefill on {life.p_node} failed ({code}); trying another")
+            life.stage = "new"
+            return self._route_prefill(life)
+        self._answer(life, "error", code, where=life.p_node)
+
+    def _unroute(self, life: Life, side: str) -> None:
+        """The router's _routed context ends: the node no longer counts this request."""
+        fn = getattr(life, f"{side}_flight")
+        if fn is not None:
+            fn.in_flight -= 1
+            setattr(life, f"{side}_flight", None)
 
     def _handoff(self) -> None:
         life = self.rng.choice([lf for lf in self.open if lf.stage == "handoff"])
-        d = self.nodes["decode"]
         self._log(f"router -> decode {life.rid}")
-        source = self.p_source
-        if life.manifest is not None and (source is None or source["boot_id"] != life.manifest["boot_id"]):
-            life.excuses.add("crash")   # kvfence/pd/router.py: the prefill node restarted after holding
-            return self._answer(life, "error", "node_failed")
-        life.decode_contacted = True
-        if not d.up:
-            life.excuses.add("crash")
-            return self._answer(life, "error", "node_unavailable")
-        life.d_boot = d.boot
+        source = None
+        if life.manifest is not None:   # RouterBackend._handoff: the prefill node's facts as the monitor saw them
+            info = self.fleet.by_url(life.p_node).info
+            if info is None or info.pd.boot_id != life.manifest["boot_id"]:
+                life.excuses.add("crash")   # the prefill node restarted after holding
+                return self._answer(life, "error", "node_failed")
+            source = {"session": info.pd.transfer_session, "base": info.pd.buffer_base, "boot_id": info.pd.boot_id}
+        self._route_decode(life, source)
+
+    def _route_decode(self, life: Life, source: dict | None) -> None:
+        """RouterBackend._decode_on_some_node: the fleet picks; a node that refuses before
+        admitting (or is unreachable) costs one retry on another, with the same handoff."""
+        fn = self.fleet.pick_decode(frozenset(life.d_excluded))
+        if fn is None:
+            life.excuses.add("fleet")
+            return self._answer(life, "error", "node_unavailable", where="router")
+        d = self.nodes[fn.url]
+        life.d_node, life.d_boot, life.d_flight = d.name, d.boot, fn
+        fn.in_flight += 1
+        fn.routed += 1
+        life.decode_contacted, life.reader_stopped = True, False
+        refused = self._refused(life, d)
+        if refused is not None:
+            code, why = refused
+            self._log(f"  {d.name} refuses {life.rid}: {why}")
+            life.reader_stopped = True   # refused or never reached: it never pulls
+            self._unroute(life, "d")
+            life.d_excluded.add(d.name)
+            retry = may_retry_decode(code, True, False, life.d_tries)
+            life.d_tries += 1
+            if retry and self.fleet.pick_decode(frozenset({d.name})) is not None:
+                return self._route_decode(life, source)
+            return self._answer(life, "error", code, where=d.name)
         kw = {"kv_source": {"manifest": dict(life.manifest), "source": source}} if life.manifest is not None else {}
         granted = (d.engine.ledger.counters["pages_allocated"], d.link.staging.ledger.counters["pages_allocated"])
         try:
@@ -711,22 +894,25 @@ class Simulation:
         except (ContextLengthExceeded, ManifestError) as e:
             now = (d.engine.ledger.counters["pages_allocated"], d.link.staging.ledger.counters["pages_allocated"])
             self._check(now == granted and life.rid not in d.engine.requests, "I4",
-                        f"decode reserved pages or rows for {life.rid} although it refused it")
+                        f"{d.name} reserved pages or rows for {life.rid} although it refused it")
             life.reader_stopped = True   # decode answered and refused: it never pulls
             if isinstance(e, ContextLengthExceeded):
-                return self._answer(life, "error", "context_length_exceeded", where="decode")
-            self._log(f"  decode refused the manifest: {e}")
+                return self._answer(life, "error", "context_length_exceeded", where=d.name)
+            self._log(f"  {d.name} refused the manifest: {e}")
             return self._answer(life, "error", "kv_manifest_invalid")
         except ValueError as e:
             self.fail("router", f"decode refused {life.rid}: {e}")
-        self._check(not life.over_d or not self.cfg.check_admission, "I4", f"decode admitted over-length {life.rid}")
+        need = len(life.ids) + life.params.max_tokens
+        self._check(need <= d.engine.usable_context or not self.cfg.check_admission, "I4",
+                    f"{d.name} admitted over-length {life.rid}")
         self._check(life.manifest is not None or len(life.ids) == 1, "I4",
                     f"{life.rid} reached decode without a manifest")
         life.d_owner = seq.owner.request
-        self._names[seq.owner.request] = f"{life.rid}@decode"
+        self._names[seq.owner.request] = f"{life.rid}@{d.name}"
         d.poked = True
         life.d_sink = True
         life.stage = "decode"
+        self._log(f"  {life.rid} -> {d.name}")
 
     def _client_abort(self) -> None:
         life = self.rng.choice(self.open)
@@ -736,9 +922,9 @@ class Simulation:
         self._answer(life, "gone")
         # the node whose stream the router held sees it close and aborts the request there
         if stage == "prefill":
-            self.msgs.append(Msg("drop", "prefill", life.rid, life.p_boot))
+            self.msgs.append(Msg("drop", life.p_node, life.rid, life.p_boot))
         elif stage == "decode":
-            self.msgs.append(Msg("drop", "decode", life.rid, life.d_boot))
+            self.msgs.append(Msg("drop", life.d_node, life.rid, life.d_boot))
 
     def _answer(self, life: Life, result: str, code: str | None = None, reason: str | None = None,
                 where: str | None = None) -> None:
@@ -748,6 +934,8 @@ class Simulation:
         life.router_live = False
         life.stage = "done"
         self.open.remove(life)
+        self._unroute(life, "p")
+        self._unroute(life, "d")
         key = "200 " + reason if result == "200" else ("client gone" if result == "gone" else f"error {code}")
         self.outcomes[key] += 1
         self._log(f"  answer {life.rid}: {key}{' at ' + where if where else ''}")
@@ -755,17 +943,18 @@ class Simulation:
             life.abort_posted = True
             stopped = life.reader_stopped or not life.decode_contacted
             if stopped:
-                self.msgs.append(Msg("abort", "prefill", life.rid, self._boot_of("prefill"), True))
+                self.msgs.append(Msg("abort", life.p_node, life.rid, self._boot_of(life.p_node), True))
             else:   # RouterBackend._settle_prefill: ask decode first
-                self.msgs.append(Msg("stop_pull", "decode", life.rid, life.d_boot))
+                self.msgs.append(Msg("stop_pull", life.d_node, life.rid, life.d_boot))
         self._judge(life, where)
 
     def _judge(self, life: Life, where: str | None) -> None:
         """A request ends with an error exactly when something the simulation injected
-        explains it; an over-length request never gets a 200 (I4)."""
+        explains it; an over-length request never gets a 200 (I4); one that fits the
+        advertised context never reaches a node too small for it (I8). `where`: the router
+        or the node that answered."""
         if life.result == "gone" or not self.cfg.check_admission:
             return
-        over = life.over_p if where in (None, "prefill", "router") and len(life.ids) >= 2 else life.over_d
         if life.result == "200":
             self._check(not (life.over_p or life.over_d), "I4", f"over-length {life.rid} got a 200")
             self._check(not life.must_fail, "I5", f"{life.rid} got a 200 although the simulation injected "
@@ -773,13 +962,19 @@ class Simulation:
             self._check(len(life.ids) < 2 or life.verified, "I5", f"{life.rid} got a 200 without a verified transfer")
             return
         if life.code == "context_length_exceeded":
-            if where == "router":
+            node = self.nodes.get(where or "")
+            need = len(life.ids) + life.params.max_tokens
+            if node is None:   # the router's own check
                 over = life.over_p or life.over_d
-            elif where == "decode":
-                over = life.over_d
+            else:
+                self._check(need > self.advertised, "I8",
+                            f"{life.rid} (prompt + max_tokens = {need}) fits the advertised context {self.advertised} "
+                            f"but was routed to {node.name}, whose usable context is {node.engine.usable_context}: "
+                            f"a node below the advertised context must be refused")
+                over = life.over_p if node.role == "prefill" else life.over_d
             self._check(over, "I4", f"{life.rid} was refused as over-length at {where} although it fits")
             return
-        self._check(not (life.over_p or life.over_d) or "crash" in life.excuses or "client_abort" in life.excuses,
+        self._check(not (life.over_p or life.over_d) or bool(life.excuses & {"crash", "client_abort", "fleet"}),
                     "I4", f"over-length {life.rid} was not refused with a 400 (got {life.code})")
         why = EXPLAINED_BY.get(life.code, set())
         self._check(bool(why & life.excuses), "outcome",
@@ -814,6 +1009,9 @@ class Simulation:
     def _on_prefill(self, node: Node, outs) -> None:
         for out in outs:
             life = self.lives[out.seq.request_id]
+            if (node.name, node.boot) != (life.p_node, life.p_boot):
+                self.fail("router", f"{node.name} (boot {node.boot}) has {life.rid}, which the router routed to "
+                                    f"{life.p_node} (boot {life.p_boot})")
             if out.finished:
                 life.p_sink = False
             if out.event == "kv_held":
@@ -827,15 +1025,19 @@ class Simulation:
                 if life.router_live and life.stage == "prefill":
                     life.manifest = m
                     life.stage = "handoff"
+                    self._unroute(life, "p")   # RouterBackend._prefill returns with the manifest
             elif out.finished and life.router_live and life.stage == "prefill":
                 code = out.seq.abort_code or "prefill_failed"
                 self._known_pool_bug(node, life, code)
                 self._log(f"  prefill failed {life.rid}: {out.seq.error}")
-                self._answer(life, "error", code, where="prefill")
+                self._prefill_failed(life, code, out.seq.error or code)
 
     def _on_decode(self, node: Node, outs) -> None:
         for out in outs:
             life = self.lives[out.seq.request_id]
+            if (node.name, node.boot) != (life.d_node, life.d_boot):
+                self.fail("router", f"{node.name} (boot {node.boot}) has {life.rid}, which the router routed to "
+                                    f"{life.d_node} (boot {life.d_boot})")
             if out.finished:
                 life.d_sink = False
             if out.event == "kv_verified":
@@ -902,7 +1104,7 @@ class Simulation:
         life.verified = True
         if life.router_live:
             life.released = True
-            self.msgs.append(Msg("release", "prefill", life.rid, self._boot_of("prefill")))
+            self.msgs.append(Msg("release", life.p_node, life.rid, self._boot_of(life.p_node)))
 
     # -- the transfer engine and messages -------------------------------------------------------------
     def _run_pull(self) -> None:
@@ -916,56 +1118,57 @@ class Simulation:
         n = self.rng.choice(self.transport.notices)
         self._log(f"notice of pull {n.pull_id} ({n.request_id}, ok={n.notice[1]}) delivered")
         self.transport.deliver(n)
-        self.nodes["decode"].poked = True   # the real pull wakes the engine loop (engine.wake())
+        for node in self.nodes.values():   # the real pull wakes its engine loop (engine.wake())
+            if node.link is n.importer:
+                node.poked = True
 
     def _deliver_msg(self) -> None:
         m = self.rng.choice(self.msgs)
         self.msgs.remove(m)
         self.delivered.append(m)
-        node = self.nodes[m.role]
+        node = self.nodes[m.node]
         life = self.lives[m.rid]
         if node.up and node.boot == m.boot:
             node.poked = True   # kvfence/server/engine_loop.py steps the engine after every command
         if not node.up or node.boot != m.boot:  # sent to a process that is gone (or was down): the POST failed
-            self._log(f"{m.kind} {m.rid} -> {m.role}: lost (node gone)")
+            self._log(f"{m.kind} {m.rid} -> {m.node}: lost (node gone)")
             if m.kind == "stop_pull":   # no answer: the router tells prefill a read may still run
-                self.msgs.append(Msg("abort", "prefill", m.rid, self._boot_of("prefill"), False))
+                self.msgs.append(Msg("abort", life.p_node, m.rid, self._boot_of(life.p_node), False))
             return
         if m.kind == "stop_pull":   # kvfence/pd/node.py /internal/stop_pull: abort, then the question
             if life.d_sink:
                 node.engine.abort(m.rid, "the router gave up on the request")
                 life.d_sink = False
             stopped = node.link.reader_stopped(m.rid)
-            self._log(f"stop_pull {m.rid} -> decode: reader_stopped={stopped}")
-            self.msgs.append(Msg("abort", "prefill", m.rid, self._boot_of("prefill"), stopped))
+            self._log(f"stop_pull {m.rid} -> {m.node}: reader_stopped={stopped}")
+            self.msgs.append(Msg("abort", life.p_node, m.rid, self._boot_of(life.p_node), stopped))
             return
         if m.kind == "drop":  # kvfence/pd/node.py: the stream closed before the request finished
-            open_ = life.p_sink if m.role == "prefill" else life.d_sink
-            self._log(f"{m.role} sees the router's stream for {m.rid} close{'' if open_ else ' (already done)'}")
+            open_ = life.p_sink if node.role == "prefill" else life.d_sink
+            self._log(f"{m.node} sees the router's stream for {m.rid} close{'' if open_ else ' (already done)'}")
             if open_:
                 node.engine.abort(m.rid, "router disconnected")
-                if m.role == "prefill":
+                if node.role == "prefill":
                     life.p_sink = False
                 else:
                     life.d_sink = False
         elif m.kind == "release":
             r = node.engine.release_kv(m.rid)
-            self._log(f"ACK {m.rid} -> prefill: {r}")
+            self._log(f"ACK {m.rid} -> {m.node}: {r}")
         else:
             # /internal/abort: the engine loop's abort (only while the prefill stream is open), then the link's
             if life.p_sink and life.p_boot == node.boot:
                 node.engine.abort(m.rid, "the request ended before decode verified the transfer")
                 life.p_sink = False
             r = node.engine.abort_kv(m.rid, m.reader_stopped, "the request ended before decode verified the transfer")
-            self._log(f"abort {m.rid} -> prefill (reader_stopped={m.reader_stopped}): {r}")
+            self._log(f"abort {m.rid} -> {m.node} (reader_stopped={m.reader_stopped}): {r}")
 
     # -- the checks -----------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        p, d = self.nodes["prefill"], self.nodes["decode"]
-        for node in (p, d):
+        for node in self.nodes.values():
             if node.up:
                 self._check_node(node)
-        self._check_in_flight(p, d)
+        self._check_in_flight()
 
     def _check_node(self, node: Node) -> None:
         eng, link, role = node.engine, node.link, node.role
@@ -1085,29 +1288,33 @@ class Simulation:
                     self._idle_with_work(node, f"decode goes idle with {s.request_id} waiting although its pages "
                                                f"and rows are free: it waits {until}")
 
-    def _check_in_flight(self, p: Node, d: Node) -> None:
+    def _check_in_flight(self) -> None:
         """I6: a pull still in flight may write its destination rows and read its source rows;
         none of them may be free or another request's, on either side."""
+        links = {id(n.link): n for n in self.nodes.values() if n.up}
+        sources = {n.link.boot_id: n for n in self.nodes.values() if n.up and n.role == "prefill"}
         for sp in self.transport.pending:
             if sp.pull.cancelled:   # given up before it began: begin_read refuses it, it reads nothing
                 continue
             meta = self._pull_meta[(sp.importer.boot_id, sp.pull_id)]
             owner, epochs, _ = meta
-            if d.up and sp.importer is d.link:
+            d = links.get(id(sp.importer))
+            if d is not None:
                 bad = [r for r, e in zip(sp.rows, epochs) if not self._row_held_by(d.link.staging.ledger, r, owner, e)]
                 if bad:
                     led = d.link.staging.ledger
-                    self.fail("I6", f"decode rows {bad} of {sp.request_id}'s pull {sp.pull_id}, still in flight, are "
+                    self.fail("I6", f"{d.name} rows {bad} of {sp.request_id}'s pull {sp.pull_id}, still in flight, are "
                                     f"{[PageState(led.state[r]).name for r in bad]} (owners "
                                     f"{[self._name(led.owner_request[r]) for r in bad]}): a late write would land "
                                     f"in them")
             m = sp.manifest
             life = self.lives.get(sp.request_id)
-            if p.up and life is not None and m.boot_id == p.link.boot_id:
+            p = sources.get(m.boot_id)
+            if p is not None and life is not None:
                 led = p.link.staging.ledger
                 bad = [r for r, e in zip(m.slots, m.epochs) if not self._row_held_by(led, r, life.p_owner, e)]
                 if bad:
-                    self.fail("I6", f"prefill rows {bad} that {sp.request_id}'s pull {sp.pull_id} (in flight) reads "
+                    self.fail("I6", f"{p.name} rows {bad} that {sp.request_id}'s pull {sp.pull_id} (in flight) reads "
                                     f"are "
                                     f"{[PageState(led.state[r]).name for r in bad]} (owners "
                                     f"{[self._name(led.owner_request[r]) for r in bad]}): the pull would read another "
@@ -1119,10 +1326,7 @@ class Simulation:
         the clock past every lease, give-up and fence."""
         self.draining = True
         self._log("DRAIN")
-        for node in self.nodes.values():
-            if not node.up:
-                self.now = max(self.now, node.down_until or self.now)
-                self._restart(node)
+        self._settle_nodes()
         idle_rounds = 0
         for _ in range(self.cfg.drain_steps):
             self.step_no += 1
@@ -1134,6 +1338,7 @@ class Simulation:
                 if fn != self._step_node:
                     for node in self.nodes.values():
                         node.stalled = False
+                self._settle_nodes()
                 self.check_invariants()
                 continue
             timers = [t - n.offset for n in self.nodes.values() if (t := n.engine.next_timer()) is not None]
@@ -1152,6 +1357,17 @@ class Simulation:
         else:
             self.fail("liveness", f"the cluster did not settle within {self.cfg.drain_steps} drain steps")
 
+    def _settle_nodes(self) -> None:
+        """In the final drain: drained nodes exit and every node that is down comes back at
+        once, so that what is in flight can finish; the monitor keeps polling."""
+        for node in self.nodes.values():
+            self._exit_if_drained(node)
+            if not node.up:
+                self.now = max(self.now, node.down_until or self.now)
+                self._restart(node)
+        if self.now >= self.next_poll:
+            self._poll()
+
     def final_checks(self) -> None:
         self._log("FINAL CHECKS")
         for node in self.nodes.values():
@@ -1164,19 +1380,21 @@ class Simulation:
         for node in self.nodes.values():
             eng, link = node.engine, node.link
             left = {rid: s.state.value for rid, s in eng.requests.items()}
-            self._check(not left, "liveness", f"{node.role}: requests not terminal at the end: {left}")
+            self._check(not left, "liveness", f"{node.name}: requests not terminal at the end: {left}")
             led = eng.ledger
             leaked = int((led.state == OWNED).sum()) + led.num_quarantined
             self._check(leaked == 0 and led.num_free + len(led._evictable) == led.usable_pages, "leak",
-                        f"{node.role}: {leaked} pool pages still owned or quarantined")
+                        f"{node.name}: {leaked} pool pages still owned or quarantined")
             rows = link.staging.ledger
             self._check(rows.num_free == rows.usable_pages and not rows._fences, "leak",
-                        f"{node.role}: transfer-buffer rows not all free ({rows.num_free}/{rows.usable_pages}, "
+                        f"{node.name}: transfer-buffer rows not all free ({rows.num_free}/{rows.usable_pages}, "
                         f"{rows.num_quarantined} fenced)")
             if node.role == "prefill":
-                self._check(not link.held and not link.pending, "leak", f"prefill still holds {list(link.held)}")
+                self._check(not link.held and not link.pending, "leak",
+                            f"{node.name} still holds {list(link.held)}")
             else:
-                self._check(not link.live and not link.waiting, "leak", f"decode still has pulls {list(link.live)}")
+                self._check(not link.live and not link.waiting, "leak",
+                            f"{node.name} still has pulls {list(link.live)}")
                 self.stats["decode_pull_records_never_settled"] += len(link.pulls)
         for node in self.nodes.values():
             for k, v in node.link.counters.items():
@@ -1185,6 +1403,12 @@ class Simulation:
                 self.stats[f"{node.role}_prefix_cache_hit_tokens"] += node.engine.prefix_cache.hits
         for k, v in self.transport.counters.items():
             self.stats[f"transport_{k}"] += v
+        for node in self.nodes.values():
+            fn = node.fnode
+            self._check(fn.in_flight == 0, "router", f"the router still counts {fn.in_flight} in flight on {node.name}")
+            self.stats[f"routed_{node.role}"] += fn.routed
+        if len(self.nodes) > 2:
+            self.stats["fleet_nodes"] += len(self.nodes)
 
 
 @dataclass
@@ -1198,7 +1422,10 @@ class SimResult:
     digest: str = ""      # of the whole step trace
 
 
-def simulate(seed: int, lives: int = 1000, draw: bool = True, loaded=None, **overrides) -> SimResult:
-    """Run one seed; raises SimFailure on the first invariant violation."""
-    cfg = SimConfig.draw(seed, lives, **overrides) if draw else SimConfig(seed=seed, lives=lives, **overrides)
+def simulate(seed: int, lives: int = 1000, draw: bool = True, loaded=None, fleet: bool = False,
+             **overrides) -> SimResult:
+    """Run one seed; raises SimFailure on the first invariant violation. `fleet`: draw a
+    fleet (SimConfig.draw); without `draw`, set prefill_nodes/decode_nodes in overrides."""
+    cfg = (SimConfig.draw(seed, lives, fleet=fleet, **overrides) if draw
+           else SimConfig(seed=seed, lives=lives, **overrides))
     return Simulation(cfg, loaded).run()

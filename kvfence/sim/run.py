@@ -3,6 +3,7 @@
     python -m kvfence.sim --lives 100000 --seeds 100           # a campaign (lives split over the seeds)
     python -m kvfence.sim --seed 1234 --lives 1000 --trace      # replay one seed, printing every step
     python -m kvfence.sim --seeds 20 --fault skip_row_auth      # show a fault point being caught
+    python -m kvfence.sim --fleet --lives 100000 --seeds 100    # fleets of 2-4 x 2-4 nodes
 
 Each seed draws its own configuration (pool and buffer sizes, concurrency, fault rates; see
 SimConfig.draw) unless --fixed. It prints a line per seed, then the count of lives, wall
@@ -32,7 +33,7 @@ def _one(job: dict) -> dict:
             stack.enter_context(faults.injected(*job["faults"]))
         try:
             r = simulate(job["seed"], job["lives"], draw=not job["fixed"], known_bugs=tuple(job["known_bugs"]),
-                         trace_all=job["trace"])
+                         trace_all=job["trace"], fleet=job["fleet"])
             return {"seed": job["seed"], "ok": True, "lives": r.lives, "steps": r.steps, "seconds": r.seconds,
                     "outcomes": dict(r.outcomes), "stats": dict(r.stats)}
         except SimFailure as e:
@@ -47,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=1, help="how many seeds, starting at --first-seed")
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--seed", type=int, default=None, help="run exactly this one seed (with --lives lives)")
+    ap.add_argument("--fleet", action="store_true",
+                    help="fleets: 2-4 prefill x 2-4 decode nodes behind the router's fleet logic, with node kills, "
+                         "restarts, drains and misconfigured (refused) nodes")
     ap.add_argument("--fixed", action="store_true", help="SimConfig defaults instead of a configuration drawn per seed")
     ap.add_argument("--fault", action="append", default=[], help="enable a kvfence.faults point (repeatable)")
     ap.add_argument("--known-bugs", default="",
@@ -65,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [a.seed] if a.seed is not None else list(range(a.first_seed, a.first_seed + a.seeds))
     per = max(1, a.lives // len(seeds))
     jobs = [{"seed": s, "lives": per + (1 if i < a.lives - per * len(seeds) else 0), "fixed": a.fixed,
-             "faults": a.fault, "known_bugs": known, "trace": a.trace} for i, s in enumerate(seeds)]
+             "faults": a.fault, "known_bugs": known, "trace": a.trace, "fleet": a.fleet} for i, s in enumerate(seeds)]
     print(f"kvfence simulation: {len(seeds)} seed(s), {sum(j['lives'] for j in jobs)} request lives"
           f"{', faults ' + ','.join(a.fault) if a.fault else ''}{', excusing ' + ','.join(known) if known else ''}",
           flush=True)
@@ -99,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     print("outcomes:")
     for k, v in sorted(outcomes.items(), key=lambda kv: -kv[1]):
         print(f"  {v:8d}  {k}")
-    kinds = ("transport_", "crash", "known_bug", "adversary_")
+    kinds = ("transport_", "crash", "known_bug", "adversary_", "drain", "routed_", "fleet_")
     interesting = {k: v for k, v in stats.items() if v and (k.startswith(kinds)
                                                             or k.endswith(("fences", "late_notices", "stale_notices",
                                                                            "verify_failed", "leases_expired",
