@@ -30,6 +30,7 @@ import math
 import time
 from dataclasses import dataclass
 
+from kvfence.pd.addresses import NodeAddress
 from kvfence.pd.capacity import node_problems
 from kvfence.pd.messages import NodeInfo
 
@@ -46,7 +47,8 @@ AFFINITY_PAGES = 4         # leading full pages of the prompt that pick the pref
 @dataclass
 class Node:
     role: str
-    url: str
+    url: str                     # where the router connects (an address, when the configured URL is a name)
+    address: NodeAddress | None = None
     state: str = "checking"
     reason: str = ""
     info: NodeInfo | None = None
@@ -60,7 +62,9 @@ class Node:
 
     def to_json(self) -> dict:
         snap = self.info.snapshot if self.info is not None else {}
-        return {"role": self.role, "url": self.url, "state": self.state, "reason": self.reason or None,
+        a = self.address
+        return {"role": self.role, "url": self.url, "configured_url": a.configured if a else self.url,
+                "host": (a.host or None) if a else None, "state": self.state, "reason": self.reason or None,
                 "boot_id": self.boot_id, "usable_context": self.info.usable_context if self.info else None,
                 "pool_pages_free": snap.get("pages_free"), "pool_pages_total": snap.get("pages_total"),
                 "running": snap.get("running"), "waiting": snap.get("waiting"),
@@ -68,18 +72,40 @@ class Node:
 
 
 class Fleet:
-    def __init__(self, urls: dict[str, list[str]], usable_context: int, reference: NodeInfo,
-                 prefill_routing: str = "affinity"):
+    def __init__(self, urls: dict[str, list[str]] | dict[str, list[NodeAddress]], usable_context: int,
+                 reference: NodeInfo, prefill_routing: str = "affinity"):
         if prefill_routing not in PREFILL_ROUTING:
             raise ValueError(f"prefill routing must be one of {', '.join(PREFILL_ROUTING)}")
         self.usable_context = usable_context       # fixed while serving
         self.reference = reference                 # the model and KV layout every node must match
-        self.nodes = [Node(role, url, since=time.time()) for role, us in urls.items() for url in us]
+        self.nodes: list[Node] = []
+        for role, items in urls.items():
+            for item in items:
+                a = item if isinstance(item, NodeAddress) else NodeAddress(item, item)
+                self.nodes.append(Node(role, a.url, a, since=time.time()))
         self.prefill_routing = prefill_routing
         self._turn = 0
 
     def by_url(self, url: str) -> Node | None:
         return next((n for n in self.nodes if n.url == url), None)
+
+    def sync(self, role: str, configured: str, addresses: list[NodeAddress]) -> tuple[list[Node], list[Node]]:
+        """The addresses a configured URL resolves to now: nodes for new ones (checking until
+        the monitor's next answer passes), and out with those it no longer names. Returns
+        (added, removed). A removed node's requests finish; nothing new goes to it."""
+        have = {n.url: n for n in self.nodes if n.role == role and n.address is not None
+                and n.address.configured == configured}
+        urls = {a.url for a in addresses}
+        elsewhere = {n.url for n in self.nodes if n.url not in have}   # listed under another URL already
+        added = [Node(role, a.url, a, since=time.time()) for a in addresses
+                 if a.url not in have and a.url not in elsewhere]
+        removed = [n for url, n in have.items() if url not in urls]
+        for n in added:
+            log.info("%s node %s (%s) appeared: checking it", role, n.url, configured)
+        for n in removed:
+            log.warning("%s node %s no longer in %s: out of the fleet", role, n.url, configured)
+        self.nodes = [n for n in self.nodes if n not in removed] + added
+        return added, removed
 
     def serving(self, role: str) -> list[Node]:
         return [n for n in self.nodes if n.role == role and n.state == "ready"]

@@ -37,6 +37,7 @@ import httpx
 from kvfence import faults
 from kvfence.engine.admission import ContextLengthExceeded
 from kvfence.engine.params import SamplingParams
+from kvfence.pd.addresses import NodeAddress, Resolver, expand, system_resolver
 from kvfence.pd.capacity import ClusterCheck, plan_fleet
 from kvfence.pd.fleet import Fleet, Node
 from kvfence.pd.messages import (
@@ -129,8 +130,9 @@ class RouterBackend:
                  tls: TlsSettings | None = None, model: str | None = None,
                  max_model_len: int | None = None, clamp_context: bool = False, wait_s: float = 300.0,
                  stall_s: float = 10.0, poll_s: float = 1.0, join_grace_s: float = 5.0,
-                 prefill_routing: str = "affinity"):
+                 prefill_routing: str = "affinity", resolve: Resolver = system_resolver, resolve_s: float = 5.0):
         self.urls = {"prefill": _url_list(prefill_urls), "decode": _url_list(decode_urls)}
+        self.resolve, self.resolve_s = resolve, resolve_s   # names behind the URLs: found again this often
         self._headers = cluster_headers(secret)
         self.tls = tls or TlsSettings()
         # https node URLs are verified against --tls-ca (the system's CAs without it)
@@ -170,11 +172,26 @@ class RouterBackend:
             return "ready"
         return "loading" if self.check is None and self.error is None else "not_ready"
 
-    def _fetch_info(self, c: httpx.Client, url: str) -> tuple[NodeInfo | None, str | None]:
+    def _fetch_info(self, c: httpx.Client, a: NodeAddress) -> tuple[NodeInfo | None, str | None]:
         try:
-            return _info_of(c.get(url + "/internal/info"))
+            return _info_of(c.get(a.url + "/internal/info", **a.http_options()))
         except httpx.HTTPError as e:
             return None, f"does not answer ({type(e).__name__})"
+
+    def _addresses(self, why: dict[str, str]) -> dict[str, list[NodeAddress]]:
+        """role -> every address behind the configured URLs now (names that do not resolve
+        are noted in `why`)."""
+        out: dict[str, list[NodeAddress]] = {}
+        for role in ROLES:
+            seen: dict[str, NodeAddress] = {}
+            for url in self.urls[role]:
+                found = expand(url, self.resolve)
+                if found is None:
+                    why[url] = "its host name does not resolve"
+                for a in found or ():
+                    seen.setdefault(a.url, a)
+            out[role] = list(seen.values())
+        return out
 
     def start(self) -> RouterBackend:
         """Synchronous start-up: wait for at least one node of each role (then join_grace_s
@@ -185,23 +202,27 @@ class RouterBackend:
         self._started = True
         self.tokenizer = load_router_tokenizer(self.model)
         deadline = time.monotonic() + self.wait_s
-        every = [(role, u) for role in ROLES for u in self.urls[role]]
         found: dict[str, tuple[str, NodeInfo]] = {}
         why: dict[str, str] = {}
         grace_end: float | None = None
         with httpx.Client(timeout=5.0, headers=self._headers, verify=self._verify) as c:
             while True:
-                for role, url in every:
-                    if url in found:
-                        continue
-                    info, err = self._fetch_info(c, url)
-                    if info is None:
-                        why[url] = err or "no answer"
-                        continue
-                    found[url] = (role, info)
-                    log.info("%s node at %s is up (boot %s)", role, url, info.pd.boot_id)
+                addrs = self._addresses(why)
+                every = [(role, a.url) for role in ROLES for a in addrs[role]]
+                every += [(role, u) for role in ROLES for u in self.urls[role] if u in why and not any(
+                    a.configured == u for a in addrs[role])]   # a name that does not resolve is not found yet
+                for role in ROLES:
+                    for a in addrs[role]:
+                        if a.url in found:
+                            continue
+                        info, err = self._fetch_info(c, a)
+                        if info is None:
+                            why[a.url] = err or "no answer"
+                            continue
+                        found[a.url] = (role, info)
+                        log.info("%s node at %s is up (boot %s)", role, a.url, info.pd.boot_id)
                 roles_up = {r for r, _ in found.values()}
-                if len(found) == len(every):
+                if all(u in found for _, u in every):
                     break
                 if roles_up >= set(ROLES):
                     grace_end = grace_end or time.monotonic() + self.join_grace_s
@@ -228,7 +249,7 @@ class RouterBackend:
             return self
         (log.warning if chk.clamped or chk.refused else log.info)("cluster capacity check (I8): %s", chk.note)
         assert chk.reference is not None   # ok: some node passed
-        self.fleet = Fleet(self.urls, chk.usable_context, chk.reference, self.prefill_routing)
+        self.fleet = Fleet(addrs, chk.usable_context, chk.reference, self.prefill_routing)
         for node in self.fleet.nodes:
             if node.url in found:
                 self.fleet.observe(node, found[node.url][1])
@@ -272,15 +293,24 @@ class RouterBackend:
     async def run_monitor(self) -> None:
         assert self.fleet is not None
         fleet = self.fleet
+        loop = asyncio.get_running_loop()
+        resolved_at = time.monotonic()
         async with httpx.AsyncClient(timeout=2.0, headers=self._headers, verify=self._verify) as c:
             async def poll(node: Node) -> None:
                 try:
-                    info, why = _info_of(await c.get(node.url + "/internal/info"))
+                    info, why = _info_of(await c.get(node.url + "/internal/info", **_options(node)))
                 except httpx.HTTPError as e:
                     info, why = None, f"does not answer ({type(e).__name__})"
                 fleet.observe(node, info, why)
             while not self._stopped:
                 await asyncio.sleep(self.poll_s)
+                if time.monotonic() - resolved_at >= self.resolve_s:
+                    resolved_at = time.monotonic()
+                    for role in ROLES:
+                        for url in self.urls[role]:
+                            found = await loop.run_in_executor(None, expand, url, self.resolve)
+                            if found is not None:   # a name that fails to resolve keeps its nodes (a DNS blip)
+                                fleet.sync(role, url, found)
                 await asyncio.gather(*(poll(n) for n in fleet.nodes))
                 was = self._ready
                 self._refresh()
@@ -338,7 +368,7 @@ class RouterBackend:
 
     async def _post(self, node: Node, path: str, body: WireModel) -> None:
         try:
-            await self._http().post(node.url + path, **_json(body))
+            await self._http().post(node.url + path, **_options(node, **_json(body)))
         except httpx.HTTPError as e:
             log.warning("%s %s %s failed: %s", node.role, node.url, path, e)
 
@@ -443,7 +473,7 @@ class RouterBackend:
             assert flight.decode is not None
             try:
                 r = await self._http().post(flight.decode.url + "/internal/stop_pull",
-                                            **_json(StopPullBody(request_id=rid)))
+                                            **_options(flight.decode, **_json(StopPullBody(request_id=rid))))
                 stopped = r.status_code == 200 and StopPullReply.from_json(r.content).reader_stopped
             except (httpx.HTTPError, MessageError) as e:
                 log.warning("decode did not say whether it still reads %s (%s): prefill fences its rows", rid, e)
@@ -468,7 +498,8 @@ class RouterBackend:
         if isinstance(body, PrefillBody):   # and DecodeBody: only the boot the fleet checked may take it
             body = body.model_copy(update={"expect_boot": node.boot_id})
         try:
-            r = await stack.enter_async_context(self._http().stream("POST", node.url + path, **_json(body)))
+            r = await stack.enter_async_context(self._http().stream("POST", node.url + path,
+                                                                    **_options(node, **_json(body))))
         except httpx.ConnectError as e:    # the node never got the request: another may take it
             raise NodeError(f"the {role} node is unreachable: {type(e).__name__}: {e}", "node_unavailable",
                             retryable=True) from None
@@ -609,6 +640,12 @@ def _merge_snapshots(fleet: Fleet) -> dict:
     out["nodes"] = snaps
     out["fleet"] = fleet.counts()
     return out
+
+
+def _options(node: Node, **kw) -> dict[str, Any]:
+    """httpx options for a request to `node` (its name as Host and TLS server name when it
+    is one address of a name)."""
+    return node.address.http_options(**kw) if node.address is not None else kw
 
 
 def _json(body: WireModel) -> dict[str, Any]:

@@ -24,8 +24,9 @@ def _write(path: Path, key, cert: x509.Certificate) -> tuple[str, str]:
     return str(cert_path), str(key_path)
 
 
-def make_pki(directory: Path, server_ips: list[str]) -> dict[str, str]:
-    """ca, server_cert/server_key (for server_ips), client_cert/client_key, other_ca (an unrelated CA)."""
+def make_pki(directory: Path, server_ips: list[str], server_names: tuple[str, ...] = ()) -> dict[str, str]:
+    """ca, server_cert/server_key (for server_ips and server_names), client_cert/client_key,
+    other_ca (an unrelated CA)."""
     now = dt.datetime.now(dt.UTC)
     out: dict[str, str] = {}
 
@@ -43,7 +44,7 @@ def make_pki(directory: Path, server_ips: list[str]) -> dict[str, str]:
                 .sign(key, hashes.SHA256()))
         return key, cert
 
-    def leaf(cn: str, ca_key, ca_cert, ips: list[str], usage):
+    def leaf(cn: str, ca_key, ca_cert, ips: list[str], usage, names: tuple[str, ...] = ()):
         key = ec.generate_private_key(ec.SECP256R1())
         b = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(ca_cert.subject)
              .public_key(key.public_key()).serial_number(x509.random_serial_number())
@@ -51,14 +52,14 @@ def make_pki(directory: Path, server_ips: list[str]) -> dict[str, str]:
              .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
              .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
              .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False))
-        if ips:
-            b = b.add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(i)) for i in ips]),
-                                critical=False)
+        if ips or names:
+            sans = [x509.IPAddress(ipaddress.ip_address(i)) for i in ips] + [x509.DNSName(n) for n in names]
+            b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
         return key, b.sign(ca_key, hashes.SHA256())
 
     ca_key, ca_cert = ca("kvfence test CA")
     out["ca"], _ = _write(directory / "ca", ca_key, ca_cert)
-    k, c = leaf("kvfence node", ca_key, ca_cert, server_ips, ExtendedKeyUsageOID.SERVER_AUTH)
+    k, c = leaf("kvfence node", ca_key, ca_cert, server_ips, ExtendedKeyUsageOID.SERVER_AUTH, server_names)
     out["server_cert"], out["server_key"] = _write(directory / "server", k, c)
     k, c = leaf("kvfence router", ca_key, ca_cert, [], ExtendedKeyUsageOID.CLIENT_AUTH)
     out["client_cert"], out["client_key"] = _write(directory / "client", k, c)

@@ -3,6 +3,7 @@ the incident, and every failure the PD issue lists: each must end with a clear e
 the client in bounded time, give back or fence every page, and leave the cluster serving."""
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -449,4 +450,56 @@ def test_a_node_refuses_requests_meant_for_another_boot(cluster, role):
     if role == "prefill":   # it holds the KV for a decode that will not come
         httpx.post(cluster.url(role) + "/internal/abort", json={"request_id": rid, "reader_stopped": True},
                    headers=cluster.headers, timeout=10).raise_for_status()
+    cluster.wait_quiet(30)
+
+
+def test_a_node_name_means_every_address_behind_it_and_is_followed(cluster):
+    """A router whose prefill URL is a host name (here resolved by a table, as DNS would)
+    routes to the address behind it (the request carries the name as Host), finds an address
+    that appears, keeps it out until it answers, and drops it when the name stops naming it."""
+    from kvfence.engine.params import SamplingParams
+    from kvfence.pd.router import RouterBackend
+
+    port = cluster.ports["prefill"]
+    dns = {"prefill.kvfence.test": ["127.0.0.1"]}
+
+    def resolve(host, _port):
+        if host not in dns:
+            raise OSError("does not resolve")
+        return list(dns[host])
+
+    backend = RouterBackend([f"http://prefill.kvfence.test:{port}"], [cluster.url("decode")],
+                            cluster.secret.encode(), poll_s=0.2, resolve=resolve, resolve_s=0.2, join_grace_s=0.5)
+    backend.start()
+    try:
+        assert backend.error is None and backend.fleet is not None
+        prefill = [n for n in backend.fleet.nodes if n.role == "prefill"]
+        assert [(n.url, n.state) for n in prefill] == [(f"http://127.0.0.1:{port}", "ready")]
+
+        async def one() -> tuple[int, ...]:
+            h = await backend.submit(list(range(100, 140)), SamplingParams(max_tokens=3, temperature=0.0), "default")
+            toks: tuple[int, ...] = ()
+            while not h.done:
+                toks += (await h.next()).token_ids
+            return toks
+        assert len(asyncio.run(one())) == 3
+        assert prefill[0].routed == 1
+
+        dns["prefill.kvfence.test"] = ["127.0.0.1", "127.0.0.2"]   # nothing listens on 127.0.0.2:port
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and len([n for n in backend.fleet.nodes if n.role == "prefill"]) < 2:
+            time.sleep(0.1)
+        new = next(n for n in backend.fleet.nodes if n.url == f"http://127.0.0.2:{port}")
+        while time.monotonic() < deadline and new.state == "checking":
+            time.sleep(0.1)
+        assert new.state == "down" and new.routed == 0
+        dns["prefill.kvfence.test"] = ["127.0.0.1"]   # it went away again
+        while time.monotonic() < deadline and new in backend.fleet.nodes:
+            time.sleep(0.1)
+        assert [n.url for n in backend.fleet.nodes if n.role == "prefill"] == [f"http://127.0.0.1:{port}"]
+        del dns["prefill.kvfence.test"]                             # a DNS failure keeps what it had
+        time.sleep(0.6)
+        assert [n.state for n in backend.fleet.nodes if n.role == "prefill"] == ["ready"]
+    finally:
+        backend.stop()
     cluster.wait_quiet(30)

@@ -89,17 +89,20 @@ def test_each_process_runs_a_sealed_kvfence_command_with_both_probes(name):
         assert work["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 120   # room to drain
 
 
-def test_the_router_lists_every_node_pod_by_its_stable_name():
+def test_the_router_follows_each_node_services_name():
+    """The router's node URLs are the headless Services' names (each resolves to every
+    pod's address, kvfence/pd/addresses.py), on the port the Service and the pods use."""
     a = _parse(_container(_by_kind("Deployment")["kvfence-router"])["args"])
     services = _by_kind("Service")
     for role, flag in (("prefill", a.prefill_url), ("decode", a.decode_url)):
         sts = _by_kind("StatefulSet")[f"kvfence-{role}"]
         svc = services[sts["spec"]["serviceName"]]
-        assert svc["spec"]["clusterIP"] == "None"        # headless: one DNS name per pod
+        assert svc["spec"]["clusterIP"] == "None"        # headless: the name resolves to the pods themselves
+        assert svc["spec"]["publishNotReadyAddresses"] is True   # the router checks a pod before it serves
         port = svc["spec"]["ports"][0]["port"]
-        want = [f"https://kvfence-{role}-{i}.{svc['metadata']['name']}.kvfence.svc.cluster.local:{port}"
-                for i in range(sts["spec"]["replicas"])]
-        assert ",".join(flag).split(",") == want
+        assert ",".join(flag).split(",") == [f"https://{svc['metadata']['name']}.kvfence.svc.cluster.local:{port}"]
+        pod_args = _parse(_container(sts)["args"])
+        assert pod_args.port == port
 
 
 def test_the_shipped_secrets_are_placeholders_every_process_refuses():
