@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfence.engine.grammar import Constraint, fill_masks
+from kvfence.engine.grammar import Constraint, mask_bias
 from kvfence.engine.params import SamplingParams
 
 
@@ -40,7 +40,7 @@ def adjust(logits: torch.Tensor, params: list[SamplingParams], histories: list[H
     rows = [i for i, p in enumerate(params) if p.adjusts_logits]
     if not rows:
         return logits
-    out = logits.float().clone() if logits.dtype != torch.float32 else logits.clone()
+    out = logits.to(torch.float32, copy=True)
     vocab = out.shape[1]
     for i in rows:
         p, h, row = params[i], histories[i], out[i]
@@ -67,7 +67,10 @@ def adjust(logits: torch.Tensor, params: list[SamplingParams], histories: list[H
 
 def apply_grammar(out: torch.Tensor, rows: list[int], grammars) -> None:
     """-inf, in place, on every token the rows' grammars do not allow next: all rows' masks in
-    one call (llguidance spreads them over its threads), applied as one indexed write."""
-    allowed = torch.from_numpy(fill_masks(grammars, out.shape[1])).to(out.device)
+    one call (llguidance spreads them over its threads), added as one bias (0 or -inf)."""
+    bias = mask_bias(grammars, out.shape[1]).to(out.device)
+    if len(rows) == out.shape[0]:
+        out += bias
+        return
     idx = torch.tensor(rows, dtype=torch.long, device=out.device)
-    out[idx] = out.index_select(0, idx).masked_fill_(~allowed, float("-inf"))
+    out.index_add_(0, idx, bias)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvfence.engine.grammar import GrammarCache, GrammarError, GrammarFailed, check_schema, fill_masks, ll_tokenizer
+from kvfence.engine.grammar import GrammarCache, GrammarError, GrammarFailed, check_schema, ll_tokenizer, mask_bias
 from kvfence.engine.logits_processors import History, adjust
 from kvfence.engine.params import MAX_JSON_SCHEMA_BYTES, SamplingParams
 from kvfence.pd.messages import MessageError, WireParams
@@ -27,6 +27,13 @@ def tok():
 @pytest.fixture(scope="module")
 def llt(tok):
     return ll_tokenizer(tok)
+
+
+def fill_masks(rows, width: int) -> np.ndarray:
+    """bool [rows, width]: what the bias allows (0.0) and forbids (-inf), nothing else."""
+    bias = mask_bias(rows, width)
+    assert bool(((bias == 0) | torch.isneginf(bias)).all())
+    return (bias == 0).numpy()
 
 
 def _schema(i: int) -> str:
@@ -95,7 +102,7 @@ def test_adjust_bans_what_the_grammar_forbids_and_leaves_other_rows(llt, tok):
     logits = torch.randn(2, llt.vocab_size)
     p = SamplingParams(temperature=0, json_schema=PERSON)
     out = adjust(logits, [p, SamplingParams()], [History([], [], frozenset(), c), History([], [], frozenset())])
-    allowed = torch.from_numpy(fill_masks([c], llt.vocab_size)[0])
+    allowed = torch.from_numpy(fill_masks([c], llt.vocab_size)[0].copy())
     assert torch.isinf(out[0][~allowed]).all() and torch.equal(out[0][allowed], logits[0][allowed])
     assert torch.equal(out[1], logits[1])
 
