@@ -106,6 +106,13 @@ def cmd_bench(a) -> int:
     for k, v in (("num_requests", 32), ("output_tokens", 128), ("kv_cache_memory", "1GiB")):
         if getattr(a, k) is None:
             setattr(a, k, v)
+    if a.structured:
+        if a.url:
+            print("error: --structured runs the offline workload; it does not take --url", file=sys.stderr)
+            return 2
+        from kvfence.bench.structured import main as structured_main
+
+        return structured_main(a)
     if a.url:
         from kvfence.bench.http_load import main as http_main
 
@@ -426,6 +433,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start a single-node server, then a PD cluster (as launch-pd), run the --url workload "
                         "through each and compare; then KV transfer bandwidth vs raw Mooncake "
                         "(default --kv-cache-memory 512MiB)")
+    b.add_argument("--structured", action="store_true",
+                   help="the offline workload plain and with every request held to a JSON schema (response_format): "
+                        "the cost per generated token")
     b.add_argument("--concurrency", type=int, default=None, help="--url, --pd: requests in flight (default: all)")
     b.add_argument("--api-key", default=None, help="--url: API key (default: $OPENAI_API_KEY or none)")
     b.add_argument("--model-name", default=None, help="--url: model to ask for (default: the server's first)")

@@ -8,7 +8,7 @@ import gc
 import json
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kvfence.bench.stats import percentiles
@@ -49,13 +49,20 @@ class Result:
         return self.total_tokens / self.seconds
 
 
-def run_engine(name: str, loaded: LoadedModel, cfg: EngineConfig, wl: Workload) -> Result:
+def run_engine(name: str, loaded: LoadedModel, cfg: EngineConfig, wl: Workload,
+               params: SamplingParams | None = None) -> Result:
+    """`params` (default: greedy, wl.output_tokens each, EOS ignored) must make every request
+    produce wl.output_tokens tokens."""
     engine = LLMEngine(cfg, loaded)
     prompts = wl.prompts(engine.model_config.vocab_size)
-    params = SamplingParams(temperature=0.0, max_tokens=wl.output_tokens, ignore_eos=True)
+    params = params or SamplingParams(temperature=0.0, max_tokens=wl.output_tokens, ignore_eos=True)
     # warm-up: first calls pay for allocator and kernel selection; a prompt unrelated to the
     # workload, so it seeds nothing in the prefix cache
     engine.add_request([200] * 20, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    if params.json_schema is not None:
+        # llguidance's tokenizer is built once per process; under another tenant, so the timed
+        # requests still compile their own grammar (the cache is per scope)
+        engine.add_request([200] * 20, replace(params, max_tokens=4), tenant="warm-up")
     while engine.has_unfinished():
         engine.step()
     start = time.perf_counter()
