@@ -7,7 +7,12 @@
   requests after the kill all succeed; the survivors hold nothing afterwards; launch-pd
   restarts the killed node and the router serves from it again only once it re-checked it;
 - a node whose pool is smaller than the advertised context (the incident's configuration)
-  is refused with the numbers, gets no request, and the rest of the fleet serves.
+  is refused with the numbers, gets no request, and the rest of the fleet serves;
+- two routers in front of the same nodes (launch-pd's and a second `serve --role router`
+  process; nothing shared but the nodes): both list every node ready, both serve the single
+  node's output to several tenants at once, a tenant's concurrency limit holds per router,
+  and when one router is SIGKILLed mid-load the other keeps serving while the nodes abort
+  the dead router's requests and get back everything they held.
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ import pytest
 from pd_cluster import ROOT
 
 from kvfence.engine.params import SamplingParams
-from kvfence.pd.seal import control_headers, load_secret
+from kvfence.pd.seal import control_headers, load_secret, new_secret
 from kvfence.procs import free_ports, stop_processes
 
 pytest.importorskip("mooncake.engine", reason="the PD tests need mooncake-transfer-engine-non-cuda")
@@ -62,23 +67,43 @@ def _wait(pred, timeout: float, what: str):
 
 
 class Fleet:
-    def __init__(self, tmp: Path):
-        self.port = free_ports(5)
+    """`kvfence launch-pd` with `prefill` + `decode` nodes; `extra`: more launch-pd flags;
+    `secret_file`: the cluster secret to give it (default: launch-pd makes one); `wait`: return
+    only once the fleet is ready (else call wait_ready)."""
+
+    def __init__(self, tmp: Path, prefill: int = 2, decode: int = 2, extra=(), tenants: str = TENANTS,
+                 secret_file: Path | None = None, wait: bool = True):
+        self.port = free_ports(1 + prefill + decode)
         self.url = f"http://127.0.0.1:{self.port}"
-        tenants = tmp / "tenants.toml"
-        tenants.write_text(TENANTS)
+        # launch-pd's layout: prefill nodes on the ports after the router's, then decode nodes
+        self.node_urls = {"prefill": [f"http://127.0.0.1:{self.port + i}" for i in range(1, prefill + 1)],
+                          "decode": [f"http://127.0.0.1:{self.port + prefill + i}" for i in range(1, decode + 1)]}
+        self.tenants_file = tmp / "tenants.toml"
+        self.tenants_file.write_text(tenants)
         self.log_path = tmp / "launch.log"
         self.log = open(self.log_path, "w+")
+        self.secret_file = None if secret_file is None else str(secret_file)
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVFENCE_CLUSTER_SECRET")}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvfence.cli", "launch-pd", "--prefill", "2", "--decode", "2", "--port",
-             str(self.port), "--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "1024",
-             "--tenants", str(tenants)], cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
-        self.state = _wait(lambda: (s := self.cluster()) and s["ready"] and
-                           all(n["state"] == "ready" for n in s["nodes"]) and s, 300, "the fleet")
-        text = self.log_path.read_text()
-        secret_file = re.search(r"made a random cluster secret for this cluster in (\S+)", text).group(1)
-        self.headers = control_headers(load_secret(secret_file))   # the credential for /internal/*
+            [sys.executable, "-m", "kvfence.cli", "launch-pd", "--prefill", str(prefill), "--decode", str(decode),
+             "--port", str(self.port), "--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "1024",
+             "--tenants", str(self.tenants_file), *extra,
+             *(["--cluster-secret-file", self.secret_file] if self.secret_file else [])],
+            cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        try:
+            self.state = _wait(lambda: self.proc.poll() is None and (s := self.cluster()) and s["ready"] and
+                               all(n["state"] == "ready" for n in s["nodes"]) and s, 300, "the fleet")
+        except BaseException:
+            self.stop()   # never leave a half-started fleet running
+            raise
+        if self.secret_file is None:
+            text = self.log_path.read_text()
+            self.secret_file = re.search(r"made a random cluster secret for this cluster in (\S+)", text).group(1)
+        self.headers = control_headers(load_secret(self.secret_file))   # the credential for /internal/*
 
     def cluster(self) -> dict:
         return httpx.get(self.url + "/v1/kvfence/cluster", timeout=5).json()
@@ -106,6 +131,13 @@ def fleet(tmp_path_factory):
     f = Fleet(tmp_path_factory.mktemp("fleet"))
     yield f
     f.stop()
+
+
+@pytest.fixture(scope="module")
+def single_node(make_llm) -> dict[str, str]:
+    """Greedy 10-token completions of PROMPTS on one in-process node: what the fleet must give."""
+    out = make_llm(max_model_len=1024).generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10))
+    return dict(zip(PROMPTS, (o.text for o in out), strict=True))
 
 
 def _complete(fleet, key, prompt, max_tokens=10):
@@ -144,7 +176,7 @@ class Load:
         return self.outcomes
 
 
-def test_fleet_output_equals_single_node_and_every_node_serves(fleet, make_llm):
+def test_fleet_output_equals_single_node_and_every_node_serves(fleet, single_node):
     nodes = fleet.cluster()["nodes"]
     assert sorted(n["role"] for n in nodes) == ["decode", "decode", "prefill", "prefill"]
     results: dict[int, str] = {}
@@ -161,8 +193,7 @@ def test_fleet_output_equals_single_node_and_every_node_serves(fleet, make_llm):
     for t in threads:
         t.join(300)
     assert not errors, errors
-    want = make_llm(max_model_len=1024).generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10))
-    assert [results[i] for i in range(len(PROMPTS))] == [w.text for w in want]
+    assert [results[i] for i in range(len(PROMPTS))] == [single_node[p] for p in PROMPTS]
     routed = {n["url"]: n["routed"] for n in fleet.cluster()["nodes"]}
     assert all(v > 0 for v in routed.values()), routed
 
@@ -266,3 +297,254 @@ def test_a_node_too_small_for_the_advertised_context_is_refused_and_gets_nothing
         assert 'kvfence_pd_fleet_nodes{role="prefill",state="refused"} 1.0' in metrics
     finally:
         stop_processes([router, small], grace_s=20)
+
+
+# -- two routers in front of the same nodes -----------------------------------------------------------------
+# A second launch-pd fleet (1 prefill + 1 decode) with short leases, so what a killed router's
+# requests held comes back within seconds: a hold without an ACK is fenced until lease + max
+# pull + skew (8 + 3 + 0.5 s here; 106 s with the defaults). A second router process over its
+# nodes shares nothing with the first but the nodes, the tenants file and the cluster secret.
+DAVE = "sk-fleet-dave-0001"
+TWO_ROUTER_TENANTS = TENANTS + f"""
+[tenants.dave]
+api_keys = ["{DAVE}"]
+max_concurrent_requests = 1
+"""
+SHORT_LEASES = ["--lease", "8", "--max-pull", "3", "--clock-skew", "0.5", "--transfer-timeout", "2",
+                "--decode-reserve-tokens", "32"]
+
+
+class Router:
+    """`kvfence serve --role router` over a fleet's nodes, on its own port: the same tenants
+    file and cluster secret as the fleet's own router, nothing else shared. It may start
+    before the nodes are up (it waits for them); wait_ready returns once it checked them all."""
+
+    def __init__(self, fleet: Fleet, log_path: Path):
+        assert fleet.secret_file is not None
+        self.port = free_ports(1)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "w+")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVFENCE_CLUSTER_SECRET")}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvfence.cli", "serve", "--role", "router", "--port", str(self.port),
+             "--prefill-url", ",".join(fleet.node_urls["prefill"]), "--decode-url", ",".join(fleet.node_urls["decode"]),
+             "--max-model-len", "1024", "--tenants", str(fleet.tenants_file), "--cluster-secret-file",
+             fleet.secret_file, "--node-wait", "240"], cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self) -> None:
+        try:
+            _wait(lambda: self.proc.poll() is None and (s := self.cluster()) and s["ready"] and
+                  all(n["state"] == "ready" for n in s["nodes"]), 300, "the second router")
+        except BaseException:
+            self.stop()
+            raise
+
+    def cluster(self) -> dict:
+        return httpx.get(self.url + "/v1/kvfence/cluster", timeout=5).json()
+
+    def client(self, key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+    def stop(self) -> None:
+        stop_processes([self.proc], grace_s=20)
+
+
+@pytest.fixture(scope="module")
+def two_routers(tmp_path_factory):
+    """(the fleet, whose own router is router A; router B, a second process over its nodes)."""
+    tmp = tmp_path_factory.mktemp("two-routers")
+    secret = tmp / "cluster.secret"
+    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)   # only this user can read it
+    with os.fdopen(fd, "w") as out:
+        out.write(new_secret() + "\n")
+    f = Fleet(tmp, prefill=1, decode=1, extra=SHORT_LEASES, tenants=TWO_ROUTER_TENANTS, secret_file=secret,
+              wait=False)
+    b = None
+    try:
+        b = Router(f, tmp / "router-b.log")   # starts while the nodes load: it waits for them
+        f.wait_ready()
+        b.wait_ready()
+        yield f, b
+    finally:
+        if b is not None:
+            b.stop()
+        f.stop()
+
+
+def _at_baseline(fleet: Fleet, url: str) -> dict | None:
+    """The node's snapshot if nothing is owned, running, waiting, held, fenced or quarantined
+    and every pool page is free or in the prefix cache (reclaimable); else None."""
+    s = fleet.info(url)["snapshot"]
+    pd = s["pd"]
+    ok = (s["pages_owned"] == 0 and s["pages_quarantined"] == 0 and s["running"] == 0 and s["waiting"] == 0
+          and s["pages_free"] + s["pages_shared"] == s["pages_total"] and pd["buffer_free"] == pd["buffer_rows"]
+          and not pd.get("held") and not pd.get("pending"))
+    return s if ok else None
+
+
+def _settle(fleet: Fleet, timeout: float = 60) -> dict[str, dict]:
+    """Every node of the fleet back at baseline (bounded wait); their snapshots, with no violation."""
+    snaps = {n["url"]: _wait(lambda n=n: _at_baseline(fleet, n["url"]), timeout, f"{n['url']} to settle")
+             for n in fleet.cluster()["nodes"]}
+    for url, snap in snaps.items():
+        assert not snap["violations"], (url, snap["violations"])
+    return snaps
+
+
+def _every_node_ready(router) -> dict[str, str]:
+    """url -> boot id of every node the router lists, each of them ready."""
+    state = router.cluster()
+    assert state["ready"], state
+    assert all(n["state"] == "ready" for n in state["nodes"]), state["nodes"]
+    return {n["url"]: n["boot_id"] for n in state["nodes"]}
+
+
+def test_two_routers_over_the_same_nodes_both_serve(two_routers, single_node):
+    """Router A (launch-pd's) and router B (a separate process) list the same nodes, each
+    ready with the same boot; concurrent requests of three tenants through both give the
+    single node's greedy output; both routers routed to every node; nothing stays held."""
+    fleet, b = two_routers
+    assert _every_node_ready(fleet) == _every_node_ready(b)
+    assert sorted(n["role"] for n in b.cluster()["nodes"]) == ["decode", "prefill"]
+    before = _settle(fleet)
+    routers = {"a": fleet, "b": b}
+    jobs = [(r, KEYS[i % 3], p) for i, p in enumerate(PROMPTS) for r in routers]   # 24: each prompt on both
+    results: dict[tuple[str, str], str] = {}
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:   # 6 workers: each (router, tenant) pair, a bounded share of the jobs
+        for r, key, p in jobs[w::6]:
+            try:
+                results[(r, p)] = _complete(routers[r], key, p)
+            except BaseException as e:   # noqa: BLE001 - reported on the test's thread
+                errors.append(e)
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not any(t.is_alive() for t in threads), "a client thread hung"
+    assert not errors, errors
+    assert len(results) == len(jobs)
+    for (r, p), text in sorted(results.items()):
+        assert text == single_node[p], (r, p, text, single_node[p])
+    for r in routers.values():   # both routers answered, and each routed to every node
+        routed = {n["url"]: n["routed"] for n in r.cluster()["nodes"]}
+        assert all(v > 0 for v in routed.values()), (r.url, routed)
+    after = _settle(fleet)
+    for url, snap in after.items():
+        assert snap["pages_total"] == before[url]["pages_total"]
+        assert snap["pd"]["buffer_rows"] == before[url]["pd"]["buffer_rows"]
+    assert _every_node_ready(fleet) == _every_node_ready(b)
+
+
+def _open_stream(router, key: str, max_tokens: int = 400):
+    """A streaming completion that keeps its tenant's slot on that router until closed:
+    returns (the stream, its first chunk)."""
+    c = router.client(key)
+    stream = c.completions.create(model=c.models.list().data[0].id, prompt="Tell me a long story about the sea.",
+                                  max_tokens=max_tokens, temperature=0, stream=True, extra_body={"ignore_eos": True})
+    return stream, next(iter(stream))
+
+
+def test_a_tenants_concurrency_limit_is_per_router(two_routers):
+    """dave may have 1 request in flight. With one streaming through router A, a second
+    through A is refused (429), while one through router B is admitted and streams: the
+    limit is enforced by each router alone (docs/pd.md, "Two routers")."""
+    fleet, b = two_routers
+    first, chunk = _open_stream(fleet, DAVE)
+    try:
+        assert chunk.choices[0].text is not None
+        with pytest.raises(openai.RateLimitError) as refused:
+            _open_stream(fleet, DAVE, max_tokens=4)
+        assert refused.value.code == "tenant_max_concurrent_requests"
+        other, chunk_b = _open_stream(b, DAVE)    # the same tenant, the other router: admitted
+        try:
+            assert chunk_b.choices[0].text is not None
+            with pytest.raises(openai.RateLimitError):   # and B enforces its own 1
+                _open_stream(b, DAVE, max_tokens=4)
+        finally:
+            other.close()
+    finally:
+        first.close()   # both clients leave mid-stream: the nodes abort the requests
+    _settle(fleet)
+
+
+class StreamLoad:
+    """Streaming clients (one per tenant) on one router until stopped, `limit` each, or their
+    first failure; `streaming` is set once some stream has received tokens. Outcomes: "ok",
+    "cut:N" (the stream broke after N chunks with text), or what went wrong before any token."""
+
+    def __init__(self, router, limit: int, max_tokens: int):
+        self.outcomes: list[str] = []
+        self.streaming = threading.Event()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(router, k, limit, max_tokens)) for k in range(3)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, router, k: int, limit: int, max_tokens: int) -> None:
+        c = router.client(KEYS[k])
+        model = c.models.list().data[0].id
+        for i in range(limit):
+            if self._stop.is_set():
+                return
+            got = 0
+            try:
+                for chunk in c.completions.create(model=model, prompt=f"{PROMPTS[(k + i) % len(PROMPTS)]} {k}-{i}",
+                                                  max_tokens=max_tokens, temperature=0, stream=True,
+                                                  extra_body={"ignore_eos": True}):
+                    if chunk.choices and chunk.choices[0].text:
+                        got += 1
+                        self.streaming.set()
+                self.outcomes.append("ok")
+            except Exception as e:   # noqa: BLE001 - a dead router: the stream breaks, or nothing answers
+                self.outcomes.append(f"cut:{got}" if got else f"error:{type(e).__name__}")
+                return   # this client's router is gone (the test judges whether it should be)
+
+    def stop(self) -> list[str]:
+        self._stop.set()
+        for t in self._threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in self._threads), "a streaming client hung"
+        return self.outcomes
+
+
+def test_a_killed_router_leaves_the_other_serving_and_the_nodes_release_its_requests(two_routers, single_node):
+    """Load through both routers; router B is SIGKILLed while its streams are mid-generation.
+    Router A's requests all succeed, before and after; the nodes abort B's requests when its
+    streams drop, and once B's leases and fences ran out (seconds here) every node is back at
+    baseline: nothing of the dead router's requests stays held."""
+    fleet, b = two_routers
+    decode_url = next(n["url"] for n in fleet.cluster()["nodes"] if n["role"] == "decode")
+    aborted_before = fleet.info(decode_url)["snapshot"]["outcomes"].get("aborted", 0)
+    load_a = Load(fleet, limit=30, max_tokens=6)
+    load_b = StreamLoad(b, limit=10, max_tokens=200)
+    try:
+        assert load_b.streaming.wait(120), "no stream through router B got a token"
+        b_before_kill = list(load_b.outcomes)
+        b.proc.kill()                          # SIGKILL: no goodbye to the nodes, its streams just drop
+        b.proc.wait(30)
+        outcomes_b = load_b.stop()
+        done_at_kill = len(load_a.outcomes)
+        # router A keeps serving: a bounded number of its requests complete after the kill
+        _wait(lambda: len(load_a.outcomes) >= done_at_kill + 6 or not any(t.is_alive() for t in load_a._threads),
+              120, "router A's requests after the kill")
+    finally:
+        outcomes_b = load_b.stop()
+        outcomes_a = load_a.stop()
+    print("router A:", {o: outcomes_a.count(o) for o in set(outcomes_a)},
+          "router B:", {o: outcomes_b.count(o) for o in set(outcomes_b)})
+    assert outcomes_a and all(o == "ok" for o in outcomes_a), outcomes_a
+    assert len(outcomes_a) >= done_at_kill + 6, outcomes_a
+    assert all(o == "ok" for o in b_before_kill), b_before_kill        # B served until it was killed ...
+    assert any(o.startswith("cut:") for o in outcomes_b), outcomes_b   # ... and died with streams mid-generation
+    # the nodes held nothing of B's requests once its streams dropped and its leases and fences ran out ...
+    snaps = _settle(fleet, timeout=90)
+    # ... and decode ended each stream cut mid-generation as aborted (the router hung up), not by finishing it
+    aborted = snaps[decode_url]["outcomes"].get("aborted", 0) - aborted_before
+    assert aborted >= sum(o.startswith("cut:") for o in outcomes_b), (aborted, outcomes_b)
+    _every_node_ready(fleet)
+    for i, p in enumerate(PROMPTS[:3]):   # router A still gives the single node's output
+        assert _complete(fleet, KEYS[i % 3], p) == single_node[p]
+    _settle(fleet)
