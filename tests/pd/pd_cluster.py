@@ -176,3 +176,87 @@ class Cluster:
 
     def stop(self) -> None:
         stop_processes(self.procs.values(), grace_s=20, wake=True)
+
+
+class MultiCluster(Cluster):
+    """A cluster of any number of nodes: `nodes` maps each node's name to its role, e.g.
+    {"prefill": "prefill", "prefill-2": "prefill", "decode": "decode"}. hosts, binds,
+    transfer_hosts and prefixes are keyed by those names (a name not given one: 127.0.0.1,
+    no prefix); the router gets every node of each role. Methods that take a role in Cluster
+    take a node name here."""
+
+    def __init__(self, workdir: Path, nodes: dict[str, str], **kw):
+        super().__init__(workdir, **kw)
+        self.nodes = dict(nodes)
+        for name in self.nodes:
+            self.hosts.setdefault(name, "127.0.0.1")
+            self.binds.setdefault(name, self.hosts[name])
+            self.transfer_hosts.setdefault(name, self.hosts[name])
+            if name not in self.ports:
+                self.ports[name] = free_port()
+
+    def names(self, role: str) -> list[str]:
+        return [n for n, r in self.nodes.items() if r == role]
+
+    def command(self, role: str, extra=()) -> list[str]:
+        name = role
+        if name == "router":
+            urls = {r: ",".join(self.url(n) for n in self.names(r)) for r in ("prefill", "decode")}
+            return [sys.executable, "-m", "kvfence.cli", "serve", "--role", "router", "--host", self.binds[name],
+                    "--port", str(self.ports[name]), "--prefill-url", urls["prefill"], "--decode-url", urls["decode"],
+                    "--node-stall", "5"] + self.router_args + self._tls_args(name) + list(extra)
+        return (list(self.prefixes.get(name, [])) +
+                [sys.executable, "-m", "kvfence.cli", "serve", "--role", self.nodes[name], "--host", self.binds[name],
+                 "--port", str(self.ports[name]), "--transfer-host", self.transfer_hosts[name]]
+                + self.node_args + self._tls_args(name) + list(extra))
+
+    def start_all(self, timeout: float = 240) -> MultiCluster:
+        try:
+            for name in [*self.nodes, "router"]:
+                self.start(name)
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, timeout: float = 240) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            for name, p in self.procs.items():
+                if p.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {p.returncode}:\n{self.log(name)[-3000:]}")
+            try:  # ready, and the router has checked every node as it runs now
+                r = httpx.get(self.url("router") + "/v1/kvfence/cluster", timeout=2)
+                if r.status_code == 200 and r.json().get("ready"):
+                    seen = {n["url"]: n["boot_id"] for n in r.json()["nodes"] if n["state"] == "ready"}
+                    if all(self.info(n)["pd"]["boot_id"] == seen.get(self.url(n)) for n in self.nodes):
+                        return
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("the PD cluster did not become ready:\n" +
+                           "\n".join(f"--- {n}\n{self.log(n)[-2000:]}" for n in self.procs))
+
+    def routed_nodes(self) -> list[dict]:
+        """The router's /v1/kvfence/cluster entries, one per node (state, routed, in_flight, ...)."""
+        return httpx.get(self.url("router") + "/v1/kvfence/cluster", timeout=10).json()["nodes"]
+
+    def clear_faults(self) -> None:
+        for name in [*self.nodes, "router"]:
+            if name in self.procs and self.procs[name].poll() is None:
+                try:
+                    self.set_faults(name, "")
+                except httpx.HTTPError:
+                    pass
+
+    def wait_quiet(self, timeout: float = 30.0) -> dict:
+        end = time.monotonic() + timeout
+        last = {}
+        while time.monotonic() < end:
+            last = {n: self.info(n)["snapshot"] for n in self.nodes}
+            if all(s["pages_owned"] == 0 and s["running"] == 0 and s["waiting"] == 0
+                   and s["pd"]["buffer_free"] == s["pd"]["buffer_rows"] for s in last.values()):
+                return last
+            time.sleep(0.3)
+        raise AssertionError(f"the cluster did not settle: {last}")

@@ -10,6 +10,9 @@ route between the two namespaces, so decode's pulls must cross that veth. The pr
 not a packet capture but the counters: prefill's transfer session is its P<->D address,
 decode reports the bytes it pulled, and the veth's own receive counter on decode's end
 grew by at least that much.
+
+A second topology puts two prefill hosts and one decode host in three namespaces (drawn
+below): the router routes to both prefill nodes, and each one's KV crosses its own veth.
 """
 from __future__ import annotations
 
@@ -19,12 +22,13 @@ import random
 import shutil
 import ssl
 import subprocess
+import time
 
 import httpx
 import openai
 import pytest
 from certs import make_pki
-from pd_cluster import Cluster
+from pd_cluster import Cluster, MultiCluster
 from test_cluster import LONG, model_name, single_node_text
 
 pytest.importorskip("mooncake.engine", reason="the PD tests need mooncake-transfer-engine-non-cuda")
@@ -168,3 +172,173 @@ def test_nodes_off_loopback_speak_only_tls_with_the_routers_certificate(hosts, c
     r = httpx.get(url + "/internal/info", timeout=10, **cluster.http_kwargs("prefill"))
     assert r.status_code == 401            # the right certificate, no credential
     assert cluster.info("prefill")["pd"]["role"] == "prefill"
+
+
+# -- two prefill hosts, one decode host ---------------------------------------------------------------
+#
+#   ns A (prefill)   --veth--  ns C (decode)  --veth--  ns B (prefill-2)
+#   10.231.B.1 ====== .2            .6 ====== .5                              (KV, one /30 each)
+#   each of A, B, C also has its own veth to the root namespace (router, test): .9/.10, .13/.14, .17/.18
+#
+# Decode advertises 10.231.B.21, an address on its own loopback that A and B reach only over
+# their own veth to C; each prefill advertises its end of its own link to C, so a pull from A
+# can only cross A<->C and a pull from B only B<->C. The proof, per request: the router's
+# `routed` count says which prefill served it, decode says how many bytes it pulled, and the
+# receive counter of that prefill's veth end in C grew by at least that much (the other one's
+# by far less).
+PREFILLS = ("prefill", "prefill-2")
+NODES3 = {"prefill": "prefill", "prefill-2": "prefill", "decode": "decode"}
+
+
+@pytest.fixture(scope="module")
+def three_hosts():
+    """Three network namespaces (prefill, prefill-2, decode) with the links drawn above;
+    always torn down, whatever failed."""
+    if os.geteuid() != 0:
+        pytest.skip("multi-host PD test: creating network namespaces needs root")
+    if shutil.which("ip") is None:
+        pytest.skip("multi-host PD test: no `ip` command (Debian package iproute2)")
+    tag = f"{os.getpid() % 10000:04d}{random.randrange(256):02x}"
+    x = {"prefill": "a", "prefill-2": "b", "decode": "c"}
+    ns = {n: f"kvf{tag}{x[n]}" for n in NODES3}
+    # interface names (at most 15 characters): kvf<tag><this end><other end>, r = the root namespace
+    kv_prefill_end = {n: f"kvf{tag}{x[n]}c" for n in PREFILLS}     # in the prefill's namespace
+    kv_decode_end = {n: f"kvf{tag}c{x[n]}" for n in PREFILLS}      # in decode's namespace
+    root_end = {n: f"kvf{tag}r{x[n]}" for n in NODES3}
+    node_end = {n: f"kvf{tag}{x[n]}r" for n in NODES3}
+    created: list[str] = []
+    try:
+        r = _ip("netns", "add", ns["prefill"], check=False)
+        if r.returncode != 0:
+            pytest.skip(f"multi-host PD test: cannot create a network namespace here: {r.stderr.strip()}")
+        created.append(ns["prefill"])
+        for n in ("prefill-2", "decode"):
+            _ip("netns", "add", ns[n])
+            created.append(ns[n])
+        net = f"10.231.{_free_subnet()}"
+        kv_link = {"prefill": (f"{net}.1", f"{net}.2"), "prefill-2": (f"{net}.5", f"{net}.6")}  # (prefill, decode)
+        http_addr = {"prefill": f"{net}.10", "prefill-2": f"{net}.14", "decode": f"{net}.18"}
+        root_addr = {"prefill": f"{net}.9", "prefill-2": f"{net}.13", "decode": f"{net}.17"}
+        kv_addr = {"prefill": kv_link["prefill"][0], "prefill-2": kv_link["prefill-2"][0], "decode": f"{net}.21"}
+        for n in NODES3:
+            _ip("-n", ns[n], "link", "set", "lo", "up")
+        _ip("-n", ns["decode"], "addr", "add", f"{kv_addr['decode']}/32", "dev", "lo")
+        for n in PREFILLS:
+            _ip("link", "add", kv_prefill_end[n], "netns", ns[n], "type", "veth",
+                "peer", "name", kv_decode_end[n], "netns", ns["decode"])
+            ends = ((n, kv_prefill_end[n], kv_link[n][0]), ("decode", kv_decode_end[n], kv_link[n][1]))
+            for where, dev, addr in ends:
+                _ip("-n", ns[where], "addr", "add", f"{addr}/30", "dev", dev)
+                _ip("-n", ns[where], "link", "set", dev, "up")
+            # decode's transfer address: reached from this prefill host over its own link only
+            _ip("-n", ns[n], "route", "add", f"{kv_addr['decode']}/32", "dev", kv_prefill_end[n])
+        for n in NODES3:
+            _ip("link", "add", root_end[n], "type", "veth", "peer", "name", node_end[n], "netns", ns[n])
+            _ip("addr", "add", f"{root_addr[n]}/30", "dev", root_end[n])
+            _ip("link", "set", root_end[n], "up")
+            _ip("-n", ns[n], "addr", "add", f"{http_addr[n]}/30", "dev", node_end[n])
+            _ip("-n", ns[n], "link", "set", node_end[n], "up")
+        yield {"ns": ns, "kv_addr": kv_addr, "http_addr": http_addr, "kv_prefill_end": kv_prefill_end,
+               "kv_decode_end": kv_decode_end}
+    finally:
+        for n in NODES3:
+            _ip("link", "del", root_end[n], check=False)  # deletes both ends of the pair
+        for name in created:
+            _ip("netns", "del", name, check=False)        # and with a namespace, the veths in it
+
+
+@pytest.fixture(scope="module")
+def cluster3(three_hosts, tmp_path_factory):
+    """Two prefill nodes and one decode node, each in its own namespace, serving HTTPS with
+    client certificates (mTLS); the router in the root namespace takes turns between the
+    prefill nodes (--prefill-routing round-robin), so a few requests reach both for certain."""
+    h = three_hosts
+    pki = make_pki(tmp_path_factory.mktemp("pki3"), [h["http_addr"][n] for n in NODES3])
+    c = MultiCluster(tmp_path_factory.mktemp("pd-netns3"), NODES3, hosts=dict(h["http_addr"]),
+                     binds=dict.fromkeys(NODES3, "0.0.0.0"), transfer_hosts=dict(h["kv_addr"]),
+                     prefixes={n: ["ip", "netns", "exec", h["ns"][n]] for n in NODES3}, pki=pki,
+                     router_args=["--prefill-routing", "round-robin"])
+    try:
+        yield c.start_all()
+    finally:
+        c.stop()
+
+
+def test_each_prefill_host_is_reached_from_decode_only_over_its_own_veth(three_hosts):
+    h = three_hosts
+    for n in PREFILLS:
+        route = _ip("-n", h["ns"]["decode"], "route", "get", h["kv_addr"][n]).stdout
+        assert f"dev {h['kv_decode_end'][n]}" in route, route
+        back = _ip("-n", h["ns"][n], "route", "get", h["kv_addr"]["decode"]).stdout
+        assert f"dev {h['kv_prefill_end'][n]}" in back, back
+    other = _ip("-n", h["ns"]["prefill"], "route", "get", h["kv_addr"]["prefill-2"], check=False)
+    assert other.returncode != 0 or "unreachable" in other.stdout + other.stderr   # no path between prefill hosts
+
+
+def _wait_for(pred, timeout: float, what: str):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_two_prefill_hosts_each_transfer_crosses_its_own_veth(three_hosts, cluster3, make_llm):
+    """The router sends requests to both prefill hosts; each request's KV crosses the veth
+    of the prefill node that served it into decode's namespace (its receive counter grew by
+    at least the bytes decode pulled; the other prefill's veth by far less), and greedy
+    output equals a single node's."""
+    h, c = three_hosts, cluster3
+    for n in PREFILLS:
+        assert c.info(n)["pd"]["transfer_session"].startswith(h["kv_addr"][n] + ":")
+    assert c.info("decode")["pd"]["transfer_session"].startswith(h["kv_addr"]["decode"] + ":")
+    state = httpx.get(c.url("router") + "/v1/kvfence/cluster", timeout=10).json()
+    assert state["ready"] and sorted(n["role"] for n in state["nodes"]) == ["decode", "prefill", "prefill"], state
+    assert all(n["state"] == "ready" for n in state["nodes"]), state
+
+    client = openai.OpenAI(base_url=c.url("router") + "/v1", api_key="none", max_retries=0, timeout=120)
+    m = model_name(client)
+    ns_d = h["ns"]["decode"]
+    want: dict[str, str] = {}
+    seen = {n: {"requests": 0, "long": 0, "pulled": 0, "own": 0, "other": 0} for n in PREFILLS}
+
+    def one(prompt: str) -> str:
+        routed = {x["url"]: x["routed"] for x in c.routed_nodes()}
+        dec = c.pd("decode")
+        rx = {n: _rx_bytes(ns_d, h["kv_decode_end"][n]) for n in PREFILLS}
+        r = client.completions.create(model=m, prompt=prompt, max_tokens=16, temperature=0)
+        if prompt not in want:
+            want[prompt] = single_node_text(make_llm, prompt, 16)
+        assert r.choices[0].text == want[prompt], prompt[:40]
+        after = _wait_for(lambda: (d := c.pd("decode")).get("pd_verified", 0) > dec.get("pd_verified", 0) and d,
+                          30, "decode to count the verified transfer")   # (counters appear with their first count)
+        now = {x["url"]: x["routed"] for x in c.routed_nodes()}
+        served = [n for n in PREFILLS if now[c.url(n)] > routed[c.url(n)]]
+        assert len(served) == 1, (routed, now)
+        (n,) = served
+        (o,) = [x for x in PREFILLS if x != n]
+        s = seen[n]
+        s["requests"] += 1
+        s["long"] += prompt == LONG
+        s["pulled"] += after["transferred_bytes"] - dec.get("transferred_bytes", 0)
+        s["own"] += _rx_bytes(ns_d, h["kv_decode_end"][n]) - rx[n]
+        s["other"] += _rx_bytes(ns_d, h["kv_decode_end"][o]) - rx[o]
+        return n
+
+    for _ in range(6):        # turns alternate; bounded in case a node sat out a turn
+        one(LONG)             # 300+ tokens: 20+ pages cross
+        if all(seen[n]["long"] for n in PREFILLS):
+            break
+    for p in ("The capital of France is", "Write a haiku about the sea.\n"):
+        one(p)
+    print("per prefill node:", seen)
+    for n, s in seen.items():
+        assert s["long"] >= 1, seen                      # the router routed to both prefill nodes
+        assert s["pulled"] > 20 * 700_000, (n, s)        # the long prompt's pages came from this node ...
+        assert s["own"] >= s["pulled"], (n, s)           # ... over its own veth into decode's namespace ...
+        assert s["other"] < s["pulled"] // 10, (n, s)    # ... and not over the other prefill's
+    state = httpx.get(c.url("router") + "/v1/kvfence/cluster", timeout=10).json()
+    assert all(x["routed"] > 0 for x in state["nodes"]), state["nodes"]
+    c.wait_quiet()
