@@ -31,6 +31,8 @@ from certs import make_pki
 from pd_cluster import Cluster, MultiCluster
 from test_cluster import LONG, model_name, single_node_text
 
+from kvfence.engine.params import SamplingParams
+
 pytest.importorskip("mooncake.engine", reason="the PD tests need mooncake-transfer-engine-non-cuda")
 
 
@@ -302,6 +304,7 @@ def test_two_prefill_hosts_each_transfer_crosses_its_own_veth(three_hosts, clust
     m = model_name(client)
     ns_d = h["ns"]["decode"]
     want: dict[str, str] = {}
+    llm: dict = {}
     seen = {n: {"requests": 0, "long": 0, "pulled": 0, "own": 0, "other": 0} for n in PREFILLS}
 
     def one(prompt: str) -> str:
@@ -310,7 +313,8 @@ def test_two_prefill_hosts_each_transfer_crosses_its_own_veth(three_hosts, clust
         rx = {n: _rx_bytes(ns_d, h["kv_decode_end"][n]) for n in PREFILLS}
         r = client.completions.create(model=m, prompt=prompt, max_tokens=16, temperature=0)
         if prompt not in want:
-            want[prompt] = single_node_text(make_llm, prompt, 16)
+            llm.setdefault("llm", make_llm(max_model_len=1024))   # one single node for every prompt
+            want[prompt] = llm["llm"].generate([prompt], SamplingParams(temperature=0.0, max_tokens=16))[0].text
         assert r.choices[0].text == want[prompt], prompt[:40]
         after = _wait_for(lambda: (d := c.pd("decode")).get("pd_verified", 0) > dec.get("pd_verified", 0) and d,
                           30, "decode to count the verified transfer")   # (counters appear with their first count)
