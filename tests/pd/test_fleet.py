@@ -12,7 +12,8 @@
   process; nothing shared but the nodes): both list every node ready, both serve the single
   node's output to several tenants at once, a tenant's concurrency limit holds per router,
   and when one router is SIGKILLed mid-load the other keeps serving while the nodes abort
-  the dead router's requests and get back everything they held.
+  the dead router's requests and get back everything they held; a router stopped with
+  SIGTERM finishes its streams first.
 """
 from __future__ import annotations
 
@@ -350,8 +351,9 @@ class Router:
 
 
 @pytest.fixture(scope="module")
-def two_routers(tmp_path_factory):
-    """(the fleet, whose own router is router A; router B, a second process over its nodes)."""
+def routers(tmp_path_factory):
+    """(the fleet, whose own router is router A; routers B and C, separate processes over its
+    nodes). C is there to be stopped with SIGTERM, B to be killed."""
     tmp = tmp_path_factory.mktemp("two-routers")
     secret = tmp / "cluster.secret"
     fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)   # only this user can read it
@@ -359,15 +361,17 @@ def two_routers(tmp_path_factory):
         out.write(new_secret() + "\n")
     f = Fleet(tmp, prefill=1, decode=1, extra=SHORT_LEASES, tenants=TWO_ROUTER_TENANTS, secret_file=secret,
               wait=False)
-    b = None
+    started: list[Router] = []
     try:
-        b = Router(f, tmp / "router-b.log")   # starts while the nodes load: it waits for them
+        for name in ("b", "c"):   # they start while the nodes load: they wait for them
+            started.append(Router(f, tmp / f"router-{name}.log"))
         f.wait_ready()
-        b.wait_ready()
-        yield f, b
+        for r in started:
+            r.wait_ready()
+        yield f, *started
     finally:
-        if b is not None:
-            b.stop()
+        for r in started:
+            r.stop()
         f.stop()
 
 
@@ -399,23 +403,23 @@ def _every_node_ready(router) -> dict[str, str]:
     return {n["url"]: n["boot_id"] for n in state["nodes"]}
 
 
-def test_two_routers_over_the_same_nodes_both_serve(two_routers, single_node):
+def test_two_routers_over_the_same_nodes_both_serve(routers, single_node):
     """Router A (launch-pd's) and router B (a separate process) list the same nodes, each
     ready with the same boot; concurrent requests of three tenants through both give the
     single node's greedy output; both routers routed to every node; nothing stays held."""
-    fleet, b = two_routers
-    assert _every_node_ready(fleet) == _every_node_ready(b)
+    fleet, b, c = routers
+    assert _every_node_ready(fleet) == _every_node_ready(b) == _every_node_ready(c)
     assert sorted(n["role"] for n in b.cluster()["nodes"]) == ["decode", "prefill"]
     before = _settle(fleet)
-    routers = {"a": fleet, "b": b}
-    jobs = [(r, KEYS[i % 3], p) for i, p in enumerate(PROMPTS) for r in routers]   # 24: each prompt on both
+    by_name = {"a": fleet, "b": b}
+    jobs = [(r, KEYS[i % 3], p) for i, p in enumerate(PROMPTS) for r in by_name]   # 24: each prompt on both
     results: dict[tuple[str, str], str] = {}
     errors: list[BaseException] = []
 
     def worker(w: int) -> None:   # 6 workers: each (router, tenant) pair, a bounded share of the jobs
         for r, key, p in jobs[w::6]:
             try:
-                results[(r, p)] = _complete(routers[r], key, p)
+                results[(r, p)] = _complete(by_name[r], key, p)
             except BaseException as e:   # noqa: BLE001 - reported on the test's thread
                 errors.append(e)
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(6)]
@@ -428,7 +432,7 @@ def test_two_routers_over_the_same_nodes_both_serve(two_routers, single_node):
     assert len(results) == len(jobs)
     for (r, p), text in sorted(results.items()):
         assert text == single_node[p], (r, p, text, single_node[p])
-    for r in routers.values():   # both routers answered, and each routed to every node
+    for r in by_name.values():   # both routers answered, and each routed to every node
         routed = {n["url"]: n["routed"] for n in r.cluster()["nodes"]}
         assert all(v > 0 for v in routed.values()), (r.url, routed)
     after = _settle(fleet)
@@ -447,11 +451,11 @@ def _open_stream(router, key: str, max_tokens: int = 400):
     return stream, next(iter(stream))
 
 
-def test_a_tenants_concurrency_limit_is_per_router(two_routers):
+def test_a_tenants_concurrency_limit_is_per_router(routers):
     """dave may have 1 request in flight. With one streaming through router A, a second
     through A is refused (429), while one through router B is admitted and streams: the
     limit is enforced by each router alone (docs/pd.md, "Two routers")."""
-    fleet, b = two_routers
+    fleet, b, _ = routers
     first, chunk = _open_stream(fleet, DAVE)
     try:
         assert chunk.choices[0].text is not None
@@ -510,12 +514,12 @@ class StreamLoad:
         return self.outcomes
 
 
-def test_a_killed_router_leaves_the_other_serving_and_the_nodes_release_its_requests(two_routers, single_node):
+def test_a_killed_router_leaves_the_other_serving_and_the_nodes_release_its_requests(routers, single_node):
     """Load through both routers; router B is SIGKILLed while its streams are mid-generation.
     Router A's requests all succeed, before and after; the nodes abort B's requests when its
     streams drop, and once B's leases and fences ran out (seconds here) every node is back at
     baseline: nothing of the dead router's requests stays held."""
-    fleet, b = two_routers
+    fleet, b, _ = routers
     decode_url = next(n["url"] for n in fleet.cluster()["nodes"] if n["role"] == "decode")
     aborted_before = fleet.info(decode_url)["snapshot"]["outcomes"].get("aborted", 0)
     load_a = Load(fleet, limit=30, max_tokens=6)
@@ -546,5 +550,28 @@ def test_a_killed_router_leaves_the_other_serving_and_the_nodes_release_its_requ
     assert aborted >= sum(o.startswith("cut:") for o in outcomes_b), (aborted, outcomes_b)
     _every_node_ready(fleet)
     for i, p in enumerate(PROMPTS[:3]):   # router A still gives the single node's output
+        assert _complete(fleet, KEYS[i % 3], p) == single_node[p]
+    _settle(fleet)
+
+
+def test_a_router_stopped_with_sigterm_finishes_its_streams_and_the_other_serves(routers, single_node):
+    """SIGTERM to router C while it streams: that stream still gets every token, C exits and
+    takes no new connection, router A serves throughout, and the nodes hold nothing after."""
+    fleet, _, c = routers
+    client = c.client(KEYS[1])
+    stream = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPTS[4], max_tokens=64,
+                                       temperature=0, stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    first = next(chunks)
+    c.proc.send_signal(signal.SIGTERM)
+    rest = list(chunks)                  # the stream goes on to its end
+    finish = [ch.choices[0].finish_reason for ch in [first, *rest] if ch.choices and ch.choices[0].finish_reason]
+    usage = [ch.usage for ch in rest if ch.usage is not None]
+    assert finish == ["length"] and usage and usage[-1].completion_tokens == 64, (finish, usage)
+    c.proc.wait(60)                      # then C exits (uvicorn re-raises the signal: rc -15 or 0)
+    with pytest.raises(openai.APIConnectionError):
+        c.client(KEYS[1]).models.list()
+    for i, p in enumerate(PROMPTS[:3]):   # router A serves the single node's output
         assert _complete(fleet, KEYS[i % 3], p) == single_node[p]
     _settle(fleet)
