@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfence.engine.grammar import Constraint, mask_bias
+from kvfence.engine.grammar import Constraint, fill_bitmask, mask_bias
 from kvfence.engine.params import SamplingParams
+from kvfence.kernels import cpu_kernels
 
 
 @dataclass(frozen=True)
@@ -67,10 +68,15 @@ def adjust(logits: torch.Tensor, params: list[SamplingParams], histories: list[H
 
 def apply_grammar(out: torch.Tensor, rows: list[int], grammars) -> None:
     """-inf, in place, on every token the rows' grammars do not allow next: all rows' masks in
-    one call (llguidance spreads them over its threads), added as one bias (0 or -inf)."""
+    one call (llguidance spreads them over its threads), then the CPU kernel that writes
+    straight from the bitmask, or else (CUDA, no kernels) one 0/-inf bias added to the rows."""
+    idx = torch.tensor(rows, dtype=torch.long, device=out.device)
+    kernels = cpu_kernels() if out.device.type == "cpu" and out.is_contiguous() else None
+    if kernels is not None:
+        kernels.apply_token_mask(out, idx, fill_bitmask(grammars))
+        return
     bias = mask_bias(grammars, out.shape[1]).to(out.device)
     if len(rows) == out.shape[0]:
         out += bias
-        return
-    idx = torch.tensor(rows, dtype=torch.long, device=out.device)
-    out.index_add_(0, idx, bias)
+    else:
+        out.index_add_(0, idx, bias)

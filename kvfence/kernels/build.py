@@ -107,6 +107,8 @@ def load_library() -> ctypes.CDLL:
     lib.kvfence_paged_attention.restype = i64
     lib.kvfence_argmax_rows.argtypes = [vp, i64, i64, vp, i32]
     lib.kvfence_argmax_rows.restype = None
+    lib.kvfence_apply_token_mask.argtypes = [vp, i64, i64, vp, i64, vp, i64, i32]
+    lib.kvfence_apply_token_mask.restype = i64
     lib.kvfence_gemm_supported.restype = i32
     lib.kvfence_gemm_packed_size.argtypes = [i64, i64]
     lib.kvfence_gemm_packed_size.restype = i64

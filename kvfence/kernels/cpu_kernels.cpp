@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 #include "kernels.h"
@@ -599,6 +600,29 @@ int kvfence_kernels_version() { return 1; }
 void kvfence_argmax_rows(const float* x, int64_t rows, int64_t cols, int64_t* out, int nt) {
 #pragma omp parallel for num_threads(nt) schedule(static) if (rows > 1 && rows * cols >= (1 << 16))
     for (int64_t r = 0; r < rows; ++r) out[r] = argmax_row(x + r * cols, cols);
+}
+
+int64_t kvfence_apply_token_mask(float* x, int64_t x_rows, int64_t cols, const int64_t* rows, int64_t n,
+                                 const uint32_t* mask, int64_t words, int nt) {
+    // every row index is checked before anything is written
+    for (int64_t r = 0; r < n; ++r)
+        if (rows[r] < 0 || rows[r] >= x_rows) return -1;
+    const int64_t covered = cols < words * 32 ? cols : words * 32;
+    const float ninf = -std::numeric_limits<float>::infinity();
+#pragma omp parallel for num_threads(nt) schedule(static) if (n > 1 && n * cols >= (1 << 16))
+    for (int64_t r = 0; r < n; ++r) {
+        float* row = x + rows[r] * cols;
+        const uint32_t* m = mask + r * words;
+        for (int64_t w = 0; w * 32 < covered; ++w) {
+            const uint32_t bits = m[w];
+            const int64_t base = w * 32, end = base + 32 < covered ? base + 32 : covered;
+            if (bits == 0xFFFFFFFFu && end - base == 32) continue;   // a word of allowed tokens: nothing to write
+            for (int64_t c = base; c < end; ++c)
+                if (!((bits >> (c - base)) & 1u)) row[c] = ninf;
+        }
+        for (int64_t c = covered; c < cols; ++c) row[c] = ninf;     // past the grammar's vocabulary
+    }
+    return 0;
 }
 
 void kvfence_add_rms_norm(int dtype, void* h, const void* delta, const void* w, void* out, int64_t n, int64_t dim,

@@ -10,6 +10,8 @@ extern "C" {
 // cpu_kernels.cpp (dtype codes: 0 = float32, 1 = bfloat16)
 int kvfence_kernels_version();
 void kvfence_argmax_rows(const float* x, int64_t rows, int64_t cols, int64_t* out, int nt);
+int64_t kvfence_apply_token_mask(float* x, int64_t x_rows, int64_t cols, const int64_t* rows, int64_t n,
+                                 const uint32_t* mask, int64_t words, int nt);
 void kvfence_add_rms_norm(int dtype, void* h, const void* delta, const void* w, void* out, int64_t n, int64_t dim,
                           float eps, int nt);
 int64_t kvfence_rope_store(int dtype, void* qkv, int64_t n, int64_t row_stride, int heads, int kv_heads, int dim,

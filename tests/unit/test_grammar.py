@@ -134,3 +134,31 @@ def test_the_schema_crosses_the_pd_wire(tok):
     assert WireParams.from_json(WireParams.of(SamplingParams()).dumps()).to_params().json_schema is None
     with pytest.raises(MessageError, match="json_schema"):
         WireParams.from_json({"json_schema": "{" + " " * (64 << 10) + "}"})
+
+
+def test_the_mask_kernel_writes_what_the_bias_path_adds():
+    from kvfence.engine.grammar import _BYTE_BIAS
+    from kvfence.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no CPU kernels on this machine")
+    rng = np.random.default_rng(0)
+    words, cols = 5, 5 * 32 + 9                           # logits wider than the mask
+    mask = rng.integers(-2**31, 2**31 - 1, size=(3, words), dtype=np.int32)
+    mask[0, 1] = -1                                       # a word of allowed tokens (skipped)
+    mask[1, :] = 0
+    mask[1, 2] = -(1 << 31)                               # only the last token of a word
+    x = torch.randn(4, cols)
+    rows = torch.tensor([3, 0, 2])
+    got = x.clone()
+    kernels.apply_token_mask(got, rows, mask)
+    bias = torch.nn.functional.embedding(torch.from_numpy(mask.view(np.uint8).astype(np.int64)).view(-1),
+                                         _BYTE_BIAS).view(3, -1)
+    want = x.clone()
+    want[rows, :words * 32] += bias
+    want[rows, words * 32:] = float("-inf")
+    assert torch.equal(got, want)
+    assert torch.equal(got[1], x[1])                      # a row not named is untouched
+    with pytest.raises(ValueError, match="row index"):
+        kernels.apply_token_mask(x, torch.tensor([0, 4, 1]), mask)
