@@ -65,6 +65,7 @@ def run_engine(name: str, loaded: LoadedModel, cfg: EngineConfig, wl: Workload,
         engine.add_request([200] * 20, replace(params, max_tokens=4), tenant="warm-up")
     while engine.has_unfinished():
         engine.step()
+    adjust_before = engine.sampler.adjust_seconds
     start = time.perf_counter()
     seqs = [engine.add_request(p, params) for p in prompts]
     while engine.has_unfinished():
@@ -76,9 +77,12 @@ def run_engine(name: str, loaded: LoadedModel, cfg: EngineConfig, wl: Workload,
     ttft = [s.first_token_at - start for s in seqs]
     itl = [b - a for s in seqs for a, b in zip(s.token_times, s.token_times[1:])]
     check = engine.runner.check_seconds
+    adjust = engine.sampler.adjust_seconds - adjust_before
     return Result(name, seconds, out, out + wl.num_requests * wl.prompt_tokens, percentiles(ttft), percentiles(itl),
                   note=f"ledger checks {check * 1e3:.1f} ms ({100 * check / seconds:.3f}% of the run), "
-                       f"violations={dict(engine.ledger.violations)} preemptions={engine.scheduler.num_preemptions}")
+                       + (f"logit adjustments {adjust * 1e3:.1f} ms ({100 * adjust / seconds:.2f}%), " if adjust
+                          else "")
+                       + f"violations={dict(engine.ledger.violations)} preemptions={engine.scheduler.num_preemptions}")
 
 
 def matmul_floor(loaded: LoadedModel, wl: Workload, chunk: int) -> Result:

@@ -7,6 +7,7 @@ depend only on its seed and its own logits, never on the rest of the batch.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,9 @@ def _is_greedy(p: SamplingParams) -> bool:
 
 
 class Sampler:
+    def __init__(self) -> None:
+        self.adjust_seconds = 0.0   # time in logit adjustments and grammar masks (bench --structured)
+
     def __call__(
         self,
         logits: torch.Tensor,
@@ -72,7 +76,9 @@ class Sampler:
 
         raw = logits     # logprobs describe the model's own distribution, not the adjusted one
         if histories is not None:
+            t0 = time.perf_counter()
             logits = adjust(logits, params, histories)
+            self.adjust_seconds += time.perf_counter() - t0
         elif any(p.adjusts_logits for p in params):
             raise ValueError("penalties, logit_bias and min_tokens need each row's history")
 
