@@ -19,3 +19,16 @@ def test_bench_tiny_workload_writes_results(tmp_path):
     for r in data["results"]:
         assert r["output_tokens"] == 8 and r["seconds"] > 0 and r["ttft_ms"]["p50"] > 0
     assert "ledger checks" in data["results"][0]["note"]
+
+
+def test_bench_structured_compares_plain_and_schema_runs(tmp_path):
+    out = tmp_path / "structured.json"
+    rc = main(["bench", "--structured", "--num-requests", "2", "--prompt-tokens", "16", "--output-tokens", "4",
+               "--repeat", "1", "--kv-cache-memory", "64MiB", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    plain, constrained = data["results"]
+    assert plain["name"] == "plain" and constrained["name"] == "response_format json_schema"
+    # the same tokens either way (the schema cannot close early), and the masks were applied
+    assert plain["output_tokens"] == constrained["output_tokens"] == 8
+    assert "logit adjustments" in constrained["note"] and "logit adjustments" not in plain["note"]
