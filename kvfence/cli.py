@@ -103,6 +103,14 @@ def cmd_bench(a) -> int:
         from kvfence.bench.pd import main as pd_main
 
         return pd_main(a)
+    if a.fidelity:
+        if a.url:
+            print("error: --fidelity runs the models here; it does not take --url", file=sys.stderr)
+            return 2
+        from kvfence.bench.fidelity import main as fidelity_main
+
+        a.peers = [p for p in a.peers.split(",") if p]
+        return fidelity_main(a)
     for k, v in (("num_requests", 32), ("output_tokens", 128), ("kv_cache_memory", "1GiB")):
         if getattr(a, k) is None:
             setattr(a, k, v)
@@ -135,6 +143,7 @@ def _cluster_secret(a) -> bytes | None:
 
 
 def cmd_serve(a) -> int:
+    from kvfence import incidents
     from kvfence.server.http_limits import HttpLimits
 
     level = "debug" if a.verbose else "info"
@@ -143,6 +152,8 @@ def cmd_serve(a) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # before anything that can refuse: start-up checks and fault points are incidents too
+    incidents.open_log(a.incident_log or incidents.default_path(a.role, a.port), a.role)
     if a.role in ("prefill", "decode", "router"):
         from kvfence.pd.tls import PlaintextNetworkError, check_listen, check_node_url
 
@@ -241,6 +252,12 @@ def cmd_probe(a) -> int:
     return 0
 
 
+def cmd_incidents(a) -> int:
+    from kvfence.disclosure import main as report_main
+
+    return report_main(a)
+
+
 def cmd_isolation(a) -> int:
     """Print the isolation statement: from a running server (--url), or from this configuration
     (builds the engine and runs the same start-up checks `serve` runs)."""
@@ -336,6 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get HTTP 413")
     s.add_argument("--prefill-routing", default="affinity", choices=["affinity", "round-robin"],
                    help="router: prefill nodes by tenant-scoped prefix affinity (bounded by load), or in turn")
+    s.add_argument("--incident-log", default=None, metavar="PATH",
+                   help="append isolation events here, one hash-chained JSON line each (default: "
+                        "$XDG_STATE_HOME/kvfence/incidents-ROLE-PORT.jsonl, ~/.local/state without it)")
     s.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a client has to send its request headers (then 408 and close)")
     s.add_argument("--body-timeout", type=float, default=60.0,
@@ -385,6 +405,17 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--tls-client-cert", default=None, metavar="FILE", help="present this certificate (PD nodes)")
     pr.add_argument("--tls-client-key", default=None, metavar="FILE")
     pr.set_defaults(func=cmd_probe)
+
+    inc = sub.add_parser("incidents", help="the disclosure report from incident logs (or --verify their chains)")
+    inc.add_argument("logs", nargs="*", help="incident logs (default: every one under the default directory)")
+    inc.add_argument("--since", default=None, metavar="T", help="ISO 8601 time or Unix seconds")
+    inc.add_argument("--until", default=None, metavar="T")
+    inc.add_argument("--tenant", default=None, metavar="NAME", help="only what involves this tenant")
+    inc.add_argument("--json", action="store_true")
+    inc.add_argument("--verify", action="store_true", help="only check the hash chains; exit 1 if one is broken")
+    inc.add_argument("--tenants", default=None, metavar="FILE",
+                     help="the tenants file whose [disclosure] commitments head the report")
+    inc.set_defaults(func=cmd_incidents)
 
     iso = sub.add_parser("isolation", help="print the isolation statement (same as GET /v1/kvfence/isolation)")
     iso.add_argument("--url", default=None, help="ask a running server instead of building the engine here")
@@ -436,6 +467,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--structured", action="store_true",
                    help="the offline workload plain and with every request held to a JSON schema (response_format): "
                         "the cost per generated token")
+    b.add_argument("--fidelity", action="store_true",
+                   help="teacher-forced agreement with float32 (top-1 and logprobs) of kvfence bf16 fused, its torch "
+                        "path and transformers bf16 on the same positions (--output-tokens: the greedy continuation "
+                        "per prompt, default 48)")
     b.add_argument("--concurrency", type=int, default=None, help="--url, --pd: requests in flight (default: all)")
     b.add_argument("--api-key", default=None, help="--url: API key (default: $OPENAI_API_KEY or none)")
     b.add_argument("--model-name", default=None, help="--url: model to ask for (default: the server's first)")

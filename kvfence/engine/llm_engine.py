@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import torch
 
-from kvfence import faults
+from kvfence import faults, incidents
 from kvfence.engine.admission import ContextLengthExceeded, ContextPlan, Overloaded, check_fits, plan_context
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.containment import FAIL_CLOSED, MAX_FAILED_STEPS
@@ -291,8 +291,12 @@ class LLMEngine:
     def _refuse_read(self, seq: Sequence, v: Violation) -> StepOutput:
         """The one place an isolation violation ends a request: quarantine the page it
         pointed at, abort the request (the rest of the batch goes on)."""
+        owner = self.ledger.page_owner(v.page)   # whose data the read pointed at, before quarantine
         self.ledger.quarantine([v.page], reason=f"{v.invariant} violation")
         log.error("isolation violation %s on request %s: %s", v.invariant, seq.request_id, v.detail)
+        incidents.record("ledger_refusal", invariant=v.invariant, request_id=seq.request_id, tenant=seq.tenant,
+                         involved=[owner] if owner else [], pages=[v.page], detail=v.detail,
+                         client=incidents.client_outcome("isolation_violation", len(seq.output_ids)))
         self.end(seq, Event.ABORT, "aborted", f"isolation check {v.invariant} failed: {v.detail}",
                  code="isolation_violation")
         return StepOutput(seq, [], "", True)

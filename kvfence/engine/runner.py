@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvfence import faults
+from kvfence import faults, incidents
 from kvfence.engine.scheduler import ScheduledSeq
 from kvfence.kv.audit import AuditRow, ReadAudit
 from kvfence.kv.ledger import NULL_PAGE, Ledger, ReadRequest, Violation
@@ -60,7 +60,12 @@ class ModelRunner:
         ok.sort(key=lambda s: (s.num_new != 1, s.seq.num_computed > 0, s.num_new))
         batch, sampled = self._build(ok)
         if self.audit is not None:  # what the model will touch, checked against the ledger as it is now
-            self.audit.record(batch, self._audit_rows(ok))
+            for v in self.audit.record(batch, self._audit_rows(ok)):
+                owner = self.ledger.tenant_name(v.page_owner_scope)
+                incidents.record("audit_violation", request_id=v.request_id, tenant=self.ledger.tenant_name(v.tenant),
+                                 involved=[owner] if owner else [], pages=[v.page],
+                                 detail=f"{v.kind} on page {v.page} slots {v.first_slot}..{v.last_slot} "
+                                        f"({v.page_state}, epoch {v.epoch})")
         logits = self.model.forward(batch, self.pool.kv, fused=self.fused_kernels)
         for s in ok:
             start = s.seq.num_computed

@@ -112,6 +112,7 @@ class Ledger:
         self._attached: dict[int, list[int]] = {}  # request -> SHARED pages it holds a reference on
         self._evictable: OrderedDict[int, None] = OrderedDict()  # SHARED, refcount 0, least recent first
         self.on_evict: Callable[[int], None] | None = None  # the prefix cache forgets the page
+        self.on_time_lift: Callable[[int, list[int]], None] | None = None  # a fence ends by time (incident log)
         self.state[NULL_PAGE] = PageState.RESERVED_NULL
         self._free: deque[int] = deque(range(num_pages - 1, 0, -1))
         self._tenants: dict[str, int] = {}
@@ -125,6 +126,17 @@ class Ledger:
     # -- tenants ------------------------------------------------------------------------
     def tenant_id(self, name: str) -> int:
         return self._tenants.setdefault(name, len(self._tenants))
+
+    def tenant_name(self, tenant: int) -> str | None:
+        """The name behind a tenant or cache-scope id (None for -1: nobody)."""
+        return next((n for n, i in self._tenants.items() if i == tenant), None)
+
+    def page_owner(self, page: int) -> str | None:
+        """Whose data the page holds at this moment, by name: the owning request's tenant, a
+        shared page's cache scope; None for a free page."""
+        if self.state[page] not in (PageState.OWNED, PageState.SHARED, PageState.QUARANTINED):
+            return None
+        return self.tenant_name(int(self.owner_tenant[page]))
 
     # -- capacity -----------------------------------------------------------------------
     @property
@@ -327,9 +339,13 @@ class Ledger:
         return len(pages)
 
     def lift_expired_fences(self, now: float) -> int:
-        """Free the pages of every fence whose time has passed."""
-        done = [r for r, (_, until) in self._fences.items() if until is not None and until <= now]
-        return sum(self.lift_fence(r) for r in done)
+        """Free the pages of every fence whose time has passed (on_time_lift hears of each:
+        these were freed on a clock, not on proof that nothing touches them)."""
+        done = [(r, pages) for r, (pages, until) in self._fences.items() if until is not None and until <= now]
+        for r, pages in done:
+            if self.on_time_lift is not None:
+                self.on_time_lift(r, list(pages))
+        return sum(self.lift_fence(r) for r, _ in done)
 
     def next_fence_time(self) -> float | None:
         times = [u for _, u in self._fences.values() if u is not None]

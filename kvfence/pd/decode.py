@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from kvfence import faults
+from kvfence import faults, incidents
 from kvfence.engine.kv_link import Decision, EndRequest, KvArrived, Reserve, contained
 from kvfence.engine.request_states import Event
 from kvfence.engine.sequence import Sequence
@@ -205,8 +205,7 @@ class KvImporter(PdLink):
             self.staging.ledger.free(p.owner, p.rows)
             return
         if faults.active("fence_pull_from_submit"):   # the old rule: a queued read may still begin
-            self.staging.ledger.fence(p.owner, p.rows, "pull in flight", until=p.started + self.settings.max_pull_s)
-            self.counters["fences"] += 1
+            self.fence(seq, p.owner, p.rows, "pull in flight", p.started + self.settings.max_pull_s)
             return
         with self._lock:
             began = p.read_at
@@ -218,8 +217,7 @@ class KvImporter(PdLink):
             return
         # the read may still be writing these rows: keep them until its notice, or until no
         # read that began at `began` can still be running (I6)
-        self.staging.ledger.fence(p.owner, p.rows, "pull in flight", until=began + self.settings.max_pull_s)
-        self.counters["fences"] += 1
+        self.fence(seq, p.owner, p.rows, "pull in flight", began + self.settings.max_pull_s)
 
     # -- reservation and pulls -------------------------------------------------------------------
     def _reserve_waiting(self, now: float) -> Iterator[Decision]:
@@ -327,6 +325,9 @@ class KvImporter(PdLink):
         except SealError as e:
             self.counters["verify_failed"] += 1
             log.error("request %s: transferred KV failed verification: %s", seq.request_id, e)
+            incidents.record("transfer_verification_failed", request_id=seq.request_id, tenant=seq.tenant,
+                             involved=[seq.tenant], rows=p.rows.pages, detail=str(e),
+                             client=incidents.client_outcome("kv_verification_failed", 0))
             yield self._settle_and_abort(p, "kv_verification_failed", f"the transferred KV failed verification: {e}")
             return
         if faults.active("poison_link") and int(faults.arg("poison_link") or -1) in seq.prompt_ids:

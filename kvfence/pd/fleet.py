@@ -30,6 +30,7 @@ import math
 import time
 from dataclasses import dataclass
 
+from kvfence import incidents
 from kvfence.pd.addresses import NodeAddress
 from kvfence.pd.capacity import node_problems
 from kvfence.pd.messages import NodeInfo
@@ -152,6 +153,7 @@ class Fleet:
                      node.boot_id, " after a restart" if rejoined and before != "checking" else "")
         elif state == "refused":
             log.error("%s node %s is refused and gets no request: %s", node.role, node.url, reason)
+            incidents.record("node_refused", detail=f"{node.role} node {node.url} (boot {node.boot_id}): {reason}")
         else:
             log.warning("%s node %s is %s: %s", node.role, node.url, state, reason)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 
+from kvfence import incidents
 from kvfence.engine.admission import CapacityError
 from kvfence.engine.kv_link import KvLinkBase
 from kvfence.engine.sequence import Sequence
@@ -33,10 +34,30 @@ class PdLink(KvLinkBase):
             raise CapacityError(f"the transfer buffer holds {self.staging.capacity_pages} pages, a full context "
                                 f"of {engine.usable_context} tokens needs {need}")
         self.base = transport.register(self.staging.buf)
-        self.boot_id = uuid.uuid4().hex  # a restarted process is another node (I8 re-check, stale handles)
+        # a restarted process is another node (I8 re-check, stale handles); the incident log says the same boot
+        log = incidents.current()
+        self.boot_id = log.boot_id if log is not None and log.role == settings.role else uuid.uuid4().hex
         self.counters: Counter[str] = Counter()
         self.role = settings.role
+        self._fenced: dict[int, tuple[str, str]] = {}   # fenced request number -> (request id, tenant)
+        self.staging.ledger.on_time_lift = self._lifted_by_time
         engine.kv_link = self
+
+    def fence(self, seq: Sequence, owner, rows, reason: str, until: float) -> None:
+        """Quarantine a request's rows until `until` (I6), remembering whose they were for
+        the incident log in case the clock, not a proof, ends the fence."""
+        led = self.staging.ledger
+        self._fenced = {r: v for r, v in self._fenced.items() if led.fenced(r)}
+        self._fenced[owner.request] = (seq.request_id, seq.tenant)
+        led.fence(owner, rows, reason, until=until)
+        self.counters["fences"] += 1
+
+    def _lifted_by_time(self, request: int, rows: list[int]) -> None:
+        rid, tenant = self._fenced.pop(request, (None, None))
+        peer = "decode" if self.role == "prefill" else "the transfer engine"
+        incidents.record("fence_lifted_by_time", request_id=rid, tenant=tenant, involved=[tenant] if tenant else [],
+                         rows=rows, detail=f"{self.role}: {len(rows)} transfer-buffer rows freed at their fence's "
+                                           f"deadline, with no word from {peer} that nothing still touches them")
 
     def cipher(self, m: Manifest, seq: Sequence) -> RowCipher:
         """The key of one hold's rows, from the cluster secret and this node's own knowledge

@@ -100,9 +100,8 @@ class KvExporter(PdLink):
         if event is Event.RELEASE or reader_stopped:
             self.staging.ledger.free(h.owner, h.rows)
         else:
-            until = self.settings.fence_after(h.manifest.lease_deadline)
-            self.staging.ledger.fence(h.owner, h.rows, "lease ended without an ACK", until=until)
-            self.counters["fences"] += 1
+            self.fence(seq, h.owner, h.rows, "lease ended without an ACK", self.settings.fence_after(
+                h.manifest.lease_deadline))
 
     # -- control messages (engine thread) ----------------------------------------------------
     def release(self, request_id: str) -> Iterator[Decision]:

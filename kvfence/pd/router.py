@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from kvfence import faults
+from kvfence import faults, incidents
 from kvfence.engine.admission import ContextLengthExceeded
 from kvfence.engine.params import SamplingParams
 from kvfence.pd.addresses import NodeAddress, Resolver, expand, system_resolver
@@ -246,7 +246,10 @@ class RouterBackend:
         if not chk.ok:
             self.error = f"cluster capacity check failed: {chk.note}"
             log.error("%s", self.error)
+            incidents.record("startup_check_failed", invariant="I8", detail=self.error)
             return self
+        for url, reasons in chk.refused.items():
+            incidents.record("node_refused", detail=f"{chk.roles.get(url)} node {url} at start: {'; '.join(reasons)}")
         (log.warning if chk.clamped or chk.refused else log.info)("cluster capacity check (I8): %s", chk.note)
         assert chk.reference is not None   # ok: some node passed
         self.fleet = Fleet(addrs, chk.usable_context, chk.reference, self.prefill_routing)

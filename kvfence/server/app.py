@@ -22,7 +22,7 @@ from kvfence.engine.grammar import GrammarError, check_schema, ll_tokenizer
 from kvfence.model.tokenizer import ChatTemplateError
 from kvfence.server.backend import EngineBackend, EngineFailed, RequestHandle, Update
 from kvfence.server.disconnect import watch_disconnect
-from kvfence.server.errors import APIError, bad_request, error_body
+from kvfence.server.errors import ABORT_STATUS, APIError, bad_request, error_body
 from kvfence.server.isolation import isolation_statement
 from kvfence.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvfence.server.openai_format import Formatter, sse, usage
@@ -213,26 +213,6 @@ _REJECTION_REASON = {"context_length_exceeded": "context_length_exceeded",
                      "server_overloaded": "server_overloaded"}
 
 
-# how an aborted request's machine-readable code reaches the client (the codes LLMEngine.end
-# is given, and the PD router's node_* codes); an unknown code is a 500
-_ABORT_STATUS = {
-    "kv_pool_exhausted": (503, "The server cannot hold this request right now"),   # capacity: retry later
-    "isolation_violation": (500, "The request was stopped by an isolation check"),
-    "engine_error": (500, "The server hit an internal error on this request (other requests were not affected)"),
-    "grammar_error": (500, "The response_format constraint failed during generation (other requests were not "
-                           "affected)"),
-    "context_length_exceeded": (400, "A serving node refused the request"),        # PD: a node's own I4
-    "kv_manifest_invalid": (500, "The KV handoff was refused"),
-    "kv_transfer_failed": (503, "The KV transfer between prefill and decode failed"),
-    "kv_transfer_timeout": (503, "The KV transfer between prefill and decode timed out"),
-    "kv_verification_failed": (500, "The transferred KV failed verification"),
-    "lease_expired": (503, "The prefill node's KV lease expired before the transfer"),
-    "aborted_by_peer": (503, "The other PD node ended the request"),
-    "node_failed": (503, "A PD node failed during the request"),
-    "node_unavailable": (503, "A PD node is unavailable"),
-    "node_error": (502, "A PD node answered with an error"),
-    "server_overloaded": (503, "The server is overloaded"),
-}
 
 
 async def _generate(state: ServerState, request: Request, kind: str):
@@ -284,7 +264,7 @@ async def _generate(state: ServerState, request: Request, kind: str):
                            outcome="overloaded") from None
         except EngineFailed as e:  # the PD router's failures carry a machine-readable code
             headers = {"Retry-After": "1"} if e.code == "server_overloaded" else None
-            raise APIError(_ABORT_STATUS.get(e.code, (503,))[0], str(e), code=e.code, headers=headers) from None
+            raise APIError(ABORT_STATUS.get(e.code, (503,))[0], str(e), code=e.code, headers=headers) from None
         except GrammarError as e:
             raise bad_request(str(e), param="response_format") from None
         except ValueError as e:
@@ -440,7 +420,7 @@ class _Run:
         u = self.last
         if u is None:
             return APIError(503, "The engine stopped before the request finished.", code="engine_unavailable")
-        status, what = _ABORT_STATUS.get(u.abort_code or "", (500, "The request was aborted"))
+        status, what = ABORT_STATUS.get(u.abort_code or "", (500, "The request was aborted"))
         return APIError(status, f"{what}: {u.error or u.finish_reason}.", code=u.abort_code or "request_aborted")
 
     async def collect(self) -> Response:

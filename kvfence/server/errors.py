@@ -45,3 +45,25 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, code=code, param=param)
+
+
+# how an aborted request's machine-readable code reaches the client (the codes LLMEngine.end
+# is given, and the PD router's node_* codes); an unknown code is a 500
+ABORT_STATUS = {
+    "kv_pool_exhausted": (503, "The server cannot hold this request right now"),   # capacity: retry later
+    "isolation_violation": (500, "The request was stopped by an isolation check"),
+    "engine_error": (500, "The server hit an internal error on this request (other requests were not affected)"),
+    "grammar_error": (500, "The response_format constraint failed during generation (other requests were not "
+                           "affected)"),
+    "context_length_exceeded": (400, "A serving node refused the request"),        # PD: a node's own I4
+    "kv_manifest_invalid": (500, "The KV handoff was refused"),
+    "kv_transfer_failed": (503, "The KV transfer between prefill and decode failed"),
+    "kv_transfer_timeout": (503, "The KV transfer between prefill and decode timed out"),
+    "kv_verification_failed": (500, "The transferred KV failed verification"),
+    "lease_expired": (503, "The prefill node's KV lease expired before the transfer"),
+    "aborted_by_peer": (503, "The other PD node ended the request"),
+    "node_failed": (503, "A PD node failed during the request"),
+    "node_unavailable": (503, "A PD node is unavailable"),
+    "node_error": (502, "A PD node answered with an error"),
+    "server_overloaded": (503, "The server is overloaded"),
+}

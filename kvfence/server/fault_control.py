@@ -12,7 +12,7 @@ import os
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from kvfence import faults
+from kvfence import faults, incidents
 
 ENV_VAR = "KVFENCE_TEST_FAULT_CONTROL"
 log = logging.getLogger("kvfence.faults")
@@ -37,4 +37,6 @@ def mount(app: FastAPI) -> None:
             return JSONResponse({"error": str(e)}, status_code=400)
         if active:
             faults.announce(log)
+            incidents.record("faults_active", detail="test fault points switched on over HTTP: "
+                                                     + ", ".join(faults.describe()))
         return {"active": faults.describe()}

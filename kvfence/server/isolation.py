@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime as _dt
 
-from kvfence import __version__, faults
+from kvfence import __version__, faults, incidents
 from kvfence.engine.params import SamplingParams
 from kvfence.kv.ledger import PageState
 
@@ -44,6 +44,8 @@ def run_startup_checks(engine) -> list[dict]:
     failed = [c for c in checks if c["status"] == "failed" and c.pop("fatal", True)]
     for c in checks:
         c.pop("fatal", None)
+    for c in failed:
+        incidents.record("startup_check_failed", invariant=c["invariant"], detail=f"{c['name']}: {c['detail']}")
     if failed:
         raise StartupCheckFailed("; ".join(f"{c['name']}: {c['detail']}" for c in failed))
     return checks
@@ -55,10 +57,31 @@ def fault_injection_check() -> dict:
     on = faults.describe()
     if on:
         faults.announce()  # the ERROR-level banner, once per server start
+        incidents.record("faults_active", detail="test fault points on: " + ", ".join(on))
         return _check("fault injection", "all", False,
                       f"ACTIVE ({', '.join(on)}): this server is deliberately broken for testing and must never "
                       f"serve real traffic ({faults.ENV_VAR})", fatal=False)
     return _check("fault injection", "all", True, f"none active ({faults.ENV_VAR} is not set)", fatal=False)
+
+
+def _disclosure_terms(tenants) -> dict:
+    """The customer's third question: what happens, and when am I told, if isolation fails.
+    The commitments are the operator's ([disclosure] in the tenants file); the record is
+    this process's incident log."""
+    d = getattr(tenants, "disclosure", {}) or {}
+    log = incidents.current()
+    return {
+        "contact": d.get("contact"), "postmortems_published_at": d.get("postmortems"),
+        "notification_window_hours": d.get("notification_window_hours"),
+        "configured": bool(d),
+        "incident_log": ({**log.describe(), "role": log.role, "boot_id": log.boot_id} if log is not None else None),
+        "what_is_recorded": ("every isolation event (refused reads, audit findings, failed transfer verification, "
+                             "fences ended by time, refused nodes, test faults on at start-up, failed start-up "
+                             "checks), within the request that caused it and before its error is returned: the "
+                             "requesting tenant, the tenants whose data the refused page or row held, the pages, "
+                             "and what the client got; never prompt or completion text. Hash-chained: "
+                             "`kvfence incidents --verify` finds any edited, inserted or removed line"),
+    }
 
 
 def _fault_terms() -> dict:
@@ -234,6 +257,7 @@ def isolation_statement(facts: dict, checks: list[dict], tenants, snapshot: dict
                          "is given token ids, never the prompt text",
         },
         **_pd_terms(facts),
+        "incident_disclosure": _disclosure_terms(tenants),
         "fault_injection": _fault_terms(),
         "startup_checks": checks,
         "live": {

@@ -67,6 +67,8 @@ class TenantRegistry:
     def __init__(self, tenants: list[tuple[Tenant, list[bytes]]] | None = None, source: str | None = None):
         self.single_tenant = tenants is None
         self.source = source
+        self.operator_digests: list[bytes] = []
+        self.disclosure: dict = {}
         self._entries: list[tuple[bytes, Tenant]] = []
         self.tenants: dict[str, Tenant] = {}
         if tenants is None:
@@ -94,10 +96,10 @@ class TenantRegistry:
     @classmethod
     def from_dict(cls, data: dict, source: str | None = None) -> TenantRegistry:
         where = source or "tenants file"
-        unknown = set(data) - {"defaults", "tenants"}
+        unknown = set(data) - {"defaults", "tenants", "operator", "disclosure"}
         if unknown:
             raise TenantsFileError(f"{where}: unknown top-level section(s) {sorted(unknown)}; "
-                                   f"expected [defaults] and [tenants.NAME]")
+                                   f"expected [defaults], [tenants.NAME], [operator] and [disclosure]")
         defaults = _limits(data.get("defaults", {}), f"{where} [defaults]", Limits())
         tenants = data.get("tenants")
         if not isinstance(tenants, dict) or not tenants:
@@ -133,7 +135,22 @@ class TenantRegistry:
             if scope is not None and not (isinstance(scope, str) and _NAME.fullmatch(scope)):
                 raise TenantsFileError(f"{here}: public_prefix_scope is 1-64 characters of A-Z a-z 0-9 _ . -")
             out.append((Tenant(name, _limits(spec, here, defaults), scope), digests))
-        return cls(out, source)
+        reg = cls(out, source)
+        reg.operator_digests = _operator(data.get("operator"), f"{where} [operator]", seen)
+        reg.disclosure = _disclosure(data.get("disclosure"), f"{where} [disclosure]")
+        return reg
+
+    def is_operator(self, authorization: str | None) -> bool:
+        """The operator's credential (constant time over every operator digest); never a
+        tenant's key, and nobody's without a tenants file that names one."""
+        key = _bearer(authorization)
+        if key is None or not self.operator_digests:
+            return False
+        presented = _digest(key)
+        found = False
+        for d in self.operator_digests:
+            found |= hmac.compare_digest(presented, d)
+        return found
 
     def authenticate(self, authorization: str | None) -> Tenant:
         if self.single_tenant:
@@ -149,6 +166,40 @@ class TenantRegistry:
         if found is None:
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
         return found
+
+
+DISCLOSURE_FIELDS = {"contact": str, "postmortems": str, "notification_window_hours": int}
+
+
+def _operator(spec, where: str, tenant_keys: dict[bytes, str]) -> list[bytes]:
+    if spec is None:
+        return []
+    if not isinstance(spec, dict) or set(spec) - {"api_keys", "api_key_sha256"}:
+        raise TenantsFileError(f"{where}: a table with api_keys or api_key_sha256 only")
+    digests = [_digest(k) for k in _str_list(spec.get("api_keys", []), f"{where} api_keys")]
+    for hx in _str_list(spec.get("api_key_sha256", []), f"{where} api_key_sha256"):
+        if not re.fullmatch(r"[0-9a-fA-F]{64}", hx):
+            raise TenantsFileError(f"{where}: api_key_sha256 entries are 64 hex digits")
+        digests.append(bytes.fromhex(hx))
+    if not digests:
+        raise TenantsFileError(f"{where}: needs api_keys or api_key_sha256")
+    for d in digests:
+        if d in tenant_keys:
+            raise TenantsFileError(f"{where}: the operator's key is also tenant {tenant_keys[d]!r}'s")
+    return digests
+
+
+def _disclosure(spec, where: str) -> dict:
+    if spec is None:
+        return {}
+    if not isinstance(spec, dict) or set(spec) - set(DISCLOSURE_FIELDS):
+        raise TenantsFileError(f"{where}: fields are {', '.join(DISCLOSURE_FIELDS)}")
+    for k, typ in DISCLOSURE_FIELDS.items():
+        v = spec.get(k)
+        if v is not None and (not isinstance(v, typ) or isinstance(v, bool) or (isinstance(v, int) and v < 1)
+                              or (isinstance(v, str) and not v.strip())):
+            raise TenantsFileError(f"{where}: {k} must be {'a positive integer' if typ is int else 'a string'}")
+    return dict(spec)
 
 
 def _bearer(header: str | None) -> str | None:

@@ -9,6 +9,7 @@ third to its transfer peer (`transfer_hosts`).
 """
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -54,10 +55,19 @@ class Cluster:
         self.procs: dict[str, subprocess.Popen] = {}
         self.secret = secrets.token_hex(32)   # this cluster's; in the environment, never on a command line
         self.env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "KVFENCE_TEST_FAULT_CONTROL": "1",
-                    "PYTHONUNBUFFERED": "1", SECRET_ENV: self.secret, **(env or {})}
+                    "PYTHONUNBUFFERED": "1", SECRET_ENV: self.secret,
+                    "XDG_STATE_HOME": str(self.workdir),   # each process's incident log: see incident_log()
+                    **(env or {})}
         self.env.pop("KVFENCE_TEST_FAULTS", None)
         self.env.pop(SECRET_FILE_ENV, None)
         self.headers = cluster_headers(self.secret.encode())   # the credential for /internal/*
+
+    def incident_log(self, role: str) -> list[dict]:
+        """The records in `role`'s incident log (kvfence/incidents.py default path)."""
+        path = self.workdir / "kvfence" / f"incidents-{role}-{self.ports[role]}.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
     def url(self, role: str) -> str:
         scheme = "https" if self.pki is not None and role != "router" else "http"

@@ -179,8 +179,13 @@ def _expect_error(fn, status: int, code: str | None = None, within: float = 30.0
 def test_corrupted_row_is_a_500_and_frees_both_sides(cluster, client):
     cluster.set_faults("prefill", "corrupt_staged_page")
     m = model_name(client)
+    before = len(cluster.incident_log("decode"))
     _expect_error(lambda: client.completions.create(model=m, prompt=LONG, max_tokens=4), 500, "kv_verification_failed")
     assert cluster.pd("decode")["pd_verify_failed"] >= 1
+    # on decode's incident log before the client heard (I5), with no prompt text in it
+    new = [r for r in cluster.incident_log("decode")[before:] if r["kind"] == "transfer_verification_failed"]
+    assert new and new[-1]["tenant"] == "default" and new[-1]["client"]["code"] == "kv_verification_failed"
+    assert new[-1]["rows"] and LONG[:30] not in json.dumps(new)
     cluster.clear_faults()
     cluster.wait_quiet(10)  # decode said its pull was over, so prefill freed at once: no fence to wait out
     assert client.completions.create(model=m, prompt="Hi", max_tokens=2).choices[0].text is not None

@@ -63,6 +63,9 @@ class SpyEngine:
         self.config, self.loaded, self.gate = config, loaded, gate
         self.seen: dict[str, tuple[str, object]] = {}
         self.fault_tenants: set[str] = set()
+        # a request of these tenants gets another running request's first page in its block
+        # table (that page's own epoch): a read of someone else's KV, which the ledger must refuse
+        self.foreign_tenants: set[str] = set()
         self.crash = False
 
     def __call__(self) -> LLMEngine:
@@ -82,6 +85,12 @@ class SpyEngine:
                 if seq.tenant in self.fault_tenants and seq.num_computed > 0 and seq.table.pages:
                     self.fault_tenants.discard(seq.tenant)
                     seq.table.epochs[0] -= 1      # a stale reference to its own first page
+                if seq.tenant in self.foreign_tenants and seq.num_computed > 0 and seq.table.pages:
+                    other = next((o for o in eng.requests.values() if o.tenant != seq.tenant and o.table.pages
+                                  and o.num_computed > 0), None)
+                    if other is not None:
+                        self.foreign_tenants.discard(seq.tenant)
+                        seq.table.pages[0], seq.table.epochs[0] = other.table.pages[0], other.table.epochs[0]
             return step()
 
         eng.add_request, eng.step = add_request, faulty_step

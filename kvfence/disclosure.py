@@ -1,0 +1,190 @@
+"""The disclosure report: one or many processes' incident logs (kvfence/incidents.py) turned
+into what an operator owes its customers.
+
+    kvfence incidents [LOG ...] [--since T] [--until T] [--tenant NAME] [--json] [--tenants FILE]
+    kvfence incidents --verify [LOG ...]
+
+Per tenant: the requests affected, as the requester and as the owner of data a refused read
+or transfer pointed at, and the time window; for every event that involved another tenant's
+data, whether any byte computed over it reached a client, and how the log shows it. The
+operator's commitments ([disclosure] in the tenants file) head the report. Every log's hash
+chain is verified first; a broken chain is reported, never silently skipped.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+from kvfence import incidents
+
+
+def parse_time(text: str) -> float:
+    """ISO 8601 (a date, or a date and time; UTC unless it says otherwise) or Unix seconds."""
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        t = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a time: give ISO 8601 (2026-12-01T10:00Z) or Unix seconds") from None
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=dt.UTC)
+    return t.timestamp()
+
+
+def default_logs() -> list[Path]:
+    return sorted(incidents.default_path("x").parent.glob("incidents-*.jsonl"))
+
+
+def _reached_client(rec: dict) -> tuple[bool, str]:
+    """Did bytes computed over the involved data reach the client? Only a 200 could carry
+    them; every kind says why the refused data was never computed over."""
+    client = rec.get("client") or {}
+    how = incidents.KINDS.get(rec["kind"], ("", "unknown kind"))[1]
+    if client.get("status") == 200:
+        return True, "the client got a 200 for a request whose read or transfer was refused: investigate"
+    got = (f"the client got {client.get('status')} {client.get('code')} after {client.get('tokens_streamed', 0)} "
+           f"token(s) computed before the refusal" if client else "no client was answered from this event")
+    return False, f"{how}; {got}"
+
+
+def build(paths: Iterable[str | Path], since: float | None = None, until: float | None = None,
+          tenant: str | None = None, disclosure: dict | None = None) -> dict:
+    chains, records = [], []
+    for p in paths:
+        v = incidents.verify(p)
+        chains.append({"log": str(p), "intact": v.ok, "records": v.records, "broken_at_line": v.broken_at,
+                       "message": v.message})
+        for rec in incidents.read(p) if v.ok else _readable(p, v.broken_at):
+            if (since is None or rec["unix"] >= since) and (until is None or rec["unix"] <= until):
+                records.append(rec)
+    records.sort(key=lambda r: r["unix"])
+    tenants: dict[str, dict] = {}
+
+    def entry(name: str) -> dict:
+        return tenants.setdefault(name, {"as_requester": set(), "as_owner": set(), "first": None, "last": None,
+                                         "events": 0, "cross_tenant_events": 0, "bytes_reached_a_client": False})
+
+    cross = []
+    for rec in records:
+        names = ({rec["tenant"]} if rec.get("tenant") else set()) | set(rec.get("involved_tenants") or ())
+        for name in names:
+            e = entry(name)
+            e["events"] += 1
+            e["first"] = e["first"] or rec["time"]
+            e["last"] = rec["time"]
+            rid = rec.get("request_id") or f"({rec['kind']})"
+            if name == rec.get("tenant"):
+                e["as_requester"].add(rid)
+            if name in (rec.get("involved_tenants") or ()):
+                e["as_owner"].add(rid)
+        others = set(rec.get("involved_tenants") or ()) - {rec.get("tenant")}
+        if others and rec.get("tenant"):
+            reached, how = _reached_client(rec)
+            cross.append({"time": rec["time"], "kind": rec["kind"], "invariant": rec["invariant"],
+                          "request_id": rec.get("request_id"), "requester": rec.get("tenant"),
+                          "data_of": sorted(others), "role": rec["role"], "pages": rec.get("pages"),
+                          "rows": rec.get("rows"), "reached_client": reached, "how_we_know": how})
+            for name in others | {rec["tenant"]}:
+                entry(name)["cross_tenant_events"] += 1
+                entry(name)["bytes_reached_a_client"] |= reached
+    if tenant is not None:
+        tenants = {k: v for k, v in tenants.items() if k == tenant}
+        cross = [c for c in cross if tenant == c["requester"] or tenant in c["data_of"]]
+    process = [{k: r.get(k) for k in ("time", "kind", "invariant", "role", "boot_id", "detail")}
+               for r in records if not r.get("tenant") and not r.get("involved_tenants")]
+    any_reached = any(c["reached_client"] for c in cross)
+    return {
+        "disclosure": {"contact": (disclosure or {}).get("contact"),
+                       "postmortems_published_at": (disclosure or {}).get("postmortems"),
+                       "notification_window_hours": (disclosure or {}).get("notification_window_hours")},
+        "window": {"since": since, "until": until, "first_event": records[0]["time"] if records else None,
+                   "last_event": records[-1]["time"] if records else None},
+        "logs": chains,
+        "events": len(records),
+        "tenants": {k: {**v, "as_requester": sorted(v["as_requester"]), "as_owner": sorted(v["as_owner"])}
+                    for k, v in sorted(tenants.items())},
+        "cross_tenant": cross,
+        "process_events": process if tenant is None else [],
+        "answer": {"any_byte_computed_over_another_tenants_data_reached_a_client": "yes" if any_reached else "no",
+                   "how_we_know": ("every cross-tenant event above names what the client got and why the refused "
+                                   "data was never computed over; the logs' hash chains are "
+                                   + ("intact" if all(c["intact"] for c in chains) else "BROKEN (see logs)"))},
+    }
+
+
+def _readable(path: str | Path, broken_at: int | None) -> list[dict]:
+    """The records of a broken log up to the break (what can still be trusted)."""
+    out = []
+    for i, rec in enumerate(incidents.read(path), 1):
+        if broken_at is not None and i >= broken_at:
+            break
+        out.append(rec)
+    return out
+
+
+def render(rep: dict) -> str:
+    d = rep["disclosure"]
+    lines = ["kvfence incident disclosure report", ""]
+    lines.append(f"  contact:                {d['contact'] or '(not configured: [disclosure] in the tenants file)'}")
+    lines.append(f"  postmortems published:  {d['postmortems_published_at'] or '(not configured)'}")
+    w = d["notification_window_hours"]
+    lines.append(f"  notification window:    {str(w) + ' hours' if w else '(not configured)'}")
+    win = rep["window"]
+    lines += ["", f"events: {rep['events']} (first {win['first_event'] or '-'}, last {win['last_event'] or '-'})"]
+    for c in rep["logs"]:
+        lines.append(f"  log {c['log']}: {'chain intact' if c['intact'] else 'CHAIN BROKEN'}; {c['message']}")
+    lines += ["", "per tenant:"]
+    if not rep["tenants"]:
+        lines.append("  (no tenant was involved in any event)")
+    for name, t in rep["tenants"].items():
+        lines.append(f"  {name}: {t['events']} event(s) {t['first']} .. {t['last']}; as requester: "
+                     f"{len(t['as_requester'])} request(s); as owner of touched data: {len(t['as_owner'])} "
+                     f"request(s); cross-tenant: {t['cross_tenant_events']}; bytes reached a client: "
+                     f"{'YES' if t['bytes_reached_a_client'] else 'no'}")
+        for rid in t["as_requester"]:
+            lines.append(f"      requested {rid}")
+        for rid in t["as_owner"]:
+            lines.append(f"      its data was involved in {rid}")
+    if rep["cross_tenant"]:
+        lines += ["", "events that involved another tenant's data:"]
+        for c in rep["cross_tenant"]:
+            lines.append(f"  {c['time']} {c['kind']} ({c['invariant']}) {c['request_id']} of {c['requester']} -> "
+                         f"data of {', '.join(c['data_of'])} on {c['role']}: reached a client: "
+                         f"{'YES' if c['reached_client'] else 'no'} ({c['how_we_know']})")
+    if rep["process_events"]:
+        lines += ["", "process events (no tenant involved):"]
+        for p in rep["process_events"]:
+            lines.append(f"  {p['time']} {p['kind']} ({p['invariant']}) on {p['role']}: {p['detail']}")
+    a = rep["answer"]
+    lines += ["", f"Did any byte computed over another tenant's data reach a client? "
+                  f"{a['any_byte_computed_over_another_tenants_data_reached_a_client']}", f"  {a['how_we_know']}"]
+    return "\n".join(lines)
+
+
+def main(a) -> int:
+    """`kvfence incidents`: exit 0 when every chain is intact and nothing reached a client."""
+    paths = [Path(p) for p in a.logs] or default_logs()
+    if not paths:
+        print(f"no incident logs given and none under {incidents.default_path('x').parent}")
+        return 2
+    if a.verify:
+        bad = 0
+        for p in paths:
+            v = incidents.verify(p)
+            print(f"{p}: {'ok' if v.ok else 'BROKEN'}: {v.message}")
+            bad += not v.ok
+        return 1 if bad else 0
+    disclosure = {}
+    if a.tenants:
+        from kvfence.server.tenants import TenantRegistry
+        disclosure = TenantRegistry.from_file(a.tenants).disclosure
+    rep = build(paths, parse_time(a.since) if a.since else None, parse_time(a.until) if a.until else None,
+                a.tenant, disclosure)
+    print(json.dumps(rep, indent=2) if a.json else render(rep))
+    broken = not all(c["intact"] for c in rep["logs"])
+    return 1 if broken or rep["answer"]["any_byte_computed_over_another_tenants_data_reached_a_client"] == "yes" \
+        else 0

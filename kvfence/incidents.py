@@ -1,0 +1,198 @@
+"""The incident log: one JSON line per isolation event, hash-chained, with no prompt or
+completion text.
+
+Every process that serves (single node, each PD node, the router) opens one at start
+(`--incident-log PATH`, default `default_path()`), and the code that refuses something
+calls `record()` in the same thread, before the request's error can reach its client: the
+line is written, flushed and fsynced when `record()` returns.
+
+A record says when, which process (role, boot id), what kind of event and which invariant,
+which request and tenant asked, **which tenants' data was involved** (the ledger's owner of
+the page or row that was touched, at that moment), which pages or rows, what the client got
+(HTTP status, error code, tokens already streamed), and `prev`: the SHA-256 of the previous
+line's bytes (the first line's is GENESIS). `verify()` walks the chain and says where it
+breaks; an edited, inserted or deleted line breaks it at that line. (Cutting lines off the
+end leaves a valid shorter chain: `last_hash` is in the isolation statement and /metrics
+so that an operator can anchor it elsewhere.)
+
+Only counts, ids, names from the operator's configuration and the checks' own messages
+(page numbers, epochs) go in; never text a client sent or the model wrote.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("kvfence.incidents")
+
+GENESIS = "0" * 64
+RECENT = 200   # records kept in memory for the console
+
+# kind -> the invariant it is about, and how we know nothing computed over another tenant's
+# data reached a client (the disclosure report quotes it)
+KINDS: dict[str, tuple[str, str]] = {
+    "ledger_refusal": ("I2/I3", "the ledger refused the read before the forward pass ran: no token of that pass "
+                                "was computed, and the request ended with the tokens it had before"),
+    "audit_violation": ("I2/I3", "the read audit saw the batch before the model ran it; the ledger's own check "
+                                 "refuses the same reads (a record here means two checks disagreed)"),
+    "transfer_verification_failed": ("I5", "decode authenticates pulled rows before anything is copied into its "
+                                           "pool; rows that fail are never read by the model"),
+    "fence_lifted_by_time": ("I6", "rows stayed quarantined until no transfer could still touch them; they were "
+                                   "freed, not read, and a late write lands in a freed row that is zeroed on grant"),
+    "node_refused": ("I8", "a refused node gets no request"),
+    "faults_active": ("all", "test fault points were on at start-up: the guarantees do not hold for this process"),
+    "startup_check_failed": ("all", "the process did not start serving"),
+}
+
+
+@dataclass
+class Verification:
+    ok: bool
+    records: int
+    broken_at: int | None = None     # 1-based line number of the first bad line
+    message: str = ""
+
+
+def default_path(role: str, port: int | None = None) -> Path:
+    """$XDG_STATE_HOME/kvfence/incidents-ROLE[-PORT].jsonl (~/.local/state without it): one
+    file per process, so that nodes sharing a machine never share a chain."""
+    base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "kvfence"
+    return base / (f"incidents-{role}-{port}.jsonl" if port else f"incidents-{role}.jsonl")
+
+
+def _line_hash(line: bytes) -> str:
+    return hashlib.sha256(line).hexdigest()
+
+
+def _last_line(path: Path) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            end = f.tell()
+            if end == 0:
+                return None
+            pos, chunk = end, b""
+            while pos > 0 and chunk.count(b"\n") < 2:
+                step = min(4096, pos)
+                pos -= step
+                f.seek(pos)
+                chunk = f.read(step) + chunk
+            lines = chunk.rstrip(b"\n").split(b"\n")
+            return lines[-1] + b"\n"
+    except FileNotFoundError:
+        return None
+
+
+class IncidentLog:
+    def __init__(self, path: str | Path, role: str, boot_id: str | None = None):
+        self.path = Path(path)
+        self.role = role
+        self.boot_id = boot_id or uuid.uuid4().hex
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        last = _last_line(self.path)
+        self.last_hash = _line_hash(last) if last else GENESIS
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._lock = threading.Lock()
+        self.written = 0
+        self.recent: deque[dict] = deque(maxlen=RECENT)
+
+    def record(self, kind: str, *, request_id: str | None = None, tenant: str | None = None,
+               involved: Iterable[str] = (), pages: Iterable[int] = (), rows: Iterable[int] = (),
+               client: dict | None = None, detail: str = "", invariant: str | None = None) -> dict:
+        if kind not in KINDS:
+            raise ValueError(f"unknown incident kind {kind!r}")
+        now = time.time()
+        with self._lock:
+            rec = {"time": dt.datetime.fromtimestamp(now, dt.UTC).isoformat(timespec="milliseconds"),
+                   "unix": round(now, 3), "role": self.role, "boot_id": self.boot_id, "kind": kind,
+                   "invariant": invariant or KINDS[kind][0], "request_id": request_id, "tenant": tenant,
+                   "involved_tenants": sorted({t for t in involved if t}), "pages": sorted({int(p) for p in pages}),
+                   "rows": sorted({int(r) for r in rows}), "client": client, "detail": detail[:1000],
+                   "prev": self.last_hash}
+            line = (json.dumps(rec, sort_keys=True, separators=(",", ":"), ensure_ascii=True) + "\n").encode()
+            os.write(self._fd, line)
+            os.fsync(self._fd)
+            self.last_hash = _line_hash(line)
+            self.written += 1
+            self.recent.append(rec)
+        log.warning("incident %s (%s) request=%s tenant=%s involved=%s", kind, rec["invariant"], request_id, tenant,
+                    rec["involved_tenants"])
+        return rec
+
+    def describe(self) -> dict:
+        return {"path": str(self.path), "records_this_boot": self.written, "last_hash": self.last_hash}
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+# -- the process's log -------------------------------------------------------------------------
+_log: IncidentLog | None = None
+
+
+def open_log(path: str | Path, role: str, boot_id: str | None = None) -> IncidentLog:
+    global _log
+    if _log is not None:
+        _log.close()
+    _log = IncidentLog(path, role, boot_id)
+    log.info("incident log: %s", _log.path)
+    return _log
+
+
+def current() -> IncidentLog | None:
+    return _log
+
+
+def close_log() -> None:
+    global _log
+    if _log is not None:
+        _log.close()
+        _log = None
+
+
+def record(kind: str, **fields) -> dict | None:
+    """Append to this process's log (a no-op in a process that opened none: tests driving
+    an engine directly, the simulation)."""
+    return _log.record(kind, **fields) if _log is not None else None
+
+
+def client_outcome(code: str | None, tokens_streamed: int) -> dict:
+    """What the client of a refused request gets: the status the server maps `code` to."""
+    from kvfence.server.errors import ABORT_STATUS  # the server's one table of codes -> HTTP status
+    status = ABORT_STATUS.get(code or "", (500, ""))[0]
+    return {"status": status, "code": code, "tokens_streamed": tokens_streamed}
+
+
+# -- reading ---------------------------------------------------------------------------------------
+def read(path: str | Path) -> Iterator[dict]:
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
+def verify(path: str | Path) -> Verification:
+    """Walk the hash chain: every line's `prev` must be the hash of the line before it."""
+    prev, n = GENESIS, 0
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                return Verification(False, n - 1, n, f"line {n} is not JSON")
+            if not isinstance(rec, dict) or rec.get("prev") != prev:
+                return Verification(False, n - 1, n, f"line {n}: the chain breaks here (its prev does not match the "
+                                                     f"hash of line {n - 1}): a line was changed, inserted or "
+                                                     f"removed at or before it")
+            prev = _line_hash(line if line.endswith(b"\n") else line + b"\n")
+    return Verification(True, n, None, f"{n} records, chain intact; last hash {prev}")

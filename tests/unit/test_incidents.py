@@ -1,0 +1,134 @@
+"""The incident log (kvfence/incidents.py): records, the hash chain and its verification,
+and the disclosure report (kvfence/disclosure.py); the operator's sections of the tenants
+file."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvfence import disclosure, incidents
+from kvfence.server.tenants import TenantRegistry, TenantsFileError
+
+
+def _log(tmp_path, role="decode"):
+    return incidents.IncidentLog(tmp_path / "incidents.jsonl", role, boot_id="boot-1")
+
+
+def test_records_chain_and_a_reopened_log_continues_the_chain(tmp_path):
+    log = _log(tmp_path)
+    a = log.record("ledger_refusal", invariant="I2", request_id="r1", tenant="alice", involved=["bob"], pages=[7],
+                   client=incidents.client_outcome("isolation_violation", 3), detail="page 7 is owned")
+    assert a["prev"] == incidents.GENESIS and a["client"] == {"status": 500, "code": "isolation_violation",
+                                                              "tokens_streamed": 3}
+    log.close()
+    again = incidents.IncidentLog(tmp_path / "incidents.jsonl", "decode", boot_id="boot-2")
+    b = again.record("fence_lifted_by_time", request_id="r2", tenant="bob", involved=["bob"], rows=[3, 1])
+    again.close()
+    assert b["prev"] != incidents.GENESIS and b["rows"] == [1, 3] and b["invariant"] == "I6"
+    v = incidents.verify(tmp_path / "incidents.jsonl")
+    assert v.ok and v.records == 2
+    with pytest.raises(ValueError):
+        _log(tmp_path).record("made_up")
+
+
+@pytest.mark.parametrize("tamper", ["edit", "delete", "insert", "garbage"])
+def test_verify_finds_where_the_chain_breaks(tmp_path, tamper):
+    log = _log(tmp_path)
+    for i in range(4):
+        log.record("ledger_refusal", request_id=f"r{i}", tenant="alice", involved=["alice"], pages=[i + 1])
+    log.close()
+    path = tmp_path / "incidents.jsonl"
+    lines = path.read_bytes().splitlines(keepends=True)
+    if tamper == "edit":       # someone rewrites which tenant's data was involved
+        rec = json.loads(lines[1])
+        rec["involved_tenants"] = []
+        lines[1] = (json.dumps(rec, sort_keys=True, separators=(",", ":")) + "\n").encode()
+        where = 3   # line 2 re-serialized keeps its own prev; line 3's prev no longer matches
+    elif tamper == "delete":
+        del lines[1]
+        where = 2
+    elif tamper == "insert":
+        lines.insert(2, lines[0])
+        where = 3
+    else:
+        lines[2] = b"not json\n"
+        where = 3
+    path.write_bytes(b"".join(lines))
+    v = incidents.verify(path)
+    assert not v.ok and v.broken_at == where, v.message
+
+
+def test_no_log_open_means_record_is_a_no_op():
+    incidents.close_log()
+    assert incidents.record("faults_active", detail="x") is None
+
+
+def _events(tmp_path):
+    log = _log(tmp_path)
+    log.record("ledger_refusal", invariant="I2", request_id="r1", tenant="alice", involved=["bob"], pages=[7],
+               client=incidents.client_outcome("isolation_violation", 2))
+    log.record("transfer_verification_failed", request_id="r2", tenant="carol", involved=["carol"], rows=[4],
+               client=incidents.client_outcome("kv_verification_failed", 0))
+    log.record("node_refused", detail="prefill node http://10.0.0.5:8001: advertised context exceeds")
+    log.close()
+    return tmp_path / "incidents.jsonl"
+
+
+def test_the_report_names_requesters_and_owners_and_answers_no(tmp_path):
+    rep = disclosure.build([_events(tmp_path)], disclosure={"contact": "sec@example.com"})
+    assert rep["disclosure"]["contact"] == "sec@example.com"
+    t = rep["tenants"]
+    assert t["alice"]["as_requester"] == ["r1"] and t["alice"]["as_owner"] == []
+    assert t["bob"]["as_owner"] == ["r1"] and t["bob"]["as_requester"] == []
+    assert t["carol"]["as_requester"] == ["r2"] == t["carol"]["as_owner"]
+    assert [c["data_of"] for c in rep["cross_tenant"]] == [["bob"]]
+    assert rep["cross_tenant"][0]["reached_client"] is False
+    assert "before the forward pass ran" in rep["cross_tenant"][0]["how_we_know"]
+    assert rep["answer"]["any_byte_computed_over_another_tenants_data_reached_a_client"] == "no"
+    assert [p["kind"] for p in rep["process_events"]] == ["node_refused"]
+    only_bob = disclosure.build([tmp_path / "incidents.jsonl"], tenant="bob")
+    assert list(only_bob["tenants"]) == ["bob"] and len(only_bob["cross_tenant"]) == 1
+    text = disclosure.render(rep)
+    assert "sec@example.com" in text and "reach a client? no" in text
+
+
+def test_a_200_after_a_cross_tenant_refusal_is_a_yes(tmp_path):
+    log = _log(tmp_path)
+    log.record("ledger_refusal", request_id="r1", tenant="alice", involved=["bob"], pages=[7],
+               client={"status": 200, "code": None, "tokens_streamed": 5})
+    log.close()
+    rep = disclosure.build([tmp_path / "incidents.jsonl"])
+    assert rep["answer"]["any_byte_computed_over_another_tenants_data_reached_a_client"] == "yes"
+    assert rep["tenants"]["bob"]["bytes_reached_a_client"] is True
+
+
+def test_the_report_cli_filters_by_time_and_fails_on_a_broken_chain(tmp_path, capsys):
+    from kvfence.cli import main
+    path = _events(tmp_path)
+    assert main(["incidents", str(path), "--json", "--since", "2000-01-01"]) == 0
+    assert json.loads(capsys.readouterr().out)["events"] == 3
+    assert main(["incidents", str(path), "--json", "--until", "2000-01-01"]) == 0
+    assert json.loads(capsys.readouterr().out)["events"] == 0
+    assert main(["incidents", "--verify", str(path)]) == 0
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(lines[0] + lines[2])
+    assert main(["incidents", "--verify", str(path)]) == 1
+    assert "BROKEN" in capsys.readouterr().out
+    assert main(["incidents", str(path)]) == 1          # the report says so and fails too
+    assert "CHAIN BROKEN" in capsys.readouterr().out
+
+
+def test_the_operator_sections_of_the_tenants_file():
+    base = {"tenants": {"alice": {"api_keys": ["sk-alice-123"]}}}
+    reg = TenantRegistry.from_dict({**base, "operator": {"api_keys": ["op-key-12345"]},
+                                    "disclosure": {"contact": "sec@example.com", "notification_window_hours": 72}})
+    assert reg.is_operator("Bearer op-key-12345")
+    assert not reg.is_operator("Bearer sk-alice-123") and not reg.is_operator(None)
+    assert reg.disclosure["notification_window_hours"] == 72
+    assert not TenantRegistry.single().is_operator("Bearer anything")
+    for bad in ({"operator": {"api_keys": ["sk-alice-123"]}}, {"operator": {"api_keys": []}},
+                {"operator": {"keys": ["x"]}}, {"disclosure": {"contact": ""}},
+                {"disclosure": {"notification_window_hours": 0}}, {"disclosure": {"phone": "1"}}):
+        with pytest.raises(TenantsFileError):
+            TenantRegistry.from_dict({**base, **bad})
