@@ -25,6 +25,12 @@ def loaded_fp32() -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
+def loaded_bf16() -> LoadedModel:
+    """The default configuration's weights: bfloat16 (fused kernels where they are built)."""
+    return LoadedModel.load(EngineConfig(dtype="bfloat16", progress=False))
+
+
+@pytest.fixture(scope="session")
 def make_llm(loaded_fp32):
     """Build an LLM on the shared float32 weights; keyword arguments go to EngineConfig."""
     def make(**kw) -> LLM:

@@ -171,16 +171,21 @@ class CpuKernels:
             self.lib.kvfence_gemm_pack_gated(weight.data_ptr(), up.data_ptr(), n, k, packed.data_ptr())
         return packed
 
-    def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, swiglu: bool = False) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, swiglu: bool = False,
+               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """x [M, K] bf16 (rows contiguous) times the packed [N, K] weight, transposed: [M, N].
-        swiglu: packed holds gated panels; returns silu(x . gate^T) * (x . up^T), [M, N]."""
+        swiglu: packed holds gated panels; returns silu(x . gate^T) * (x . up^T), [M, N].
+        out_dtype float32: the float32 sums as they are (the LM head's logits), not rounded to bf16."""
         m, k = x.shape
         _require(x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.stride(1) == 1 and x.stride(0) >= k,
                  "linear: x bf16 CPU, rows contiguous")
         _require(k % 2 == 0 and packed.numel() == self._packed_size(n, k, swiglu), "linear: packed weight of [n, k]")
-        out = torch.empty(m, n, dtype=torch.bfloat16)
+        _require(out_dtype == torch.bfloat16 or (out_dtype == torch.float32 and not swiglu),
+                 "linear: out_dtype bfloat16, or float32 for plain panels")
+        out = torch.empty(m, n, dtype=out_dtype)
         if m:
-            gemm = self.lib.kvfence_gemm_swiglu if swiglu else self.lib.kvfence_gemm
+            gemm = (self.lib.kvfence_gemm_swiglu if swiglu
+                    else self.lib.kvfence_gemm_f32 if out_dtype == torch.float32 else self.lib.kvfence_gemm)
             rc = gemm(x.data_ptr(), x.stride(0), packed.data_ptr(), out.data_ptr(), n, m, n, k, torch.get_num_threads())
             if rc != 0:
                 raise RuntimeError("this build of the CPU kernels has no bf16 matmul")

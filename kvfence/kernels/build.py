@@ -116,6 +116,8 @@ def load_library() -> ctypes.CDLL:
     lib.kvfence_gemm_pack.restype = None
     lib.kvfence_gemm.argtypes = [vp, i64, vp, vp, i64, i64, i64, i64, i32]
     lib.kvfence_gemm.restype = i32
+    lib.kvfence_gemm_f32.argtypes = [vp, i64, vp, vp, i64, i64, i64, i64, i32]
+    lib.kvfence_gemm_f32.restype = i32
     lib.kvfence_gemm_gated_packed_size.argtypes = [i64, i64]
     lib.kvfence_gemm_gated_packed_size.restype = i64
     lib.kvfence_gemm_pack_gated.argtypes = [vp, vp, i64, i64, vp]

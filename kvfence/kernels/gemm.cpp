@@ -21,8 +21,13 @@
 // same 24 columns of up. The micro-tile's epilogue rounds both to bf16, as a stored product
 // would be, and writes silu(gate) * up: the [rows, 2 * inter] product is never stored and
 // read back (kvfence_gemm_swiglu, bit-identical to kvfence_gemm then kvfence_silu_mul).
+//
+// float32 output (the LM head, kvfence_gemm_f32): the same sums, stored without the rounding
+// to bf16. Logits rounded to bf16 are multiples of 1/8 at this model's magnitudes: near-ties in
+// float32 became exact ties (the lower id won) and every logprob was quantized (issue #16).
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels.h"
 #include "simd_bf16.h"
@@ -33,8 +38,12 @@ constexpr int kPanel = 16 * kVecs;   // output columns per panel
 constexpr int kRows = 8;             // rows per micro-tile: 24 accumulators, 3 weight vectors, 1 broadcast
 constexpr int kGated = kPanel / 2;   // output columns of a gated panel
 
-// What a micro-tile writes: its sums, or silu(gate) * up of a gated panel.
-enum class Out { Plain, SwiGLU };
+// What a micro-tile writes: its sums rounded to bf16, silu(gate) * up of a gated panel, or its
+// float32 sums.
+enum class Out { Plain, SwiGLU, F32 };
+
+template <Out E>
+using OutT = typename std::conditional<E == Out::F32, float, bf16_t>::type;
 
 // Column p * kPanel + j of the packed weight: row `col` of [n][k] weight for plain panels;
 // for gated panels gate row p * kGated + j (j < kGated), else up row p * kGated + j - kGated.
@@ -53,7 +62,7 @@ void pack_panels(int64_t panels, int64_t k, uint32_t* packed, RowOf row_of) {
 using namespace kvfence_simd;
 
 template <int R, Out E>
-inline void tile(const bf16_t* x, int64_t ldx, const uint32_t* w, int64_t k2, bf16_t* y, int64_t ldy,
+inline void tile(const bf16_t* x, int64_t ldx, const uint32_t* w, int64_t k2, OutT<E>* y, int64_t ldy,
                  const __mmask16* mask, const char* prefetch, int64_t prefetch_lines) {
     __m512 c[R][kVecs];
     const uint32_t* xr[R];
@@ -74,6 +83,9 @@ inline void tile(const bf16_t* x, int64_t ldx, const uint32_t* w, int64_t k2, bf
     if constexpr (E == Out::Plain) {
         for (int r = 0; r < R; ++r)
             for (int v = 0; v < kVecs; ++v) _mm256_mask_storeu_epi16(y + r * ldy + 16 * v, mask[v], bf16x16(c[r][v]));
+    } else if constexpr (E == Out::F32) {
+        for (int r = 0; r < R; ++r)
+            for (int v = 0; v < kVecs; ++v) _mm512_mask_storeu_ps(y + r * ldy + 16 * v, mask[v], c[r][v]);
     } else {
         // c[r][0] = gate 0-15, c[r][1] = gate 16-23 | up 0-7, c[r][2] = up 8-23
         const __m512i up_lo_idx = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23);
@@ -88,7 +100,7 @@ inline void tile(const bf16_t* x, int64_t ldx, const uint32_t* w, int64_t k2, bf
 }
 
 template <Out E>
-inline void tile_rows(int rows, const bf16_t* x, int64_t ldx, const uint32_t* w, int64_t k2, bf16_t* y,
+inline void tile_rows(int rows, const bf16_t* x, int64_t ldx, const uint32_t* w, int64_t k2, OutT<E>* y,
                       int64_t ldy, const __mmask16* mask, const char* prefetch, int64_t prefetch_lines) {
     switch (rows) {
 #define KV_TILE(n) \
@@ -102,9 +114,9 @@ inline __mmask16 lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : n <= 0 
 
 // y [m][n] for plain panels, [m][n] activations (n = inter) for gated ones
 template <Out E>
-void gemm(const bf16_t* x, int64_t ldx, const uint32_t* packed, bf16_t* y, int64_t ldy, int64_t m, int64_t n,
+void gemm(const bf16_t* x, int64_t ldx, const uint32_t* packed, OutT<E>* y, int64_t ldy, int64_t m, int64_t n,
           int64_t k, int nt) {
-    constexpr int cols = E == Out::Plain ? kPanel : kGated;  // output columns per panel
+    constexpr int cols = E == Out::SwiGLU ? kGated : kPanel;  // output columns per panel
     const int64_t k2 = k / 2, panels = (n + cols - 1) / cols;
     const int64_t tiles = (m + kRows - 1) / kRows, panel_lines = k2 * kPanel * 4 / 64;
     const int64_t share = std::min(k2, (panel_lines + tiles - 1) / tiles);  // lines of the next panel per tile
@@ -128,7 +140,7 @@ void gemm(const bf16_t* x, int64_t ldx, const uint32_t* packed, bf16_t* y, int64
 
 // 0, or -1 where this build has no AVX512-BF16 path
 template <Out E>
-int run(const bf16_t* x, int64_t ldx, const uint32_t* packed, bf16_t* y, int64_t ldy, int64_t m, int64_t n,
+int run(const bf16_t* x, int64_t ldx, const uint32_t* packed, OutT<E>* y, int64_t ldy, int64_t m, int64_t n,
         int64_t k, int nt) {
 #if defined(__AVX512BF16__)
     gemm<E>(x, ldx, packed, y, ldy, m, n, k, nt);
@@ -177,6 +189,12 @@ void kvfence_gemm_pack_gated(const bf16_t* gate, const bf16_t* up, int64_t inter
 int kvfence_gemm(const bf16_t* x, int64_t ldx, const uint32_t* packed, bf16_t* y, int64_t ldy, int64_t m, int64_t n,
                  int64_t k, int nt) {
     return run<Out::Plain>(x, ldx, packed, y, ldy, m, n, k, nt);
+}
+
+// as kvfence_gemm, y float32: the sums unrounded
+int kvfence_gemm_f32(const bf16_t* x, int64_t ldx, const uint32_t* packed, float* y, int64_t ldy, int64_t m,
+                     int64_t n, int64_t k, int nt) {
+    return run<Out::F32>(x, ldx, packed, y, ldy, m, n, k, nt);
 }
 
 // y [m][inter] = silu(x . gate^T) * (x . up^T) through gated panels; as kvfence_gemm otherwise

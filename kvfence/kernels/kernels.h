@@ -34,6 +34,8 @@ int64_t kvfence_gemm_gated_packed_size(int64_t inter, int64_t k);
 void kvfence_gemm_pack_gated(const bf16_t* gate, const bf16_t* up, int64_t inter, int64_t k, uint32_t* packed);
 int kvfence_gemm(const bf16_t* x, int64_t ldx, const uint32_t* packed, bf16_t* y, int64_t ldy, int64_t m, int64_t n,
                  int64_t k, int nt);
+int kvfence_gemm_f32(const bf16_t* x, int64_t ldx, const uint32_t* packed, float* y, int64_t ldy, int64_t m,
+                     int64_t n, int64_t k, int nt);
 int kvfence_gemm_swiglu(const bf16_t* x, int64_t ldx, const uint32_t* packed, bf16_t* y, int64_t ldy, int64_t m,
                         int64_t inter, int64_t k, int nt);
 }

@@ -7,6 +7,11 @@ float32 keeps F.linear: a packed kernel sums in another order than MKL (~1e-4 ap
 would cost float32 its role as the mode that matches the reference. CUDA: F.linear.
 Every packed form is checked against F.linear on a probe before it is used.
 
+float_out (the LM head): float32 output from bf16 (or fp16) weights, the sums never rounded to
+the weights' dtype (logits rounded to bf16 tied near-ties and quantized logprobs, issue #16).
+kvfence's matmul stores its float32 sums as they are; CUDA asks cuBLAS for float32 output
+(torch.mm out_dtype); elsewhere (no AVX512-BF16) a float32 copy of the weight and F.linear.
+
 SwiGLU: the MLP's gate and up projections and the activation between them. With kvfence's
 matmul they are one pass whose epilogue applies silu(gate) * up (prefill: ~6% less time than
 the matmul and a separate activation pass); else a gate|up Linear and the activation after it.
@@ -32,16 +37,23 @@ def _onednn_ok(weight: torch.Tensor) -> bool:
 
 
 class Linear:
-    def __init__(self, weight: torch.Tensor, pack: bool = True):
+    def __init__(self, weight: torch.Tensor, pack: bool = True, float_out: bool = False):
         self.out_features, self.in_features = weight.shape
         self.backend = "torch"
         self.weight = weight.contiguous()
-        if not pack or weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
-            return
+        self.float_out = float_out
+        self._wide = None  # float_out outside kvfence's matmul: x -> float32 x . W^T
+        if pack and weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
+            self._pack(weight)
+        if float_out and self.backend == "torch" and weight.dtype != torch.float32:
+            self._wide = _wide_matmul(self.weight)
+
+    def _pack(self, weight: torch.Tensor) -> None:
         kernels = cpu_kernels()
         if kernels is not None and kernels.has_gemm and self.in_features % 2 == 0:
             self._try("kvfence", kernels.pack_weight(self.weight))
-        if self.backend == "torch" and _onednn_ok(weight):
+        # oneDNN's packed matmul writes bf16 only
+        if self.backend == "torch" and not self.float_out and _onednn_ok(weight):
             try:
                 self._try("onednn", torch.ops.mkldnn._reorder_linear_weight(self.weight, None))
             except RuntimeError as e:  # an older oneDNN, an odd shape: plain F.linear is fine
@@ -58,10 +70,28 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "kvfence":
-            return cpu_kernels().linear(x, self.weight, self.out_features)
+            return cpu_kernels().linear(x, self.weight, self.out_features,
+                                        out_dtype=torch.float32 if self.float_out else torch.bfloat16)
         if self.backend == "onednn":  # the resolved overload: skips the op packet's per-call lookup
             return torch.ops.mkldnn._linear_pointwise.default(x, self.weight, None, "none", [], "")
-        return F.linear(x, self.weight)
+        if self._wide is not None:
+            return self._wide(x)
+        y = F.linear(x, self.weight)
+        return y.float() if self.float_out else y
+
+
+def _wide_matmul(weight: torch.Tensor):
+    """x -> x . weight^T in float32 without rounding the sums to weight's dtype: cuBLAS's float32
+    output where this torch has it (checked on a probe), else a float32 copy of the weight."""
+    if weight.device.type == "cuda":
+        probe = torch.ones(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        try:
+            if torch.mm(probe, weight[:1].t(), out_dtype=torch.float32).dtype == torch.float32:
+                return lambda x: torch.mm(x, weight.t(), out_dtype=torch.float32)
+        except (RuntimeError, TypeError) as e:
+            log.debug("torch.mm out_dtype unavailable: %s", e)
+    wide = weight.float()
+    return lambda x: F.linear(x.float(), wide)
 
 
 def _agrees(fn, reference, in_features: int) -> bool:

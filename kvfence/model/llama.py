@@ -57,7 +57,8 @@ class LlamaModel:
         self.dtype = weights.embed.dtype
         self.device = device
         self.embed = weights.embed
-        self.lm_head = Linear(weights.lm_head if weights.lm_head is not None else weights.embed)
+        # float32 logits: bf16 ones are multiples of 1/8 here, and near-ties became exact (#16)
+        self.lm_head = Linear(weights.lm_head if weights.lm_head is not None else weights.embed, float_out=True)
         self.final_norm = weights.final_norm
         self.eps = cfg.rms_norm_eps
         # Fused projections: fewer, larger matmuls per layer.
@@ -114,7 +115,7 @@ class LlamaModel:
             h = self._layers_torch(batch, kv_cache)
         if not len(h):  # a pass that only writes KV (a PD prefill, a chunk mid-prompt)
             return torch.empty(0, self.config.vocab_size, device=h.device)
-        return self.lm_head(h).float()
+        return self.lm_head(h)
 
     # -- fused CPU kernels --------------------------------------------------------------
     def _layers_stacked(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
