@@ -7,10 +7,12 @@ collect, with a client disconnect turned into an engine abort that gives the pag
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -19,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvfence import faults
 from kvfence.engine.admission import ContextLengthExceeded, Overloaded, check_fits
 from kvfence.engine.grammar import GrammarError, check_schema, ll_tokenizer
+from kvfence.engine.params import SamplingParams
 from kvfence.model.tokenizer import ChatTemplateError
 from kvfence.server.backend import EngineBackend, EngineFailed, RequestHandle, Update
 from kvfence.server.disconnect import watch_disconnect
@@ -145,6 +148,8 @@ def create_app(state: ServerState) -> FastAPI:
         state.ensure_ready()
         return state.statement()
 
+    from kvfence.server import console   # the operator console (/console), behind the operator key
+    console.mount(app, state)
     return app
 
 
@@ -220,6 +225,7 @@ async def _generate(state: ServerState, request: Request, kind: str):
     rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
     tenant: Tenant | None = None
     lease: Lease | None = None
+    choices: list[_Choice] = []
     try:
         tenant = state.tenants.authenticate(request.headers.get("authorization"))
         state.ensure_ready()
@@ -230,17 +236,18 @@ async def _generate(state: ServerState, request: Request, kind: str):
         req = await asyncio.to_thread(parse, body) if big else parse(body)
         if req.model is not None and req.model != state.served_name:
             raise APIError(404, f"The model '{req.model}' does not exist.", code="model_not_found", param="model")
-        ids = await _tokenize(state, req)
+        prompts = [await _tokenize(state, req, text, pids) for text, pids in req.prompts]
         facts = state.facts
-        try:  # I4 here, before any tenant accounting or engine work; the engine checks again
-            if not faults.active("skip_router_admission"):
-                check_fits(len(ids), req.params.max_tokens or 1, facts["usable_context"])
-        except ContextLengthExceeded as e:
-            raise _too_long(e, req) from None
-        if req.prompt_ids is not None:   # after I4: an over-length id list is refused before any per-id work
-            vocab = facts["vocab_size"]
-            if any(t < 0 or t >= vocab for t in ids):
-                raise bad_request(f"Prompt token ids must be in [0, {vocab}).", param="prompt")
+        for (_, pids), ids in zip(req.prompts, prompts):
+            try:  # I4 here, before any tenant accounting or engine work; the engine checks again
+                if not faults.active("skip_router_admission"):
+                    check_fits(len(ids), req.params.max_tokens or 1, facts["usable_context"])
+            except ContextLengthExceeded as e:
+                raise _too_long(e, req) from None
+            if pids is not None:   # after I4: an over-length id list is refused before any per-id work
+                vocab = facts["vocab_size"]
+                if any(t < 0 or t >= vocab for t in ids):
+                    raise bad_request(f"Prompt token ids must be in [0, {vocab}).", param="prompt")
         bad_bias = [t for t in req.params.logit_bias if t >= facts["vocab_size"]]
         if bad_bias:
             raise bad_request(f"'logit_bias' names token {bad_bias[0]}, outside the vocabulary "
@@ -249,11 +256,16 @@ async def _generate(state: ServerState, request: Request, kind: str):
             await _check_schema(state, str(req.params.json_schema))
         # tokens_per_minute reserves the most this request can use: prompt + max_tokens, or the
         # rest of the context when it sets none (what the engine will allow); refunded at the end
-        most = req.params.max_tokens or max(1, facts["usable_context"] - len(ids))
-        lease = state.limiter.admit(tenant, len(ids), most)
+        # (every choice counts: n choices of a prompt may use n x max_tokens)
+        most = sum(req.params.max_tokens or max(1, facts["usable_context"] - len(ids)) for ids in prompts) * req.n
+        lease = state.limiter.admit(tenant, sum(len(ids) for ids in prompts), most)
+        choices = _choices(state, req, prompts, rid)
         try:
-            handle = await _submit_unless_gone(state, request, ids, req, tenant, rid)
+            for c in choices:   # the first choice of each prompt now, the others once it has run its prefill
+                if c.lead:
+                    c.handle = await _submit_unless_gone(state, request, c.prompt_ids, c.params, tenant, c.rid)
         except _ClientGone:
+            _abort_all(state, choices, "client disconnected")
             lease.release()
             state.metrics.finished(tenant.name, "client_disconnected")
             return Response(status_code=499)  # nobody is listening; the request never started
@@ -272,11 +284,12 @@ async def _generate(state: ServerState, request: Request, kind: str):
     except APIError as e:
         if lease is not None:
             lease.release()
+            _abort_all(state, choices, "another choice of the request was refused")
         _count_refusal(state, tenant, e)
         if e.status >= 500 or e.status == 429:
             log.info("%s tenant=%s refused: %s %s", rid, tenant.name if tenant else UNAUTHENTICATED, e.status, e.code)
         return e.response()
-    run = _Run(state, request, handle, tenant, lease, arrival, req)
+    run = _Run(state, request, choices, tenant, lease, arrival, req)
     if req.stream:
         return _EventStream(run.events(), run.close)
     return await run.collect()
@@ -303,11 +316,11 @@ class _ClientGone(Exception):
     pass
 
 
-async def _submit_unless_gone(state: ServerState, request: Request, ids, req: GenerationRequest, tenant: Tenant,
+async def _submit_unless_gone(state: ServerState, request: Request, ids, params: SamplingParams, tenant: Tenant,
                               rid: str) -> RequestHandle:
     """engine.submit, abandoned (and so aborted) if the client leaves while it waits. On a
     single node submit is only admission; behind the PD router it lasts the whole prefill."""
-    sub = asyncio.ensure_future(state.engine.submit(ids, req.params, tenant.name, rid, tenant.public_prefix_scope))
+    sub = asyncio.ensure_future(state.engine.submit(ids, params, tenant.name, rid, tenant.public_prefix_scope))
     gone = asyncio.Event()
     watcher = asyncio.create_task(watch_disconnect(request, gone.set))
     waiter = asyncio.create_task(gone.wait())
@@ -327,17 +340,18 @@ async def _submit_unless_gone(state: ServerState, request: Request, ids, req: Ge
     raise _ClientGone()
 
 
-async def _tokenize(state: ServerState, req: GenerationRequest) -> list[int]:
+async def _tokenize(state: ServerState, req: GenerationRequest, text: str | None,
+                    prompt_ids: list[int] | None) -> list[int]:
     tok = state.engine.tokenizer
     if req.kind == "chat":
         try:
             ids = await asyncio.to_thread(tok.encode_chat, req.messages)
         except ChatTemplateError as e:
             raise bad_request(str(e), param="messages") from None
-    elif req.prompt_ids is not None:
-        ids = req.prompt_ids   # checked against the vocabulary after admission (I4): see _generate
+    elif prompt_ids is not None:
+        ids = prompt_ids   # checked against the vocabulary after admission (I4): see _generate
     else:
-        ids = await asyncio.to_thread(tok.encode, req.prompt_text)
+        ids = await asyncio.to_thread(tok.encode, text)
     if not ids:
         raise bad_request("The prompt is empty after tokenization.", param=req.prompt_param)
     return ids
@@ -353,121 +367,230 @@ def _count_refusal(state: ServerState, tenant: Tenant | None, e: APIError) -> No
         state.metrics.rejections.labels(reason).inc()
 
 
-class _Run:
-    """One admitted request on the server side: collects its updates, streams or returns them,
-    and on every way out (finish, error, disconnect, cancellation) aborts it in the engine if
-    it is still running, releases the tenant's slot and records metrics exactly once."""
+@dataclass
+class _Choice:
+    """One choice of a request: a prompt (of a completions batch) and a seed stream. The
+    first choice of each prompt runs first; the others start once it has run the prompt's
+    prefill, so that they attach its full KV pages from the tenant's prefix cache (shared
+    read-only under the ledger's rules) and compute only the partial last page themselves."""
+    index: int
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    lead: bool                         # the first choice of its prompt
+    echo: str = ""                     # completions with echo: the prompt's text
+    siblings: list[_Choice] = field(default_factory=list)   # a lead's: started after its first update
+    handle: RequestHandle | None = None
+    text: list[str] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    last: Update | None = None
+    first_token_at: float | None = None
+    token_times: list[float] = field(default_factory=list)
 
-    def __init__(self, state: ServerState, request: Request, handle: RequestHandle, tenant: Tenant,
+    @property
+    def reason(self) -> str | None:
+        return None if self.last is None else self.last.finish_reason
+
+    @property
+    def ok(self) -> bool:
+        return self.reason in ("stop", "length")
+
+    @property
+    def done(self) -> bool:
+        """Its last update has been taken from the queue (the handle is done earlier)."""
+        return self.last is not None and self.last.finished
+
+
+def _choices(state: ServerState, req: GenerationRequest, prompts: list[list[int]], rid: str) -> list[_Choice]:
+    """prompts x n choices, index p * n + j; choice j's seed is seed + j (each its own stream)."""
+    out: list[_Choice] = []
+    tok = state.engine.tokenizer
+    for p, (ids, (text, _)) in enumerate(zip(prompts, req.prompts)):
+        echo = (text if text is not None else tok.decode(ids, skip_special_tokens=False)) if req.echo else ""
+        lead = None
+        for j in range(req.n):
+            seed = req.params.seed
+            params = req.params if j == 0 or seed is None else dataclasses.replace(
+                req.params, seed=(seed + j) if seed + j < 2**64 else seed - j)
+            index = p * req.n + j
+            c = _Choice(index, rid if index == 0 else f"{rid}-{index}", ids, params, j == 0, echo)
+            if lead is None:
+                lead = c
+            else:
+                lead.siblings.append(c)
+            out.append(c)
+    return out
+
+
+def _abort_all(state: ServerState, choices: list[_Choice], reason: str) -> None:
+    for c in choices:
+        if c.handle is not None and not c.handle.done and not c.done:
+            state.engine.abort(c.handle.request_id, reason)
+
+
+class _Run:
+    """One admitted request on the server side, with all its choices: collects their
+    updates, streams or returns them, and on every way out (finish, error, disconnect,
+    cancellation) aborts what still runs in the engine, releases the tenant's slot and
+    records metrics exactly once."""
+
+    def __init__(self, state: ServerState, request: Request, choices: list[_Choice], tenant: Tenant,
                  lease: Lease, arrival: float, req: GenerationRequest):
-        self.state, self.request, self.handle, self.tenant, self.lease = state, request, handle, tenant, lease
+        self.state, self.request, self.choices, self.tenant, self.lease = state, request, choices, tenant, lease
         self.arrival, self.req = arrival, req
         tok = state.engine.tokenizer
-        self.fmt = Formatter(req.kind, handle.request_id, state.served_name, state.facts["fingerprint"],
+        self.fmt = Formatter(req.kind, choices[0].rid, state.served_name, state.facts["fingerprint"],
                              lambda tid: tok.decode([tid], skip_special_tokens=False))
-        self.prompt_tokens = handle.admission.prompt_tokens
-        self.completion_tokens = 0
-        self.cached_tokens = 0
-        self.first_token_at: float | None = None
-        self.token_times: list[float] = []
-        self.last: Update | None = None
+        for c in choices:
+            if c.echo:
+                self.fmt.start_offset(c.index, len(c.echo))
         self.disconnected = False
         self._closed = False
+        self._queue: asyncio.Queue = asyncio.Queue()   # (choice, Update | BaseException) from every pump
+        self._pumps: list[asyncio.Task] = []
+
+    # -- totals: the prompt counted once per prompt, every choice's completion ------------------
+    @property
+    def prompt_tokens(self) -> int:
+        return sum((c.last.prompt_tokens if c.last else len(c.prompt_ids)) for c in self.choices if c.lead)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.last.completion_tokens for c in self.choices if c.last)
+
+    def _usage(self) -> dict:
+        return usage(self.prompt_tokens, self.completion_tokens,
+                     sum(c.last.cached_tokens for c in self.choices if c.last))
+
+    def _ok(self) -> bool:
+        return all(c.ok for c in self.choices)
 
     def _client_gone(self) -> None:
         self.disconnected = True
-        self.state.engine.abort(self.handle.request_id, "client disconnected")
+        _abort_all(self.state, self.choices, "client disconnected")
 
-    def _absorb(self, u: Update) -> None:
-        self.last = u
-        self.completion_tokens = u.completion_tokens
-        self.cached_tokens = u.cached_tokens
-        self.prompt_tokens = u.prompt_tokens
-        if self.first_token_at is None:
-            self.first_token_at = u.first_token_at
-        self.token_times.extend(u.token_times)
+    # -- the choices' updates ----------------------------------------------------------------------
+    def _start(self) -> None:
+        for c in self.choices:
+            if c.handle is not None:
+                self._pumps.append(asyncio.create_task(self._pump(c)))
 
-    def _usage(self) -> dict:
-        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+    async def _pump(self, c: _Choice) -> None:
+        assert c.handle is not None
+        try:
+            while not c.handle.done:
+                u = await c.handle.next()
+                if c.siblings:   # its prefill ran: the prompt's full pages are in the prefix cache
+                    siblings, c.siblings = c.siblings, []
+                    for s in siblings:
+                        s.handle = await self.state.engine.submit(s.prompt_ids, s.params, self.tenant.name, s.rid,
+                                                                  self.tenant.public_prefix_scope)
+                        self._pumps.append(asyncio.create_task(self._pump(s)))
+                await self._queue.put((c, u))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - the consumer decides what it means
+            await self._queue.put((c, e))
 
-    @property
-    def _reason(self) -> str | None:
-        return None if self.last is None else self.last.finish_reason
-
-    def _ok(self) -> bool:
-        return self._reason in ("stop", "length")
+    async def _updates(self):
+        """(choice, update) until every choice is done; an exception ends the request."""
+        self._start()
+        while not all(c.done for c in self.choices):
+            c, u = await self._queue.get()
+            if isinstance(u, BaseException):
+                raise u
+            c.last = u
+            c.first_token_at = c.first_token_at or u.first_token_at
+            c.token_times.extend(u.token_times)
+            yield c, u
+            if u.finished and not c.ok:
+                return    # one choice failed: the request fails (close() aborts the rest)
 
     def close(self, outcome: str | None = None) -> None:
         if self._closed:
             return
         self._closed = True
-        if not self.handle.done:
-            self.state.engine.abort(self.handle.request_id, "client disconnected")
-            self.disconnected = True
+        for t in self._pumps:
+            t.cancel()
+        if not all(c.done for c in self.choices):
+            _abort_all(self.state, self.choices, "client disconnected" if not self._ok() else "request ended")
+            self.disconnected = self.disconnected or not self._ok()
         if outcome is None:
+            reason = next((c.reason for c in self.choices if c.reason), None)
             outcome = ("client_disconnected" if self.disconnected and not self._ok() else
-                       self._reason or "error" if self._ok() else "error")
+                       reason or "error" if self._ok() else "error")
         self.lease.release(self.completion_tokens)
+        firsts = [c.first_token_at for c in self.choices if c.first_token_at is not None]
+        times = sorted(t for c in self.choices for t in c.token_times)
         self.state.metrics.finished(self.tenant.name, outcome, self.prompt_tokens, self.completion_tokens,
-                                    self.arrival, self.first_token_at, self.token_times)
-        ttft = None if self.first_token_at is None else round((self.first_token_at - self.arrival) * 1e3, 1)
+                                    self.arrival, min(firsts) if firsts else None, times)
+        ttft = round((min(firsts) - self.arrival) * 1e3, 1) if firsts else None
         # counts only: never prompt or completion text
-        log.info("%s tenant=%s prompt_tokens=%d completion_tokens=%d cached_tokens=%d outcome=%s ttft_ms=%s",
-                 self.handle.request_id, self.tenant.name, self.prompt_tokens, self.completion_tokens,
-                 self.cached_tokens, outcome, ttft)
+        log.info("%s tenant=%s choices=%d prompt_tokens=%d completion_tokens=%d cached_tokens=%d outcome=%s "
+                 "ttft_ms=%s", self.choices[0].rid, self.tenant.name, len(self.choices), self.prompt_tokens,
+                 self.completion_tokens, self._usage()["prompt_tokens_details"]["cached_tokens"], outcome, ttft)
 
     def _failure(self) -> APIError:
-        u = self.last
+        bad = next((c for c in self.choices if c.last is not None and c.last.finished and not c.ok), None)
+        u = bad.last if bad is not None else None
         if u is None:
             return APIError(503, "The engine stopped before the request finished.", code="engine_unavailable")
         status, what = ABORT_STATUS.get(u.abort_code or "", (500, "The request was aborted"))
         return APIError(status, f"{what}: {u.error or u.finish_reason}.", code=u.abort_code or "request_aborted")
 
+    def _fail_on(self, e: BaseException) -> APIError:
+        if isinstance(e, EngineFailed):
+            return APIError(503, str(e), code="engine_unavailable")
+        if isinstance(e, Overloaded):
+            return APIError(503, str(e), code="server_overloaded", headers={"Retry-After": str(e.retry_after_s)})
+        if isinstance(e, (ValueError, ContextLengthExceeded)):
+            return APIError(400, str(e), code="invalid_request")
+        raise e
+
     async def collect(self) -> Response:
         watcher = asyncio.create_task(watch_disconnect(self.request, self._client_gone))
-        text: list[str] = []
-        lps: list = []
         try:
-            while not self.handle.done:
-                u = await self.handle.next()
-                self._absorb(u)
-                text.append(u.text)
-                lps.extend(u.logprobs)
-        except EngineFailed as e:
+            async for c, u in self._updates():
+                c.text.append(u.text)
+                c.logprobs.extend(u.logprobs)
+        except Exception as e:  # noqa: BLE001 - mapped to the client's error below
             self.close("error")
-            raise APIError(503, str(e), code="engine_unavailable") from None
+            raise self._fail_on(e) from None
         finally:
             watcher.cancel()
-            if not self._closed and not self.handle.done:
-                self.close()
         if not self._ok():
             self.close()
             raise self._failure()
         self.close()
-        return JSONResponse(self.fmt.response("".join(text), self._reason or "stop",
-                                              lps if self.req.logprobs is not None else None, self._usage()))
+        want = self.req.logprobs is not None
+        return JSONResponse(self.fmt.response(
+            [(c.echo + "".join(c.text), c.reason or "stop", c.logprobs if want else None) for c in self.choices],
+            self._usage()))
 
     async def events(self):
         want_lps = self.req.logprobs is not None
         inc = self.req.include_usage
         watcher = asyncio.create_task(watch_disconnect(self.request, self._client_gone))
         try:
-            if self.req.kind == "chat":
-                yield sse(self.fmt.chunk("", None, [] if want_lps else None, inc, first=True))
-            while not self.handle.done:
-                try:
-                    u = await self.handle.next()
-                except EngineFailed as e:
-                    yield sse(APIError(503, str(e), code="engine_unavailable").body())
-                    return
-                self._absorb(u)
-                if u.text or (want_lps and u.logprobs):
-                    yield sse(self.fmt.chunk(u.text, None, list(u.logprobs) if want_lps else None, inc))
+            for c in self.choices:
+                if self.req.kind == "chat":
+                    yield sse(self.fmt.chunk("", None, [] if want_lps else None, inc, first=True, index=c.index))
+                elif c.echo:
+                    yield sse(self.fmt.chunk(c.echo, None, None, inc, index=c.index))
+            try:
+                async for c, u in self._updates():
+                    if u.text or (want_lps and u.logprobs):
+                        yield sse(self.fmt.chunk(u.text, None, list(u.logprobs) if want_lps else None, inc,
+                                                 index=c.index))
+                    if u.finished and c.ok:
+                        yield sse(self.fmt.chunk("", c.reason, None, inc, index=c.index))
+            except Exception as e:  # noqa: BLE001 - the stream ends with the error
+                yield sse(self._fail_on(e).body())
+                return
             if not self._ok():
                 yield sse(self._failure().body())
                 yield sse("[DONE]")
                 return
-            yield sse(self.fmt.chunk("", self._reason, None, inc))
             if inc:
                 yield sse(self.fmt.usage_chunk(self._usage()))
             yield sse("[DONE]")

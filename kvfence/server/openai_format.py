@@ -20,32 +20,38 @@ class Formatter:
         self.kind, self.id, self.model, self.fingerprint = kind, request_id, model, fingerprint
         self.created = int(time.time())
         self._token_text = token_text   # token id -> its text, for logprobs
-        self._offset = 0                # completions' text_offset runs across chunks
+        self._offset: dict[int, int] = {}   # per choice: completions' text_offset runs across chunks
+
+    def start_offset(self, index: int, chars: int) -> None:
+        """Choice `index`'s text starts with `chars` characters of echoed prompt."""
+        self._offset[index] = chars
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": self.fingerprint}
 
     # -- whole responses -----------------------------------------------------------------
-    def response(self, text: str, finish_reason: str, lps: list[Logprob] | None, use: dict) -> dict:
+    def response(self, choices: list[tuple[str, str, list[Logprob] | None]], use: dict) -> dict:
+        """choices: (text, finish reason, logprobs) by index."""
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": self._chat_logprobs(lps), "finish_reason": finish_reason}
-            return {**self._head("chat.completion"), "choices": [choice], "usage": use}
-        choice = {"index": 0, "text": text, "logprobs": self._completion_logprobs(lps),
-                  "finish_reason": finish_reason}
-        return {**self._head("text_completion"), "choices": [choice], "usage": use}
+            out = [{"index": i, "message": {"role": "assistant", "content": text},
+                    "logprobs": self._chat_logprobs(lps), "finish_reason": reason}
+                   for i, (text, reason, lps) in enumerate(choices)]
+            return {**self._head("chat.completion"), "choices": out, "usage": use}
+        out = [{"index": i, "text": text, "logprobs": self._completion_logprobs(lps, i), "finish_reason": reason}
+               for i, (text, reason, lps) in enumerate(choices)]
+        return {**self._head("text_completion"), "choices": out, "usage": use}
 
     # -- stream chunks -------------------------------------------------------------------
     def chunk(self, text: str, finish_reason: str | None, lps: list[Logprob] | None, with_usage: bool,
-              first: bool = False) -> dict:
+              first: bool = False, index: int = 0) -> dict:
         if self.kind == "chat":
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": self._chat_logprobs(lps),
+            choice = {"index": index, "delta": delta, "logprobs": self._chat_logprobs(lps),
                       "finish_reason": finish_reason}
             body = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": 0, "text": text, "logprobs": self._completion_logprobs(lps),
+            choice = {"index": index, "text": text, "logprobs": self._completion_logprobs(lps, index),
                       "finish_reason": finish_reason}
             body = {**self._head("text_completion"), "choices": [choice]}
         if with_usage:
@@ -66,15 +72,15 @@ class Formatter:
         return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]}
                             for x in lps], "refusal": None}
 
-    def _completion_logprobs(self, lps: list[Logprob] | None) -> dict | None:
+    def _completion_logprobs(self, lps: list[Logprob] | None, index: int = 0) -> dict | None:
         if lps is None:
             return None
         tokens, offsets = [], []
         for x in lps:
             s = self._token_text(x.token_id)
             tokens.append(s)
-            offsets.append(self._offset)
-            self._offset += len(s)
+            offsets.append(self._offset.get(index, 0))
+            self._offset[index] = self._offset.get(index, 0) + len(s)
         tops = [{self._token_text(t): v for t, v in x.top} for x in lps]
         return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps], "top_logprobs": tops,
                 "text_offset": offsets}

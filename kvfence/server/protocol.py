@@ -20,6 +20,7 @@ from kvfence.engine.params import MAX_JSON_SCHEMA_BYTES, SamplingParams, canonic
 from kvfence.server.errors import APIError, bad_request
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16      # prompts x n in one request: each is a sequence in the engine
 MAX_TOKENS_CAP = 2**31 - 1
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -36,6 +37,13 @@ class GenerationRequest:
     messages: list[dict] | None = None   # chat, content flattened to text
     logprobs: int | None = None       # top alternatives per token; None: no logprobs
     prompt_param: str = "prompt"      # the parameter a prompt-size error points at
+    n: int = 1                        # choices per prompt
+    more_prompts: list[tuple[str | None, list[int] | None]] | None = None   # completions: prompts after the first
+    echo: bool = False                # completions: the prompt's text before each choice's
+
+    @property
+    def prompts(self) -> list[tuple[str | None, list[int] | None]]:
+        return [(self.prompt_text, self.prompt_ids)] + list(self.more_prompts or ())
 
 
 # -- body -> JSON ------------------------------------------------------------------------
@@ -178,9 +186,7 @@ def _type_name(v) -> str:
 
 def _common(body: dict, kind: str) -> dict:
     model = _field(body, "model", (str,), None, "a string")
-    n = _int(body, "n", 1)
-    if n != 1:
-        raise bad_request("Only n=1 is supported.", param="n")
+    n = _int(body, "n", 1, 1, MAX_CHOICES)
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -204,7 +210,7 @@ def _common(body: dict, kind: str) -> dict:
                                                   for t in stop_ids):
         raise bad_request("'stop_token_ids' must be an array of non-negative integers.", param="stop_token_ids")
     return dict(
-        model=model, stream=stream, include_usage=include_usage,
+        model=model, stream=stream, include_usage=include_usage, n=n,
         temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_num(body, "top_p", 1.0, 0.0, 1.0),
         top_k=_int(body, "top_k", 0, -1, 1 << 20),
@@ -309,36 +315,51 @@ def _params(c: dict, max_tokens: int | None, logprobs: int | None) -> SamplingPa
 
 def parse_completion(body: dict) -> GenerationRequest:
     c = _common(body, "completion")
-    if _bool(body, "echo", False):
-        raise bad_request("'echo' is not supported.", param="echo")
+    echo = _bool(body, "echo", False)
     if _field(body, "suffix", (str,), None):
-        raise bad_request("'suffix' is not supported.", param="suffix")
-    if _int(body, "best_of", 1) != 1:
-        raise bad_request("Only best_of=1 is supported.", param="best_of")
+        raise bad_request("'suffix' is not supported: this model has no fill-in-the-middle mode.", param="suffix")
+    best_of = _int(body, "best_of", None, 1, MAX_CHOICES)
+    if best_of is not None and best_of != c["n"]:
+        # vLLM dropped best_of too: ranking hidden candidates costs best_of sequences for n answers
+        raise bad_request(f"'best_of' other than n is not supported (got best_of={best_of}, n={c['n']}); ask for "
+                          f"n={best_of} choices and pick by their logprobs.", param="best_of")
     max_tokens = _int(body, "max_tokens", 16, 1, MAX_TOKENS_CAP)
     logprobs = _int(body, "logprobs", None, 0, 20)
-    text, ids = _prompt(body.get("prompt", _MISSING))
+    if echo and logprobs is not None:
+        raise bad_request("'echo' with 'logprobs' (the prompt's own logprobs) is not supported yet; echo alone is.",
+                          param="echo")
+    prompts = _prompts(body.get("prompt", _MISSING))
+    if len(prompts) * c["n"] > MAX_CHOICES:
+        raise bad_request(f"{len(prompts)} prompts x n={c['n']} is {len(prompts) * c['n']} choices; at most "
+                          f"{MAX_CHOICES} per request.", param="prompt" if len(prompts) > 1 else "n")
+    (text, ids), *more = prompts
     return GenerationRequest("completion", c["model"], _params(c, max_tokens, logprobs), c["stream"],
-                             c["include_usage"], prompt_text=text, prompt_ids=ids, logprobs=logprobs)
+                             c["include_usage"], prompt_text=text, prompt_ids=ids, logprobs=logprobs, n=c["n"],
+                             more_prompts=more or None, echo=echo)
 
 
-def _prompt(p) -> tuple[str | None, list[int] | None]:
+def _prompts(p) -> list[tuple[str | None, list[int] | None]]:
+    """OpenAI's prompt: a string, token ids, or a list of either (answered as choices in order)."""
     if p is _MISSING or p is None:
         raise bad_request("'prompt' is required.", param="prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]  # a batch of one
+    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+        if len(p) > MAX_CHOICES:
+            raise bad_request(f"'prompt' may hold at most {MAX_CHOICES} prompts.", param="prompt")
+        return [_prompt(x, f"prompt[{i}]") for i, x in enumerate(p)]
+    return [_prompt(p, "prompt")]
+
+
+def _prompt(p, where: str) -> tuple[str | None, list[int] | None]:
     if isinstance(p, str):
         if p == "":
-            raise bad_request("'prompt' is empty.", param="prompt")
+            raise bad_request(f"'{where}' is empty.", param="prompt")
         return p, None
     if isinstance(p, list):
         if not p:
-            raise bad_request("'prompt' is empty.", param="prompt")
+            raise bad_request(f"'{where}' is empty.", param="prompt")
         if all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             return None, list(p)
-        if all(isinstance(t, (str, list)) for t in p):
-            raise bad_request("Only one prompt per request is supported.", param="prompt")
-    raise bad_request("'prompt' must be a string or an array of token ids.", param="prompt")
+    raise bad_request(f"'{where}' must be a string or an array of token ids.", param="prompt")
 
 
 # -- /v1/chat/completions ----------------------------------------------------------------
@@ -359,7 +380,7 @@ def parse_chat(body: dict) -> GenerationRequest:
     logprobs = (top or 0) if want else None
     messages = _messages(body.get("messages", _MISSING))
     return GenerationRequest("chat", c["model"], _params(c, max_tokens, logprobs), c["stream"], c["include_usage"],
-                             messages=messages, logprobs=logprobs, prompt_param="messages")
+                             messages=messages, logprobs=logprobs, prompt_param="messages", n=c["n"])
 
 
 def _messages(ms) -> list[dict]:
