@@ -98,3 +98,12 @@ def test_async_client_n_choices(server):
 def test_nothing_is_left_behind(server):
     snap = server.wait_idle()
     assert snap["running"] == 0 and snap["waiting"] == 0 and snap["pages_owned"] == 0
+
+
+def test_fields_that_change_nothing_are_accepted_and_ignored(server):
+    c = server.client("alice")
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Name a color."}], max_tokens=8, temperature=0)
+    plain = c.chat.completions.create(**kw).choices[0].message.content
+    same = c.chat.completions.create(**kw, user="user-1234", metadata={"k": "v"}, store=False,
+                                     service_tier="auto", parallel_tool_calls=True).choices[0].message.content
+    assert same == plain
