@@ -93,3 +93,27 @@ def needle_prompt(tokenizer, target_tokens: int = 3000, depth: float = 0.3, seed
             break
         messages, ids, offset = build(sentences)
     return NeedlePrompt(messages, ids, code, tenant_name, fact, offset)
+
+
+# Short factual questions and a word the answer must contain. Each is one SmolLM2-135M-Instruct
+# answers correctly in float32 greedy (checked with this model, chat template, 32 tokens); the
+# ones it gets wrong in float32 (the capitals of Italy, Spain and the United States, the largest
+# planet, a spider's legs) are left out: a bf16 path cannot be held to more than float32 knows.
+# Before the LM head wrote float32 logits (#16), bf16 answered the first with "L'Étoile, ...".
+FACTS = [
+    ("What is the capital of France?", "Paris"),
+    ("What is the capital of Japan?", "Tokyo"),
+    ("What is the capital of Germany?", "Berlin"),
+    ("What is the capital of England?", "London"),
+    ("Who wrote Romeo and Juliet?", "Shakespeare"),
+    ("What is the chemical symbol for water?", "H2O"),
+    ("What color is the sky on a clear day?", "blue"),
+    ("Which planet is known as the Red Planet?", "Mars"),
+    ("Who painted the Mona Lisa?", "Leonardo"),
+    ("What is the largest ocean on Earth?", "Pacific"),
+]
+
+
+def says(text: str, word: str) -> bool:
+    """Does the answer contain the expected word (case aside)?"""
+    return word.lower() in text.lower()
