@@ -77,7 +77,13 @@ class KvTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    @property
+    def template_has_tools(self) -> bool:
+        """Does the model's chat template render OpenAI-style `tools` itself?"""
+        return bool(self.chat_template) and "tools" in self.chat_template
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list | None = None) -> str:
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; send plain prompts instead")
         for m in messages:
@@ -85,13 +91,15 @@ class KvTokenizer:
                 raise ChatTemplateError("each message needs a 'role' and a 'content'")
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token)
+                                         bos_token=self.bos_token, eos_token=self.eos_token,
+                                         **({"tools": tools} if tools else {}))
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list | None = None) -> list[int]:
         # The template writes its own special tokens; do not add a BOS twice.
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
         ids = self.encode(text, add_special=False)
         if self.add_bos and self.bos_id is not None and self.bos_token and not text.startswith(self.bos_token):
             ids = [self.bos_id] + ids

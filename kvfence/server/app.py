@@ -38,6 +38,8 @@ from kvfence.server.protocol import (
     read_json_body,
 )
 from kvfence.server.tenants import Lease, Tenant, TenantLimiter, TenantRegistry
+from kvfence.server.tools import parse_answer
+from kvfence.server.tools import render as render_tools
 
 log = logging.getLogger("kvfence.server")
 
@@ -148,7 +150,7 @@ def create_app(state: ServerState) -> FastAPI:
         state.ensure_ready()
         return state.statement()
 
-    from kvfence.server import console   # the operator console (/console), behind the operator key
+    from kvfence.server import console  # the operator console (/console), behind the operator key
     console.mount(app, state)
     return app
 
@@ -344,8 +346,10 @@ async def _tokenize(state: ServerState, req: GenerationRequest, text: str | None
                     prompt_ids: list[int] | None) -> list[int]:
     tok = state.engine.tokenizer
     if req.kind == "chat":
+        assert req.messages is not None
+        messages, tools = render_tools(req.messages, req.tools, tok.template_has_tools)
         try:
-            ids = await asyncio.to_thread(tok.encode_chat, req.messages)
+            ids = await asyncio.to_thread(tok.encode_chat, messages, True, tools)
         except ChatTemplateError as e:
             raise bad_request(str(e), param="messages") from None
     elif prompt_ids is not None:
@@ -563,9 +567,18 @@ class _Run:
             raise self._failure()
         self.close()
         want = self.req.logprobs is not None
-        return JSONResponse(self.fmt.response(
-            [(c.echo + "".join(c.text), c.reason or "stop", c.logprobs if want else None) for c in self.choices],
-            self._usage()))
+        out = []
+        for c in self.choices:
+            content, calls = self._answer(c, c.echo + "".join(c.text))
+            out.append((content, "tool_calls" if calls else c.reason or "stop", c.logprobs if want else None, calls))
+        return JSONResponse(self.fmt.response(out, self._usage()))
+
+    def _answer(self, c: _Choice, text: str) -> tuple[str | None, list[dict] | None]:
+        """A finished choice's content and tool calls (kvfence/server/tools.py)."""
+        spec = self.req.tools
+        if spec is None or not spec.active:
+            return text, None
+        return parse_answer(text, spec)
 
     async def events(self):
         want_lps = self.req.logprobs is not None
@@ -577,12 +590,20 @@ class _Run:
                     yield sse(self.fmt.chunk("", None, [] if want_lps else None, inc, first=True, index=c.index))
                 elif c.echo:
                     yield sse(self.fmt.chunk(c.echo, None, None, inc, index=c.index))
+            # with tools the answer is a call or text only once it is whole: it is sent at its end
+            tools = self.req.tools is not None and self.req.tools.active
             try:
                 async for c, u in self._updates():
-                    if u.text or (want_lps and u.logprobs):
+                    if tools:
+                        c.text.append(u.text)
+                    elif u.text or (want_lps and u.logprobs):
                         yield sse(self.fmt.chunk(u.text, None, list(u.logprobs) if want_lps else None, inc,
                                                  index=c.index))
-                    if u.finished and c.ok:
+                    if u.finished and c.ok and tools:
+                        content, calls = self._answer(c, "".join(c.text))
+                        yield sse(self.fmt.chunk(content or "", None, None, inc, index=c.index, tool_calls=calls))
+                        yield sse(self.fmt.chunk("", "tool_calls" if calls else c.reason, None, inc, index=c.index))
+                    elif u.finished and c.ok:
                         yield sse(self.fmt.chunk("", c.reason, None, inc, index=c.index))
             except Exception as e:  # noqa: BLE001 - the stream ends with the error
                 yield sse(self._fail_on(e).body())

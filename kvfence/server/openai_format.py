@@ -31,22 +31,26 @@ class Formatter:
                 "system_fingerprint": self.fingerprint}
 
     # -- whole responses -----------------------------------------------------------------
-    def response(self, choices: list[tuple[str, str, list[Logprob] | None]], use: dict) -> dict:
-        """choices: (text, finish reason, logprobs) by index."""
+    def response(self, choices: list[tuple[str | None, str, list[Logprob] | None, list[dict] | None]],
+                 use: dict) -> dict:
+        """choices: (text, finish reason, logprobs, tool calls) by index."""
         if self.kind == "chat":
-            out = [{"index": i, "message": {"role": "assistant", "content": text},
+            out = [{"index": i, "message": {"role": "assistant", "content": text, **(
+                        {"tool_calls": calls} if calls else {})},
                     "logprobs": self._chat_logprobs(lps), "finish_reason": reason}
-                   for i, (text, reason, lps) in enumerate(choices)]
+                   for i, (text, reason, lps, calls) in enumerate(choices)]
             return {**self._head("chat.completion"), "choices": out, "usage": use}
         out = [{"index": i, "text": text, "logprobs": self._completion_logprobs(lps, i), "finish_reason": reason}
-               for i, (text, reason, lps) in enumerate(choices)]
+               for i, (text, reason, lps, _) in enumerate(choices)]
         return {**self._head("text_completion"), "choices": out, "usage": use}
 
     # -- stream chunks -------------------------------------------------------------------
     def chunk(self, text: str, finish_reason: str | None, lps: list[Logprob] | None, with_usage: bool,
-              first: bool = False, index: int = 0) -> dict:
+              first: bool = False, index: int = 0, tool_calls: list[dict] | None = None) -> dict:
         if self.kind == "chat":
-            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            delta: dict = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            if tool_calls:   # whole calls in one delta, each with its position
+                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(tool_calls)]
             choice = {"index": index, "delta": delta, "logprobs": self._chat_logprobs(lps),
                       "finish_reason": finish_reason}
             body = {**self._head("chat.completion.chunk"), "choices": [choice]}

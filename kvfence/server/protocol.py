@@ -18,6 +18,7 @@ from starlette.requests import ClientDisconnect
 
 from kvfence.engine.params import MAX_JSON_SCHEMA_BYTES, SamplingParams, canonical_schema
 from kvfence.server.errors import APIError, bad_request
+from kvfence.server.tools import ToolSpec, call_schema, parse_tools
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16      # prompts x n in one request: each is a sequence in the engine
@@ -40,6 +41,7 @@ class GenerationRequest:
     n: int = 1                        # choices per prompt
     more_prompts: list[tuple[str | None, list[int] | None]] | None = None   # completions: prompts after the first
     echo: bool = False                # completions: the prompt's text before each choice's
+    tools: ToolSpec | None = None     # chat: tools, tool_choice, parallel_tool_calls
 
     @property
     def prompts(self) -> list[tuple[str | None, list[int] | None]]:
@@ -366,9 +368,16 @@ def _prompt(p, where: str) -> tuple[str | None, list[int] | None]:
 
 def parse_chat(body: dict) -> GenerationRequest:
     c = _common(body, "chat")
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise bad_request(f"'{name}' is not supported.", param=name)
+    tools = parse_tools(body)
+    if tools is not None and tools.enforced:   # the answer is held to a call of an allowed function
+        if c["json_schema"] is not None:
+            raise bad_request("'response_format' and a required 'tool_choice' both constrain the answer; send one.",
+                              param="response_format")
+        try:
+            c["json_schema"] = canonical_schema(call_schema(tools))
+        except ValueError:
+            raise bad_request(f"The tools' parameter schemas are larger than {MAX_JSON_SCHEMA_BYTES} bytes as "
+                              "compact JSON.", param="tools") from None
     max_tokens = _int(body, "max_tokens", None, 1, MAX_TOKENS_CAP)
     mct = _int(body, "max_completion_tokens", None, 1, MAX_TOKENS_CAP)
     if mct is not None:
@@ -380,7 +389,7 @@ def parse_chat(body: dict) -> GenerationRequest:
     logprobs = (top or 0) if want else None
     messages = _messages(body.get("messages", _MISSING))
     return GenerationRequest("chat", c["model"], _params(c, max_tokens, logprobs), c["stream"], c["include_usage"],
-                             messages=messages, logprobs=logprobs, prompt_param="messages", n=c["n"])
+                             messages=messages, logprobs=logprobs, prompt_param="messages", n=c["n"], tools=tools)
 
 
 def _messages(ms) -> list[dict]:
@@ -398,14 +407,42 @@ def _messages(ms) -> list[dict]:
         role = m.get("role")
         if role not in _ROLES:
             raise bad_request(f"'{where}.role' must be one of {', '.join(_ROLES)}.", param=f"{where}.role")
-        out.append({"role": role, "content": _content(m.get("content"), role, f"{where}.content")})
-    if all(m["content"] == "" for m in out):
+        msg: dict = {"role": role, "content": _content(m.get("content"), role, f"{where}.content")}
+        if role == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+        if role == "tool":
+            tid = m.get("tool_call_id")
+            if not isinstance(tid, str) or not tid or len(tid) > 256:
+                raise bad_request(f"'{where}.tool_call_id' must name the call this result answers.",
+                                  param=f"{where}.tool_call_id")
+            msg["tool_call_id"] = tid
+        out.append(msg)
+    if all(m["content"] == "" and not m.get("tool_calls") for m in out):
         raise bad_request("Every message is empty.", param="messages")
     return out
 
 
+def _tool_calls(calls, where: str) -> list[dict]:
+    """An assistant message's earlier calls, as {id, name, arguments (parsed)}."""
+    if not isinstance(calls, list):
+        raise bad_request(f"'{where}' must be an array.", param=where)
+    out = []
+    for i, c in enumerate(calls):
+        w = f"{where}[{i}]"
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(f.get("arguments"), str):
+            raise bad_request(f"'{w}' must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                              f"\"arguments\": JSON text}}}}.", param=w)
+        try:
+            args = json.loads(f["arguments"]) if f["arguments"].strip() else {}
+        except ValueError:
+            raise bad_request(f"'{w}.function.arguments' is not valid JSON.", param=f"{w}.function.arguments") from None
+        out.append({"id": str(c.get("id", "")), "name": f["name"], "arguments": args})
+    return out
+
+
 def _content(c, role: str, where: str) -> str:
-    if c is None and role == "assistant":
+    if c is None and role in ("assistant", "tool"):
         return ""
     if isinstance(c, str):
         return c

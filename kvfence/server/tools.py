@@ -1,0 +1,189 @@
+"""Tools (function calling) for /v1/chat/completions: OpenAI's `tools`, `tool_choice` and
+`parallel_tool_calls`, the conversation's tool calls and results, and the model's answer as
+`tool_calls`.
+
+Rendering: a model whose chat template reads `tools` gets them through its template (and
+`tool` messages as they are); otherwise (the bundled SmolLM2's template knows nothing of
+tools) a generic prompt: a system message listing each function with its JSON parameter
+schema and asking for calls as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+earlier calls written back in that form, and results as user messages that name the call.
+
+Enforcement: with `tool_choice` "required" or a named function, the output is held by the
+engine's grammar (kvfence/engine/grammar.py) to a JSON schema that admits only calls of the
+allowed functions with arguments valid for their parameters (an array of them when
+`parallel_tool_calls` is on), so it always parses into valid calls. With "auto" the model
+chooses freely; only text that is a well-formed call of a declared function becomes a
+`tool_calls` entry, the rest is content. With "none" the tools are not shown to the model.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from kvfence.server.errors import bad_request
+
+MAX_TOOLS = 64
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+
+
+@dataclass
+class ToolSpec:
+    tools: list[dict]                 # [{"name", "description", "parameters"}]
+    choice: str                       # "none" | "auto" | "required" | "function"
+    name: str | None = None           # tool_choice's function, when choice == "function"
+    parallel: bool = True
+
+    @property
+    def active(self) -> bool:
+        return bool(self.tools) and self.choice != "none"
+
+    @property
+    def enforced(self) -> bool:
+        return self.choice in ("required", "function")
+
+    def allowed(self) -> list[dict]:
+        return [t for t in self.tools if self.choice != "function" or t["name"] == self.name]
+
+
+def parse_tools(body: dict) -> ToolSpec | None:
+    """The request's tools, or None; every malformed part is a 400 that names it."""
+    for legacy in ("functions", "function_call"):
+        if body.get(legacy) is not None:
+            raise bad_request(f"'{legacy}' is OpenAI's deprecated form; send 'tools' and 'tool_choice' instead.",
+                              param=legacy)
+    raw = body.get("tools")
+    choice_raw = body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise bad_request("'parallel_tool_calls' must be a boolean.", param="parallel_tool_calls")
+    if raw is None:
+        if choice_raw not in (None, "none"):
+            raise bad_request("'tool_choice' needs 'tools'.", param="tool_choice")
+        return None
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("'tools' must be a non-empty array of {\"type\": \"function\", \"function\": {...}}.",
+                          param="tools")
+    if len(raw) > MAX_TOOLS:
+        raise bad_request(f"'tools' may hold at most {MAX_TOOLS} functions.", param="tools")
+    tools, seen = [], set()
+    for i, t in enumerate(raw):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+            raise bad_request(f"'{where}' must be {{\"type\": \"function\", \"function\": {{...}}}}.", param=where)
+        f = t["function"]
+        name = f.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise bad_request(f"'{where}.function.name' must be 1-64 letters, digits, '_' or '-'.",
+                              param=f"{where}.function.name")
+        if name in seen:
+            raise bad_request(f"'{where}.function.name' {name!r} is declared twice.", param=f"{where}.function.name")
+        seen.add(name)
+        desc = f.get("description", "")
+        if not isinstance(desc, str):
+            raise bad_request(f"'{where}.function.description' must be a string.",
+                              param=f"{where}.function.description")
+        params = f.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise bad_request(f"'{where}.function.parameters' must be a JSON Schema object.",
+                              param=f"{where}.function.parameters")
+        tools.append({"name": name, "description": desc, "parameters": params})
+    name = None
+    if choice_raw is None:
+        choice = "auto"
+    elif choice_raw in ("none", "auto", "required"):
+        choice = choice_raw
+    elif isinstance(choice_raw, dict) and choice_raw.get("type") == "function" and isinstance(
+            choice_raw.get("function"), dict) and isinstance(choice_raw["function"].get("name"), str):
+        choice, name = "function", choice_raw["function"]["name"]
+        if name not in seen:
+            raise bad_request(f"'tool_choice' names function {name!r}, which 'tools' does not declare.",
+                              param="tool_choice")
+    else:
+        raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", "
+                          "\"function\": {\"name\": ...}}.", param="tool_choice")
+    return ToolSpec(tools, choice, name, parallel)
+
+
+def call_schema(spec: ToolSpec) -> dict:
+    """What an enforced answer must be: a call (or, with parallel calls, a non-empty array
+    of calls) of an allowed function, with arguments valid for its parameters."""
+    calls = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": t["parameters"]},
+              "required": ["name", "arguments"], "additionalProperties": False} for t in spec.allowed()]
+    one = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    if spec.parallel and spec.choice == "required":
+        return {"type": "array", "items": one, "minItems": 1, "maxItems": 8}
+    return one
+
+
+def _generic_prompt(spec: ToolSpec) -> str:
+    lines = ["You can call these functions. Each takes JSON arguments that follow its schema:"]
+    for t in spec.allowed():
+        lines.append(f"- {t['name']}: {t['description'] or '(no description)'}\n  parameters: "
+                     f"{json.dumps(t['parameters'], separators=(',', ':'))}")
+    lines.append('To call a function, answer with <tool_call>{"name": "<function>", "arguments": {...}}</tool_call>'
+                 " and nothing else" + (" (one tag per call)" if spec.parallel else "") + ".")
+    if spec.enforced:
+        lines.append("You must call a function now." if spec.choice == "required"
+                     else f"You must call {spec.name} now.")
+    return "\n".join(lines)
+
+
+def render(messages: list[dict], spec: ToolSpec | None, template_has_tools: bool) -> tuple[list[dict], list | None]:
+    """Messages for the chat template (role and content only, unless the template reads
+    tools), and the tools to pass it (None: the generic prompt is in the messages)."""
+    if template_has_tools and spec is not None and spec.active:
+        return messages, [{"type": "function", "function": t} for t in spec.allowed()]
+    out: list[dict] = []
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = "".join(f"<tool_call>{json.dumps({'name': c['name'], 'arguments': c['arguments']})}</tool_call>"
+                            for c in m["tool_calls"])
+            out.append({"role": "assistant", "content": (m["content"] or "") + calls})
+        elif m["role"] == "tool":
+            out.append({"role": "user", "content": f"Result of tool call {m.get('tool_call_id')}: {m['content']}"})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    if spec is not None and spec.active:
+        prompt = _generic_prompt(spec)
+        if out and out[0]["role"] in ("system", "developer"):
+            out[0] = {"role": out[0]["role"], "content": out[0]["content"] + "\n\n" + prompt}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out, None
+
+
+def _call(obj, spec: ToolSpec) -> dict | None:
+    if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get("arguments"), dict)):
+        return None
+    if obj["name"] not in {t["name"] for t in spec.allowed()}:
+        return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": obj["name"], "arguments": json.dumps(obj["arguments"], ensure_ascii=False)}}
+
+
+def parse_answer(text: str, spec: ToolSpec) -> tuple[str | None, list[dict] | None]:
+    """(content, tool_calls) of a finished answer."""
+    if spec.enforced:   # the grammar held it to call_schema: it parses
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            return text, None    # cut short by max_tokens: not a call
+        calls = [c for c in (_call(o, spec) for o in (obj if isinstance(obj, list) else [obj])) if c]
+        return (None, calls) if calls else (text, None)
+    found = []
+    for m in _CALL.finditer(text):
+        try:
+            c = _call(json.loads(m.group(1)), spec)
+        except ValueError:
+            c = None
+        if c is not None:
+            found.append(c)
+    if not found:
+        return text, None
+    if not spec.parallel:
+        found = found[:1]
+    rest = _CALL.sub("", text).strip()
+    return (rest or None), found

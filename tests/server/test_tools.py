@@ -1,0 +1,121 @@
+"""Tools through the server with the official openai client: required and named calls are
+held to the declared functions and their parameter schemas by the grammar, come back as
+OpenAI tool_calls (streamed too), and a follow-up with the tool's result is answered."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+from server_harness import MODEL
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}},
+                   "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+
+
+def _valid(call) -> dict:
+    assert call.type == "function" and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, SCHEMAS[call.function.name])
+    return args
+
+
+def test_required_returns_valid_calls_of_declared_functions(server):
+    c = server.client("alice")
+    r = c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                  max_tokens=96, temperature=0)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.tool_calls
+    for call in ch.message.tool_calls:
+        assert call.function.name in SCHEMAS
+        _valid(call)
+
+
+def test_a_named_function_is_the_one_called(server):
+    c = server.client("bob")
+    r = c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=64, temperature=0.7,
+                                  seed=5, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    assert calls[0].function.name == "get_time" and _valid(calls[0])["zone"] in ("UTC", "CET", "PST")
+
+
+def test_streamed_calls_arrive_as_deltas(server):
+    c = server.client("alice")
+    stream = c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], stream=True, max_tokens=64,
+                                       temperature=0, tool_choice={"type": "function",
+                                                                   "function": {"name": "get_weather"}})
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        for ch in chunk.choices:
+            for d in ch.delta.tool_calls or []:
+                e = calls.setdefault(d.index, {"name": "", "arguments": "", "id": d.id})
+                e["name"] += d.function.name or ""
+                e["arguments"] += d.function.arguments or ""
+            finish = ch.finish_reason or finish
+    assert finish == "tool_calls" and calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    jsonschema.validate(json.loads(calls[0]["arguments"]), SCHEMAS["get_weather"])
+
+
+def test_a_follow_up_with_the_tool_result_is_answered(server):
+    c = server.client("alice")
+    first = c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=64, temperature=0,
+                                      tool_choice="required")
+    call = first.choices[0].message.tool_calls[0]
+    messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                      {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "clear"}'}]
+    r = c.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=24, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert r.choices[0].message.content or r.choices[0].message.tool_calls
+    # the result reaches the model: the prompt is longer than without it
+    bare = c.chat.completions.create(model=MODEL, messages=messages[:2], tools=[WEATHER], max_tokens=1)
+    assert r.usage.prompt_tokens > bare.usage.prompt_tokens
+
+
+def test_none_hides_the_tools_and_auto_answers(server):
+    c = server.client("bob")
+    plain = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, temperature=0)
+    none = c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=8,
+                                     temperature=0)
+    assert none.choices[0].message.content == plain.choices[0].message.content
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens
+    auto = c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=48, temperature=0)
+    m = auto.choices[0].message
+    assert m.content or m.tool_calls
+    for call in m.tool_calls or []:
+        _valid(call)
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"tools": "x"}, "tools"),
+    ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"functions": [WEATHER["function"]]}, "functions"),
+    ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"tools": [WEATHER], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": ASK + [{"role": "tool", "content": "x"}]}, "messages[1].tool_call_id"),
+    ({"messages": ASK + [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),
+])
+def test_malformed_tools_are_400s_that_name_the_field(server, extra, param):
+    body = {"model": MODEL, "messages": ASK, **extra}
+    r = httpx.post(server.base_url + "/chat/completions", json=body,
+                   headers={"authorization": "Bearer sk-alice-0001"}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
