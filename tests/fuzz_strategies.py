@@ -143,10 +143,12 @@ def assert_completion(r: httpx.Response, endpoint: str) -> None:
             assert "error" not in obj, obj
             assert obj["object"] == ("chat.completion.chunk" if endpoint == "chat" else "text_completion")
             finishes += [c["finish_reason"] for c in obj["choices"] if c["finish_reason"]]
-        assert finishes in (["stop"], ["length"]), finishes
+        # one finish per choice (n, lists of prompts), each a normal one
+        assert finishes and set(finishes) <= {"stop", "length", "tool_calls"}, finishes
         return
     obj = r.json()
     assert obj["object"] == ("chat.completion" if endpoint == "chat" else "text_completion"), obj
-    assert len(obj["choices"]) == 1 and obj["choices"][0]["finish_reason"] in ("stop", "length")
+    assert obj["choices"] and [c["index"] for c in obj["choices"]] == list(range(len(obj["choices"])))
+    assert all(c["finish_reason"] in ("stop", "length", "tool_calls") for c in obj["choices"]), obj
     u = obj["usage"]
     assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] and u["prompt_tokens"] >= 1
