@@ -48,6 +48,9 @@ from kvfence.model.loader import load_model
 from kvfence.model.tokenizer import KvTokenizer
 
 log = logging.getLogger("kvfence.engine")
+# a public prefix scope's cache key; a NUL can't appear in a tenant name taken from a tenants
+# file, so scopes never collide with tenants
+PUBLIC_SCOPE = "\0public:"
 
 
 @dataclass
@@ -168,8 +171,7 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})")
         max_tokens = params.max_tokens if params.max_tokens is not None else max(
             1, self.usable_context - len(prompt_ids))
-        # a NUL can't appear in a tenant name taken from a tenants file, so scopes never collide
-        scope = f"\0public:{public_prefix_scope}" if public_prefix_scope else tenant
+        scope = f"{PUBLIC_SCOPE}{public_prefix_scope}" if public_prefix_scope else tenant
         if (hold_kv or kv_source is not None) and isinstance(self.kv_link, NoKvLink):
             raise ValueError("this engine is not a PD node: no KV link attached")
         if hold_kv and len(prompt_ids) < 2:
@@ -520,9 +522,16 @@ class LLMEngine:
             "pages_shared": led.num_shared,
             "prefix_cache_hit_tokens": self.prefix_cache.hits if self.prefix_cache else 0,
             "pages_quarantined": led.num_quarantined, "capacity_tokens": led.capacity_tokens,
+            "pages_fenced": led.num_fenced, "pages_by_owner": _named_scopes(led.pages_by_owner()),
             "usable_context": self.usable_context, "preemptions": self.scheduler.num_preemptions,
             "violations": dict(led.violations), "outcomes": dict(self.outcomes),
             **({"pd": self.kv_link.stats()} if not isinstance(self.kv_link, NoKvLink) else {}),
             **({"audit": self.runner.audit.summary()} if self.runner.audit is not None else {}),
             **({"grammar_cache": self._grammars.stats()} if self._grammars is not None else {}),
         }
+
+
+def _named_scopes(by_owner: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """A public prefix scope as "public:NAME" (add_request keys it with a NUL, which no
+    tenant name can hold, and ':' is not allowed in one either)."""
+    return {k: {n.replace(PUBLIC_SCOPE, "public:", 1): c for n, c in v.items()} for k, v in by_owner.items()}

@@ -168,6 +168,22 @@ class Ledger:
     def num_owned(self) -> int:
         return int((self.state == PageState.OWNED).sum())
 
+    @property
+    def num_fenced(self) -> int:
+        """Quarantined pages under an I6 fence (a remote party may still touch them)."""
+        pages = [p for ps, _ in self._fences.values() for p in ps]
+        return int((self.state[pages] == PageState.QUARANTINED).sum()) if pages else 0
+
+    def pages_by_owner(self) -> dict[str, dict[str, int]]:
+        """Counts only, by name: pages owned by running requests per tenant, and read-only
+        prefix-cache pages per cache scope (the operator console's pool map). Two vector
+        passes over the ledger; the names come from the few distinct ids."""
+        out: dict[str, dict[str, int]] = {}
+        for state, key in ((PageState.OWNED, "owned"), (PageState.SHARED, "shared")):
+            ids, counts = np.unique(self.owner_tenant[self.state == state], return_counts=True)
+            out[key] = {self.tenant_name(int(i)) or "?": int(c) for i, c in zip(ids, counts, strict=True)}
+        return out
+
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
