@@ -1,0 +1,138 @@
+"""What the operator console shows, as JSON (GET /v1/kvfence/console): the isolation
+statement, the nodes and their checks, each node's KV pool by state, request and rejection
+counters, and this process's incident records, newest first.
+
+Counts, ids, states and names from the operator's configuration only: never a key, never
+prompt or completion text (the snapshot and the incident records hold none to begin with).
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvfence import incidents
+from kvfence.server.errors import APIError
+
+if TYPE_CHECKING:
+    from kvfence.pd.fleet import Fleet, Node
+    from kvfence.server.app import ServerState
+
+INCIDENTS_SHOWN = 100
+LOGS_NOTE = ("Each process (single node, each PD node, the router) keeps its own incident log; this page shows "
+             "this process's records. `kvfence incidents LOG ...` merges the logs of every process into the "
+             "disclosure report.")
+
+
+def console_view(state: ServerState) -> dict[str, Any]:
+    fleet = _fleet(state)
+    try:
+        statement: dict | None = state.statement()
+        why = None
+    except APIError as e:      # still loading, or failed: the rest of the page still says so
+        statement, why = None, e.message
+    if fleet is None:
+        snap = state.engine.snapshot or {}
+        role = "node" if snap.get("pd") else "single"
+        nodes = [_local_node(state, role)]
+        pools = [p for p in [pool_of("local", role, snap)] if p is not None]
+    else:
+        role = "router"
+        nodes = [_local_node(state, "router")] + [_fleet_node(n) for n in fleet.nodes]
+        pools = [p for n in fleet.nodes if n.info is not None
+                 for p in [pool_of(n.url, n.role, n.info.snapshot)] if p is not None]
+    return {"generated_at": time.time(), "role": role, "served_model": _served(state),
+            "isolation": statement, "isolation_unavailable": why, "nodes": nodes, "pools": pools,
+            "requests": request_counters(state), "incidents": incidents_view()}
+
+
+def _fleet(state: ServerState) -> Fleet | None:
+    """The router's fleet; None on a single node (or a PD node, which has no fleet)."""
+    from kvfence.pd.fleet import Fleet
+
+    fleet = getattr(state.engine, "fleet", None)
+    return fleet if isinstance(fleet, Fleet) else None
+
+
+def _served(state: ServerState) -> str | None:
+    try:
+        return state.served_name
+    except APIError:
+        return None
+
+
+def _local_node(state: ServerState, role: str) -> dict[str, Any]:
+    snap = state.engine.snapshot or {}
+    return {"name": "router" if role == "router" else "local", "role": role, "url": None,
+            "state": state.engine.state, "reason": state.engine.error, "running": snap.get("running"),
+            "waiting": snap.get("waiting"), "checks": [_check(c) for c in state.engine.startup_checks]}
+
+
+def _fleet_node(n: Node) -> dict[str, Any]:
+    d = n.to_json()
+    info = n.info
+    checks = [{"name": "capacity (router's check)", "invariant": "I8",
+               "status": {"ready": "passed", "refused": "failed"}.get(n.state, n.state),
+               "detail": n.reason or f"{n.state} since {time.strftime('%H:%M:%S', time.localtime(n.since))}"}]
+    if info is not None:
+        checks.append({"name": "read checks before every forward pass", "invariant": "I2, I3",
+                       "status": "passed" if info.read_checks else "failed",
+                       "detail": "on" if info.read_checks else "DISABLED on this node"})
+        checks.append({"name": "scrub policy", "invariant": "I7", "status": "info", "detail": info.scrub})
+        sec = info.pd_security
+        if sec is not None:
+            checks.append({"name": "internal transport", "invariant": "I5", "status": "passed" if sec.tls else "info",
+                           "detail": ("TLS" + (", client certificates" if sec.client_certificates_required else ""))
+                           if sec.tls else "plaintext (private network)"})
+    return {"name": n.url, "role": n.role, "url": n.url, "state": n.state, "reason": n.reason or None,
+            "boot_id": d["boot_id"], "running": d["running"], "waiting": d["waiting"], "in_flight": n.in_flight,
+            "routed": n.routed, "checks": checks}
+
+
+def _check(c: dict) -> dict[str, Any]:
+    return {k: c.get(k) for k in ("name", "invariant", "status", "detail")}
+
+
+def pool_of(node: str, role: str, snap: dict | None) -> dict[str, Any] | None:
+    """One node's KV pool by state, from its engine snapshot; quarantined and fenced are
+    disjoint here (the snapshot's pages_quarantined counts both, as /metrics does)."""
+    if not snap or "pages_total" not in snap:
+        return None
+    by = snap.get("pages_by_owner") or {}
+    quarantined, fenced = int(snap.get("pages_quarantined", 0)), int(snap.get("pages_fenced", 0))
+    pool: dict[str, Any] = {
+        "node": node, "role": role, "pages_total": int(snap["pages_total"]), "free": int(snap.get("pages_free", 0)),
+        "owned_total": int(snap.get("pages_owned", 0)), "shared_total": int(snap.get("pages_shared", 0)),
+        "owned": {str(k): int(v) for k, v in (by.get("owned") or {}).items()},
+        "shared": {str(k): int(v) for k, v in (by.get("shared") or {}).items()},
+        "quarantined": max(0, quarantined - fenced), "fenced": fenced, "buffer": None}
+    pd = snap.get("pd")
+    if pd and "buffer_rows" in pd:
+        rows, free, f = int(pd.get("buffer_rows", 0)), int(pd.get("buffer_free", 0)), int(pd.get("buffer_fenced", 0))
+        pool["buffer"] = {"rows": rows, "free": free, "fenced": f, "held": max(0, rows - free - f)}
+    return pool
+
+
+def request_counters(state: ServerState) -> dict[str, Any]:
+    """Totals since start from this server's Prometheus counters (the page turns them into
+    rates between refreshes)."""
+    by_outcome: dict[str, float] = {}
+    by_tenant: dict[str, float] = {}
+    rejections: dict[str, float] = {}
+    for fam in state.metrics.registry.collect():
+        for s in fam.samples:
+            if s.name == "kvfence_requests_total":
+                by_outcome[s.labels["outcome"]] = by_outcome.get(s.labels["outcome"], 0) + s.value
+                by_tenant[s.labels["tenant"]] = by_tenant.get(s.labels["tenant"], 0) + s.value
+            elif s.name == "kvfence_admission_rejections_total":
+                rejections[s.labels["reason"]] = s.value
+    return {"by_outcome": by_outcome, "by_tenant": by_tenant, "rejections": rejections}
+
+
+def incidents_view(limit: int = INCIDENTS_SHOWN) -> dict[str, Any]:
+    log = incidents.current()
+    if log is None:
+        return {"log": None, "records": [], "note": "this process opened no incident log. " + LOGS_NOTE}
+    records = list(log.recent)   # one C-level copy: record() appends under the GIL, never mid-copy
+    records.reverse()
+    return {"log": log.describe(), "role": log.role, "boot_id": log.boot_id, "records": records[:limit],
+            "note": LOGS_NOTE}

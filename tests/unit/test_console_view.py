@@ -1,0 +1,78 @@
+"""The operator console's numbers without a server: the ledger's per-tenant page counts,
+one pool's view of a snapshot, the router's nodes and pools, and the console cookie."""
+from __future__ import annotations
+
+import time
+
+from test_fleet_routing import fleet, info
+
+from kvfence.engine.llm_engine import _named_scopes
+from kvfence.kv.ledger import BlockTable, Ledger, Owner
+from kvfence.pd.router import RouterBackend
+from kvfence.server.app import ServerState
+from kvfence.server.console import OperatorAuth
+from kvfence.server.console_view import console_view, pool_of
+from kvfence.server.tenants import TenantRegistry
+
+
+def test_the_ledger_counts_pages_by_tenant_and_cache_scope_and_fenced_ones():
+    led = Ledger(32, 4)
+    alice, bob, docs = led.tenant_id("alice"), led.tenant_id("bob"), led.tenant_id("\0public:docs")
+    a, b, p = Owner(alice, 1), Owner(bob, 2), Owner(bob, 3, scope=docs)
+    ta, tb, tp = BlockTable(), BlockTable(), BlockTable()
+    led.allocate(a, 3, ta)
+    led.allocate(b, 5, tb)
+    led.allocate(p, 2, tp)
+    led.mark_written(p, tp, 0, 8)
+    for page, epoch in zip(tp.pages, tp.epochs, strict=True):
+        assert led.publish(p, page, epoch)
+    assert _named_scopes(led.pages_by_owner()) == {"owned": {"alice": 3, "bob": 5}, "shared": {"public:docs": 2}}
+    assert led.num_fenced == 0
+    fenced = led.fence(b, tb, "test", until=time.time() + 60)
+    assert len(fenced) == 5 and led.num_fenced == 5 and led.num_quarantined == 5
+    assert led.pages_by_owner()["owned"] == {"alice": 3}
+    led.lift_fence(2)
+    assert led.num_fenced == 0 and led.num_quarantined == 0
+
+
+def test_a_pools_states_are_disjoint_and_add_up():
+    snap = {"pages_total": 90, "pages_free": 70, "pages_owned": 12, "pages_shared": 3, "pages_quarantined": 5,
+            "pages_fenced": 2, "pages_by_owner": {"owned": {"alice": 8, "bob": 4}, "shared": {"alice": 3}},
+            "pd": {"buffer_rows": 16, "buffer_free": 10, "buffer_fenced": 2}}
+    p = pool_of("local", "single", snap)
+    assert p is not None
+    assert p["quarantined"] == 3 and p["fenced"] == 2 and p["owned"] == {"alice": 8, "bob": 4}
+    assert p["free"] + sum(p["owned"].values()) + sum(p["shared"].values()) + p["quarantined"] + p["fenced"] == 90
+    assert p["buffer"] == {"rows": 16, "free": 10, "fenced": 2, "held": 4}
+    assert pool_of("x", "decode", {}) is None
+
+
+def test_the_router_shows_itself_every_node_with_its_checks_and_each_pool():
+    backend = RouterBackend(["http://p1"], ["http://d1"], b"s" * 32)
+    backend.fleet = f = fleet()
+    f.observe(f.nodes[0], info(usable=512, boot="small"))            # refused by the capacity check (I8)
+    view = console_view(ServerState(backend, TenantRegistry.single()))
+    assert view["role"] == "router" and view["isolation"] is None and view["isolation_unavailable"]
+    names = [n["name"] for n in view["nodes"]]
+    assert names == ["router"] + [n.url for n in f.nodes]
+    p1 = view["nodes"][1]
+    assert p1["state"] == "refused" and p1["checks"][0]["status"] == "failed" and "512" in p1["checks"][0]["detail"]
+    assert {c["name"] for c in view["nodes"][2]["checks"]} >= {"read checks before every forward pass"}
+    assert [p["node"] for p in view["pools"]] == [n.url for n in f.nodes]
+    assert view["pools"][0]["free"] == 80 and view["incidents"]["note"]
+
+
+def test_the_console_cookie_is_the_operators_only_and_holds_no_key():
+    reg = TenantRegistry.from_dict({"tenants": {"acme": {"api_keys": ["sk-acme-0001"]}},
+                                    "operator": {"api_keys": ["op-key-000001"]}})
+    auth = OperatorAuth(ServerState(RouterBackend(["http://p"], ["http://d"], b"s" * 32), reg))
+    assert auth.cookie_for("sk-acme-0001") is None and auth.cookie_for("wrong") is None
+    value = auth.cookie_for("op-key-000001")
+    assert value is not None and "op-key" not in value
+    assert auth._cookie_ok(value)
+    exp, _, mac = value.partition(".")
+    assert not auth._cookie_ok(f"{exp}.{'0' * len(mac)}")
+    assert not auth._cookie_ok(f"{int(exp) + 1}.{mac}")                 # the expiry is under the MAC
+    assert not auth._cookie_ok(f"{int(time.time()) - 1}.{auth._mac(reg.operator_digests[0], int(time.time()) - 1)}")
+    other = OperatorAuth(ServerState(RouterBackend(["http://p"], ["http://d"], b"s" * 32), reg))
+    assert not other._cookie_ok(value)                                    # another process's secret
