@@ -2,7 +2,7 @@
 # Set up kvfence in ./.venv on a fresh machine (as root it also apt-installs libibverbs1,
 # which the PD transfer engine needs). `--test` also installs what the test suite needs
 # (transformers as the reference model, spin for the formal model, iproute2 for the
-# multi-host PD test).
+# multi-host PD test, chromium for the operator console's browser test).
 # Safe to run again: it only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,6 +49,14 @@ if [ "$want_tests" = 1 ] && ! command -v ip >/dev/null; then
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null
     else
         echo "note: the multi-host PD test needs ip (Debian package 'iproute2') and root; it skips without them" >&2
+    fi
+fi
+# the operator console's test loads the page in headless Chromium (tests/server/browser.py)
+if [ "$want_tests" = 1 ] && ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+    else
+        echo "note: the console's browser test needs Chromium (Debian package 'chromium'); it skips without it" >&2
     fi
 fi
 # the fused CPU kernels, compiled once for this machine (kvfence/kernels/build.py); without a
