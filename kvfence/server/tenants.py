@@ -115,17 +115,7 @@ class TenantRegistry:
             bad = set(spec) - {"api_keys", "api_key_sha256", "public_prefix_scope", *LIMIT_FIELDS}
             if bad:
                 raise TenantsFileError(f"{here}: unknown field(s) {sorted(bad)}")
-            digests = []
-            for key in _str_list(spec.get("api_keys", []), f"{here} api_keys"):
-                if len(key) < 8:
-                    raise TenantsFileError(f"{here}: an API key is shorter than 8 characters")
-                digests.append(_digest(key))
-            for hx in _str_list(spec.get("api_key_sha256", []), f"{here} api_key_sha256"):
-                if not re.fullmatch(r"[0-9a-fA-F]{64}", hx):
-                    raise TenantsFileError(f"{here}: api_key_sha256 entries are 64 hex digits")
-                digests.append(bytes.fromhex(hx))
-            if not digests:
-                raise TenantsFileError(f"{here}: needs api_keys or api_key_sha256")
+            digests = _key_digests(spec, here)
             for d in digests:
                 if d in seen:
                     # never print the key itself, only which tenants share it
@@ -171,18 +161,28 @@ class TenantRegistry:
 DISCLOSURE_FIELDS = {"contact": str, "postmortems": str, "notification_window_hours": int}
 
 
-def _operator(spec, where: str, tenant_keys: dict[bytes, str]) -> list[bytes]:
-    if spec is None:
-        return []
-    if not isinstance(spec, dict) or set(spec) - {"api_keys", "api_key_sha256"}:
-        raise TenantsFileError(f"{where}: a table with api_keys or api_key_sha256 only")
-    digests = [_digest(k) for k in _str_list(spec.get("api_keys", []), f"{where} api_keys")]
+def _key_digests(spec: dict, where: str) -> list[bytes]:
+    """The SHA-256 digests of a table's api_keys and api_key_sha256 (at least one)."""
+    digests = []
+    for key in _str_list(spec.get("api_keys", []), f"{where} api_keys"):
+        if len(key) < 8:
+            raise TenantsFileError(f"{where}: an API key is shorter than 8 characters")
+        digests.append(_digest(key))
     for hx in _str_list(spec.get("api_key_sha256", []), f"{where} api_key_sha256"):
         if not re.fullmatch(r"[0-9a-fA-F]{64}", hx):
             raise TenantsFileError(f"{where}: api_key_sha256 entries are 64 hex digits")
         digests.append(bytes.fromhex(hx))
     if not digests:
         raise TenantsFileError(f"{where}: needs api_keys or api_key_sha256")
+    return digests
+
+
+def _operator(spec, where: str, tenant_keys: dict[bytes, str]) -> list[bytes]:
+    if spec is None:
+        return []
+    if not isinstance(spec, dict) or set(spec) - {"api_keys", "api_key_sha256"}:
+        raise TenantsFileError(f"{where}: a table with api_keys or api_key_sha256 only")
+    digests = _key_digests(spec, where)
     for d in digests:
         if d in tenant_keys:
             raise TenantsFileError(f"{where}: the operator's key is also tenant {tenant_keys[d]!r}'s")
