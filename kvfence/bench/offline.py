@@ -154,11 +154,16 @@ def run_transformers(path, wl: Workload, threads: int) -> Result:
                   note="static batch; no per-request TTFT")
 
 
-def main(args) -> int:
-    wl = Workload(args.num_requests, args.prompt_tokens, args.output_tokens)
-    base = EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+def base_config(args) -> EngineConfig:
+    """The engine every offline contender starts from (the bench's model, dtype, pool, threads)."""
+    return EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
                         max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
                         clamp_context=True, progress=False)
+
+
+def main(args) -> int:
+    wl = Workload(args.num_requests, args.prompt_tokens, args.output_tokens)
+    base = base_config(args)
     loaded = LoadedModel.load(base)
     variants = [
         ("kvfence (checks on, scrub zero)", dict(verify_reads=True, scrub="zero")),

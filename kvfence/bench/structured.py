@@ -10,8 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from kvfence.bench.offline import Result, Workload, _print_row, run_engine
-from kvfence.engine.config import EngineConfig
+from kvfence.bench.offline import Result, Workload, _print_row, base_config, run_engine
 from kvfence.engine.llm_engine import LoadedModel
 from kvfence.engine.params import SamplingParams
 
@@ -28,9 +27,7 @@ def _per_token_ms(r: Result) -> float:
 
 def main(args) -> int:
     wl = Workload(args.num_requests, args.prompt_tokens, args.output_tokens)
-    base = EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-                        max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
-                        clamp_context=True, progress=False)
+    base = base_config(args)
     loaded = LoadedModel.load(base)
     plain = SamplingParams(temperature=0.0, max_tokens=wl.output_tokens, ignore_eos=True)
     variants = [("plain", plain), ("response_format json_schema", SamplingParams(

@@ -799,10 +799,7 @@ class Simulation:
         if fn is None:
             life.excuses.add("fleet")
             return self._answer(life, "error", "node_unavailable", where="router")
-        p = self.nodes[fn.url]
-        life.p_node, life.p_boot, life.p_flight = p.name, p.boot, fn
-        fn.in_flight += 1
-        fn.routed += 1
+        p = self._route(life, "p", fn)
         refused = self._refused(life, p)
         if refused is not None:
             self._log(f"  {p.name} refuses {life.rid}: {refused[1]}")
@@ -844,6 +841,17 @@ class Simulation:
             return self._route_prefill(life)
         self._answer(life, "error", code, where=life.p_node)
 
+    def _route(self, life: Life, side: str, fn) -> Node:
+        """The router's _routed context begins: the fleet's pick counts this request, and
+        the life records which node (and boot) it went to."""
+        node = self.nodes[fn.url]
+        setattr(life, f"{side}_node", node.name)
+        setattr(life, f"{side}_boot", node.boot)
+        setattr(life, f"{side}_flight", fn)
+        fn.in_flight += 1
+        fn.routed += 1
+        return node
+
     def _unroute(self, life: Life, side: str) -> None:
         """The router's _routed context ends: the node no longer counts this request."""
         fn = getattr(life, f"{side}_flight")
@@ -870,10 +878,7 @@ class Simulation:
         if fn is None:
             life.excuses.add("fleet")
             return self._answer(life, "error", "node_unavailable", where="router")
-        d = self.nodes[fn.url]
-        life.d_node, life.d_boot, life.d_flight = d.name, d.boot, fn
-        fn.in_flight += 1
-        fn.routed += 1
+        d = self._route(life, "d", fn)
         life.decode_contacted, life.reader_stopped = True, False
         refused = self._refused(life, d)
         if refused is not None:
