@@ -14,7 +14,9 @@ and nothing else (no model, no tenant, no version); a tenant's key gets the same
 response carries a Content-Security-Policy that allows only this origin's own script and
 style (no inline script: the page has none), X-Frame-Options: DENY and Cache-Control:
 no-store. The script builds the page with textContent only, so nothing it shows (tenant
-names, incident details) can become markup.
+names, incident details) can become markup. Guessing is bounded: 30 failed sign-ins from one
+address within a minute, and that address gets 429 on these routes for the rest of it
+(server/auth_throttle.py).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from urllib.parse import parse_qs
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
+from kvfence.server.auth_throttle import FailedAuthThrottle
 from kvfence.server.console_view import console_view, incidents_view
 from kvfence.server.errors import error_body
 
@@ -97,6 +100,7 @@ class OperatorAuth:
     def __init__(self, state: ServerState):
         self.tenants = state.tenants
         self._secret = secrets.token_bytes(32)
+        self.throttle = FailedAuthThrottle()
 
     @property
     def configured(self) -> bool:
@@ -137,10 +141,30 @@ def _secure(resp: Response) -> Response:
     return resp
 
 
-def _json_error(status: int, message: str, code: str) -> Response:
-    headers = {"WWW-Authenticate": 'Bearer realm="kvfence operator"'} if status == 401 else {}
-    type_ = "authentication_error" if status == 401 else "not_found_error" if status == 404 else "invalid_request_error"
+def _json_error(status: int, message: str, code: str, headers: dict[str, str] | None = None) -> Response:
+    headers = dict(headers or {})
+    if status == 401:
+        headers["WWW-Authenticate"] = 'Bearer realm="kvfence operator"'
+    type_ = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+        status, "invalid_request_error")
     return _secure(JSONResponse(error_body(message, type_, None, code), status_code=status, headers=headers))
+
+
+def _address(request: Request) -> str:
+    return request.client.host if request.client else "unknown"
+
+
+def _throttled(auth: OperatorAuth, request: Request) -> Response | None:
+    wait = auth.throttle.retry_after(_address(request))
+    if wait is None:
+        return None
+    return _json_error(429, f"Too many failed operator sign-ins from this address; try again in {wait} s.",
+                       "too_many_failed_sign_ins", {"Retry-After": str(wait)})
+
+
+def _presented(request: Request) -> bool:
+    """Whether the request offered a credential (a failure then counts as a guess)."""
+    return "authorization" in request.headers or COOKIE in request.cookies
 
 
 def _login_page(status: int, message: str = "none") -> Response:
@@ -165,7 +189,11 @@ def mount(app: FastAPI, state: ServerState) -> None:
     def refused(request: Request) -> Response | None:
         if not auth.configured:
             return _json_error(404, NOT_CONFIGURED, "operator_not_configured")
+        if (slow := _throttled(auth, request)) is not None:
+            return slow
         if not auth.allows(request):
+            if _presented(request):
+                auth.throttle.failed(_address(request))
             return _json_error(401, "The operator console needs the operator key (never a tenant's): send "
                                     "'Authorization: Bearer <operator key>' or sign in at /console.",
                                "invalid_operator_key")
@@ -176,7 +204,11 @@ def mount(app: FastAPI, state: ServerState) -> None:
         if not auth.configured:
             return _secure(HTMLResponse(f"<!doctype html><title>kvfence</title><p>{html.escape(NOT_CONFIGURED)}</p>",
                                         status_code=404))
+        if (slow := _throttled(auth, request)) is not None:
+            return slow
         if not auth.allows(request):
+            if _presented(request):
+                auth.throttle.failed(_address(request))
             return _login_page(401)
         return _secure(HTMLResponse(_PAGE))
 
@@ -201,6 +233,8 @@ def mount(app: FastAPI, state: ServerState) -> None:
             return _json_error(404, NOT_CONFIGURED, "operator_not_configured")
         if not _same_origin(request):
             return _json_error(403, "Cross-origin sign-in refused.", "cross_origin")
+        if (slow := _throttled(auth, request)) is not None:
+            return slow
         body = b""
         async for chunk in request.stream():
             body += chunk
@@ -209,6 +243,7 @@ def mount(app: FastAPI, state: ServerState) -> None:
         key = (parse_qs(body.decode("utf-8", "replace"), max_num_fields=4).get("key") or [""])[0]
         value = auth.cookie_for(key) if key else None
         if value is None:
+            auth.throttle.failed(_address(request))
             return _login_page(401, "wrong")
         resp = RedirectResponse("/console", status_code=303)
         resp.set_cookie(COOKIE, value, max_age=SESSION_S, path="/", httponly=True, samesite="strict",

@@ -229,3 +229,29 @@ _READ_DOM = """(() => {
     html: document.documentElement.outerHTML, document_cookie: document.cookie,
   };
 })()"""
+
+
+def test_guessing_the_operator_key_is_bounded_per_address(make_server):
+    """30 wrong keys from one address (bearer headers and sign-in forms alike) and that
+    address gets 429 with Retry-After, even with the right key; another address and the
+    tenants' own routes are unaffected. Without the throttle the right key gets in."""
+    srv = make_server(tenants=OPERATOR_TOML)
+    for i in range(30):
+        if i % 2:
+            r = _get(srv, "/v1/kvfence/console", f"guess-{i:04d}-abcdef")
+        else:
+            r = httpx.post(srv.url + "/console/login", data={"key": f"guess-{i:04d}-abcdef"}, timeout=30)
+        assert r.status_code == 401, (i, r.status_code)
+    for path in ("/v1/kvfence/console", "/console"):
+        r = _get(srv, path, OPERATOR_KEY)
+        assert r.status_code == 429, (path, r.status_code)
+        assert 1 <= int(r.headers["retry-after"]) <= 60
+    r = httpx.post(srv.url + "/console/login", data={"key": OPERATOR_KEY}, timeout=30, follow_redirects=False)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_failed_sign_ins"
+    # the same server from another loopback address, and a tenant's inference from the first
+    with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=30) as other:
+        assert other.get(srv.url + "/v1/kvfence/console",
+                         headers={"authorization": f"Bearer {OPERATOR_KEY}"}).status_code == 200
+    r = httpx.post(srv.url + "/v1/completions", headers={"authorization": f"Bearer {KEYS['alice']}"},
+                   json={"model": MODEL, "prompt": "Hello", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text

@@ -1,0 +1,52 @@
+"""Failed operator sign-ins, counted per client address.
+
+The operator key opens the console: every tenant's name, the fleet, the incident log. A
+wrong key costs an attacker one request, so without a bound a client may guess as fast as
+the server answers. After LIMIT failures from one address within WINDOW_S, that address
+gets 429 with Retry-After on the operator routes until its window ends, and the key it
+sends is not even checked (a right guess then looks like a wrong one). Tenant routes are not
+throttled here: behind a shared proxy address one guesser would lock every tenant out of
+inference, where here it locks out only sign-ins through that proxy.
+
+The table is bounded (MAX_ADDRESSES, oldest window dropped first), so many addresses cost
+memory that is bounded too.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+LIMIT = 30          # failures per address and window: a person mistyping never reaches it
+WINDOW_S = 60.0
+MAX_ADDRESSES = 4096
+
+
+class FailedAuthThrottle:
+    def __init__(self, limit: int = LIMIT, window_s: float = WINDOW_S, max_addresses: int = MAX_ADDRESSES,
+                 clock: Callable[[], float] = time.monotonic):
+        self.limit, self.window_s, self.max_addresses, self.clock = limit, window_s, max_addresses, clock
+        self._windows: OrderedDict[str, tuple[float, int]] = OrderedDict()   # address -> (start, failures)
+
+    def _current(self, address: str) -> tuple[float, int] | None:
+        window = self._windows.get(address)
+        if window is not None and self.clock() - window[0] >= self.window_s:
+            del self._windows[address]
+            return None
+        return window
+
+    def retry_after(self, address: str) -> int | None:
+        """Whole seconds until `address` may try again, or None if it may now."""
+        window = self._current(address)
+        if window is None or window[1] < self.limit:
+            return None
+        return max(1, math.ceil(window[0] + self.window_s - self.clock()))
+
+    def failed(self, address: str) -> None:
+        window = self._current(address)
+        start, count = window if window is not None else (self.clock(), 0)
+        self._windows[address] = (start, count + 1)
+        self._windows.move_to_end(address)
+        while len(self._windows) > self.max_addresses:
+            self._windows.popitem(last=False)

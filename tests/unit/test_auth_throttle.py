@@ -1,0 +1,36 @@
+"""FailedAuthThrottle: failures per address in a fixed window, the bound on its table."""
+from __future__ import annotations
+
+from kvfence.server.auth_throttle import FailedAuthThrottle
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_an_address_is_held_back_after_its_limit_until_its_window_ends():
+    clock = Clock()
+    t = FailedAuthThrottle(limit=3, window_s=60, clock=clock)
+    for _ in range(3):
+        assert t.retry_after("10.0.0.1") is None
+        t.failed("10.0.0.1")
+    assert t.retry_after("10.0.0.1") == 60
+    assert t.retry_after("10.0.0.2") is None           # another address is not affected
+    clock.now += 59.5
+    assert t.retry_after("10.0.0.1") == 1
+    clock.now += 0.5
+    assert t.retry_after("10.0.0.1") is None            # a new window
+    t.failed("10.0.0.1")
+    assert t.retry_after("10.0.0.1") is None
+
+
+def test_the_table_keeps_at_most_max_addresses():
+    t = FailedAuthThrottle(limit=1, max_addresses=4, clock=Clock())
+    for i in range(10):
+        t.failed(f"10.0.0.{i}")
+    assert len(t._windows) == 4
+    assert t.retry_after("10.0.0.9") is not None and t.retry_after("10.0.0.0") is None
