@@ -1,7 +1,8 @@
 """Connection-level limits for every kvfence HTTP server (single node, PD nodes, router).
 
 uvicorn bounds header size (h11's incomplete-event limit) and can cap connections
-(`limit_concurrency`, answered 503), but it has no read deadline: a client that sends half a
+(`limit_concurrency`, answered 503: here in the API's error shape, `server_overloaded`, with
+Retry-After), but it has no read deadline: a client that sends half a
 request line, or a body one byte every few seconds, holds its connection and its share of the
 server forever (slowloris). `GuardedH11Protocol` adds two deadlines, checked once a second:
 
@@ -16,14 +17,33 @@ generates.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 import h11
+from uvicorn.protocols.http import h11_impl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("kvfence.http")
+
+CAP_BODY = json.dumps({"error": {"message": "The server has too many open connections; retry shortly.",
+                                 "type": "server_error", "param": None, "code": "server_overloaded"}}).encode()
+
+
+async def _over_the_cap(scope: Any, receive: Any, send: Any) -> None:
+    """uvicorn's answer past limit_concurrency, in the API's own error shape with Retry-After
+    (uvicorn's is a bare text/plain 503, which clients can only guess at)."""
+    await send({"type": "http.response.start", "status": 503,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(CAP_BODY)).encode()),
+                            (b"retry-after", b"1"), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": CAP_BODY, "more_body": False})
+
+
+# the h11 protocol looks the 503 app up in its module at each refusal; every uvicorn server in
+# a kvfence process is built by uvicorn_server() with this protocol, so the swap is ours alone
+h11_impl.service_unavailable = _over_the_cap
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,7 @@ def test_connections_past_the_cap_get_503_at_once_and_the_cap_frees(make_server)
         with httpx.Client(timeout=READ_BOUND_S) as c:
             r = c.get(srv.url + "/health/live")
         assert r.status_code == 503, r.text
+        assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "server_overloaded"
     finally:
         for s in held:
             s.close()
