@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvfence.engine.containment import FAIL_CLOSED
 from kvfence.engine.params import SamplingParams
 from kvfence.server.backend import Admitted, EngineFailed, Logprob, RequestHandle, Update
 
@@ -229,6 +230,9 @@ class EngineLoop:
             extra = {"public_prefix_scope": c.public_prefix_scope} if c.public_prefix_scope else {}
             extra.update(c.extra or {})
             seq = engine.add_request(c.prompt_ids, c.params, tenant=c.tenant, request_id=c.request_id, **extra)
+        except FAIL_CLOSED as e:   # the bookkeeping is wrong: the engine stops, not only this request
+            c.loop.call_soon_threadsafe(_set_exception, c.admitted, EngineFailed(f"the engine stopped: {e}"))
+            raise
         except Exception as e:  # noqa: BLE001 - admission errors go back to the caller
             c.loop.call_soon_threadsafe(_set_exception, c.admitted, e)
             return
@@ -240,6 +244,9 @@ class EngineLoop:
     def _call(engine, c: _Call) -> None:
         try:
             value = c.fn(engine)
+        except FAIL_CLOSED as e:   # as in _admit: a ledger or state-table refusal stops the engine
+            c.loop.call_soon_threadsafe(_set_exception, c.result, EngineFailed(f"the engine stopped: {e}"))
+            raise
         except Exception as e:  # noqa: BLE001 - goes back to the caller
             c.loop.call_soon_threadsafe(_set_exception, c.result, e)
             return
@@ -301,6 +308,8 @@ class EngineLoop:
                 c = self._commands.get_nowait()
                 if isinstance(c, _Submit):
                     c.loop.call_soon_threadsafe(_set_exception, c.admitted, EngineFailed(self.error or "failed"))
+                elif isinstance(c, _Call):
+                    c.loop.call_soon_threadsafe(_set_exception, c.result, EngineFailed(self.error or "failed"))
         except queue.Empty:
             pass
 
