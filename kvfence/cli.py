@@ -20,6 +20,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="clamp the context to the pool instead of refusing to start")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
+    p.add_argument("--prefill-tokens-while-decoding", type=int, default=256,
+                   help="prefill tokens in a step that also decodes, at most (bounds the gap between tokens while "
+                        "prompts arrive); 0: the whole per-step budget")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests admitted but not yet running, at most (beyond: 503 server_overloaded with "
                         "Retry-After); one tenant at most half of them")
@@ -38,7 +41,7 @@ def _config(a):
                         max_model_len=a.max_model_len, clamp_context=a.clamp_context, max_num_seqs=a.max_num_seqs,
                         max_num_batched_tokens=a.max_num_batched_tokens, max_waiting=a.max_waiting,
                         scrub=a.scrub, num_threads=a.threads,
-                        audit_reads=a.audit_reads)
+                        audit_reads=a.audit_reads, prefill_tokens_while_decoding=a.prefill_tokens_while_decoding)
 
 
 def cmd_generate(a) -> int:

@@ -104,7 +104,8 @@ class LLMEngine:
         self.context: ContextPlan = plan_context(self.model_config.max_context, cfg.max_model_len,
                                                  self.ledger.capacity_tokens, cfg.clamp_context)
         self.prefix_cache = PrefixCache(self.ledger) if cfg.enable_prefix_cache else None
-        self.scheduler = Scheduler(self.ledger, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.prefix_cache)
+        self.scheduler = Scheduler(self.ledger, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.prefix_cache,
+                                   prefill_budget_while_decoding=cfg.prefill_tokens_while_decoding or None)
         self.scheduler.pages_held_elsewhere = lambda: self.kv_link.holds_pool_pages()
         self.runner = ModelRunner(self.model, self.pool, self.ledger, audit=cfg.audit_reads,
                                   fused_kernels=cfg.fused_kernels)

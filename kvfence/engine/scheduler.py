@@ -1,8 +1,13 @@
 """Continuous batching: which sequences run in the next step and with how many tokens.
 
 Decoding sequences go first (one token each), then prefills continue in chunks, then
-waiting requests start, all within a per-step token budget. When the pool runs out, the
-most recently started sequence is preempted: its pages go back and it is recomputed later.
+waiting requests start, all within a per-step token budget. While any sequence decodes in
+the step, its prefill tokens are capped by a smaller budget: every decoding stream waits
+for the whole step, and a step's time grows with its prefill tokens (~0.5 ms each for the
+bundled model on a 2-core CPU, ~1 s for a full 2048-token step), so the cap bounds the
+gap between tokens; an engine with nothing decoding prefills with the full budget, so a
+burst still starts at full speed. When the pool runs out, the most recently started
+sequence is preempted: its pages go back and it is recomputed later.
 """
 from __future__ import annotations
 
@@ -24,11 +29,13 @@ class ScheduledSeq:
 
 class Scheduler:
     def __init__(self, ledger: Ledger, max_num_seqs: int, token_budget: int,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, prefill_budget_while_decoding: int | None = None):
         self.ledger = ledger
         self.prefix_cache = prefix_cache
         self.max_num_seqs = max_num_seqs
         self.token_budget = token_budget
+        # prefill tokens a step may hold when it also decodes; None: the whole token budget
+        self.prefill_budget_while_decoding = prefill_budget_while_decoding
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -74,15 +81,26 @@ class Scheduler:
         self.waiting.appendleft(victim)
         self.num_preemptions += 1
 
+    def _prefill_room(self, budget: int, prefilled: int, decoding: bool) -> int:
+        """Prefill tokens the step can still take: the budget left (decodes count in it too),
+        and while the step decodes, what the prefill cap leaves after `prefilled`."""
+        cap = self.prefill_budget_while_decoding
+        return min(budget, cap - prefilled) if decoding and cap is not None else budget
+
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.token_budget
         out: list[ScheduledSeq] = []
+        decoding = False   # the step holds a decode: its prefill is capped
+        prefilled = 0
         # Decoding sequences first so a long prefill never stalls token streams.
         self.running.sort(key=lambda s: (s.state is not State.DECODING, s.arrival))
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.uncomputed, budget)
+            is_decode = seq.state is State.DECODING
+            n = min(seq.uncomputed, budget if is_decode else self._prefill_room(budget, prefilled, decoding))
+            if n <= 0:
+                break   # only prefills are left (decodes sort first) and the cap is spent
             need = self.ledger.pages_for(seq.num_computed + n) - len(seq.table)
             while need > self.ledger.num_available and (victim := self._victim_after(seq)) is not None:
                 self._preempt(victim)
@@ -101,14 +119,19 @@ class Scheduler:
             self.ledger.allocate(seq.owner, need, seq.table)
             out.append(ScheduledSeq(seq, n))
             budget -= n
+            if is_decode:
+                decoding = True
+            else:
+                prefilled += n
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (self.waiting and self._prefill_room(budget, prefilled, decoding) > 0
+               and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
             if self.prefix_cache is not None:
                 seq.num_computed = self.prefix_cache.match(seq.owner, seq.cache_scope, seq.all_ids, seq.table)
                 if seq.num_preemptions == 0:
                     seq.cached_tokens = seq.num_computed
-            n = min(seq.uncomputed, budget)
+            n = min(seq.uncomputed, self._prefill_room(budget, prefilled, decoding))
             need = self.ledger.pages_for(seq.num_computed + n) - len(seq.table)
             if need > self.ledger.num_available:
                 self.ledger.free(seq.owner, seq.table)  # let go of any cached pages just attached
@@ -124,4 +147,5 @@ class Scheduler:
             self.running.append(seq)
             out.append(ScheduledSeq(seq, n))
             budget -= n
+            prefilled += n
         return out

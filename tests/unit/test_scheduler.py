@@ -77,3 +77,68 @@ def test_max_num_seqs_caps_the_running_set():
         sch.add(s)
     step = sch.schedule()
     assert len(step) == 2 and len(sch.waiting) == 2
+
+
+def _decoding(led: Ledger, sch: Scheduler, n: int) -> list[Sequence]:
+    """n one-token prompts, scheduled and run once: they decode from the next step on."""
+    seqs = [make_seq(led, 1, 100 + i) for i in range(n)]
+    for s in seqs:
+        sch.add(s)
+    fake_run(sch.schedule())
+    assert all(s.state is State.DECODING for s in seqs)
+    return seqs
+
+
+def test_prefill_is_capped_while_sequences_decode():
+    led = Ledger(128, 4)
+    sch = Scheduler(led, max_num_seqs=16, token_budget=100, prefill_budget_while_decoding=12)
+    decoders = _decoding(led, sch, 3)
+    long, short = make_seq(led, 30, 0), make_seq(led, 5, 1)
+    sch.add(long)
+    sch.add(short)
+    for _ in range(6):
+        step = sch.schedule()
+        decodes = [s for s in step if s.seq.state is State.DECODING]
+        assert {s.request_id for s in decoders} <= {s.seq.request_id for s in decodes}  # none skipped
+        assert sum(s.num_new for s in step if s.seq.state is not State.DECODING) <= 12
+        fake_run(step)
+    # 30 + 5 prompt tokens at 12 a step: both prefilled within the six steps, none starved
+    assert long.state is State.DECODING and short.state is State.DECODING
+    led.check_consistency()
+
+
+def test_continued_and_new_prefills_share_the_cap():
+    led = Ledger(128, 4)
+    sch = Scheduler(led, max_num_seqs=16, token_budget=100, prefill_budget_while_decoding=12)
+    _decoding(led, sch, 2)
+    a, b = make_seq(led, 20, 0), make_seq(led, 20, 1)
+    sch.add(a)
+    sch.add(b)
+    step = sch.schedule()
+    assert [(s.seq.request_id, s.num_new) for s in step][2:] == [("r0", 12)]
+    fake_run(step)
+    step = sch.schedule()  # a continues (8 left), b starts with what the cap leaves
+    assert [(s.seq.request_id, s.num_new) for s in step][2:] == [("r0", 8), ("r1", 4)]
+
+
+def test_an_engine_with_nothing_decoding_prefills_with_the_whole_budget():
+    led = Ledger(128, 4)
+    sch = Scheduler(led, max_num_seqs=16, token_budget=100, prefill_budget_while_decoding=12)
+    seqs = [make_seq(led, 40, i) for i in range(3)]
+    for s in seqs:
+        sch.add(s)
+    step = sch.schedule()
+    assert [(s.seq.request_id, s.num_new) for s in step] == [("r0", 40), ("r1", 40), ("r2", 20)]
+    fake_run(step)
+    # r0 and r1 decode now: r2's remaining 20 tokens go at the cap's pace
+    step = sch.schedule()
+    assert [(s.seq.request_id, s.num_new) for s in step] == [("r0", 1), ("r1", 1), ("r2", 12)]
+
+
+def test_without_a_cap_a_step_that_decodes_prefills_with_the_whole_budget():
+    led = Ledger(128, 4)
+    sch = Scheduler(led, max_num_seqs=16, token_budget=100)
+    _decoding(led, sch, 2)
+    sch.add(make_seq(led, 200, 0))
+    step = sch.schedule()
+    assert [s.num_new for s in step] == [1, 1, 98]
