@@ -86,6 +86,48 @@ def test_concurrent_requests_and_streaming(cluster, client, make_llm):
     cluster.wait_quiet()
 
 
+def test_n_choices_schemas_and_tools_through_the_router(cluster, client, make_llm):
+    """The OpenAI request shapes of issue #15 across prefill and decode: n greedy choices are
+    each the single node's text and the prompt is counted once; seeded choices follow seed + j
+    as on one node; a strict JSON schema and a required tool call hold on the decode node's
+    grammar (the router checks the schema, decode samples under it)."""
+    import jsonschema
+
+    m = model_name(client)
+    prompt = "The three primary colours are"
+    r = client.completions.create(model=m, prompt=prompt, max_tokens=8, temperature=0, n=2)
+    want = single_node_text(make_llm, prompt, 8)
+    assert [c.index for c in r.choices] == [0, 1] and [c.text for c in r.choices] == [want, want]
+    alone = client.completions.create(model=m, prompt=prompt, max_tokens=8, temperature=0)
+    assert r.usage.prompt_tokens == alone.usage.prompt_tokens and r.usage.completion_tokens == 16
+
+    kw = dict(model=m, prompt=prompt, max_tokens=8, temperature=1.0, seed=99)
+    seeded = client.completions.create(n=2, **kw)
+    assert [c.text for c in seeded.choices] == [client.completions.create(**{**kw, "seed": 99 + j}).choices[0].text
+                                                for j in range(2)]
+
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                               "count": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["colour", "count"], "additionalProperties": False}
+    chat = client.chat.completions.create(
+        model=m, messages=[{"role": "user", "content": "Name a colour and a small number as JSON."}], max_tokens=40,
+        temperature=0, response_format={"type": "json_schema",
+                                        "json_schema": {"name": "pick", "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(chat.choices[0].message.content), schema)
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"],
+        "additionalProperties": False}}}
+    call = client.chat.completions.create(model=m, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                          tools=[weather], tool_choice="required", parallel_tool_calls=False,
+                                          max_tokens=64, temperature=0)
+    assert call.choices[0].finish_reason == "tool_calls", call.choices[0]
+    for tc in call.choices[0].message.tool_calls:
+        assert tc.function.name == "get_weather"
+        jsonschema.validate(json.loads(tc.function.arguments), weather["function"]["parameters"])
+    cluster.wait_quiet()
+
+
 # -- the incident ---------------------------------------------------------------------------------
 
 def test_incident_advertised_context_above_the_prefill_pool_is_refused(cluster, tmp_path):
