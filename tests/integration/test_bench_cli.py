@@ -15,10 +15,11 @@ def test_bench_tiny_workload_writes_results(tmp_path):
     assert data["workload"]["num_requests"] == 2
     names = [r["name"] for r in data["results"]]
     assert names == ["kvfence (checks on, scrub zero)", "kvfence (checks off, scrub zero)",
-                     "kvfence (fused kernels off)"]
+                     "kvfence (no prefill cap while decoding)", "kvfence (fused kernels off)"]
     for r in data["results"]:
         assert r["output_tokens"] == 8 and r["seconds"] > 0 and r["ttft_ms"]["p50"] > 0
     assert "ledger checks" in data["results"][0]["note"]
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"   # the PNG beside the JSON
 
 
 def test_bench_structured_compares_plain_and_schema_runs(tmp_path):
