@@ -188,7 +188,52 @@ class CpuKernels:
                     else self.lib.kvfence_gemm_f32 if out_dtype == torch.float32 else self.lib.kvfence_gemm)
             rc = gemm(x.data_ptr(), x.stride(0), packed.data_ptr(), out.data_ptr(), n, m, n, k, torch.get_num_threads())
             if rc != 0:
-                raise RuntimeError("this build of the CPU kernels has no bf16 matmul")
+                raise RuntimeError("this build of the CPU kernels has no bf16 (or native) matmul")
+        return out
+
+    # -- native GGUF weights (qgemm.cpp) -----------------------------------------------------
+    @property
+    def has_qgemm(self) -> bool:
+        """Whether this build has the AVX512-VNNI matmul over GGUF blocks."""
+        return bool(self.lib.kvfence_qgemm_supported())
+
+    def qpack(self, ggml_type: int, blocks, n: int, k: int, up=None) -> torch.Tensor:
+        """GGUF blocks (uint8 numpy [n, row bytes]) of an [n, k] weight in qgemm's layout, a
+        uint8 tensor that starts with a header of its type and shape; given up's blocks too,
+        gated panels of gate (blocks) and up for `qlinear(..., swiglu=True)`."""
+        import numpy as np
+
+        for b in (blocks, up):
+            _require(b is None or (isinstance(b, np.ndarray) and b.dtype == np.uint8 and b.flags["C_CONTIGUOUS"]),
+                     "qpack: blocks uint8, C-contiguous")
+        size = self.lib.kvfence_qpack_size(ggml_type, n, k, int(up is not None))
+        _require(size > 0, f"qpack: ggml type {ggml_type} [{n}, {k}] is not one qgemm takes")
+        _require(up is None or up.nbytes == blocks.nbytes, "qpack: up like gate")
+        out = torch.empty(size, dtype=torch.uint8)
+        rc = self.lib.kvfence_qpack(ggml_type, blocks.ctypes.data, None if up is None else up.ctypes.data,
+                                    blocks.nbytes, n, k, out.data_ptr(), size)
+        _require(rc == 0, f"qpack: {blocks.nbytes} bytes are not the blocks of a ggml type {ggml_type} [{n}, {k}]")
+        return out
+
+    def qlinear(self, x: torch.Tensor, packed: torch.Tensor, n: int, swiglu: bool = False,
+                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """x [M, K] bf16 (rows contiguous) times the packed [N, K] weight, transposed: [M, N],
+        as linear() does for bf16 panels. The C side checks N, K and the packing's size and kind
+        against the packed weight's header and refuses (ValueError) a call that does not match."""
+        m, k = x.shape
+        _require(x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.stride(1) == 1 and x.stride(0) >= k,
+                 "qlinear: x bf16 CPU, rows contiguous")
+        _require(packed.dtype == torch.uint8 and packed.is_contiguous(), "qlinear: packed uint8, contiguous")
+        _require(out_dtype == torch.bfloat16 or (out_dtype == torch.float32 and not swiglu),
+                 "qlinear: out_dtype bfloat16, or float32 for plain panels")
+        out = torch.empty(m, n, dtype=out_dtype)
+        gemm = (self.lib.kvfence_qgemm_swiglu if swiglu
+                else self.lib.kvfence_qgemm_f32 if out_dtype == torch.float32 else self.lib.kvfence_qgemm)
+        rc = gemm(x.data_ptr(), x.stride(0), packed.data_ptr(), packed.numel(), out.data_ptr(), n, m, n, k,
+                  torch.get_num_threads())
+        if rc == -2:
+            raise RuntimeError("this build of the CPU kernels has no native (VNNI) matmul")
+        _require(rc == 0, f"qlinear: x [{m}, {k}] -> [{m}, {n}] does not match the packed weight")
         return out
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
@@ -232,7 +277,9 @@ _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
 class _StackLayer(ctypes.Structure):
-    _fields_ = [("attn_norm", _ptr), ("qkv", _ptr), ("o", _ptr), ("ffn_norm", _ptr), ("gate_up", _ptr), ("down", _ptr)]
+    _fields_ = [("attn_norm", _ptr), ("qkv", _ptr), ("o", _ptr), ("ffn_norm", _ptr), ("gate_up", _ptr), ("down", _ptr),
+                ("native", _i64), ("qkv_bytes", _i64), ("o_bytes", _i64), ("gate_up_bytes", _i64),
+                ("down_bytes", _i64)]
 
 
 class _StackShape(ctypes.Structure):
@@ -257,9 +304,10 @@ class DecoderStack:
     trips through Python a step."""
 
     def __init__(self, kernels: CpuKernels, layers: list[tuple[torch.Tensor, ...]], final_norm: torch.Tensor,
-                 heads: int, kv_heads: int, head_dim: int, inter: int, eps: float):
+                 heads: int, kv_heads: int, head_dim: int, inter: int, eps: float, native: bool = False):
         """layers: per layer (attn_norm, packed qkv, packed o, ffn_norm, gated gate_up, packed
-        down), the matmul weights as CpuKernels.pack_weight made them."""
+        down), the matmul weights as CpuKernels.pack_weight made them, or with native as
+        CpuKernels.qpack made them (their sizes are checked in C against their headers)."""
         self.kernels = kernels
         self._weights, self._final_norm = layers, final_norm  # what the pointers below point into
         for t in (*(x for layer in layers for x in layer), final_norm):
@@ -273,9 +321,13 @@ class DecoderStack:
         for attn_norm, qkv, o, ffn_norm, gate_up, down in layers:  # the C++ side trusts these sizes
             _require(attn_norm.shape == ffn_norm.shape == (hidden,)
                      and attn_norm.dtype == ffn_norm.dtype == torch.bfloat16
-                     and (qkv.numel(), o.numel(), gate_up.numel(), down.numel()) == sizes,
+                     and (native or (qkv.numel(), o.numel(), gate_up.numel(), down.numel()) == sizes)
+                     and all((t.dtype == torch.uint8) == native for t in (qkv, o, gate_up, down)),
                      "decoder_stack: bf16 norms and packed weights of the model's shapes")
-        self._layers = (_StackLayer * len(layers))(*(_StackLayer(*(t.data_ptr() for t in layer)) for layer in layers))
+        self._layers = (_StackLayer * len(layers))(*(
+            _StackLayer(*(t.data_ptr() for t in layer), int(native),
+                        *(t.numel() * t.element_size() for t in (layer[1], layer[2], layer[4], layer[5])))
+            for layer in layers))
 
     def run(self, h: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
@@ -321,5 +373,8 @@ class DecoderStack:
                 raise IndexError(refused(code, f" (layer {layer})"))
             if kind == 3:
                 raise IndexError(f"decoder_stack: logits row {logits_rows[code].item()} is outside the batch of {n}")
-            raise RuntimeError("this build of the CPU kernels has no bf16 matmul")
+            if kind == 5:
+                which = ("qkv", "o", "gate_up", "down")[code]
+                raise ValueError(f"decoder_stack: layer {layer}'s native {which} matmul refused its weight's shape")
+            raise RuntimeError("this build of the CPU kernels has no bf16 (or native) matmul")
         return out

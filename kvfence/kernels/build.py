@@ -1,4 +1,4 @@
-"""Compile the kernel sources (cpu_kernels.cpp, gemm.cpp, stack.cpp and the headers they share)
+"""Compile the kernel sources (cpu_kernels.cpp, gemm.cpp, qgemm.cpp, stack.cpp and the headers they share)
 into one library, once per machine and source version, and load it with ctypes.
 
 The library is built with the system C++ compiler into a cache folder
@@ -22,7 +22,7 @@ from pathlib import Path
 
 log = logging.getLogger("kvfence.kernels")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "gemm.cpp", "stack.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "gemm.cpp", "qgemm.cpp", "stack.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "simd_bf16.h")]
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
          "-fno-math-errno"]
@@ -124,6 +124,14 @@ def load_library() -> ctypes.CDLL:
     lib.kvfence_gemm_pack_gated.restype = None
     lib.kvfence_gemm_swiglu.argtypes = [vp, i64, vp, vp, i64, i64, i64, i64, i32]
     lib.kvfence_gemm_swiglu.restype = i32
+    lib.kvfence_qgemm_supported.restype = i32
+    lib.kvfence_qpack_size.argtypes = [i32, i64, i64, i32]
+    lib.kvfence_qpack_size.restype = i64
+    lib.kvfence_qpack.argtypes = [i32, vp, vp, i64, i64, i64, vp, i64]
+    lib.kvfence_qpack.restype = i32
+    for name in ("kvfence_qgemm", "kvfence_qgemm_f32", "kvfence_qgemm_swiglu"):
+        getattr(lib, name).argtypes = [vp, i64, vp, i64, vp, i64, i64, i64, i64, i32]
+        getattr(lib, name).restype = i32
     lib.kvfence_decoder_stack.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, i32]
     lib.kvfence_decoder_stack.restype = i64
     return lib

@@ -1,5 +1,5 @@
-// The C entry points of kvfence's CPU kernels, one declaration each: cpu_kernels.cpp and
-// gemm.cpp define them, stack.cpp calls them, and build.py's ctypes signatures mirror them.
+// The C entry points of kvfence's CPU kernels, one declaration each: cpu_kernels.cpp, gemm.cpp
+// and qgemm.cpp define them, stack.cpp calls them, and build.py's ctypes signatures mirror them.
 // Every source includes this file, so a definition that drifts from it fails to compile.
 #pragma once
 #include <cstdint>
@@ -38,4 +38,16 @@ int kvfence_gemm_f32(const bf16_t* x, int64_t ldx, const uint32_t* packed, float
                      int64_t n, int64_t k, int nt);
 int kvfence_gemm_swiglu(const bf16_t* x, int64_t ldx, const uint32_t* packed, bf16_t* y, int64_t ldy, int64_t m,
                         int64_t inter, int64_t k, int nt);
+
+// qgemm.cpp (native GGUF weights; type: the GGUF's ggml type id, 2 = Q4_0, 3 = Q4_1, 8 = Q8_0)
+int kvfence_qgemm_supported();
+int64_t kvfence_qpack_size(int type, int64_t n, int64_t k, int gated);
+int kvfence_qpack(int type, const uint8_t* src, const uint8_t* up, int64_t src_bytes, int64_t n, int64_t k,
+                  uint8_t* out, int64_t out_bytes);
+int kvfence_qgemm(const bf16_t* x, int64_t ldx, const uint8_t* packed, int64_t bytes, bf16_t* y, int64_t ldy,
+                  int64_t m, int64_t n, int64_t k, int nt);
+int kvfence_qgemm_f32(const bf16_t* x, int64_t ldx, const uint8_t* packed, int64_t bytes, float* y, int64_t ldy,
+                      int64_t m, int64_t n, int64_t k, int nt);
+int kvfence_qgemm_swiglu(const bf16_t* x, int64_t ldx, const uint8_t* packed, int64_t bytes, bf16_t* y,
+                         int64_t ldy, int64_t m, int64_t inter, int64_t k, int nt);
 }

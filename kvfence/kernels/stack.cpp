@@ -8,6 +8,10 @@
 // The index checks live where they did: kvfence_rope_store checks every slot and position,
 // kvfence_paged_attention every page and row, before touching the pool; an error stops the
 // stack and says which layer and which token or row.
+//
+// With native weights (a layer's `native` set) the four matmuls are qgemm.cpp's over GGUF
+// blocks instead, each given its packed size: qgemm checks the call's shape against the
+// packing's header and refuses a mismatch, which stops the stack (error kind 5).
 #include <cstdint>
 #include <cstring>
 
@@ -20,13 +24,15 @@ constexpr int kBf16 = 1;  // the kernels' dtype code
 extern "C" {
 
 // The ctypes mirrors of these are in kvfence/kernels/__init__.py: keep the two in step.
-struct KvStackLayer {          // one layer: norms [hidden], matmul weights packed (gemm.cpp)
+struct KvStackLayer {          // one layer: norms [hidden], matmul weights packed (gemm.cpp or qgemm.cpp)
     const bf16_t* attn_norm;
-    const uint32_t* qkv;       // [(heads + 2 kv_heads) * head_dim, hidden]
-    const uint32_t* o;         // [hidden, heads * head_dim]
+    const void* qkv;           // [(heads + 2 kv_heads) * head_dim, hidden]
+    const void* o;             // [hidden, heads * head_dim]
     const bf16_t* ffn_norm;
-    const uint32_t* gate_up;   // gated panels of gate and up [inter, hidden]
-    const uint32_t* down;      // [hidden, inter]
+    const void* gate_up;       // gated panels of gate and up [inter, hidden]
+    const void* down;          // [hidden, inter]
+    int64_t native;            // 1: the four are qgemm.cpp packings of these many bytes
+    int64_t qkv_bytes, o_bytes, gate_up_bytes, down_bytes;
 };
 
 struct KvStackShape {
@@ -64,10 +70,23 @@ struct KvStackWork {           // scratch, each with room for n rows
     bf16_t* attn_last;         // [num_logits, heads * head_dim]
 };
 
+// y = x . W^T (swiglu: silu(x . gate^T) * (x . up^T)) through the layer's kind of weights;
+// 0, or the native matmul's refusal
+static int matmul(const KvStackLayer& L, const void* w, int64_t bytes, bool swiglu, const bf16_t* x, int64_t ldx, bf16_t* y,
+           int64_t ldy, int64_t m, int64_t n, int64_t k, int nt) {
+    const uint8_t* q = static_cast<const uint8_t*>(w);
+    const uint32_t* p = static_cast<const uint32_t*>(w);
+    if (L.native)
+        return swiglu ? kvfence_qgemm_swiglu(x, ldx, q, bytes, y, ldy, m, n, k, nt)
+                      : kvfence_qgemm(x, ldx, q, bytes, y, ldy, m, n, k, nt);
+    return swiglu ? kvfence_gemm_swiglu(x, ldx, p, y, ldy, m, n, k, nt) : kvfence_gemm(x, ldx, p, y, ldy, m, n, k, nt);
+}
+
 // h [n, hidden]: the embeddings in, the residual stream after (rows past the last layer's KV
 // write are not updated). out [num_logits, hidden]: the final-normed logits rows.
 // Returns 0; else -1 with err = {1 (KV store), 2 (attention), 3 (a logits row outside the
-// batch) or 4 (no bf16 matmul in this build), layer, the kernel's code or the row's index}.
+// batch), 4 (no bf16 or native matmul in this build) or 5 (a native matmul refused its
+// weight's shape: which one, 0-3, in place of the code), layer, the kernel's code or the row's index}.
 int64_t kvfence_decoder_stack(const KvStackLayer* layers, const KvStackShape* s, const KvStackBatch* b,
                               const KvStackWork* w, bf16_t* h, const bf16_t* final_norm, bf16_t* out, int64_t* err,
                               int nt) {
@@ -75,7 +94,7 @@ int64_t kvfence_decoder_stack(const KvStackLayer* layers, const KvStackShape* s,
     const int64_t qkv_cols = q_size + 2 * kv_size, head_stride = b->num_slots * s->head_dim;
     const int heads = int(s->heads), kv_heads = int(s->kv_heads), dim = int(s->head_dim), ps = int(s->page_size);
     int64_t n = b->n;
-    if (!kvfence_gemm_supported()) {
+    if (s->num_layers > 0 && !(layers[0].native ? kvfence_qgemm_supported() : kvfence_gemm_supported())) {
         err[0] = 4, err[1] = 0, err[2] = 0;
         return -1;
     }
@@ -84,7 +103,10 @@ int64_t kvfence_decoder_stack(const KvStackLayer* layers, const KvStackShape* s,
         const KvStackLayer& L = layers[li];
         bf16_t* k_cache = b->kv + li * 2 * kv_heads * head_stride;
         bf16_t* v_cache = k_cache + kv_heads * head_stride;
-        kvfence_gemm(w->x, hidden, L.qkv, w->qkv, qkv_cols, n, qkv_cols, hidden, nt);
+        if (matmul(L, L.qkv, L.qkv_bytes, false, w->x, hidden, w->qkv, qkv_cols, n, qkv_cols, hidden, nt)) {
+            err[0] = 5, err[1] = li, err[2] = 0;
+            return -1;
+        }
         int64_t rc = kvfence_rope_store(kBf16, w->qkv, n, qkv_cols, heads, kv_heads, dim, b->positions,
                                         b->num_positions, b->cos, b->sin, k_cache, v_cache, head_stride,
                                         b->write_slots, ps, nt);
@@ -116,10 +138,19 @@ int64_t kvfence_decoder_stack(const KvStackLayer* layers, const KvStackShape* s,
             res = w->h_last, attn = w->attn_last, n = b->num_logits;
             if (n == 0) return 0;
         }
-        kvfence_gemm(attn, q_size, L.o, w->proj, hidden, n, hidden, q_size, nt);
+        if (matmul(L, L.o, L.o_bytes, false, attn, q_size, w->proj, hidden, n, hidden, q_size, nt)) {
+            err[0] = 5, err[1] = li, err[2] = 1;
+            return -1;
+        }
         kvfence_add_rms_norm(kBf16, res, w->proj, L.ffn_norm, w->x, n, hidden, s->eps, nt);
-        kvfence_gemm_swiglu(w->x, hidden, L.gate_up, w->act, s->inter, n, s->inter, hidden, nt);
-        kvfence_gemm(w->act, s->inter, L.down, w->proj, hidden, n, hidden, s->inter, nt);
+        if (matmul(L, L.gate_up, L.gate_up_bytes, true, w->x, hidden, w->act, s->inter, n, s->inter, hidden, nt)) {
+            err[0] = 5, err[1] = li, err[2] = 2;
+            return -1;
+        }
+        if (matmul(L, L.down, L.down_bytes, false, w->act, s->inter, w->proj, hidden, n, hidden, s->inter, nt)) {
+            err[0] = 5, err[1] = li, err[2] = 3;
+            return -1;
+        }
         if (last)
             kvfence_add_rms_norm(kBf16, res, w->proj, final_norm, out, n, hidden, s->eps, nt);
         else

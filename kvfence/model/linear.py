@@ -7,6 +7,12 @@ float32 keeps F.linear: a packed kernel sums in another order than MKL (~1e-4 ap
 would cost float32 its role as the mode that matches the reference. CUDA: F.linear.
 Every packed form is checked against F.linear on a probe before it is used.
 
+Native GGUF weights (`--weights native`, a QuantWeight): kvfence's VNNI matmul over the GGUF's
+own blocks (kernels/qgemm.cpp), activations quantized to int8 per row and 32-block; checked on
+a probe against F.linear with the dequantized weight (within the activations' quantization
+error). Where the kernel cannot run them (no VNNI, another type) they are dequantized to the
+model's dtype and take the paths above, as every GGUF did before.
+
 float_out (the LM head): float32 output from bf16 (or fp16) weights, the sums never rounded to
 the weights' dtype (logits rounded to bf16 tied near-ties and quantized logprobs, issue #16).
 kvfence's matmul stores its float32 sums as they are; CUDA asks cuBLAS for float32 output
@@ -24,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfence.kernels import cpu_kernels
+from kvfence.model.quant import QuantWeight, Weight, dense
 
 log = logging.getLogger("kvfence.model")
 
@@ -37,12 +44,20 @@ def _onednn_ok(weight: torch.Tensor) -> bool:
 
 
 class Linear:
-    def __init__(self, weight: torch.Tensor, pack: bool = True, float_out: bool = False):
+    def __init__(self, weight: Weight, pack: bool = True, float_out: bool = False,
+                 dtype: torch.dtype = torch.bfloat16):
+        """dtype: what a QuantWeight the native matmul cannot take is dequantized to."""
         self.out_features, self.in_features = weight.shape
         self.backend = "torch"
-        self.weight = weight.contiguous()
         self.float_out = float_out
         self._wide = None  # float_out outside kvfence's matmul: x -> float32 x . W^T
+        if isinstance(weight, QuantWeight):
+            packed = _native_pack(weight, None, lambda p: _native_out(p, self.out_features, False, float_out))
+            if packed is not None:
+                self.backend, self.weight, self.format = "native", packed, weight.type_name
+                return
+            weight = weight.dequantize(dtype)
+        self.weight = weight.contiguous()
         if pack and weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
             self._pack(weight)
         if float_out and self.backend == "torch" and weight.dtype != torch.float32:
@@ -69,6 +84,9 @@ class Linear:
         self.backend, self.weight = "torch", plain
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "native":
+            return cpu_kernels().qlinear(x, self.weight, self.out_features,
+                                         out_dtype=torch.float32 if self.float_out else torch.bfloat16)
         if self.backend == "kvfence":
             return cpu_kernels().linear(x, self.weight, self.out_features,
                                         out_dtype=torch.float32 if self.float_out else torch.bfloat16)
@@ -99,6 +117,34 @@ def _agrees(fn, reference, in_features: int) -> bool:
     return torch.allclose(fn(probe).float(), reference(probe).float(), rtol=2e-2, atol=2e-2)
 
 
+def _native_out(packed: torch.Tensor, n: int, swiglu: bool, float_out: bool = False):
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels().qlinear(x, packed, n, swiglu=swiglu,
+                                     out_dtype=torch.float32 if float_out else torch.bfloat16)
+    return fn
+
+
+def _native_pack(weight: QuantWeight, up: QuantWeight | None, run) -> torch.Tensor | None:
+    """weight (and up, for gated panels) packed for the native matmul, if this build has it and
+    `run(packed)` (x -> y) agrees with the dequantized float32 weights on a probe; else None."""
+    kernels = cpu_kernels()
+    if kernels is None or not kernels.has_qgemm or (up is not None and up.ggml_type != weight.ggml_type):
+        return None
+    packed = kernels.qpack(weight.ggml_type, weight.blocks, weight.rows, weight.cols,
+                           None if up is None else up.blocks)
+    probe = torch.randn(3, weight.cols, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    ref = F.linear(probe.float(), weight.dequantize())
+    if up is not None:
+        ref = F.silu(ref) * F.linear(probe.float(), up.dequantize())
+    # int8 activations put ~0.5% (relative, in norm) on the product; a layout bug puts ~100%
+    err = (run(packed)(probe).float() - ref).norm() / ref.norm().clamp_min(1e-30)
+    if err < 0.05:
+        return packed
+    log.warning("native %s matmul disagrees with the dequantized weights on a probe (%.3f); not using it",
+                weight.type_name, err)
+    return None
+
+
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gu = [gate | up] on the last dimension: the CPU kernel where it
     takes gu, else torch ops (same roundings in bf16)."""
@@ -112,9 +158,16 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
 class SwiGLU:
     """silu(x @ gate.T) * (x @ up.T)."""
 
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor):
+    def __init__(self, gate: Weight, up: Weight, dtype: torch.dtype = torch.bfloat16):
         self.inter = gate.shape[0]
         self.gated = None  # the gated panels of kvfence's matmul, when it takes them
+        self.native = None  # the gated panels of the native matmul over GGUF blocks
+        if isinstance(gate, QuantWeight) and isinstance(up, QuantWeight):
+            self.native = _native_pack(gate, up, lambda p: _native_out(p, self.inter, True))
+            if self.native is not None:
+                self.format, self.gate_up = gate.type_name, None
+                return
+        gate, up = dense(gate, dtype), dense(up, dtype)
         kernels = cpu_kernels()
         if (kernels is not None and kernels.has_gemm and gate.device.type == "cpu"
                 and gate.dtype == torch.bfloat16 and gate.shape[1] % 2 == 0):
@@ -126,9 +179,13 @@ class SwiGLU:
 
     @property
     def backend(self) -> str:
+        if self.native is not None:
+            return "native"
         return "kvfence" if self.gated is not None else self.gate_up.backend
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return cpu_kernels().qlinear(x, self.native, self.inter, swiglu=True)
         if self.gated is not None:
             return cpu_kernels().linear(x, self.gated, self.inter, swiglu=True)
         return silu_mul(self.gate_up(x))

@@ -21,6 +21,7 @@ from kvfence.kernels import MAX_PAGE_SIZE, DecoderStack, cpu_kernels, supports
 from kvfence.kv.pool import k_pages, v_pages
 from kvfence.model.config import ModelConfig
 from kvfence.model.linear import Linear, SwiGLU
+from kvfence.model.quant import cat_rows
 from kvfence.model.weights import ModelWeights
 
 
@@ -58,7 +59,9 @@ class LlamaModel:
         self.device = device
         self.embed = weights.embed
         # float32 logits: bf16 ones are multiples of 1/8 here, and near-ties became exact (#16)
-        self.lm_head = Linear(weights.lm_head if weights.lm_head is not None else weights.embed, float_out=True)
+        dt = self.dtype
+        self.lm_head = Linear(weights.lm_head if weights.lm_head is not None else weights.embed, float_out=True,
+                              dtype=dt)
         self.final_norm = weights.final_norm
         self.eps = cfg.rms_norm_eps
         # Fused projections: fewer, larger matmuls per layer.
@@ -66,11 +69,11 @@ class LlamaModel:
         for lw in weights.layers:
             self.layers.append((
                 lw.attn_norm,
-                Linear(torch.cat([lw.q, lw.k, lw.v], 0)),
-                Linear(lw.o),
+                Linear(cat_rows([lw.q, lw.k, lw.v], dt), dtype=dt),
+                Linear(lw.o, dtype=dt),
                 lw.ffn_norm,
-                SwiGLU(lw.gate, lw.up),
-                Linear(lw.down),
+                SwiGLU(lw.gate, lw.up, dtype=dt),
+                Linear(lw.down, dtype=dt),
             ))
         weights.layers.clear()  # the fused copies replace them; free the originals
         self.q_size = cfg.num_heads * cfg.head_dim
@@ -80,16 +83,19 @@ class LlamaModel:
         self.stack = self._decoder_stack()
 
     def _decoder_stack(self) -> DecoderStack | None:
-        """The layers as one kernel call, where every matmul is kvfence's (bf16 on AVX512-BF16)."""
+        """The layers as one kernel call, where every matmul is kvfence's (bf16 on AVX512-BF16),
+        or every one is the native matmul over GGUF blocks."""
         if self.kernels is None or self.dtype != torch.bfloat16:
             return None
-        if any(m.backend != "kvfence" for _, qkv, o, _, mlp_in, down in self.layers for m in (qkv, o, mlp_in, down)):
+        backends = {m.backend for _, qkv, o, _, mlp_in, down in self.layers for m in (qkv, o, mlp_in, down)}
+        if backends not in ({"kvfence"}, {"native"}):
             return None
+        native = backends == {"native"}
         cfg = self.config
-        layers = [(attn_norm, qkv.weight, o.weight, ffn_norm, mlp_in.gated, down.weight)
+        layers = [(attn_norm, qkv.weight, o.weight, ffn_norm, mlp_in.native if native else mlp_in.gated, down.weight)
                   for attn_norm, qkv, o, ffn_norm, mlp_in, down in self.layers]
         return DecoderStack(self.kernels, layers, self.final_norm, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                            cfg.intermediate_size, self.eps)
+                            cfg.intermediate_size, self.eps, native=native)
 
     def _build_rope(self, max_pos: int) -> None:
         cfg = self.config

@@ -8,19 +8,20 @@ import torch
 from tqdm import tqdm
 
 from kvfence.model.config import ModelConfig
+from kvfence.model.quant import Weight
 
 
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
-    q: torch.Tensor      # [num_heads * head_dim, hidden], Hugging Face (rotate-half) row order
-    k: torch.Tensor      # [num_kv_heads * head_dim, hidden]
-    v: torch.Tensor
-    o: torch.Tensor
+    q: Weight      # [num_heads * head_dim, hidden], Hugging Face (rotate-half) row order
+    k: Weight      # [num_kv_heads * head_dim, hidden]
+    v: Weight
+    o: Weight
     ffn_norm: torch.Tensor
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
+    gate: Weight
+    up: Weight
+    down: Weight
 
 
 @dataclass
@@ -29,13 +30,13 @@ class ModelWeights:
     embed: torch.Tensor                 # [vocab, hidden]
     layers: list[LayerWeights] = field(default_factory=list)
     final_norm: torch.Tensor | None = None
-    lm_head: torch.Tensor | None = None  # None when tied to the embedding
+    lm_head: Weight | None = None  # None when tied to the embedding (native: its blocks, tied or not)
 
 
 LAYER_FIELDS = ("attn_norm", "q", "k", "v", "o", "ffn_norm", "gate", "up", "down")
 
 
-def assemble(config: ModelConfig, load: Callable[[str, int | None], torch.Tensor | None], desc: str,
+def assemble(config: ModelConfig, load: Callable[[str, int | None], Weight | None], desc: str,
              progress: bool = True) -> ModelWeights:
     """Build ModelWeights through a format's `load(field, layer)`: field is one of
     LAYER_FIELDS (layer set) or embed / final_norm / lm_head (layer None; lm_head may be
