@@ -11,6 +11,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="GGUF file or Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--weights", default="bf16", choices=["bf16", "native"],
+                   help="native: run a GGUF's Q4_0/Q4_1/Q8_0 weights as they are (AVX512-VNNI; bf16 activations "
+                        "quantized to int8 per block, as llama.cpp does); bf16: dequantize them (the default)")
     p.add_argument("--kv-cache-memory", default=None,
                    help="KV pool size, e.g. 2GiB (default: a fraction of free memory)")
     p.add_argument("--kv-memory-fraction", type=float, default=0.1)
@@ -36,7 +39,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def _config(a):
     from kvfence.engine.config import EngineConfig
 
-    return EngineConfig(model=a.model, dtype=a.dtype, device=a.device, page_size=a.page_size,
+    return EngineConfig(model=a.model, dtype=a.dtype, weights=a.weights, device=a.device, page_size=a.page_size,
                         kv_cache_memory=a.kv_cache_memory, kv_memory_fraction=a.kv_memory_fraction,
                         max_model_len=a.max_model_len, clamp_context=a.clamp_context, max_num_seqs=a.max_num_seqs,
                         max_num_batched_tokens=a.max_num_batched_tokens, max_waiting=a.max_waiting,

@@ -14,6 +14,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 class EngineConfig:
     model: str | None = None                 # GGUF file or Hugging Face folder; None: bundled SmolLM2-135M
     dtype: str = "bfloat16"                  # bf16 is ~4x faster than fp32 on CPU; fp32 for exactness
+    weights: str = "bf16"                    # native: a GGUF's quantized blocks as they are (docs/performance.md)
     device: str = "auto"                     # auto: cuda when present, else cpu
     page_size: int = 16
     kv_cache_memory: str | int | None = None  # e.g. "2GiB"; None: kv_memory_fraction of free memory

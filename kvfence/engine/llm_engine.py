@@ -62,7 +62,7 @@ class LoadedModel:
     @classmethod
     def load(cls, cfg: EngineConfig) -> LoadedModel:
         device = cfg.resolved_device()
-        weights, tok, path = load_model(cfg.model, cfg.torch_dtype(), device, cfg.progress)
+        weights, tok, path = load_model(cfg.model, cfg.torch_dtype(), device, cfg.progress, cfg.weights)
         return cls(LlamaModel(weights, device), tok, path)
 
 

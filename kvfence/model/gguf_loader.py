@@ -1,4 +1,9 @@
-"""Load a Llama-family model from a GGUF file: config, dequantized weights, tokenizer."""
+"""Load a Llama-family model from a GGUF file: config, dequantized weights, tokenizer.
+
+native=True keeps the matmul weights of the types kernels/qgemm.cpp takes (Q4_0, Q4_1, Q8_0)
+in their GGUF blocks (model/quant.py's QuantWeight), q and k rows unpermuted block-row by
+block-row; the embeddings are still dequantized (a bf16 copy: a lookup reads a few rows), and
+when they are tied to the LM head their blocks are kept too, for it."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,6 +12,7 @@ import numpy as np
 import torch
 
 from kvfence.model.config import ModelConfig
+from kvfence.model.quant import NATIVE_TYPES, QuantWeight, Weight
 from kvfence.model.tokenizer import KvTokenizer, tokenizer_from_gguf_metadata
 from kvfence.model.weights import ModelWeights, assemble
 
@@ -72,7 +78,7 @@ def config_from_metadata(meta: dict, name: str) -> ModelConfig:
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype, device: str = "cpu",
-              progress: bool = True) -> tuple[ModelWeights, KvTokenizer]:
+              progress: bool = True, native: bool = False) -> tuple[ModelWeights, KvTokenizer]:
     import dataclasses
 
     import gguf
@@ -91,11 +97,30 @@ def load_gguf(path: str | Path, dtype: torch.dtype, device: str = "cpu",
             arr = _unpermute(arr, unpermute_heads)
         return torch.from_numpy(np.array(arr, dtype=np.float32, order="C")).to(device=device, dtype=dtype)
 
-    def load(field: str, layer: int | None) -> torch.Tensor:
-        if layer is None:
-            return tensor(GLOBAL_NAMES[field])
-        heads = {"q": cfg.num_heads, "k": cfg.num_kv_heads}.get(field)
-        return tensor(f"blk.{layer}.{LAYER_NAMES[field]}.weight", heads)
+    def blocks(name: str, unpermute_heads: int | None = None) -> QuantWeight | None:
+        t = tensors[name]
+        if int(t.tensor_type) not in NATIVE_TYPES or len(t.shape) != 2:
+            return None
+        data = np.asarray(t.data)  # [rows, row bytes]: a row's blocks move with it
+        if unpermute_heads:
+            data = _unpermute(data, unpermute_heads)
+        return QuantWeight(int(t.tensor_type), data.shape[0], int(t.shape[0]), data)
 
+    def load(field: str, layer: int | None) -> Weight:
+        if layer is None:
+            name = GLOBAL_NAMES[field]
+            if native and field == "lm_head":
+                return blocks(name) or tensor(name)
+            return tensor(name)
+        heads = {"q": cfg.num_heads, "k": cfg.num_kv_heads}.get(field)
+        name = f"blk.{layer}.{LAYER_NAMES[field]}.weight"
+        if native and field not in ("attn_norm", "ffn_norm"):
+            return blocks(name, heads) or tensor(name, heads)
+        return tensor(name, heads)
+
+    if native and (dtype != torch.bfloat16 or torch.device(device).type != "cpu"):
+        raise ValueError("native GGUF weights run on the CPU with bfloat16 activations; use dtype bfloat16")
     weights = assemble(cfg, load, f"loading {path.name}", progress)
+    if native and cfg.tie_embeddings:
+        weights.lm_head = blocks(GLOBAL_NAMES["embed"])
     return weights, tokenizer_from_gguf_metadata(meta)

