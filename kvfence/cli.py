@@ -109,6 +109,14 @@ def cmd_bench(a) -> int:
         from kvfence.bench.pd import main as pd_main
 
         return pd_main(a)
+    if a.native:
+        from kvfence.bench.native import main as native_main
+
+        for k, v in (("num_requests", 32), ("output_tokens", 128), ("kv_cache_memory", "1GiB")):
+            if getattr(a, k) is None:
+                setattr(a, k, v)
+        a.peers = [p for p in a.peers.split(",") if p]
+        return native_main(a)
     if a.fidelity:
         if a.url:
             print("error: --fidelity runs the models here; it does not take --url", file=sys.stderr)
@@ -477,6 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="teacher-forced agreement with float32 (top-1 and logprobs) of kvfence bf16 fused, its torch "
                         "path and transformers bf16 on the same positions (--output-tokens: the greedy continuation "
                         "per prompt, default 48)")
+    b.add_argument("--native", action="store_true",
+                   help="--weights native against the dequantized bf16 default and llama.cpp on the same GGUF: one "
+                        "request (TTFT, ITL, decode tok/s) and the fixed workload")
     b.add_argument("--concurrency", type=int, default=None, help="--url, --pd: requests in flight (default: all)")
     b.add_argument("--api-key", default=None, help="--url: API key (default: $OPENAI_API_KEY or none)")
     b.add_argument("--model-name", default=None, help="--url: model to ask for (default: the server's first)")

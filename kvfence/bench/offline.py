@@ -156,7 +156,8 @@ def run_transformers(path, wl: Workload, threads: int) -> Result:
 
 def base_config(args) -> EngineConfig:
     """The engine every offline contender starts from (the bench's model, dtype, pool, threads)."""
-    return EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+    return EngineConfig(model=args.model, dtype=args.dtype, weights=getattr(args, "weights", "bf16"),
+                        kv_cache_memory=args.kv_cache_memory,
                         max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
                         prefill_tokens_while_decoding=args.prefill_tokens_while_decoding,
                         clamp_context=True, progress=False)

@@ -54,7 +54,7 @@ def _quiet_llama_log(L) -> None:
 
 
 def run_llama_cpp(gguf_path: str, prompts: list[list[int]], output_tokens: int, threads: int,
-                  flash_attn: bool = True) -> dict:
+                  flash_attn: bool = True, extra_bufts: bool = True) -> dict:
     """All prompts submitted at once to one llama.cpp context, greedy, exactly `output_tokens` each.
 
     Prompts are prefilled packed into n_batch-sized llama_decode calls (several sequences per
@@ -69,6 +69,9 @@ def run_llama_cpp(gguf_path: str, prompts: list[list[int]], output_tokens: int, 
     _quiet_llama_log(L)
     L.llama_backend_init()
     mparams = L.llama_model_default_params()
+    # extra_bufts False: no repacked or AMX weight buffers. Needed for Q4_0/Q4_1/Q8_0 files on a
+    # CPU that reports AMX it cannot run (a general protection fault in ggml_backend_amx_mul_mat)
+    mparams.use_extra_bufts = extra_bufts
     model = L.llama_model_load_from_file(gguf_path.encode(), mparams)
     if not model:
         raise RuntimeError(f"llama.cpp could not load {gguf_path}")
