@@ -37,7 +37,7 @@ from kvfence.engine.logits_processors import History
 from kvfence.engine.params import SamplingParams
 from kvfence.engine.request_states import Event, State
 from kvfence.engine.runner import ModelRunner, StepResult
-from kvfence.engine.sampler import SampleOutput, Sampler, make_generator
+from kvfence.engine.sampler import SampleOutput, Sampler, make_generator, score_tokens
 from kvfence.engine.scheduler import ScheduledSeq, Scheduler
 from kvfence.engine.sequence import Sequence, TokenLogprob
 from kvfence.kv.ledger import Ledger, Owner, ReadRequest, Violation
@@ -177,6 +177,8 @@ class LLMEngine:
             raise ValueError("this engine is not a PD node: no KV link attached")
         if hold_kv and len(prompt_ids) < 2:
             raise ValueError("a one-token prompt has nothing to prefill; send it to decode directly")
+        if (hold_kv or kv_source is not None) and (params.prompt_logprobs is not None or max_tokens == 0):
+            raise ValueError("prompt logprobs and max_tokens 0 are not supported on PD nodes")
         seq = Sequence(request_id=request_id, tenant=tenant,
                        owner=Owner(self.ledger.tenant_id(tenant), Sequence.next_number(),
                                    scope=self.ledger.tenant_id(scope)),
@@ -400,21 +402,52 @@ class LLMEngine:
         self._failed_steps = 0
         return results, failed
 
-    def _postprocess(self, result) -> list[StepOutput]:
-        if not result.sampled:
+    def _postprocess(self, result: StepResult) -> list[StepOutput]:
+        out: list[StepOutput] = []
+        if result.prompt_rows:
+            self._score_prompts(result, out)
+        out += self._sample(result)
+        for s in result.ran:   # max_tokens 0: the prompt is computed (and scored), nothing is sampled
+            seq = s.seq
+            if seq.max_tokens == 0 and seq.uncomputed == 0 and not seq.hold_kv and not seq.finished:
+                self.end(seq, Event.FINISH, "length")
+                out.append(StepOutput(seq, [], "", True))
+        return out
+
+    def _score_prompts(self, result: StepResult, out: list[StepOutput]) -> None:
+        """Record the prompt logprobs this pass computed (params.prompt_logprobs), each
+        request alone: one that fails here ends, the rest go on."""
+        assert result.prompt_logits is not None
+        row = 0
+        for pr in result.prompt_rows:
+            seq, rows = pr.seq.seq, result.prompt_logits[row:row + pr.count]
+            row += pr.count
+
+            def score(seq: Sequence = seq, rows: torch.Tensor = rows, first: int = pr.first) -> None:
+                assert len(seq.prompt_logprobs) + 1 == first   # rows come in prompt order, never twice
+                k = seq.params.prompt_logprobs or 0
+                for lp in score_tokens(rows, seq.prompt_ids[first:first + len(rows)], k):
+                    seq.prompt_logprobs.append(TokenLogprob(lp.token_id, lp.logprob, lp.top))
+            self._alone(seq, score, out)
+
+    def _sample(self, result: StepResult) -> list[StepOutput]:
+        keep = [i for i, s in enumerate(result.sampled) if not s.seq.finished]  # not ended while scoring
+        if not keep:
             return []
-        seqs = [s.seq for s in result.sampled]
+        seqs = [result.sampled[i].seq for i in keep]
+        assert result.logits is not None
+        logits = result.logits if len(keep) == len(result.sampled) else result.logits[keep]
         now = time.perf_counter()
         out: list[StepOutput] = []
         try:
-            sample = self.sampler(result.logits, [q.params for q in seqs], [q.generator for q in seqs],
+            sample = self.sampler(logits, [q.params for q in seqs], [q.generator for q in seqs],
                                   self._histories(seqs))
         except FAIL_CLOSED:
             raise
         except Exception:  # noqa: BLE001 - sample each alone: only the one at fault fails
             for i, seq in enumerate(seqs):
                 def sample_one(i: int = i, seq: Sequence = seq) -> SampleOutput:
-                    return self.sampler(result.logits[i:i + 1], [seq.params], [seq.generator],
+                    return self.sampler(logits[i:i + 1], [seq.params], [seq.generator],
                                         self._histories([seq]))
                 one = self._alone(seq, sample_one, out)
                 if one is not None:

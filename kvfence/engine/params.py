@@ -15,11 +15,14 @@ class SamplingParams:
     top_p: float = 1.0                # 0 keeps only the most likely token (OpenAI accepts 0)
     top_k: int = 0                    # 0 or -1: no top-k cut
     seed: int | None = None           # per-request RNG seed: same seed, same output
-    max_tokens: int | None = 16       # None: up to the usable context
+    max_tokens: int | None = 16       # None: up to the usable context; 0: compute the prompt, sample nothing
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None       # number of top alternatives to return per token (0: only the chosen)
+    # the prompt's own logprobs (vLLM's prompt_logprobs): for each prompt token after the first,
+    # its logprob given the tokens before it and this many top alternatives (0: only the token)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # OpenAI's penalties on tokens generated so far (-2..2), vLLM's repetition penalty on prompt
@@ -48,10 +51,11 @@ class SamplingParams:
             problems.append(f"top_p must be in [0, 1], got {self.top_p}")
         if self.top_k < 0:
             problems.append(f"top_k must be >= 0 (or -1 for no limit), got {self.top_k}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            problems.append(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            problems.append(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            problems.append(f"max_tokens must be >= 0, got {self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not (0 <= getattr(self, name) <= 20):
+                problems.append(f"{name} must be in [0, 20], got {getattr(self, name)}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             problems.append("stop strings must be non-empty strings")
         for name in ("presence_penalty", "frequency_penalty"):

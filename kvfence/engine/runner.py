@@ -6,7 +6,7 @@ authorized (I2, I3); there is no other path from a request to pool memory.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -20,11 +20,22 @@ from kvfence.model.llama import AttentionRows, ForwardBatch, LlamaModel
 
 
 @dataclass
+class PromptRows:
+    """Prompt positions of one sequence whose next-token logits this pass computed, for its
+    prompt logprobs: prompt tokens first .. first + count - 1, each scored by the position before."""
+    seq: ScheduledSeq
+    first: int     # index in prompt_ids of the first token scored
+    count: int
+
+
+@dataclass
 class StepResult:
     ran: list[ScheduledSeq]            # sequences that went through the model
     logits: torch.Tensor | None        # [len(sampled), vocab] float32
     sampled: list[ScheduledSeq]        # those whose last position produced logits
     violations: list[tuple[ScheduledSeq, Violation]]
+    prompt_logits: torch.Tensor | None = None   # [sum of counts, vocab] float32, in prompt_rows' order
+    prompt_rows: list[PromptRows] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -58,7 +69,7 @@ class ModelRunner:
             return StepResult([], None, [], flagged)
         # Decodes first, then fresh prefills grouped by length, then prefills with cached context.
         ok.sort(key=lambda s: (s.num_new != 1, s.seq.num_computed > 0, s.num_new))
-        batch, sampled = self._build(ok)
+        batch, sampled, prompt_rows = self._build(ok)
         if self.audit is not None:  # what the model will touch, checked against the ledger as it is now
             for v in self.audit.record(batch, self._audit_rows(ok)):
                 owner = self.ledger.tenant_name(v.page_owner_scope)
@@ -71,6 +82,9 @@ class ModelRunner:
             start = s.seq.num_computed
             s.seq.num_computed += s.num_new
             self.ledger.mark_written(s.seq.owner, s.seq.table, start, s.seq.num_computed)
+        if prompt_rows:   # the same LM head call: rows after the sampled ones
+            n = len(sampled)
+            return StepResult(ok, logits[:n], sampled, flagged, logits[n:], prompt_rows)
         return StepResult(ok, logits, sampled, flagged)
 
     @staticmethod
@@ -85,8 +99,10 @@ class ModelRunner:
         pos = np.arange(start, end)
         return np.asarray(pages, dtype=np.int64)[pos // self.ps] * self.ps + pos % self.ps
 
-    def _build(self, step: list[ScheduledSeq]) -> tuple[ForwardBatch, list[ScheduledSeq]]:
+    def _build(self, step: list[ScheduledSeq]) -> tuple[ForwardBatch, list[ScheduledSeq], list[PromptRows]]:
         ids, positions, writes, logits_rows, sampled = [], [], [], [], []
+        prompt_rows: list[PromptRows] = []
+        prompt_logits_rows: list[np.ndarray] = []
         rows = len(step)
         q_start = np.empty(rows, dtype=np.int64)
         q_len = np.empty(rows, dtype=np.int64)
@@ -99,8 +115,17 @@ class ModelRunner:
             positions.append(np.arange(start, end))
             writes.append(self._slots(seq.table.pages, start, end))
             q_start[r], q_len[r], kv_len[r] = row, s.num_new, end
+            if seq.params.prompt_logprobs is not None:
+                # prompt token t is scored by position t - 1; tokens already scored (before a
+                # preemption) are not scored again
+                first = max(start + 1, len(seq.prompt_logprobs) + 1)
+                stop = min(end + 1, len(seq.prompt_ids))
+                if first < stop:
+                    prompt_rows.append(PromptRows(s, first, stop - first))
+                    prompt_logits_rows.append(np.arange(row + first - 1 - start, row + stop - 1 - start))
             row += s.num_new
-            if end == seq.num_tokens and not seq.hold_kv:  # PD prefill samples nothing
+            # PD prefill samples nothing, nor does a request for no tokens (max_tokens 0)
+            if end == seq.num_tokens and not seq.hold_kv and seq.max_tokens > 0:
                 logits_rows.append(row - 1)
                 sampled.append(s)
         # each row's pages up to its last key, padded with the null page (never read)
@@ -115,7 +140,8 @@ class ModelRunner:
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),
             write_slots=torch.from_numpy(np.concatenate(writes)).to(dev),
             attn=AttentionRows(*(torch.from_numpy(t).to(dev) for t in (q_start, q_len, kv_len, pages))),
-            logits_rows=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+            logits_rows=torch.from_numpy(np.concatenate([np.asarray(logits_rows, dtype=np.int64),
+                                                         *prompt_logits_rows])).to(dev),
             page_size=self.ps,
         )
-        return batch, sampled
+        return batch, sampled, prompt_rows

@@ -33,6 +33,22 @@ class SampleOutput:
     logprobs: list[TokenLogprobs | None]  # None where the request did not ask for logprobs
 
 
+def score_tokens(logits: torch.Tensor, token_ids: list[int], top: int) -> list[TokenLogprobs]:
+    """Each row's logprob of its given token and its `top` best alternatives, from the
+    row's raw logits: a prompt's own logprobs (params.prompt_logprobs). The same
+    computation as a sampled token's (Sampler._logprobs), so a prompt token scores what
+    it would score if it were sampled at that position."""
+    lsm = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)
+    chosen = lsm.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+    k = min(top, lsm.shape[1])
+    if k <= 0:
+        return [TokenLogprobs(t, lp, []) for t, lp in zip(token_ids, chosen)]
+    top_v, top_i = lsm.topk(k, dim=-1)
+    return [TokenLogprobs(t, lp, list(zip(ti, tv))) for t, lp, ti, tv in
+            zip(token_ids, chosen, top_i.tolist(), top_v.tolist())]
+
+
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
     """A generator for one request's draws; None (global RNG) when it has no seed."""
     if seed is None:

@@ -127,7 +127,7 @@ class Scheduler:
         while (self.waiting and self._prefill_room(budget, prefilled, decoding) > 0
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            if self.prefix_cache is not None:
+            if self.prefix_cache is not None and seq.reads_prefix_cache:
                 seq.num_computed = self.prefix_cache.match(seq.owner, seq.cache_scope, seq.all_ids, seq.table)
                 if seq.num_preemptions == 0:
                     seq.cached_tokens = seq.num_computed

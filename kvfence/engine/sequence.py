@@ -44,6 +44,8 @@ class Sequence:
     detok: IncrementalDetokenizer | None = None
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # params.prompt_logprobs: entry i is prompt token i + 1's (the first token has none)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
     abort_code: str | None = None            # why an aborted request ended (server/app.py maps the codes)
@@ -76,6 +78,14 @@ class Sequence:
     @property
     def uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """May the scheduler attach cached prefix pages? Not while prompt logprobs are owed:
+        a cached position runs no LM head, so its logprob would be lost. Recomputing it means
+        computing its K/V again, which can only go into pages this request owns (shared
+        pages are read-only, I9): skipping the lookup is the recompute, at the same cost."""
+        return self.params.prompt_logprobs is None or len(self.prompt_logprobs) >= len(self.prompt_ids) - 1
 
     @property
     def finished(self) -> bool:

@@ -77,7 +77,7 @@ def test_invalid_params_and_prompts_are_refused_clearly(llm):
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=1.5)
     with pytest.raises(ValueError, match="max_tokens"):
-        SamplingParams(max_tokens=0)
+        SamplingParams(max_tokens=-1)   # 0 is valid: compute the prompt, sample nothing
     outs = llm.generate([[], [10**9]], SamplingParams(max_tokens=2))
     assert all(o.finish_reason == "rejected" for o in outs)
     assert "empty" in outs[0].error and "token ids" in outs[1].error
