@@ -335,6 +335,10 @@ class RouterBackend:
                      request_id: str | None = None, public_prefix_scope: str | None = None) -> RequestHandle:
         if not self._ready or self.facts is None:
             raise EngineFailed(self.error or f"the cluster is {self.state}")
+        if params.prompt_logprobs is not None or params.max_tokens == 0:
+            # prefill samples nothing and decode never computes the prompt: neither could score it
+            raise ValueError("echo with logprobs, and max_tokens 0, are not supported behind the PD router; "
+                             "send them to a single-node server")
         usable = self.facts["usable_context"]
         max_tokens = params.max_tokens if params.max_tokens is not None else max(1, usable - len(prompt_ids))
         if max_tokens != params.max_tokens:

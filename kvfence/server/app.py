@@ -259,7 +259,8 @@ async def _generate(state: ServerState, request: Request, kind: str):
         # tokens_per_minute reserves the most this request can use: prompt + max_tokens, or the
         # rest of the context when it sets none (what the engine will allow); refunded at the end
         # (every choice counts: n choices of a prompt may use n x max_tokens)
-        most = sum(req.params.max_tokens or max(1, facts["usable_context"] - len(ids)) for ids in prompts) * req.n
+        mt = req.params.max_tokens
+        most = sum(mt if mt is not None else max(1, facts["usable_context"] - len(ids)) for ids in prompts) * req.n
         lease = state.limiter.admit(tenant, sum(len(ids) for ids in prompts), most)
         choices = _choices(state, req, prompts, rid)
         try:
@@ -384,6 +385,10 @@ class _Choice:
     lead: bool                         # the first choice of its prompt
     echo: str = ""                     # completions with echo: the prompt's text
     siblings: list[_Choice] = field(default_factory=list)   # a lead's: started after its first update
+    # echo with logprobs: the prompt's logprobs, computed by the lead alone (its siblings
+    # attach its cached pages instead, and read these)
+    prompt_logprobs: list = field(default_factory=list)
+    leader: _Choice | None = None      # a sibling's lead
     handle: RequestHandle | None = None
     text: list[str] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
@@ -416,11 +421,14 @@ def _choices(state: ServerState, req: GenerationRequest, prompts: list[list[int]
             seed = req.params.seed
             params = req.params if j == 0 or seed is None else dataclasses.replace(
                 req.params, seed=(seed + j) if seed + j < 2**64 else seed - j)
+            if j > 0 and params.prompt_logprobs is not None:
+                params = dataclasses.replace(params, prompt_logprobs=None)   # the lead's are the same
             index = p * req.n + j
             c = _Choice(index, rid if index == 0 else f"{rid}-{index}", ids, params, j == 0, echo)
             if lead is None:
                 lead = c
             else:
+                c.leader = lead
                 lead.siblings.append(c)
             out.append(c)
     return out
@@ -504,6 +512,8 @@ class _Run:
             if isinstance(u, BaseException):
                 raise u
             c.last = u
+            if u.prompt_logprobs:
+                c.prompt_logprobs = list(u.prompt_logprobs)
             c.first_token_at = c.first_token_at or u.first_token_at
             c.token_times.extend(u.token_times)
             yield c, u
@@ -569,9 +579,20 @@ class _Run:
         want = self.req.logprobs is not None
         out = []
         for c in self.choices:
+            self._prompt_logprobs(c)
             content, calls = self._answer(c, c.echo + "".join(c.text))
             out.append((content, "tool_calls" if calls else c.reason or "stop", c.logprobs if want else None, calls))
         return JSONResponse(self.fmt.response(out, self._usage()))
+
+    @property
+    def _scores_prompt(self) -> bool:
+        """Completions with echo and logprobs: the prompt's tokens come with their logprobs."""
+        return self.req.params.prompt_logprobs is not None
+
+    def _prompt_logprobs(self, c: _Choice) -> None:
+        if self._scores_prompt:
+            lead = c.leader or c
+            self.fmt.prompt_logprobs(c.index, c.prompt_ids[0], lead.prompt_logprobs)
 
     def _answer(self, c: _Choice, text: str) -> tuple[str | None, list[dict] | None]:
         """A finished choice's content and tool calls (kvfence/server/tools.py)."""
@@ -588,12 +609,17 @@ class _Run:
             for c in self.choices:
                 if self.req.kind == "chat":
                     yield sse(self.fmt.chunk("", None, [] if want_lps else None, inc, first=True, index=c.index))
-                elif c.echo:
+                elif c.echo and not self._scores_prompt:   # else once its logprobs are known
                     yield sse(self.fmt.chunk(c.echo, None, None, inc, index=c.index))
+            echoed: set[int] = set()
             # with tools the answer is a call or text only once it is whole: it is sent at its end
             tools = self.req.tools is not None and self.req.tools.active
             try:
                 async for c, u in self._updates():
+                    if self._scores_prompt and c.index not in echoed and (c.ok or not u.finished):
+                        echoed.add(c.index)
+                        self._prompt_logprobs(c)
+                        yield sse(self.fmt.chunk(c.echo, None, [], inc, index=c.index))
                     if tools:
                         c.text.append(u.text)
                     elif u.text or (want_lps and u.logprobs):

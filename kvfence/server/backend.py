@@ -40,6 +40,9 @@ class Update:
     abort_code: str | None = None
     event: str | None = None      # PD: kv_held (data: the manifest), kv_verified, kv_failed
     data: dict | None = None
+    # params.prompt_logprobs: prompt tokens 1.. (the first has none), once, in the first
+    # update after the prompt was computed
+    prompt_logprobs: tuple[Logprob, ...] = ()
 
 
 @dataclass

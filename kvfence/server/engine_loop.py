@@ -47,6 +47,7 @@ class _Sink:
     seq: Sequence
     sent_logprobs: int = 0
     sent_times: int = 0
+    sent_prompt_logprobs: bool = False
 
 
 @dataclass
@@ -278,15 +279,18 @@ class EngineLoop:
     def _update(sink: _Sink, token_ids: tuple, text: str, finished: bool, event: str | None = None,
                 data: dict | None = None) -> Update:
         seq = sink.seq
-        lps = tuple(Logprob(lp.token_id, float(lp.logprob), tuple((int(t), float(v)) for t, v in lp.top))
-                    for lp in seq.logprobs[sink.sent_logprobs:])
+        lps = _logprobs(seq.logprobs[sink.sent_logprobs:])
         sink.sent_logprobs = len(seq.logprobs)
+        prompt_lps: tuple[Logprob, ...] = ()
+        if (seq.params.prompt_logprobs is not None and not sink.sent_prompt_logprobs
+                and len(seq.prompt_logprobs) >= len(seq.prompt_ids) - 1):
+            prompt_lps, sink.sent_prompt_logprobs = _logprobs(seq.prompt_logprobs), True
         times = tuple(seq.token_times[sink.sent_times:])
         sink.sent_times = len(seq.token_times)
         return Update(token_ids, text, finished, seq.finish_reason if finished else None,
                       seq.error if finished else None, len(seq.prompt_ids), len(seq.output_ids),
                       cached_tokens_of(seq), lps, seq.first_token_at, times,
-                      seq.abort_code if finished else None, event, data)
+                      seq.abort_code if finished else None, event, data, prompt_lps)
 
     def _publish(self, engine) -> None:
         s = engine.stats()
@@ -341,6 +345,10 @@ def engine_facts(engine) -> dict:
         "prefix_cache": getattr(engine, "prefix_cache", None) is not None,
         **({"pd": pd} if (pd := engine.kv_link.facts()) is not None else {}),
     }
+
+
+def _logprobs(lps) -> tuple[Logprob, ...]:
+    return tuple(Logprob(lp.token_id, float(lp.logprob), tuple((int(t), float(v)) for t, v in lp.top)) for lp in lps)
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

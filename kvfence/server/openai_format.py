@@ -21,10 +21,17 @@ class Formatter:
         self.created = int(time.time())
         self._token_text = token_text   # token id -> its text, for logprobs
         self._offset: dict[int, int] = {}   # per choice: completions' text_offset runs across chunks
+        self._prompt: dict[int, tuple[int, list[Logprob]]] = {}   # per choice: echoed prompt logprobs, not yet sent
 
     def start_offset(self, index: int, chars: int) -> None:
         """Choice `index`'s text starts with `chars` characters of echoed prompt."""
         self._offset[index] = chars
+
+    def prompt_logprobs(self, index: int, first_token: int, lps: list[Logprob]) -> None:
+        """Choice `index`'s next completion logprobs start with its echoed prompt's: the
+        first token's (null: nothing comes before it, as OpenAI and vLLM answer) and then
+        `lps`, at text offsets from 0."""
+        self._prompt[index] = (first_token, list(lps))
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -79,15 +86,28 @@ class Formatter:
     def _completion_logprobs(self, lps: list[Logprob] | None, index: int = 0) -> dict | None:
         if lps is None:
             return None
-        tokens, offsets = [], []
+        tokens: list[str] = []
+        values: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        if index in self._prompt:
+            first, prompt = self._prompt.pop(index)
+            at = 0
+            for tid, x in [(first, None), *((p.token_id, p) for p in prompt)]:
+                s = self._token_text(tid)
+                tokens.append(s)
+                values.append(None if x is None else x.logprob)
+                tops.append(None if x is None else {self._token_text(t): v for t, v in x.top})
+                offsets.append(at)
+                at += len(s)
         for x in lps:
             s = self._token_text(x.token_id)
             tokens.append(s)
+            values.append(x.logprob)
+            tops.append({self._token_text(t): v for t, v in x.top})
             offsets.append(self._offset.get(index, 0))
             self._offset[index] = self._offset.get(index, 0) + len(s)
-        tops = [{self._token_text(t): v for t, v in x.top} for x in lps]
-        return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps], "top_logprobs": tops,
-                "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
 def sse(obj: dict | str) -> bytes:

@@ -9,6 +9,7 @@ choose the tenant: that comes from the API key only.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import re
@@ -325,17 +326,22 @@ def parse_completion(body: dict) -> GenerationRequest:
         # vLLM dropped best_of too: ranking hidden candidates costs best_of sequences for n answers
         raise bad_request(f"'best_of' other than n is not supported (got best_of={best_of}, n={c['n']}); ask for "
                           f"n={best_of} choices and pick by their logprobs.", param="best_of")
-    max_tokens = _int(body, "max_tokens", 16, 1, MAX_TOKENS_CAP)
+    # max_tokens 0 with echo scores or returns the prompt alone (OpenAI's legacy behaviour,
+    # which evaluation harnesses use); without echo there would be nothing to answer
+    max_tokens = _int(body, "max_tokens", 16, 0, MAX_TOKENS_CAP)
+    if max_tokens == 0 and not echo:
+        raise bad_request("'max_tokens' must be at least 1 (0 is allowed only with echo, to return the prompt "
+                          "and its logprobs alone).", param="max_tokens")
     logprobs = _int(body, "logprobs", None, 0, 20)
-    if echo and logprobs is not None:
-        raise bad_request("'echo' with 'logprobs' (the prompt's own logprobs) is not supported yet; echo alone is.",
-                          param="echo")
     prompts = _prompts(body.get("prompt", _MISSING))
     if len(prompts) * c["n"] > MAX_CHOICES:
         raise bad_request(f"{len(prompts)} prompts x n={c['n']} is {len(prompts) * c['n']} choices; at most "
                           f"{MAX_CHOICES} per request.", param="prompt" if len(prompts) > 1 else "n")
     (text, ids), *more = prompts
-    return GenerationRequest("completion", c["model"], _params(c, max_tokens, logprobs), c["stream"],
+    params = _params(c, max_tokens, logprobs)
+    if echo and logprobs is not None:   # the echoed prompt's tokens come with their logprobs too
+        params = dataclasses.replace(params, prompt_logprobs=logprobs)
+    return GenerationRequest("completion", c["model"], params, c["stream"],
                              c["include_usage"], prompt_text=text, prompt_ids=ids, logprobs=logprobs, n=c["n"],
                              more_prompts=more or None, echo=echo)
 

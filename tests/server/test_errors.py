@@ -121,7 +121,8 @@ BAD_BODIES = [
     ("completions", {"prompt": "x", "n": 0}, "n", 400),
     ("completions", {"prompt": ["a", "b"], "n": 9}, "prompt", 400),
     ("completions", {"prompt": "x", "best_of": 3}, "best_of", 400),
-    ("completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo", 400),
+    ("completions", {"prompt": "x", "echo": False, "max_tokens": 0}, "max_tokens", 400),  # 0 only with echo
+    ("completions", {"prompt": "x", "echo": True, "max_tokens": -1}, "max_tokens", 400),
     ("completions", {"prompt": "x", "suffix": "y"}, "suffix", 400),
     ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", 400),
     ("completions", {"prompt": ""}, "prompt", 400),
@@ -135,6 +136,7 @@ BAD_BODIES = [
     ("completions", {"max_tokens": 3}, "prompt", 400),
     ("completions", {"prompt": "x", "model": 7}, "model", 400),
     ("chat/completions", {"messages": "hi"}, "messages", 400),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens", 400),
     ("chat/completions", {"messages": []}, "messages", 400),
     ("chat/completions", {"messages": [{"role": "user", "content": ""}]}, "messages", 400),
     ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content", 400),
