@@ -36,6 +36,8 @@ FAULTS: dict[str, str] = {
                            "placeholder, and still hands it off to decode",
     "skip_ledger_check": "the per-pass ownership check (I2, I3) passes every sequence without looking",
     "skip_watermark": "the per-pass check skips only the written-watermark part (I3)",
+    "write_shared_page": "the per-pass check lets a sequence write into a read-only SHARED prefix page of its own "
+                         "cache scope (I9: one choice of an n > 1 request overwrites the prompt pages the others read)",
     "skip_row_auth": "decode decrypts transferred rows without checking their AEAD tags (I5, I10)",
     "skip_row_seal": "prefill stages rows in the clear, as a network peer could read them without I10 (decode's "
                      "authentication then fails)",

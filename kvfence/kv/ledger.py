@@ -424,7 +424,8 @@ class Ledger:
         state = self.state[pages]
         same_epoch = self.epoch[pages] == epochs
         own = (state == PageState.OWNED) & (self.owner_request[pages] == req) & same_epoch
-        shared = (state == PageState.SHARED) & (self.owner_tenant[pages] == scope) & same_epoch & ~writes
+        read_only = ~writes if not faults.active("write_shared_page") else np.ones_like(writes)
+        shared = (state == PageState.SHARED) & (self.owner_tenant[pages] == scope) & same_epoch & read_only
         bad_owner = ~(own | shared)
         bad_written = ~bad_owner & (self.written[pages] < need)
         if faults.active("skip_watermark"):
