@@ -23,13 +23,17 @@ class RequestOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     ttft: float | None = None     # seconds from arrival to first token
     token_times: list[float] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: None for the first prompt token (nothing comes before it),
+    # then one per prompt token, as vLLM's RequestOutput.prompt_logprobs; None if not asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @classmethod
     def of(cls, seq: Sequence) -> RequestOutput:
+        prompt_lps = None if seq.params.prompt_logprobs is None else [None, *seq.prompt_logprobs]
         return cls(seq.request_id, seq.prompt, seq.prompt_ids, list(seq.output_ids), seq.text,
                    seq.finish_reason or "aborted", seq.error, list(seq.logprobs),
                    None if seq.first_token_at is None else seq.first_token_at - seq.arrival,
-                   list(seq.token_times))
+                   list(seq.token_times), prompt_lps)
 
 
 PromptLike = str | list[int]

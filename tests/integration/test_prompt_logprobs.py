@@ -63,3 +63,15 @@ def test_chunks_preemption_and_a_warm_prefix_cache_score_the_same(make_llm):
     assert [lp.token_id for lp in seq.prompt_logprobs] == ids[1:]
     assert scored(seq) == pytest.approx(scored(ref), abs=1e-4) and seq.output_ids == ref.output_ids
 
+
+
+def test_the_offline_api_returns_them_as_vllm_does(make_llm):
+    llm = make_llm()
+    ids = llm.tokenizer.encode(PROMPT)
+    out, plain = llm.generate([PROMPT, PROMPT], [SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=2),
+                                                 SamplingParams(temperature=0, max_tokens=2)])
+    assert out.token_ids == [] and out.finish_reason == "length"
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(ids)
+    assert out.prompt_logprobs[0] is None and [lp.token_id for lp in out.prompt_logprobs[1:]] == ids[1:]
+    assert all(len(lp.top) == 2 for lp in out.prompt_logprobs[1:])
+    assert plain.prompt_logprobs is None and len(plain.token_ids) == 2

@@ -2,7 +2,8 @@
 client (sync, async, streaming). The choices of one prompt share its full KV pages: the
 first choice runs the prefill, the others attach its pages from the tenant's prefix cache
 (read-only SHARED pages; the ledger refuses a write into one: tests/unit/test_ledger.py
-test_shared_pages_are_read_only_scoped_and_refcounted) and compute only the partial page."""
+test_shared_pages_are_read_only_scoped_and_refcounted, and for n choices on the real model with
+a mutant, tests/isolation/test_shared_prompt_pages.py) and compute only the partial page."""
 from __future__ import annotations
 
 import asyncio
