@@ -38,7 +38,7 @@ from kvfence.server.protocol import (
     read_json_body,
 )
 from kvfence.server.tenants import Lease, Tenant, TenantLimiter, TenantRegistry
-from kvfence.server.tools import parse_answer
+from kvfence.server.tools import CallStream, parse_answer
 from kvfence.server.tools import render as render_tools
 
 log = logging.getLogger("kvfence.server")
@@ -612,23 +612,39 @@ class _Run:
                 elif c.echo and not self._scores_prompt:   # else once its logprobs are known
                     yield sse(self.fmt.chunk(c.echo, None, None, inc, index=c.index))
             echoed: set[int] = set()
-            # with tools the answer is a call or text only once it is whole: it is sent at its end
+            # with tools the answer is a call or text only once it is whole: it is sent at its end,
+            # except an enforced one (required, a named function), a call by construction: its
+            # calls are streamed as they are generated
             tools = self.req.tools is not None and self.req.tools.active
+            enforced = tools and self.req.tools is not None and self.req.tools.enforced
+            calls: dict[int, CallStream] = {}
             try:
                 async for c, u in self._updates():
                     if self._scores_prompt and c.index not in echoed and (c.ok or not u.finished):
                         echoed.add(c.index)
                         self._prompt_logprobs(c)
                         yield sse(self.fmt.chunk(c.echo, None, [], inc, index=c.index))
-                    if tools:
+                    if enforced:
+                        c.text.append(u.text)
+                        deltas = calls.setdefault(c.index, CallStream()).feed(u.text)
+                        if deltas:
+                            yield sse(self.fmt.chunk("", None, None, inc, index=c.index, call_deltas=deltas))
+                    elif tools:
                         c.text.append(u.text)
                     elif u.text or (want_lps and u.logprobs):
                         yield sse(self.fmt.chunk(u.text, None, list(u.logprobs) if want_lps else None, inc,
                                                  index=c.index))
-                    if u.finished and c.ok and tools:
-                        content, calls = self._answer(c, "".join(c.text))
-                        yield sse(self.fmt.chunk(content or "", None, None, inc, index=c.index, tool_calls=calls))
-                        yield sse(self.fmt.chunk("", "tool_calls" if calls else c.reason, None, inc, index=c.index))
+                    if u.finished and c.ok and enforced:
+                        if calls[c.index].calls:   # cut short by max_tokens: its last call is unfinished
+                            reason = "tool_calls" if c.reason == "stop" else c.reason
+                        else:                      # cut short before a call began: text, as unstreamed
+                            reason = c.reason
+                            yield sse(self.fmt.chunk("".join(c.text), None, None, inc, index=c.index))
+                        yield sse(self.fmt.chunk("", reason, None, inc, index=c.index))
+                    elif u.finished and c.ok and tools:
+                        content, whole = self._answer(c, "".join(c.text))
+                        yield sse(self.fmt.chunk(content or "", None, None, inc, index=c.index, tool_calls=whole))
+                        yield sse(self.fmt.chunk("", "tool_calls" if whole else c.reason, None, inc, index=c.index))
                     elif u.finished and c.ok:
                         yield sse(self.fmt.chunk("", c.reason, None, inc, index=c.index))
             except Exception as e:  # noqa: BLE001 - the stream ends with the error

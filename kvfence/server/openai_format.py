@@ -53,11 +53,14 @@ class Formatter:
 
     # -- stream chunks -------------------------------------------------------------------
     def chunk(self, text: str, finish_reason: str | None, lps: list[Logprob] | None, with_usage: bool,
-              first: bool = False, index: int = 0, tool_calls: list[dict] | None = None) -> dict:
+              first: bool = False, index: int = 0, tool_calls: list[dict] | None = None,
+              call_deltas: list[dict] | None = None) -> dict:
         if self.kind == "chat":
             delta: dict = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             if tool_calls:   # whole calls in one delta, each with its position
                 delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(tool_calls)]
+            elif call_deltas:   # pieces of calls, each naming its call's index (tools.CallStream)
+                delta["tool_calls"] = call_deltas
             choice = {"index": index, "delta": delta, "logprobs": self._chat_logprobs(lps),
                       "finish_reason": finish_reason}
             body = {**self._head("chat.completion.chunk"), "choices": [choice]}

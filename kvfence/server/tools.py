@@ -187,3 +187,72 @@ def parse_answer(text: str, spec: ToolSpec) -> tuple[str | None, list[dict] | No
         found = found[:1]
     rest = _CALL.sub("", text).strip()
     return (rest or None), found
+
+
+# where an enforced call's arguments begin: compact JSON (grammar.py), name before arguments
+# (llguidance keeps the schema's order, call_schema's), after '[' or '},' in an array of calls
+_CALL_HEAD = re.compile(r'(?:\[|\},)?\{"name":"([A-Za-z0-9_-]{1,64})","arguments":')
+
+
+class CallStream:
+    """The tool_calls deltas of an enforced answer (tool_choice required or a named function)
+    as its text is generated, the way OpenAI streams them: a call's first delta carries its
+    index, id, type and name (arguments ""), the next ones pieces of its arguments' JSON text.
+    The grammar holds the text to call_schema, so a call is known as soon as its name is
+    closed. An answer cut short by max_tokens leaves its last call's arguments unfinished."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.pos = 0               # scanned up to here
+        self.calls = 0             # calls started
+        self.in_args = False
+        self.depth = 0             # nesting inside the current arguments value
+        self.in_str = self.esc = False
+
+    def feed(self, delta: str) -> list[dict]:
+        self.text += delta
+        out: list[dict] = []
+        while True:
+            if not self.in_args:
+                m = _CALL_HEAD.match(self.text, self.pos)
+                if m is None:
+                    return out
+                out.append({"index": self.calls, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                            "function": {"name": m.group(1), "arguments": ""}})
+                self.calls += 1
+                self.pos, self.in_args, self.depth = m.end(), True, 0
+                continue
+            start, end = self.pos, self._scan()
+            if end > start:
+                out.append({"index": self.calls - 1, "function": {"arguments": self.text[start:end]}})
+            self.pos = end
+            if self.in_args:      # the arguments go on in text not generated yet
+                return out
+
+    def _scan(self) -> int:
+        """Past the current arguments' text generated so far; ends in_args at its last character."""
+        i = self.pos
+        while i < len(self.text):
+            ch = self.text[i]
+            i += 1
+            if self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif ch == "\\":
+                    self.esc = True
+                elif ch == '"':
+                    self.in_str = False
+            elif ch == '"':
+                self.in_str = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth < 0:    # a scalar's arguments, ended by its call's '}'
+                    self.in_args, self.depth = False, 0
+                    return i - 1
+            if self.depth == 0 and not self.in_str:   # a closed object (or a scalar's last character)
+                if ch in "}]" or ch == '"':
+                    self.in_args = False
+                    return i
+        return i

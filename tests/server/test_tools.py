@@ -68,6 +68,53 @@ def test_streamed_calls_arrive_as_deltas(server):
     jsonschema.validate(json.loads(calls[0]["arguments"]), SCHEMAS["get_weather"])
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_enforced_calls_stream_as_they_are_generated(server, choice):
+    """OpenAI's shape: a call's first delta has its index, id, type, name and empty arguments;
+    the following ones pieces of its arguments, as the tokens come. Together they are the
+    unstreamed answer's calls (greedy, so the same tokens)."""
+    c = server.client("alice")
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=96, temperature=0)
+    whole = c.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    deltas, finish = [], None
+    for chunk in c.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            deltas += ch.delta.tool_calls or []
+            finish = ch.finish_reason or finish
+    assert finish == "tool_calls"
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        if d.index not in calls:
+            assert d.id.startswith("call_") and d.type == "function" and d.function.name in SCHEMAS
+            assert d.function.arguments == ""
+            calls[d.index] = {"name": d.function.name, "arguments": ""}
+        else:
+            assert d.id is None and d.function.name is None
+            calls[d.index]["arguments"] += d.function.arguments
+    assert len(deltas) > 2 * len(calls)          # arguments in pieces, not one delta at the end
+    assert [(e["name"], json.loads(e["arguments"])) for e in calls.values()] == \
+        [(t.function.name, json.loads(t.function.arguments)) for t in whole.message.tool_calls]
+
+
+def test_a_streamed_call_cut_short_by_max_tokens_ends_with_length(server):
+    """As OpenAI: the call's name and the arguments generated so far, finish_reason length (the
+    unstreamed answer, which is whole or nothing, is the text instead)."""
+    c = server.client("alice")
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=12, temperature=0,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = c.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "length" and whole.message.tool_calls is None
+    deltas, finish = [], None
+    for chunk in c.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            deltas += ch.delta.tool_calls or []
+            finish = ch.finish_reason or finish
+    assert finish == "length" and deltas[0].function.name == "get_weather"
+    args = "".join(d.function.arguments or "" for d in deltas)
+    assert whole.message.content.endswith(args) and args.startswith("{")
+
+
 def test_a_follow_up_with_the_tool_result_is_answered(server):
     c = server.client("alice")
     first = c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=64, temperature=0,
