@@ -75,3 +75,21 @@ def test_the_offline_api_returns_them_as_vllm_does(make_llm):
     assert out.prompt_logprobs[0] is None and [lp.token_id for lp in out.prompt_logprobs[1:]] == ids[1:]
     assert all(len(lp.top) == 2 for lp in out.prompt_logprobs[1:])
     assert plain.prompt_logprobs is None and len(plain.token_ids) == 2
+
+
+def test_the_default_fused_bf16_path_scores_bit_for_bit_as_teacher_forcing(loaded_bf16):
+    """The default configuration's rows do not depend on the batch around them: a prompt
+    token's logprob is exactly the forced next token's, in one step or in 7-token chunks."""
+    from kvfence import LLM
+
+    engines = [LLM(dtype="bfloat16", loaded=loaded_bf16, kv_cache_memory="64MiB", clamp_context=True, progress=False,
+                   max_num_batched_tokens=b).engine for b in (2048, 7)]
+    if "fused" not in engines[0].compute_path:
+        pytest.skip(f"the CPU kernels are not built here ({engines[0].compute_path})")
+    ids = engines[0].tokenizer.encode(PROMPT)
+    whole, chunked = (run(e, ids, SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=1)) for e in engines)
+    assert scored(whole) == scored(chunked)
+    for t in range(1, len(ids)):
+        forced = run(engines[0], ids[:t], SamplingParams(temperature=0, max_tokens=1, logprobs=1,
+                                                         logit_bias={ids[t]: 100.0}))
+        assert forced.logprobs[0].logprob == whole.prompt_logprobs[t - 1].logprob, t
