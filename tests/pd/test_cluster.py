@@ -128,6 +128,19 @@ def test_n_choices_schemas_and_tools_through_the_router(cluster, client, make_ll
     cluster.wait_quiet()
 
 
+def test_prompt_scoring_is_a_400_through_the_router(cluster, client):
+    """echo with logprobs and max_tokens 0 need the prompt's logits, which no PD node computes
+    (prefill samples nothing, decode never runs the prompt): a 400 that says so, nothing held."""
+    m = model_name(client)
+    for kw in (dict(logprobs=1, max_tokens=1), dict(max_tokens=0)):
+        with pytest.raises(openai.BadRequestError, match="not supported behind the PD router"):
+            client.completions.create(model=m, prompt="The capital of France is", echo=True, temperature=0, **kw)
+    echoed = client.completions.create(model=m, prompt="The capital of France is", echo=True, max_tokens=2,
+                                       temperature=0)
+    assert echoed.choices[0].text.startswith("The capital of France is")
+    cluster.wait_quiet()
+
+
 # -- the incident ---------------------------------------------------------------------------------
 
 def test_incident_advertised_context_above_the_prefill_pool_is_refused(cluster, tmp_path):
