@@ -103,7 +103,7 @@ def render(docs: list[dict], path: str | Path, title: str = "") -> Path:
         draw(ax)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()) if title else None)  # room for the title
     path = Path(path)
     fig.savefig(path, dpi=110)
     plt.close(fig)
