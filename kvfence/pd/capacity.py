@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 from kvfence.pd.messages import NodeInfo
 
-# what every node must agree on for KV computed on one to mean anything on another
-MUST_MATCH = ("fingerprint", "page_size", "dtype")
+# what every node must agree on for KV computed on one to mean anything on another (weights:
+# KV that bf16 weights computed, continued by native int8 arithmetic, is neither one's answer)
+MUST_MATCH = ("fingerprint", "page_size", "dtype", "weights")
 
 
 def node_problems(advertised: int, reference: NodeInfo, node: NodeInfo, role: str, where: str = "") -> list[str]:

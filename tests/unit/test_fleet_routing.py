@@ -12,6 +12,7 @@ from kvfence.pd.router import _merge_snapshots
 
 def info(role="prefill", usable=1024, boot="b1", fingerprint="fp", free=80, draining=False, **kw) -> NodeInfo:
     d = dict(model_name="m", model_path="/m", default_served_name="m", fingerprint=fingerprint, dtype="float32",
+             weights="bf16",
              device="cpu", page_size=16, pool_pages=90, pool_tokens=1440, pool_bytes=1, model_max_context=8192,
              configured_max_model_len=1024, usable_context=usable, context_clamped=False, context_note="",
              scrub="zero", read_checks=True, max_num_seqs=8, max_num_batched_tokens=512, vocab_size=49152,
@@ -42,6 +43,8 @@ def test_a_node_below_the_advertised_context_or_on_another_model_is_refused():
     f.observe(p2, info(fingerprint="other", boot="x"))
     assert p2.state == "refused" and "fingerprint other" in p2.reason
     assert [n.url for n in f.serving("prefill")] == ["http://p3"] and f.ready
+    f.observe(f.nodes[3], info(role="decode", weights="native", boot="q"))   # quantized arithmetic, same model
+    assert f.nodes[3].state == "refused" and "weights native, the fleet bf16" in f.nodes[3].reason
     f.observe(p1, info(boot="again"))                       # restarted with a big enough pool: checked, back
     assert p1.state == "ready"
 
