@@ -26,10 +26,10 @@ from kvfence.engine.params import SamplingParams
 
 @dataclass
 class Arrivals:
-    num_requests: int = 16
+    num_requests: int = 12
     prompt_lengths: tuple[int, ...] = (256, 512, 1024, 2048)  # drawn per request
     output_tokens: int = 128
-    mean_gap_s: float = 0.6
+    mean_gap_s: float = 1.0
     seed: int = 0
 
     def schedule(self, vocab: int) -> list[tuple[float, list[int]]]:
