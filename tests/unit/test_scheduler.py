@@ -1,6 +1,8 @@
 """Scheduling decisions on a real ledger with stand-in sequences (no model)."""
 from __future__ import annotations
 
+import time
+
 from kvfence.engine.params import SamplingParams
 from kvfence.engine.request_states import Event, State
 from kvfence.engine.scheduler import Scheduler
@@ -80,11 +82,14 @@ def test_max_num_seqs_caps_the_running_set():
 
 
 def _decoding(led: Ledger, sch: Scheduler, n: int) -> list[Sequence]:
-    """n one-token prompts, scheduled and run once: they decode from the next step on."""
+    """n one-token prompts, scheduled and run once: they decode from the next step on, and
+    prompts made after this arrive while they stream."""
     seqs = [make_seq(led, 1, 100 + i) for i in range(n)]
     for s in seqs:
         sch.add(s)
     fake_run(sch.schedule())
+    for s in seqs:
+        s.first_token_at = time.perf_counter()
     assert all(s.state is State.DECODING for s in seqs)
     return seqs
 
@@ -121,7 +126,7 @@ def test_continued_and_new_prefills_share_the_cap():
     assert [(s.seq.request_id, s.num_new) for s in step][2:] == [("r0", 8), ("r1", 4)]
 
 
-def test_an_engine_with_nothing_decoding_prefills_with_the_whole_budget():
+def test_a_burst_into_an_idle_engine_prefills_with_the_whole_budget():
     led = Ledger(128, 4)
     sch = Scheduler(led, max_num_seqs=16, token_budget=100, prefill_budget_while_decoding=12)
     seqs = [make_seq(led, 40, i) for i in range(3)]
@@ -130,9 +135,17 @@ def test_an_engine_with_nothing_decoding_prefills_with_the_whole_budget():
     step = sch.schedule()
     assert [(s.seq.request_id, s.num_new) for s in step] == [("r0", 40), ("r1", 40), ("r2", 20)]
     fake_run(step)
-    # r0 and r1 decode now: r2's remaining 20 tokens go at the cap's pace
+    for s in seqs[:2]:
+        s.first_token_at = time.perf_counter()
+    # r0 and r1 stream now, but r2 was waiting before they started: it finishes at full speed,
+    # as it did before the cap (the fixed workload's TTFT), while a prompt arriving now is capped
+    late = make_seq(led, 40, 3)
+    sch.add(late)
     step = sch.schedule()
-    assert [(s.seq.request_id, s.num_new) for s in step] == [("r0", 1), ("r1", 1), ("r2", 12)]
+    assert [(s.seq.request_id, s.num_new) for s in step] == [("r0", 1), ("r1", 1), ("r2", 20)]
+    fake_run(step)
+    step = sch.schedule()
+    assert [(s.seq.request_id, s.num_new) for s in step][-1] == ("r3", 12)
 
 
 def test_without_a_cap_a_step_that_decodes_prefills_with_the_whole_budget():
