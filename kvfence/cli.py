@@ -24,8 +24,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
     p.add_argument("--prefill-tokens-while-decoding", type=int, default=256,
-                   help="prefill tokens in a step that also decodes, at most (bounds the gap between tokens while "
-                        "prompts arrive); 0: the whole per-step budget")
+                   help="prefill tokens in a step that also decodes, at most, for prompts that arrived after "
+                        "the streams began (bounds the gap between tokens while prompts arrive; a burst into an "
+                        "idle engine keeps the whole budget); 0: the whole per-step budget")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests admitted but not yet running, at most (beyond: 503 server_overloaded with "
                         "Retry-After); one tenant at most half of them")

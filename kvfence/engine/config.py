@@ -23,8 +23,9 @@ class EngineConfig:
     clamp_context: bool = False
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048        # per-step token budget (chunked prefill)
-    # prefill tokens in a step that also decodes (0: the whole budget): bounds the gap between a
-    # stream's tokens while new prompts arrive (docs/performance.md, decode latency under prefill)
+    # prefill tokens in a step that also decodes, for prompts that arrived after its streams began
+    # (0: the whole budget): bounds the gap between a stream's tokens while new prompts arrive
+    # (docs/performance.md, decode latency under prefill)
     prefill_tokens_while_decoding: int = 256
     max_waiting: int = 1024                   # admitted but not running; beyond it: Overloaded (503)
     scrub: str = "zero"                       # none | zero | poison (I7)
