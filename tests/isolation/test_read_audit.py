@@ -126,12 +126,12 @@ def test_audit_checks_the_batch_not_the_block_tables(make_llm):
     state = {"armed": False, "done": False}
 
     def tampered(step):
-        batch, sampled = build(step)
+        batch, sampled, prompt_rows = build(step)
         if state["armed"] and not state["done"]:
             if batch.attn.pages.shape[0] >= 2:
                 batch.attn.pages[0, 0] = batch.attn.pages[1, 0]
                 state["done"] = True
-        return batch, sampled
+        return batch, sampled, prompt_rows
 
     runner._build = tampered
     seqs = run_three(llm, lambda e, s: state.update(armed=True), at_step=12)
