@@ -209,19 +209,25 @@ class EngineLoop:
                     cmds.append(self._commands.get_nowait())
             except queue.Empty:
                 pass
-            for c in cmds:
+            for i, c in enumerate(cmds):
                 if c is _STOP:
                     for rid in list(self._sinks):
                         engine.abort(rid, "server shutting down")
                         self._finish_aborted(rid)
                     self._publish(engine)
+                    _refuse(cmds[i + 1:], EngineFailed("the engine is shutting down"))
                     return
-                if isinstance(c, _Submit):
-                    self._admit(engine, c)
-                elif isinstance(c, _Abort):
-                    self._abort(engine, c)
-                elif isinstance(c, _Call):
-                    self._call(engine, c)
+                try:
+                    if isinstance(c, _Submit):
+                        self._admit(engine, c)
+                    elif isinstance(c, _Abort):
+                        self._abort(engine, c)
+                    elif isinstance(c, _Call):
+                        self._call(engine, c)
+                except BaseException as e:
+                    # taken off the queue already: _drain_failed would not see them
+                    _refuse(cmds[i + 1:], EngineFailed(f"the engine stopped: {e}"))
+                    raise
             self._deliver(engine.step())
             self.iterations += 1
             self._publish(engine)
@@ -307,15 +313,13 @@ class EngineLoop:
 
     def _drain_failed(self) -> None:
         """After a failure, answer anything still queued so no caller waits forever."""
+        left = []
         try:
             while True:
-                c = self._commands.get_nowait()
-                if isinstance(c, _Submit):
-                    c.loop.call_soon_threadsafe(_set_exception, c.admitted, EngineFailed(self.error or "failed"))
-                elif isinstance(c, _Call):
-                    c.loop.call_soon_threadsafe(_set_exception, c.result, EngineFailed(self.error or "failed"))
+                left.append(self._commands.get_nowait())
         except queue.Empty:
             pass
+        _refuse(left, EngineFailed(self.error or "failed"))
 
 
 def default_model_name(path) -> str:
@@ -349,6 +353,15 @@ def engine_facts(engine) -> dict:
 
 def _logprobs(lps) -> tuple[Logprob, ...]:
     return tuple(Logprob(lp.token_id, float(lp.logprob), tuple((int(t), float(v)) for t, v in lp.top)) for lp in lps)
+
+
+def _refuse(cmds: list, exc: EngineFailed) -> None:
+    """Answer the submits and calls among `cmds` with `exc` (they will not run)."""
+    for c in cmds:
+        if isinstance(c, _Submit):
+            c.loop.call_soon_threadsafe(_set_exception, c.admitted, exc)
+        elif isinstance(c, _Call):
+            c.loop.call_soon_threadsafe(_set_exception, c.result, exc)
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

@@ -93,3 +93,32 @@ def test_a_ledger_refusal_in_an_engine_call_stops_the_engine(loaded_fp32):
             asyncio.run(loop.call(lambda engine: engine.stats()))
     finally:
         loop.stop()
+
+
+def test_commands_taken_in_the_same_batch_as_the_refusal_are_answered_too(loaded_fp32):
+    """The engine thread takes every queued command at once; those behind the one that fails
+    closed are off the queue, and must still be answered (they waited forever before)."""
+    import threading
+
+    fault: dict = {}
+    loop = _loop(loaded_fp32, fault)
+    release = threading.Event()
+
+    async def scenario():
+        blocker = asyncio.ensure_future(loop.call(lambda engine: release.wait(30)))
+        await asyncio.sleep(0.2)                       # the engine thread is inside the call now
+        fault["admit"] = LedgerError("page 5 is owned by nobody")
+        first = asyncio.ensure_future(_generate(loop))
+        second = asyncio.ensure_future(_generate(loop))
+        third = asyncio.ensure_future(loop.call(lambda engine: engine.stats()))
+        await asyncio.sleep(0.2)                       # all three queued behind the blocker
+        release.set()
+        await blocker
+        return await asyncio.wait_for(asyncio.gather(first, second, third, return_exceptions=True), 30)
+
+    try:
+        results = asyncio.run(scenario())
+        assert all(isinstance(r, EngineFailed) for r in results), results
+        assert loop.finished.wait(30) and "LedgerError" in (loop.error or "")
+    finally:
+        loop.stop()
