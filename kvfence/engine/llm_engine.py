@@ -104,6 +104,9 @@ class LLMEngine:
         self.context: ContextPlan = plan_context(self.model_config.max_context, cfg.max_model_len,
                                                  self.ledger.capacity_tokens, cfg.clamp_context)
         self.prefix_cache = PrefixCache(self.ledger) if cfg.enable_prefix_cache else None
+        if cfg.prefill_tokens_while_decoding < 0:   # a negative cap would stall every new prompt
+            raise ValueError(f"prefill_tokens_while_decoding must be >= 0 (0: the whole step budget); got "
+                             f"{cfg.prefill_tokens_while_decoding}")
         self.scheduler = Scheduler(self.ledger, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.prefix_cache,
                                    prefill_budget_while_decoding=cfg.prefill_tokens_while_decoding or None)
         self.scheduler.pages_held_elsewhere = lambda: self.kv_link.holds_pool_pages()
@@ -424,7 +427,9 @@ class LLMEngine:
             row += pr.count
 
             def score(seq: Sequence = seq, rows: torch.Tensor = rows, first: int = pr.first) -> None:
-                assert len(seq.prompt_logprobs) + 1 == first   # rows come in prompt order, never twice
+                if len(seq.prompt_logprobs) + 1 != first:   # rows come in prompt order, never twice
+                    raise RuntimeError(f"prompt logprob rows out of order: {len(seq.prompt_logprobs)} scored, "
+                                       f"these start at {first}")
                 k = seq.params.prompt_logprobs or 0
                 for lp in score_tokens(rows, seq.prompt_ids[first:first + len(rows)], k):
                     seq.prompt_logprobs.append(TokenLogprob(lp.token_id, lp.logprob, lp.top))

@@ -105,7 +105,7 @@ class Scheduler:
             is_decode = seq.state is State.DECODING
             n = min(seq.uncomputed,
                     budget if is_decode else self._prefill_room(budget, prefilled, seq.arrival > streams_since))
-            if n <= 0:
+            if n <= 0 and not is_decode:
                 break   # only prefills are left (decodes sort first) and the cap is spent
             need = self.ledger.pages_for(seq.num_computed + n) - len(seq.table)
             while need > self.ledger.num_available and (victim := self._victim_after(seq)) is not None:

@@ -243,7 +243,8 @@ async def _generate(state: ServerState, request: Request, kind: str):
         for (_, pids), ids in zip(req.prompts, prompts):
             try:  # I4 here, before any tenant accounting or engine work; the engine checks again
                 if not faults.active("skip_router_admission"):
-                    check_fits(len(ids), req.params.max_tokens or 1, facts["usable_context"])
+                    mt = req.params.max_tokens   # 0 (echo only) fits where the prompt does
+                    check_fits(len(ids), 1 if mt is None else mt, facts["usable_context"])
             except ContextLengthExceeded as e:
                 raise _too_long(e, req) from None
             if pids is not None:   # after I4: an over-length id list is refused before any per-id work

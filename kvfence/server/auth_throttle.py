@@ -9,7 +9,8 @@ throttled here: behind a shared proxy address one guesser would lock every tenan
 inference, where here it locks out only sign-ins through that proxy.
 
 The table is bounded (MAX_ADDRESSES, oldest window dropped first), so many addresses cost
-memory that is bounded too.
+memory that is bounded too. Called from the event loop only (no lock): the console's handlers
+check and count without awaiting in between.
 """
 from __future__ import annotations
 

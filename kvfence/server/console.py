@@ -162,9 +162,15 @@ def _throttled(auth: OperatorAuth, request: Request) -> Response | None:
                        "too_many_failed_sign_ins", {"Retry-After": str(wait)})
 
 
-def _presented(request: Request) -> bool:
-    """Whether the request offered a credential (a failure then counts as a guess)."""
-    return "authorization" in request.headers or COOKIE in request.cookies
+def _refused_guess(auth: OperatorAuth, request: Request) -> bool:
+    """True (and counted) when the request offered a key that is not the operator's. A bad
+    cookie is not counted: its HMAC cannot be guessed, and after a restart (a new secret)
+    every open console tab would count against its own address."""
+    if auth.allows(request):
+        return False
+    if "authorization" in request.headers:
+        auth.throttle.failed(_address(request))
+    return True
 
 
 def _login_page(status: int, message: str = "none") -> Response:
@@ -191,9 +197,7 @@ def mount(app: FastAPI, state: ServerState) -> None:
             return _json_error(404, NOT_CONFIGURED, "operator_not_configured")
         if (slow := _throttled(auth, request)) is not None:
             return slow
-        if not auth.allows(request):
-            if _presented(request):
-                auth.throttle.failed(_address(request))
+        if _refused_guess(auth, request):
             return _json_error(401, "The operator console needs the operator key (never a tenant's): send "
                                     "'Authorization: Bearer <operator key>' or sign in at /console.",
                                "invalid_operator_key")
@@ -206,9 +210,7 @@ def mount(app: FastAPI, state: ServerState) -> None:
                                         status_code=404))
         if (slow := _throttled(auth, request)) is not None:
             return slow
-        if not auth.allows(request):
-            if _presented(request):
-                auth.throttle.failed(_address(request))
+        if _refused_guess(auth, request):
             return _login_page(401)
         return _secure(HTMLResponse(_PAGE))
 
@@ -241,6 +243,8 @@ def mount(app: FastAPI, state: ServerState) -> None:
             if len(body) > MAX_LOGIN_BODY:
                 return _json_error(413, "Sign-in form too large.", "request_too_large")
         key = (parse_qs(body.decode("utf-8", "replace"), max_num_fields=4).get("key") or [""])[0]
+        if (slow := _throttled(auth, request)) is not None:
+            return slow   # again: many connections may have passed the first check before any body came
         value = auth.cookie_for(key) if key else None
         if value is None:
             auth.throttle.failed(_address(request))

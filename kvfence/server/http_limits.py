@@ -43,6 +43,8 @@ async def _over_the_cap(scope: Any, receive: Any, send: Any) -> None:
 
 # the h11 protocol looks the 503 app up in its module at each refusal; every uvicorn server in
 # a kvfence process is built by uvicorn_server() with this protocol, so the swap is ours alone
+if not hasattr(h11_impl, "service_unavailable"):   # a uvicorn that renamed it would silently keep its own
+    raise ImportError("uvicorn's h11 protocol has no service_unavailable hook; kvfence needs a uvicorn that does")
 h11_impl.service_unavailable = _over_the_cap
 
 

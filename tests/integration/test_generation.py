@@ -81,3 +81,8 @@ def test_invalid_params_and_prompts_are_refused_clearly(llm):
     outs = llm.generate([[], [10**9]], SamplingParams(max_tokens=2))
     assert all(o.finish_reason == "rejected" for o in outs)
     assert "empty" in outs[0].error and "token ids" in outs[1].error
+
+
+def test_a_negative_prefill_cap_is_refused_at_start(make_llm):
+    with pytest.raises(ValueError, match="prefill_tokens_while_decoding must be >= 0"):
+        make_llm(prefill_tokens_while_decoding=-1)
