@@ -82,6 +82,16 @@ class LlamaModel:
         self.kernels = cpu_kernels() if supports(self.dtype, device, cfg.head_dim) else None
         self.stack = self._decoder_stack()
 
+    @property
+    def weights_mode(self) -> str:
+        """What the matmuls really run: native (every one over GGUF blocks), bf16 (none), or
+        mixed (--weights native fell back for some: no VNNI, a failed probe, another type)."""
+        backends = {m.backend for _, qkv, o, _, mlp_in, down in self.layers for m in (qkv, o, mlp_in, down)}
+        backends.add(self.lm_head.backend)
+        if backends == {"native"}:
+            return "native"
+        return "mixed" if "native" in backends else "bf16"
+
     def _decoder_stack(self) -> DecoderStack | None:
         """The layers as one kernel call, where every matmul is kvfence's (bf16 on AVX512-BF16),
         or every one is the native matmul over GGUF blocks."""

@@ -300,7 +300,7 @@ class NodeInfo(WireModel):
     default_served_name: Name
     fingerprint: Name
     dtype: Name
-    weights: Name                     # bf16 (dequantized) or native (EngineConfig.weights)
+    weights: Name                     # bf16 (dequantized), native or mixed (LlamaModel.weights_mode)
     device: Name
     page_size: Annotated[int, Field(ge=1)]
     pool_pages: Count

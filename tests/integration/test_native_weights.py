@@ -40,6 +40,12 @@ def test_every_matmul_runs_the_files_blocks(loaded_native):
     assert {m.backend for m in mats} == {"native"} and {m.format for m in mats} == {"Q4_1"}
     assert model.lm_head.backend == "native" and model.lm_head.format == "Q8_0"
     assert model.embed.dtype.is_floating_point         # the lookup reads a bf16 copy
+    assert model.weights_mode == "native"              # what the fleet check compares
+    model.lm_head.backend = "kvfence"                   # one matmul fallen back: not native any more
+    try:
+        assert model.weights_mode == "mixed"
+    finally:
+        model.lm_head.backend = "native"
 
 
 def test_native_answers_factual_questions(llm):
