@@ -45,6 +45,8 @@ log = logging.getLogger("kvfence.server")
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 UNAUTHENTICATED = "unauthenticated"
+# echo with logprobs: entries one answer may carry (each one a Python object, then JSON: ~100 MB)
+MAX_PROMPT_LOGPROB_ENTRIES = 1_000_000
 
 
 class ServerState:
@@ -251,6 +253,12 @@ async def _generate(state: ServerState, request: Request, kind: str):
                 vocab = facts["vocab_size"]
                 if any(t < 0 or t >= vocab for t in ids):
                     raise bad_request(f"Prompt token ids must be in [0, {vocab}).", param="prompt")
+        if req.params.prompt_logprobs is not None:   # every choice's answer repeats the prompt's entries
+            entries = sum(len(ids) for ids in prompts) * (req.params.prompt_logprobs + 1) * req.n
+            if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+                raise bad_request(f"echo with logprobs would return {entries} logprob entries (prompt tokens x "
+                                  f"(logprobs + 1) x n); at most {MAX_PROMPT_LOGPROB_ENTRIES}: send fewer prompt "
+                                  "tokens, a smaller logprobs or n.", param="logprobs")
         bad_bias = [t for t in req.params.logit_bias if t >= facts["vocab_size"]]
         if bad_bias:
             raise bad_request(f"'logit_bias' names token {bad_bias[0]}, outside the vocabulary "

@@ -131,3 +131,22 @@ def test_echo_with_max_tokens_0_and_no_logprobs_returns_the_prompt(server):
     assert r.choices[0].logprobs is None and r.usage.completion_tokens == 0
     snap = server.wait_idle()
     assert snap["pages_owned"] == 0
+
+
+def test_an_answer_with_too_many_prompt_logprob_entries_is_a_400_naming_logprobs(server, monkeypatch):
+    """The entries an answer would carry (prompt tokens x (logprobs + 1) x n) are bounded
+    before anything runs: every one is a Python object and then JSON."""
+    import openai
+
+    from kvfence.server import app as app_module
+
+    c = server.client("alice")
+    n_tokens = len(c.completions.create(model=MODEL, prompt=PROMPT, echo=True, max_tokens=0, logprobs=0)
+                   .choices[0].logprobs.tokens)
+    monkeypatch.setattr(app_module, "MAX_PROMPT_LOGPROB_ENTRIES", n_tokens * 3 * 2)
+    ok = c.completions.create(model=MODEL, prompt=PROMPT, echo=True, max_tokens=0, logprobs=2, n=2)
+    assert len(ok.choices) == 2
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt=PROMPT, echo=True, max_tokens=0, logprobs=2, n=3)
+    assert e.value.body["param"] == "logprobs" and "logprob entries" in e.value.body["message"]
+    assert server.wait_idle()["pages_owned"] == 0
