@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <cstring>
 #include <vector>
 
@@ -143,7 +144,11 @@ void quantize_rows(const bf16_t* x, int64_t ldx, int64_t m, int64_t k, QuantRows
             const bf16_t* src = x + r * ldx + b * kBlock;
             const __m512 v0 = ld16(src), v1 = ld16(src + 16);
             const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-            const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            // a NaN would become INT_MIN here and max_ps may drop it from amax: the output would be
+            // finite and wrong, and the poison scrub's NaN sentinel (I7) would go quiet. Keep it NaN.
+            const bool unordered = (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) != 0;
+            const float d = unordered ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
+            const float inv = amax > 0.0f && !unordered ? 127.0f / amax : 0.0f;
             const __m512 s = _mm512_set1_ps(inv);
             // round to nearest even, as llama.cpp's roundf up to ties (a tie is rare in bf16 x 127/amax)
             const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, s)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, s));

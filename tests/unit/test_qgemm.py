@@ -198,3 +198,18 @@ def test_native_decoder_stack_refuses_a_weight_of_another_shape():
         stack.run(h.clone(), positions=torch.arange(3), write_slots=torch.arange(3), cos=model.cos, sin=model.sin,
                   kv=pool, pages=torch.tensor([[1]]), q_start=torch.tensor([0]), q_len=torch.tensor([3]),
                   kv_len=torch.tensor([3]), logits_rows=torch.tensor([2]), page_size=8)
+
+
+@pytest.mark.parametrize("ggml_type", [Q4_1, Q8_0])
+def test_a_nan_in_a_row_stays_nan_in_that_rows_output(ggml_type):
+    """The poison scrub's NaN sentinel (I7) must survive the native matmul: int8 quantization
+    would turn it into INT_MIN and a finite, wrong output. Other rows are untouched."""
+    w = random_weight(ggml_type, 40, 96)
+    packed = K.qpack(ggml_type, w.blocks, 40, 96)
+    x = bf16_rows(4, 96)
+    clean = K.qlinear(x, packed, 40, out_dtype=torch.float32)
+    x[2, 37] = float("nan")
+    got = K.qlinear(x, packed, 40, out_dtype=torch.float32)
+    assert torch.isnan(got[2]).all()
+    assert torch.equal(got[[0, 1, 3]], clean[[0, 1, 3]])
+    assert torch.isnan(K.qlinear(x, packed, 40)[2].float()).all()      # bf16 output too
