@@ -53,6 +53,7 @@ inline int64_t gguf_block_bytes(int type) {
     return type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : type == kQ8_0 ? 34 : 0;
 }
 inline bool is_q4(int format) { return format == kQ4_1; }
+constexpr int64_t kMaxDim = int64_t(1) << 24;   // rows or columns of one weight; 2^24 x 2^24 x 34 B < 2^63
 // bytes of one panel-block: scales, mins (Q4), weights
 inline int64_t panel_block_bytes(int format) {
     return is_q4(format) ? 2 * kPanel + 2 * kPanel + kPanel * kBlock / 2 : 2 * kPanel + kPanel * kBlock;
@@ -267,7 +268,8 @@ thread_local QuantRows tls_rows;  // grows to the largest call's activations and
 
 // 0 when packed is a well-formed packing of [n][k] (gated or not); else -1
 int check(const uint8_t* packed, int64_t bytes, int64_t n, int64_t k, bool gated) {
-    if (packed == nullptr || bytes < kHeader || n <= 0 || k <= 0 || k % kBlock) return -1;
+    if (packed == nullptr || bytes < kHeader || n <= 0 || k <= 0 || n > kMaxDim || k > kMaxDim || k % kBlock)
+        return -1;
     Header h;
     std::memcpy(&h, packed, sizeof h);
     if (h.magic != kMagic || (h.format != kQ4_1 && h.format != kQ8_0) || h.n != n || h.k != k
@@ -280,6 +282,7 @@ int check(const uint8_t* packed, int64_t bytes, int64_t n, int64_t k, bool gated
 int run(int out_kind, const bf16_t* x, int64_t ldx, const uint8_t* packed, int64_t bytes, void* y, int64_t ldy,
         int64_t m, int64_t n, int64_t k, int nt) {
     if (out_kind < 0 || out_kind > 2) return -1;
+    nt = std::max(1, nt);   // OpenMP's num_threads needs at least one
     if (check(packed, bytes, n, k, out_kind == 2) != 0 || m < 0 || ldx < k || ldy < n
         || (m > 0 && (x == nullptr || y == nullptr)))
         return -1;
@@ -320,7 +323,8 @@ int kvfence_qgemm_supported() {
 // bytes the packed form of an [n][k] weight of GGUF type `type` takes (gated: gate and up, each
 // [n][k]); -1 for a type or shape it does not take
 int64_t kvfence_qpack_size(int type, int64_t n, int64_t k, int gated) {
-    if (gguf_block_bytes(type) == 0 || n <= 0 || k <= 0 || k % kBlock) return -1;
+    // dimensions past kMaxDim are refused so that no size product below can overflow int64
+    if (gguf_block_bytes(type) == 0 || n <= 0 || k <= 0 || n > kMaxDim || k > kMaxDim || k % kBlock) return -1;
     return packed_bytes(type == kQ8_0 ? kQ8_0 : kQ4_1, n, k, gated != 0);
 }
 

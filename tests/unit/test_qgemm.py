@@ -113,6 +113,7 @@ def test_qgemm_refuses_calls_that_do_not_match_the_packed_weight():
         K.qlinear(x, gated, 40)                         # gated panels as plain ones
     with pytest.raises(ValueError, match="does not match"):
         K.qlinear(x, packed, 40, swiglu=True)           # and the other way
+    assert K.lib.kvfence_qpack_size(Q4_1, 1 << 40, 64, 0) == -1   # a size product that would overflow
     bad = packed.clone()
     bad[0] ^= 1                                          # not a packing (magic)
     with pytest.raises(ValueError, match="does not match"):
