@@ -300,7 +300,9 @@ class NodeInfo(WireModel):
     default_served_name: Name
     fingerprint: Name
     dtype: Name
-    weights: Name                     # bf16 (dequantized), native or mixed (LlamaModel.weights_mode)
+    # bf16 (dequantized), native or mixed (LlamaModel.weights_mode); a node from before the field
+    # existed ran dequantized weights, so its absence means bf16 (a rolling upgrade keeps serving)
+    weights: Name = "bf16"
     device: Name
     page_size: Annotated[int, Field(ge=1)]
     pool_pages: Count
