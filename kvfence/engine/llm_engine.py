@@ -125,7 +125,7 @@ class LLMEngine:
         self.clock: Callable[[], float] = time.time   # PD leases and fences; the simulation swaps it
         log.info("model %s (%s, %s on %s, %s, %s matmuls); KV pool %d pages x %d tokens = %d tokens "
                  "(%.1f MiB, scrub=%s); %s", self.model_config.name, self.model_path.name, cfg.dtype, self.device,
-                 self.compute_path, self.model.lm_head.backend, self.ledger.usable_pages, cfg.page_size,
+                 self.compute_path, self.matmul_path, self.ledger.usable_pages, cfg.page_size,
                  self.ledger.capacity_tokens, self.pool.nbytes / 2**20, self.ledger.scrub.value, self.context.note)
 
     @property
@@ -136,6 +136,14 @@ class LLMEngine:
         if not fused:
             return "torch ops"
         return "fused CPU kernels, one-call decoder stack" if self.model.stack is not None else "fused CPU kernels"
+
+    @property
+    def matmul_path(self) -> str:
+        """The LM head's matmul (the layers' where they are all alike), with the instruction set
+        kvfence's own bf16 matmul was built for: its speed differs several times between them."""
+        backend = self.model.lm_head.backend
+        kernels = self.model.kernels
+        return f"{backend} ({kernels.gemm_isa})" if backend == "kvfence" and kernels is not None else backend
 
     def _kv_budget(self, cfg: EngineConfig, dtype: torch.dtype) -> int:
         if cfg.kv_cache_memory is not None:

@@ -145,8 +145,13 @@ class CpuKernels:
     # -- bf16 matmul (gemm.cpp) ------------------------------------------------------------
     @property
     def has_gemm(self) -> bool:
-        """Whether this build has the AVX512-BF16 matmul."""
+        """Whether this build has kvfence's bf16 matmul (AVX512-BF16, or AVX2 + FMA)."""
         return bool(self.lib.kvfence_gemm_supported())
+
+    @property
+    def gemm_isa(self) -> str:
+        """Which bf16 matmul this build runs: avx512-bf16, avx2, or none."""
+        return {2: "avx512-bf16", 1: "avx2"}.get(self.lib.kvfence_gemm_supported(), "none")
 
     def _packed_size(self, n: int, k: int, gated: bool) -> int:
         size = self._sizes.get((n, k, gated))

@@ -23,7 +23,7 @@ from pathlib import Path
 log = logging.getLogger("kvfence.kernels")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "gemm.cpp", "qgemm.cpp", "stack.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "simd_bf16.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "scalar_math.h", "simd_bf16.h", "simd_avx2.h")]
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
          "-fno-math-errno"]
 

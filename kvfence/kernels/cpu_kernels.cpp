@@ -25,55 +25,16 @@
 #include <type_traits>
 #include <vector>
 #include "kernels.h"
+#include "scalar_math.h"
+#include "simd_avx2.h"
 #include "simd_bf16.h"
 
 namespace {
-
-inline float to_f(float x) { return x; }
-inline float to_f(bf16_t x) {
-    uint32_t u = uint32_t(x) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-
-template <typename T> inline T from_f(float f);
-template <> inline float from_f<float>(float f) { return f; }
-template <> inline bf16_t from_f<bf16_t>(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return bf16_t((u >> 16) | 0x40u);  // NaN stays NaN
-    u += 0x7fffu + ((u >> 16) & 1u);                                        // nearest, ties to even
-    return bf16_t(u >> 16);
-}
-
-// Round through T: reproduces the intermediate roundings torch makes in bf16 (identity in fp32).
-template <typename T> inline float rnd(float f) { return to_f(from_f<T>(f)); }
+using namespace kvfence_scalar;
 
 // Offsets inside a page (see the top of this file; kv/pool.py k_element is the same rule)
 inline int64_t k_at(int64_t d, int64_t j, int64_t page_size) { return ((d >> 1) * page_size + j) * 2 + (d & 1); }
 inline int64_t v_at(int64_t j, int64_t d, int64_t dim) { return ((j >> 1) * dim + d) * 2 + (j & 1); }
-
-// exp(x) for x <= 0 (softmax after subtracting the max) and for SiLU; ~2 ulp, vectorizable.
-inline float exp_approx(float x) {
-    x = std::max(x, -87.0f);
-    x = std::min(x, 88.0f);
-    const float n = std::nearbyint(x * 1.44269504088896341f);
-    const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const int32_t e = int32_t(n) + 127;
-    uint32_t bits = uint32_t(e) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, 4);
-    return p * scale;
-}
 
 // Sixteen bf16 lanes at a time: simd_bf16.h.
 #if defined(__AVX512BF16__)
@@ -83,6 +44,11 @@ using namespace kvfence_simd;
 #else
 template <typename T>
 constexpr bool kVecBf16 = false;
+#endif
+// Eight bf16 lanes at a time on AVX2 builds: simd_avx2.h.
+#if defined(KVFENCE_AVX2)
+template <typename T>
+constexpr bool kAvx2Bf16 = std::is_same<T, bf16_t>::value;
 #endif
 
 // ---------------------------------------------------------------------------------------
@@ -109,6 +75,27 @@ void add_rms_norm(T* h, const T* delta, const T* w, T* out, int64_t n, int64_t d
                 const __m512 r = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / float(dim) + eps));
                 for (int64_t d = 0; d < dim; d += 16)
                     st16(o + d, _mm512_mul_ps(ld16(w + d), rnd16(_mm512_mul_ps(ld16(hr + d), r))));
+                continue;
+            }
+        }
+#endif
+#if defined(KVFENCE_AVX2)
+        if constexpr (kAvx2Bf16<T>) {
+            if (dim % 8 == 0) {
+                using namespace kvfence_avx2;
+                T* o = out + i * dim;
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t d = 0; d < dim; d += 8) {
+                    __m256 v = ld8(hr + d);
+                    if (delta) {
+                        v = rnd8(_mm256_add_ps(v, ld8(delta + i * dim + d)));
+                        st8(hr + d, v);
+                    }
+                    acc = _mm256_fmadd_ps(v, v, acc);
+                }
+                const __m256 r = _mm256_set1_ps(1.0f / std::sqrt(hsum8(acc) / float(dim) + eps));
+                for (int64_t d = 0; d < dim; d += 8)
+                    st8(o + d, _mm256_mul_ps(ld8(w + d), rnd8(_mm256_mul_ps(ld8(hr + d), r))));
                 continue;
             }
         }
@@ -173,6 +160,23 @@ int64_t rope_store(T* qkv, int64_t n, int64_t row_stride, int heads, int kv_head
                 }
             }
 #endif
+#if defined(KVFENCE_AVX2)
+            if constexpr (kAvx2Bf16<T>) {
+                if (half % 8 == 0) {
+                    using namespace kvfence_avx2;
+                    for (int d = 0; d < half; d += 8) {
+                        const __m256 a = ld8(x + d), b = ld8(x + d + half);
+                        const __m256 lo = rnd8(_mm256_sub_ps(rnd8(_mm256_mul_ps(a, ld8(c + d))),
+                                                             rnd8(_mm256_mul_ps(b, ld8(s + d)))));
+                        const __m256 hi = rnd8(_mm256_add_ps(rnd8(_mm256_mul_ps(b, ld8(c + d + half))),
+                                                             rnd8(_mm256_mul_ps(a, ld8(s + d + half)))));
+                        st8(x + d, lo);
+                        st8(x + d + half, hi);
+                    }
+                    continue;
+                }
+            }
+#endif
 #pragma omp simd
             for (int d = 0; d < half; ++d) {
                 const float a = to_f(x[d]), b = to_f(x[d + half]);
@@ -215,11 +219,15 @@ void silu_mul(const T* gu, T* out, int64_t n, int64_t inter, int nt) {
             }
         }
 #endif
-#pragma omp simd
-        for (int64_t d = 0; d < inter; ++d) {
-            const float x = to_f(g[d]);
-            const float act = rnd<T>(x / (1.0f + exp_approx(-x)));
-            o[d] = from_f<T>(act * to_f(u[d]));
+        int64_t d0 = 0;
+#if defined(KVFENCE_AVX2)
+        if constexpr (kAvx2Bf16<T>) {
+            using namespace kvfence_avx2;
+            for (; d0 + 8 <= inter; d0 += 8) st8(o + d0, silu_mul8(ld8(g + d0), ld8(u + d0)));
+        }
+#endif
+        for (int64_t d = d0; d < inter; ++d) {
+            o[d] = from_f<T>(silu_mul_one<T>(to_f(g[d]), to_f(u[d])));
         }
     }
 }
@@ -346,6 +354,92 @@ inline void dot_pv(const bf16_t*, const int64_t*, int64_t, int64_t, const bf16_t
 inline void round_probs(const float*, int64_t, bf16_t*) {}
 #endif
 
+// bf16 pages of the common shape on CPUs with AVX2 + FMA but no AVX512-BF16 (Zen 2/3, older
+// Intel): a pair of bf16 in a uint32 is two fp32 after one shift (the first, low half) and one
+// AND (the second), so pages are widened in registers as they lie; the generic path widened
+// them element by element through k_at/v_at first (8.7 ms against ~1 ms a decode layer of 32
+// rows x 320 keys). q is fp32 (pre-scaled) and the probabilities stay fp32: nothing is rounded
+// to bf16 on the way, unlike vdpbf16ps.
+#if defined(KVFENCE_AVX2)
+using namespace kvfence_avx2;
+template <typename T, int PS, int DIM>
+constexpr bool kWidePath = std::is_same<T, bf16_t>::value && PS == 16 && DIM == 64;
+
+inline __m256 wide_lo(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
+inline __m256 wide_hi(__m256i pairs) {
+    return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int(0xFFFF0000u))));
+}
+
+// scores[u][0..16) for U queries against one K page ([32 dim pairs][16 positions] of uint32);
+// qf: per query 64 fp32 (pre-scaled), 64 apart
+template <int U>
+inline void wide_score_tile(const uint32_t* kpair, const float* qf, float* scores, int64_t width) {
+    __m256 acc[U][2];
+    for (int u = 0; u < U; ++u) acc[u][0] = acc[u][1] = _mm256_setzero_ps();
+    for (int i = 0; i < 32; ++i) {
+        const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kpair + 16 * i));
+        const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kpair + 16 * i + 8));
+        const __m256 e0 = wide_lo(r0), e1 = wide_lo(r1), o0 = wide_hi(r0), o1 = wide_hi(r1);
+        for (int u = 0; u < U; ++u) {
+            const __m256 qe = _mm256_broadcast_ss(qf + u * 64 + 2 * i);
+            const __m256 qo = _mm256_broadcast_ss(qf + u * 64 + 2 * i + 1);
+            acc[u][0] = _mm256_fmadd_ps(o0, qo, _mm256_fmadd_ps(e0, qe, acc[u][0]));
+            acc[u][1] = _mm256_fmadd_ps(o1, qo, _mm256_fmadd_ps(e1, qe, acc[u][1]));
+        }
+    }
+    for (int u = 0; u < U; ++u) {
+        _mm256_storeu_ps(scores + u * width, acc[u][0]);
+        _mm256_storeu_ps(scores + u * width + 8, acc[u][1]);
+    }
+}
+
+inline void wide_scores_page(const bf16_t* kp, const float* qf, int64_t nq_pad, float* scores, int64_t width) {
+    const uint32_t* kpair = reinterpret_cast<const uint32_t*>(kp);
+    for (int64_t q0 = 0; q0 < nq_pad; q0 += kQueryTile)
+        wide_score_tile<kQueryTile>(kpair, qf + q0 * 64, scores + q0 * width, width);
+}
+
+// acc[q][0..64) = probabilities . v over keys 0 .. keys-1, one query at a time with its 64
+// dims in 8 registers. V pages are [8 position pairs][64 dims] of uint32. Where keys is odd,
+// the last pair's second position is past the row's keys (stale, or NaN from a poison
+// scrub): its half is never widened, so it cannot reach the sum.
+inline void wide_pv(const bf16_t* vbase, const int64_t* table, int64_t page_elems, int64_t keys,
+                    const float* probs, int64_t width, int64_t nq, float* acc) {
+    for (int64_t q = 0; q < nq; ++q) {
+        const float* pr = probs + q * width;
+        __m256 o[8];
+        for (int c = 0; c < 8; ++c) o[c] = _mm256_setzero_ps();
+        for (int64_t pg = 0; pg * 16 < keys; ++pg) {
+            if (q == 0 && (pg + 1) * 16 < keys)
+                prefetch_page(vbase + table[pg + 1] * page_elems, page_elems * sizeof(bf16_t));
+            const uint32_t* vp = reinterpret_cast<const uint32_t*>(vbase + table[pg] * page_elems);
+            const int64_t in_page = std::min<int64_t>(16, keys - pg * 16);
+            for (int64_t jj = 0; 2 * jj < in_page; ++jj) {
+                const __m256 pe = _mm256_set1_ps(pr[pg * 16 + 2 * jj]);
+                if (2 * jj + 1 == in_page) {
+                    for (int c = 0; c < 8; ++c) {
+                        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp + jj * 64 + 8 * c));
+                        o[c] = _mm256_fmadd_ps(wide_lo(raw), pe, o[c]);
+                    }
+                } else {
+                    const __m256 po = _mm256_set1_ps(pr[pg * 16 + 2 * jj + 1]);
+                    for (int c = 0; c < 8; ++c) {
+                        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp + jj * 64 + 8 * c));
+                        o[c] = _mm256_fmadd_ps(wide_hi(raw), po, _mm256_fmadd_ps(wide_lo(raw), pe, o[c]));
+                    }
+                }
+            }
+        }
+        for (int c = 0; c < 8; ++c) _mm256_storeu_ps(acc + q * 64 + 8 * c, o[c]);
+    }
+}
+#else
+template <typename T, int PS, int DIM>
+constexpr bool kWidePath = false;
+inline void wide_scores_page(const bf16_t*, const float*, int64_t, float*, int64_t) {}
+inline void wide_pv(const bf16_t*, const int64_t*, int64_t, int64_t, const float*, int64_t, int64_t, float*) {}
+#endif
+
 // s[0 .. visible) becomes its softmax, s[visible .. width) zeros
 inline void softmax_row(float* s, int64_t visible, int64_t width) {
 #if defined(__AVX512BF16__)
@@ -371,6 +465,34 @@ inline void softmax_row(float* s, int64_t visible, int64_t width) {
     const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
     for (k = 0; k + 16 <= visible; k += 16) _mm512_storeu_ps(s + k, _mm512_mul_ps(_mm512_loadu_ps(s + k), inv));
     if (tail) _mm512_mask_storeu_ps(s + k, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + k), inv));
+#elif defined(KVFENCE_AVX2)
+    // eight lanes at a time, as above; the tail (fewer than 8 keys) scalar
+    int64_t k = 0;
+    __m256 vmx = _mm256_set1_ps(-INFINITY);
+    for (; k + 8 <= visible; k += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(s + k));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vmx);
+    float mx = lanes[0];
+    for (int i = 1; i < 8; ++i) mx = std::max(mx, lanes[i]);
+    for (int64_t j = k; j < visible; ++j) mx = std::max(mx, s[j]);
+    const __m256 vm = _mm256_set1_ps(mx);
+    __m256 vsum = _mm256_setzero_ps();
+    for (k = 0; k + 8 <= visible; k += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + k), vm));
+        _mm256_storeu_ps(s + k, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    _mm256_store_ps(lanes, vsum);
+    float sum = 0.f;
+    for (int i = 0; i < 8; ++i) sum += lanes[i];
+    for (int64_t j = k; j < visible; ++j) {
+        s[j] = exp_approx(s[j] - mx);
+        sum += s[j];
+    }
+    const float inv = 1.0f / sum;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (k = 0; k + 8 <= visible; k += 8) _mm256_storeu_ps(s + k, _mm256_mul_ps(_mm256_loadu_ps(s + k), vinv));
+    for (int64_t j = k; j < visible; ++j) s[j] *= inv;
 #else
     float mx = -INFINITY;
     for (int64_t k = 0; k < visible; ++k) mx = std::max(mx, s[k]);
@@ -441,6 +563,12 @@ void attend_task(const Task& t, const T* q, int64_t q_stride, const T* k_cache, 
             else prefetch_page(vbase + table[0] * page_elems, page_elems * sizeof(T));
             dot_scores_page(kbase + table[pg] * page_elems, qf, nq_pad, scores + pg * ps, width);
         }
+    } else if constexpr (kWidePath<T, PS, DIM>) {
+        for (int64_t pg = 0; pg < npages; ++pg) {
+            if (pg + 1 < npages) prefetch_page(kbase + table[pg + 1] * page_elems, page_elems * sizeof(T));
+            else prefetch_page(vbase + table[0] * page_elems, page_elems * sizeof(T));
+            wide_scores_page(kbase + table[pg] * page_elems, qf, nq_pad, scores + pg * ps, width);
+        }
     } else {
         for (int64_t pg = 0; pg < npages; ++pg) {
             const T* kp = kbase + table[pg] * page_elems;
@@ -471,6 +599,8 @@ void attend_task(const Task& t, const T* q, int64_t q_stride, const T* k_cache, 
     if constexpr (kDotPath<T, PS, DIM>) {
         round_probs(scores, nq * width, probs16);  // rows are width apart in both
         dot_pv(vbase, table, page_elems, last_visible, probs16, width, nq, acc);
+    } else if constexpr (kWidePath<T, PS, DIM>) {
+        wide_pv(vbase, table, page_elems, last_visible, scores, width, nq, acc);
     } else {
         std::fill(acc, acc + nq * dim, 0.f);
         for (int64_t pg = 0; pg < npages; ++pg) {

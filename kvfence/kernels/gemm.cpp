@@ -1,5 +1,6 @@
 // kvfence bf16 matmul: y[M][N] = x[M][K] . W[N][K]^T for the model's linear layers, on CPUs
-// with AVX512-BF16 (vdpbf16ps: 16 lanes, each adding two bf16 products into an fp32 sum).
+// with AVX512-BF16 (vdpbf16ps: 16 lanes, each adding two bf16 products into an fp32 sum), and
+// on CPUs with AVX2 + FMA (the second half of this file: the weights widened in registers).
 //
 // Why our own: this model's layers are narrow (K = 576 or 1536, N = 576 .. 3072) and decode
 // runs them at M = 32 rows; oneDNN's bf16 kernels reach 270-340 GFLOP/s there on a 2-core
@@ -27,12 +28,17 @@
 // float32 became exact ties (the lower id won) and every logprob was quantized (issue #16).
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "kernels.h"
+#include "scalar_math.h"
+#include "simd_avx2.h"
 #include "simd_bf16.h"
 
 namespace {
+using namespace kvfence_scalar;
 constexpr int kVecs = 3;             // fp32 vectors of 16 columns per panel
 constexpr int kPanel = 16 * kVecs;   // output columns per panel
 constexpr int kRows = 8;             // rows per micro-tile: 24 accumulators, 3 weight vectors, 1 broadcast
@@ -136,13 +142,130 @@ void gemm(const bf16_t* x, int64_t ldx, const uint32_t* packed, OutT<E>* y, int6
         }
     }
 }
+#elif defined(KVFENCE_AVX2)
+using namespace kvfence_avx2;
+// AVX2 + FMA (Zen 2/3, Intel before AVX-512): no bf16 dot instruction, but a bf16 is the top
+// half of an fp32, so a packed pair gives both weights as fp32 with one shift (W[n][2k], the
+// low half) and one AND (W[n][2k+1]). The rows of x are widened to fp32 once per call, so each
+// row's pair is two broadcast loads. Sums are fp32 over exact products, one rounding at the
+// end: the same sums as vdpbf16ps up to fp32 addition order.
+//
+// The packed layout is the AVX-512 one (48-column panels), so packing, sizes and the decoder
+// stack do not depend on the CPU. A micro-tile of up to kRows2 rows walks the panel's columns
+// in passes (tile2) into an fp32 buffer of the panel's 48 columns; the epilogue (rounding,
+// SiLU of gated panels) reads that buffer.
+constexpr int kRows2 = 3;
+
+// x [m][k] bf16 (row stride ldx) widened to fp32 [m][k], for broadcast loads
+inline void widen_rows(const bf16_t* x, int64_t ldx, int64_t m, int64_t k, float* xf) {
+    for (int64_t r = 0; r < m; ++r) {
+        const bf16_t* src = x + r * ldx;
+        float* dst = xf + r * k;
+        int64_t i = 0;
+        for (; i + 8 <= k; i += 8) {
+            const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+            _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
+        }
+        for (; i < k; ++i) dst[i] = to_f(src[i]);
+    }
+}
+
+// buf [R][kPanel] = the R rows of xf (fp32, k apart) times the panel w, all 48 columns, in
+// passes of V vectors of 8 columns. FMA takes 4 cycles and two issue each cycle, so a tile
+// keeps 12 independent sums in flight: each output's sum is split into its even-k and odd-k
+// halves, added at the end. Every tile shape (R x V: 3 x 2, 2 x 3, 1 x 6) sums in this same
+// order, so a row's result does not depend on how many rows shared its tile (batch-invariant,
+// as the AVX-512 path). Per pass and k: V weight loads, their shift (even) then AND (odd),
+// and two broadcasts per row.
+template <int R, int V>
+inline void tile2(const float* xf, int64_t k, const uint32_t* w, int64_t k2, float* buf) {
+    static_assert(2 * kVecs % V == 0, "a pass covers whole vectors of the panel");
+    const __m256i high = _mm256_set1_epi32(int(0xFFFF0000u));
+    for (int g = 0; g < 2 * kVecs; g += V) {
+        __m256 c[2][R][V];
+        for (int s = 0; s < 2; ++s)
+            for (int r = 0; r < R; ++r)
+                for (int v = 0; v < V; ++v) c[s][r][v] = _mm256_setzero_ps();
+        const uint32_t* wg = w + 8 * g;
+        for (int64_t i = 0; i < k2; ++i) {
+            __m256i raw[V];
+            __m256 wv[V];
+            for (int v = 0; v < V; ++v) {
+                raw[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + i * kPanel + 8 * v));
+                wv[v] = _mm256_castsi256_ps(_mm256_slli_epi32(raw[v], 16));
+            }
+            for (int r = 0; r < R; ++r) {
+                const __m256 xe = _mm256_broadcast_ss(xf + r * k + 2 * i);
+                for (int v = 0; v < V; ++v) c[0][r][v] = _mm256_fmadd_ps(wv[v], xe, c[0][r][v]);
+            }
+            for (int v = 0; v < V; ++v) wv[v] = _mm256_castsi256_ps(_mm256_and_si256(raw[v], high));
+            for (int r = 0; r < R; ++r) {
+                const __m256 xo = _mm256_broadcast_ss(xf + r * k + 2 * i + 1);
+                for (int v = 0; v < V; ++v) c[1][r][v] = _mm256_fmadd_ps(wv[v], xo, c[1][r][v]);
+            }
+        }
+        for (int r = 0; r < R; ++r)
+            for (int v = 0; v < V; ++v)
+                _mm256_storeu_ps(buf + r * kPanel + 8 * (g + v), _mm256_add_ps(c[0][r][v], c[1][r][v]));
+    }
+}
+
+// the epilogue: `cols` live output columns of a panel's buffer into y
+template <Out E>
+inline void store_tile(int rows, const float* buf, OutT<E>* y, int64_t ldy, int64_t cols) {
+    for (int r = 0; r < rows; ++r) {
+        const float* b = buf + r * kPanel;
+        OutT<E>* yr = y + r * ldy;
+        if constexpr (E == Out::F32) {
+            std::memcpy(yr, b, sizeof(float) * cols);
+        } else if constexpr (E == Out::Plain) {
+            int64_t j = 0;
+            for (; j + 8 <= cols; j += 8) st8(yr + j, _mm256_loadu_ps(b + j));
+            for (; j < cols; ++j) yr[j] = from_f<bf16_t>(b[j]);
+        } else {  // gate in columns 0 .. kGated - 1, up in kGated .., each rounded as a stored product;
+                  // 8-column steps from the panel's start, as kvfence_silu_mul's from the row's
+            int64_t j = 0;
+            for (; j + 8 <= cols; j += 8)
+                st8(yr + j, silu_mul8(rnd8(_mm256_loadu_ps(b + j)), rnd8(_mm256_loadu_ps(b + kGated + j))));
+            for (; j < cols; ++j)
+                yr[j] = from_f<bf16_t>(silu_mul_one<bf16_t>(rnd<bf16_t>(b[j]), rnd<bf16_t>(b[kGated + j])));
+        }
+    }
+}
+
+thread_local std::vector<float> tl_xf;  // the caller's widened x, shared by its OpenMP threads
+
+template <Out E>
+void gemm(const bf16_t* x, int64_t ldx, const uint32_t* packed, OutT<E>* y, int64_t ldy, int64_t m, int64_t n,
+          int64_t k, int nt) {
+    constexpr int cols = E == Out::SwiGLU ? kGated : kPanel;
+    const int64_t k2 = k / 2, panels = (n + cols - 1) / cols;
+    if (tl_xf.size() < size_t(m * k)) tl_xf.resize(size_t(m * k));
+    float* xf = tl_xf.data();
+    widen_rows(x, ldx, m, k, xf);
+#pragma omp parallel for num_threads(nt) schedule(static) if (panels > 1 && m * n * k >= (1 << 18))
+    for (int64_t p = 0; p < panels; ++p) {
+        alignas(32) float buf[kRows2 * kPanel];
+        const int64_t n0 = p * cols, live = std::min<int64_t>(cols, n - n0);
+        const uint32_t* w = packed + p * k2 * kPanel;
+        for (int64_t r = 0; r < m; r += kRows2) {
+            const int rows = int(m - r < kRows2 ? m - r : kRows2);
+            switch (rows) {
+                case 1: tile2<1, 6>(xf + r * k, k, w, k2, buf); break;
+                case 2: tile2<2, 3>(xf + r * k, k, w, k2, buf); break;
+                default: tile2<3, 2>(xf + r * k, k, w, k2, buf); break;
+            }
+            store_tile<E>(rows, buf, y + r * ldy + n0, ldy, live);
+        }
+    }
+}
 #endif
 
-// 0, or -1 where this build has no AVX512-BF16 path
+// 0, or -1 where this build has neither path
 template <Out E>
 int run(const bf16_t* x, int64_t ldx, const uint32_t* packed, OutT<E>* y, int64_t ldy, int64_t m, int64_t n,
         int64_t k, int nt) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(KVFENCE_AVX2)
     gemm<E>(x, ldx, packed, y, ldy, m, n, k, nt);
     return 0;
 #else
@@ -154,8 +277,11 @@ int run(const bf16_t* x, int64_t ldx, const uint32_t* packed, OutT<E>* y, int64_
 
 extern "C" {
 
+// 2: AVX512-BF16, 1: AVX2 + FMA, 0: neither (the model keeps torch's matmul)
 int kvfence_gemm_supported() {
 #if defined(__AVX512BF16__)
+    return 2;
+#elif defined(KVFENCE_AVX2)
     return 1;
 #else
     return 0;
@@ -185,7 +311,7 @@ void kvfence_gemm_pack_gated(const bf16_t* gate, const bf16_t* up, int64_t inter
 }
 
 // x [m][k] with row stride ldx, y [m][n] with row stride ldy; k even; returns 0, or -1 where
-// this build has no AVX512-BF16 path (the caller checked kvfence_gemm_supported first)
+// this build has neither path (the caller checked kvfence_gemm_supported first)
 int kvfence_gemm(const bf16_t* x, int64_t ldx, const uint32_t* packed, bf16_t* y, int64_t ldy, int64_t m, int64_t n,
                  int64_t k, int nt) {
     return run<Out::Plain>(x, ldx, packed, y, ldy, m, n, k, nt);

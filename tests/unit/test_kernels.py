@@ -50,6 +50,22 @@ def test_silu_mul_matches_torch(dtype):
     torch.testing.assert_close(K.silu_mul(gu).float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype])
 
 
+def test_silu_mul_vector_lanes_are_the_scalar_tail_bit_for_bit():
+    """SIMD builds run a row's SiLU a vector of 8 (or 16) lanes at a time and its last columns
+    one at a time; each column alone (inter 1) takes the scalar path. Equal bits for every
+    column, NaN and infinities included, mean the lanes follow the scalar arithmetic exactly,
+    so the gated matmul's epilogue (vector lanes per 24-column panel) and kvfence_silu_mul agree
+    wherever a row's columns split between the two."""
+    inter = 37
+    gu = (torch.randn(23, 2 * inter, generator=gen(3)) * 6).to(torch.bfloat16)
+    gu[0, 0], gu[1, 3], gu[2, inter + 5], gu[3, 1] = float("nan"), float("inf"), float("nan"), -float("inf")
+    gu[4, :inter] = torch.linspace(-95, 95, inter)   # past exp's clamps on both sides
+    whole = K.silu_mul(gu)
+    for c in range(inter):
+        alone = K.silu_mul(torch.stack([gu[:, c], gu[:, inter + c]], dim=1).contiguous())
+        assert torch.equal(whole[:, c:c + 1].view(torch.int16), alone.view(torch.int16)), c
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("page_size,dim", [(16, 64), (8, 32)])  # the compiled fast shape and the general path
 def test_rope_store_matches_torch(dtype, page_size, dim):
@@ -250,7 +266,7 @@ def test_model_forward_fused_bf16_is_as_accurate_as_torch_path():
     assert err_fused <= max(err_plain * 1.1, 0.02 * scale), (err_fused, err_plain, scale)
 
 
-@pytest.mark.skipif(K is None or not K.has_gemm, reason="no AVX512-BF16 matmul in this build")
+@pytest.mark.skipif(K is None or not K.has_gemm, reason="no bf16 matmul (AVX512-BF16 or AVX2) in this build")
 @pytest.mark.parametrize("head_dim", [32, 64])  # the general attention path and the 16 x 64 one
 def test_decoder_stack_is_bit_for_bit_the_per_kernel_loop(head_dim):
     """stack.cpp runs the same kernels in the same order as LlamaModel._layers_fused: the
@@ -264,7 +280,7 @@ def test_decoder_stack_is_bit_for_bit_the_per_kernel_loop(head_dim):
     assert torch.equal(stacked, looped)
 
 
-@pytest.mark.skipif(K is None or not K.has_gemm, reason="no AVX512-BF16 matmul in this build")
+@pytest.mark.skipif(K is None or not K.has_gemm, reason="no bf16 matmul (AVX512-BF16 or AVX2) in this build")
 def test_decoder_stack_refuses_what_its_kernels_refuse():
     model = tiny_model(torch.bfloat16)
     pool = torch.zeros(2, 2, 2, 4 * 8, 32, dtype=torch.bfloat16)
@@ -284,7 +300,7 @@ def test_decoder_stack_refuses_what_its_kernels_refuse():
 
 
 # -- bf16 matmul (gemm.cpp) -------------------------------------------------------------------
-gemm_only = pytest.mark.skipif(K is None or not K.has_gemm, reason="no AVX512-BF16 matmul in this build")
+gemm_only = pytest.mark.skipif(K is None or not K.has_gemm, reason="no bf16 matmul (AVX512-BF16 or AVX2) in this build")
 
 
 @gemm_only
@@ -299,6 +315,24 @@ def test_gemm_matches_float64_reference(m, n, k):
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
     # fp32 sums of exact products, one rounding to bf16: within bf16's half-ulp plus fp32 noise
     torch.testing.assert_close(got.double(), want, rtol=8e-3, atol=1e-3 * math.sqrt(k))
+
+
+@gemm_only
+@pytest.mark.parametrize("swiglu,out_dtype", [(False, torch.bfloat16), (False, torch.float32), (True, torch.bfloat16)])
+def test_gemm_row_is_the_same_whatever_else_is_in_the_batch(swiglu, out_dtype):
+    """A row's result is bit for bit the same alone or among 1..33 other rows, whatever tile
+    shape it lands in: a request's logits (and so its greedy or seeded tokens) cannot depend on
+    the other requests in the step."""
+    g = gen(11)
+    w = torch.randn(100, 576, generator=g).to(torch.bfloat16)
+    packed = K.pack_weight(w, torch.randn(100, 576, generator=g).to(torch.bfloat16) if swiglu else None)
+    rows = torch.randn(34, 576, generator=g).to(torch.bfloat16)
+    alone = [K.linear(rows[i:i + 1], packed, 100, swiglu=swiglu, out_dtype=out_dtype) for i in range(len(rows))]
+    for m in (2, 3, 4, 5, 7, 32, 34):
+        for start in range(0, len(rows) - m + 1, max(1, m // 2)):
+            got = K.linear(rows[start:start + m], packed, 100, swiglu=swiglu, out_dtype=out_dtype)
+            for i in range(m):
+                assert torch.equal(got[i:i + 1], alone[start + i]), (m, start, i)
 
 
 @gemm_only

@@ -14,7 +14,7 @@ from kvfence.kernels import cpu_kernels
 from kvfence.model.linear import Linear
 
 K = cpu_kernels()
-gemm_only = pytest.mark.skipif(K is None or not K.has_gemm, reason="no AVX512-BF16 matmul in this build")
+gemm_only = pytest.mark.skipif(K is None or not K.has_gemm, reason="no bf16 matmul (AVX512-BF16 or AVX2) in this build")
 
 
 def gen(seed: int) -> torch.Generator:
