@@ -13,16 +13,10 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from kvfence.bench.fidelity import native_formats
-from kvfence.bench.offline import Result, Workload, base_config, run_engine
+from kvfence.bench.offline import Result, Workload, base_config, decode_tps, run_engine
 from kvfence.engine.llm_engine import LoadedModel
 
 BF16, NATIVE = "kvfence bf16 (dequantized, default)", "kvfence native GGUF blocks"
-
-
-def decode_tps(r: Result, wl: Workload) -> float:
-    """Tokens a second after the first, per request: 1 / the mean gap between tokens."""
-    first = r.ttft_ms.get("p50", 0.0) / 1e3
-    return (wl.output_tokens - 1) / max(r.seconds - first, 1e-9) if wl.num_requests == 1 else float("nan")
 
 
 def main(args) -> int:

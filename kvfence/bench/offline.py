@@ -224,11 +224,12 @@ def main(args) -> int:
           f"output tokens, greedy, all submitted at once; dtype {args.dtype}, {base.threads()} threads")
     for r in results[1:] + peers:
         print(f"  {ours.name} vs {r.name}: {r.seconds / ours.seconds:.2f}x speed")
+    one = _one_request(base, loaded, args, others.gguf)
     arrivals = None
     if not args.quick:
         arrivals = _arrivals(base, loaded, args.repeat)
     if args.json:
-        doc = {"workload": asdict(wl), "results": [asdict(r) for r in results + peers]}
+        doc = {"workload": asdict(wl), "results": [asdict(r) for r in results + peers], "one_request": one}
         if arrivals:
             doc["arrivals"] = arrivals
         with open(args.json, "w") as f:
@@ -240,6 +241,44 @@ def main(args) -> int:
 
 
 NO_CAP = "kvfence (no prefill cap while decoding)"
+
+
+def decode_tps(r: Result, wl: Workload) -> float:
+    """Tokens a second after the first, per request: 1 / the mean gap between tokens."""
+    first = r.ttft_ms.get("p50", 0.0) / 1e3
+    return (wl.output_tokens - 1) / max(r.seconds - first, 1e-9) if wl.num_requests == 1 else float("nan")
+
+
+def _one_request(base: EngineConfig, loaded: LoadedModel, args, llama_gguf: str | None) -> dict:
+    """One request at a time (1 x prompt -> output tokens): kvfence's default against llama.cpp
+    with BF16 weights, interleaved rounds, medians. Batch-1 decode reads every weight once a
+    token, so its ITL is what a single user of the server waits between tokens."""
+    wl = Workload(1, args.prompt_tokens, args.output_tokens)
+    prompts = wl.prompts(loaded.model.config.vocab_size)
+    print(f"\none request at a time: 1 x {wl.prompt_tokens} -> {wl.output_tokens}")
+    runs: dict[str, list[Result]] = {}
+    for rnd in range(args.repeat):
+        row = [run_engine("kvfence (default)", loaded, base, wl)]
+        if llama_gguf:
+            from kvfence.bench import peers as P
+
+            row.append(P.llama_cpp_result(_OtherEngines.LLAMA, P.run_llama_cpp(llama_gguf, prompts,
+                                                                                wl.output_tokens, base.threads())))
+        for r in row:
+            runs.setdefault(r.name, []).append(r)
+            print(f"  [round {rnd + 1}/{args.repeat}] {r.name:28s} {r.seconds:6.2f} s  TTFT {r.ttft_ms['p50']:.0f} ms  "
+                  f"ITL p50 {r.itl_ms['p50']:.1f} ms  decode {decode_tps(r, wl):.1f} tok/s", flush=True)
+    medians = {name: sorted(rs, key=lambda r: r.seconds)[len(rs) // 2] for name, rs in runs.items()}
+    out = []
+    for name, r in medians.items():
+        tps = decode_tps(r, wl)
+        print(f"  median {name:28s} {r.seconds:6.2f} s  TTFT {r.ttft_ms['p50']:.0f} ms  ITL p50 {r.itl_ms['p50']:.1f} "
+              f"p99 {r.itl_ms['p99']:.1f} ms  decode {tps:.1f} tok/s")
+        out.append({**asdict(r), "decode_tps": round(tps, 2)})
+    if len(medians) == 2:
+        ours, theirs = medians.values()
+        print(f"  ITL p50: kvfence {ours.itl_ms['p50'] / theirs.itl_ms['p50']:.2f}x llama.cpp's (lower is faster)")
+    return {"workload": asdict(wl), "results": out}
 
 
 def _arrivals(base: EngineConfig, loaded: LoadedModel, repeat: int) -> dict:

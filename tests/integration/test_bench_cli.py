@@ -19,6 +19,9 @@ def test_bench_tiny_workload_writes_results(tmp_path):
     for r in data["results"]:
         assert r["output_tokens"] == 8 and r["seconds"] > 0 and r["ttft_ms"]["p50"] > 0
     assert "ledger checks" in data["results"][0]["note"]
+    one = data["one_request"]   # the single-request row: one stream's TTFT, ITL and decode rate
+    assert one["workload"]["num_requests"] == 1 and [r["name"] for r in one["results"]] == ["kvfence (default)"]
+    assert one["results"][0]["output_tokens"] == 4 and one["results"][0]["decode_tps"] > 0
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"   # the PNG beside the JSON
 
 
