@@ -173,7 +173,7 @@ inline void widen_rows(const bf16_t* x, int64_t ldx, int64_t m, int64_t k, float
 // buf [R][kPanel] = the R rows of xf (fp32, k apart) times the panel w, all 48 columns, in
 // passes of V vectors of 8 columns. FMA takes 4 cycles and two issue each cycle, so a tile
 // keeps 12 independent sums in flight: each output's sum is split into its even-k and odd-k
-// halves, added at the end. Every tile shape (R x V: 3 x 2, 2 x 3, 1 x 6) sums in this same
+// halves, added at the end. Every tile shape (R x V: 3 x 2, 2 x 2, 1 x 6) sums in this same
 // order, so a row's result does not depend on how many rows shared its tile (batch-invariant,
 // as the AVX-512 path). Per pass and k: V weight loads, their shift (even) then AND (odd),
 // and two broadcasts per row.
@@ -188,20 +188,31 @@ inline void tile2(const float* xf, int64_t k, const uint32_t* w, int64_t k2, flo
                 for (int v = 0; v < V; ++v) c[s][r][v] = _mm256_setzero_ps();
         const uint32_t* wg = w + 8 * g;
         for (int64_t i = 0; i < k2; ++i) {
-            __m256i raw[V];
-            __m256 wv[V];
-            for (int v = 0; v < V; ++v) {
-                raw[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + i * kPanel + 8 * v));
-                wv[v] = _mm256_castsi256_ps(_mm256_slli_epi32(raw[v], 16));
-            }
-            for (int r = 0; r < R; ++r) {
-                const __m256 xe = _mm256_broadcast_ss(xf + r * k + 2 * i);
-                for (int v = 0; v < V; ++v) c[0][r][v] = _mm256_fmadd_ps(wv[v], xe, c[0][r][v]);
-            }
-            for (int v = 0; v < V; ++v) wv[v] = _mm256_castsi256_ps(_mm256_and_si256(raw[v], high));
-            for (int r = 0; r < R; ++r) {
-                const __m256 xo = _mm256_broadcast_ss(xf + r * k + 2 * i + 1);
-                for (int v = 0; v < V; ++v) c[1][r][v] = _mm256_fmadd_ps(wv[v], xo, c[1][r][v]);
+            const __m256i* wi = reinterpret_cast<const __m256i*>(wg + i * kPanel);
+            if constexpr (R == 1) {  // 12 sums in 12 registers: widen each weight vector just before its FMA
+                const __m256 xe = _mm256_broadcast_ss(xf + 2 * i), xo = _mm256_broadcast_ss(xf + 2 * i + 1);
+                for (int v = 0; v < V; ++v)
+                    c[0][0][v] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wi + v), 16)),
+                                                 xe, c[0][0][v]);
+                for (int v = 0; v < V; ++v)
+                    c[1][0][v] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(wi + v), high)),
+                                                 xo, c[1][0][v]);
+            } else {  // each widened weight vector serves every row
+                __m256i raw[V];
+                __m256 wv[V];
+                for (int v = 0; v < V; ++v) {
+                    raw[v] = _mm256_loadu_si256(wi + v);
+                    wv[v] = _mm256_castsi256_ps(_mm256_slli_epi32(raw[v], 16));
+                }
+                for (int r = 0; r < R; ++r) {
+                    const __m256 xe = _mm256_broadcast_ss(xf + r * k + 2 * i);
+                    for (int v = 0; v < V; ++v) c[0][r][v] = _mm256_fmadd_ps(wv[v], xe, c[0][r][v]);
+                }
+                for (int v = 0; v < V; ++v) wv[v] = _mm256_castsi256_ps(_mm256_and_si256(raw[v], high));
+                for (int r = 0; r < R; ++r) {
+                    const __m256 xo = _mm256_broadcast_ss(xf + r * k + 2 * i + 1);
+                    for (int v = 0; v < V; ++v) c[1][r][v] = _mm256_fmadd_ps(wv[v], xo, c[1][r][v]);
+                }
             }
         }
         for (int r = 0; r < R; ++r)
@@ -252,7 +263,7 @@ void gemm(const bf16_t* x, int64_t ldx, const uint32_t* packed, OutT<E>* y, int6
             const int rows = int(m - r < kRows2 ? m - r : kRows2);
             switch (rows) {
                 case 1: tile2<1, 6>(xf + r * k, k, w, k2, buf); break;
-                case 2: tile2<2, 3>(xf + r * k, k, w, k2, buf); break;
+                case 2: tile2<2, 2>(xf + r * k, k, w, k2, buf); break;
                 default: tile2<3, 2>(xf + r * k, k, w, k2, buf); break;
             }
             store_tile<E>(rows, buf, y + r * ldy + n0, ldy, live);

@@ -1,7 +1,10 @@
 """y = x @ W.T, with W reordered once into the fastest layout this machine has.
 
 bf16 on a CPU with AVX512-BF16: kvfence's own matmul (kernels/gemm.cpp), ~1.3x oneDNN at
-decode's 32 rows and ~1.1x at prefill's 2048 on a 2-core Zen 4 for this model's shapes.
+decode's 32 rows and ~1.1x at prefill's 2048 on a 2-core Zen 4 for this model's shapes. On a
+CPU with AVX2 + FMA but no AVX512-BF16 (Zen 3), the same matmul with the weights widened in
+registers: 85-106 GFLOP/s at 32-512 rows on 2 Zen 3 cores, where torch's bf16 F.linear does
+~15 (no oneDNN bf16 there) and float32 F.linear 57-126 with twice the weight bytes.
 Else bf16 on CPU: oneDNN's packed weights, 1.2-1.6x F.linear at 32 rows, ~1.1x at 2048.
 float32 keeps F.linear: a packed kernel sums in another order than MKL (~1e-4 apart), which
 would cost float32 its role as the mode that matches the reference. CUDA: F.linear.
@@ -16,7 +19,7 @@ model's dtype and take the paths above, as every GGUF did before.
 float_out (the LM head): float32 output from bf16 (or fp16) weights, the sums never rounded to
 the weights' dtype (logits rounded to bf16 tied near-ties and quantized logprobs, issue #16).
 kvfence's matmul stores its float32 sums as they are; CUDA asks cuBLAS for float32 output
-(torch.mm out_dtype); elsewhere (no AVX512-BF16) a float32 copy of the weight and F.linear.
+(torch.mm out_dtype); elsewhere (no kvfence matmul) a float32 copy of the weight and F.linear.
 
 SwiGLU: the MLP's gate and up projections and the activation between them. With kvfence's
 matmul they are one pass whose epilogue applies silu(gate) * up (prefill: ~6% less time than

@@ -93,7 +93,7 @@ class LlamaModel:
         return "mixed" if "native" in backends else "bf16"
 
     def _decoder_stack(self) -> DecoderStack | None:
-        """The layers as one kernel call, where every matmul is kvfence's (bf16 on AVX512-BF16),
+        """The layers as one kernel call, where every matmul is kvfence's (bf16 on AVX512-BF16 or AVX2),
         or every one is the native matmul over GGUF blocks."""
         if self.kernels is None or self.dtype != torch.bfloat16:
             return None
