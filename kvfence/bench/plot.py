@@ -64,7 +64,8 @@ def _fidelity(ax, fid: dict) -> None:
 
 def render(docs: list[dict], path: str | Path, title: str = "") -> Path:
     """One PNG from bench JSON documents: each {"results": [...]} (the fixed workload) adds a
-    throughput panel and TTFT/ITL panels, an "arrivals" part adds its latency panels, and a
+    throughput panel and TTFT/ITL panels, a "one_request" part its inter-token latencies, an
+    "arrivals" part its latency panels, and a
     fidelity document ({"scores": [...]}) adds the table."""
     import matplotlib
 
@@ -85,6 +86,14 @@ def render(docs: list[dict], path: str | Path, title: str = "") -> Path:
                     ax, rows, "ttft_ms", "time to first token (fixed workload)")))
                 panels.append((2 * len(timed), lambda ax, rows=timed: _latency(
                     ax, rows, "itl_ms", "inter-token latency (fixed workload)")))
+        one = d.get("one_request")
+        if one and one.get("results"):
+            rows = one["results"]
+            w = one["workload"]
+            what = f"one request at a time ({w['prompt_tokens']} -> {w['output_tokens']})"
+            panels.append((2 * len(rows), lambda ax, rows=rows, what=what: _latency(
+                ax, [{**r, "name": f"{r['name']}, {r['decode_tps']:.1f} tok/s"} for r in rows], "itl_ms",
+                f"{what}: inter-token latency, decode rate in the label")))
         arr = d.get("arrivals")
         if arr and arr.get("results"):
             rows = arr["results"]
