@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 
 from kvfence.bench.offline import Result
-from kvfence.bench.stats import percentiles
+from kvfence.bench.stats import median_run, percentiles
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.llm_engine import LLMEngine, LoadedModel
 from kvfence.engine.params import SamplingParams
@@ -101,8 +101,7 @@ def compare(loaded: LoadedModel, base: EngineConfig, caps: list[int], wl: Arriva
             show(f"[arrivals round {rnd + 1}/{repeat}] {_row(r)}")
     out = []
     for cap in caps:
-        rs = sorted(runs[cap], key=lambda r: r.itl_ms["p99"])
-        med = rs[len(rs) // 2]
+        med = median_run(runs[cap], key=lambda r: r.itl_ms["p99"])
         med.note += "; ITL p99 per round " + ", ".join(f"{r.itl_ms['p99']:.0f}" for r in runs[cap]) + " ms"
         out.append(med)
     return out

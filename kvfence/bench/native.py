@@ -14,6 +14,7 @@ from pathlib import Path
 
 from kvfence.bench.fidelity import native_formats
 from kvfence.bench.offline import Result, Workload, base_config, decode_tps, run_engine
+from kvfence.bench.stats import median_run
 from kvfence.engine.llm_engine import LoadedModel
 
 BF16, NATIVE = "kvfence bf16 (dequantized, default)", "kvfence native GGUF blocks"
@@ -52,7 +53,7 @@ def main(args) -> int:
                                                               base.threads(), extra_bufts=not amx))
                 runs.setdefault((wname, llama), []).append(r)
                 _row(f"[round {rnd + 1}/{args.repeat}] {wname}", r, wl)
-    medians = {key: sorted(rs, key=lambda r: r.seconds)[len(rs) // 2] for key, rs in runs.items()}
+    medians = {key: median_run(rs) for key, rs in runs.items()}
     print("\nmedians:")
     doc: dict = {"workloads": {k: asdict(w) for k, w in workloads.items()}, "native": fmts, "results": []}
     for wname, wl in workloads.items():

@@ -11,7 +11,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from kvfence.bench.stats import percentiles
+from kvfence.bench.stats import median_run, percentiles
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.llm_engine import LLMEngine, LoadedModel
 from kvfence.engine.params import SamplingParams
@@ -196,7 +196,7 @@ def main(args) -> int:
                 _print_row(r)
     finally:
         others.close()
-    medians = {name: sorted(rs, key=lambda r: r.seconds)[len(rs) // 2] for name, rs in runs.items()}
+    medians = {name: median_run(rs) for name, rs in runs.items()}
     for name, rs in runs.items():
         if name in others.names:
             medians[name].note += "; rounds " + ", ".join(f"{r.seconds:.2f}" for r in rs) + " s, median shown"
@@ -268,7 +268,7 @@ def _one_request(base: EngineConfig, loaded: LoadedModel, args, llama_gguf: str 
             runs.setdefault(r.name, []).append(r)
             print(f"  [round {rnd + 1}/{args.repeat}] {r.name:28s} {r.seconds:6.2f} s  TTFT {r.ttft_ms['p50']:.0f} ms  "
                   f"ITL p50 {r.itl_ms['p50']:.1f} ms  decode {decode_tps(r, wl):.1f} tok/s", flush=True)
-    medians = {name: sorted(rs, key=lambda r: r.seconds)[len(rs) // 2] for name, rs in runs.items()}
+    medians = {name: median_run(rs) for name, rs in runs.items()}
     out = []
     for name, r in medians.items():
         tps = decode_tps(r, wl)

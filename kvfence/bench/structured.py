@@ -11,6 +11,7 @@ import json
 from dataclasses import asdict
 
 from kvfence.bench.offline import Result, Workload, _print_row, base_config, run_engine
+from kvfence.bench.stats import median_run
 from kvfence.engine.llm_engine import LoadedModel
 from kvfence.engine.params import SamplingParams
 
@@ -39,7 +40,7 @@ def main(args) -> int:
             runs[name].append(r)
             print(f"[round {rnd + 1}/{args.repeat}] ", end="")
             _print_row(r)
-    med = {name: sorted(rs, key=lambda r: r.seconds)[len(rs) // 2] for name, rs in runs.items()}
+    med = {name: median_run(rs) for name, rs in runs.items()}
     a, b = med["plain"], med["response_format json_schema"]
     print("\nmedians:")
     for r in (a, b):
