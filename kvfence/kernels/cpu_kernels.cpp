@@ -365,11 +365,6 @@ using namespace kvfence_avx2;
 template <typename T, int PS, int DIM>
 constexpr bool kWidePath = std::is_same<T, bf16_t>::value && PS == 16 && DIM == 64;
 
-inline __m256 wide_lo(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
-inline __m256 wide_hi(__m256i pairs) {
-    return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int(0xFFFF0000u))));
-}
-
 // scores[u][0..16) for U queries against one K page ([32 dim pairs][16 positions] of uint32);
 // qf: per query 64 fp32 (pre-scaled), 64 apart
 template <int U>
@@ -379,7 +374,7 @@ inline void wide_score_tile(const uint32_t* kpair, const float* qf, float* score
     for (int i = 0; i < 32; ++i) {
         const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kpair + 16 * i));
         const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kpair + 16 * i + 8));
-        const __m256 e0 = wide_lo(r0), e1 = wide_lo(r1), o0 = wide_hi(r0), o1 = wide_hi(r1);
+        const __m256 e0 = pair_lo(r0), e1 = pair_lo(r1), o0 = pair_hi(r0), o1 = pair_hi(r1);
         for (int u = 0; u < U; ++u) {
             const __m256 qe = _mm256_broadcast_ss(qf + u * 64 + 2 * i);
             const __m256 qo = _mm256_broadcast_ss(qf + u * 64 + 2 * i + 1);
@@ -419,13 +414,13 @@ inline void wide_pv(const bf16_t* vbase, const int64_t* table, int64_t page_elem
                 if (2 * jj + 1 == in_page) {
                     for (int c = 0; c < 8; ++c) {
                         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp + jj * 64 + 8 * c));
-                        o[c] = _mm256_fmadd_ps(wide_lo(raw), pe, o[c]);
+                        o[c] = _mm256_fmadd_ps(pair_lo(raw), pe, o[c]);
                     }
                 } else {
                     const __m256 po = _mm256_set1_ps(pr[pg * 16 + 2 * jj + 1]);
                     for (int c = 0; c < 8; ++c) {
                         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp + jj * 64 + 8 * c));
-                        o[c] = _mm256_fmadd_ps(wide_hi(raw), po, _mm256_fmadd_ps(wide_lo(raw), pe, o[c]));
+                        o[c] = _mm256_fmadd_ps(pair_hi(raw), po, _mm256_fmadd_ps(pair_lo(raw), pe, o[c]));
                     }
                 }
             }
@@ -556,18 +551,15 @@ void attend_task(const Task& t, const T* q, int64_t q_stride, const T* k_cache, 
     // scores = q . k for every key of every page the block can see. K lanes of the last page
     // past the row's keys are computed with the page and dropped below: they never reach a
     // softmax, so an unwritten slot (stale or NaN) cannot leak into the output.
-    if constexpr (kDotPath<T, PS, DIM>) {
+    if constexpr (kDotPath<T, PS, DIM> || kWidePath<T, PS, DIM>) {
         for (int64_t pg = 0; pg < npages; ++pg) {
             // a row's pages lie anywhere in the pool: fetch the next one while this one computes
             if (pg + 1 < npages) prefetch_page(kbase + table[pg + 1] * page_elems, page_elems * sizeof(T));
             else prefetch_page(vbase + table[0] * page_elems, page_elems * sizeof(T));
-            dot_scores_page(kbase + table[pg] * page_elems, qf, nq_pad, scores + pg * ps, width);
-        }
-    } else if constexpr (kWidePath<T, PS, DIM>) {
-        for (int64_t pg = 0; pg < npages; ++pg) {
-            if (pg + 1 < npages) prefetch_page(kbase + table[pg + 1] * page_elems, page_elems * sizeof(T));
-            else prefetch_page(vbase + table[0] * page_elems, page_elems * sizeof(T));
-            wide_scores_page(kbase + table[pg] * page_elems, qf, nq_pad, scores + pg * ps, width);
+            if constexpr (kDotPath<T, PS, DIM>)
+                dot_scores_page(kbase + table[pg] * page_elems, qf, nq_pad, scores + pg * ps, width);
+            else
+                wide_scores_page(kbase + table[pg] * page_elems, qf, nq_pad, scores + pg * ps, width);
         }
     } else {
         for (int64_t pg = 0; pg < npages; ++pg) {

@@ -162,10 +162,7 @@ inline void widen_rows(const bf16_t* x, int64_t ldx, int64_t m, int64_t k, float
         const bf16_t* src = x + r * ldx;
         float* dst = xf + r * k;
         int64_t i = 0;
-        for (; i + 8 <= k; i += 8) {
-            const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-            _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
-        }
+        for (; i + 8 <= k; i += 8) _mm256_storeu_ps(dst + i, ld8(src + i));
         for (; i < k; ++i) dst[i] = to_f(src[i]);
     }
 }
@@ -180,7 +177,6 @@ inline void widen_rows(const bf16_t* x, int64_t ldx, int64_t m, int64_t k, float
 template <int R, int V>
 inline void tile2(const float* xf, int64_t k, const uint32_t* w, int64_t k2, float* buf) {
     static_assert(2 * kVecs % V == 0, "a pass covers whole vectors of the panel");
-    const __m256i high = _mm256_set1_epi32(int(0xFFFF0000u));
     for (int g = 0; g < 2 * kVecs; g += V) {
         __m256 c[2][R][V];
         for (int s = 0; s < 2; ++s)
@@ -191,24 +187,20 @@ inline void tile2(const float* xf, int64_t k, const uint32_t* w, int64_t k2, flo
             const __m256i* wi = reinterpret_cast<const __m256i*>(wg + i * kPanel);
             if constexpr (R == 1) {  // 12 sums in 12 registers: widen each weight vector just before its FMA
                 const __m256 xe = _mm256_broadcast_ss(xf + 2 * i), xo = _mm256_broadcast_ss(xf + 2 * i + 1);
-                for (int v = 0; v < V; ++v)
-                    c[0][0][v] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(wi + v), 16)),
-                                                 xe, c[0][0][v]);
-                for (int v = 0; v < V; ++v)
-                    c[1][0][v] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(wi + v), high)),
-                                                 xo, c[1][0][v]);
+                for (int v = 0; v < V; ++v) c[0][0][v] = _mm256_fmadd_ps(pair_lo(_mm256_loadu_si256(wi + v)), xe, c[0][0][v]);
+                for (int v = 0; v < V; ++v) c[1][0][v] = _mm256_fmadd_ps(pair_hi(_mm256_loadu_si256(wi + v)), xo, c[1][0][v]);
             } else {  // each widened weight vector serves every row
                 __m256i raw[V];
                 __m256 wv[V];
                 for (int v = 0; v < V; ++v) {
                     raw[v] = _mm256_loadu_si256(wi + v);
-                    wv[v] = _mm256_castsi256_ps(_mm256_slli_epi32(raw[v], 16));
+                    wv[v] = pair_lo(raw[v]);
                 }
                 for (int r = 0; r < R; ++r) {
                     const __m256 xe = _mm256_broadcast_ss(xf + r * k + 2 * i);
                     for (int v = 0; v < V; ++v) c[0][r][v] = _mm256_fmadd_ps(wv[v], xe, c[0][r][v]);
                 }
-                for (int v = 0; v < V; ++v) wv[v] = _mm256_castsi256_ps(_mm256_and_si256(raw[v], high));
+                for (int v = 0; v < V; ++v) wv[v] = pair_hi(raw[v]);
                 for (int r = 0; r < R; ++r) {
                     const __m256 xo = _mm256_broadcast_ss(xf + r * k + 2 * i + 1);
                     for (int v = 0; v < V; ++v) c[1][r][v] = _mm256_fmadd_ps(wv[v], xo, c[1][r][v]);

@@ -17,6 +17,13 @@ inline __m256 ld8(const bf16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
+// Eight uint32 holding bf16 pairs (first in the low half, as the matmul's panels and the KV
+// pool's pages lie) as fp32: the first of each pair (one shift), the second (one AND)
+inline __m256 pair_lo(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
+inline __m256 pair_hi(__m256i pairs) {
+    return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int(0xFFFF0000u))));
+}
+
 // from_f<bf16_t> on eight lanes, as 32-bit lanes holding the bf16 in their low half
 inline __m256i bf16_bits8(__m256 v) {
     const __m256i u = _mm256_castps_si256(v);
