@@ -140,10 +140,15 @@ class LLMEngine:
     @property
     def matmul_path(self) -> str:
         """The LM head's matmul (the layers' where they are all alike), with the instruction set
-        kvfence's own bf16 matmul was built for: its speed differs several times between them."""
+        kvfence's own matmul (bf16 or native) was built for: its speed differs several times
+        between them."""
         backend = self.model.lm_head.backend
         kernels = self.model.kernels
-        return f"{backend} ({kernels.gemm_isa})" if backend == "kvfence" and kernels is not None else backend
+        if kernels is None:
+            return backend
+        if backend == "kvfence":
+            return f"{backend} ({kernels.gemm_isa})"
+        return f"{backend} ({kernels.qgemm_isa})" if backend == "native" else backend
 
     def _kv_budget(self, cfg: EngineConfig, dtype: torch.dtype) -> int:
         if cfg.kv_cache_memory is not None:

@@ -153,6 +153,11 @@ class CpuKernels:
         """Which bf16 matmul this build runs: avx512-bf16, avx2, or none."""
         return {2: "avx512-bf16", 1: "avx2"}.get(self.lib.kvfence_gemm_supported(), "none")
 
+    @property
+    def qgemm_isa(self) -> str:
+        """Which native (GGUF blocks) matmul this build runs: avx512-vnni, avx2, or none."""
+        return {1: "avx512-vnni", 2: "avx2"}.get(self.lib.kvfence_qgemm_supported(), "none")
+
     def _packed_size(self, n: int, k: int, gated: bool) -> int:
         size = self._sizes.get((n, k, gated))
         if size is None:
@@ -199,7 +204,7 @@ class CpuKernels:
     # -- native GGUF weights (qgemm.cpp) -----------------------------------------------------
     @property
     def has_qgemm(self) -> bool:
-        """Whether this build has the AVX512-VNNI matmul over GGUF blocks."""
+        """Whether this build has an integer matmul over GGUF blocks (AVX512-VNNI or AVX2)."""
         return bool(self.lib.kvfence_qgemm_supported())
 
     def qpack(self, ggml_type: int, blocks, n: int, k: int, up=None) -> torch.Tensor:
@@ -237,7 +242,7 @@ class CpuKernels:
         rc = gemm(x.data_ptr(), x.stride(0), packed.data_ptr(), packed.numel(), out.data_ptr(), n, m, n, k,
                   torch.get_num_threads())
         if rc == -2:
-            raise RuntimeError("this build of the CPU kernels has no native (VNNI) matmul")
+            raise RuntimeError("this build of the CPU kernels has no native (VNNI or AVX2) matmul")
         _require(rc == 0, f"qlinear: x [{m}, {k}] -> [{m}, {n}] does not match the packed weight")
         return out
 

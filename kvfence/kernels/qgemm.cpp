@@ -1,6 +1,7 @@
 // Native GGUF weights: y[M][N] = x[M][K] . W[N][K]^T with W kept in its GGUF blocks (Q4_0,
 // Q4_1, Q8_0: 32 weights and fp16 scales per block), never dequantized, on CPUs with
-// AVX512-VNNI (vpdpbusd: 16 int32 lanes, each adding four u8 x s8 products).
+// AVX512-VNNI (vpdpbusd: 16 int32 lanes, each adding four u8 x s8 products) and, in the second
+// half of this file, on CPUs with AVX2 (vpmaddubsw + vpmaddwd: the same integer sums).
 //
 // Why: batch-1 decode reads every weight once per token, so its speed is the bytes read.
 // Q4_1 is 0.625 bytes a weight and Q8_0 1.0625, against bf16's 2 (this model: 96 MB a token
@@ -30,6 +31,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "simd_avx2.h"
 #include "simd_bf16.h"
 
 namespace {
@@ -264,6 +266,195 @@ void qgemm(const QuantRows& a, const uint8_t* body, void* y, int64_t ldy, int64_
 }
 
 thread_local QuantRows tls_rows;  // grows to the largest call's activations and stays
+
+#elif defined(KVFENCE_AVX2) && defined(__F16C__)
+// AVX2 (no VNNI): the same packed panels, the same int8 activations and the same integer block
+// sums, formed with vpmaddubsw (u8 x s8 pairs into int16) and vpmaddwd (int16 pairs into int32)
+// instead of vpdpbusd. The block sums are exact integers and the fp32 steps after them are
+// those of the AVX-512 path, lane for lane, so both paths give the same bits.
+//   Q4: a nibble x an int8 is at most 15 x 127, a vpmaddubsw lane two of them; one block adds
+//       eight such lanes per column (4 k-octets x low and high nibbles): <= 30,480, no int16
+//       overflow, so a block takes one vpmaddwd per vector.
+//   Q8_0: the stored u = v + 128 reaches 255 and two u x q products would saturate int16, so
+//       it multiplies |v| by q carrying v's sign (vpsignb): a lane is at most 2 x 128 x 127.
+//       That is sum(v q) directly, which equals the VNNI path's sum(u q) - 128 S.
+#define KV_QGEMM 2
+using namespace kvfence_avx2;
+
+struct QuantRows {
+    std::vector<int8_t> q;
+    std::vector<float> d, ds;
+};
+
+inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline int32_t hsum8i(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+void quantize_rows(const bf16_t* x, int64_t ldx, int64_t m, int64_t k, QuantRows& out, int nt) {
+    const int64_t nb = k / kBlock;
+    out.q.resize(size_t(m * k));
+    out.d.resize(size_t(m * nb));
+    out.ds.resize(size_t(m * nb));
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo the packs' 128-bit interleave
+#pragma omp parallel for num_threads(nt) schedule(static) if (m * k >= (1 << 16))
+    for (int64_t r = 0; r < m; ++r) {
+        for (int64_t b = 0; b < nb; ++b) {
+            const bf16_t* src = x + r * ldx + b * kBlock;
+            __m256 v[4];
+            __m256 amax8 = _mm256_setzero_ps(), unord = _mm256_setzero_ps();
+            for (int i = 0; i < 4; ++i) {
+                v[i] = ld8(src + 8 * i);
+                amax8 = _mm256_max_ps(amax8, _mm256_and_ps(v[i], abs_mask));
+                unord = _mm256_or_ps(unord, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+            }
+            const float amax = hmax8(amax8);
+            const bool unordered = _mm256_movemask_ps(unord) != 0;  // kept NaN, as the VNNI path (I7)
+            const float d = unordered ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
+            const float inv = amax > 0.0f && !unordered ? 127.0f / amax : 0.0f;
+            const __m256 s = _mm256_set1_ps(inv);
+            __m256i q[4];
+            for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], s));  // nearest even
+            const __m256i w16 = _mm256_packs_epi32(q[0], q[1]), x16 = _mm256_packs_epi32(q[2], q[3]);
+            const __m256i b8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16, x16), order);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + r * k + b * kBlock), b8);
+            const int32_t sum = hsum8i(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+            out.d[size_t(r * nb + b)] = d;
+            out.ds[size_t(r * nb + b)] = d * float(sum);
+        }
+    }
+}
+
+enum class Out { Plain, SwiGLU, F32 };
+constexpr int kTileRows = 3;  // rows per tile of 16 columns: 6 int sums + 6 fp32 totals in registers
+
+// Rows r0 .. r0 + R of the panel's 8-column vectors y0 .. y0 + NY (vector y: the 16-column
+// vector y / 2 of the packing, its half y % 2) into res[r][8 y ..], fp32 totals.
+template <int R, int NY, int Fmt>
+inline void tile(const QuantRows& a, int64_t r0, int64_t k, const uint8_t* panel, int y0, float (*res)[kPanel]) {
+    constexpr bool q4 = Fmt == kQ4_1;
+    const int64_t nb = k / kBlock, pb = panel_block_bytes(Fmt);
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8(char(0x80));
+    __m256 acc[R][NY];
+    for (int r = 0; r < R; ++r)
+        for (int y = 0; y < NY; ++y) acc[r][y] = _mm256_setzero_ps();
+    auto at = [](const uint8_t* base, int chunk, int y) {  // 32 bytes: vector y of k-chunk `chunk`
+        return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + (chunk * 2 + y / 2) * 64 + 32 * (y % 2)));
+    };
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = panel + b * pb;
+        const uint8_t* wq = blk + (q4 ? 4 * kPanel : 2 * kPanel);
+        const int32_t* xq[R];
+        for (int r = 0; r < R; ++r) xq[r] = reinterpret_cast<const int32_t*>(a.q.data() + (r0 + r) * k + b * kBlock);
+        __m256i s[R][NY];
+        if constexpr (q4) {
+            for (int r = 0; r < R; ++r)
+                for (int y = 0; y < NY; ++y) s[r][y] = _mm256_setzero_si256();
+            for (int t = 0; t < 4; ++t)
+                for (int y = 0; y < NY; ++y) {
+                    const __m256i raw = at(wq, t, y0 + y);
+                    const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                    for (int r = 0; r < R; ++r) {
+                        s[r][y] = _mm256_add_epi16(s[r][y], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xq[r][2 * t])));
+                        s[r][y] = _mm256_add_epi16(s[r][y], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xq[r][2 * t + 1])));
+                    }
+                }
+            for (int r = 0; r < R; ++r)
+                for (int y = 0; y < NY; ++y) s[r][y] = _mm256_madd_epi16(s[r][y], ones);
+        } else {
+            for (int r = 0; r < R; ++r)
+                for (int y = 0; y < NY; ++y) s[r][y] = _mm256_setzero_si256();
+            for (int t = 0; t < 8; ++t)
+                for (int y = 0; y < NY; ++y) {
+                    const __m256i v = _mm256_xor_si256(at(wq, t, y0 + y), bias);  // u - 128 as int8
+                    const __m256i mag = _mm256_abs_epi8(v);
+                    for (int r = 0; r < R; ++r) {
+                        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xq[r][t]), v);
+                        s[r][y] = _mm256_add_epi32(s[r][y], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, xs), ones));
+                    }
+                }
+        }
+        for (int y = 0; y < NY; ++y) {
+            const int col = 8 * (y0 + y);
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 * col)));
+            if constexpr (q4) {
+                const __m256 mw =
+                    _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 * kPanel + 2 * col)));
+                for (int r = 0; r < R; ++r) {
+                    const int64_t i = (r0 + r) * nb + b;
+                    acc[r][y] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][y]), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[i])),
+                                                acc[r][y]);
+                    acc[r][y] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.ds[i]), acc[r][y]);
+                }
+            } else {
+                for (int r = 0; r < R; ++r) {
+                    const int64_t i = (r0 + r) * nb + b;
+                    acc[r][y] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][y]), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[i])),
+                                                acc[r][y]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int y = 0; y < NY; ++y) _mm256_storeu_ps(res[r] + 8 * (y0 + y), acc[r][y]);
+}
+
+// res's rows into y: `valid` columns from col0 (gated: gate in res[..][0, 16), up in [16, 32))
+template <Out E>
+inline void store_rows(float (*res)[kPanel], int rows, void* y, int64_t ldy, int64_t r0, int64_t col0, int valid) {
+    for (int r = 0; r < rows; ++r) {
+        if constexpr (E == Out::F32) {
+            std::memcpy(static_cast<float*>(y) + (r0 + r) * ldy + col0, res[r], size_t(valid) * sizeof(float));
+        } else {
+            bf16_t tmp[kPanel];
+            if constexpr (E == Out::Plain) {
+                for (int v = 0; v < kPanel; v += 8) st8(tmp + v, _mm256_loadu_ps(res[r] + v));
+            } else {  // each of gate and up rounded to bf16 as a stored product, as gemm.cpp's epilogue
+                for (int v = 0; v < 16; v += 8)
+                    st8(tmp + v, silu_mul8(rnd8(_mm256_loadu_ps(res[r] + v)), rnd8(_mm256_loadu_ps(res[r] + 16 + v))));
+            }
+            std::memcpy(static_cast<bf16_t*>(y) + (r0 + r) * ldy + col0, tmp, size_t(valid) * sizeof(bf16_t));
+        }
+    }
+}
+
+template <int Fmt, Out E>
+void qgemm(const QuantRows& a, const uint8_t* body, void* y, int64_t ldy, int64_t m, int64_t n, int64_t k, int nt) {
+    constexpr int cols = E == Out::SwiGLU ? 16 : kPanel;
+    const int64_t panels = (n + cols - 1) / cols, pbytes = (k / kBlock) * panel_block_bytes(Fmt);
+#pragma omp parallel for num_threads(nt) schedule(static) if (panels > 1 && m * n * k >= (1 << 17))
+    for (int64_t p = 0; p < panels; ++p) {
+        const int64_t c0 = p * cols;
+        const int valid = int(std::min<int64_t>(cols, n - c0));
+        const uint8_t* panel = body + p * pbytes;
+        alignas(32) float res[kTileRows][kPanel];
+        int64_t r = 0;
+        if (m == 1) {  // decode at batch 1: the whole panel in one pass, each x broadcast serving 4 vectors
+            tile<1, 4, Fmt>(a, 0, k, panel, 0, res);
+            store_rows<E>(res, 1, y, ldy, 0, c0, valid);
+            continue;
+        }
+        for (; r < m; r += kTileRows) {
+            const int rows = int(std::min<int64_t>(kTileRows, m - r));
+            for (int y0 = 0; y0 < 4; y0 += 2) {
+                if (rows == 3) tile<3, 2, Fmt>(a, r, k, panel, y0, res);
+                else if (rows == 2) tile<2, 2, Fmt>(a, r, k, panel, y0, res);
+                else tile<1, 2, Fmt>(a, r, k, panel, y0, res);
+            }
+            store_rows<E>(res, rows, y, ldy, r, c0, valid);
+        }
+    }
+}
+
+thread_local QuantRows tls_rows;  // grows to the largest call's activations and stays
 #endif
 
 // 0 when packed is a well-formed packing of [n][k] (gated or not); else -1
@@ -312,9 +503,10 @@ int run(int out_kind, const bf16_t* x, int64_t ldx, const uint8_t* packed, int64
 
 extern "C" {
 
+// 1: AVX512-VNNI, 2: AVX2, 0: none
 int kvfence_qgemm_supported() {
 #if defined(KV_QGEMM)
-    return 1;
+    return KV_QGEMM;
 #else
     return 0;
 #endif
@@ -377,7 +569,7 @@ int kvfence_qpack(int type, const uint8_t* src, const uint8_t* up, int64_t src_b
 
 // x [m][k] bf16 (row stride ldx) times the packed [n][k] weight (`bytes` long) transposed, into
 // y [m][n] (row stride ldy), bf16. Returns 0; -1 when the call does not match the packed
-// weight's header (n, k, size, kind) or a stride is short; -2 where this build has no VNNI path.
+// weight's header (n, k, size, kind) or a stride is short; -2 where this build has no native path.
 int kvfence_qgemm(const bf16_t* x, int64_t ldx, const uint8_t* packed, int64_t bytes, bf16_t* y, int64_t ldy,
                   int64_t m, int64_t n, int64_t k, int nt) {
     return run(0, x, ldx, packed, bytes, y, ldy, m, n, k, nt);

@@ -10,10 +10,10 @@ float32 keeps F.linear: a packed kernel sums in another order than MKL (~1e-4 ap
 would cost float32 its role as the mode that matches the reference. CUDA: F.linear.
 Every packed form is checked against F.linear on a probe before it is used.
 
-Native GGUF weights (`--weights native`, a QuantWeight): kvfence's VNNI matmul over the GGUF's
+Native GGUF weights (`--weights native`, a QuantWeight): kvfence's integer matmul (AVX512-VNNI or AVX2) over the GGUF's
 own blocks (kernels/qgemm.cpp), activations quantized to int8 per row and 32-block; checked on
 a probe against F.linear with the dequantized weight (within the activations' quantization
-error). Where the kernel cannot run them (no VNNI, another type) they are dequantized to the
+error). Where the kernel cannot run them (no AVX2, another type) they are dequantized to the
 model's dtype and take the paths above, as every GGUF did before.
 
 float_out (the LM head): float32 output from bf16 (or fp16) weights, the sums never rounded to

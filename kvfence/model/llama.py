@@ -85,7 +85,7 @@ class LlamaModel:
     @property
     def weights_mode(self) -> str:
         """What the matmuls really run: native (every one over GGUF blocks), bf16 (none), or
-        mixed (--weights native fell back for some: no VNNI, a failed probe, another type)."""
+        mixed (--weights native fell back for some: no AVX2, a failed probe, another type)."""
         backends = {m.backend for _, qkv, o, _, mlp_in, down in self.layers for m in (qkv, o, mlp_in, down)}
         backends.add(self.lm_head.backend)
         if backends == {"native"}:

@@ -2,7 +2,7 @@
 
 The loader hands these to the model instead of dequantized tensors for the types the native
 matmul takes (Q4_0, Q4_1, Q8_0); `Linear` and `SwiGLU` pack them for the kernel, and
-dequantize them as today where it cannot run them (no AVX512-VNNI, another type)."""
+dequantize them as today where it cannot run them (a CPU without AVX2, another type)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -20,7 +20,7 @@ from kvfence.engine.llm_engine import LoadedModel
 from kvfence.kernels import cpu_kernels
 
 K = cpu_kernels()
-pytestmark = pytest.mark.skipif(K is None or not K.has_qgemm, reason="no native (AVX512-VNNI) matmul in this build")
+pytestmark = pytest.mark.skipif(K is None or not K.has_qgemm, reason="no native (AVX512-VNNI or AVX2) matmul in this build")
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,7 @@ def test_every_matmul_runs_the_files_blocks(loaded_native):
 
 
 def test_native_answers_factual_questions(llm):
+    assert K.qgemm_isa in ("avx512-vnni", "avx2") and llm.engine.matmul_path == f"native ({K.qgemm_isa})"
     outs = llm.chat([[{"role": "user", "content": q}] for q, _ in FACTS],
                     SamplingParams(temperature=0.0, max_tokens=32))
     right = [word for (_, word), o in zip(FACTS, outs) if says(o.text, word)]

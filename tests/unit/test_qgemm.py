@@ -14,9 +14,9 @@ from kvfence.model.quant import QuantWeight
 gguf = pytest.importorskip("gguf")
 K = cpu_kernels()
 # the refusal test runs on every build (the C side checks shapes and headers before it asks
-# whether it can compute); the rest need the VNNI matmul itself
+# whether it can compute); the rest need the native matmul itself (AVX512-VNNI or AVX2)
 pytestmark = pytest.mark.skipif(K is None, reason="no CPU kernels in this build")
-needs_vnni = pytest.mark.skipif(K is None or not K.has_qgemm, reason="no native (AVX512-VNNI) matmul in this build")
+needs_native = pytest.mark.skipif(K is None or not K.has_qgemm, reason="no native (AVX512-VNNI or AVX2) matmul in this build")
 Q4_0, Q4_1, Q8_0 = 2, 3, 8
 
 
@@ -49,7 +49,7 @@ def real_weight(name: str, rows: int | None = None) -> QuantWeight:
     return QuantWeight(int(t.tensor_type), data.shape[0], int(t.shape[0]), data)
 
 
-@needs_vnni
+@needs_native
 @pytest.mark.parametrize("ggml_type", [Q4_0, Q4_1, Q8_0])
 @pytest.mark.parametrize("m,n,k", [(1, 32, 32), (7, 100, 96), (13, 70, 160), (6, 33, 64), (32, 576, 576)])
 def test_qgemm_is_its_arithmetic_exactly(ggml_type, m, n, k):
@@ -62,7 +62,7 @@ def test_qgemm_is_its_arithmetic_exactly(ggml_type, m, n, k):
     np.testing.assert_allclose(got.double().numpy(), want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
 
 
-@needs_vnni
+@needs_native
 @pytest.mark.parametrize("name,rows", [("blk.0.attn_q.weight", None), ("blk.5.ffn_down.weight", None),
                                        ("token_embd.weight", 3000)])
 def test_qgemm_on_the_bundled_models_blocks_follows_the_float32_matmul(name, rows):
@@ -81,7 +81,7 @@ def test_qgemm_on_the_bundled_models_blocks_follows_the_float32_matmul(name, row
     torch.testing.assert_close(bf16_out.float(), got.float(), rtol=8e-3, atol=1e-3)
 
 
-@needs_vnni
+@needs_native
 @pytest.mark.parametrize("ggml_type", [Q4_1, Q8_0])
 @pytest.mark.parametrize("m,inter,k", [(1, 16, 32), (9, 50, 64), (32, 1536, 576)])
 def test_gated_qgemm_is_the_two_matmuls_then_the_activation(ggml_type, m, inter, k):
@@ -94,7 +94,7 @@ def test_gated_qgemm_is_the_two_matmuls_then_the_activation(ggml_type, m, inter,
     assert torch.equal(fused, K.silu_mul(torch.cat([g, u], 1)))
 
 
-@needs_vnni
+@needs_native
 def test_qgemm_reads_rows_through_their_stride():
     w = random_weight(Q4_1, 40, 64)
     packed = K.qpack(Q4_1, w.blocks, 40, 64)
@@ -142,7 +142,7 @@ def test_qgemm_refuses_calls_that_do_not_match_the_packed_weight():
             K.qlinear(x, packed, 40)
 
 
-@needs_vnni
+@needs_native
 def test_linear_and_swiglu_take_the_native_matmul_and_dequantize_without_it(monkeypatch):
     from kvfence.kernels import CpuKernels
     from kvfence.model.linear import Linear, SwiGLU
@@ -158,7 +158,7 @@ def test_linear_and_swiglu_take_the_native_matmul_and_dequantize_without_it(monk
     assert mlp.backend == "native"
     ref = torch.nn.functional.silu(x.float() @ gate.dequantize().T) * (x.float() @ up.dequantize().T)
     assert ((mlp(x).float() - ref).norm() / ref.norm()).item() < 0.03
-    # a CPU without VNNI: the same weights dequantized, through the bf16 paths
+    # a CPU without a native matmul: the same weights dequantized, through the bf16 paths
     monkeypatch.setattr(CpuKernels, "has_qgemm", property(lambda self: False))
     assert Linear(w).backend != "native" and SwiGLU(gate, up).backend != "native"
     torch.testing.assert_close(Linear(w)(x).float(), x.float() @ w.dequantize().to(torch.bfloat16).float().T,
@@ -185,7 +185,7 @@ def quantized_tiny_model(layers: int = 2, ggml_type: int = Q4_1):
     return LlamaModel(weights)
 
 
-@needs_vnni
+@needs_native
 def test_native_decoder_stack_is_bit_for_bit_the_per_kernel_loop():
     from test_kernels import run_mixed_batch
 
@@ -199,7 +199,7 @@ def test_native_decoder_stack_is_bit_for_bit_the_per_kernel_loop():
     assert torch.equal(stacked, looped)
 
 
-@needs_vnni
+@needs_native
 def test_native_decoder_stack_refuses_a_weight_of_another_shape():
     model = quantized_tiny_model()
     stack = model.stack
@@ -214,7 +214,7 @@ def test_native_decoder_stack_refuses_a_weight_of_another_shape():
                   kv_len=torch.tensor([3]), logits_rows=torch.tensor([2]), page_size=8)
 
 
-@needs_vnni
+@needs_native
 @pytest.mark.parametrize("ggml_type", [Q4_1, Q8_0])
 def test_a_nan_in_a_row_stays_nan_in_that_rows_output(ggml_type):
     """The poison scrub's NaN sentinel (I7) must survive the native matmul: int8 quantization
