@@ -12,8 +12,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--weights", default="bf16", choices=["bf16", "native"],
-                   help="native: run a GGUF's Q4_0/Q4_1/Q8_0 weights as they are (AVX512-VNNI or AVX2; bf16 activations "
-                        "quantized to int8 per block, as llama.cpp does); bf16: dequantize them (the default)")
+                   help="native: run a GGUF's Q4_0/Q4_1/Q8_0 weights as they are (AVX512-VNNI or AVX2; bf16 "
+                        "activations quantized to int8 per block, as llama.cpp does); "
+                        "bf16: dequantize them (the default)")
     p.add_argument("--kv-cache-memory", default=None,
                    help="KV pool size, e.g. 2GiB (default: a fraction of free memory)")
     p.add_argument("--kv-memory-fraction", type=float, default=0.1)

@@ -20,7 +20,8 @@ from kvfence.engine.llm_engine import LoadedModel
 from kvfence.kernels import cpu_kernels
 
 K = cpu_kernels()
-pytestmark = pytest.mark.skipif(K is None or not K.has_qgemm, reason="no native (AVX512-VNNI or AVX2) matmul in this build")
+pytestmark = pytest.mark.skipif(K is None or not K.has_qgemm,
+                                reason="no native (AVX512-VNNI or AVX2) matmul in this build")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,8 @@ K = cpu_kernels()
 # the refusal test runs on every build (the C side checks shapes and headers before it asks
 # whether it can compute); the rest need the native matmul itself (AVX512-VNNI or AVX2)
 pytestmark = pytest.mark.skipif(K is None, reason="no CPU kernels in this build")
-needs_native = pytest.mark.skipif(K is None or not K.has_qgemm, reason="no native (AVX512-VNNI or AVX2) matmul in this build")
+needs_native = pytest.mark.skipif(K is None or not K.has_qgemm,
+                                  reason="no native (AVX512-VNNI or AVX2) matmul in this build")
 Q4_0, Q4_1, Q8_0 = 2, 3, 8
 
 
