@@ -5,9 +5,13 @@ waiting requests start, all within a per-step token budget. Prompts that arrive 
 others stream are prefilled under a smaller cap: every decoding stream waits for the whole
 step, and a step's time grows with its prefill tokens (~0.5 ms each for the bundled model on
 a 2-core CPU, ~1 s for a full 2048-token step), so the cap bounds the gap between tokens.
-Prompts that were already waiting when the step's oldest stream got its first token (a burst
-into an idle engine) keep the full budget: capping them only moved their first tokens later
-(the fixed bench workload's TTFT p99 1.6-2x) for streams that had just begun. When the pool
+Prompts that were already waiting when the engine's streams began (a burst into an idle
+engine) keep the full budget: capping them only moved their first tokens later (the fixed bench
+workload's TTFT p99 1.6-2x) for streams that had just begun. The streams begin with the first
+token after the engine was idle (nothing running), and go on until it is idle again: a prompt
+that queued while the engine was busy is capped, even if the streams it queued behind have
+ended (on a backlogged engine it would otherwise stall the newer streams with whole-budget
+steps). When the pool
 runs out, the most recently started sequence is preempted: its pages go back and it is
 recomputed later.
 """
@@ -39,6 +43,9 @@ class Scheduler:
         self.token_budget = token_budget
         # prefill tokens a step may hold when it also decodes; None: the whole token budget
         self.prefill_budget_while_decoding = prefill_budget_while_decoding
+        # the first token since the engine was last idle (None: none yet); a prompt that arrived
+        # after it is capped
+        self.streaming_since: float | None = None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -93,9 +100,13 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.token_budget
         out: list[ScheduledSeq] = []
-        # when the step's oldest stream got its first token: a prompt that arrived after it is
-        # capped; one already waiting then (a burst into an idle engine) is not
-        streams_since = math.inf
+        decoding = [s for s in self.running if s.state is State.DECODING]
+        if not self.running:
+            self.streaming_since = None     # idle: what waits now is a burst
+        elif self.streaming_since is None and decoding:
+            # a PD decode request has no first token here: it streams already, all are capped
+            self.streaming_since = min(-math.inf if s.first_token_at is None else s.first_token_at for s in decoding)
+        streams_since = math.inf if self.streaming_since is None else self.streaming_since
         prefilled = 0
         # Decoding sequences first so a long prefill never stalls token streams.
         self.running.sort(key=lambda s: (s.state is not State.DECODING, s.arrival))
@@ -125,10 +136,7 @@ class Scheduler:
             self.ledger.allocate(seq.owner, need, seq.table)
             out.append(ScheduledSeq(seq, n))
             budget -= n
-            if is_decode:
-                t = seq.first_token_at
-                streams_since = min(streams_since, -math.inf if t is None else t)
-            else:
+            if not is_decode:
                 prefilled += n
             i += 1
         while (self.waiting and self._prefill_room(budget, prefilled, self.waiting[0].arrival > streams_since) > 0

@@ -155,3 +155,31 @@ def test_without_a_cap_a_step_that_decodes_prefills_with_the_whole_budget():
     sch.add(make_seq(led, 200, 0))
     step = sch.schedule()
     assert [s.num_new for s in step] == [1, 1, 98]
+
+
+def test_a_prompt_that_queued_on_a_busy_engine_stays_capped_after_its_streams_end():
+    """On a backlogged engine the streams change while prompts wait: one that arrived while the
+    old streams ran is not a burst into an idle engine, so it stays capped beside the new ones
+    (uncapped, it stalled them with whole-budget steps: ITL p99 3x the step target)."""
+    led = Ledger(128, 4)
+    sch = Scheduler(led, max_num_seqs=16, token_budget=100, prefill_budget_while_decoding=12)
+    (old,) = _decoding(led, sch, 1)
+    new = make_seq(led, 1, 1)
+    sch.add(new)
+    queued = make_seq(led, 40, 2)            # arrives while `old` streams, before `new` does
+    sch.add(queued)
+    step = sch.schedule()
+    assert [(s.seq.request_id, s.num_new) for s in step] == [("r100", 1), ("r1", 1), ("r2", 11)]
+    fake_run(step)
+    new.first_token_at = time.perf_counter()
+    sch.remove(old)                           # the old stream ends; `new` streams on
+    led.free(old.owner, old.table)
+    step = sch.schedule()
+    assert [(s.seq.request_id, s.num_new) for s in step] == [("r1", 1), ("r2", 12)]
+    fake_run(step)
+    # once the engine is idle, what arrives is a burst again: the whole budget
+    sch.remove(new)
+    sch.remove(queued)
+    burst = make_seq(led, 40, 3)
+    sch.add(burst)
+    assert [(s.seq.request_id, s.num_new) for s in sch.schedule()] == [("r3", 40)]
