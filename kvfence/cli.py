@@ -28,6 +28,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="prefill tokens in a step that also decodes, at most, for prompts that arrived after "
                         "the streams began (bounds the gap between tokens while prompts arrive; a burst into an "
                         "idle engine keeps the whole budget); 0: the whole per-step budget")
+    p.add_argument("--decode-step-target-ms", type=float, default=200.0,
+                   help="a step that also decodes should take at most this long: the prefill cap above shrinks "
+                        "to what fits, learned from the steps run (the gap between a stream's tokens); "
+                        "0: keep the fixed token cap")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests admitted but not yet running, at most (beyond: 503 server_overloaded with "
                         "Retry-After); one tenant at most half of them")
@@ -46,7 +50,8 @@ def _config(a):
                         max_model_len=a.max_model_len, clamp_context=a.clamp_context, max_num_seqs=a.max_num_seqs,
                         max_num_batched_tokens=a.max_num_batched_tokens, max_waiting=a.max_waiting,
                         scrub=a.scrub, num_threads=a.threads,
-                        audit_reads=a.audit_reads, prefill_tokens_while_decoding=a.prefill_tokens_while_decoding)
+                        audit_reads=a.audit_reads, prefill_tokens_while_decoding=a.prefill_tokens_while_decoding,
+                        decode_step_target_ms=a.decode_step_target_ms)
 
 
 def cmd_generate(a) -> int:

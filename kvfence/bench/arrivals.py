@@ -6,9 +6,10 @@ and every decoding stream waits for the whole step that computes it. The gaps be
 stream's tokens (ITL) are what a user sees stall. The schedule is deterministic: seeded
 exponential gaps (a Poisson process) and seeded prompt lengths up to the full step budget.
 
-    python -m kvfence.bench.arrivals --caps 0,128,256,512 --repeat 2
+    python -m kvfence.bench.arrivals --caps 0,128,256,512 --targets 200,0 --repeat 2
 
-compares settings of the prefill cap in one run (0: the whole step budget, the old policy).
+compares settings of the prefill cap in one run (0: the whole step budget, the old policy),
+each non-zero cap with each step-time target (0: the fixed token cap; engine/step_target.py).
 """
 from __future__ import annotations
 
@@ -81,40 +82,55 @@ def run_arrivals(name: str, loaded: LoadedModel, cfg: EngineConfig, wl: Arrivals
     itl_ms["max"] = round(max(itl) * 1e3, 2)
     prompt_tokens = sum(len(p) for _, p in plan)
     return Result(name, seconds, out, out + prompt_tokens, percentiles(ttft), itl_ms,
-                  note=f"{steps} steps; prefill cap while decoding {cfg.prefill_tokens_while_decoding or 'none'}; "
+                  note=f"{steps} steps; prefill cap while decoding {cfg.prefill_tokens_while_decoding or 'none'}"
+                       f"{f' (last {engine.scheduler.prefill_budget_while_decoding})' if engine.step_target else ''}; "
                        f"preemptions={engine.scheduler.num_preemptions} violations={dict(engine.ledger.violations)}")
 
 
-def cap_name(cap: int) -> str:
-    return f"kvfence arrivals (prefill cap {cap} while decoding)" if cap else \
-        "kvfence arrivals (no prefill cap: the whole step budget)"
+Setting = tuple[int, float]   # (prefill cap while decoding, step-time target ms); cap 0: no cap
 
 
-def compare(loaded: LoadedModel, base: EngineConfig, caps: list[int], wl: Arrivals, repeat: int,
+def settings(caps: list[int], targets: list[float]) -> list[Setting]:
+    """Each non-zero cap with each target, and no cap once."""
+    return [(c, t) for c in caps for t in (targets if c else [0.0])]
+
+
+def setting_name(s: Setting) -> str:
+    cap, target = s
+    if not cap:
+        return "kvfence arrivals (no prefill cap: the whole step budget)"
+    return f"kvfence arrivals (prefill cap {cap} while decoding, " + (
+        f"sized to a {target:g} ms step)" if target else "fixed)")
+
+
+def compare(loaded: LoadedModel, base: EngineConfig, wanted: list[Setting], wl: Arrivals, repeat: int,
             show=print) -> list[Result]:
-    """Each cap's median over `repeat` interleaved rounds (a noisy neighbour slows all alike)."""
-    runs: dict[int, list[Result]] = {c: [] for c in caps}
+    """Each setting's median over `repeat` interleaved rounds (a noisy neighbour slows all alike)."""
+    runs: dict[Setting, list[Result]] = {s: [] for s in wanted}
     for rnd in range(repeat):
-        for cap in caps:
-            r = run_arrivals(cap_name(cap), loaded, replace(base, prefill_tokens_while_decoding=cap), wl)
-            runs[cap].append(r)
+        for s in wanted:
+            cfg = replace(base, prefill_tokens_while_decoding=s[0], decode_step_target_ms=s[1])
+            r = run_arrivals(setting_name(s), loaded, cfg, wl)
+            runs[s].append(r)
             show(f"[arrivals round {rnd + 1}/{repeat}] {_row(r)}")
     out = []
-    for cap in caps:
-        med = median_run(runs[cap], key=lambda r: r.itl_ms["p99"])
-        med.note += "; ITL p99 per round " + ", ".join(f"{r.itl_ms['p99']:.0f}" for r in runs[cap]) + " ms"
+    for s in wanted:
+        med = median_run(runs[s], key=lambda r: r.itl_ms["p99"])
+        med.note += "; ITL p99 per round " + ", ".join(f"{r.itl_ms['p99']:.0f}" for r in runs[s]) + " ms"
         out.append(med)
     return out
 
 
 def _row(r: Result) -> str:
-    return (f"{r.name:58s} {r.seconds:6.2f} s  ITL p50 {r.itl_ms['p50']:6.1f} p99 {r.itl_ms['p99']:7.1f} "
+    return (f"{r.name:70s} {r.seconds:6.2f} s  ITL p50 {r.itl_ms['p50']:6.1f} p99 {r.itl_ms['p99']:7.1f} "
             f"max {r.itl_ms['max']:7.1f} ms  TTFT p50 {r.ttft_ms['p50']:7.1f} p99 {r.ttft_ms['p99']:7.1f} ms  {r.note}")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--caps", default="0,256", help="comma-separated prefill caps to compare (0: none)")
+    ap.add_argument("--targets", default="200,0",
+                    help="comma-separated step-time targets in ms for each non-zero cap (0: the fixed cap)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--num-requests", type=int, default=Arrivals.num_requests)
     ap.add_argument("--mean-gap", type=float, default=Arrivals.mean_gap_s)
@@ -123,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     wl = Arrivals(num_requests=a.num_requests, mean_gap_s=a.mean_gap)
     base = EngineConfig(kv_cache_memory="1GiB", num_threads=a.threads, clamp_context=True, progress=False)
-    results = compare(LoadedModel.load(base), base, [int(c) for c in a.caps.split(",")], wl, a.repeat)
+    wanted = settings([int(c) for c in a.caps.split(",")], [float(t) for t in a.targets.split(",")])
+    results = compare(LoadedModel.load(base), base, wanted, wl, a.repeat)
     print(f"\n{wl.describe()}; medians by ITL p99:")
     for r in results:
         print(_row(r))

@@ -160,6 +160,7 @@ def base_config(args) -> EngineConfig:
                         kv_cache_memory=args.kv_cache_memory,
                         max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
                         prefill_tokens_while_decoding=args.prefill_tokens_while_decoding,
+                        decode_step_target_ms=args.decode_step_target_ms,
                         clamp_context=True, progress=False)
 
 
@@ -283,13 +284,14 @@ def _one_request(base: EngineConfig, loaded: LoadedModel, args, llama_gguf: str 
 
 def _arrivals(base: EngineConfig, loaded: LoadedModel, repeat: int) -> dict:
     """Requests arriving while others decode (kvfence/bench/arrivals.py): the configured
-    prefill cap against none, interleaved rounds, medians."""
-    from kvfence.bench.arrivals import Arrivals, compare
+    prefill cap (sized to its step-time target, and fixed) against none, interleaved rounds, medians."""
+    from kvfence.bench.arrivals import Arrivals, compare, settings
 
     wl = Arrivals()
-    caps = [base.prefill_tokens_while_decoding, 0] if base.prefill_tokens_while_decoding else [0]
+    targets = sorted({base.decode_step_target_ms, 0.0}, reverse=True)
+    wanted = settings(sorted({base.prefill_tokens_while_decoding, 0}, reverse=True), targets)
     print(f"\narrivals: {wl.describe()}")
-    results = compare(loaded, base, caps, wl, repeat)
+    results = compare(loaded, base, wanted, wl, repeat)
     for r in results:
         print(f"  {r.name}: ITL p50 {r.itl_ms['p50']} p99 {r.itl_ms['p99']} ms, TTFT p50 {r.ttft_ms['p50']} "
               f"p99 {r.ttft_ms['p99']} ms, {r.seconds:.2f} s")

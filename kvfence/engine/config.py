@@ -27,6 +27,9 @@ class EngineConfig:
     # (0: the whole budget): bounds the gap between a stream's tokens while new prompts arrive
     # (docs/performance.md, decode latency under prefill)
     prefill_tokens_while_decoding: int = 256
+    # a step that decodes should take at most this long: the cap above shrinks to the prefill that
+    # fits, learned from the steps run (engine/step_target.py); 0: the fixed token cap
+    decode_step_target_ms: float = 200.0
     max_waiting: int = 1024                   # admitted but not running; beyond it: Overloaded (503)
     scrub: str = "zero"                       # none | zero | poison (I7)
     verify_reads: bool = True                 # I2/I3 check before every pass; off only to measure its cost

@@ -40,6 +40,7 @@ from kvfence.engine.runner import ModelRunner, StepResult
 from kvfence.engine.sampler import SampleOutput, Sampler, make_generator, score_tokens
 from kvfence.engine.scheduler import ScheduledSeq, Scheduler
 from kvfence.engine.sequence import Sequence, TokenLogprob
+from kvfence.engine.step_target import StepTarget
 from kvfence.kv.ledger import Ledger, Owner, ReadRequest, Violation
 from kvfence.kv.pool import KVPool, available_memory, page_bytes, parse_bytes
 from kvfence.kv.prefix_cache import PrefixCache
@@ -110,6 +111,13 @@ class LLMEngine:
         self.scheduler = Scheduler(self.ledger, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.prefix_cache,
                                    prefill_budget_while_decoding=cfg.prefill_tokens_while_decoding or None)
         self.scheduler.pages_held_elsewhere = lambda: self.kv_link.holds_pool_pages()
+        if not cfg.decode_step_target_ms >= 0:   # NaN included
+            raise ValueError(f"decode_step_target_ms must be >= 0 (0: the fixed token cap); got "
+                             f"{cfg.decode_step_target_ms}")
+        # the cap sized from step times; None: the fixed token cap (or none at all)
+        self.step_target = (StepTarget(cfg.decode_step_target_ms / 1e3, cfg.prefill_tokens_while_decoding,
+                                       min(cfg.page_size, cfg.prefill_tokens_while_decoding))
+                            if cfg.decode_step_target_ms > 0 and cfg.prefill_tokens_while_decoding > 0 else None)
         self.runner = ModelRunner(self.model, self.pool, self.ledger, audit=cfg.audit_reads,
                                   fused_kernels=cfg.fused_kernels)
         self.sampler = Sampler()
@@ -331,6 +339,8 @@ class LLMEngine:
         self._stalled = not step and not outputs and self.kv_link.holds_pool_pages()
         if not step:
             return outputs
+        decodes = sum(1 for s in step if s.seq.state is State.DECODING)
+        began = time.perf_counter()
         results, failed = self._run_contained(step)
         outputs += failed
         ran = []
@@ -343,6 +353,10 @@ class LLMEngine:
         for seq in prefilled:
             self.scheduler.remove(seq)
         outputs += self._apply(self.kv_link.after_step(prefilled, self.clock()))
+        if self.step_target is not None and not failed:
+            # the whole step a stream waits for: the pass, sampling and detokenizing
+            self.step_target.observe(sum(s.num_new for s in step) - decodes, decodes, time.perf_counter() - began)
+            self.scheduler.prefill_budget_while_decoding = self.step_target.cap
         return outputs
 
     def _end_unservable(self) -> list[StepOutput]:
@@ -576,6 +590,7 @@ class LLMEngine:
             "pages_quarantined": led.num_quarantined, "capacity_tokens": led.capacity_tokens,
             "pages_fenced": led.num_fenced, "pages_by_owner": _named_scopes(led.pages_by_owner()),
             "usable_context": self.usable_context, "preemptions": self.scheduler.num_preemptions,
+            "prefill_cap_while_decoding": self.scheduler.prefill_budget_while_decoding or 0,
             "violations": dict(led.violations), "outcomes": dict(self.outcomes),
             **({"pd": self.kv_link.stats()} if not isinstance(self.kv_link, NoKvLink) else {}),
             **({"audit": self.runner.audit.summary()} if self.runner.audit is not None else {}),

@@ -22,7 +22,8 @@ from kvfence.procs import stop_processes
 
 # the engine options a node takes from launch-pd's (and the PD bench's) command line
 ENGINE_FLAGS = ("model", "dtype", "device", "weights", "kv_cache_memory", "kv_memory_fraction", "page_size",
-                "max_model_len", "max_num_seqs", "max_num_batched_tokens", "prefill_tokens_while_decoding", "scrub")
+                "max_model_len", "max_num_seqs", "max_num_batched_tokens", "prefill_tokens_while_decoding",
+                "decode_step_target_ms", "scrub")
 PD_FLAGS = ("transfer_host", "transfer_buffer_pages", "lease", "transfer_timeout", "max_pull", "clock_skew",
             "decode_reserve_tokens")
 

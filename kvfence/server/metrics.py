@@ -105,6 +105,10 @@ class _EngineCollector:
         ctx = GaugeMetricFamily("kvfence_context_tokens", "Advertised (usable) context length")
         ctx.add_metric([], float(s.get("usable_context", 0)))
         yield ctx
+        pc = GaugeMetricFamily("kvfence_prefill_cap_tokens", "Prefill tokens a step that also decodes may hold now "
+                               "(sized from --decode-step-target-ms; 0: no cap, the whole step budget)")
+        pc.add_metric([], float(s.get("prefill_cap_while_decoding", 0)))
+        yield pc
         viol = CounterMetricFamily("kvfence_isolation_violations", "Isolation checks that failed, by invariant; "
                                    "each one aborted a request and quarantined the page", labels=["invariant"])
         found = dict(s.get("violations", {}))

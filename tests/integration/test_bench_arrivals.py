@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvfence.bench.arrivals import Arrivals, run_arrivals
+from kvfence.bench.arrivals import Arrivals, run_arrivals, setting_name, settings
 from kvfence.engine.config import EngineConfig
 
 
@@ -14,6 +14,12 @@ def test_schedule_is_deterministic_and_starts_at_zero():
     assert [t for t, _ in a] == sorted(t for t, _ in a)
     assert {len(p) for _, p in a} <= {8, 16}
     assert a != replace(wl, seed=4).schedule(1000)
+
+
+def test_each_cap_with_each_target_and_no_cap_once():
+    wanted = settings([256, 0], [200.0, 0.0])
+    assert wanted == [(256, 200.0), (256, 0.0), (0, 0.0)]
+    assert len({setting_name(s) for s in wanted}) == 3
 
 
 def test_arrivals_run_to_completion_with_and_without_the_cap(loaded_fp32):

@@ -86,3 +86,35 @@ def test_invalid_params_and_prompts_are_refused_clearly(llm):
 def test_a_negative_prefill_cap_is_refused_at_start(make_llm):
     with pytest.raises(ValueError, match="prefill_tokens_while_decoding must be >= 0"):
         make_llm(prefill_tokens_while_decoding=-1)
+    with pytest.raises(ValueError, match="decode_step_target_ms must be >= 0"):
+        make_llm(decode_step_target_ms=float("nan"))
+
+
+def prompt_steps_while_streaming(eng) -> list[int]:
+    """A stream decodes; a 200-token prompt arrives: the prompt tokens each step computes while
+    the stream goes on."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    stream = eng.add_request(list(range(300, 320)), params)
+    while not stream.output_ids:
+        eng.step()
+    eng.step()                                   # one step that only decodes: its cost
+    late = eng.add_request(list(range(400, 600)), params)
+    steps = []
+    while late.num_computed < 200 and not stream.finished:
+        before = late.num_computed
+        eng.step()
+        steps.append(late.num_computed - before)
+    return steps
+
+
+def test_the_prefill_cap_shrinks_to_the_step_time_target(make_llm):
+    """The real engine learns a step's costs as it runs (engine/step_target.py): with a target
+    no step can meet, every prompt chunk beside a stream is a single page (the stream's own
+    prompt priced a token, its decode step the rest); with the target off, every chunk is the
+    ceiling."""
+    fixed = prompt_steps_while_streaming(make_llm(prefill_tokens_while_decoding=64, decode_step_target_ms=0).engine)
+    assert fixed == [64, 64, 64, 8]
+    eng = make_llm(prefill_tokens_while_decoding=64, decode_step_target_ms=0.001).engine
+    sized = prompt_steps_while_streaming(eng)
+    assert sized == [16] * 12 + [8]
+    assert eng.stats()["prefill_cap_while_decoding"] == 16
