@@ -17,7 +17,8 @@ from kvfence.kv.pool import page_bytes
 FAMILIES = ["kvfence_requests", "kvfence_prompt_tokens", "kvfence_generation_tokens",
             "kvfence_time_to_first_token_seconds", "kvfence_inter_token_latency_seconds",
             "kvfence_requests_running", "kvfence_requests_waiting", "kvfence_kv_pages",
-            "kvfence_admission_rejections", "kvfence_isolation_violations", "kvfence_engine_ready"]
+            "kvfence_admission_rejections", "kvfence_isolation_violations", "kvfence_engine_ready",
+            "kvfence_prefill_cap_tokens"]
 
 
 def test_health_reports_ready_and_load(server):
@@ -62,6 +63,8 @@ def test_metrics_families_and_values_follow_requests(server):
     assert get(after, "kvfence_kv_pages", state="used") == 0
     assert get(after, "kvfence_isolation_violations_total", invariant="I2") == 0
     assert get(after, "kvfence_requests_running") == 0 and get(after, "kvfence_engine_ready") == 1
+    cap = get(after, "kvfence_prefill_cap_tokens")   # sized to the step target, in pages, at most the 256 ceiling
+    assert 16 <= cap <= 256 and cap % 16 == 0
 
 
 def test_running_gauge_and_used_pages_while_a_request_runs(server):
