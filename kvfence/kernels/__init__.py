@@ -82,6 +82,24 @@ class CpuKernels:
                                       weight.data_ptr(), out.data_ptr(), n, dim, eps, torch.get_num_threads())
         return out
 
+    def add_rms_norm_f32res(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+        """A bf16 model's float32 residual stream h [n, dim]: h += delta (bf16) in place, without
+        rounding h; returns weight * rmsnorm(h) in bf16."""
+        n, dim = h.shape
+        bf16 = torch.bfloat16
+        _require(h.dtype == torch.float32 and h.is_contiguous() and h.device.type == "cpu"
+                 and weight.is_contiguous() and weight.dtype == bf16 and weight.shape == (dim,),
+                 "add_rms_norm_f32res: h [n, dim] float32 contiguous, weight [dim] bf16")
+        if delta is not None:
+            _require(delta.shape == h.shape and delta.is_contiguous() and delta.dtype == bf16,
+                     "add_rms_norm_f32res: delta [n, dim] bf16")
+        out = torch.empty(n, dim, dtype=bf16) if out is None else out
+        _require(out.shape == h.shape and out.is_contiguous() and out.dtype == bf16, "add_rms_norm_f32res: out bf16")
+        self.lib.kvfence_add_rms_norm_f32res(h.data_ptr(), None if delta is None else delta.data_ptr(),
+                                             weight.data_ptr(), out.data_ptr(), n, dim, eps, torch.get_num_threads())
+        return out
+
     def rope_store(self, qkv: torch.Tensor, heads: int, kv_heads: int, dim: int, positions: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slots: torch.Tensor, page_size: int) -> None:
@@ -342,12 +360,13 @@ class DecoderStack:
     def run(self, h: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
             kv_len: torch.Tensor, logits_rows: torch.Tensor, page_size: int) -> torch.Tensor:
-        """h [n, hidden] bf16 embeddings (updated in place as the residual stream); kv the pool
+        """h [n, hidden] float32 embeddings (updated in place as the residual stream); kv the pool
         [layers, 2, kv_heads, slots, head_dim]. Returns the final-normed hidden states of the
         logits rows [len(logits_rows), hidden]. Raises as the kernels it runs do."""
         n, hidden = h.shape
         bf16 = torch.bfloat16
-        _require(h.dtype == bf16 and h.is_contiguous() and hidden == self.hidden, "decoder_stack: h [n, hidden] bf16")
+        _require(h.dtype == torch.float32 and h.is_contiguous() and hidden == self.hidden,
+                 "decoder_stack: h [n, hidden] float32")
         _require(kv.dtype == bf16 and kv.is_contiguous() and kv.dim() == 5 and kv.shape[0] == len(self._layers)
                  and kv.shape[1:3] == (2, self.kv_heads) and kv.shape[4] == self.head_dim
                  and kv.shape[3] % page_size == 0 and 0 < page_size <= MAX_PAGE_SIZE, "decoder_stack: kv pool")
@@ -362,9 +381,9 @@ class DecoderStack:
         out = torch.empty(m, hidden, dtype=bf16)
         if n == 0:
             return out
-        work = [torch.empty(rows, cols, dtype=bf16) for rows, cols in (
-            (n, hidden), (n, q_size + 2 * self.kv_heads * self.head_dim), (n, q_size), (n, hidden), (n, self.inter),
-            (m, hidden), (m, q_size))]
+        work = [torch.empty(rows, cols, dtype=dtype) for rows, cols, dtype in (
+            (n, hidden, bf16), (n, q_size + 2 * self.kv_heads * self.head_dim, bf16), (n, q_size, bf16),
+            (n, hidden, bf16), (n, self.inter, bf16), (m, hidden, torch.float32), (m, q_size, bf16))]
         shape = _StackShape(hidden, self.heads, self.kv_heads, self.head_dim, self.inter, len(self._layers),
                             self.eps, self.head_dim ** -0.5, page_size)
         batch = _StackBatch(n, positions.data_ptr(), write_slots.data_ptr(), cos.data_ptr(), sin.data_ptr(),

@@ -98,6 +98,8 @@ def load_library() -> ctypes.CDLL:
     lib.kvfence_kernels_version.restype = i32
     lib.kvfence_add_rms_norm.argtypes = [i32, vp, vp, vp, vp, i64, i64, f32, i32]
     lib.kvfence_add_rms_norm.restype = None
+    lib.kvfence_add_rms_norm_f32res.argtypes = [vp, vp, vp, vp, i64, i64, f32, i32]
+    lib.kvfence_add_rms_norm_f32res.restype = None
     lib.kvfence_rope_store.argtypes = [i32, vp, i64, i64, i32, i32, i32, vp, i64, vp, vp, vp, vp, i64, vp, i32, i32]
     lib.kvfence_rope_store.restype = i64
     lib.kvfence_silu_mul.argtypes = [i32, vp, vp, i64, i64, i32]

@@ -14,6 +14,8 @@ int64_t kvfence_apply_token_mask(float* x, int64_t x_rows, int64_t cols, const i
                                  const uint32_t* mask, int64_t words, int nt);
 void kvfence_add_rms_norm(int dtype, void* h, const void* delta, const void* w, void* out, int64_t n, int64_t dim,
                           float eps, int nt);
+void kvfence_add_rms_norm_f32res(float* h, const bf16_t* delta, const bf16_t* w, bf16_t* out, int64_t n,
+                                  int64_t dim, float eps, int nt);
 int64_t kvfence_rope_store(int dtype, void* qkv, int64_t n, int64_t row_stride, int heads, int kv_heads, int dim,
                            const int64_t* positions, int64_t num_positions, const void* cos, const void* sin,
                            void* k_cache, void* v_cache, int64_t head_stride, const int64_t* slots, int page_size,

@@ -66,7 +66,7 @@ struct KvStackWork {           // scratch, each with room for n rows
     bf16_t* attn;              // [n, heads * head_dim]
     bf16_t* proj;              // [n, hidden]
     bf16_t* act;               // [n, inter]
-    bf16_t* h_last;            // [num_logits, hidden] the last layer's logits rows
+    float* h_last;             // [num_logits, hidden] the last layer's logits rows (residual)
     bf16_t* attn_last;         // [num_logits, heads * head_dim]
 };
 
@@ -82,13 +82,13 @@ static int matmul(const KvStackLayer& L, const void* w, int64_t bytes, bool swig
     return swiglu ? kvfence_gemm_swiglu(x, ldx, p, y, ldy, m, n, k, nt) : kvfence_gemm(x, ldx, p, y, ldy, m, n, k, nt);
 }
 
-// h [n, hidden]: the embeddings in, the residual stream after (rows past the last layer's KV
-// write are not updated). out [num_logits, hidden]: the final-normed logits rows.
+// h [n, hidden]: the embeddings in, the residual stream after, float32 (rows past the last
+// layer's KV write are not updated; kvfence_add_rms_norm_f32res says why float32). out [num_logits, hidden]: the final-normed logits rows.
 // Returns 0; else -1 with err = {1 (KV store), 2 (attention), 3 (a logits row outside the
 // batch), 4 (no bf16 or native matmul in this build) or 5 (a native matmul refused its
 // weight's shape: which one, 0-3, in place of the code), layer, the kernel's code or the row's index}.
 int64_t kvfence_decoder_stack(const KvStackLayer* layers, const KvStackShape* s, const KvStackBatch* b,
-                              const KvStackWork* w, bf16_t* h, const bf16_t* final_norm, bf16_t* out, int64_t* err,
+                              const KvStackWork* w, float* h, const bf16_t* final_norm, bf16_t* out, int64_t* err,
                               int nt) {
     const int64_t hidden = s->hidden, q_size = s->heads * s->head_dim, kv_size = s->kv_heads * s->head_dim;
     const int64_t qkv_cols = q_size + 2 * kv_size, head_stride = b->num_slots * s->head_dim;
@@ -98,7 +98,7 @@ int64_t kvfence_decoder_stack(const KvStackLayer* layers, const KvStackShape* s,
         err[0] = 4, err[1] = 0, err[2] = 0;
         return -1;
     }
-    kvfence_add_rms_norm(kBf16, h, nullptr, layers[0].attn_norm, w->x, n, hidden, s->eps, nt);
+    kvfence_add_rms_norm_f32res(h, nullptr, layers[0].attn_norm, w->x, n, hidden, s->eps, nt);
     for (int64_t li = 0; li < s->num_layers; ++li) {
         const KvStackLayer& L = layers[li];
         bf16_t* k_cache = b->kv + li * 2 * kv_heads * head_stride;
@@ -121,7 +121,7 @@ int64_t kvfence_decoder_stack(const KvStackLayer* layers, const KvStackShape* s,
             err[0] = 2, err[1] = li, err[2] = rc;
             return -1;
         }
-        bf16_t* res = h;
+        float* res = h;
         const bf16_t* attn = w->attn;
         const bool last = li + 1 == s->num_layers;
         if (last) {  // past the last KV write, only the logits rows matter
@@ -132,7 +132,7 @@ int64_t kvfence_decoder_stack(const KvStackLayer* layers, const KvStackShape* s,
                 }
             for (int64_t i = 0; i < b->num_logits; ++i) {
                 const int64_t r = b->logits_rows[i];
-                std::memcpy(w->h_last + i * hidden, h + r * hidden, sizeof(bf16_t) * hidden);
+                std::memcpy(w->h_last + i * hidden, h + r * hidden, sizeof(float) * hidden);
                 std::memcpy(w->attn_last + i * q_size, w->attn + r * q_size, sizeof(bf16_t) * q_size);
             }
             res = w->h_last, attn = w->attn_last, n = b->num_logits;
@@ -142,7 +142,7 @@ int64_t kvfence_decoder_stack(const KvStackLayer* layers, const KvStackShape* s,
             err[0] = 5, err[1] = li, err[2] = 1;
             return -1;
         }
-        kvfence_add_rms_norm(kBf16, res, w->proj, L.ffn_norm, w->x, n, hidden, s->eps, nt);
+        kvfence_add_rms_norm_f32res(res, w->proj, L.ffn_norm, w->x, n, hidden, s->eps, nt);
         if (matmul(L, L.gate_up, L.gate_up_bytes, true, w->x, hidden, w->act, s->inter, n, s->inter, hidden, nt)) {
             err[0] = 5, err[1] = li, err[2] = 2;
             return -1;
@@ -152,9 +152,9 @@ int64_t kvfence_decoder_stack(const KvStackLayer* layers, const KvStackShape* s,
             return -1;
         }
         if (last)
-            kvfence_add_rms_norm(kBf16, res, w->proj, final_norm, out, n, hidden, s->eps, nt);
+            kvfence_add_rms_norm_f32res(res, w->proj, final_norm, out, n, hidden, s->eps, nt);
         else
-            kvfence_add_rms_norm(kBf16, res, w->proj, layers[li + 1].attn_norm, w->x, n, hidden, s->eps, nt);
+            kvfence_add_rms_norm_f32res(res, w->proj, layers[li + 1].attn_norm, w->x, n, hidden, s->eps, nt);
     }
     return 0;
 }

@@ -137,7 +137,7 @@ class LlamaModel:
     def _layers_stacked(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """What _layers_fused computes, as one call into kernels/stack.cpp."""
         a = batch.attn
-        return self.stack.run(self.embed[batch.input_ids], batch.positions, batch.write_slots, self.cos, self.sin,
+        return self.stack.run(self.embed[batch.input_ids].float(), batch.positions, batch.write_slots, self.cos, self.sin,
                               kv_cache, a.pages, a.q_start, a.q_len, a.kv_len, batch.logits_rows, batch.page_size)
 
     def _layers_fused(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -146,10 +146,13 @@ class LlamaModel:
         K, cfg, a = self.kernels, self.config, batch.attn
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         n = batch.input_ids.shape[0]
-        h = self.embed[batch.input_ids]
+        # a bf16 model's residual stream is float32 (CpuKernels.add_rms_norm_f32res says why)
+        bf16 = self.dtype == torch.bfloat16
+        h = self.embed[batch.input_ids].float() if bf16 else self.embed[batch.input_ids]
+        norm = K.add_rms_norm_f32res if bf16 else K.add_rms_norm
         attn_out = torch.empty(n, H, D, dtype=self.dtype)
         scale = D ** -0.5
-        x = K.add_rms_norm(h, None, self.layers[0][0], self.eps)
+        x = norm(h, None, self.layers[0][0], self.eps)
         last, rows = len(self.layers) - 1, batch.logits_rows
         for li, (_, wqkv, wo, ffn_norm, mlp_in, wdown) in enumerate(self.layers):
             qkv = wqkv(x)
@@ -164,20 +167,20 @@ class LlamaModel:
                 h, attn = h[rows], attn_out[rows]
                 if not len(rows):
                     return h
-            x = K.add_rms_norm(h, wo(attn.view(-1, H * D)), ffn_norm, self.eps)
+            x = norm(h, wo(attn.view(-1, H * D)), ffn_norm, self.eps)
             down = wdown(mlp_in(x))
             nxt = self.layers[li + 1][0] if li + 1 < len(self.layers) else None
             if nxt is not None:
-                x = K.add_rms_norm(h, down, nxt, self.eps)
+                x = norm(h, down, nxt, self.eps)
             else:
-                h += down
-        return K.add_rms_norm(h, None, self.final_norm, self.eps)
+                return norm(h, down, self.final_norm, self.eps)
+        return norm(h, None, self.final_norm, self.eps)
 
     # -- plain torch ---------------------------------------------------------------------
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return w * xf.to(x.dtype)
+        return w * xf.to(w.dtype)   # x may be a bf16 model's float32 residual; w is the model's dtype
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -253,7 +256,7 @@ class LlamaModel:
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         cos = self.cos[batch.positions].unsqueeze(1)
         sin = self.sin[batch.positions].unsqueeze(1)
-        h = self.embed[batch.input_ids]
+        h = self.embed[batch.input_ids].float()   # the residual stream is float32 (add_rms_norm_f32res)
         attn_out = torch.empty(n, H, D, dtype=self.dtype, device=self.device)
         plan = []
         q_start, q_len, kv_len = a.q_start.tolist(), a.q_len.tolist(), a.kv_len.tolist()

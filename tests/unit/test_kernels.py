@@ -42,6 +42,26 @@ def test_add_rms_norm_matches_torch(dtype):
     torch.testing.assert_close(alone, got)
 
 
+@pytest.mark.parametrize("dim", [96, 100])   # the vector rows and the scalar ones
+def test_add_rms_norm_f32res_keeps_the_residual_unrounded(dim):
+    """A bf16 model's float32 residual: the add is exact float32 (never rounded to bf16), the
+    normed output bf16 as torch computes it from the float32 sum."""
+    g = gen()
+    h = torch.randn(37, dim, generator=g) * 3
+    delta = torch.randn(37, dim, generator=g).to(torch.bfloat16)
+    w = torch.randn(dim, generator=g).to(torch.bfloat16)
+    want_h = h + delta.float()
+    want = w * (want_h * torch.rsqrt(want_h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    got_h = h.clone()
+    got = K.add_rms_norm_f32res(got_h, delta, w, 1e-5)
+    assert torch.equal(got_h, want_h) and not torch.equal(got_h, want_h.to(torch.bfloat16).float())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(K.add_rms_norm_f32res(want_h.clone(), None, w, 1e-5), got)
+    with pytest.raises(ValueError, match="float32"):
+        K.add_rms_norm_f32res(h.to(torch.bfloat16), delta, w, 1e-5)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_matches_torch(dtype):
     gu = (torch.randn(19, 2 * 80, generator=gen(1)) * 4).to(dtype)
@@ -284,7 +304,7 @@ def test_decoder_stack_is_bit_for_bit_the_per_kernel_loop(head_dim):
 def test_decoder_stack_refuses_what_its_kernels_refuse():
     model = tiny_model(torch.bfloat16)
     pool = torch.zeros(2, 2, 2, 4 * 8, 32, dtype=torch.bfloat16)
-    h = model.embed[torch.arange(3)]
+    h = model.embed[torch.arange(3)].float()   # the float32 residual stream
     args = dict(positions=torch.arange(3), write_slots=torch.arange(3), cos=model.cos, sin=model.sin, kv=pool,
                 pages=torch.tensor([[1]]), q_start=torch.tensor([0]), q_len=torch.tensor([3]),
                 kv_len=torch.tensor([3]), logits_rows=torch.tensor([2]), page_size=8)

@@ -208,7 +208,7 @@ def test_native_decoder_stack_refuses_a_weight_of_another_shape():
     layer = stack._layers[1]
     layer.o, layer.o_bytes = layer.qkv, layer.qkv_bytes
     pool = torch.zeros(2, 2, 1, 4 * 8, 32, dtype=torch.bfloat16)
-    h = model.embed[torch.arange(3)]
+    h = model.embed[torch.arange(3)].float()   # the float32 residual stream
     with pytest.raises(ValueError, match="layer 1's native o matmul"):
         stack.run(h.clone(), positions=torch.arange(3), write_slots=torch.arange(3), cos=model.cos, sin=model.sin,
                   kv=pool, pages=torch.tensor([[1]]), q_start=torch.tensor([0]), q_len=torch.tensor([3]),
