@@ -137,8 +137,9 @@ class LlamaModel:
     def _layers_stacked(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """What _layers_fused computes, as one call into kernels/stack.cpp."""
         a = batch.attn
-        return self.stack.run(self.embed[batch.input_ids].float(), batch.positions, batch.write_slots, self.cos, self.sin,
-                              kv_cache, a.pages, a.q_start, a.q_len, a.kv_len, batch.logits_rows, batch.page_size)
+        return self.stack.run(self.embed[batch.input_ids].float(), batch.positions, batch.write_slots, self.cos,
+                              self.sin, kv_cache, a.pages, a.q_start, a.q_len, a.kv_len, batch.logits_rows,
+                              batch.page_size)
 
     def _layers_fused(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """The decoder stack through kvfence/kernels; returns the final-normed hidden
