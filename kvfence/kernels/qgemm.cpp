@@ -355,9 +355,9 @@ inline void tile(const QuantRows& a, int64_t r0, int64_t k, const uint8_t* panel
         const int32_t* xq[R];
         for (int r = 0; r < R; ++r) xq[r] = reinterpret_cast<const int32_t*>(a.q.data() + (r0 + r) * k + b * kBlock);
         __m256i s[R][NY];
+        for (int r = 0; r < R; ++r)
+            for (int y = 0; y < NY; ++y) s[r][y] = _mm256_setzero_si256();
         if constexpr (q4) {
-            for (int r = 0; r < R; ++r)
-                for (int y = 0; y < NY; ++y) s[r][y] = _mm256_setzero_si256();
             for (int t = 0; t < 4; ++t)
                 for (int y = 0; y < NY; ++y) {
                     const __m256i raw = at(wq, t, y0 + y);
@@ -370,8 +370,6 @@ inline void tile(const QuantRows& a, int64_t r0, int64_t k, const uint8_t* panel
             for (int r = 0; r < R; ++r)
                 for (int y = 0; y < NY; ++y) s[r][y] = _mm256_madd_epi16(s[r][y], ones);
         } else {
-            for (int r = 0; r < R; ++r)
-                for (int y = 0; y < NY; ++y) s[r][y] = _mm256_setzero_si256();
             for (int t = 0; t < 8; ++t)
                 for (int y = 0; y < NY; ++y) {
                     const __m256i v = _mm256_xor_si256(at(wq, t, y0 + y), bias);  // u - 128 as int8
@@ -385,21 +383,14 @@ inline void tile(const QuantRows& a, int64_t r0, int64_t k, const uint8_t* panel
         for (int y = 0; y < NY; ++y) {
             const int col = 8 * (y0 + y);
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 * col)));
-            if constexpr (q4) {
-                const __m256 mw =
-                    _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 * kPanel + 2 * col)));
-                for (int r = 0; r < R; ++r) {
-                    const int64_t i = (r0 + r) * nb + b;
-                    acc[r][y] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][y]), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[i])),
-                                                acc[r][y]);
-                    acc[r][y] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.ds[i]), acc[r][y]);
-                }
-            } else {
-                for (int r = 0; r < R; ++r) {
-                    const int64_t i = (r0 + r) * nb + b;
-                    acc[r][y] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][y]), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[i])),
-                                                acc[r][y]);
-                }
+            __m256 mw = _mm256_setzero_ps();  // Q4's mins, for the min term mw * d * S
+            if constexpr (q4)
+                mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 * kPanel + 2 * col)));
+            for (int r = 0; r < R; ++r) {
+                const int64_t i = (r0 + r) * nb + b;
+                acc[r][y] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][y]), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[i])),
+                                            acc[r][y]);
+                if constexpr (q4) acc[r][y] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.ds[i]), acc[r][y]);
             }
         }
     }
@@ -436,13 +427,12 @@ void qgemm(const QuantRows& a, const uint8_t* body, void* y, int64_t ldy, int64_
         const int valid = int(std::min<int64_t>(cols, n - c0));
         const uint8_t* panel = body + p * pbytes;
         alignas(32) float res[kTileRows][kPanel];
-        int64_t r = 0;
         if (m == 1) {  // decode at batch 1: the whole panel in one pass, each x broadcast serving 4 vectors
             tile<1, 4, Fmt>(a, 0, k, panel, 0, res);
             store_rows<E>(res, 1, y, ldy, 0, c0, valid);
             continue;
         }
-        for (; r < m; r += kTileRows) {
+        for (int64_t r = 0; r < m; r += kTileRows) {
             const int rows = int(std::min<int64_t>(kTileRows, m - r));
             for (int y0 = 0; y0 < 4; y0 += 2) {
                 if (rows == 3) tile<3, 2, Fmt>(a, r, k, panel, y0, res);
