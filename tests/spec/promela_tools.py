@@ -161,3 +161,27 @@ def build_pan(model: Path, spin_defines: Sequence[str] = (), cc_flags: Sequence[
 def run_pan(pan: Path, args: Sequence[str], timeout: float = 600) -> PanResult:
     proc = run([str(pan), *args], pan.parent, timeout)
     return PanResult(proc.stdout + proc.stderr, proc.returncode)
+
+
+@dataclass(frozen=True)
+class PanJob:
+    """One model check: which model (relative to spec/), how to build pan, how to run it."""
+    model: str
+    spin_defines: tuple[str, ...] = ()
+    cc_flags: tuple[str, ...] = ("-DSAFETY",)
+    opt: str = "-O2"
+    args: tuple[str, ...] = ()
+
+
+@dataclass
+class PanRun:
+    model: Path          # the model file in this job's own copy of spec/ (its trail lands next to it)
+    result: PanResult
+
+
+def check(job: PanJob, workdir: Path) -> PanRun:
+    """Build and run one job in its own copy of spec/: spin -a writes pan.c next to the model,
+    so two jobs sharing a directory would overwrite each other's pan."""
+    spec = copy_spec(workdir)
+    pan = build_pan(spec / job.model, job.spin_defines, job.cc_flags, job.opt)
+    return PanRun(spec / job.model, run_pan(pan, job.args))

@@ -3,19 +3,51 @@ of it terminates and reaches every transition and scenario it names, and every
 mutant that reintroduces a known bug is caught with a counterexample.
 
 Needs spin and gcc (see conftest.spin_tools). spec/README.md has the numbers.
+
+Each search is single-threaded and this file's tests only read results, so all of them
+(three exhaustive searches, one per mutant) run at once on a pool of the machine's cores,
+longest first; each test waits for its own.
 """
 from __future__ import annotations
 
+import os
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from promela_tools import (MODEL, MUTANTS, PanResult, advances, build_pan, copy_spec,
-                           reached_markers, run, run_pan)
+from promela_tools import MODEL, MUTANTS, PanJob, PanResult, PanRun, advances, check, reached_markers, run
 
 # -m: search depth bound (the model needs < 100); -w: hash table of 2^24 slots
-PAN_ARGS = ["-m10000", "-w24"]
+PAN_ARGS = ("-m10000", "-w24")
+# The exhaustive searches store ~6-10 million states: NOCOMP skips pan's byte-mask
+# compression of each state (~20% faster, ~30% more memory: under 3 GB each). Bound
+# checks stay on: an index out of range in the model is an error, not a silent overwrite.
+EXHAUSTIVE = ("-DNOCOMP",)
+
+JOBS: dict[str, PanJob] = {
+    "adversary": PanJob("adversary.pml", ("-DCOVERAGE",), ("-DSAFETY", *EXHAUSTIVE), args=PAN_ARGS),
+    # no progress label, so any cycle counts; COVERAGE probes compiled in (pan refuses NOCOMP with -l)
+    "liveness": PanJob("handoff.pml", ("-DCOVERAGE",), ("-DNP",), args=("-l", *PAN_ARGS)),
+    "clean": PanJob("handoff.pml", (), ("-DSAFETY", *EXHAUSTIVE), args=PAN_ARGS),
+    # a mutant's search stops at its first error: compile time matters more than search speed
+    **{f"mutant {key}": PanJob(f"mutants/{name}", (), ("-DSAFETY",), "-O1", PAN_ARGS)
+       for key, (name, _) in sorted(MUTANTS.items())},
+}
+
+
+@pytest.fixture(scope="module")
+def campaign(spin_tools, tmp_path_factory):
+    workers = max(1, min(os.cpu_count() or 1, 4))   # memory: up to ~3 GB per exhaustive search
+    pool = ThreadPoolExecutor(max_workers=workers)
+    futures: dict[str, Future[PanRun]] = {
+        name: pool.submit(check, job, tmp_path_factory.mktemp(name.replace(" ", "_")))
+        for name, job in JOBS.items()}
+    yield futures
+    for f in futures.values():
+        f.cancel()
+    pool.shutdown(wait=True)
 
 
 def assert_complete_and_clean(result: PanResult) -> None:
@@ -28,27 +60,23 @@ def assert_complete_and_clean(result: PanResult) -> None:
     assert result.returncode == 0, out[-3000:]
 
 
-def test_clean_model_verifies_exhaustively(spin_tools, tmp_path):
+def test_clean_model_verifies_exhaustively(campaign):
     """Safety: all assertions (I1-I6, and the END_ checks at quiescence) and no
     invalid end state, over the full state space."""
-    spec = copy_spec(tmp_path)
-    pan = build_pan(spec / "handoff.pml", cc_flags=["-DSAFETY"])
-    result = run_pan(pan, PAN_ARGS)
+    result = campaign["clean"].result().result
     print("clean model:", result.summary())
     assert_complete_and_clean(result)
     assert re.search(r"assertion violations\s+\+", result.output)
     assert re.search(r"invalid end states\s+\+", result.output)
 
 
-def test_model_with_a_network_adversary_verifies(spin_tools, tmp_path):
+def test_model_with_a_network_adversary_verifies(campaign):
     """I10/I11: an adversary on the network that reads every registered page at every step,
     overwrites one, splices another request's sealed row into this one's or replays one,
     or forges a control message: no plaintext in registered memory, no adversary bytes and
     no foreign row reach attention, every other property as in the clean model. Built with
     COVERAGE so that the search also shows each adversary scenario happens."""
-    spec = copy_spec(tmp_path)
-    pan = build_pan(spec / "adversary.pml", spin_defines=["-DCOVERAGE"], cc_flags=["-DSAFETY"])
-    result = run_pan(pan, PAN_ARGS)
+    result = campaign["adversary"].result().result
     print("adversary model:", result.summary())
     assert_complete_and_clean(result)
     reached = set(re.findall(r"^REACHED (\w+) @\d+$", result.output, flags=re.M))
@@ -58,12 +86,9 @@ def test_model_with_a_network_adversary_verifies(spin_tools, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def liveness_run(spin_tools, tmp_path_factory) -> PanResult:
-    """One search for non-progress cycles (there is no progress label, so any
-    cycle counts) with the COVERAGE probes compiled in."""
-    spec = copy_spec(tmp_path_factory.mktemp("liveness"))
-    pan = build_pan(spec / "handoff.pml", spin_defines=["-DCOVERAGE"], cc_flags=["-DNP"])
-    result = run_pan(pan, ["-l", *PAN_ARGS])
+def liveness_run(campaign) -> PanResult:
+    """The search for non-progress cycles, with the COVERAGE probes compiled in."""
+    result = campaign["liveness"].result().result
     print("cycle search:", result.summary())
     return result
 
@@ -93,12 +118,10 @@ def test_every_transition_and_scenario_is_reachable(liveness_run):
 
 
 @pytest.mark.parametrize("key", sorted(MUTANTS))
-def test_mutant_is_caught(spin_tools, tmp_path, key):
-    name, properties = MUTANTS[key]
-    spec = copy_spec(tmp_path)
-    model = spec / "mutants" / name
-    pan = build_pan(model, cc_flags=["-DSAFETY"], opt="-O1")
-    result = run_pan(pan, PAN_ARGS)
+def test_mutant_is_caught(campaign, key):
+    _, properties = MUTANTS[key]
+    done = campaign[f"mutant {key}"].result()
+    model, result = done.model, done.result
     print(f"mutant {key}:", result.summary())
     assert result.errors >= 1, f"spin found no error in mutant {key}:\n{result.output[-3000:]}"
     violated = re.search(r"assertion violated .*\|\|(\w+)\)", result.output)
