@@ -119,6 +119,7 @@ class _Flight:
     reader_stopped: bool = False      # decode is known not to be pulling (refused, or said so)
     decode_contacted: bool = False
     cached: int = 0
+    completion: int = 0               # tokens decode reported so far
     prefill: Node | None = None       # the nodes this request is on
     decode: Node | None = None
 
@@ -402,6 +403,12 @@ class RouterBackend:
                               public_prefix_scope=scope, handoff=self._handoff(flight))
             await self._decode_on_some_node(body, flight, handle, admitted, len(ids))
         except asyncio.CancelledError:
+            # abort(): the server side still waits on this handle for the request's last update
+            # (without it a hung-up non-streaming request never ends: its tenant slot and its
+            # handler stay taken). Code "client", as a single node's engine reports an abort.
+            if admitted.done():
+                handle.updates.put_nowait(Update((), "", True, "aborted", "client disconnected", len(ids),
+                                                 flight.completion, flight.cached, abort_code="client"))
             raise
         except NodeError as e:
             fail(str(e), e.code, e.rejection)
@@ -580,7 +587,7 @@ class RouterBackend:
                 toks = tuple(ev.token_ids)
                 if toks and first_at is None:
                     first_at = now
-                completion = ev.completion_tokens
+                completion = flight.completion = ev.completion_tokens
                 lps = tuple(Logprob(lp.token_id, lp.logprob, tuple(lp.top)) for lp in ev.logprobs)
                 handle.updates.put_nowait(Update(
                     toks, ev.text, ev.finished, ev.finish_reason, ev.error, n_prompt, completion, flight.cached, lps,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -256,6 +257,22 @@ def test_lease_expiry_is_a_503_and_prefill_fences_then_frees(cluster, client):
     cluster.wait_quiet(20)  # the fence (deadline + max pull + skew) lifts, then every row is free
 
 
+def _ended_by_hang_up(cluster) -> int:
+    """Requests the router has ended with outcome client_disconnected (its /metrics): a hung-up
+    request must end on the router too, not only on the nodes, or its handler and its
+    tenant's concurrency slot stay taken."""
+    text = httpx.get(cluster.url("router") + "/metrics", timeout=10).text
+    return int(sum(float(v) for v in re.findall(
+        r'^kvfence_requests_total\{[^}]*outcome="client_disconnected"[^}]*\} (\S+)$', text, flags=re.M)))
+
+
+def _wait_ended_by_hang_up(cluster, at_least: int, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while _ended_by_hang_up(cluster) < at_least:
+        assert time.monotonic() < end, "the router never ended the hung-up request"
+        time.sleep(0.2)
+
+
 def _hang_up_when(url: str, body: dict, condition, timeout: float = 30.0) -> None:
     """POST body over a raw socket, then close it as soon as condition() holds."""
     import json as _json
@@ -285,6 +302,7 @@ def test_client_disconnect_at_each_stage_aborts_and_frees_everything(cluster, cl
     if stage == "handoff":
         cluster.set_faults("router", "delay_handoff:3")
     before = {r: cluster.info(r)["snapshot"] for r in ("prefill", "decode")}
+    ended0 = _ended_by_hang_up(cluster)
     body = {"model": m, "prompt": LONG * 2 if stage == "prefill" else LONG, "stream": True,
             "max_tokens": 400 if stage == "decode" else 50}
     if stage == "decode":
@@ -304,6 +322,7 @@ def test_client_disconnect_at_each_stage_aborts_and_frees_everything(cluster, cl
         _hang_up_when(cluster.url("router"), body, now)
     cluster.clear_faults()
     cluster.wait_quiet(25)
+    _wait_ended_by_hang_up(cluster, ended0 + 1)
     after = {r: cluster.info(r)["snapshot"] for r in ("prefill", "decode")}
 
     def count(snap, role, key):
@@ -330,18 +349,21 @@ def test_a_hang_up_before_decode_pulled_frees_prefills_rows_at_once(cluster, cli
     fences0 = cluster.pd("prefill").get("pd_fences", 0)
     x_body = {"model": m, "prompt": LONG, "max_tokens": 400, "stream": True, "temperature": 0,
               "ignore_eos": True}              # reserves 457 + 256 tokens (45 of 90 pages), grows to 54
-    started = threading.Event()
+    started, done = threading.Event(), threading.Event()
 
-    def x():
+    def x():   # reads until the checks on Y are over, then hangs up too (X's other tokens prove nothing)
         with httpx.Client(timeout=120) as h, h.stream("POST", cluster.url("router") + "/v1/completions",
                                                       json=x_body) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     started.set()
+                if done.is_set():
+                    break
     t = threading.Thread(target=x)
     t.start()
     assert started.wait(60), "X never streamed"
     held0 = cluster.pd("prefill").get("pd_held", 0)
+    ended0 = _ended_by_hang_up(cluster)
     y_body = {**x_body, "prompt": LONG + " Y " + LONG, "max_tokens": 100,
               "stream": False}                                  # 915 + 100 tokens: 64 pages, once X is done
     _hang_up_when(cluster.url("router"), y_body,
@@ -351,6 +373,8 @@ def test_a_hang_up_before_decode_pulled_frees_prefills_rows_at_once(cluster, cli
     while cluster.pd("decode")["waiting_for_pages"] and time.monotonic() < end:
         time.sleep(0.1)
     assert cluster.pd("decode")["waiting_for_pages"] == 0            # Y is gone from decode's queue ...
+    _wait_ended_by_hang_up(cluster, ended0 + 1)                        # ... and from the router (X still runs)
+    done.set()
     t.join(120)
     cluster.wait_quiet(30)
     assert cluster.pd("prefill").get("pd_fences", 0) == fences0      # ... and its rows were freed, not fenced
