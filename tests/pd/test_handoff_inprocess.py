@@ -312,10 +312,14 @@ def test_decode_says_whether_a_read_can_still_run(loaded_fp32):
     assert y.finished and pr.d.kv_link.reader_stopped("sy")          # y never read: prefill may free at once
     assert pr.p.abort_kv("sy", reader_stopped=True, reason="client gone") == "aborted"
     assert pr.exp.staging.ledger.num_quarantined == 0                # freed, not fenced
-    while not x.finished:
+    assert not pr.d.kv_link.reader_stopped("sx")                     # x's read has not reported yet
+    while not x.output_ids:                                           # verified: x decodes
         pr.d.step()
     assert pr.d.kv_link.reader_stopped("sx")                         # x's read ended with its notice
     pr.p.release_kv("sx")
+    pr.d.abort("sx", "done")                                          # (the other 399 tokens prove nothing here)
+    while not x.finished:
+        pr.d.step()
 
 
 POISON = 4242          # a token id only the poisoned prompts contain (prompt() draws from 100..40000 minus it)
