@@ -468,12 +468,12 @@ def test_decode_out_of_pages_mid_generation_preempts_and_recomputes(loaded_fp32)
     pages go back through the ledger, decode recomputes its KV from its tokens and both end
     with the single-node output. No error, no page of one read by the other (the ledger's
     check runs on every pass)."""
-    pr = Pair(loaded_fp32, decode_kw={"kv_cache_memory": "12MiB"}, decode_reserve_tokens=16)
-    params = SamplingParams(max_tokens=100, **GREEDY)
-    ids_x, ids_y = prompt(60, 110), prompt(60, 111)
+    pr = Pair(loaded_fp32, decode_kw={"kv_cache_memory": "8MiB"}, decode_reserve_tokens=16)
+    params = SamplingParams(max_tokens=60, **GREEDY)
+    ids_x, ids_y = prompt(40, 110), prompt(40, 111)
     x = _admit(pr, ids_x, params, "px", "A")
     y = _admit(pr, ids_y, params, "py", "B")
-    assert 2 * pr.d.ledger.pages_for(160) > pr.d.ledger.usable_pages       # they cannot both finish at once
+    assert 2 * pr.d.ledger.pages_for(100) > pr.d.ledger.usable_pages       # they cannot both finish at once
     _run_until(pr, lambda: x.finished and y.finished, 120)
     assert pr.d.scheduler.num_preemptions >= 1
     assert x.finish_reason == y.finish_reason == "length"

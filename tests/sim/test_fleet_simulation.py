@@ -15,7 +15,7 @@ from kvfence import faults
 from kvfence.sim.cluster import SimFailure, simulate
 
 FLEET_SEEDS = (1, 6)
-LIVES = 800
+LIVES = 400
 
 
 @functools.cache
