@@ -385,12 +385,15 @@ class RouterBackend:
         wire = WireParams.of(params)
         flight = _Flight()
 
+        def last_update(message: str, code: str, completion: int) -> None:
+            handle.updates.put_nowait(Update((), "", True, "aborted", message, len(ids), completion, flight.cached,
+                                             abort_code=code))
+
         def fail(message: str, code: str, rejection: RejectedEvent | None = None) -> None:
             if not admitted.done():
                 admitted.set_exception(_as_submit_error(message, code, rejection))
                 return
-            handle.updates.put_nowait(Update((), "", True, "aborted", message, len(ids), 0, flight.cached,
-                                             abort_code=code))
+            last_update(message, code, 0)
 
         try:
             if len(ids) >= 2:
@@ -407,8 +410,7 @@ class RouterBackend:
             # (without it a hung-up non-streaming request never ends: its tenant slot and its
             # handler stay taken). Code "client", as a single node's engine reports an abort.
             if admitted.done():
-                handle.updates.put_nowait(Update((), "", True, "aborted", "client disconnected", len(ids),
-                                                 flight.completion, flight.cached, abort_code="client"))
+                last_update("client disconnected", "client", flight.completion)
             raise
         except NodeError as e:
             fail(str(e), e.code, e.rejection)

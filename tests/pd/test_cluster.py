@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import signal
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import httpx
 import openai
 import pytest
 from pd_cluster import ROOT, Cluster, free_port
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvfence.engine.params import SamplingParams
 
@@ -262,8 +262,8 @@ def _ended_by_hang_up(cluster) -> int:
     request must end on the router too, not only on the nodes, or its handler and its
     tenant's concurrency slot stay taken."""
     text = httpx.get(cluster.url("router") + "/metrics", timeout=10).text
-    return int(sum(float(v) for v in re.findall(
-        r'^kvfence_requests_total\{[^}]*outcome="client_disconnected"[^}]*\} (\S+)$', text, flags=re.M)))
+    return int(sum(m.value for fam in text_string_to_metric_families(text) for m in fam.samples
+                   if m.name == "kvfence_requests_total" and m.labels.get("outcome") == "client_disconnected"))
 
 
 def _wait_ended_by_hang_up(cluster, at_least: int, timeout: float = 20.0) -> None:

@@ -45,9 +45,7 @@ def campaign(spin_tools, tmp_path_factory):
         name: pool.submit(check, job, tmp_path_factory.mktemp(name.replace(" ", "_")))
         for name, job in JOBS.items()}
     yield futures
-    for f in futures.values():
-        f.cancel()
-    pool.shutdown(wait=True)
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 def assert_complete_and_clean(result: PanResult) -> None:

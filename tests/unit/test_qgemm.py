@@ -4,6 +4,8 @@ float32 matmul of the dequantized weights, random and the bundled model's own bl
 shape checks the C side makes before it reads anything."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -42,10 +44,16 @@ def emulate(x: torch.Tensor, w: QuantWeight) -> np.ndarray:
     return xq @ w.dequantize().double().numpy().T
 
 
-def real_weight(name: str, rows: int | None = None) -> QuantWeight:
+@functools.cache
+def _bundled_tensors() -> dict:
+    from kvfence.model.gguf_loader import open_gguf
     from kvfence.model.loader import default_model_path
 
-    t = next(t for t in gguf.GGUFReader(str(default_model_path())).tensors if t.name == name)
+    return {t.name: t for t in open_gguf(default_model_path()).tensors}
+
+
+def real_weight(name: str, rows: int | None = None) -> QuantWeight:
+    t = _bundled_tensors()[name]
     data = np.asarray(t.data)[:rows]
     return QuantWeight(int(t.tensor_type), data.shape[0], int(t.shape[0]), data)
 
