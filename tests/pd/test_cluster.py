@@ -14,7 +14,7 @@ import time
 import httpx
 import openai
 import pytest
-from pd_cluster import ROOT, Cluster, free_port
+from pd_cluster import ROOT, free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvfence.engine.params import SamplingParams
@@ -26,10 +26,8 @@ LONG = ("The history of the printing press begins with movable type in East Asia
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("pd")).start_all()
-    yield c
-    c.stop()
+def cluster(shared_cluster):
+    return shared_cluster   # tests/pd/conftest.py
 
 
 @pytest.fixture

@@ -19,7 +19,6 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pd_cluster import Cluster
 
 pytest.importorskip("mooncake.engine", reason="the PD tests need mooncake-transfer-engine-non-cuda")
 
@@ -30,10 +29,8 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("pd-fuzz")).start_all()
-    yield c
-    c.stop()
+def cluster(shared_cluster):
+    return shared_cluster   # tests/pd/conftest.py
 
 
 _scalar = (st.none() | st.booleans() | st.integers(min_value=-(1 << 70), max_value=1 << 70)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
-from pd_cluster import ROOT, Cluster
+from pd_cluster import ROOT
 from test_cluster import LONG, model_name
 
 pytest.importorskip("mooncake.engine", reason="the PD tests need mooncake-transfer-engine-non-cuda")
@@ -68,10 +68,8 @@ class Intruder:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("pd-adversary")).start_all()
-    yield c
-    c.stop()
+def cluster(shared_cluster):
+    return shared_cluster   # tests/pd/conftest.py
 
 
 @pytest.fixture(scope="module")
