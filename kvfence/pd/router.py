@@ -393,7 +393,9 @@ class RouterBackend:
             if not admitted.done():
                 admitted.set_exception(_as_submit_error(message, code, rejection))
                 return
-            last_update(message, code, 0)
+            # the tokens decode streamed before it failed reached the client: they count, as a
+            # single node counts an aborted request's tokens (its usage, the tenant's token budget)
+            last_update(message, code, flight.completion)
 
         try:
             if len(ids) >= 2:

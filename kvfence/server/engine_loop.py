@@ -285,6 +285,13 @@ class EngineLoop:
     def _update(sink: _Sink, token_ids: tuple, text: str, finished: bool, event: str | None = None,
                 data: dict | None = None) -> Update:
         seq = sink.seq
+        if event is not None and not token_ids:
+            # a PD milestone (kv_held, kv_verified): the router reads only its event, so the
+            # logprobs and times of a token the same step produced go with that token's update
+            return Update((), text, finished, seq.finish_reason if finished else None,
+                          seq.error if finished else None, len(seq.prompt_ids), len(seq.output_ids),
+                          cached_tokens_of(seq), abort_code=seq.abort_code if finished else None,
+                          event=event, data=data)
         lps = _logprobs(seq.logprobs[sink.sent_logprobs:])
         sink.sent_logprobs = len(seq.logprobs)
         prompt_lps: tuple[Logprob, ...] = ()

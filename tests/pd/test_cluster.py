@@ -53,6 +53,20 @@ def test_pd_output_equals_single_node(cluster, client, make_llm):
     for p in prompts:
         r = client.completions.create(model=m, prompt=p, max_tokens=16, temperature=0)
         assert r.choices[0].text == single_node_text(make_llm, p, 16), p[:40]
+    # streamed with logprobs: one per token, the single node's values. Decode gets the first
+    # token with the handoff; its logprob rode on the kv_verified update, which the router
+    # reads only for its event, and was lost.
+    stream = client.completions.create(model=m, prompt=prompts[0], max_tokens=8, temperature=0, stream=True,
+                                       logprobs=1, stream_options={"include_usage": True})
+    values, used = [], None
+    for ch in stream:
+        used = ch.usage or used
+        if ch.choices and ch.choices[0].logprobs:
+            values += ch.choices[0].logprobs.token_logprobs
+    want = make_llm(max_model_len=1024).generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=8,
+                                                                            logprobs=1))[0]
+    assert used is not None and len(values) == used.completion_tokens == len(want.logprobs) == 8
+    assert values == pytest.approx([x.logprob for x in want.logprobs], abs=1e-3)
     assert cluster.pd("decode")["pd_verified"] >= 3
     assert cluster.pd("decode")["transferred_bytes"] > 20 * 700_000  # the long prompt's pages crossed over
     metrics = httpx.get(cluster.url("decode") + "/metrics").text
@@ -255,13 +269,18 @@ def test_lease_expiry_is_a_503_and_prefill_fences_then_frees(cluster, client):
     cluster.wait_quiet(20)  # the fence (deadline + max pull + skew) lifts, then every row is free
 
 
+def _router_counter(cluster, name: str, **labels: str) -> int:
+    """The sum of the router's /metrics samples `name` whose labels include `labels`."""
+    text = httpx.get(cluster.url("router") + "/metrics", timeout=10).text
+    return int(sum(m.value for fam in text_string_to_metric_families(text) for m in fam.samples
+                   if m.name == name and labels.items() <= m.labels.items()))
+
+
 def _ended_by_hang_up(cluster) -> int:
     """Requests the router has ended with outcome client_disconnected (its /metrics): a hung-up
     request must end on the router too, not only on the nodes, or its handler and its
     tenant's concurrency slot stay taken."""
-    text = httpx.get(cluster.url("router") + "/metrics", timeout=10).text
-    return int(sum(m.value for fam in text_string_to_metric_families(text) for m in fam.samples
-                   if m.name == "kvfence_requests_total" and m.labels.get("outcome") == "client_disconnected"))
+    return _router_counter(cluster, "kvfence_requests_total", outcome="client_disconnected")
 
 
 def _wait_ended_by_hang_up(cluster, at_least: int, timeout: float = 20.0) -> None:
@@ -386,6 +405,47 @@ def test_hung_prefill_fails_the_request_in_bounded_time(cluster, client):
         _expect_error(lambda: client.completions.create(model=m, prompt=LONG, max_tokens=4), 503, within=20)
     finally:
         cluster.signal("prefill", signal.SIGCONT)
+    cluster.wait_ready(60)
+    cluster.wait_quiet(30)
+    assert client.completions.create(model=m, prompt="Hi", max_tokens=2).choices[0].finish_reason
+
+
+def test_decode_failing_mid_stream_counts_the_tokens_it_streamed(cluster, client):
+    """Decode stops answering after it streamed some tokens (SIGSTOP: the router's stall
+    timeout fails the request). The client has those tokens, so the router's last update
+    counts them, as a single node counts an aborted request's tokens: the tenant's usage,
+    token budget and kvfence_generation_tokens_total. It used to report 0."""
+    m = model_name(client)
+    generated0 = _router_counter(cluster, "kvfence_generation_tokens_total", tenant="default")
+    failed0 = _router_counter(cluster, "kvfence_requests_total", outcome="error")
+    body = {"model": m, "prompt": LONG, "max_tokens": 400, "stream": True, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0}                          # every token the client gets is listed, text or not
+    streamed, errors, stopped = 0, [], False
+    try:
+        with httpx.Client(timeout=60) as h, h.stream("POST", cluster.url("router") + "/v1/completions",
+                                                     json=body) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:
+                    errors.append(chunk["error"])
+                    continue
+                streamed += len(chunk["choices"][0]["logprobs"]["tokens"])
+                if streamed >= 5 and not stopped:
+                    cluster.signal("decode", signal.SIGSTOP)
+                    stopped = True
+    finally:
+        if stopped:
+            cluster.signal("decode", signal.SIGCONT)
+    assert stopped and [e.get("code") for e in errors] == ["node_failed"], errors
+    assert 5 <= streamed < 400
+    end = time.monotonic() + 20
+    while _router_counter(cluster, "kvfence_requests_total", outcome="error") <= failed0:
+        assert time.monotonic() < end, "the router never ended the failed request"
+        time.sleep(0.2)
+    generated = _router_counter(cluster, "kvfence_generation_tokens_total", tenant="default") - generated0
+    assert generated == streamed
     cluster.wait_ready(60)
     cluster.wait_quiet(30)
     assert client.completions.create(model=m, prompt="Hi", max_tokens=2).choices[0].finish_reason
