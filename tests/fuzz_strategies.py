@@ -1,6 +1,6 @@
 """Hypothesis strategies for OpenAI-shaped request bodies, keys and headers, and the shape
 checks every answer must pass: shared by the single-node fuzz (tests/server/test_http_fuzz.py)
-and the PD cluster's (tests/pd/test_internal_fuzz.py), so both fuzz the same inputs."""
+and the PD cluster's (tests/pd/test_cluster_internal_fuzz.py), so both fuzz the same inputs."""
 from __future__ import annotations
 
 import functools

@@ -2,7 +2,8 @@
 else: each start of three processes costs 10-20 s on the CI machine. A module takes it
 through `shared_cluster`, which hands it over settled (no fault armed, both nodes back at
 baseline), so what one module did cannot leak into the next one's checks. It is stopped
-after the last test that uses it, not at the end of the session."""
+after the last test that uses it, not at the end of the session; the modules that use it are
+named test_cluster*.py so that they run one after another."""
 from __future__ import annotations
 
 import pytest
