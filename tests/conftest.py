@@ -50,3 +50,21 @@ def hf_reference(loaded_fp32):
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     model.eval()
     return model
+
+
+@pytest.fixture(scope="session")
+def long_needle(loaded_fp32):
+    """The long-context coherence prompt (kvfence/bench/coherence.py): a fact 30% of the way into
+    ~3,000 tokens, the question at the end; the seed is one SmolLM2-135M answers."""
+    from kvfence.bench.coherence import needle_prompt
+
+    return needle_prompt(loaded_fp32.tokenizer, 3000, depth=0.3, seed=0)
+
+
+@pytest.fixture(scope="session")
+def long_needle_fp32_answer(loaded_fp32, long_needle):
+    """The reference for long_needle: float32, greedy, the whole prompt in one prefill pass
+    (single node and PD tests compare with it)."""
+    llm = LLM(dtype="float32", loaded=loaded_fp32, kv_cache_memory="160MiB", clamp_context=True,
+              max_num_batched_tokens=4096, progress=False)
+    return llm.generate([long_needle.prompt_ids], long_needle.params())[0]

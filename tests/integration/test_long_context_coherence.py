@@ -16,27 +16,21 @@ import pytest
 
 from kvfence import LLM, SamplingParams
 from kvfence.bench.coherence import needle_prompt
-from kvfence.engine.config import EngineConfig
-from kvfence.engine.llm_engine import LoadedModel
 from kvfence.engine.request_states import State
 from kvfence.kv.audit import ReadAudit
 
-TARGET_TOKENS, DEPTH, SEED = 3000, 0.3, 0
+TARGET_TOKENS = 3000   # long_needle in tests/conftest.py
 PAGE_BYTES_FP32 = 737280  # SmolLM2-135M, 16-token page, float32
 
 
-@pytest.fixture(scope="module")
-def needle(loaded_fp32):
-    return needle_prompt(loaded_fp32.tokenizer, TARGET_TOKENS, depth=DEPTH, seed=SEED)
+@pytest.fixture
+def needle(long_needle):
+    return long_needle   # tests/conftest.py, shared with the PD coherence test
 
 
-@pytest.fixture(scope="module")
-def fp32_answer(loaded_fp32, needle):
-    """The reference: float32, greedy, the whole prompt in one prefill pass."""
-    llm = LLM(dtype="float32", loaded=loaded_fp32, kv_cache_memory="160MiB", clamp_context=True,
-              max_num_batched_tokens=4096, progress=False)
-    out = llm.generate([needle.prompt_ids], needle.params())[0]
-    return out
+@pytest.fixture
+def fp32_answer(long_needle_fp32_answer):
+    return long_needle_fp32_answer
 
 
 def test_prompt_is_long_and_the_fact_is_deep(needle):
@@ -50,9 +44,8 @@ def test_float32_answer_says_the_code(fp32_answer, needle):
     assert needle.answered(fp32_answer.text), fp32_answer.text
 
 
-def test_bfloat16_gives_the_same_answer(needle, fp32_answer):
-    cfg = EngineConfig(dtype="bfloat16", progress=False)
-    llm = LLM(dtype="bfloat16", loaded=LoadedModel.load(cfg), kv_cache_memory="96MiB", clamp_context=True,
+def test_bfloat16_gives_the_same_answer(needle, fp32_answer, loaded_bf16):
+    llm = LLM(dtype="bfloat16", loaded=loaded_bf16, kv_cache_memory="96MiB", clamp_context=True,
               max_num_batched_tokens=4096, progress=False)
     out = llm.generate([needle.prompt_ids], needle.params())[0]
     assert needle.answered(out.text), out.text

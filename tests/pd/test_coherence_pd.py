@@ -7,12 +7,7 @@ import openai
 import pytest
 from pd_cluster import NODE_ARGS, Cluster
 
-from kvfence import LLM
-from kvfence.bench.coherence import needle_prompt
-
 pytest.importorskip("mooncake.engine", reason="the PD tests need mooncake-transfer-engine-non-cuda")
-
-TARGET_TOKENS, DEPTH, SEED = 3000, 0.3, 0  # as tests/integration/test_long_context_coherence.py
 
 
 def _args(**over) -> list[str]:
@@ -33,10 +28,8 @@ def big_cluster(tmp_path_factory):
     c.stop()
 
 
-def test_pd_long_context_answer_says_the_fact_like_single_node(big_cluster, loaded_fp32):
-    needle = needle_prompt(loaded_fp32.tokenizer, TARGET_TOKENS, depth=DEPTH, seed=SEED)
-    single = LLM(dtype="float32", loaded=loaded_fp32, kv_cache_memory="160MiB", clamp_context=True,
-                 max_num_batched_tokens=4096, progress=False).generate([needle.prompt_ids], needle.params())[0]
+def test_pd_long_context_answer_says_the_fact_like_single_node(big_cluster, long_needle, long_needle_fp32_answer):
+    needle, single = long_needle, long_needle_fp32_answer    # tests/conftest.py
     assert needle.answered(single.text), single.text
 
     client = openai.OpenAI(base_url=big_cluster.url("router") + "/v1", api_key="none", max_retries=0, timeout=600)
