@@ -5,47 +5,31 @@ mutant that reintroduces a known bug is caught with a counterexample.
 Needs spin and gcc (see conftest.spin_tools). spec/README.md has the numbers.
 
 Each search is single-threaded and this file's tests only read results, so all of them
-(three exhaustive searches, one per mutant) run at once on a pool of the machine's cores,
-longest first; each test waits for its own.
+(promela_tools.JOBS: three exhaustive searches, one per mutant) run at once on a pool of the
+machine's cores; each test waits for its own. In a run of the whole suite they start when the
+tests are collected, at the lowest CPU priority (conftest.py), in the time the other tests
+leave the cores idle.
 """
 from __future__ import annotations
 
-import os
 import re
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from promela_tools import MODEL, MUTANTS, PanJob, PanResult, PanRun, advances, check, reached_markers, run
-
-# -m: search depth bound (the model needs < 100); -w: hash table of 2^24 slots
-PAN_ARGS = ("-m10000", "-w24")
-# The exhaustive searches store ~6-10 million states: NOCOMP skips pan's byte-mask
-# compression of each state (~20% faster, ~30% more memory: under 3 GB each). Bound
-# checks stay on: an index out of range in the model is an error, not a silent overwrite.
-EXHAUSTIVE = ("-DNOCOMP",)
-
-JOBS: dict[str, PanJob] = {
-    "adversary": PanJob("adversary.pml", ("-DCOVERAGE",), ("-DSAFETY", *EXHAUSTIVE), args=PAN_ARGS),
-    # no progress label, so any cycle counts; COVERAGE probes compiled in (pan refuses NOCOMP with -l)
-    "liveness": PanJob("handoff.pml", ("-DCOVERAGE",), ("-DNP",), args=("-l", *PAN_ARGS)),
-    "clean": PanJob("handoff.pml", (), ("-DSAFETY", *EXHAUSTIVE), args=PAN_ARGS),
-    # a mutant's search stops at its first error: compile time matters more than search speed
-    **{f"mutant {key}": PanJob(f"mutants/{name}", (), ("-DSAFETY",), "-O1", PAN_ARGS)
-       for key, (name, _) in sorted(MUTANTS.items())},
-}
+from promela_tools import JOBS, MODEL, MUTANTS, Campaign, PanResult, advances, background, reached_markers, run
 
 
 @pytest.fixture(scope="module")
 def campaign(spin_tools, tmp_path_factory):
-    workers = max(1, min(os.cpu_count() or 1, 4))   # memory: up to ~3 GB per exhaustive search
-    pool = ThreadPoolExecutor(max_workers=workers)
-    futures: dict[str, Future[PanRun]] = {
-        name: pool.submit(check, job, tmp_path_factory.mktemp(name.replace(" ", "_")))
-        for name, job in JOBS.items()}
-    yield futures
-    pool.shutdown(wait=True, cancel_futures=True)
+    """The campaign conftest.py started when the tests were collected, else one started now."""
+    started = background()
+    if started is not None:
+        yield started
+        return
+    c = Campaign(JOBS, tmp_path_factory.mktemp("spin"))
+    yield c
+    c.stop()
 
 
 def assert_complete_and_clean(result: PanResult) -> None:
