@@ -2,8 +2,9 @@
 model checks started as soon as the tests are collected.
 
 The checks take minutes of CPU (single-threaded searches, spec/README.md), while a run of the
-whole suite leaves the cores idle close to half the time (measured with vmstat on the 2-core
-CI machine: 46% idle), waiting on servers that start, streams and timeouts. Started at once at
+whole suite leaves the cores idle close to half the time (vmstat over a clean-clone .ci/run
+on a 2-core development machine like CI's: 46% idle), waiting on servers that start, streams
+and timeouts. Started at once at
 nice 19, the searches use that idle time and yield the cores to any test that wants them;
 by the time tests/spec runs they are done or nearly so."""
 from __future__ import annotations
