@@ -4,9 +4,8 @@ model checks started as soon as the tests are collected.
 The checks take minutes of CPU (single-threaded searches, spec/README.md), while a run of the
 whole suite leaves the cores idle close to half the time (vmstat over a clean-clone .ci/run
 on a 2-core development machine like CI's: 46% idle), waiting on servers that start, streams
-and timeouts. Started at once at
-nice 19, the searches use that idle time and yield the cores to any test that wants them;
-by the time tests/spec runs they are done or nearly so."""
+and timeouts. Started at once at nice 19, the searches use that idle time and yield the cores
+to any test that wants them; by the time tests/spec runs they are done or nearly so."""
 from __future__ import annotations
 
 import os
@@ -43,6 +42,8 @@ _root: list[str] = []
 
 def pytest_collection_finish(session):
     """If test_handoff_model.py is to run and spin and gcc are here, start its campaign now."""
+    if session.config.option.collectonly:
+        return
     if not any(item.nodeid.split("::")[0].endswith("spec/test_handoff_model.py") for item in session.items):
         return
     if not all(shutil.which(name) for name in ("spin", "gcc")):
