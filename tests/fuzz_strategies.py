@@ -5,14 +5,25 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 
 import httpx
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 VOCAB = 49152  # SmolLM2
 MODEL = "SmolLM2-135M-Instruct"
 # keys of tests/server/server_harness.py's tenants file (a server without one takes any key)
 KEYS = {"alice": "sk-alice-0001", "bob": "sk-bob-00000001"}
+
+
+def fuzz_settings(default_examples: int) -> settings:
+    """Hypothesis settings for a fuzz test: KVFENCE_FUZZ_EXAMPLES examples per route (else the
+    default), no deadline and no example database; derandomized in CI so a failure reproduces."""
+    examples = int(os.environ.get("KVFENCE_FUZZ_EXAMPLES", str(default_examples)))
+    return settings(max_examples=examples, deadline=None, database=None, derandomize=bool(os.environ.get("CI")),
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                           HealthCheck.function_scoped_fixture])
 
 
 # -- strategies ------------------------------------------------------------------------------

@@ -10,22 +10,18 @@ examples per route (default 40); in CI they are derandomized so a failure reprod
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import fuzz_strategies as fz
 import httpx
 import openai
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 pytest.importorskip("mooncake.engine", reason="the PD tests need mooncake-transfer-engine-non-cuda")
 
-EXAMPLES = int(os.environ.get("KVFENCE_FUZZ_EXAMPLES", "40"))
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=bool(os.environ.get("CI")),
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                       HealthCheck.function_scoped_fixture])
+FUZZ = fz.fuzz_settings(40)
 
 
 @pytest.fixture(scope="module")

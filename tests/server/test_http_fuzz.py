@@ -15,20 +15,15 @@ examples are derandomized so a failure reproduces.
 """
 from __future__ import annotations
 
-import os
-
 import fuzz_strategies as fz
 import httpx
 import pytest
 from fuzz_strategies import KEYS, MODEL, assert_completion, assert_openai_error
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from server_harness import pool_intact, wait_for
 
-EXAMPLES = int(os.environ.get("KVFENCE_FUZZ_EXAMPLES", "150"))
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=bool(os.environ.get("CI")),
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                       HealthCheck.function_scoped_fixture])
+FUZZ = fz.fuzz_settings(150)
 
 
 @pytest.fixture(scope="module")
