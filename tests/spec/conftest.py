@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -37,9 +36,6 @@ def spin_tools() -> dict[str, str]:
     return tools  # type: ignore[return-value]
 
 
-_root: list[str] = []
-
-
 def pytest_collection_finish(session):
     """If test_handoff_model.py is to run and spin and gcc are here, start its campaign now."""
     if session.config.option.collectonly:
@@ -50,13 +46,10 @@ def pytest_collection_finish(session):
         return   # the spin_tools fixture says what is missing
     from promela_tools import start_in_background
 
-    _root.append(tempfile.mkdtemp(prefix="kvfence-spin-"))
-    start_in_background(Path(_root[0]))
+    start_in_background()
 
 
 def pytest_sessionfinish(session):
     from promela_tools import stop_background
 
-    stop_background()
-    for root in _root:
-        shutil.rmtree(root, ignore_errors=True)
+    stop_background()   # kills what still runs, removes its directories

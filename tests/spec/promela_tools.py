@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -220,15 +221,18 @@ def check(job: PanJob, workdir: Path, nice: int = 0, timeout: float = 600) -> Pa
 
 class Campaign:
     """Every job at once on a pool of min(cores, 4) threads (each search is single-threaded;
-    memory: up to ~3 GB per exhaustive search), each in its own directory under `root`.
-    `nice` > 0: at that lower CPU priority, with a longer time limit (see tests/spec/conftest.py)."""
+    memory: up to ~3 GB per exhaustive search), each in its own directory under `root` (None:
+    a temporary directory, removed by stop()). `nice` > 0: at that lower CPU priority, with a
+    longer time limit (see tests/spec/conftest.py)."""
 
-    def __init__(self, jobs: dict[str, PanJob], root: Path, nice: int = 0):
+    def __init__(self, jobs: dict[str, PanJob], root: Path | None = None, nice: int = 0):
+        self.own_root = root is None
+        self.root = Path(tempfile.mkdtemp(prefix="kvfence-spin-")) if root is None else root
         self.pool = ThreadPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, 4)))
         timeout = 600 if not nice else 3600   # starved by the tests that run meanwhile
         self.futures: dict[str, Future[PanRun]] = {}
         for name, job in jobs.items():
-            workdir = root / name.replace(" ", "_")
+            workdir = self.root / name.replace(" ", "_")
             workdir.mkdir(parents=True)
             self.futures[name] = self.pool.submit(check, job, workdir, nice, timeout)
 
@@ -238,15 +242,17 @@ class Campaign:
     def stop(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
         kill_all()
+        if self.own_root:
+            shutil.rmtree(self.root, ignore_errors=True)
 
 
 _background: list[Campaign] = []
 
 
-def start_in_background(root: Path) -> None:
+def start_in_background() -> None:
     """Start JOBS at the lowest CPU priority (tests/spec/conftest.py, as the session begins)."""
     if not _background:
-        _background.append(Campaign(JOBS, root, nice=19))
+        _background.append(Campaign(JOBS, nice=19))
 
 
 def background() -> Campaign | None:
