@@ -6,6 +6,7 @@ states are built as generation reaches them) and works on the tokenizer's own by
 tokens, so a token that straddles JSON syntax is allowed exactly when its bytes are.
 
 - `ll_tokenizer`: one llguidance tokenizer per kvfence tokenizer (a quarter of a second to build).
+- objects the schema does not say are open are closed first (engine/closed_schema.py).
 - `check_schema`: why a schema cannot be compiled (the server's 400), or None.
 - `GrammarCache`: compiled matchers, keyed on (cache scope, schema digest) and reused only
   within that scope (I9's rule for the prefix cache, applied here): copies of one matcher
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvfence.engine.closed_schema import close_objects
 from kvfence.engine.params import MAX_JSON_SCHEMA_BYTES
 
 if TYPE_CHECKING:
@@ -72,7 +74,7 @@ def schema_digest(schema_json: str) -> str:
 def _grammar(schema_json: str) -> str:
     import llguidance
 
-    return llguidance.LLMatcher.grammar_from_json_schema(schema_json, defaults=_COMPILE_OPTIONS)
+    return llguidance.LLMatcher.grammar_from_json_schema(close_objects(schema_json), defaults=_COMPILE_OPTIONS)
 
 
 def check_schema(tok: llguidance.LLTokenizer, schema_json: str) -> str | None:

@@ -115,6 +115,44 @@ def test_a_streamed_call_cut_short_by_max_tokens_ends_with_length(server):
     assert whole.message.content.endswith(args) and args.startswith("{")
 
 
+# the parameters LangChain's bind_tools and pydantic write for get_weather(city, unit):
+# no "additionalProperties", so JSON Schema lets the object carry any other key
+OPEN_WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"], "type": "string"}},
+                   "required": ["city", "unit"]}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_schema_that_leaves_objects_open_still_gets_a_call(server, stream):
+    """Held to the open schema as written, greedy SmolLM2 went on after city and unit with keys
+    of its own ("properties", "description", ...) until max_tokens: finish_reason length and no
+    call. kvfence closes objects that do not ask to be open (engine/closed_schema.py), so the
+    call ends after the declared keys."""
+    c = server.client("alice")
+    kw = dict(model=MODEL, messages=ASK, tools=[OPEN_WEATHER], tool_choice="required", max_tokens=64, temperature=0)
+    if stream:
+        calls: dict[int, dict] = {}
+        finish = None
+        for chunk in c.chat.completions.create(stream=True, **kw):
+            for ch in chunk.choices:
+                for d in ch.delta.tool_calls or []:
+                    e = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                    e["name"] += d.function.name or ""
+                    e["arguments"] += d.function.arguments or ""
+                finish = ch.finish_reason or finish
+        assert finish == "tool_calls", calls
+        got = list(calls.values())
+    else:
+        r = c.chat.completions.create(**kw).choices[0]
+        assert r.finish_reason == "tool_calls", r.message.content
+        got = [{"name": t.function.name, "arguments": t.function.arguments} for t in r.message.tool_calls]
+    assert got
+    for call in got:
+        assert call["name"] == "get_weather" and set(json.loads(call["arguments"])) == {"city", "unit"}
+
+
 def test_a_follow_up_with_the_tool_result_is_answered(server):
     c = server.client("alice")
     first = c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=64, temperature=0,
