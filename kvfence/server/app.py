@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvfence import faults
@@ -23,6 +23,7 @@ from kvfence.engine.admission import ContextLengthExceeded, Overloaded, check_fi
 from kvfence.engine.grammar import GrammarError, check_schema, ll_tokenizer
 from kvfence.engine.params import SamplingParams
 from kvfence.model.tokenizer import ChatTemplateError
+from kvfence.server import responses_api
 from kvfence.server.backend import EngineBackend, EngineFailed, RequestHandle, Update
 from kvfence.server.disconnect import watch_disconnect
 from kvfence.server.errors import ABORT_STATUS, APIError, bad_request, error_body
@@ -37,6 +38,8 @@ from kvfence.server.protocol import (
     parse_tokenize,
     read_json_body,
 )
+from kvfence.server.responses_api import ResponseView
+from kvfence.server.streaming import event_stream
 from kvfence.server.tenants import Lease, Tenant, TenantLimiter, TenantRegistry
 from kvfence.server.tools import CallStream, parse_answer
 from kvfence.server.tools import render as render_tools
@@ -206,6 +209,10 @@ def _openai_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(request: Request):
         return await _generate(state, request, "chat")
 
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await _generate(state, request, "responses")   # a view of chat (server/responses_api.py)
+
 
 def _model_card(state: ServerState) -> dict:
     f = state.facts
@@ -226,14 +233,18 @@ _REJECTION_REASON = {"context_length_exceeded": "context_length_exceeded",
 
 async def _generate(state: ServerState, request: Request, kind: str):
     arrival = time.perf_counter()
-    rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+    rid = {"chat": "chatcmpl-", "completion": "cmpl-", "responses": "resp-"}[kind] + uuid.uuid4().hex
     tenant: Tenant | None = None
     lease: Lease | None = None
     choices: list[_Choice] = []
+    view: ResponseView | None = None
     try:
         tenant = state.tenants.authenticate(request.headers.get("authorization"))
         state.ensure_ready()
         body = await read_json_body(request, state.max_body_bytes)
+        if kind == "responses":
+            view = ResponseView(body, rid, state.served_name)
+            body = responses_api.chat_body(body)
         parse = parse_completion if kind == "completion" else parse_chat
         # a long token-id prompt or conversation is validated off the event loop, like its JSON
         big = any(isinstance(v, list) and len(v) > 4096 for v in (body.get("prompt"), body.get("messages")))
@@ -297,13 +308,19 @@ async def _generate(state: ServerState, request: Request, kind: str):
         if lease is not None:
             lease.release()
             _abort_all(state, choices, "another choice of the request was refused")
+        if kind == "responses":
+            e = responses_api.refused(e)
         _count_refusal(state, tenant, e)
         if e.status >= 500 or e.status == 429:
             log.info("%s tenant=%s refused: %s %s", rid, tenant.name if tenant else UNAUTHENTICATED, e.status, e.code)
         return e.response()
     run = _Run(state, request, choices, tenant, lease, arrival, req)
+    if view is not None:
+        if req.stream:
+            return event_stream(view.events(run.chunks()), run.close)
+        return JSONResponse(view.response(await run.result()))
     if req.stream:
-        return _EventStream(run.events(), run.close)
+        return event_stream(run.events(), run.close)
     return await run.collect()
 
 
@@ -571,6 +588,10 @@ class _Run:
         raise e
 
     async def collect(self) -> Response:
+        return JSONResponse(await self.result())
+
+    async def result(self) -> dict:
+        """The whole answer's body (chat.completion or text_completion); APIError if it failed."""
         watcher = asyncio.create_task(watch_disconnect(self.request, self._client_gone))
         try:
             async for c, u in self._updates():
@@ -591,7 +612,7 @@ class _Run:
             self._prompt_logprobs(c)
             content, calls = self._answer(c, c.echo + "".join(c.text))
             out.append((content, "tool_calls" if calls else c.reason or "stop", c.logprobs if want else None, calls))
-        return JSONResponse(self.fmt.response(out, self._usage()))
+        return self.fmt.response(out, self._usage())
 
     @property
     def _scores_prompt(self) -> bool:
@@ -611,15 +632,24 @@ class _Run:
         return parse_answer(text, spec)
 
     async def events(self):
+        chunks = self.chunks()
+        try:
+            async for x in chunks:
+                yield sse(x)
+        finally:
+            await chunks.aclose()   # its disconnect watcher stops now, not when collected
+
+    async def chunks(self):
+        """The stream's bodies in order: chunks, an error body if it fails, then "[DONE]"."""
         want_lps = self.req.logprobs is not None
         inc = self.req.include_usage
         watcher = asyncio.create_task(watch_disconnect(self.request, self._client_gone))
         try:
             for c in self.choices:
                 if self.req.kind == "chat":
-                    yield sse(self.fmt.chunk("", None, [] if want_lps else None, inc, first=True, index=c.index))
+                    yield self.fmt.chunk("", None, [] if want_lps else None, inc, first=True, index=c.index)
                 elif c.echo and not self._scores_prompt:   # else once its logprobs are known
-                    yield sse(self.fmt.chunk(c.echo, None, None, inc, index=c.index))
+                    yield self.fmt.chunk(c.echo, None, None, inc, index=c.index)
             echoed: set[int] = set()
             # with tools the answer is a call or text only once it is whole: it is sent at its end,
             # except an enforced one (required, a named function), a call by construction: its
@@ -632,55 +662,39 @@ class _Run:
                     if self._scores_prompt and c.index not in echoed and (c.ok or not u.finished):
                         echoed.add(c.index)
                         self._prompt_logprobs(c)
-                        yield sse(self.fmt.chunk(c.echo, None, [], inc, index=c.index))
+                        yield self.fmt.chunk(c.echo, None, [], inc, index=c.index)
                     if enforced:
                         c.text.append(u.text)
                         deltas = calls.setdefault(c.index, CallStream()).feed(u.text)
                         if deltas:
-                            yield sse(self.fmt.chunk("", None, None, inc, index=c.index, call_deltas=deltas))
+                            yield self.fmt.chunk("", None, None, inc, index=c.index, call_deltas=deltas)
                     elif tools:
                         c.text.append(u.text)
                     elif u.text or (want_lps and u.logprobs):
-                        yield sse(self.fmt.chunk(u.text, None, list(u.logprobs) if want_lps else None, inc,
-                                                 index=c.index))
+                        yield self.fmt.chunk(u.text, None, list(u.logprobs) if want_lps else None, inc,
+                                             index=c.index)
                     if u.finished and c.ok and enforced:
                         if calls[c.index].calls:   # cut short by max_tokens: its last call is unfinished
                             reason = "tool_calls" if c.reason == "stop" else c.reason
                         else:                      # cut short before a call began: text, as unstreamed
                             reason = c.reason
-                            yield sse(self.fmt.chunk("".join(c.text), None, None, inc, index=c.index))
-                        yield sse(self.fmt.chunk("", reason, None, inc, index=c.index))
+                            yield self.fmt.chunk("".join(c.text), None, None, inc, index=c.index)
+                        yield self.fmt.chunk("", reason, None, inc, index=c.index)
                     elif u.finished and c.ok and tools:
                         content, whole = self._answer(c, "".join(c.text))
-                        yield sse(self.fmt.chunk(content or "", None, None, inc, index=c.index, tool_calls=whole))
-                        yield sse(self.fmt.chunk("", "tool_calls" if whole else c.reason, None, inc, index=c.index))
+                        yield self.fmt.chunk(content or "", None, None, inc, index=c.index, tool_calls=whole)
+                        yield self.fmt.chunk("", "tool_calls" if whole else c.reason, None, inc, index=c.index)
                     elif u.finished and c.ok:
-                        yield sse(self.fmt.chunk("", c.reason, None, inc, index=c.index))
+                        yield self.fmt.chunk("", c.reason, None, inc, index=c.index)
             except Exception as e:  # noqa: BLE001 - the stream ends with the error
-                yield sse(self._fail_on(e).body())
+                yield self._fail_on(e).body()
                 return
             if not self._ok():
-                yield sse(self._failure().body())
-                yield sse("[DONE]")
+                yield self._failure().body()
+                yield "[DONE]"
                 return
             if inc:
-                yield sse(self.fmt.usage_chunk(self._usage()))
-            yield sse("[DONE]")
+                yield self.fmt.usage_chunk(self._usage())
+            yield "[DONE]"
         finally:
             watcher.cancel()
-
-
-class _EventStream(StreamingResponse):
-    """Server-sent events whose cleanup runs however the response ends, even if the
-    client left before the body iterator started."""
-
-    def __init__(self, events, cleanup):
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._cleanup = cleanup
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._cleanup()

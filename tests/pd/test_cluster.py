@@ -141,6 +141,21 @@ def test_n_choices_schemas_and_tools_through_the_router(cluster, client, make_ll
     cluster.wait_quiet()
 
 
+def test_the_responses_api_through_the_router(cluster, client):
+    """/v1/responses is a view of the chat path, so behind the router it is the same PD answer,
+    whole and streamed."""
+    m = model_name(client)
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    want = client.chat.completions.create(model=m, messages=ask, max_tokens=12, temperature=0)
+    r = client.responses.create(model=m, input=ask, max_output_tokens=12, temperature=0)
+    assert r.output_text == want.choices[0].message.content
+    assert r.usage.input_tokens == want.usage.prompt_tokens
+    events = list(client.responses.create(model=m, input=ask, max_output_tokens=12, temperature=0, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    cluster.wait_quiet()
+
+
 def test_prompt_scoring_is_a_400_through_the_router(cluster, client):
     """echo with logprobs and max_tokens 0 need the prompt's logits, which no PD node computes
     (prefill samples nothing, decode never runs the prompt): a 400 that says so, nothing held."""

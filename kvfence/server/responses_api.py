@@ -1,0 +1,395 @@
+"""OpenAI's Responses API (`POST /v1/responses`) as a view of a chat completion.
+
+A Responses request is translated into a chat-completions body (`chat_body`) and runs the
+chat path unchanged: the same tenant key, limits, admission (I4), chat template, tools,
+grammar and engine. What differs is the shape: the answer comes back as a Response object
+(`ResponseView.response`), or streamed as Responses events made from the chat stream's
+chunks (`ResponseView.events`).
+
+Nothing is stored. OpenAI keeps responses for `previous_response_id`, `conversation` and
+`background`; kvfence keeps no tenant's text after its request ends, so those are 400s that
+say to send the conversation in `input`, and every Response says `"store": false`.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from kvfence.server.errors import APIError, bad_request
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# a chat parameter named in a 400 -> the Responses field the client sent
+_RENAMED = {"messages": "input", "max_completion_tokens": "max_output_tokens",
+            "response_format.json_schema": "text.format", "response_format": "text.format"}
+# sampling extensions the chat path takes, passed through as vLLM's Responses route does
+_PASSED = ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+           "frequency_penalty", "logit_bias", "stop", "min_tokens", "parallel_tool_calls", "top_logprobs")
+_REFUSED = {
+    "previous_response_id": "kvfence stores no responses (no tenant's text outlives its request); send the whole "
+                            "conversation in 'input'.",
+    "conversation": "kvfence stores no conversations (no tenant's text outlives its request); send the whole "
+                    "conversation in 'input'.",
+    "prompt": "kvfence stores no prompt templates; send the text in 'instructions' and 'input'.",
+}
+
+
+def renamed(param: str | None) -> str | None:
+    """The Responses name of a chat parameter in a 400 ("messages[2].content" -> "input[2].content")."""
+    if param is None:
+        return None
+    for chat, resp in _RENAMED.items():
+        if param == chat or param.startswith(chat + "[") or param.startswith(chat + "."):
+            return resp + param[len(chat):]
+    return param
+
+
+def chat_body(body: dict) -> dict:
+    """The chat-completions body that answers a Responses request (400s name Responses fields)."""
+    for key, why in _REFUSED.items():
+        if body.get(key) is not None:
+            raise bad_request(f"'{key}' is not supported: {why}", param=key)
+    if body.get("background") not in (None, False):
+        raise bad_request("'background' is not supported: kvfence stores no responses to fetch later; stream "
+                          "instead.", param="background")
+    if body.get("truncation") not in (None, "disabled"):
+        raise bad_request("'truncation' must be 'disabled': kvfence never drops parts of a conversation; a "
+                          "conversation longer than the context is a 400 (context_length_exceeded).",
+                          param="truncation")
+    out: dict[str, Any] = {k: body[k] for k in _PASSED if k in body}
+    if "model" in body:
+        out["model"] = body["model"]
+    messages = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise bad_request("'instructions' must be a string.", param="instructions")
+        messages.append({"role": "system", "content": instructions})
+    messages += _input(body.get("input"))
+    out["messages"] = messages
+    if body.get("max_output_tokens") is not None:
+        out["max_completion_tokens"] = body["max_output_tokens"]
+    if "stream" in body:
+        out["stream"] = body["stream"]
+        if body["stream"] is True:
+            out["stream_options"] = {"include_usage": True}   # the final event carries the usage
+    if body.get("tools") is not None:
+        out["tools"] = _tools(body["tools"])
+    if body.get("tool_choice") is not None:
+        out["tool_choice"] = _tool_choice(body["tool_choice"])
+    fmt = _text_format(body.get("text"))
+    if fmt is not None:
+        out["response_format"] = fmt
+    include = body.get("include")
+    if include is not None:
+        if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
+            raise bad_request("'include' must be an array of strings.", param="include")
+        if LOGPROBS_INCLUDE in include:
+            out["logprobs"] = True
+    if "top_logprobs" in out and not out.get("logprobs"):
+        if out["top_logprobs"] in (None, 0):
+            del out["top_logprobs"]
+        else:
+            raise bad_request(f"'top_logprobs' needs 'include': [\"{LOGPROBS_INCLUDE}\"].", param="top_logprobs")
+    return out
+
+
+def _input(items) -> list[dict]:
+    if isinstance(items, str):
+        if not items:
+            raise bad_request("'input' is empty.", param="input")
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise bad_request("'input' is required: a string or a non-empty array of items.", param="input")
+    out: list[dict] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad_request(f"'{where}' must be an object.", param=where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise bad_request(f"'{where}.role' must be user, assistant, system or developer.",
+                                  param=f"{where}.role")
+            out.append({"role": role, "content": _content(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            call_id, name, args = (item.get(k) for k in ("call_id", "name", "arguments"))
+            if not all(isinstance(x, str) and x for x in (call_id, name)) or not isinstance(args, str):
+                raise bad_request(f"'{where}' must have 'call_id', 'name' and 'arguments' (JSON text).", param=where)
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            if out and out[-1]["role"] == "assistant":   # one assistant turn: its text and its calls
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str) or not call_id:
+                raise bad_request(f"'{where}.call_id' must name the call this output answers.",
+                                  param=f"{where}.call_id")
+            text = output if isinstance(output, str) else _content(output, f"{where}.output")
+            out.append({"role": "tool", "tool_call_id": call_id, "content": text})
+        else:
+            raise bad_request(f"'{where}.type' {kind!r} is not supported: input items are messages, function_call "
+                              f"and function_call_output (nothing is stored to refer to, and this model reads "
+                              f"text only).", param=f"{where}.type")
+    return out
+
+
+def _content(c, where: str) -> str:
+    if isinstance(c, str):
+        return c
+    if not isinstance(c, list):
+        raise bad_request(f"'{where}' must be a string or an array of text parts.", param=where)
+    parts = []
+    for j, part in enumerate(c):
+        ok = isinstance(part, dict) and part.get("type") in ("input_text", "output_text", "text") \
+            and isinstance(part.get("text"), str)
+        if not ok:
+            raise bad_request(f"'{where}[{j}]' must be a text part ({{\"type\": \"input_text\", \"text\": ...}}); "
+                              f"this model reads text only.", param=f"{where}[{j}]")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def _tools(tools) -> list[dict]:
+    if not isinstance(tools, list):
+        raise bad_request("'tools' must be an array.", param="tools")
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            kind = t.get("type") if isinstance(t, dict) else None
+            raise bad_request(f"'tools[{i}]': only function tools are supported (got type {kind!r}); kvfence runs "
+                              f"no hosted tools.", param=f"tools[{i}].type")
+        fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(choice):
+    if isinstance(choice, str):
+        return choice   # none, auto, required (the chat path checks the value)
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}.",
+                      param="tool_choice")
+
+
+def _text_format(text) -> dict | None:
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise bad_request("'text' must be an object.", param="text")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise bad_request("'text.format' must be an object.", param="text.format")
+    if fmt.get("type") == "json_schema":   # Responses puts name, schema and strict beside type
+        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict", "description")
+                                                       if k in fmt}}
+    return fmt
+
+
+def usage(chat_usage: dict) -> dict:
+    details = chat_usage.get("prompt_tokens_details") or {}
+    return {"input_tokens": chat_usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": details.get("cached_tokens", 0)},
+            "output_tokens": chat_usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": chat_usage["total_tokens"]}
+
+
+class ResponseView:
+    """One request's Response object and events; the chat path's answer is its input."""
+
+    def __init__(self, body: dict, request_id: str, model: str):
+        self.body, self.model = body, model
+        self.id = "resp_" + request_id.split("-", 1)[-1]
+        self.created = int(time.time())
+        self.want_logprobs = LOGPROBS_INCLUDE in (body.get("include") or [])
+        self._seq = 0
+
+    # -- the Response object --------------------------------------------------------------
+    def _object(self, status: str, output: list[dict], use: dict | None = None, error: dict | None = None,
+                incomplete: str | None = None) -> dict:
+        b = self.body
+        fmt = (b.get("text") or {}).get("format") or {"type": "text"}
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "error": error, "incomplete_details": {"reason": incomplete} if incomplete else None,
+                "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
+                "model": self.model, "output": output, "parallel_tool_calls": b.get("parallel_tool_calls", True),
+                "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
+                "store": False, "background": False, "temperature": b.get("temperature", 1.0),
+                "text": {"format": fmt}, "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
+                "top_p": b.get("top_p", 1.0), "truncation": "disabled", "usage": use,
+                "user": b.get("user"), "metadata": b.get("metadata") or {}}
+
+    @staticmethod
+    def _status(finish: str | None) -> tuple[str, str | None]:
+        return ("incomplete", "max_output_tokens") if finish == "length" else ("completed", None)
+
+    def _message(self, text: str, logprobs: list | None, status: str = "completed", item_id: str | None = None) -> dict:
+        part = {"type": "output_text", "text": text, "annotations": [],
+                **({"logprobs": logprobs or []} if self.want_logprobs else {})}
+        return {"type": "message", "id": item_id or "msg_" + uuid.uuid4().hex, "status": status, "role": "assistant",
+                "content": [part]}
+
+    @staticmethod
+    def _call(call: dict, status: str = "completed", item_id: str | None = None) -> dict:
+        return {"type": "function_call", "id": item_id or "fc_" + uuid.uuid4().hex, "call_id": call["id"],
+                "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
+
+    def response(self, chat: dict) -> dict:
+        """The Response object for a finished chat completion (n = 1)."""
+        choice = chat["choices"][0]
+        msg = choice["message"]
+        output = []
+        calls = msg.get("tool_calls") or []
+        if msg.get("content") or not calls:
+            lps = (choice.get("logprobs") or {}).get("content")
+            output.append(self._message(msg.get("content") or "", lps))
+        output += [self._call(c) for c in calls]
+        status, why = self._status(choice["finish_reason"])
+        return self._object(status, output, usage(chat["usage"]), incomplete=why)
+
+    # -- events ---------------------------------------------------------------------------
+    def _event(self, kind: str, **fields) -> bytes:
+        data = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+
+    async def events(self, chunks: AsyncGenerator[dict | str, None]) -> AsyncIterator[bytes]:
+        """Responses events from the chat stream's chunks (dicts; "[DONE]" at the end)."""
+        try:
+            async for ev in self._events(chunks):
+                yield ev
+        finally:
+            await chunks.aclose()   # its disconnect watcher stops now, not when collected
+
+    async def _events(self, chunks: AsyncIterator[dict | str]) -> AsyncIterator[bytes]:
+        yield self._event("response.created", response=self._object("in_progress", []))
+        yield self._event("response.in_progress", response=self._object("in_progress", []))
+        s = _Items(self)
+        finish: str | None = None
+        use: dict | None = None
+        async for chunk in chunks:
+            if isinstance(chunk, str):   # "[DONE]"
+                break
+            if "error" in chunk:
+                e = chunk["error"]
+                yield self._event("error", code=e.get("code"), message=e.get("message"), param=e.get("param"))
+                yield self._event("response.failed", response=self._object(
+                    "failed", s.output, error={"code": e.get("code") or "server_error", "message": e.get("message")}))
+                return
+            if chunk.get("usage"):
+                use = usage(chunk["usage"])
+            for choice in chunk.get("choices") or []:
+                delta = choice.get("delta") or {}
+                for ev in s.text(delta.get("content") or "", (choice.get("logprobs") or {}).get("content") or []):
+                    yield ev
+                for d in delta.get("tool_calls") or []:
+                    for ev in s.call(d):
+                        yield ev
+                finish = choice.get("finish_reason") or finish
+        for ev in s.close(empty_message=True):
+            yield ev
+        status, why = self._status(finish)
+        final = self._object(status, s.output, use, incomplete=why)
+        yield self._event("response.completed" if status == "completed" else "response.incomplete", response=final)
+
+
+class _Items:
+    """The output items of one streamed response: a message item while text comes, then one
+    function_call item per call; each opened, filled and closed with its events."""
+
+    def __init__(self, view: ResponseView):
+        self.v = view
+        self.output: list[dict] = []         # closed items, in order
+        self._text: dict | None = None       # the open message: id, index, text, logprobs
+        self._calls: dict[int, dict] = {}    # open calls by their chat index: id, index, call_id, name, arguments
+
+    def _next_index(self) -> int:
+        return len(self.output) + (self._text is not None) + len(self._calls)
+
+    def text(self, piece: str, lps: list) -> list[bytes]:
+        if not piece and not lps:
+            return []
+        ev = []
+        if self._text is None:
+            ev += self._open_text()
+        t = self._text
+        assert t is not None
+        t["text"] += piece
+        t["logprobs"] += lps
+        return ev + [self.v._event("response.output_text.delta", item_id=t["id"], output_index=t["index"],
+                                   content_index=0, delta=piece, logprobs=lps)]
+
+    def _open_text(self) -> list[bytes]:
+        t = self._text = {"id": "msg_" + uuid.uuid4().hex, "index": self._next_index(), "text": "", "logprobs": []}
+        item = {**self.v._message("", [], "in_progress", t["id"]), "content": []}
+        part = self.v._message("", [])["content"][0]
+        return [self.v._event("response.output_item.added", output_index=t["index"], item=item),
+                self.v._event("response.content_part.added", item_id=t["id"], output_index=t["index"],
+                              content_index=0, part=part)]
+
+    def _close_text(self) -> list[bytes]:
+        t, self._text = self._text, None
+        if t is None:
+            return []
+        item = self.v._message(t["text"], t["logprobs"], item_id=t["id"])
+        self.output.append(item)
+        return [self.v._event("response.output_text.done", item_id=t["id"], output_index=t["index"], content_index=0,
+                              text=t["text"], logprobs=t["logprobs"]),
+                self.v._event("response.content_part.done", item_id=t["id"], output_index=t["index"],
+                              content_index=0, part=item["content"][0]),
+                self.v._event("response.output_item.done", output_index=t["index"], item=item)]
+
+    def call(self, d: dict) -> list[bytes]:
+        """A chat tool-call delta: {index, id, function: {name, arguments}} on a call's first
+        delta, {index, function: {arguments}} after (or a whole call at once)."""
+        ev = self._close_text()
+        k = d.get("index", 0)
+        fn = d.get("function") or {}
+        c = self._calls.get(k)
+        if c is None:
+            c = self._calls[k] = {"id": "fc_" + uuid.uuid4().hex, "index": self._next_index(),
+                                  "call_id": d.get("id") or "", "name": fn.get("name") or "", "arguments": ""}
+            ev.append(self.v._event("response.output_item.added", output_index=c["index"],
+                                    item=self._item(c, "in_progress", "")))
+        args = fn.get("arguments") or ""
+        if args:
+            c["arguments"] += args
+            ev.append(self.v._event("response.function_call_arguments.delta", item_id=c["id"],
+                                    output_index=c["index"], delta=args))
+        return ev
+
+    def _item(self, c: dict, status: str, arguments: str) -> dict:
+        return self.v._call({"id": c["call_id"], "function": {"name": c["name"], "arguments": arguments}}, status,
+                            c["id"])
+
+    def close(self, empty_message: bool) -> list[bytes]:
+        """Close what is open; an answer with no text and no call is still one (empty) message."""
+        ev = []
+        if empty_message and self._text is None and not self._calls and not self.output:
+            ev += self._open_text()
+        ev += self._close_text()
+        for k in sorted(self._calls):
+            c = self._calls.pop(k)
+            item = self._item(c, "completed", c["arguments"])
+            self.output.append(item)
+            ev += [self.v._event("response.function_call_arguments.done", item_id=c["id"], output_index=c["index"],
+                                 name=c["name"], arguments=c["arguments"]),
+                   self.v._event("response.output_item.done", output_index=c["index"], item=item)]
+        return ev
+
+
+def refused(e: APIError) -> APIError:
+    """A chat-path 400 re-addressed to the Responses fields the client sent, in its param and
+    its message."""
+    e.param = renamed(e.param)
+    for chat, resp in _RENAMED.items():
+        e.message = e.message.replace(f"'{chat}", f"'{resp}")
+    return e

@@ -1,0 +1,181 @@
+"""OpenAI's Responses API (`POST /v1/responses`) with the official client: the chat path's
+answer in the Responses shape (the same greedy tokens and usage), its events in order and
+adding up, function tools and their results, structured output through `responses.parse`,
+logprobs, what is refused (with the Responses field named), and a stream cut by its client
+that gives every page back."""
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel
+from server_harness import MODEL, pool_intact, wait_for
+
+ASK = "What is the capital of France?"
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city now.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+                          "required": ["city"]}}
+
+
+def chat_answer(c, system: str | None, user: str, max_tokens: int, **kw):
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    return c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=max_tokens, temperature=0, **kw)
+
+
+def test_a_response_is_the_chat_answer_in_the_responses_shape(server):
+    c = server.client("alice")
+    r = c.responses.create(model=MODEL, instructions="Answer in one sentence.", input=ASK, max_output_tokens=64,
+                           temperature=0)
+    want = chat_answer(c, "Answer in one sentence.", ASK, 64)
+    assert want.choices[0].finish_reason == "stop"
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
+    assert r.status == "completed" and r.error is None and r.store is False
+    assert [o.type for o in r.output] == ["message"] and r.output[0].role == "assistant"
+    assert r.output_text == want.choices[0].message.content and "Paris" in r.output_text
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (want.usage.prompt_tokens, want.usage.completion_tokens)
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+
+
+def test_streamed_events_are_in_order_and_add_up_to_the_response(server):
+    c = server.client("alice")
+    kw = dict(model=MODEL, input=ASK, max_output_tokens=24, temperature=0)
+    whole = c.responses.create(**kw)
+    events = list(c.responses.create(stream=True, **kw))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-4].text
+    final = events[-1].response
+    assert final.id == events[0].response.id and final.output_text == text
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    with c.responses.stream(**kw) as s:   # the client's own helper checks the events' consistency
+        for _ in s:
+            pass
+        assert s.get_final_response().output_text == text
+
+
+def test_max_output_tokens_ends_incomplete(server):
+    c = server.client("alice")
+    kw = dict(model=MODEL, input="Tell me a long story about the sea.", max_output_tokens=5, temperature=0)
+    r = c.responses.create(**kw)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 5
+    last = list(c.responses.create(stream=True, **kw))[-1]
+    assert last.type == "response.incomplete" and last.response.incomplete_details.reason == "max_output_tokens"
+    assert last.response.output_text == r.output_text
+
+
+def test_a_function_call_and_its_output_round_trip(server):
+    c = server.client("alice")
+    r = c.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[WEATHER],
+                           tool_choice="required", parallel_tool_calls=False, max_output_tokens=48, temperature=0)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and calls
+    for call in calls:
+        assert call.name == "get_weather" and call.call_id.startswith("call_") and call.id.startswith("fc_")
+        jsonschema.validate(json.loads(call.arguments), {**WEATHER["parameters"], "additionalProperties": False})
+    history = [{"role": "user", "content": "What is the weather in Paris?"}, *[o.model_dump() for o in r.output]]
+    answered = c.responses.create(model=MODEL, tools=[WEATHER], max_output_tokens=24, temperature=0, input=history + [
+        {"type": "function_call_output", "call_id": x.call_id, "output": "sunny, 21 C"} for x in calls])
+    assert answered.status in ("completed", "incomplete") and answered.output
+    bare = c.responses.create(model=MODEL, tools=[WEATHER], max_output_tokens=1, input=history[:1])
+    assert answered.usage.input_tokens > bare.usage.input_tokens    # the call and its result reached the model
+
+
+def test_a_streamed_function_call_arrives_as_argument_deltas(server):
+    c = server.client("alice")
+    kw = dict(model=MODEL, input="What is the weather in Paris?", tools=[WEATHER], max_output_tokens=48,
+              temperature=0, tool_choice={"type": "function", "name": "get_weather"})
+    whole = [o for o in c.responses.create(**kw).output if o.type == "function_call"]
+    events = list(c.responses.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    added = [e for e in events if e.type == "response.output_item.added"]
+    assert added and added[0].item.type == "function_call" and added[0].item.name == "get_weather"
+    assert kinds.count("response.function_call_arguments.delta") > 2        # in pieces, as generated
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [json.loads(d.arguments) for d in done] == [json.loads(w.arguments) for w in whole]
+    assert kinds[-1] == "response.completed"
+
+
+class Pick(BaseModel):
+    colour: Literal["red", "green", "blue"]
+    count: int
+
+
+def test_parse_into_a_pydantic_model(server):
+    c = server.client("bob")
+    r = c.responses.parse(model=MODEL, input="Name a colour and a small number.", text_format=Pick,
+                          max_output_tokens=40, temperature=0)
+    assert isinstance(r.output_parsed, Pick)
+    assert r.text.format.type == "json_schema"
+
+
+def test_logprobs_are_the_chat_paths(server):
+    c = server.client("alice")
+    r = c.responses.create(model=MODEL, input="Say hi", include=["message.output_text.logprobs"], top_logprobs=2,
+                           max_output_tokens=6, temperature=0)
+    lps = r.output[0].content[0].logprobs
+    want = chat_answer(c, None, "Say hi", 6, logprobs=True, top_logprobs=2).choices[0].logprobs.content
+    assert len(lps) == len(want) and all(len(x.top_logprobs) == 2 for x in lps)
+    assert [x.token for x in lps] == [w.token for w in want]
+    assert [x.logprob for x in lps] == pytest.approx([w.logprob for w in want], abs=1e-4)
+
+
+@pytest.mark.parametrize("extra,param,says", [
+    ({"previous_response_id": "resp_abc"}, "previous_response_id", "stores no responses"),
+    ({"conversation": "conv_abc"}, "conversation", "stores no conversations"),
+    ({"background": True}, "background", "stream instead"),
+    ({"truncation": "auto"}, "truncation", "never drops"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type", "only function tools"),
+    ({"tool_choice": {"type": "web_search"}}, "tool_choice", "tool_choice"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x"}]}]},
+     "input[0].content[0]", "text only"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "item_reference"),
+    ({"input": []}, "input", "non-empty"),
+    ({"input": [{"role": "user", "content": 5}]}, "input[0].content", "string or an array"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id", "call_id"),
+    ({"max_output_tokens": 0}, "max_output_tokens", "'max_output_tokens'"),
+    ({"top_logprobs": 3}, "top_logprobs", "include"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": 5}}}, "text.format", "'text.format.schema'"),
+    ({"temperature": 9}, "temperature", "temperature"),
+])
+def test_what_is_refused_names_the_responses_field(server, extra, param, says):
+    body = {"model": MODEL, "input": "hi", **extra}
+    r = httpx.post(server.base_url + "/responses", json=body, headers={"authorization": "Bearer sk-alice-0001"},
+                   timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and says in err["message"], err
+    assert not any(f"'{chat}" in err["message"] for chat in ("messages", "max_completion_tokens", "response_format"))
+
+
+def test_the_key_decides_the_tenant(server):
+    with pytest.raises(openai.AuthenticationError):
+        server.client(None).responses.create(model=MODEL, input="hi", max_output_tokens=2)
+    before = server.metric("kvfence_requests_total", tenant="bob", outcome="stop") + \
+        server.metric("kvfence_requests_total", tenant="bob", outcome="length")
+    server.client("bob").responses.create(model=MODEL, input="hi", max_output_tokens=2)
+    assert wait_for(lambda: server.metric("kvfence_requests_total", tenant="bob", outcome="stop") +
+                    server.metric("kvfence_requests_total", tenant="bob", outcome="length") == before + 1)
+
+
+def test_a_stream_its_client_leaves_gives_every_page_back(server):
+    base = server.wait_idle()
+    body = {"model": MODEL, "input": "Write a very long story about the sea.", "max_output_tokens": 1000,
+            "temperature": 0, "stream": True}
+    with server.http() as h, h.stream("POST", "/v1/responses", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert any("response.output_text.delta" in next(lines) for _ in range(40))
+    after = server.wait_idle(30)
+    assert after["running"] == 0 and after["waiting"] == 0 and pool_intact(after)
+    assert after["pages_free"] >= base["pages_free"] - 2
