@@ -7,6 +7,11 @@ from typing import Any
 
 # a JSON schema for structured output, as compact JSON (the API's and the PD wire's bound)
 MAX_JSON_SCHEMA_BYTES = 64 << 10
+# stop strings and stop token ids: the API's and the PD wire's bounds (one place, so a request
+# a single node takes is one the router can hand to its nodes)
+MAX_STOP_CHARS = 4096
+MAX_STOP_TOKEN_IDS = 1024
+MAX_STOP_TOKEN_ID = (1 << 31) - 1
 
 
 @dataclass
@@ -58,6 +63,11 @@ class SamplingParams:
                 problems.append(f"{name} must be in [0, 20], got {getattr(self, name)}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             problems.append("stop strings must be non-empty strings")
+        elif any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            problems.append(f"stop strings may be at most {MAX_STOP_CHARS} characters long")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or \
+                any(not 0 <= t <= MAX_STOP_TOKEN_ID for t in self.stop_token_ids):
+            problems.append(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids in [0, {MAX_STOP_TOKEN_ID}]")
         for name in ("presence_penalty", "frequency_penalty"):
             if not (-2.0 <= getattr(self, name) <= 2.0):
                 problems.append(f"{name} must be in [-2, 2], got {getattr(self, name)}")

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
-from kvfence.engine.params import SamplingParams
+from kvfence.engine.params import MAX_STOP_CHARS, MAX_STOP_TOKEN_ID, MAX_STOP_TOKEN_IDS, SamplingParams
 
 # bounds: generous for any real request, small enough that no field can make a node
 # allocate or loop without limit
@@ -76,8 +76,9 @@ class WireParams(WireModel):
     top_k: Annotated[int, Field(ge=-1, le=MAX_TOKEN_ID)] = 0
     seed: Annotated[int, Field(ge=-(1 << 63), le=U64)] | None = None
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKEN_ID)] | None = 16
-    stop: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_TEXT)]], Field(max_length=64)] = []
-    stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] = []
+    stop: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]], Field(max_length=64)] = []
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=MAX_STOP_TOKEN_ID)]],
+                              Field(max_length=MAX_STOP_TOKEN_IDS)] = []
     ignore_eos: bool = False
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     skip_special_tokens: bool = True
@@ -292,6 +293,11 @@ class PdSecurity(WireModel):
     plaintext_network_allowed: bool
 
 
+# the snapshot counts the router sums over its nodes and routes by (pd/router.py, pd/fleet.py)
+SNAPSHOT_COUNTS = ("running", "waiting", "pages_total", "pages_free", "pages_owned", "pages_shared",
+                   "pages_quarantined", "capacity_tokens", "preemptions", "prefix_cache_hit_tokens")
+
+
 class NodeInfo(WireModel):
     """A node's static facts (server/engine_loop.engine_facts), its PD facts, and the live
     snapshot of its engine (counts only; read by the router, benches and the canary)."""
@@ -322,6 +328,21 @@ class NodeInfo(WireModel):
     pd: PdFacts
     pd_security: PdSecurity | None = None
     snapshot: dict[str, Any] = {}
+
+    @field_validator("snapshot")
+    @classmethod
+    def _counts_are_counts(cls, v: dict[str, Any]) -> dict[str, Any]:
+        """The snapshot is the engine's free-form stats, but what the router adds up and routes
+        by must be what it says: a null or a string there stopped the router's monitor."""
+        for k in SNAPSHOT_COUNTS:
+            if k in v and not (type(v[k]) is int and 0 <= v[k] <= U64):
+                raise ValueError(f"snapshot.{k} must be a count, got {v[k]!r}"[:200])
+        viol = v.get("violations", {})
+        if not (isinstance(viol, dict) and all(type(c) is int and c >= 0 for c in viol.values())):
+            raise ValueError("snapshot.violations must map invariants to counts")
+        if not isinstance(v.get("draining", False), bool):
+            raise ValueError("snapshot.draining must be a boolean")
+        return v
 
     def source(self) -> TransferSource:
         """Where a decode node pulls this (prefill) node's holds from."""

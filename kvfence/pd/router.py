@@ -96,6 +96,8 @@ class NodeError(RuntimeError):
 
 # failures after which a request that has sent nothing to its client is tried once more
 RETRY_CODES = frozenset({"node_unavailable", "node_failed", "server_overloaded", "not_ready", "draining"})
+# a node that refuses for these took nothing: another node of its role may take the request
+REFUSED_FOR_LOAD_OR_STATE = frozenset({"server_overloaded", "not_ready", "draining"})
 
 
 def may_retry_prefill(code: str, holds_kv: bool, tried: int) -> bool:
@@ -308,16 +310,20 @@ class RouterBackend:
                 fleet.observe(node, info, why)
             while not self._stopped:
                 await asyncio.sleep(self.poll_s)
-                if time.monotonic() - resolved_at >= self.resolve_s:
-                    resolved_at = time.monotonic()
-                    for role in ROLES:
-                        for url in self.urls[role]:
-                            found = await loop.run_in_executor(None, expand, url, self.resolve)
-                            if found is not None:   # a name that fails to resolve keeps its nodes (a DNS blip)
-                                fleet.sync(role, url, found)
-                await asyncio.gather(*(poll(n) for n in fleet.nodes))
-                was = self._ready
-                self._refresh()
+                try:
+                    if time.monotonic() - resolved_at >= self.resolve_s:
+                        resolved_at = time.monotonic()
+                        for role in ROLES:
+                            for url in self.urls[role]:
+                                found = await loop.run_in_executor(None, expand, url, self.resolve)
+                                if found is not None:   # a name that fails to resolve keeps its nodes (a DNS blip)
+                                    fleet.sync(role, url, found)
+                    await asyncio.gather(*(poll(n) for n in fleet.nodes))
+                    was = self._ready
+                    self._refresh()
+                except Exception:  # noqa: BLE001 - the monitor is the router's only view of its nodes: it must go on
+                    log.exception("the fleet monitor failed this round; it tries again in %.1f s", self.poll_s)
+                    continue
                 if was and not self._ready:
                     log.error("fleet not ready: %s", self.error)
                 elif self._ready and not was:
@@ -382,7 +388,6 @@ class RouterBackend:
 
     async def _run(self, rid: str, ids: list[int], params: SamplingParams, tenant: str, scope: str | None,
                    handle: RequestHandle, admitted: asyncio.Future) -> None:
-        wire = WireParams.of(params)
         flight = _Flight()
 
         def last_update(message: str, code: str, completion: int) -> None:
@@ -398,6 +403,8 @@ class RouterBackend:
             last_update(message, code, flight.completion)
 
         try:
+            # inside the try: whatever fails here must end the request, never leave submit() waiting
+            wire = WireParams.of(params)
             if len(ids) >= 2:
                 body = PrefillBody(request_id=rid, tenant=tenant, prompt_ids=ids, params=wire,
                                    public_prefix_scope=scope)
@@ -532,13 +539,14 @@ class RouterBackend:
                 self.fleet.recheck(node, err[0])
             # a node refusing for load or state took nothing: another may take it
             raise NodeError(f"{role} node: {err[0]}", err[1] or "node_error",
-                            retryable=(err[1] or "") in ("server_overloaded", "not_ready", "draining"))
+                            retryable=(err[1] or "") in REFUSED_FOR_LOAD_OR_STATE)
         return r
 
     async def _admitted(self, role: str, events: AsyncIterator[Any]) -> AdmittedEvent:
         first = await anext(events, None)
-        if isinstance(first, RejectedEvent):
-            raise NodeError(f"{role} node: {first.message}", first.code, first)
+        if isinstance(first, RejectedEvent):   # refused in the stream (HTTP 200): the same rule as above
+            raise NodeError(f"{role} node: {first.message}", first.code, first,
+                            retryable=first.code in REFUSED_FOR_LOAD_OR_STATE)
         if not isinstance(first, AdmittedEvent):
             what = "nothing" if first is None else first.event
             raise NodeError(f"{role} node: expected admitted, got {what}", "node_error")

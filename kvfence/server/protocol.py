@@ -17,7 +17,14 @@ from dataclasses import dataclass
 
 from starlette.requests import ClientDisconnect
 
-from kvfence.engine.params import MAX_JSON_SCHEMA_BYTES, SamplingParams, canonical_schema
+from kvfence.engine.params import (
+    MAX_JSON_SCHEMA_BYTES,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_ID,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+    canonical_schema,
+)
 from kvfence.server.errors import APIError, bad_request
 from kvfence.server.tools import ToolSpec, call_schema, parse_tools
 
@@ -201,6 +208,8 @@ def _common(body: dict, kind: str) -> dict:
         raise bad_request(f"'stop' may hold at most {MAX_STOP_STRINGS} strings.", param="stop")
     if any(s == "" for s in stop):
         raise bad_request("'stop' strings must not be empty.", param="stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise bad_request(f"'stop' strings may be at most {MAX_STOP_CHARS} characters long.", param="stop")
     stream = _bool(body, "stream", False)
     opts = _field(body, "stream_options", (dict,), None, "an object")
     include_usage = False
@@ -212,6 +221,9 @@ def _common(body: dict, kind: str) -> dict:
     if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                   for t in stop_ids):
         raise bad_request("'stop_token_ids' must be an array of non-negative integers.", param="stop_token_ids")
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS or any(t > MAX_STOP_TOKEN_ID for t in stop_ids):
+        raise bad_request(f"'stop_token_ids' may hold at most {MAX_STOP_TOKEN_IDS} ids, each at most "
+                          f"{MAX_STOP_TOKEN_ID}.", param="stop_token_ids")
     return dict(
         model=model, stream=stream, include_usage=include_usage, n=n,
         temperature=_num(body, "temperature", 1.0, 0.0, 2.0),

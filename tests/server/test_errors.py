@@ -117,6 +117,9 @@ BAD_BODIES = [
     ("completions", {"prompt": "x", "stream": "yes"}, "stream", 400),
     ("completions", {"prompt": "x", "stop": 5}, "stop", 400),
     ("completions", {"prompt": "x", "stop": [""]}, "stop", 400),
+    ("completions", {"prompt": "x", "stop": ["x" * 5000]}, "stop", 400),              # the PD wire's bound too
+    ("completions", {"prompt": "x", "stop_token_ids": [2**32]}, "stop_token_ids", 400),
+    ("completions", {"prompt": "x", "stop_token_ids": [1] * 1025}, "stop_token_ids", 400),
     ("completions", {"prompt": "x", "n": 17}, "n", 400),
     ("completions", {"prompt": "x", "n": 0}, "n", 400),
     ("completions", {"prompt": ["a", "b"], "n": 9}, "prompt", 400),

@@ -159,3 +159,60 @@ def test_a_node_that_refused_as_not_ready_gets_nothing_until_checked_again():
     assert p1.state == "refused"
     f.observe(p1, info(boot="newer"))
     assert p1.state == "ready"
+
+
+def test_a_snapshot_whose_counts_are_not_counts_is_unusable_facts():
+    """Found in review: NodeInfo.snapshot was free-form, the router int()-ed and negated its
+    counts, and a node answering pages_free null stopped the router's monitor thread for good
+    (dead nodes stayed ready). The typed boundary now refuses it: that node is down, the rest serve."""
+    import httpx
+    import pytest
+
+    from kvfence.pd.messages import SNAPSHOT_COUNTS, MessageError
+    from kvfence.pd.router import _DECODE_SUMS, _info_of
+
+    assert set(_DECODE_SUMS) <= set(SNAPSHOT_COUNTS)      # everything the merge sums is checked
+    good = info().to_json()
+    for bad in ({"pages_free": None}, {"running": "1"}, {"waiting": -1}, {"pages_total": 1.5}, {"preemptions": True},
+                {"violations": {"I1": "x"}}, {"draining": "no"}):
+        raw = {**good, "snapshot": {**good["snapshot"], **bad}}
+        with pytest.raises(MessageError, match="snapshot"):
+            NodeInfo.from_json(raw)
+        got, why = _info_of(httpx.Response(200, json=raw))
+        assert got is None and "unusable facts" in why
+    f = fleet()
+    f.observe(f.nodes[3], *_info_of(httpx.Response(200, json={**good, "snapshot": {"pages_free": None}})))
+    assert f.nodes[3].state == "down" and f.pick_decode().url == "http://d2"
+    _merge_snapshots(f)
+
+
+def test_the_monitor_goes_on_after_a_round_fails(monkeypatch):
+    """Whatever one round raises (a bug, a full disk under the incident log), the monitor logs
+    it and polls again: it is the router's only view of its nodes."""
+    import asyncio
+
+    from kvfence.pd.router import RouterBackend
+
+    router = RouterBackend("http://127.0.0.1:9", "http://127.0.0.1:9", b"k" * 32)
+    router.fleet = fleet()
+    router.poll_s, router.resolve_s = 0.01, 1e9
+    calls = {"n": 0}
+
+    def observe(node, i, why=None):
+        calls["n"] += 1
+        if calls["n"] <= 3:
+            raise OSError("no space left on device")
+
+    monkeypatch.setattr(router.fleet, "observe", observe)
+
+    async def run():
+        task = asyncio.create_task(router.run_monitor())
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if router.iterations >= 2:
+                break
+        router._stopped = True
+        await asyncio.wait_for(task, 10)
+
+    asyncio.run(run())
+    assert router.iterations >= 2 and calls["n"] > 3
