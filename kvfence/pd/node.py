@@ -20,7 +20,7 @@ import signal
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from kvfence import faults
 from kvfence.engine.admission import ContextLengthExceeded, Overloaded
@@ -56,6 +56,7 @@ from kvfence.server.engine_loop import EngineLoop
 from kvfence.server.errors import APIError, error_body
 from kvfence.server.http_limits import HttpLimits, uvicorn_server
 from kvfence.server.protocol import read_body_bytes
+from kvfence.server.streaming import StreamWithCleanup
 
 log = logging.getLogger("kvfence.pd.node")
 
@@ -173,7 +174,7 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
         except ValueError as e:
             raise APIError(400, f"bad internal request: params: {e}", code="invalid_request") from None
 
-    def _stream(body: PrefillBody, request: Request, **extra) -> StreamingResponse:
+    def _stream(body: PrefillBody, request: Request, **extra) -> StreamWithCleanup:
         """Answer at once and admit inside the stream: the router then hears a heartbeat
         every second from the start, so a node busy with a long step is not taken for a
         hung one. First line: admitted or rejected; then updates; the router hanging up
@@ -211,13 +212,14 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
             except EngineFailed as e:
                 yield event_line(FailedEvent(error=str(e)[:4096]))
             finally:
-                drain.stream_ended()
                 watcher.cancel()
                 if handle is None and not sub.done():
                     sub.cancel()  # still waiting for admission: EngineLoop.submit aborts it
                 elif handle is not None and not handle.done:  # the router went away: abort it here too
                     loop.abort(rid, "router disconnected")
-        return StreamingResponse(gen(), media_type="application/x-ndjson")
+        # counted down when the response is done, even if its body never started (the router
+        # hung up first): a count left up held every later drain for its whole limit
+        return StreamWithCleanup(gen(), drain.stream_ended, "application/x-ndjson")
 
     if settings.role == "prefill":
         @app.post("/internal/prefill")
