@@ -30,7 +30,7 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,7 +41,7 @@ from kvfence.engine.request_states import Event
 from kvfence.engine.sequence import Sequence
 from kvfence.kv.ledger import BlockTable, Owner
 from kvfence.pd.link import PdLink
-from kvfence.pd.manifest import check_manifest, parse_handoff
+from kvfence.pd.manifest import ManifestError, check_manifest, parse_handoff
 from kvfence.pd.messages import Handoff, Manifest
 from kvfence.pd.prefill import kill_point
 from kvfence.pd.seal import SealError
@@ -50,6 +50,9 @@ from kvfence.pd.settings import PDSettings
 # reservations that may be made past a waiting request (for later arrivals) before it blocks
 # the queue until it fits; bounds how long need-and-share ordering can pass a large request over
 BYPASS_LIMIT = 8
+# request ids the router gave up on (stop_pull) remembered at once; past this, stop_pull
+# answers "a read may run" for an id it cannot remember (prefill then fences: safe)
+GIVEN_UP_MAX = 65536
 
 log = logging.getLogger("kvfence.pd.decode")
 
@@ -90,11 +93,16 @@ class KvImporter(PdLink):
         self.transferred_bytes = 0
         self.transfer_seconds = 0.0
         self.open_seconds = 0.0      # authenticating, decrypting and unstaging pulled rows
+        # request id -> until when it is refused (engine thread): see stop_pull
+        self._given_up: OrderedDict[str, float] = OrderedDict()
 
     # -- admission (engine thread) -------------------------------------------------------------
     def check(self, seq: Sequence, handoff: object) -> Handoff:
         """Static checks of the handoff, before the request is admitted (raises ManifestError);
         returns the handoff the request will pull by."""
+        given_up = self._given_up.get(seq.request_id)
+        if given_up is not None and given_up > time.monotonic():
+            raise ManifestError(f"request {seq.request_id}: the router gave up on it before it reached this node")
         h = parse_handoff(handoff)
         eng = self.engine
         if not faults.active("skip_manifest_check"):
@@ -120,6 +128,26 @@ class KvImporter(PdLink):
         its notice (pull records stay until then)."""
         with self._lock:
             return not any(p.seq.request_id == request_id and p.read_at is not None for p in self.pulls.values())
+
+    def stop_pull(self, request_id: str) -> bool:
+        """The router gave up on the request (its abort is processed first): may prefill free
+        its rows at once? Yes only if no read of it runs now and none can begin later. The
+        second half needs memory: the request's own /internal/decode may still be on its way
+        (found in review: answered "stopped" for a request not yet seen, prefill freed the rows
+        and gave them to another request, and the late arrival then read them). So the id is
+        refused here for as long as its lease could let a pull begin (check)."""
+        if not self.reader_stopped(request_id):
+            return False
+        now = time.monotonic()
+        while self._given_up and next(iter(self._given_up.values())) <= now:
+            self._given_up.popitem(last=False)
+        if request_id not in self._given_up and len(self._given_up) >= GIVEN_UP_MAX:
+            self.counters["given_up_full"] += 1
+            return False   # cannot promise to refuse it: the rows stay fenced
+        s = self.settings   # a lease issued before now ends (on this clock) before lease + 2 skews
+        self._given_up[request_id] = now + s.lease_s + 2 * s.clock_skew_s + 1.0
+        self._given_up.move_to_end(request_id)
+        return True
 
     def busy(self) -> bool:
         """Could a step reserve for a waiting request right now? Pages freed by a request

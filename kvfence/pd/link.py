@@ -52,6 +52,19 @@ class PdLink(KvLinkBase):
         led.fence(owner, rows, reason, until=until)
         self.counters["fences"] += 1
 
+    def lift_fence_of(self, request_id: str) -> bool:
+        """Word came after the fence was set (an ACK, or decode saying no read runs, after the
+        lease had already ended): nothing can read the rows, so they are freed now rather than
+        at the fence's deadline."""
+        led = self.staging.ledger
+        number = next((r for r, (rid, _) in self._fenced.items() if rid == request_id and led.fenced(r)), None)
+        if number is None:
+            return False
+        del self._fenced[number]
+        led.lift_fence(number)
+        self.counters["fences_lifted_by_word"] += 1
+        return True
+
     def _lifted_by_time(self, request: int, rows: list[int]) -> None:
         rid, tenant = self._fenced.pop(request, (None, None))
         peer = "decode" if self.role == "prefill" else "the transfer engine"

@@ -245,7 +245,7 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
         async def stop_pull(request: Request):
             rid = (await _read(request, StopPullBody)).request_id
             loop.abort(rid, "the router gave up on the request")   # processed before the question below
-            stopped = await loop.call(lambda e: e.kv_link.reader_stopped(rid))
+            stopped = await loop.call(lambda e: e.kv_link.stop_pull(rid))
             return StopPullReply(reader_stopped=stopped).to_json()
 
         @app.post("/internal/decode")

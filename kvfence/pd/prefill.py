@@ -110,11 +110,15 @@ class KvExporter(PdLink):
         if h is not None:
             self.counters["released"] += 1
             yield ReleaseRequest(h.seq)
+        else:   # verified after its lease ended: the rows were fenced, and now nothing reads them
+            self.lift_fence_of(request_id)
 
     def abort(self, request_id: str, reader_stopped: bool, reason: str) -> Iterator[Decision]:
         seq = self.engine.requests.get(request_id)
         if seq is not None and not seq.finished:
             yield EndRequest(seq, "aborted_by_peer", reason, reader_stopped=reader_stopped)
+        elif reader_stopped:   # ended (its lease ran out) before decode's word came
+            self.lift_fence_of(request_id)
 
     # -- staging ---------------------------------------------------------------------------
     def _stage_pending(self, now: float) -> Iterator[Decision]:

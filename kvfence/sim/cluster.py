@@ -1144,7 +1144,7 @@ class Simulation:
             if life.d_sink:
                 node.engine.abort(m.rid, "the router gave up on the request")
                 life.d_sink = False
-            stopped = node.link.reader_stopped(m.rid)
+            stopped = node.link.stop_pull(m.rid)
             self._log(f"stop_pull {m.rid} -> {m.node}: reader_stopped={stopped}")
             self.msgs.append(Msg("abort", life.p_node, m.rid, self._boot_of(life.p_node), stopped))
             return

@@ -322,6 +322,60 @@ def test_decode_says_whether_a_read_can_still_run(loaded_fp32):
         pr.d.step()
 
 
+def test_a_decode_request_that_arrives_after_the_router_gave_up_is_refused(loaded_fp32):
+    """Found in review (I6): the router gives up while its /internal/decode is still on its way;
+    stop_pull found no read of a request decode had not seen, answered reader_stopped, prefill
+    freed the rows at once and granted them to the next request; then the late arrival was
+    admitted and its pull read those rows (they would not open: another request's key). Now
+    the id is refused once decode has said "stopped". Mutant: without the refusal (the
+    `given_up` check), the late request is admitted and its pull reads g2's rows."""
+    pr = Pair(loaded_fp32)
+    ids, params = prompt(60, 50), SamplingParams(max_tokens=3, **GREEDY)
+    m1 = pr.prefill(ids, params, "g1")
+    assert pr.imp.stop_pull("g1")                                 # decode never saw g1: no read can run
+    assert pr.p.abort_kv("g1", reader_stopped=True, reason="client gone") == "aborted"
+    assert pr.exp.staging.ledger.num_quarantined == 0               # freed at once, on decode's word
+    m2 = pr.prefill(prompt(60, 51), params, "g2")
+    assert set(m2["slots"]) & set(m1["slots"])                       # g2 holds g1's old rows now
+    with pytest.raises(ManifestError, match="gave up on it"):
+        pr.decode(ids, params, "g1", m1)                            # the late arrival
+    assert pr.d.ledger.num_owned == 0 and pr.imp.staging.ledger.num_owned == 0
+    seq, _ = pr.decode(prompt(60, 51), params, "g2", m2)            # g2's rows were never touched
+    assert seq.finish_reason == "length"
+    pr.p.release_kv("g2")
+
+
+def test_a_stop_pull_decode_cannot_remember_leaves_the_rows_fenced(loaded_fp32, monkeypatch):
+    """Past GIVEN_UP_MAX remembered ids decode cannot promise to refuse a late arrival: it
+    answers "a read may run", and prefill fences instead of freeing."""
+    from kvfence.pd import decode as decode_mod
+    monkeypatch.setattr(decode_mod, "GIVEN_UP_MAX", 2)
+    pr = Pair(loaded_fp32)
+    assert pr.imp.stop_pull("x1") and pr.imp.stop_pull("x2") and pr.imp.stop_pull("x1")
+    assert not pr.imp.stop_pull("x3") and pr.imp.counters["given_up_full"] == 1
+
+
+def test_an_ack_after_the_lease_ended_lifts_the_fence(loaded_fp32):
+    """Decode's pull may begin just before the lease's end and be verified after it: prefill
+    has fenced the rows by then, and the ACK (or decode's "no read runs") that comes later is
+    proof nothing reads them, so they go back at once, not at the fence's deadline ~80 s later
+    with a false incident record (found in review)."""
+    pr = Pair(loaded_fp32, lease_s=1.0, clock_skew_s=0.2, max_pull_s=60, transfer_timeout_s=1)
+    params = SamplingParams(max_tokens=3, **GREEDY)
+    for rid, word in (("k1", "ack"), ("k2", "stopped")):
+        m = pr.prefill(prompt(40, 60), params, rid)
+        time.sleep(1.1)
+        pr.p.step()                                                   # the lease ends: fenced
+        assert pr.exp.staging.ledger.num_quarantined == m["page_count"]
+        if word == "ack":
+            pr.p.release_kv(rid)
+        else:
+            pr.p.abort_kv(rid, reader_stopped=True, reason="decode: no read runs")
+        assert pr.exp.staging.ledger.num_quarantined == 0 and pr.exp.staging.ledger.num_owned == 0
+    assert pr.exp.counters["fences_lifted_by_word"] == 2
+    pr.p.abort_kv("k3", reader_stopped=False, reason="unknown request")   # no word, no fence: nothing changes
+
+
 POISON = 4242          # a token id only the poisoned prompts contain (prompt() draws from 100..40000 minus it)
 
 
