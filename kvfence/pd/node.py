@@ -215,7 +215,8 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
                 watcher.cancel()
                 if handle is None and not sub.done():
                     sub.cancel()  # still waiting for admission: EngineLoop.submit aborts it
-                elif handle is not None and not handle.done:  # the router went away: abort it here too
+                elif handle is None or not handle.done:  # the router went away: abort it here too
+                    # (handle None with sub done: admitted just as the router left, nobody reads it)
                     loop.abort(rid, "router disconnected")
         # counted down when the response is done, even if its body never started (the router
         # hung up first): a count left up held every later drain for its whole limit
