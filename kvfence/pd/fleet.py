@@ -53,6 +53,10 @@ class Node:
     state: str = "checking"
     reason: str = ""
     info: NodeInfo | None = None
+    # the boot whose facts last passed the capacity check (I8): what requests name as
+    # expect_boot. Not info's boot: the monitor (its own thread) sets info before it checks it,
+    # and a request in between would have named a new, unchecked boot (found in review)
+    checked_boot: str | None = None
     in_flight: int = 0           # requests the router has on it now
     routed: int = 0              # requests the router ever sent it
     since: float = 0.0           # when it entered its state (time.time())
@@ -135,6 +139,7 @@ class Fleet:
         if problems:
             self._move(node, "refused", "; ".join(problems), loud=new_boot)
         else:
+            node.checked_boot = info.pd.boot_id
             self._move(node, "ready", "", rejoined=new_boot)
 
     def recheck(self, node: Node, reason: str) -> None:

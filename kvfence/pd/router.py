@@ -521,7 +521,7 @@ class RouterBackend:
     async def _open(self, node: Node, path: str, body: WireModel, stack: AsyncExitStack) -> httpx.Response:
         role = node.role
         if isinstance(body, PrefillBody):   # and DecodeBody: only the boot the fleet checked may take it
-            body = body.model_copy(update={"expect_boot": node.boot_id})
+            body = body.model_copy(update={"expect_boot": node.checked_boot})
         try:
             r = await stack.enter_async_context(self._http().stream("POST", node.url + path,
                                                                     **_options(node, **_json(body))))

@@ -216,3 +216,60 @@ def test_the_monitor_goes_on_after_a_round_fails(monkeypatch):
 
     asyncio.run(run())
     assert router.iterations >= 2 and calls["n"] > 3
+
+
+def test_requests_name_the_boot_that_passed_the_check_not_the_newest_seen(monkeypatch):
+    """The monitor (its own thread) sets a node's info before it checks it; a request routed
+    in between named the new boot as expect_boot, and a node that had restarted smaller took
+    it without the router's I8 check (found in review). Requests now name checked_boot."""
+    from kvfence.pd import fleet as fleet_mod
+
+    f = fleet()
+    p1 = f.nodes[0]
+    assert p1.checked_boot == "http://p1"
+    seen = []
+    real = fleet_mod.node_problems
+
+    def spy(*a, **kw):                        # the window: info already replaced, not yet judged
+        seen.append((p1.boot_id, p1.checked_boot, p1.state))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(fleet_mod, "node_problems", spy)
+    f.observe(p1, info(usable=512, boot="smaller"))
+    assert seen == [("smaller", "http://p1", "ready")]       # a request here names http://p1: refused there
+    assert p1.state == "refused" and p1.checked_boot == "http://p1"
+    f.observe(p1, info(boot="again"))
+    assert p1.state == "ready" and p1.checked_boot == "again"
+
+
+def test_the_router_sends_the_checked_boot(monkeypatch):
+    import asyncio
+    import json
+    from contextlib import AsyncExitStack
+
+    import httpx
+    import pytest
+
+    from kvfence.pd.messages import PrefillBody, WireParams
+    from kvfence.pd.router import NodeError, RouterBackend
+
+    sent = []
+
+    class Capture:   # stands in for the router's HTTP client: records the body, then fails to connect
+        def stream(self, method, url, content=None, **kw):
+            sent.append(json.loads(content))
+            raise httpx.ConnectError("no")
+
+    router = RouterBackend("http://127.0.0.1:9", "http://127.0.0.1:9", b"k" * 32)
+    monkeypatch.setattr(router, "_http", lambda: Capture())
+    node = fleet().nodes[0]
+    node.info = info(boot="seen-not-checked")               # the monitor's window
+    body = PrefillBody(request_id="r1", tenant="t", prompt_ids=[1, 2], params=WireParams())
+
+    async def go():
+        async with AsyncExitStack() as stack:
+            await router._open(node, "/internal/prefill", body, stack)
+
+    with pytest.raises(NodeError):
+        asyncio.run(go())
+    assert sent[0]["expect_boot"] == "http://p1"
