@@ -119,6 +119,10 @@ def _input(items) -> list[dict]:
             call_id, name, args = (item.get(k) for k in ("call_id", "name", "arguments"))
             if not all(isinstance(x, str) and x for x in (call_id, name)) or not isinstance(args, str):
                 raise bad_request(f"'{where}' must have 'call_id', 'name' and 'arguments' (JSON text).", param=where)
+            try:   # checked here so the 400 names this item (the chat path counts messages, not items)
+                json.loads(args or "{}")
+            except ValueError:
+                raise bad_request(f"'{where}.arguments' is not valid JSON.", param=f"{where}.arguments") from None
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
             if out and out[-1]["role"] == "assistant":   # one assistant turn: its text and its calls
                 out[-1].setdefault("tool_calls", []).append(call)

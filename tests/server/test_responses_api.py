@@ -143,6 +143,8 @@ def test_logprobs_are_the_chat_paths(server):
     ({"input": []}, "input", "non-empty"),
     ({"input": [{"role": "user", "content": 5}]}, "input[0].content", "string or an array"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id", "call_id"),
+    ({"instructions": "be brief", "input": [{"role": "user", "content": "hi"}, {
+        "type": "function_call", "call_id": "c1", "name": "f", "arguments": "{"}]}, "input[1].arguments", "not valid"),
     ({"max_output_tokens": 0}, "max_output_tokens", "'max_output_tokens'"),
     ({"top_logprobs": 3}, "top_logprobs", "include"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": 5}}}, "text.format", "'text.format.schema'"),
