@@ -12,22 +12,27 @@ about others is closed, and an array that lists `prefixItems` without `items` ta
 items (xgrammar's strict mode, the default where vLLM and SGLang use it, reads schemas the
 same way). Closing only narrows: every output valid under the closed schema is valid under
 the client's. To keep that true, nothing is closed where narrowing could widen or empty the
-result: under `not`, `if`/`then`/`else` and dependent schemas, in an object that also has
-`$ref`, `allOf`, `anyOf` or `oneOf` beside its properties, in a member of an `allOf` with more
-than one member, or in a `$defs` entry such a member refers to. A schema that wants open
-objects says `"additionalProperties": true` (or gives a schema for the extra values).
+result: under `not`, `if`/`then`/`else`, dependent schemas and `oneOf` (closed members could
+turn an instance that matched two of them into one that matches one), in an object that
+also has `$ref`, `allOf`, `anyOf` or `oneOf` beside its properties, in the members of an
+`allOf` of two or more, nor in any `$defs` entry referred to from those places (the nested
+inheritance pattern, `{"allOf": [{"$ref": Base}], "properties": {...}}`, was emptied by a
+closed Base before review caught it). A schema that wants open objects says
+`"additionalProperties": true` (or gives a schema for the extra values).
 """
 from __future__ import annotations
 
 import json
 from typing import Any
 
-# keywords whose value is one subschema, a list of them, or a map of name -> subschema
+# keywords whose value is one subschema, a list of them, or a map of name -> subschema: walked
 _ONE = ("items", "additionalProperties", "unevaluatedItems", "contains", "propertyNames")
-_LIST = ("prefixItems", "anyOf", "oneOf", "items")
+_LIST = ("prefixItems", "anyOf", "items")
 _MAP = ("properties", "patternProperties", "$defs", "definitions")
-# never walked: not, if/then/else, dependentSchemas (narrowing there could widen the result,
-# or send an instance down another branch), and the members of an allOf of two or more
+# never walked, nor the definitions they refer to: narrowing under not, if/then/else or
+# dependent schemas could widen the result or send an instance down another branch; closing
+# oneOf members could make an instance that matched two of them (invalid) match one (valid)
+_GUARDED = ("not", "if", "then", "else", "dependentSchemas", "dependencies", "oneOf")
 _COMPOSED = ("$ref", "allOf", "anyOf", "oneOf")
 _OPEN_KEYS = ("additionalProperties", "unevaluatedProperties", "patternProperties")
 
@@ -40,41 +45,43 @@ def close_objects(schema_json: str) -> str:
         return schema_json   # llguidance names what is wrong with it
     if not isinstance(root, dict):
         return schema_json
-    skip_defs = _refs_under_intersections(root)
-    stack: list[tuple[Any, bool]] = [(root, "#" not in skip_defs)]   # (schema, may it be closed)
+    guarded = _guarded_refs(root)
+    if "#" in guarded:
+        return schema_json   # the whole schema is used where narrowing is not safe
+    stack: list[dict] = [root]
     while stack:
-        node, closable = stack.pop()
-        if not isinstance(node, dict):
-            continue
-        composed = any(k in node for k in _COMPOSED)
-        if closable and not composed:
+        node = stack.pop()
+        if any(k in node for k in _COMPOSED):
+            if "properties" in node:
+                continue   # its properties meet the branches' or the target's: closing could empty them
+        else:
             if isinstance(node.get("properties"), dict) and not any(k in node for k in _OPEN_KEYS):
                 node["additionalProperties"] = False
             if isinstance(node.get("prefixItems"), list) and "items" not in node and "unevaluatedItems" not in node:
                 node["items"] = False
-        if composed and "properties" in node:
-            continue   # its properties meet the branches' or the target's: closing could empty them
         for key in _ONE:
             if isinstance(node.get(key), dict):
-                stack.append((node[key], True))
+                stack.append(node[key])
         for key in _LIST:
             if isinstance(node.get(key), list):
-                stack.extend((s, True) for s in node[key])
+                stack.extend(s for s in node[key] if isinstance(s, dict))
         for key in _MAP:
             sub = node.get(key)
             if isinstance(sub, dict):
-                top_defs = node is root and key in ("$defs", "definitions")
-                stack.extend((s, not (top_defs and f"#/{key}/{name}" in skip_defs)) for name, s in sub.items())
+                defs = node is root and key in ("$defs", "definitions")
+                stack.extend(s for name, s in sub.items()
+                             if isinstance(s, dict) and not (defs and f"#/{key}/{name}" in guarded))
         members = node.get("allOf")
-        if isinstance(members, list) and len(members) == 1:
-            stack.append((members[0], True))   # one member is the member itself
-        # _NEVER and the members of a real intersection are left as the client wrote them
+        if isinstance(members, list) and len(members) == 1 and isinstance(members[0], dict):
+            stack.append(members[0])   # one member is the member itself
+        # _GUARDED and the members of a real intersection are left as the client wrote them
     return json.dumps(root, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
-def _refs_under_intersections(root: dict) -> set[str]:
-    """Every $ref found under an allOf of two or more members, and every $ref found in the
-    definitions those point to, and so on."""
+def _guarded_refs(root: dict) -> set[str]:
+    """Every $ref found where closing is not safe (under _GUARDED keywords, under an allOf of
+    two or more members, anywhere inside an object that has properties beside $ref, allOf,
+    anyOf or oneOf), and every $ref in the definitions those point to, and so on."""
     refs: set[str] = set()
     todo: list[tuple[Any, bool]] = [(root, False)]
     while todo:
@@ -83,12 +90,15 @@ def _refs_under_intersections(root: dict) -> set[str]:
             ref = node.get("$ref")
             if inside and isinstance(ref, str) and ref not in refs:
                 refs.add(ref)
-                target = _local_def(root, ref)
+                target = root if ref == "#" else _local_def(root, ref)
                 if target is not None:
                     todo.append((target, True))
             members = node.get("allOf")
+            mixed = "properties" in node and any(k in node for k in _COMPOSED)
             for k, v in node.items():
-                todo.append((v, inside or (k == "allOf" and isinstance(members, list) and len(members) > 1)))
+                guard = (mixed or k in _GUARDED or
+                         (k == "allOf" and isinstance(members, list) and len(members) > 1))
+                todo.append((v, inside or guard))
         elif isinstance(node, list):
             todo.extend((v, inside) for v in node)
     return refs

@@ -50,6 +50,14 @@ def test_open_objects_and_tuples_are_closed_at_every_depth():
      "$defs": {"A": {"properties": {"a": {"$ref": "#/$defs/C"}}}, "B": {"properties": {"b": {}}},
                "C": {"properties": {"c": {}}}}},
     {"$ref": "#/$defs/A", "properties": {"b": {"properties": {"c": {}}}}, "$defs": {"A": {"type": "object"}}},
+    # found in review: the inheritance pattern one level down; closing Base emptied "pet"
+    {"properties": {"pet": {"allOf": [{"$ref": "#/$defs/Base"}], "properties": {"bark": {"type": "boolean"}},
+                            "required": ["bark"]}},
+     "required": ["pet"], "additionalProperties": False,
+     "$defs": {"Base": {"properties": {"name": {"type": "string"}}, "required": ["name"]}}},
+    {"oneOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]},        # closing would widen
+    {"not": {"$ref": "#/$defs/A"}, "$defs": {"A": {"properties": {"a": {}}}}},
+    {"properties": {"self": {"not": {"$ref": "#"}}}},                          # the root itself is guarded
     [1, 2],
 ])
 def test_what_is_left_as_the_client_wrote_it(schema):
@@ -62,11 +70,15 @@ def test_text_it_cannot_read_passes_through_for_the_compiler_to_name():
     assert close_objects("{not json") == "{not json"
 
 
-INSTANCES = [{}, {"a": 1}, {"b": 1}, {"a": 1, "b": 2}, {"a": {"c": 1}}, {"a": {"c": 1, "z": 2}},
+INSTANCES = [{}, {"a": 1}, {"b": 1}, {"a": 1, "b": 2}, {"a": {"c": 1}}, {"a": {"c": 1, "z": 2}}, {"x": 1},
              {"a": 1, "b": 2, "c": 3}, [1], [1, 2], [1, {"d": 1}], [1, {"d": 1, "z": 0}],
              {"a": 1, "x": {"x": 1}}, "s", 1, None]
 NARROWING_CASES = [
     {"properties": {"a": {"properties": {"c": {}}}}},
+    {"properties": {"a": {"allOf": [{"$ref": "#/$defs/B"}], "properties": {"z": {}}}},
+     "$defs": {"B": {"properties": {"c": {}}}}},
+    {"oneOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]},
+    {"not": {"$ref": "#/$defs/A"}, "$defs": {"A": {"properties": {"a": {}}}}},
     {"not": {"properties": {"a": {}}}},
     {"not": {"properties": {"a": {}}, "required": ["a"]}},
     {"anyOf": [{"properties": {"a": {}}}, {"not": {"properties": {"b": {}}, "required": ["b"]}}]},
