@@ -50,8 +50,11 @@ class IncrementalDetokenizer:
             self._text_cache = "".join(self._chunks)
         return self._text_cache
 
-    def add(self, token_id: int) -> str:
-        """Take one generated token; return the text it finalizes (possibly "")."""
+    def add(self, token_id: int, stops_active: bool = True) -> str:
+        """Take one generated token; return the text it finalizes (possibly ""). With
+        `stops_active` False (before min_tokens) no stop string ends the output: one wholly
+        in that text is emitted; one that ends once stops are active is found (its start is
+        still held back)."""
         if self.stopped_by is not None:
             return ""
         self._ids.append(token_id)
@@ -62,7 +65,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         self._prefix_len = len(self._decode(self._ids[self._prefix_offset:self._read_offset]))
-        return self._emit(piece, final=False)
+        return self._emit(piece, final=False, stops_active=stops_active)
 
     def flush(self) -> str:
         """End of generation: return everything still held back (incomplete bytes as U+FFFD)."""
@@ -80,13 +83,13 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
-    def _emit(self, piece: str, final: bool) -> str:
+    def _emit(self, piece: str, final: bool, stops_active: bool = True) -> str:
         if not self._stops:
             return self._append(piece)
         # Invariant: no stop string can start in already-emitted text (any partial match
         # is kept in _pending), so searching pending + piece finds every match.
         buf = self._pending + piece
-        hit = self._find_stop(buf)
+        hit = self._find_stop(buf) if stops_active else None
         if hit is not None:
             pos, stop = hit
             self.stopped_by = stop

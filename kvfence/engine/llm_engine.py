@@ -566,8 +566,8 @@ class LLMEngine:
         grammar_done = seq.grammar is not None and seq.grammar.consume(tok)
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.tokenizer.end_ids):
             reason = "stop"
-        else:
-            delta = detok.add(tok)
+        else:   # stop strings count from the min_tokens-th token on, as in vLLM
+            delta = detok.add(tok, stops_active=len(seq.output_ids) >= p.min_tokens)
             if detok.stopped_by is not None or grammar_done:
                 reason = "stop"
         if reason is None and (len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.usable_context):

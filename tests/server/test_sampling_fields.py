@@ -48,6 +48,12 @@ def test_min_tokens_holds_back_the_end(server):
     held = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=60, temperature=0,
                                      extra_body={"min_tokens": 30})
     assert held.usage.completion_tokens >= 30
+    # a stop string counts from the min_tokens-th token on too (it ended the request at once before)
+    stopped = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=60, temperature=0, stop=["!", "."])
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens < 10
+    held = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=60, temperature=0, stop=["!", "."],
+                                     extra_body={"min_tokens": 20})
+    assert held.usage.completion_tokens >= 20
 
 
 def test_min_p_is_accepted_and_seeded_sampling_stays_reproducible(server):

@@ -265,3 +265,29 @@ def test_two_stops_completed_by_one_token_earliest_start_wins(byte_tok):
     assert detok.stopped_by == "ab"
     assert detok.text == ""
     assert deltas == ["", ""] + [""]
+
+
+@pytest.mark.parametrize("active_from,text", [
+    (0, "Hell"),                  # active throughout: the "o" of token 5 stops it
+    (6, "Hello w"),               # token 5 came before stops count: its "o" is text; token 8's stops
+    (9, "Hello world, g"),        # tokens 5 and 8 both before: the "o" of token 15 stops it
+])
+def test_stop_strings_count_only_once_min_tokens_are_out(byte_tok, active_from, text):
+    """Found in review: min_tokens held back only EOS and stop token ids, so a stop string
+    ended a request with min_tokens=20 at its second token (vLLM counts stop strings from the
+    min_tokens-th token on). One byte a token here."""
+    ids = byte_tok.encode("Hello world, good day").ids
+    detok = IncrementalDetokenizer(byte_tok, [], SamplingParams(stop=["o"]))
+    out = ""
+    for i, t in enumerate(ids, 1):
+        out += detok.add(t, stops_active=i >= active_from)
+        if detok.stopped_by:
+            break
+    assert detok.stopped_by == "o" and out == detok.text == text
+
+
+def test_a_stop_string_that_starts_before_min_tokens_and_ends_after_is_found(byte_tok):
+    ids = byte_tok.encode("Hello world").ids
+    detok = IncrementalDetokenizer(byte_tok, [], SamplingParams(stop=["world"]))
+    out = "".join(detok.add(t, stops_active=i >= 9) for i, t in enumerate(ids, 1) if not detok.stopped_by)
+    assert detok.stopped_by == "world" and out == "Hello "
