@@ -113,6 +113,7 @@ class OperatorAuth:
         """The cookie value for `key` if it is the operator's, else None."""
         if not self.tenants.is_operator(f"Bearer {key}"):
             return None
+        key = key.strip()   # as is_operator reads it: a pasted key with a space signed a cookie nobody matched
         expires = int(time.time()) + SESSION_S
         return f"{expires}.{self._mac(hashlib.sha256(key.encode('utf-8', 'surrogatepass')).digest(), expires)}"
 
@@ -120,7 +121,7 @@ class OperatorAuth:
         if not value:
             return False
         exp, _, mac = value.partition(".")
-        if not exp.isdigit() or len(exp) > 12 or int(exp) < time.time():
+        if not (exp.isascii() and exp.isdigit()) or len(exp) > 12 or int(exp) < time.time():   # '²' isdigit
             return False
         found = False
         for d in self.tenants.operator_digests:     # every digest, no early exit

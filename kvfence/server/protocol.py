@@ -106,6 +106,8 @@ def parse_json_body(raw: bytes) -> dict:
         raise bad_request(f"The request body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}.") from None
     except RecursionError:
         raise bad_request("The request body is nested too deeply.") from None
+    except ValueError as e:   # e.g. an integer literal past Python's 4300-digit limit (was a 500)
+        raise bad_request(f"The request body is not usable JSON: {str(e)[:200]}") from None
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.")
     _no_lone_surrogates(body)
@@ -166,7 +168,13 @@ def _int(body, name, default=None, lo=None, hi=None):
 
 def _num(body, name, default=None, lo=None, hi=None):
     v = _field(body, name, (int, float), default, "a number")
-    return _range(name, None if v is None else float(v), lo, hi)
+    if v is None:
+        return _range(name, None, lo, hi)
+    try:
+        f = float(v)
+    except OverflowError:   # an integer too large for a float (was a 500)
+        raise bad_request(f"'{name}' is out of range.", param=name) from None
+    return _range(name, f, lo, hi)
 
 
 def _bool(body, name, default=False):
@@ -306,7 +314,7 @@ def _logit_bias(body: dict) -> dict[int, float]:
         if not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 9):
             raise bad_request(f"'logit_bias' keys must be token ids (non-negative integers), got {k!r}.",
                               param="logit_bias")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not -100 <= v <= 100:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100 or not math.isfinite(v):
             raise bad_request(f"'logit_bias' values must be numbers in [-100, 100]; token {k} has {v!r}.",
                               param="logit_bias")
         out[int(k)] = float(v)
@@ -453,7 +461,7 @@ def _tool_calls(calls, where: str) -> list[dict]:
                               f"\"arguments\": JSON text}}}}.", param=w)
         try:
             args = json.loads(f["arguments"]) if f["arguments"].strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):   # deep nesting raised RecursionError: was a 500
             raise bad_request(f"'{w}.function.arguments' is not valid JSON.", param=f"{w}.function.arguments") from None
         out.append({"id": str(c.get("id", "")), "name": f["name"], "arguments": args})
     return out

@@ -118,6 +118,14 @@ BAD_BODIES = [
     ("completions", {"prompt": "x", "stop": 5}, "stop", 400),
     ("completions", {"prompt": "x", "stop": [""]}, "stop", 400),
     ("completions", {"prompt": "x", "stop": ["x" * 5000]}, "stop", 400),              # the PD wire's bound too
+    # found in review, each a 500 before: an integer past Python's 4300-digit limit, a number too
+    # large for a float, and tool-call arguments nested past the recursion limit
+    ("completions", b'{"prompt": "x", "metadata": {"a": ' + b"1" * 5000 + b"}}", None, 400),
+    ("completions", b'{"prompt": "x", "temperature": 1' + b"0" * 400 + b"}", "temperature", 400),
+    ("completions", b'{"prompt": "x", "logit_bias": {"5": 1' + b"0" * 400 + b"}}", "logit_bias", 400),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": "[" * 100000}}]}]},
+     "messages[1].tool_calls[0].function.arguments", 400),
     ("completions", {"prompt": "x", "stop_token_ids": [2**32]}, "stop_token_ids", 400),
     ("completions", {"prompt": "x", "stop_token_ids": [1] * 1025}, "stop_token_ids", 400),
     ("completions", {"prompt": "x", "n": 17}, "n", 400),
