@@ -496,6 +496,24 @@ class _Run:
     def completion_tokens(self) -> int:
         return sum(c.last.completion_tokens for c in self.choices if c.last)
 
+    def _tokens_generated(self) -> int:
+        """Completion tokens the engine made for this request, read or not. The engine does not
+        wait for a slow reader: a stream whose client stopped reading leaves updates queued, and
+        charging only what was read let such a client reserve max_tokens, have them all
+        generated, and pay for a few (found in review). Called once the pumps are stopped."""
+        latest = {c.index: c.last.completion_tokens if c.last else 0 for c in self.choices}
+
+        def see(c: _Choice, u) -> None:
+            if isinstance(u, Update):
+                latest[c.index] = max(latest[c.index], u.completion_tokens)
+
+        while not self._queue.empty():
+            see(*self._queue.get_nowait())
+        for c in self.choices:
+            while c.handle is not None and not c.handle.updates.empty():
+                see(c, c.handle.updates.get_nowait())
+        return sum(latest.values())
+
     def _usage(self) -> dict:
         return usage(self.prompt_tokens, self.completion_tokens,
                      sum(c.last.cached_tokens for c in self.choices if c.last))
@@ -559,10 +577,11 @@ class _Run:
             reason = next((c.reason for c in self.choices if c.reason), None)
             outcome = ("client_disconnected" if self.disconnected and not self._ok() else
                        reason or "error" if self._ok() else "error")
-        self.lease.release(self.completion_tokens)
+        generated = self._tokens_generated()
+        self.lease.release(generated)
         firsts = [c.first_token_at for c in self.choices if c.first_token_at is not None]
         times = sorted(t for c in self.choices for t in c.token_times)
-        self.state.metrics.finished(self.tenant.name, outcome, self.prompt_tokens, self.completion_tokens,
+        self.state.metrics.finished(self.tenant.name, outcome, self.prompt_tokens, generated,
                                     self.arrival, min(firsts) if firsts else None, times)
         ttft = round((min(firsts) - self.arrival) * 1e3, 1) if firsts else None
         # counts only: never prompt or completion text
