@@ -270,6 +270,14 @@ async def _generate(state: ServerState, request: Request, kind: str):
                 raise bad_request(f"echo with logprobs would return {entries} logprob entries (prompt tokens x "
                                   f"(logprobs + 1) x n); at most {MAX_PROMPT_LOGPROB_ENTRIES}: send fewer prompt "
                                   "tokens, a smaller logprobs or n.", param="logprobs")
+        if req.params.logprobs is not None:   # the answer is built whole on the event loop: bound it
+            mt = req.params.max_tokens
+            most = sum(mt if mt is not None else max(1, facts["usable_context"] - len(ids)) for ids in prompts)
+            entries = most * req.n * (req.params.logprobs + 1)
+            if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+                raise bad_request(f"logprobs could return {entries} entries (tokens x (top logprobs + 1) x n); at "
+                                  f"most {MAX_PROMPT_LOGPROB_ENTRIES}: set a smaller max_tokens, top logprobs or n.",
+                                  param="logprobs" if req.kind == "completion" else "top_logprobs")
         bad_bias = [t for t in req.params.logit_bias if t >= facts["vocab_size"]]
         if bad_bias:
             raise bad_request(f"'logit_bias' names token {bad_bias[0]}, outside the vocabulary "

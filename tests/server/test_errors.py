@@ -231,3 +231,19 @@ def test_idle_engine_thread_blocks_instead_of_spinning(server):
     assert server.engine.iterations == before                    # no loop turns while idle
     server.client().completions.create(model=MODEL, prompt="Hi", max_tokens=3)
     assert server.engine.iterations > before                     # and it wakes for work
+
+
+def test_generated_logprobs_are_bounded_like_prompt_logprobs(server, monkeypatch):
+    """Found in review: prompt logprobs were capped, generated ones were not; n=16 x 8192 tokens
+    x 21 entries is ~2.75M logprob objects built and serialised on the event loop, stalling
+    every tenant's streams. The same bound now applies (lowered here to fit the test's context)."""
+    from kvfence.server import app as app_mod
+
+    monkeypatch.setattr(app_mod, "MAX_PROMPT_LOGPROB_ENTRIES", 1000)
+    with server.http() as h:
+        r = h.post("/v1/chat/completions", json={**OK_CHAT, "n": 2, "max_tokens": 30, "logprobs": True,
+                                                  "top_logprobs": 20})
+        err = assert_openai_error(r, 400, param="top_logprobs")
+        assert "1260 entries" in err["message"]
+        r = h.post("/v1/completions", json={**OK_COMPLETION, "max_tokens": 30, "logprobs": 20})
+        assert r.status_code == 200, r.text
