@@ -603,7 +603,12 @@ class _Run:
         if u is None:
             return APIError(503, "The engine stopped before the request finished.", code="engine_unavailable")
         status, what = ABORT_STATUS.get(u.abort_code or "", (500, "The request was aborted"))
-        return APIError(status, f"{what}: {u.error or u.finish_reason}.", code=u.abort_code or "request_aborted")
+        detail = u.error or u.finish_reason
+        if u.abort_code == "isolation_violation":
+            # which check failed, not its detail: that names another owner's request, scope and
+            # epoch (found in review); the server's log and incident log keep it
+            detail = f"{str(detail).split(':', 1)[0]} (details in the server's incident log)"
+        return APIError(status, f"{what}: {detail}.", code=u.abort_code or "request_aborted")
 
     def _fail_on(self, e: BaseException) -> APIError:
         if isinstance(e, EngineFailed):

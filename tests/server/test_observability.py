@@ -166,6 +166,7 @@ def test_isolation_violation_fails_closed_through_the_api(make_server):
     t.join(60)
     assert e.value.status_code == 500 and e.value.code == "isolation_violation"
     assert "isolation check I2 failed" in e.value.message
+    assert "owner request" not in e.value.message and "scope" not in e.value.message   # another owner's ids
     assert results["bob"] == clean
     snap = srv.wait_idle()
     assert snap["pages_quarantined"] == 1 and snap["pages_owned"] == 0
