@@ -149,6 +149,10 @@ class Scheduler:
             n = min(seq.uncomputed, self._prefill_room(budget, prefilled, seq.arrival > streams_since))
             need = self.ledger.pages_for(seq.num_computed + n) - len(seq.table)
             if need > self.ledger.num_available:
+                if self.prefix_cache is not None and seq.reads_prefix_cache:
+                    self.prefix_cache.unmatch(seq.all_ids, seq.num_computed)
+                    if seq.num_preemptions == 0:
+                        seq.cached_tokens = 0   # none used yet (its usage must not claim them if it ends here)
                 self.ledger.free(seq.owner, seq.table)  # let go of any cached pages just attached
                 seq.num_computed = 0
                 if not self.running and not self.pages_held_elsewhere():  # nothing will ever free pages for it

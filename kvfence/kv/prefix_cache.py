@@ -53,6 +53,13 @@ class PrefixCache:
         self.hits += matched
         return matched
 
+    def unmatch(self, tokens: list[int], matched: int) -> None:
+        """The scheduler let go of a match (the request did not fit this step and looks again
+        later): its lookup and hits must not count once per step it waits (found in review)."""
+        ps = self.ledger.page_size
+        self.lookups -= (len(tokens) - 1) // ps * ps
+        self.hits -= matched
+
     def publish(self, owner: Owner, scope: str, tokens: list[int], table: BlockTable, computed: int) -> int:
         """Offer owner's fully written pages to the cache; returns how many became shared."""
         ps = self.ledger.page_size

@@ -183,3 +183,36 @@ def test_a_prompt_that_queued_on_a_busy_engine_stays_capped_after_its_streams_en
     burst = make_seq(led, 40, 3)
     sch.add(burst)
     assert [(s.seq.request_id, s.num_new) for s in sch.schedule()] == [("r3", 40)]
+
+
+def test_a_prefix_match_let_go_for_lack_of_pages_is_not_counted_each_step():
+    """Found in review: the head of the queue matched its cached prefix, did not fit, let go of
+    the pages and matched again next step, counting its hit tokens every step it waited
+    (kvfence_prefix_cache_hit_tokens) and keeping cached_tokens it never used."""
+    from kvfence.kv.prefix_cache import PrefixCache
+
+    def cached_seq(led, n, i):            # a request of tenant t in its own cache scope, as the engine makes it
+        s = Sequence(request_id=f"r{i}", tenant="t", owner=Owner(led.tenant_id("t"), Sequence.next_number(),
+                                                                  scope=led.tenant_id("t")),
+                     prompt_ids=[7] * n, params=SamplingParams(), max_tokens=100, cache_scope="t")
+        s.on(Event.ADMIT)
+        return s
+
+    led = Ledger(9, 4)                    # 8 usable pages
+    cache = PrefixCache(led)
+    sch = Scheduler(led, max_num_seqs=8, token_budget=100, prefix_cache=cache)
+    a = cached_seq(led, 13, 0)            # 4 pages; its 3 full prompt pages go to the cache
+    sch.add(a)
+    fake_run(sch.schedule())
+    led.mark_written(a.owner, a.table, 0, a.num_computed)   # what the forward pass records
+    assert cache.publish(a.owner, a.cache_scope, a.all_ids, a.table, a.num_computed) == 3
+    filler = cached_seq(led, 12, 1)       # 3 pages (its prefix is a's: 2 cached pages, 1 of its own)
+    sch.add(filler)
+    fake_run(sch.schedule())
+    b = cached_seq(led, 40, 2)            # shares a's 3 pages, needs 7 more: too few are free
+    sch.add(b)
+    for _ in range(3):
+        fake_run(sch.schedule())
+        assert b.state is State.WAITING and len(b.table) == 0
+    assert cache.hits == filler.cached_tokens == 8 and b.cached_tokens == 0   # 44 before: b counted 12 a step
+    led.check_consistency()
