@@ -48,8 +48,8 @@ log = logging.getLogger("kvfence.server")
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 UNAUTHENTICATED = "unauthenticated"
-# echo with logprobs: entries one answer may carry (each one a Python object, then JSON: ~100 MB)
-MAX_PROMPT_LOGPROB_ENTRIES = 1_000_000
+# logprob entries one answer may carry, echoed prompt or generated (each a Python object, then JSON: ~100 MB)
+MAX_LOGPROB_ENTRIES = 1_000_000
 
 
 class ServerState:
@@ -266,17 +266,20 @@ async def _generate(state: ServerState, request: Request, kind: str):
                     raise bad_request(f"Prompt token ids must be in [0, {vocab}).", param="prompt")
         if req.params.prompt_logprobs is not None:   # every choice's answer repeats the prompt's entries
             entries = sum(len(ids) for ids in prompts) * (req.params.prompt_logprobs + 1) * req.n
-            if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+            if entries > MAX_LOGPROB_ENTRIES:
                 raise bad_request(f"echo with logprobs would return {entries} logprob entries (prompt tokens x "
-                                  f"(logprobs + 1) x n); at most {MAX_PROMPT_LOGPROB_ENTRIES}: send fewer prompt "
+                                  f"(logprobs + 1) x n); at most {MAX_LOGPROB_ENTRIES}: send fewer prompt "
                                   "tokens, a smaller logprobs or n.", param="logprobs")
+        # the most completion tokens this request can use: max_tokens, or the rest of the context
+        # when it sets none (what the engine will allow), for every choice (n choices of a prompt
+        # may use n x max_tokens); it bounds the logprobs and tokens_per_minute reserves it
+        mt = req.params.max_tokens
+        most = sum(mt if mt is not None else max(1, facts["usable_context"] - len(ids)) for ids in prompts) * req.n
         if req.params.logprobs is not None:   # the answer is built whole on the event loop: bound it
-            mt = req.params.max_tokens
-            most = sum(mt if mt is not None else max(1, facts["usable_context"] - len(ids)) for ids in prompts)
-            entries = most * req.n * (req.params.logprobs + 1)
-            if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+            entries = most * (req.params.logprobs + 1)
+            if entries > MAX_LOGPROB_ENTRIES:
                 raise bad_request(f"logprobs could return {entries} entries (tokens x (top logprobs + 1) x n); at "
-                                  f"most {MAX_PROMPT_LOGPROB_ENTRIES}: set a smaller max_tokens, top logprobs or n.",
+                                  f"most {MAX_LOGPROB_ENTRIES}: set a smaller max_tokens, top logprobs or n.",
                                   param="logprobs" if req.kind == "completion" else "top_logprobs")
         bad_bias = [t for t in req.params.logit_bias if t >= facts["vocab_size"]]
         if bad_bias:
@@ -284,11 +287,7 @@ async def _generate(state: ServerState, request: Request, kind: str):
                               f"[0, {facts['vocab_size']}).", param="logit_bias")
         if req.params.json_schema is not None:
             await _check_schema(state, str(req.params.json_schema))
-        # tokens_per_minute reserves the most this request can use: prompt + max_tokens, or the
-        # rest of the context when it sets none (what the engine will allow); refunded at the end
-        # (every choice counts: n choices of a prompt may use n x max_tokens)
-        mt = req.params.max_tokens
-        most = sum(mt if mt is not None else max(1, facts["usable_context"] - len(ids)) for ids in prompts) * req.n
+        # tokens_per_minute reserves prompt + the most it can generate; what it did not use is refunded
         lease = state.limiter.admit(tenant, sum(len(ids) for ids in prompts), most)
         choices = _choices(state, req, prompts, rid)
         try:

@@ -298,7 +298,7 @@ class ResponseView:
                     for ev in s.call(d):
                         yield ev
                 finish = choice.get("finish_reason") or finish
-        for ev in s.close(empty_message=True):
+        for ev in s.close():
             yield ev
         status, why = self._status(finish)
         final = self._object(status, s.output, use, incomplete=why)
@@ -374,10 +374,10 @@ class _Items:
         return self.v._call({"id": c["call_id"], "function": {"name": c["name"], "arguments": arguments}}, status,
                             c["id"])
 
-    def close(self, empty_message: bool) -> list[bytes]:
+    def close(self) -> list[bytes]:
         """Close what is open; an answer with no text and no call is still one (empty) message."""
         ev = []
-        if empty_message and self._text is None and not self._calls and not self.output:
+        if self._text is None and not self._calls and not self.output:
             ev += self._open_text()
         ev += self._close_text()
         for k in sorted(self._calls):

@@ -239,7 +239,7 @@ def test_generated_logprobs_are_bounded_like_prompt_logprobs(server, monkeypatch
     every tenant's streams. The same bound now applies (lowered here to fit the test's context)."""
     from kvfence.server import app as app_mod
 
-    monkeypatch.setattr(app_mod, "MAX_PROMPT_LOGPROB_ENTRIES", 1000)
+    monkeypatch.setattr(app_mod, "MAX_LOGPROB_ENTRIES", 1000)
     with server.http() as h:
         r = h.post("/v1/chat/completions", json={**OK_CHAT, "n": 2, "max_tokens": 30, "logprobs": True,
                                                   "top_logprobs": 20})

@@ -143,7 +143,7 @@ def test_an_answer_with_too_many_prompt_logprob_entries_is_a_400_naming_logprobs
     c = server.client("alice")
     n_tokens = len(c.completions.create(model=MODEL, prompt=PROMPT, echo=True, max_tokens=0, logprobs=0)
                    .choices[0].logprobs.tokens)
-    monkeypatch.setattr(app_module, "MAX_PROMPT_LOGPROB_ENTRIES", n_tokens * 3 * 2)
+    monkeypatch.setattr(app_module, "MAX_LOGPROB_ENTRIES", n_tokens * 3 * 2)
     ok = c.completions.create(model=MODEL, prompt=PROMPT, echo=True, max_tokens=0, logprobs=2, n=2)
     assert len(ok.choices) == 2
     with pytest.raises(openai.BadRequestError) as e:
