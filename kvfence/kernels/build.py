@@ -7,6 +7,10 @@ of the source, the compiler and this CPU's feature flags (it is built with -marc
 Several processes starting at once (a PD cluster) take a file lock, so one builds and the
 others load its result. No compiler, or a failed build, means no library: the model then
 runs its plain-torch path and says so once in the log.
+
+KVFENCE_KERNELS_ISA=avx2 or =baseline builds for less than this CPU has (x86-64-v3: AVX2 + FMA;
+x86-64-v2: no AVX at all), so a machine with AVX-512 also runs and tests the narrower paths that
+other machines take (tests/unit/test_kernel_isas.py).
 """
 from __future__ import annotations
 
@@ -23,9 +27,20 @@ from pathlib import Path
 log = logging.getLogger("kvfence.kernels")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "gemm.cpp", "qgemm.cpp", "stack.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("kernels.h", "scalar_math.h", "simd_bf16.h", "simd_avx2.h")]
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
-         "-fno-math-errno"]
+HEADERS = [Path(__file__).with_name(name)
+           for name in ("kernels.h", "scalar_math.h", "simd_bf16.h", "simd_avx2.h", "simd_vec.h")]
+FLAGS = ["-O3", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno"]
+# what KVFENCE_KERNELS_ISA may ask for, as the compiler's target flags
+ISAS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3", "-mtune=native"],
+        "baseline": ["-march=x86-64-v2", "-mtune=native"]}
+
+
+def isa_flags(isa: str | None = None) -> list[str]:
+    """The target flags for `isa`, or for $KVFENCE_KERNELS_ISA (default native)."""
+    name = isa if isa is not None else os.environ.get("KVFENCE_KERNELS_ISA", "native").strip().lower() or "native"
+    if name not in ISAS:
+        raise RuntimeError(f"KVFENCE_KERNELS_ISA={name!r}: expected one of {', '.join(ISAS)}")
+    return ISAS[name]
 
 
 def cache_dir() -> Path:
@@ -53,20 +68,20 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
-def library_path(cxx: str) -> Path:
+def library_path(cxx: str, isa: str | None = None) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     sources = b"".join(src.read_bytes() for src in SOURCES + HEADERS)
-    key = hashlib.sha256(sources + " ".join(FLAGS).encode() + version.encode()
+    key = hashlib.sha256(sources + " ".join(FLAGS + isa_flags(isa)).encode() + version.encode()
                          + _cpu_flags().encode()).hexdigest()[:16]
     return cache_dir() / f"cpu_kernels-{key}.so"
 
 
-def build() -> Path:
+def build(isa: str | None = None) -> Path:
     """Path of the compiled library, building it if this machine has none yet."""
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++, c++ or clang++) on PATH")
-    target = library_path(cxx)
+    target = library_path(cxx, isa)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -77,7 +92,8 @@ def build() -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            proc = subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True)
+            proc = subprocess.run([cxx, *FLAGS, *isa_flags(isa), *map(str, SOURCES), "-o", tmp],
+                                  capture_output=True, text=True)
             if proc.returncode != 0:
                 names = " ".join(src.name for src in SOURCES)
                 raise RuntimeError(f"{cxx} failed building {names}:\n{proc.stderr[-2000:]}")
@@ -89,11 +105,11 @@ def build() -> Path:
     return target
 
 
-def load_library() -> ctypes.CDLL:
+def load_library(isa: str | None = None) -> ctypes.CDLL:
     # torch first: the library's OpenMP symbols then bind to the runtime torch loaded,
     # so both share one thread pool instead of two pools fighting over the cores
     import torch  # noqa: F401
-    lib = ctypes.CDLL(str(build()))
+    lib = ctypes.CDLL(str(build(isa)))  # RTLD_LOCAL: builds for two ISAs can sit in one process
     i64, i32, f32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     lib.kvfence_kernels_version.restype = i32
     lib.kvfence_add_rms_norm.argtypes = [i32, vp, vp, vp, vp, i64, i64, f32, i32]

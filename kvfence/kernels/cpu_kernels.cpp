@@ -26,8 +26,7 @@
 #include <vector>
 #include "kernels.h"
 #include "scalar_math.h"
-#include "simd_avx2.h"
-#include "simd_bf16.h"
+#include "simd_vec.h"
 
 namespace {
 using namespace kvfence_scalar;
@@ -36,19 +35,13 @@ using namespace kvfence_scalar;
 inline int64_t k_at(int64_t d, int64_t j, int64_t page_size) { return ((d >> 1) * page_size + j) * 2 + (d & 1); }
 inline int64_t v_at(int64_t j, int64_t d, int64_t dim) { return ((j >> 1) * dim + d) * 2 + (j & 1); }
 
-// Sixteen bf16 lanes at a time: simd_bf16.h.
-#if defined(__AVX512BF16__)
-template <typename T>
-constexpr bool kVecBf16 = std::is_same<T, bf16_t>::value;
-using namespace kvfence_simd;
-#else
-template <typename T>
-constexpr bool kVecBf16 = false;
+// The element-wise kernels' vectors, one type for both SIMD builds: simd_vec.h. The attention
+// keeps a path per build (vdpbf16ps on pairs as the pages lie; AVX2 widens them in registers).
+#if defined(KVFENCE_VEC)
+using namespace kvfence_vec;
 #endif
-// Eight bf16 lanes at a time on AVX2 builds: simd_avx2.h.
-#if defined(KVFENCE_AVX2)
-template <typename T>
-constexpr bool kAvx2Bf16 = std::is_same<T, bf16_t>::value;
+#if defined(__AVX512BF16__)
+using namespace kvfence_simd;
 #endif
 
 // ---------------------------------------------------------------------------------------
@@ -59,43 +52,21 @@ void add_rms_norm(T* h, const T* delta, const T* w, T* out, int64_t n, int64_t d
 #pragma omp parallel for num_threads(nt) schedule(static) if (n * dim >= (1 << 14))
     for (int64_t i = 0; i < n; ++i) {
         T* hr = h + i * dim;
-#if defined(__AVX512BF16__)
-        if constexpr (kVecBf16<T>) {
-            if (dim % 16 == 0) {
+#if defined(KVFENCE_VEC)
+        if constexpr (std::is_same<T, bf16_t>::value) {
+            if (dim % kLanes == 0) {
                 T* o = out + i * dim;
-                __m512 acc = _mm512_setzero_ps();
-                for (int64_t d = 0; d < dim; d += 16) {
-                    __m512 v = ld16(hr + d);
+                V acc = zero();
+                for (int64_t d = 0; d < dim; d += kLanes) {
+                    V v = load(hr + d);
                     if (delta) {
-                        v = rnd16(_mm512_add_ps(v, ld16(delta + i * dim + d)));
-                        st16(hr + d, v);
+                        v = rnd(v + load(delta + i * dim + d));
+                        store(hr + d, v);
                     }
-                    acc = _mm512_fmadd_ps(v, v, acc);
+                    acc = fma(v, v, acc);
                 }
-                const __m512 r = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / float(dim) + eps));
-                for (int64_t d = 0; d < dim; d += 16)
-                    st16(o + d, _mm512_mul_ps(ld16(w + d), rnd16(_mm512_mul_ps(ld16(hr + d), r))));
-                continue;
-            }
-        }
-#endif
-#if defined(KVFENCE_AVX2)
-        if constexpr (kAvx2Bf16<T>) {
-            if (dim % 8 == 0) {
-                using namespace kvfence_avx2;
-                T* o = out + i * dim;
-                __m256 acc = _mm256_setzero_ps();
-                for (int64_t d = 0; d < dim; d += 8) {
-                    __m256 v = ld8(hr + d);
-                    if (delta) {
-                        v = rnd8(_mm256_add_ps(v, ld8(delta + i * dim + d)));
-                        st8(hr + d, v);
-                    }
-                    acc = _mm256_fmadd_ps(v, v, acc);
-                }
-                const __m256 r = _mm256_set1_ps(1.0f / std::sqrt(hsum8(acc) / float(dim) + eps));
-                for (int64_t d = 0; d < dim; d += 8)
-                    st8(o + d, _mm256_mul_ps(ld8(w + d), rnd8(_mm256_mul_ps(ld8(hr + d), r))));
+                const V r = splat(1.0f / std::sqrt(sum(acc) / float(dim) + eps));
+                for (int64_t d = 0; d < dim; d += kLanes) store(o + d, load(w + d) * rnd(load(hr + d) * r));
                 continue;
             }
         }
@@ -135,38 +106,19 @@ void add_rms_norm_f32res(float* h, const bf16_t* delta, const bf16_t* w, bf16_t*
         float* hr = h + i * dim;
         const bf16_t* dr = delta ? delta + i * dim : nullptr;
         bf16_t* o = out + i * dim;
-#if defined(__AVX512BF16__)
-        if (dim % 16 == 0) {
-            __m512 acc = _mm512_setzero_ps();
-            for (int64_t d = 0; d < dim; d += 16) {
-                __m512 v = _mm512_loadu_ps(hr + d);
+#if defined(KVFENCE_VEC)
+        if (dim % kLanes == 0) {
+            V acc = zero();
+            for (int64_t d = 0; d < dim; d += kLanes) {
+                V v = load(hr + d);
                 if (dr) {
-                    v = _mm512_add_ps(v, ld16(dr + d));
-                    _mm512_storeu_ps(hr + d, v);
+                    v = v + load(dr + d);
+                    store(hr + d, v);
                 }
-                acc = _mm512_fmadd_ps(v, v, acc);
+                acc = fma(v, v, acc);
             }
-            const __m512 r = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / float(dim) + eps));
-            for (int64_t d = 0; d < dim; d += 16)
-                st16(o + d, _mm512_mul_ps(ld16(w + d), rnd16(_mm512_mul_ps(_mm512_loadu_ps(hr + d), r))));
-            continue;
-        }
-#endif
-#if defined(KVFENCE_AVX2)
-        if (dim % 8 == 0) {
-            using namespace kvfence_avx2;
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t d = 0; d < dim; d += 8) {
-                __m256 v = _mm256_loadu_ps(hr + d);
-                if (dr) {
-                    v = _mm256_add_ps(v, ld8(dr + d));
-                    _mm256_storeu_ps(hr + d, v);
-                }
-                acc = _mm256_fmadd_ps(v, v, acc);
-            }
-            const __m256 r = _mm256_set1_ps(1.0f / std::sqrt(hsum8(acc) / float(dim) + eps));
-            for (int64_t d = 0; d < dim; d += 8)
-                st8(o + d, _mm256_mul_ps(ld8(w + d), rnd8(_mm256_mul_ps(_mm256_loadu_ps(hr + d), r))));
+            const V r = splat(1.0f / std::sqrt(sum(acc) / float(dim) + eps));
+            for (int64_t d = 0; d < dim; d += kLanes) store(o + d, load(w + d) * rnd(load(hr + d) * r));
             continue;
         }
 #endif
@@ -202,34 +154,15 @@ int64_t rope_store(T* qkv, int64_t n, int64_t row_stride, int heads, int kv_head
         const T* s = sin + positions[i] * dim;
         for (int hh = 0; hh < heads + kv_heads; ++hh) {
             T* x = row + int64_t(hh) * dim;
-#if defined(__AVX512BF16__)
-            if constexpr (kVecBf16<T>) {
-                if (half % 16 == 0) {
-                    for (int d = 0; d < half; d += 16) {
-                        const __m512 a = ld16(x + d), b = ld16(x + d + half);
-                        const __m512 lo = rnd16(_mm512_sub_ps(rnd16(_mm512_mul_ps(a, ld16(c + d))),
-                                                              rnd16(_mm512_mul_ps(b, ld16(s + d)))));
-                        const __m512 hi = rnd16(_mm512_add_ps(rnd16(_mm512_mul_ps(b, ld16(c + d + half))),
-                                                              rnd16(_mm512_mul_ps(a, ld16(s + d + half)))));
-                        st16(x + d, lo);
-                        st16(x + d + half, hi);
-                    }
-                    continue;
-                }
-            }
-#endif
-#if defined(KVFENCE_AVX2)
-            if constexpr (kAvx2Bf16<T>) {
-                if (half % 8 == 0) {
-                    using namespace kvfence_avx2;
-                    for (int d = 0; d < half; d += 8) {
-                        const __m256 a = ld8(x + d), b = ld8(x + d + half);
-                        const __m256 lo = rnd8(_mm256_sub_ps(rnd8(_mm256_mul_ps(a, ld8(c + d))),
-                                                             rnd8(_mm256_mul_ps(b, ld8(s + d)))));
-                        const __m256 hi = rnd8(_mm256_add_ps(rnd8(_mm256_mul_ps(b, ld8(c + d + half))),
-                                                             rnd8(_mm256_mul_ps(a, ld8(s + d + half)))));
-                        st8(x + d, lo);
-                        st8(x + d + half, hi);
+#if defined(KVFENCE_VEC)
+            if constexpr (std::is_same<T, bf16_t>::value) {
+                if (half % kLanes == 0) {
+                    for (int d = 0; d < half; d += kLanes) {
+                        const V a = load(x + d), b = load(x + d + half);
+                        const V lo = rnd(rnd(a * load(c + d)) - rnd(b * load(s + d)));
+                        const V hi = rnd(rnd(b * load(c + d + half)) + rnd(a * load(s + d + half)));
+                        store(x + d, lo);
+                        store(x + d + half, hi);
                     }
                     continue;
                 }
@@ -269,20 +202,10 @@ void silu_mul(const T* gu, T* out, int64_t n, int64_t inter, int nt) {
         const T* g = gu + i * 2 * inter;
         const T* u = g + inter;
         T* o = out + i * inter;
-#if defined(__AVX512BF16__)
-        if constexpr (kVecBf16<T>) {
-            if (inter % 16 == 0) {
-                for (int64_t d = 0; d < inter; d += 16) st16(o + d, silu_mul16(ld16(g + d), ld16(u + d)));
-                continue;
-            }
-        }
-#endif
-        int64_t d0 = 0;
-#if defined(KVFENCE_AVX2)
-        if constexpr (kAvx2Bf16<T>) {
-            using namespace kvfence_avx2;
-            for (; d0 + 8 <= inter; d0 += 8) st8(o + d0, silu_mul8(ld8(g + d0), ld8(u + d0)));
-        }
+        int64_t d0 = 0;  // vector lanes, then the scalar tail: the same bits either way (simd_vec.h)
+#if defined(KVFENCE_VEC)
+        if constexpr (std::is_same<T, bf16_t>::value)
+            for (; d0 + kLanes <= inter; d0 += kLanes) store(o + d0, silu_mul(load(g + d0), load(u + d0)));
 #endif
         for (int64_t d = d0; d < inter; ++d) {
             o[d] = from_f<T>(silu_mul_one<T>(to_f(g[d]), to_f(u[d])));

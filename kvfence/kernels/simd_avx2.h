@@ -1,8 +1,8 @@
-// Eight-lane bf16 helpers for CPUs with AVX2 + FMA but no AVX512-BF16 (cpu_kernels.cpp and
-// gemm.cpp). Each one takes the same steps as its scalar twin in scalar_math.h (the same
-// rounding, NaN kept; exp and SiLU with separate multiplies and adds, as the scalar code
-// compiles without contraction), so a vector lane and a scalar tail agree bit for bit, and the
-// gated matmul's epilogue and kvfence_silu_mul give the same bits.
+// Eight-lane bf16 helpers for CPUs with AVX2 + FMA but no AVX512-BF16 (the attention, gemm.cpp,
+// qgemm.cpp, and simd_vec.h's vectors). Each one takes the same steps as its scalar twin in
+// scalar_math.h and its sixteen-lane twin in simd_bf16.h (the same rounding, NaN kept; exp and
+// SiLU with separate multiplies and adds, as the scalar code compiles without contraction), so
+// a vector lane and a scalar tail agree bit for bit, on either build.
 #pragma once
 #include "scalar_math.h"
 
@@ -62,12 +62,6 @@ inline __m256 silu_mul8(__m256 gate, __m256 up) {
     const __m256 neg = _mm256_xor_ps(gate, _mm256_set1_ps(-0.0f));
     const __m256 act = _mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(neg)));
     return _mm256_mul_ps(rnd8(act), up);
-}
-
-inline float hsum8(__m256 v) {
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
 }  // namespace kvfence_avx2

@@ -1,6 +1,7 @@
-// Sixteen-lane bf16 helpers shared by cpu_kernels.cpp and gemm.cpp (AVX512-BF16 builds only).
+// Sixteen-lane bf16 helpers shared by cpu_kernels.cpp, gemm.cpp, qgemm.cpp and simd_vec.h
+// (AVX512-BF16 builds only).
 #pragma once
-#include "kernels.h"
+#include "scalar_math.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -19,33 +20,31 @@ inline void st16(bf16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m
 inline __m512 rnd16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16(v)), 16));
 }
-inline __m512 exp16(__m512 x) {  // exp_approx, sixteen lanes
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+// exp_approx on sixteen lanes, step for step (separate multiplies and adds, as the scalar code
+// compiles without contraction; max/min operands ordered so a NaN comes through as std::max/min
+// pass it): a lane gives the bits of the scalar code and of simd_avx2.h's exp8.
+inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
+    x = _mm512_min_ps(_mm512_set1_ps(88.0f), x);
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+    const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f))),
+                                   _mm512_mul_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f)));
     __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
+        p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
     const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
-// silu(gate) * up with torch's bf16 roundings: the activation is rounded before it multiplies
-// up (the caller rounds the product when it stores it). x / (1 + e^-x) takes a refined
-// reciprocal estimate: a division is the slowest instruction here, and one Newton step is
-// exact to well below bf16's precision.
+// silu_mul_one<bf16_t>: rnd(gate / (1 + exp(-gate))) * up, with torch's bf16 rounding of the
+// activation before it multiplies up (the caller rounds the product when it stores it). A true
+// division, not a refined reciprocal estimate: AVX2 has no 14-bit estimate to match, and the
+// same bits on every build let the gated matmul's epilogue split a row anywhere.
 inline __m512 silu_mul16(__m512 gate, __m512 up) {
-    const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate)));
-    __m512 inv = _mm512_rcp14_ps(den);
-    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.0f)));
-    return _mm512_mul_ps(rnd16(_mm512_mul_ps(gate, inv)), up);
+    const __m512 neg = _mm512_xor_ps(gate, _mm512_set1_ps(-0.0f));
+    const __m512 act = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(neg)));
+    return _mm512_mul_ps(rnd16(act), up);
 }
 }  // namespace kvfence_simd
 #endif
