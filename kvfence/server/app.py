@@ -41,7 +41,7 @@ from kvfence.server.protocol import (
 from kvfence.server.responses_api import ResponseView
 from kvfence.server.streaming import event_stream
 from kvfence.server.tenants import Lease, Tenant, TenantLimiter, TenantRegistry
-from kvfence.server.tools import CallStream, parse_answer
+from kvfence.server.tools import CallStream, ToolSpec, parse_answer
 from kvfence.server.tools import render as render_tools
 
 log = logging.getLogger("kvfence.server")
@@ -185,13 +185,12 @@ def _openai_routes(app: FastAPI, state: ServerState) -> None:
         state.tenants.authenticate(request.headers.get("authorization"))
         state.ensure_ready()
         body = await read_json_body(request, state.max_body_bytes)
-        text, messages, add_prompt = parse_tokenize(body)
+        text, messages, add_prompt, tools = parse_tokenize(body)
         tok = state.engine.tokenizer
-        try:
-            ids = await asyncio.to_thread(tok.encode_chat, messages, add_prompt) if messages is not None else \
-                await asyncio.to_thread(tok.encode, text)
-        except ChatTemplateError as e:
-            raise bad_request(str(e), param="messages") from None
+        if messages is None:
+            ids = await asyncio.to_thread(tok.encode, text)
+        else:   # rendered as _tokenize renders a chat request: tool calls, results and tools alike
+            ids = await _encode_chat(tok, messages, tools, add_prompt)
         return {"count": len(ids), "max_model_len": state.facts["usable_context"], "tokens": ids}
 
     @app.post("/detokenize")
@@ -376,16 +375,21 @@ async def _submit_unless_gone(state: ServerState, request: Request, ids, params:
     raise _ClientGone()
 
 
+async def _encode_chat(tok, messages: list[dict], tools: ToolSpec | None, add_prompt: bool) -> list[int]:
+    """A chat prompt's ids: generation's and /tokenize's one way to render messages and tools."""
+    rendered, template_tools = render_tools(messages, tools, tok.template_has_tools)
+    try:
+        return await asyncio.to_thread(tok.encode_chat, rendered, add_prompt, template_tools)
+    except ChatTemplateError as e:
+        raise bad_request(str(e), param="messages") from None
+
+
 async def _tokenize(state: ServerState, req: GenerationRequest, text: str | None,
                     prompt_ids: list[int] | None) -> list[int]:
     tok = state.engine.tokenizer
     if req.kind == "chat":
         assert req.messages is not None
-        messages, tools = render_tools(req.messages, req.tools, tok.template_has_tools)
-        try:
-            ids = await asyncio.to_thread(tok.encode_chat, messages, True, tools)
-        except ChatTemplateError as e:
-            raise bad_request(str(e), param="messages") from None
+        ids = await _encode_chat(tok, req.messages, req.tools, True)
     elif prompt_ids is not None:
         ids = prompt_ids   # checked against the vocabulary after admission (I4): see _generate
     else:

@@ -488,17 +488,21 @@ def _content(c, role: str, where: str) -> str:
 MAX_DETOKENIZE_IDS = 1 << 20
 
 
-def parse_tokenize(body: dict) -> tuple[str | None, list[dict] | None, bool]:
-    """(prompt text, or chat messages; add_generation_prompt) of a /tokenize body."""
+def parse_tokenize(body: dict) -> tuple[str | None, list[dict] | None, bool, ToolSpec | None]:
+    """(prompt text, or chat messages; add_generation_prompt; the messages' tools) of a
+    /tokenize body. Tools are read as chat completions reads them: a prompt that declares
+    tools counts the tokens generation would send, tool descriptions included."""
     _field(body, "model", (str,), None, "a string")
     if "messages" in body and body["messages"] is not None:
         if body.get("prompt") is not None:
             raise bad_request("Give 'prompt' or 'messages', not both.", param="prompt")
-        return None, _messages(body["messages"]), _bool(body, "add_generation_prompt", True)
+        return None, _messages(body["messages"]), _bool(body, "add_generation_prompt", True), parse_tools(body)
+    if body.get("tools") is not None:
+        raise bad_request("'tools' goes with 'messages', not with 'prompt'.", param="tools")
     p = body.get("prompt", _MISSING)
     if not isinstance(p, str):
         raise bad_request("'prompt' must be a string (or give 'messages').", param="prompt")
-    return p, None, False
+    return p, None, False, None
 
 
 def parse_detokenize(body: dict) -> list[int]:

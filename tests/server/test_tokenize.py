@@ -46,3 +46,41 @@ def test_wrong_input_is_a_400_naming_the_field(server, path, body, param):
     r = _post(server, path, body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+ROUND_TRIP = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"},
+]
+
+
+@pytest.mark.parametrize("msgs,tools", [
+    ([{"role": "user", "content": "Weather in Paris?"}], WEATHER),   # the tools' descriptions count
+    (ROUND_TRIP, None),                                               # a call and its result, rendered
+    (ROUND_TRIP, WEATHER),
+])
+def test_tokenize_counts_tools_and_tool_messages_as_generation_does(server, msgs, tools):
+    body = {"messages": msgs} | ({"tools": tools} if tools else {})
+    r = _post(server, "/tokenize", body)
+    assert r.status_code == 200, r.text
+    extra = {"tools": tools} if tools else {}
+    done = server.client("alice").chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, **extra)
+    assert r.json()["count"] == done.usage.prompt_tokens
+    if tools:   # and the tools are in it: without them the count is smaller
+        assert _post(server, "/tokenize", {"messages": msgs}).json()["count"] < r.json()["count"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "hi", "tools": WEATHER}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools[0]"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool_choice"),
+])
+def test_tokenize_refuses_malformed_tools(server, body, param):
+    r = _post(server, "/tokenize", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
