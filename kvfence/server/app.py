@@ -659,6 +659,15 @@ class _Run:
             lead = c.leader or c
             self.fmt.prompt_logprobs(c.index, c.prompt_ids[0], lead.prompt_logprobs)
 
+    @staticmethod
+    def _take_logprobs(c: _Choice, want: bool) -> list | None:
+        """A streamed tool answer's logprobs not sent yet (all of them together add up to the
+        unstreamed answer's), or None when the request did not ask for logprobs."""
+        if not want:
+            return None
+        out, c.logprobs = c.logprobs, []
+        return out
+
     def _answer(self, c: _Choice, text: str) -> tuple[str | None, list[dict] | None]:
         """A finished choice's content and tool calls (kvfence/server/tools.py)."""
         spec = self.req.tools
@@ -698,13 +707,16 @@ class _Run:
                         echoed.add(c.index)
                         self._prompt_logprobs(c)
                         yield self.fmt.chunk(c.echo, None, [], inc, index=c.index)
-                    if enforced:
+                    if enforced:   # logprobs go with the call deltas their tokens made, or wait for the next
                         c.text.append(u.text)
+                        c.logprobs.extend(u.logprobs)
                         deltas = calls.setdefault(c.index, CallStream()).feed(u.text)
                         if deltas:
-                            yield self.fmt.chunk("", None, None, inc, index=c.index, call_deltas=deltas)
+                            yield self.fmt.chunk("", None, self._take_logprobs(c, want_lps), inc, index=c.index,
+                                                 call_deltas=deltas)
                     elif tools:
                         c.text.append(u.text)
+                        c.logprobs.extend(u.logprobs)
                     elif u.text or (want_lps and u.logprobs):
                         yield self.fmt.chunk(u.text, None, list(u.logprobs) if want_lps else None, inc,
                                              index=c.index)
@@ -713,11 +725,14 @@ class _Run:
                             reason = "tool_calls" if c.reason == "stop" else c.reason
                         else:                      # cut short before a call began: text, as unstreamed
                             reason = c.reason
-                            yield self.fmt.chunk("".join(c.text), None, None, inc, index=c.index)
-                        yield self.fmt.chunk("", reason, None, inc, index=c.index)
+                            yield self.fmt.chunk("".join(c.text), None, self._take_logprobs(c, want_lps), inc,
+                                                 index=c.index)
+                        yield self.fmt.chunk("", reason, self._take_logprobs(c, want_lps) or None, inc,
+                                             index=c.index)
                     elif u.finished and c.ok and tools:
                         content, whole = self._answer(c, "".join(c.text))
-                        yield self.fmt.chunk(content or "", None, None, inc, index=c.index, tool_calls=whole)
+                        yield self.fmt.chunk(content or "", None, self._take_logprobs(c, want_lps), inc,
+                                             index=c.index, tool_calls=whole)
                         yield self.fmt.chunk("", "tool_calls" if whole else c.reason, None, inc, index=c.index)
                     elif u.finished and c.ok:
                         yield self.fmt.chunk("", c.reason, None, inc, index=c.index)

@@ -204,3 +204,29 @@ def test_malformed_tools_are_400s_that_name_the_field(server, extra, param):
                    headers={"authorization": "Bearer sk-alice-0001"}, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+@pytest.mark.parametrize("choice,max_tokens", [
+    ("required", 96),                                                     # calls streamed as generated
+    ({"type": "function", "function": {"name": "get_weather"}}, 12),     # cut short inside its call
+    ("auto", 48),                                                         # the answer sent at its end
+])
+def test_streamed_tool_answers_carry_the_logprobs_an_unstreamed_one_has(server, choice, max_tokens):
+    """Every generated token's logprob, sent with the deltas it made (or with the answer, when
+    the answer is sent whole): streamed, they add up to the unstreamed answer's, greedy. (The
+    second request reads the first one's prompt pages from the prefix cache, so its numbers may
+    differ in the last bits.)"""
+    c = server.client("alice")
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=max_tokens,
+              temperature=0, logprobs=True, top_logprobs=2)
+    whole = c.chat.completions.create(**kw).choices[0]
+    want = [(x.token, x.logprob, [t.token for t in x.top_logprobs]) for x in whole.logprobs.content]
+    got, finish = [], None
+    for chunk in c.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            if ch.logprobs is not None and ch.logprobs.content:
+                got += [(x.token, x.logprob, [t.token for t in x.top_logprobs]) for x in ch.logprobs.content]
+            finish = ch.finish_reason or finish
+    assert finish == whole.finish_reason
+    assert [(t, top) for t, _, top in got] == [(t, top) for t, _, top in want] and len(got) > 0
+    assert [lp for _, lp, _ in got] == pytest.approx([lp for _, lp, _ in want], abs=1e-3)
