@@ -105,6 +105,18 @@ def load_tenant_keys(path: str | Path) -> dict[str, str]:
     return out
 
 
+def load_scrape_key(path: str | Path) -> str | None:
+    """A plain key that reads /metrics on a server with this tenants file: its [metrics] key,
+    else its [operator] key; None if it has neither (the single-node canary then cannot count
+    the read audit, and says so)."""
+    data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    for table in ("metrics", "operator"):
+        keys = (data.get(table) or {}).get("api_keys") or []
+        if keys:
+            return keys[0] if isinstance(keys, list) else keys
+    return None
+
+
 def make_canaries(names, rng: random.Random, per_tenant: int = 2) -> dict[str, tuple[str, ...]]:
     """Unique canaries: two letters, four digits, a word ("QX-7731-ZEBRA"); no part repeats
     across tenants, so a fragment names its owner too."""
@@ -455,8 +467,9 @@ class Canary:
                  nodes: dict[str, str] | None = None, kills: list[NodeKill] | None = None,
                  procs: dict | None = None, restart: Callable[[str], None] | None = None,
                  node_faults: dict[str, str] | None = None, model: str | None = None,
-                 on_phase: Callable[[str], None] | None = None):
+                 on_phase: Callable[[str], None] | None = None, scrape_key: str | None = None):
         self.url = url.rstrip("/").removesuffix("/v1")
+        self.scrape_key = scrape_key   # a single node's /metrics: the [metrics] or [operator] key
         self.opts = options or CanaryOptions()
         self.rng = random.Random(self.opts.seed)
         canaries = make_canaries(sorted(tenants), self.rng, self.opts.canaries_per_tenant)
@@ -522,7 +535,11 @@ class Canary:
                     "boot_id": info.pd.boot_id}
         from prometheus_client.parser import text_string_to_metric_families
 
-        r = await c.get(url + "/metrics", timeout=10)
+        scrape = {"Authorization": f"Bearer {self.scrape_key}"} if self.scrape_key else {}
+        r = await c.get(url + "/metrics", headers=scrape, timeout=10)
+        if r.status_code == 401:
+            raise ValueError("/metrics refused the canary: give the tenants file a [metrics] (or [operator]) table "
+                             "with a plain api_keys entry, so the read audit can be counted")
         r.raise_for_status()
         by_kind, pages, seen_audit = {}, {}, False
         for fam in text_string_to_metric_families(r.text):
@@ -866,7 +883,11 @@ def run_canary(url: str, tenants: dict[str, str] | str | Path, options: CanaryOp
                **kw) -> CanaryReport:
     """Run the canary harness once and return its report. `tenants`: name -> API key, or a
     tenants TOML file. Keywords: nodes, kills, procs, restart, node_faults, model (see Canary)."""
-    keys = load_tenant_keys(tenants) if isinstance(tenants, (str, Path)) else dict(tenants)
+    if isinstance(tenants, (str, Path)):
+        keys = load_tenant_keys(tenants)
+        kw.setdefault("scrape_key", load_scrape_key(tenants))
+    else:
+        keys = dict(tenants)
     return asyncio.run(Canary(url, keys, options, **kw).run_async())
 
 
@@ -876,7 +897,8 @@ def add_arguments(p) -> None:
     p.add_argument("--url", required=True, help="the router (PD) or a single-node server, e.g. http://127.0.0.1:8000")
     p.add_argument("--nodes", default=None,
                    help="PD: prefill=URL,decode=URL (default: the nodes the router's /v1/kvfence/cluster names)")
-    p.add_argument("--tenants-file", required=True, help="the server's tenants TOML (plain api_keys are used)")
+    p.add_argument("--tenants-file", required=True, help="the server's tenants TOML (plain api_keys are used; "
+                                                          "a single node's /metrics is read with its [metrics] key)")
     p.add_argument("--requests", type=int, default=24, help="requests in the main phase")
     p.add_argument("--concurrency", type=int, default=6)
     p.add_argument("--warmup", type=int, default=None, help="long canary prompts sent first (default: one a tenant)")
@@ -905,7 +927,8 @@ def main(a) -> int:
                          over_length_fraction=a.over_length, abort_fraction=a.aborts, max_tokens=(lo, hi),
                          timeout_s=a.timeout, settle_s=a.settle, restart_wait_s=a.restart_wait, seed=a.seed)
     report = run_canary(a.url, keys, opts, nodes=nodes, kills=[NodeKill.parse(s) for s in a.kill], model=a.model,
-                        on_phase=lambda ph: log.info("canary: %s phase", ph))
+                        on_phase=lambda ph: log.info("canary: %s phase", ph),
+                        scrape_key=load_scrape_key(a.tenants_file))
     print(report.text())
     if a.json:
         Path(a.json).write_text(json.dumps(report.to_json(), indent=2))

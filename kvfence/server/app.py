@@ -24,6 +24,7 @@ from kvfence.engine.grammar import GrammarError, check_schema, ll_tokenizer
 from kvfence.engine.params import SamplingParams
 from kvfence.model.tokenizer import ChatTemplateError
 from kvfence.server import responses_api
+from kvfence.server.auth_throttle import FailedAuthThrottle
 from kvfence.server.backend import EngineBackend, EngineFailed, RequestHandle, Update
 from kvfence.server.disconnect import watch_disconnect
 from kvfence.server.errors import ABORT_STATUS, APIError, bad_request, error_body
@@ -62,6 +63,7 @@ class ServerState:
         self.tenants = tenants
         self.limiter = TenantLimiter()
         self.metrics = ServerMetrics(engine)
+        self.scrape_throttle = FailedAuthThrottle()   # wrong /metrics keys, per address
         self.max_body_bytes = max_body_bytes
         self.owns_engine = owns_engine
         self._served = served_model_name
@@ -142,7 +144,20 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse({"alive": alive, "status": st}, status_code=200 if alive else 503)
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        # its series name every tenant: with a tenants file, only the [metrics] or [operator] key
+        # reads them (server/tenants.py); wrong keys are bounded per address as the console's are
+        address = request.client.host if request.client else "unknown"
+        wait = state.scrape_throttle.retry_after(address)
+        if wait is not None:
+            raise APIError(429, "Too many wrong keys for /metrics from this address; try again later.",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(wait)})
+        authorization = request.headers.get("authorization")
+        if not state.tenants.may_scrape(authorization):
+            if authorization:   # a guess; a scrape with no key at all teaches nothing and is not counted
+                state.scrape_throttle.failed(address)
+            raise APIError(401, "/metrics names every tenant: send the tenants file's [metrics] (or [operator]) "
+                           "key as 'Authorization: Bearer <key>'.", code="invalid_api_key")
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     # -- OpenAI API ------------------------------------------------------------------------

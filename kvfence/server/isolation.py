@@ -230,6 +230,11 @@ def isolation_statement(facts: dict, checks: list[dict], tenants, snapshot: dict
                              if tenants.single_tenant else
                              "the tenant is the one the API key belongs to (keys compared in constant time); "
                              "no request field can choose or change it"),
+                "who_sees_tenant_names": (
+                    "one tenant only ('default'): /metrics is open" if tenants.single_tenant else
+                    "no tenant: the API answers a tenant about its own requests only; /metrics (series per tenant) "
+                    "and the operator console need the tenants file's [metrics] or [operator] key, never a "
+                    "tenant's"),
             },
         },
         "capacity": {

@@ -13,6 +13,13 @@ The tenants file is TOML:
     public_prefix_scope = "docs-v1" # optional opt-in: share cached prompt prefixes with the other
                                     # tenants that name the same scope (default: own tenant only)
 
+    [metrics]                       # optional: the key a Prometheus scraper sends for /metrics
+    api_keys = ["..."]              # (or api_key_sha256); the [operator] key reads it too
+
+/metrics names every tenant and counts its requests and tokens, so with a tenants file it is
+served only to the [metrics] or [operator] key, never to a tenant's key or to no key; without
+a tenants file (one tenant, "default") it stays open.
+
 Keys are kept only as SHA-256 digests and compared with hmac.compare_digest against every
 stored digest (no early exit), so neither the comparison nor which key matched shows in the
 timing. Keys are never logged. Without a tenants file the server is single-tenant: every
@@ -68,6 +75,7 @@ class TenantRegistry:
         self.single_tenant = tenants is None
         self.source = source
         self.operator_digests: list[bytes] = []
+        self.metrics_digests: list[bytes] = []    # [metrics]: a scraper's key, good for /metrics only
         self.disclosure: dict = {}
         self._entries: list[tuple[bytes, Tenant]] = []
         self.tenants: dict[str, Tenant] = {}
@@ -96,10 +104,10 @@ class TenantRegistry:
     @classmethod
     def from_dict(cls, data: dict, source: str | None = None) -> TenantRegistry:
         where = source or "tenants file"
-        unknown = set(data) - {"defaults", "tenants", "operator", "disclosure"}
+        unknown = set(data) - {"defaults", "tenants", "operator", "metrics", "disclosure"}
         if unknown:
             raise TenantsFileError(f"{where}: unknown top-level section(s) {sorted(unknown)}; "
-                                   f"expected [defaults], [tenants.NAME], [operator] and [disclosure]")
+                                   f"expected [defaults], [tenants.NAME], [operator], [metrics] and [disclosure]")
         defaults = _limits(data.get("defaults", {}), f"{where} [defaults]", Limits())
         tenants = data.get("tenants")
         if not isinstance(tenants, dict) or not tenants:
@@ -127,20 +135,21 @@ class TenantRegistry:
             out.append((Tenant(name, _limits(spec, here, defaults), scope), digests))
         reg = cls(out, source)
         reg.operator_digests = _operator(data.get("operator"), f"{where} [operator]", seen)
+        reg.metrics_digests = _operator(data.get("metrics"), f"{where} [metrics]", seen)
         reg.disclosure = _disclosure(data.get("disclosure"), f"{where} [disclosure]")
         return reg
 
     def is_operator(self, authorization: str | None) -> bool:
         """The operator's credential (constant time over every operator digest); never a
         tenant's key, and nobody's without a tenants file that names one."""
-        key = _bearer(authorization)
-        if key is None or not self.operator_digests:
-            return False
-        presented = _digest(key)
-        found = False
-        for d in self.operator_digests:
-            found |= hmac.compare_digest(presented, d)
-        return found
+        return _matches(authorization, self.operator_digests)
+
+    def may_scrape(self, authorization: str | None) -> bool:
+        """Whether /metrics may be served: always without a tenants file (one tenant); with one,
+        only to the [metrics] or the [operator] key (its series name every tenant)."""
+        if self.single_tenant:
+            return True
+        return _matches(authorization, self.metrics_digests + self.operator_digests)
 
     def authenticate(self, authorization: str | None) -> Tenant:
         if self.single_tenant:
@@ -178,6 +187,7 @@ def _key_digests(spec: dict, where: str) -> list[bytes]:
 
 
 def _operator(spec, where: str, tenant_keys: dict[bytes, str]) -> list[bytes]:
+    """The digests of a key-only table ([operator], [metrics]); none of them a tenant's key."""
     if spec is None:
         return []
     if not isinstance(spec, dict) or set(spec) - {"api_keys", "api_key_sha256"}:
@@ -185,8 +195,20 @@ def _operator(spec, where: str, tenant_keys: dict[bytes, str]) -> list[bytes]:
     digests = _key_digests(spec, where)
     for d in digests:
         if d in tenant_keys:
-            raise TenantsFileError(f"{where}: the operator's key is also tenant {tenant_keys[d]!r}'s")
+            raise TenantsFileError(f"{where}: its key is also tenant {tenant_keys[d]!r}'s")
     return digests
+
+
+def _matches(authorization: str | None, digests: list[bytes]) -> bool:
+    """Whether the bearer key is one of `digests`: compared with every one, no early exit."""
+    key = _bearer(authorization)
+    if key is None or not digests:
+        return False
+    presented = _digest(key)
+    found = False
+    for d in digests:
+        found |= hmac.compare_digest(presented, d)
+    return found
 
 
 def _disclosure(spec, where: str) -> dict:

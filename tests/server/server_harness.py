@@ -48,7 +48,11 @@ public_prefix_scope = "shared-docs"
 [tenants.pub2]
 api_keys = ["sk-pub2-000001"]
 public_prefix_scope = "shared-docs"
+
+[metrics]
+api_keys = ["sk-scraper-0001"]
 """
+SCRAPER_KEY = "sk-scraper-0001"   # /metrics names every tenant: only this key (or an operator's) reads it
 KEYS = {"alice": "sk-alice-0001", "alice2": "sk-alice-0002", "bob": "sk-bob-00000001", "capped": "sk-capped-0001",
         "solo": "sk-solo-000001", "metered": "sk-metered-001", "pub1": "sk-pub1-000001", "pub2": "sk-pub2-000001"}
 MODEL = "SmolLM2-135M-Instruct"
@@ -130,7 +134,9 @@ class LiveServer:
 
     def metrics(self) -> dict:
         """{(name, frozenset(labels.items())): value} of every sample at /metrics."""
-        text = httpx.get(self.url + "/metrics", timeout=30).text
+        r = httpx.get(self.url + "/metrics", headers={"Authorization": f"Bearer {SCRAPER_KEY}"}, timeout=30)
+        r.raise_for_status()
+        text = r.text
         return {(s.name, frozenset(s.labels.items())): s.value
                 for fam in text_string_to_metric_families(text) for s in fam.samples}
 

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 import torch
-from server_harness import KEYS, MODEL
+from server_harness import KEYS, MODEL, SCRAPER_KEY, TENANTS_TOML
 
 from kvfence.cli import main as cli_main
 from kvfence.kv.pool import page_bytes
@@ -32,7 +32,7 @@ def test_health_reports_ready_and_load(server):
 def test_metrics_families_and_values_follow_requests(server):
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(server.url + "/metrics").text
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {SCRAPER_KEY}"}).text
     names = {f.name for f in text_string_to_metric_families(text)}
     assert set(FAMILIES) <= names, set(FAMILIES) - names
     before = server.metrics()
@@ -196,3 +196,42 @@ def test_http_bench_against_the_server(single, tmp_path, capsys):
     assert 0 < report["ttft_ms"]["p50"] <= report["ttft_ms"]["p99"]
     assert report["itl_ms"]["p50"] > 0 and report["output_tps"] > 0
     assert "TTFT" in capsys.readouterr().out
+
+
+def _scrape(srv, key: str | None) -> httpx.Response:
+    return httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=30)
+
+
+def test_metrics_name_tenants_only_to_the_scraper_or_operator_key(make_server):
+    """/metrics names every tenant and counts its tokens: with a tenants file, no key, a tenant's
+    key or a wrong one get a 401 that names no tenant; the [metrics] and [operator] keys read it."""
+    operator = "sk-operator-for-metrics"
+    srv = make_server(tenants=TENANTS_TOML + f'\n[operator]\napi_keys = ["{operator}"]\n')
+    srv.client("bob").completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+    for key in (None, KEYS["alice"], KEYS["bob"], "sk-not-a-key", SCRAPER_KEY + "x"):
+        r = _scrape(srv, key)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (key, r.text)
+        assert "bob" not in r.text and "alice" not in r.text and "[metrics]" in r.text
+    for key in (SCRAPER_KEY, operator):
+        r = _scrape(srv, key)
+        assert r.status_code == 200 and 'tenant="bob"' in r.text
+
+
+def test_metrics_stay_open_without_a_tenants_file(single):
+    r = _scrape(single, None)
+    assert r.status_code == 200 and "kvfence_kv_pages" in r.text
+
+
+def test_guessing_the_metrics_key_is_bounded_per_address(make_server):
+    """After LIMIT wrong keys from one address, that address gets 429 with Retry-After and even
+    the right key is not checked until the window ends; scrapes with no key are not counted."""
+    from kvfence.server.auth_throttle import LIMIT
+
+    srv = make_server()
+    for _ in range(LIMIT + 5):
+        assert _scrape(srv, None).status_code == 401
+    assert _scrape(srv, SCRAPER_KEY).status_code == 200
+    for _ in range(LIMIT):
+        assert _scrape(srv, "sk-guess-00000").status_code == 401
+    r = _scrape(srv, SCRAPER_KEY)
+    assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1

@@ -205,6 +205,9 @@ tokens_per_minute = 5
     ("[tenant.a]\napi_keys = ['sk-aaaaaaaa']\n", "unknown top-level"),
     ("", "no tenants"),
     ("[tenants.a\n", "not valid TOML"),
+    ("[tenants.a]\napi_keys = ['sk-same-key-1']\n[metrics]\napi_keys = ['sk-same-key-1']\n", "also tenant 'a'"),
+    ("[tenants.a]\napi_keys = ['sk-aaaaaaaa']\n[metrics]\napi_keys = ['sk-bbbbbbbb']\nrole = 'x'\n",
+     r"\[metrics\]: a table with api_keys"),
 ])
 def test_bad_tenants_files_are_refused_clearly(tmp_path, toml, fragment):
     p = tmp_path / "t.toml"
