@@ -41,14 +41,13 @@ from kvfence.server.protocol import (
 )
 from kvfence.server.responses_api import ResponseView
 from kvfence.server.streaming import event_stream
-from kvfence.server.tenants import Lease, Tenant, TenantLimiter, TenantRegistry
+from kvfence.server.tenants import UNAUTHENTICATED, Lease, Tenant, TenantLimiter, TenantRegistry
 from kvfence.server.tools import CallStream, ToolSpec, parse_answer
 from kvfence.server.tools import render as render_tools
 
 log = logging.getLogger("kvfence.server")
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
-UNAUTHENTICATED = "unauthenticated"
 # logprob entries one answer may carry, echoed prompt or generated (each a Python object, then JSON: ~100 MB)
 MAX_LOGPROB_ENTRIES = 1_000_000
 
@@ -197,26 +196,34 @@ def _openai_routes(app: FastAPI, state: ServerState) -> None:
     # as generation, the same tokenizer and chat template, nothing reaches the engine
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        state.tenants.authenticate(request.headers.get("authorization"))
+        tenant = state.tenants.authenticate(request.headers.get("authorization"))
         state.ensure_ready()
-        body = await read_json_body(request, state.max_body_bytes)
-        text, messages, add_prompt, tools = parse_tokenize(body)
-        tok = state.engine.tokenizer
-        if messages is None:
-            ids = await asyncio.to_thread(tok.encode, text)
-        else:   # rendered as _tokenize renders a chat request: tool calls, results and tools alike
-            ids = await _encode_chat(tok, messages, tools, add_prompt)
+        lease = state.limiter.hold(tenant)    # the tenant's concurrency limit, as generation
+        try:
+            body = await read_json_body(request, state.max_body_bytes)
+            text, messages, add_prompt, tools = parse_tokenize(body)
+            tok = state.engine.tokenizer
+            if messages is None:
+                ids = await asyncio.to_thread(tok.encode, text)
+            else:   # rendered as _tokenize renders a chat request: tool calls, results and tools alike
+                ids = await _encode_chat(tok, messages, tools, add_prompt)
+        finally:
+            lease.release()
         return {"count": len(ids), "max_model_len": state.facts["usable_context"], "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        state.tenants.authenticate(request.headers.get("authorization"))
+        tenant = state.tenants.authenticate(request.headers.get("authorization"))
         state.ensure_ready()
-        ids = parse_detokenize(await read_json_body(request, state.max_body_bytes))
-        vocab = state.facts["vocab_size"]
-        if any(t < 0 or t >= vocab for t in ids):
-            raise bad_request(f"Token ids must be in [0, {vocab}).", param="tokens")
-        text = await asyncio.to_thread(state.engine.tokenizer.decode, ids, False)
+        lease = state.limiter.hold(tenant)
+        try:
+            ids = parse_detokenize(await read_json_body(request, state.max_body_bytes))
+            vocab = state.facts["vocab_size"]
+            if any(t < 0 or t >= vocab for t in ids):
+                raise bad_request(f"Token ids must be in [0, {vocab}).", param="tokens")
+            text = await asyncio.to_thread(state.engine.tokenizer.decode, ids, False)
+        finally:
+            lease.release()
         return {"prompt": text}
 
     @app.post("/v1/chat/completions")

@@ -41,6 +41,9 @@ from pathlib import Path
 from kvfence.server.errors import APIError
 
 DEFAULT_TENANT = "default"
+UNAUTHENTICATED = "unauthenticated"     # the metrics' tenant label of a request refused before its key
+RESERVED_NAMES = frozenset({UNAUTHENTICATED})
+_KEY = re.compile(r"[\x21-\x7e]+")       # what a client can send in a header as written: no spaces, ASCII
 LIMIT_FIELDS = ("max_prompt_tokens", "max_concurrent_requests", "tokens_per_minute")
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 WINDOW_S = 60.0
@@ -118,6 +121,9 @@ class TenantRegistry:
             here = f"{where} [tenants.{name}]"
             if not _NAME.fullmatch(name):
                 raise TenantsFileError(f"{here}: tenant names are 1-64 characters of A-Z a-z 0-9 _ . -")
+            if name in RESERVED_NAMES:
+                raise TenantsFileError(f"{here}: {name!r} is reserved (the metrics count requests refused "
+                                       "before a tenant is known under it); choose another name")
             if not isinstance(spec, dict):
                 raise TenantsFileError(f"{here}: must be a table")
             bad = set(spec) - {"api_keys", "api_key_sha256", "public_prefix_scope", *LIMIT_FIELDS}
@@ -136,6 +142,10 @@ class TenantRegistry:
         reg = cls(out, source)
         reg.operator_digests = _operator(data.get("operator"), f"{where} [operator]", seen)
         reg.metrics_digests = _operator(data.get("metrics"), f"{where} [metrics]", seen)
+        if set(reg.metrics_digests) & set(reg.operator_digests):
+            # a scraper's key sits in a Prometheus config; it must not also open the console
+            raise TenantsFileError(f"{where} [metrics]: its key is also the [operator] key; give the scraper its "
+                                   "own key (the operator key reads /metrics anyway)")
         reg.disclosure = _disclosure(data.get("disclosure"), f"{where} [disclosure]")
         return reg
 
@@ -176,6 +186,10 @@ def _key_digests(spec: dict, where: str) -> list[bytes]:
     for key in _str_list(spec.get("api_keys", []), f"{where} api_keys"):
         if len(key) < 8:
             raise TenantsFileError(f"{where}: an API key is shorter than 8 characters")
+        if not _KEY.fullmatch(key):
+            # the header is stripped and read as ASCII, so such a key could never match: refuse it now
+            raise TenantsFileError(f"{where}: an API key has a character other than printable ASCII "
+                                   "(spaces, tabs and non-ASCII letters cannot be sent in a Bearer header)")
         digests.append(_digest(key))
     for hx in _str_list(spec.get("api_key_sha256", []), f"{where} api_key_sha256"):
         if not re.fullmatch(r"[0-9a-fA-F]{64}", hx):
@@ -309,10 +323,7 @@ class TenantLimiter:
                            code="tenant_max_prompt_tokens", param="prompt", outcome="rejected")
         with self._lock:
             now = self._clock()
-            if lim.max_concurrent_requests is not None and self.in_flight(tenant.name) >= lim.max_concurrent_requests:
-                raise APIError(429, f"Too many concurrent requests: this API key may have "
-                                    f"{lim.max_concurrent_requests} in flight.",
-                               code="tenant_max_concurrent_requests", headers={"Retry-After": "1"})
+            self._check_slot(tenant)
             entry = None
             if lim.tokens_per_minute is not None:
                 if need > lim.tokens_per_minute:   # it could never pass: not a rate limit
@@ -331,6 +342,20 @@ class TenantLimiter:
                 used.append(entry)
             self._in_flight[tenant.name] = self.in_flight(tenant.name) + 1
         return Lease(self, tenant, prompt_tokens, entry)
+
+    def hold(self, tenant: Tenant) -> Lease:
+        """A concurrency slot only: /tokenize and /detokenize generate nothing, so neither the
+        prompt cap nor tokens_per_minute applies, but they run on the server's CPU."""
+        with self._lock:
+            self._check_slot(tenant)
+            self._in_flight[tenant.name] = self.in_flight(tenant.name) + 1
+        return Lease(self, tenant)
+
+    def _check_slot(self, tenant: Tenant) -> None:
+        most = tenant.limits.max_concurrent_requests
+        if most is not None and self.in_flight(tenant.name) >= most:
+            raise APIError(429, f"Too many concurrent requests: this API key may have {most} in flight.",
+                           code="tenant_max_concurrent_requests", headers={"Retry-After": "1"})
 
     @staticmethod
     def _wait_for(used: deque, excess: int, now: float) -> int:

@@ -73,11 +73,19 @@ def test_max_concurrent_requests_gives_429_and_others_keep_going(server):
                 server.client("solo").completions.create(model=MODEL, prompt="Hi", max_tokens=2)
             assert e.value.status_code == 429 and e.value.code == "tenant_max_concurrent_requests"
             assert e.value.response.headers["retry-after"] == "1"
+            # the token-counting routes take a slot too: rendering a chat with tools costs CPU
+            t = h.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]})
+            assert t.status_code == 429 and t.json()["error"]["code"] == "tenant_max_concurrent_requests"
+            assert h.post("/detokenize", json={"tokens": [1, 2]}).status_code == 429
             # another tenant is served meanwhile
             assert server.client("bob").completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage
     # the held stream was closed: its slot comes back
     assert wait_for(lambda: server.state.limiter.in_flight("solo") == 0, 10)
     assert server.client("solo").completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage
+    with server.http("solo") as h:     # and a slot is given back after each count
+        for _ in range(3):
+            assert h.post("/tokenize", json={"prompt": "Hi"}).json()["count"] >= 1
+    assert server.state.limiter.in_flight("solo") == 0
     assert server.metric("kvfence_admission_rejections_total", reason="tenant_max_concurrent_requests") >= 1
 
 
@@ -208,6 +216,16 @@ tokens_per_minute = 5
     ("[tenants.a]\napi_keys = ['sk-same-key-1']\n[metrics]\napi_keys = ['sk-same-key-1']\n", "also tenant 'a'"),
     ("[tenants.a]\napi_keys = ['sk-aaaaaaaa']\n[metrics]\napi_keys = ['sk-bbbbbbbb']\nrole = 'x'\n",
      r"\[metrics\]: a table with api_keys"),
+    # a scraper's key must not also open the console (the operator key reads /metrics anyway)
+    ("[tenants.a]\napi_keys = ['sk-aaaaaaaa']\n[operator]\napi_keys = ['sk-same-key-1']\n"
+     "[metrics]\napi_keys = ['sk-same-key-1']\n", r"\[metrics\]: its key is also the \[operator\] key"),
+    # keys a client can never send as they are written (headers are stripped, ASCII): refused, not dead
+    ("[tenants.a]\napi_keys = [' sk-aaaaaaaa']\n", "printable ASCII"),
+    ("[tenants.a]\napi_keys = ['sk-aaaa aaaa']\n", "printable ASCII"),
+    ("[tenants.a]\napi_keys = ['sk-\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9']\n", "printable ASCII"),
+    ('[tenants.a]\napi_keys = ["sk-aaaaaaa\\t"]\n', "printable ASCII"),
+    # the label the metrics give requests refused before a tenant is known
+    ("[tenants.unauthenticated]\napi_keys = ['sk-aaaaaaaa']\n", "reserved"),
 ])
 def test_bad_tenants_files_are_refused_clearly(tmp_path, toml, fragment):
     p = tmp_path / "t.toml"
