@@ -243,7 +243,10 @@ def mount(app: FastAPI, state: ServerState) -> None:
             body += chunk
             if len(body) > MAX_LOGIN_BODY:
                 return _json_error(413, "Sign-in form too large.", "request_too_large")
-        key = (parse_qs(body.decode("utf-8", "replace"), max_num_fields=4).get("key") or [""])[0]
+        try:
+            key = (parse_qs(body.decode("utf-8", "replace"), max_num_fields=4).get("key") or [""])[0]
+        except ValueError:   # more fields than the form has: not a sign-in, and no 500
+            return _json_error(400, "Sign-in form has too many fields; send only key=...", "invalid_form")
         if (slow := _throttled(auth, request)) is not None:
             return slow   # again: many connections may have passed the first check before any body came
         value = auth.cookie_for(key) if key else None
