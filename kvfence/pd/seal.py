@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import stat
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -56,9 +57,14 @@ def load_secret(path: str | None = None, env: Mapping[str, str] | None = None) -
     path = path or env_.get(SECRET_FILE_ENV) or None
     if path:
         try:
+            mode = stat.S_IMODE(os.stat(path).st_mode)
             raw = Path(path).read_bytes().strip()
         except OSError as e:
             raise SecretError(f"cannot read the cluster secret file {path}: {e.strerror}") from None
+        if mode & 0o026:   # others may read, or group or others may write: it has leaked, or can be swapped
+            raise SecretError(f"the cluster secret file {path} has mode {mode:o}: other users may read or change "
+                              f"it, so it cannot be trusted to seal KV rows; run `chmod 600 {path}` (0400 or "
+                              "0440 are fine too), and make a new secret if others could read this one")
         where = f"the cluster secret file {path}"
     elif env_.get(SECRET_ENV):
         raw = env_[SECRET_ENV].strip().encode()

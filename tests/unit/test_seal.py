@@ -25,6 +25,7 @@ SECRET = b"k" * 40
 def test_secret_from_file_then_env(tmp_path):
     f = tmp_path / "s"
     f.write_text(new_secret() + "\n")
+    f.chmod(0o600)
     assert load_secret(str(f), env={}) == f.read_text().strip().encode()
     assert load_secret(env={SECRET_FILE_ENV: str(f)}) == f.read_text().strip().encode()
     assert load_secret(env={SECRET_ENV: "x" * 32}) == b"x" * 32
@@ -103,3 +104,24 @@ def test_unauthenticated_open_is_plain_ctr():
     sealed[10] ^= 0x40
     c.open_unauthenticated_into(3, bytes(sealed), out)
     assert out[10] == plain[10] ^ 0x40 and bytes(out[11:]) == plain[11:]
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o604, 0o620, 0o602, 0o666])
+def test_a_secret_file_others_can_read_or_anyone_can_write_is_refused(tmp_path, mode):
+    # the secret seals every KV row and opens every node's internal API: a file others can
+    # read has leaked it already (ssh refuses such key files for the same reason)
+    f = tmp_path / "s"
+    f.write_text(new_secret() + "\n")
+    f.chmod(mode)
+    with pytest.raises(SecretError, match="chmod 600") as e:
+        load_secret(str(f), env={})
+    assert oct(mode)[2:] in str(e.value) and f.read_text().strip() not in str(e.value)
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o400, 0o440, 0o640])
+def test_owner_and_group_readable_secret_files_load(tmp_path, mode):
+    # 0400 is what the Kubernetes manifests mount; 0440/0640 what a pod's fsGroup gives
+    f = tmp_path / "s"
+    f.write_text(new_secret() + "\n")
+    f.chmod(mode)
+    assert len(load_secret(str(f), env={})) >= 32
