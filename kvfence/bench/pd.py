@@ -94,7 +94,7 @@ class Procs:
 def single_node_command(a, port: int) -> list[str]:
     cmd = [sys.executable, "-m", "kvfence.cli", "serve", "--host", HOST, "--port", str(port),
            "--threads", str(a.threads or len(os.sched_getaffinity(0)))]
-    return cmd + flags(a, ENGINE_FLAGS) + (["--clamp-context"] if a.clamp_context else [])
+    return cmd + flags(a, ENGINE_FLAGS)
 
 
 def pd_commands(a, port: int, secret_file: str) -> dict[str, list[str]]:

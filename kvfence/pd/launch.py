@@ -22,24 +22,29 @@ from kvfence.procs import stop_processes
 
 # the engine options a node takes from launch-pd's (and the PD bench's) command line
 ENGINE_FLAGS = ("model", "dtype", "device", "weights", "kv_cache_memory", "kv_memory_fraction", "page_size",
-                "max_model_len", "max_num_seqs", "max_num_batched_tokens", "prefill_tokens_while_decoding",
-                "decode_step_target_ms", "scrub")
+                "max_model_len", "clamp_context", "max_num_seqs", "max_num_batched_tokens", "max_waiting",
+                "prefill_tokens_while_decoding", "decode_step_target_ms", "scrub", "audit_reads")
 PD_FLAGS = ("transfer_host", "transfer_buffer_pages", "lease", "transfer_timeout", "max_pull", "clock_skew",
             "decode_reserve_tokens")
 
 
 def flags(a, names) -> list[str]:
+    """The options `names` as given on `a`: a switch (True) by its name alone, False and None left out."""
     out = []
     for n in names:
         v = getattr(a, n, None)
-        if v is not None:
+        if v is True:
+            out.append(f"--{n.replace('_', '-')}")
+        elif v is not None and v is not False:
             out += [f"--{n.replace('_', '-')}", str(v)]
     return out
 
 
 def node_names(a) -> dict[str, list[str]]:
     """role -> the names of its processes: prefill, prefill-2, ..., decode, decode-2, ..."""
-    counts = {"prefill": getattr(a, "prefill", 1) or 1, "decode": getattr(a, "decode", 1) or 1}
+    counts = {role: 1 if getattr(a, role, None) is None else getattr(a, role) for role in ("prefill", "decode")}
+    if any(n < 1 for n in counts.values()):
+        raise ValueError(f"a cluster needs at least one prefill and one decode node; got {counts}")
     return {role: [role if i == 1 else f"{role}-{i}" for i in range(1, n + 1)] for role, n in counts.items()}
 
 
@@ -50,7 +55,7 @@ def node_commands(a, secret_file: str) -> dict[str, list[str]]:
     nodes = [(role, name) for role in ("prefill", "decode") for name in names[role]]
     cores = len(os.sched_getaffinity(0))
     base = [sys.executable, "-m", "kvfence.cli"] + (["-v"] if getattr(a, "verbose", False) else [])
-    engine = flags(a, ENGINE_FLAGS) + (["--clamp-context"] if a.clamp_context else [])
+    engine = flags(a, ENGINE_FLAGS)
     tenants = ["--tenants", a.tenants] if a.tenants else []
     secret = ["--cluster-secret-file", secret_file]
     cmds: dict[str, list[str]] = {}

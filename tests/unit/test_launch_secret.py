@@ -27,3 +27,35 @@ def test_node_commands_pass_the_path_not_the_secret(tmp_path):
     for cmd in cmds.values():
         assert cmd[cmd.index("--cluster-secret-file") + 1] == path
         assert not any(secret in part for part in cmd)
+
+
+def _launch_args(**kw) -> argparse.Namespace:
+    from kvfence.cli import build_parser
+
+    return build_parser().parse_args(["launch-pd", *kw.pop("argv", [])])
+
+
+def test_launch_pd_passes_every_engine_switch_to_the_nodes(tmp_path):
+    # found in review: --audit-reads and --max-waiting were dropped, so a launch-pd cluster ran
+    # without the read audit its operator asked for
+    a = _launch_args(argv=["--audit-reads", "--max-waiting", "64", "--clamp-context", "--scrub", "poison"])
+    cmds = node_commands(a, str(tmp_path / "s"))
+    for role in ("prefill", "decode"):
+        cmd = cmds[role]
+        assert "--audit-reads" in cmd and cmd[cmd.index("--max-waiting") + 1] == "64"
+        assert "--clamp-context" in cmd and cmd[cmd.index("--scrub") + 1] == "poison"
+        assert "True" not in cmd and "False" not in cmd
+    plain = node_commands(_launch_args(), str(tmp_path / "s"))
+    assert "--audit-reads" not in plain["prefill"] and "--clamp-context" not in plain["decode"]
+
+
+def test_launch_pd_needs_at_least_one_node_of_each_role(capsys):
+    import pytest
+
+    from kvfence.cli import build_parser
+    for argv in (["--prefill", "0"], ["--decode", "-1"]):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(["launch-pd", *argv])
+        assert e.value.code == 2 and "at least 1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="at least one prefill"):
+        node_commands(argparse.Namespace(**{**vars(_launch_args()), "prefill": 0}), "/s")
