@@ -212,7 +212,20 @@ def cmd_serve(a) -> int:
         return serve_node(_config(a), _pd_settings(a, a.role, secret), a.host, a.port, tls, a.tenants, level, limits)
     from kvfence.server.serve import serve
 
-    return serve(_config(a), a.host, a.port, a.tenants, a.served_model_name, a.max_body_bytes, level, limits)
+    # a single node has no cluster: flags of the PD plane would be silently ignored, so refuse them
+    pd_only = [f for f, v in (("--cluster-secret-file", a.cluster_secret_file), ("--tls-ca", a.tls_ca),
+                              ("--tls-client-cert", a.tls_client_cert), ("--tls-client-key", a.tls_client_key),
+                              ("--allow-plaintext-network", a.allow_plaintext_network),
+                              ("--prefill-url", a.prefill_url), ("--decode-url", a.decode_url)) if v]
+    if pd_only:
+        print(f"error: {', '.join(pd_only)} apply to --role prefill, decode and router; a single node takes "
+              "--tls-cert and --tls-key (HTTPS for its API) and API keys from --tenants", file=sys.stderr)
+        return 2
+    if (a.tls_cert is None) != (a.tls_key is None):
+        print("error: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    return serve(_config(a), a.host, a.port, a.tenants, a.served_model_name, a.max_body_bytes, level, limits,
+                 tls_cert=a.tls_cert, tls_key=a.tls_key)
 
 
 def _pd_settings(a, role: str, secret: bytes):
@@ -342,9 +355,9 @@ def _pd_args(p: argparse.ArgumentParser) -> None:
 
 def _tls_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", default=None, metavar="FILE",
-                   help="PD roles: serve HTTPS with this certificate (PEM; needs --tls-key). Required to listen "
-                        "anywhere but loopback")
-    p.add_argument("--tls-key", default=None, metavar="FILE", help="PD roles: the certificate's private key (PEM)")
+                   help="serve HTTPS with this certificate (PEM; needs --tls-key). PD nodes: required to "
+                        "listen anywhere but loopback")
+    p.add_argument("--tls-key", default=None, metavar="FILE", help="the certificate's private key (PEM)")
     p.add_argument("--tls-ca", default=None, metavar="FILE",
                    help="nodes: require client certificates signed by this CA (mTLS); router: verify the nodes' "
                         "certificates against it")
@@ -360,6 +373,13 @@ def _tls(a):
 
     return TlsSettings(a.tls_cert, a.tls_key, a.tls_ca, a.tls_client_cert, a.tls_client_key,
                        a.allow_plaintext_network)
+
+
+def _at_least_one(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -411,8 +431,8 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument("--host", default="127.0.0.1")
     lp.add_argument("--port", type=int, default=8000,
                     help="the router's port; prefill nodes take the ports after it, then decode nodes")
-    lp.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill nodes (default 1)")
-    lp.add_argument("--decode", type=int, default=1, metavar="M", help="decode nodes (default 1)")
+    lp.add_argument("--prefill", type=_at_least_one, default=1, metavar="N", help="prefill nodes (default 1)")
+    lp.add_argument("--decode", type=_at_least_one, default=1, metavar="M", help="decode nodes (default 1)")
     _server_args(lp)
     _engine_args(lp)
     _pd_args(lp)
@@ -479,8 +499,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--fleet", action="store_true",
                    help="a PD fleet (--prefill, --decode nodes) with prefix-affinity routing against round robin: "
                         "prefix hit rate and TTFT for tenants with shared system prompts")
-    b.add_argument("--prefill", type=int, default=None, metavar="N", help="--fleet: prefill nodes (default 2)")
-    b.add_argument("--decode", type=int, default=None, metavar="M", help="--fleet: decode nodes (default 2)")
+    b.add_argument("--prefill", type=_at_least_one, default=None, metavar="N",
+                   help="--fleet: prefill nodes (default 2)")
+    b.add_argument("--decode", type=_at_least_one, default=None, metavar="M", help="--fleet: decode nodes (default 2)")
     b.add_argument("--pd", action="store_true",
                    help="start a single-node server, then a PD cluster (as launch-pd), run the --url workload "
                         "through each and compare; then KV transfer bandwidth vs raw Mooncake "

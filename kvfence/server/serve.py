@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 
 from kvfence.engine.config import EngineConfig
@@ -35,8 +36,16 @@ def start_engine(config: EngineConfig, loaded=None) -> EngineLoop:
 
 def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, tenants_file: str | None = None,
           served_model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-          log_level: str = "info", limits: HttpLimits | None = None) -> int:
+          log_level: str = "info", limits: HttpLimits | None = None, tls_cert: str | None = None,
+          tls_key: str | None = None) -> int:
     tenants = load_tenants(tenants_file)          # a bad tenants file fails before the model loads
+    tls = {"ssl_certfile": tls_cert, "ssl_keyfile": tls_key} if tls_cert else {}
+    if tls_cert:   # unreadable or mismatched: say so now, not after the model has loaded
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(tls_cert, tls_key)
+        except (OSError, ssl.SSLError) as e:
+            log.error("not serving: cannot use --tls-cert %s with --tls-key %s: %s", tls_cert, tls_key, e)
+            return 2
     log.info("loading the model and sizing the KV pool ...")
     engine = start_engine(config)
     if not engine.wait_ready():
@@ -46,8 +55,9 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, tenan
         log.log(logging.ERROR if c["status"] == "failed" else logging.INFO, "start-up check %s (%s): %s - %s",
                 c["name"], c["invariant"], c["status"], c["detail"])
     state = ServerState(engine, tenants, served_model_name, max_body_bytes)
-    log.info("serving model %r on http://%s:%d/v1", state.served_name, host, port)
-    server = uvicorn_server(create_app(state), host, port, limits or HttpLimits(), log_level, access_log=True)
+    log.info("serving model %r on %s://%s:%d/v1", state.served_name, "https" if tls else "http", host, port)
+    server = uvicorn_server(create_app(state), host, port, limits or HttpLimits(), log_level, access_log=True,
+                            **tls)
     return run_until_engine_fails(server, engine)
 
 

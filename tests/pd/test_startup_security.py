@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from pd_cluster import ROOT
@@ -48,3 +49,46 @@ def test_the_router_refuses_plain_http_to_a_node_off_loopback():
 def test_cert_without_key_is_refused():
     r = serve("--role", "prefill", "--tls-cert", "/nonexistent.crt")
     assert r.returncode == 2 and "--tls-cert and --tls-key go together" in r.stderr
+
+
+@pytest.mark.parametrize("flag", [("--tls-ca", "/x.crt"), ("--cluster-secret-file", "/x"),
+                                  ("--allow-plaintext-network",), ("--prefill-url", "http://127.0.0.1:1")])
+def test_a_single_node_refuses_flags_of_the_pd_plane_instead_of_ignoring_them(flag):
+    r = serve("--role", "single", *flag)
+    assert r.returncode == 2 and flag[0] in r.stderr and "apply to --role prefill" in r.stderr, r.stderr
+
+
+def test_a_single_node_serves_https_with_tls_cert_and_key(tmp_path):
+    import ssl
+
+    import httpx
+    from certs import make_pki
+    from pd_cluster import free_port
+
+    pki = make_pki(tmp_path, ["127.0.0.1"])
+    bad = serve("--role", "single", "--tls-cert", pki["server_cert"], "--tls-key", pki["client_key"])
+    assert bad.returncode == 2 and "cannot use --tls-cert" in bad.stderr, bad.stderr   # refused before the model
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvfence.cli", "serve", "--port", str(port), "--threads", "1",
+                             "--tls-cert", pki["server_cert"], "--tls-key", pki["server_key"],
+                             "--kv-cache-memory", "64MiB", "--max-model-len", "512", "--clamp-context"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        ctx = ssl.create_default_context(cafile=pki["ca"])
+        for _ in range(240):
+            try:
+                r = httpx.get(f"https://127.0.0.1:{port}/health", verify=ctx, timeout=5)
+                if r.status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.5)
+        r = httpx.post(f"https://127.0.0.1:{port}/v1/completions", verify=ctx, timeout=60,
+                       json={"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        with pytest.raises(httpx.TransportError):      # no plain HTTP on that port
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+    finally:
+        proc.terminate()
+        proc.wait(30)
