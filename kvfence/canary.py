@@ -37,6 +37,7 @@ import logging
 import random
 import re
 import string
+import sys
 import time
 import tomllib
 from collections import Counter
@@ -387,6 +388,25 @@ class CanaryOptions:
     seed: int = 0
     canaries_per_tenant: int = 2
 
+    def __post_init__(self) -> None:
+        # a zero here would wait forever (a semaphore of 0) or look at nothing
+        for name in ("num_requests", "concurrency", "warmup_concurrency", "canaries_per_tenant"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"canary: {name} must be at least 1, got {getattr(self, name)}")
+        if self.warmup_requests < 0:
+            raise ValueError(f"canary: warmup_requests must be 0 or more, got {self.warmup_requests}")
+        for name in ("over_length_fraction", "over_total_share", "probe_fraction", "abort_fraction",
+                     "stream_fraction", "chat_fraction", "after_kill_share"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"canary: {name} must be between 0 and 1, got {v}")
+        for name in ("timeout_s", "settle_s", "restart_wait_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"canary: {name} must be positive, got {getattr(self, name)}")
+        lo, hi = self.max_tokens
+        if not 1 <= lo <= hi:
+            raise ValueError(f"canary: max_tokens must be MIN,MAX with 1 <= MIN <= MAX, got {lo},{hi}")
+
 
 class _Tokens:
     """Counts tokens the way the server does (the bundled model's tokenizer, loaded once)."""
@@ -507,8 +527,16 @@ class Canary:
             self.usable = int(body["check"]["usable_context"])
             self.smallest_pool = min(int(n["pool_tokens"]) for n in nodes.values())
             self.page_size = min(int(n.get("page_size") or 0) for n in nodes.values())
-            for n in body.get("nodes") or []:      # the first node of each role
-                self.node_urls.setdefault(n["role"], n["url"])
+            given = set(self.node_urls.values())
+            for n in body.get("nodes") or []:      # every node: a leak on the third decode node counts too
+                if n["url"] in given:
+                    continue
+                given.add(n["url"])
+                role, i = n["role"], 2
+                name = role          # the first of a role by its role (what --kill ROLE@S names)
+                while name in self.node_urls:
+                    name, i = f"{role}-{i}", i + 1
+                self.node_urls[name] = n["url"]
         else:
             r = await c.get(self.url + "/v1/kvfence/isolation", headers=self._headers())
             r.raise_for_status()
@@ -865,18 +893,30 @@ class Canary:
             await asyncio.gather(*(gated(p, t1) for p in after))
             self.on_phase("settle")
             await self._settle(c, report)
-        report.requests = [p.result for p in warm + main]
-        for r in report.requests:
-            for owner, canary, match in r.foreign:
-                i = _norm(r.text).find(canary if match == "whole" else canary.split("-")[1])
-                excerpt = r.text[max(0, i - 60):i + 60].replace("\n", " ") if i >= 0 else r.text[:120]
-                report.leaks.append(Leak(r.index, r.tenant, owner, canary, match, r.kind, excerpt))
-            if r.over_length and r.status == 200:
-                report.over_length_200.append(r.index)
-            if r.hung:
-                report.hung.append(r.index)
+        judge(report, [p.result for p in warm + main])
         report.seconds = round(time.monotonic() - t_start, 2)
         return report
+
+
+def judge(report: CanaryReport, requests: list[RequestResult]) -> None:
+    """The findings from the requests' results: foreign canaries, over-length 200s, hung
+    requests, and whether anything was read back at all."""
+    report.requests = requests
+    for r in requests:
+        for owner, canary, match in r.foreign:
+            i = _norm(r.text).find(canary if match == "whole" else canary.split("-")[1])
+            excerpt = r.text[max(0, i - 60):i + 60].replace("\n", " ") if i >= 0 else r.text[:120]
+            report.leaks.append(Leak(r.index, r.tenant, owner, canary, match, r.kind, excerpt))
+        if r.over_length and r.status == 200:
+            report.over_length_200.append(r.index)
+        if r.hung:
+            report.hung.append(r.index)
+    # a leak shows in generated text: with no answer to read (every request refused, a wrong
+    # key, a node down) finding none proves nothing
+    answered = [r for r in requests if r.status == 200 and r.kind in ("normal", "probe") and r.text]
+    if not answered:
+        report.problems.append("no ordinary or probe request was answered with text (200): nothing was read back, "
+                               "so the absence of foreign canaries proves nothing")
 
 
 def run_canary(url: str, tenants: dict[str, str] | str | Path, options: CanaryOptions | None = None,
@@ -920,12 +960,12 @@ def add_arguments(p) -> None:
 def main(a) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     keys = load_tenant_keys(a.tenants_file)
-    lo, hi = (int(x) for x in a.max_tokens.split(","))
+    try:
+        opts = _options(a, keys)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     nodes = dict(kv.split("=", 1) for kv in a.nodes.split(",")) if a.nodes else None
-    opts = CanaryOptions(num_requests=a.requests, concurrency=a.concurrency,
-                         warmup_requests=len(keys) if a.warmup is None else a.warmup,
-                         over_length_fraction=a.over_length, abort_fraction=a.aborts, max_tokens=(lo, hi),
-                         timeout_s=a.timeout, settle_s=a.settle, restart_wait_s=a.restart_wait, seed=a.seed)
     report = run_canary(a.url, keys, opts, nodes=nodes, kills=[NodeKill.parse(s) for s in a.kill], model=a.model,
                         on_phase=lambda ph: log.info("canary: %s phase", ph),
                         scrape_key=load_scrape_key(a.tenants_file))
@@ -933,3 +973,15 @@ def main(a) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps(report.to_json(), indent=2))
     return report.exit_code()
+
+
+def _options(a, keys: dict[str, str]) -> CanaryOptions:
+    """The command line's options (ValueError with what is wrong)."""
+    try:
+        lo, hi = (int(x) for x in a.max_tokens.split(","))
+    except ValueError:
+        raise ValueError(f"--max-tokens is MIN,MAX, got {a.max_tokens!r}") from None
+    return CanaryOptions(num_requests=a.requests, concurrency=a.concurrency,
+                         warmup_requests=len(keys) if a.warmup is None else a.warmup,
+                         over_length_fraction=a.over_length, abort_fraction=a.aborts, max_tokens=(lo, hi),
+                         timeout_s=a.timeout, settle_s=a.settle, restart_wait_s=a.restart_wait, seed=a.seed)

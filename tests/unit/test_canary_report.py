@@ -65,3 +65,66 @@ def test_unknown_canary_shapes_are_reported_apart():
     owners = {"a": ("QX-7731-ZEBRA",), "b": ("KD-4410-RAVEN",)}
     text = "codes: MM-1234-TOPAZ, QX-7713-ZEBRA, KD-4410-RAVEN, AB-12-CD"
     assert unknown_canaries(text, owners, "a") == ["MM-1234-TOPAZ"]   # the mutation of a's own is not counted
+
+
+def _result(i: int, kind: str = "normal", status: int | None = 200, text: str = "fine words") -> RequestResult:
+    return RequestResult(i, "a", kind, "completions", False, 10, 4, kind.startswith("over"), None, status=status,
+                         error_code=None if status == 200 else "x", finish_reason="length", text=text)
+
+
+def test_a_run_where_nothing_was_answered_is_inconclusive_not_clean():
+    # found in review: every request refused (a wrong key, a node down) gave CLEAN
+    from kvfence.canary import judge
+
+    r = _report()
+    judge(r, [_result(0, status=401), _result(1, "probe", status=503), _result(2, "over_prompt", status=400)])
+    assert not r.clean and r.exit_code() == 2 and "nothing was read back" in r.text()
+    ok = _report()
+    judge(ok, [_result(0), _result(1, "over_prompt", status=400)])
+    assert ok.clean and ok.exit_code() == 0
+    leaked = _report()
+    judge(leaked, [_result(0), _result(1, "over_total", status=200)])
+    assert leaked.over_length_200 == [1] and leaked.exit_code() == 1
+
+
+def test_options_that_would_hang_or_look_at_nothing_are_refused():
+    import pytest
+
+    from kvfence.canary import CanaryOptions
+    for bad in ({"concurrency": 0}, {"num_requests": 0}, {"probe_fraction": 1.5}, {"timeout_s": 0},
+                {"max_tokens": (0, 4)}, {"max_tokens": (5, 4)}, {"warmup_requests": -1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            CanaryOptions(**bad)
+
+
+def test_discover_audits_every_node_of_a_fleet_not_the_first_of_each_role():
+    # found in review: only the first node per role was snapshotted, so a leak counted by the
+    # read audit on a fleet's second decode node still gave CLEAN
+    import asyncio
+
+    import httpx
+
+    from kvfence.canary import Canary
+
+    nodes = [{"role": "prefill", "url": "http://p1"}, {"role": "prefill", "url": "http://p2"},
+             {"role": "decode", "url": "http://d1"}, {"role": "decode", "url": "http://d2"},
+             {"role": "decode", "url": "http://d3"}]
+    check = {"usable_context": 1024, "nodes": {n["url"]: {"pool_tokens": 4096, "page_size": 16} for n in nodes}}
+
+    def answer(req: httpx.Request) -> httpx.Response:
+        if req.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m", "max_model_len": 1024}]})
+        return httpx.Response(200, json={"ready": True, "check": check, "nodes": nodes})
+
+    async def go(given):
+        c = Canary("http://router", {"a": "sk-aaaaaaaa"}, nodes=given)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            await c._discover(client)
+        return c.node_urls
+
+    assert asyncio.run(go(None)) == {"prefill": "http://p1", "prefill-2": "http://p2", "decode": "http://d1",
+                                     "decode-2": "http://d2", "decode-3": "http://d3"}
+    # nodes named on the command line keep their names; the rest are added once
+    got = asyncio.run(go({"decode": "http://d2"}))
+    assert sorted(got.values()) == ["http://d1", "http://d2", "http://d3", "http://p1", "http://p2"]
+    assert got["decode"] == "http://d2"
