@@ -52,21 +52,26 @@ def _reached_client(rec: dict) -> tuple[bool, str]:
 
 
 def build(paths: Iterable[str | Path], since: float | None = None, until: float | None = None,
-          tenant: str | None = None, disclosure: dict | None = None) -> dict:
+          tenant: str | None = None, disclosure: dict | None = None, expect_last_hash: str | None = None) -> dict:
     chains, records = [], []
     for p in paths:
-        v = incidents.verify(p)
+        v = incidents.verify(p, expect_last_hash)
         chains.append({"log": str(p), "intact": v.ok, "records": v.records, "broken_at_line": v.broken_at,
-                       "message": v.message})
-        for rec in incidents.read(p) if v.ok else _readable(p, v.broken_at):
+                       "torn_lines": list(v.torn), "last_hash": v.last_hash, "message": v.message})
+        # a broken log: only the records before the break can be trusted
+        for rec in incidents.read(p, None if v.broken_at is None else v.broken_at - 1):
             if (since is None or rec["unix"] >= since) and (until is None or rec["unix"] <= until):
                 records.append(rec)
     records.sort(key=lambda r: r["unix"])
     tenants: dict[str, dict] = {}
 
     def entry(name: str) -> dict:
-        return tenants.setdefault(name, {"as_requester": set(), "as_owner": set(), "first": None, "last": None,
-                                         "events": 0, "cross_tenant_events": 0, "bytes_reached_a_client": False})
+        # a page of a public prefix scope holds data every tenant of that scope may read: named
+        # "public:NAME" (a tenant name cannot hold ':'), reported as the scope, not as a tenant
+        kind = "public_prefix_scope" if name.startswith("public:") else "tenant"
+        return tenants.setdefault(name, {"kind": kind, "as_requester": set(), "as_owner": set(), "first": None,
+                                         "last": None, "events": 0, "cross_tenant_events": 0,
+                                         "bytes_reached_a_client": False})
 
     cross = []
     for rec in records:
@@ -112,18 +117,11 @@ def build(paths: Iterable[str | Path], since: float | None = None, until: float 
         "answer": {"any_byte_computed_over_another_tenants_data_reached_a_client": "yes" if any_reached else "no",
                    "how_we_know": ("every cross-tenant event above names what the client got and why the refused "
                                    "data was never computed over; the logs' hash chains are "
-                                   + ("intact" if all(c["intact"] for c in chains) else "BROKEN (see logs)"))},
+                                   + ("intact" if all(c["intact"] for c in chains) else "BROKEN (see logs)")
+                                   + (f"; {torn} line(s) were cut short while being written, and what they "
+                                      "recorded is lost" if (torn := sum(len(c["torn_lines"]) for c in chains))
+                                      else ""))},
     }
-
-
-def _readable(path: str | Path, broken_at: int | None) -> list[dict]:
-    """The records of a broken log up to the break (what can still be trusted)."""
-    out = []
-    for i, rec in enumerate(incidents.read(path), 1):
-        if broken_at is not None and i >= broken_at:
-            break
-        out.append(rec)
-    return out
 
 
 def render(rep: dict) -> str:
@@ -141,7 +139,9 @@ def render(rep: dict) -> str:
     if not rep["tenants"]:
         lines.append("  (no tenant was involved in any event)")
     for name, t in rep["tenants"].items():
-        lines.append(f"  {name}: {t['events']} event(s) {t['first']} .. {t['last']}; as requester: "
+        shown = (f"public prefix scope {name.removeprefix('public:')} (prompt prefixes its tenants share)"
+                 if t["kind"] == "public_prefix_scope" else name)
+        lines.append(f"  {shown}: {t['events']} event(s) {t['first']} .. {t['last']}; as requester: "
                      f"{len(t['as_requester'])} request(s); as owner of touched data: {len(t['as_owner'])} "
                      f"request(s); cross-tenant: {t['cross_tenant_events']}; bytes reached a client: "
                      f"{'YES' if t['bytes_reached_a_client'] else 'no'}")
@@ -171,10 +171,13 @@ def main(a) -> int:
     if not paths:
         print(f"no incident logs given and none under {incidents.default_path('x').parent}")
         return 2
+    if a.expect_last_hash is not None and len(paths) != 1:
+        print("--expect-last-hash checks one log: name it")
+        return 2
     if a.verify:
         bad = 0
         for p in paths:
-            v = incidents.verify(p)
+            v = incidents.verify(p, a.expect_last_hash)
             print(f"{p}: {'ok' if v.ok else 'BROKEN'}: {v.message}")
             bad += not v.ok
         return 1 if bad else 0
@@ -183,7 +186,7 @@ def main(a) -> int:
         from kvfence.server.tenants import TenantRegistry
         disclosure = TenantRegistry.from_file(a.tenants).disclosure
     rep = build(paths, parse_time(a.since) if a.since else None, parse_time(a.until) if a.until else None,
-                a.tenant, disclosure)
+                a.tenant, disclosure, a.expect_last_hash)
     print(json.dumps(rep, indent=2) if a.json else render(rep))
     broken = not all(c["intact"] for c in rep["logs"])
     return 1 if broken or rep["answer"]["any_byte_computed_over_another_tenants_data_reached_a_client"] == "yes" \

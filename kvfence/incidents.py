@@ -13,7 +13,7 @@ the page or row that was touched, at that moment), which pages or rows, what the
 line's bytes (the first line's is GENESIS). `verify()` walks the chain and says where it
 breaks; an edited, inserted or deleted line breaks it at that line. (Cutting lines off the
 end leaves a valid shorter chain: `last_hash` is in the isolation statement and /metrics
-so that an operator can anchor it elsewhere.)
+so that an operator can anchor it elsewhere and check it with `verify(expect_last_hash=...)`.)
 
 Only counts, ids, names from the operator's configuration and the checks' own messages
 (page numbers, epochs) go in; never text a client sent or the model wrote.
@@ -61,6 +61,8 @@ class Verification:
     records: int
     broken_at: int | None = None     # 1-based line number of the first bad line
     message: str = ""
+    last_hash: str = GENESIS          # the hash the chain ends with (to compare with an anchored one)
+    torn: tuple[int, ...] = ()        # lines cut short while being written (a crash, a full disk)
 
 
 def default_path(role: str, port: int | None = None) -> Path:
@@ -93,6 +95,12 @@ def _last_line(path: Path) -> bytes | None:
         return None
 
 
+def _ends_torn(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
+
+
 class IncidentLog:
     def __init__(self, path: str | Path, role: str, boot_id: str | None = None):
         self.path = Path(path)
@@ -102,6 +110,11 @@ class IncidentLog:
         last = _last_line(self.path)
         self.last_hash = _line_hash(last) if last else GENESIS
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        if last is not None and _ends_torn(self.path):
+            # the last process died in the middle of a line: end it, so that this boot's
+            # records start on their own lines and chain from it (verify() names it torn)
+            os.write(self._fd, b"\n")
+            os.fsync(self._fd)
         self._lock = threading.Lock()
         self.written = 0
         self.recent: deque[dict] = deque(maxlen=RECENT)
@@ -174,25 +187,62 @@ def client_outcome(code: str | None, tokens_streamed: int) -> dict:
 
 
 # -- reading ---------------------------------------------------------------------------------------
-def read(path: str | Path) -> Iterator[dict]:
-    with open(path, "rb") as f:
-        for line in f:
-            if line.strip():
-                yield json.loads(line)
+def _record(line: bytes) -> dict | None:
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) else None
 
 
-def verify(path: str | Path) -> Verification:
-    """Walk the hash chain: every line's `prev` must be the hash of the line before it."""
-    prev, n = GENESIS, 0
+def read(path: str | Path, lines: int | None = None) -> Iterator[dict]:
+    """The records of the first `lines` lines (all by default); a line that is not a record
+    (a torn write, garbage) is skipped here: verify() is what judges the file."""
     with open(path, "rb") as f:
         for n, line in enumerate(f, 1):
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                return Verification(False, n - 1, n, f"line {n} is not JSON")
-            if not isinstance(rec, dict) or rec.get("prev") != prev:
-                return Verification(False, n - 1, n, f"line {n}: the chain breaks here (its prev does not match the "
-                                                     f"hash of line {n - 1}): a line was changed, inserted or "
-                                                     f"removed at or before it")
-            prev = _line_hash(line if line.endswith(b"\n") else line + b"\n")
-    return Verification(True, n, None, f"{n} records, chain intact; last hash {prev}")
+            if lines is not None and n > lines:
+                return
+            rec = _record(line) if line.strip() else None
+            if rec is not None:
+                yield rec
+
+
+def verify(path: str | Path, expect_last_hash: str | None = None) -> Verification:
+    """Walk the hash chain: every line's `prev` must be the hash of the line before it.
+
+    A line that is not a record is a break, except a torn write: the process stopped while
+    writing it (nothing after it), or the next boot ended it and chained on from it (the next
+    line's prev is its hash). The chain has no key, so whoever can rewrite the file can
+    rewrite it whole; `expect_last_hash` (the last_hash the isolation statement and /metrics
+    showed, kept elsewhere) is what catches that, and cut-off lines."""
+    prev, records, torn = GENESIS, 0, []
+    with open(path, "rb") as f:
+        lines = f.read().splitlines(keepends=True)
+    for n, line in enumerate(lines, 1):
+        whole = line if line.endswith(b"\n") else line + b"\n"
+        rec = _record(line)
+        if rec is None:
+            following = _record(lines[n]) if n < len(lines) else None
+            if (n == len(lines) and not line.endswith(b"\n")) or \
+                    (following is not None and following.get("prev") == _line_hash(whole)):
+                torn.append(n)
+                prev = _line_hash(whole)
+                continue
+            return Verification(False, records, n, f"line {n} is not a JSON record, and the chain does not go on "
+                                                   f"from it: a line was changed or inserted there", prev,
+                                tuple(torn))
+        if rec.get("prev") != prev:
+            return Verification(False, records, n, f"line {n}: the chain breaks here (its prev does not match the "
+                                                   f"hash of line {n - 1}): a line was changed, inserted or "
+                                                   f"removed at or before it", prev, tuple(torn))
+        records += 1
+        prev = _line_hash(whole)
+    if expect_last_hash is not None and expect_last_hash.strip().lower() != prev:
+        return Verification(False, records, len(lines) + 1,
+                            f"{records} records chain, but they end with hash {prev}, not the expected "
+                            f"{expect_last_hash.strip()}: lines were cut off the end, or the file was rewritten",
+                            prev, tuple(torn))
+    note = (f"; line(s) {', '.join(map(str, torn))} cut short while being written (a crash or a full disk): "
+            "what they recorded is lost") if torn else ""
+    return Verification(True, records, None, f"{records} records, chain intact; last hash {prev}{note}", prev,
+                        tuple(torn))

@@ -41,7 +41,7 @@ from kvfence.engine.sampler import SampleOutput, Sampler, make_generator, score_
 from kvfence.engine.scheduler import ScheduledSeq, Scheduler
 from kvfence.engine.sequence import Sequence, TokenLogprob
 from kvfence.engine.step_target import StepTarget
-from kvfence.kv.ledger import Ledger, Owner, ReadRequest, Violation
+from kvfence.kv.ledger import PUBLIC_SCOPE, Ledger, Owner, ReadRequest, Violation
 from kvfence.kv.pool import KVPool, available_memory, page_bytes, parse_bytes
 from kvfence.kv.prefix_cache import PrefixCache
 from kvfence.model.llama import LlamaModel
@@ -49,9 +49,6 @@ from kvfence.model.loader import load_model
 from kvfence.model.tokenizer import KvTokenizer
 
 log = logging.getLogger("kvfence.engine")
-# a public prefix scope's cache key; a NUL can't appear in a tenant name taken from a tenants
-# file, so scopes never collide with tenants
-PUBLIC_SCOPE = "\0public:"
 
 
 @dataclass
@@ -588,7 +585,7 @@ class LLMEngine:
             "pages_shared": led.num_shared,
             "prefix_cache_hit_tokens": self.prefix_cache.hits if self.prefix_cache else 0,
             "pages_quarantined": led.num_quarantined, "capacity_tokens": led.capacity_tokens,
-            "pages_fenced": led.num_fenced, "pages_by_owner": _named_scopes(led.pages_by_owner()),
+            "pages_fenced": led.num_fenced, "pages_by_owner": led.pages_by_owner(),
             "usable_context": self.usable_context, "preemptions": self.scheduler.num_preemptions,
             "prefill_cap_while_decoding": self.scheduler.prefill_budget_while_decoding or 0,
             "violations": dict(led.violations), "outcomes": dict(self.outcomes),
@@ -596,9 +593,3 @@ class LLMEngine:
             **({"audit": self.runner.audit.summary()} if self.runner.audit is not None else {}),
             **({"grammar_cache": self._grammars.stats()} if self._grammars is not None else {}),
         }
-
-
-def _named_scopes(by_owner: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-    """A public prefix scope as "public:NAME" (add_request keys it with a NUL, which no
-    tenant name can hold, and ':' is not allowed in one either)."""
-    return {k: {n.replace(PUBLIC_SCOPE, "public:", 1): c for n, c in v.items()} for k, v in by_owner.items()}

@@ -21,6 +21,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 NULL_PAGE = 0  # never granted; padding slots point here and it always holds zeros
+# a public prefix scope's cache key: a NUL can't appear in a tenant name taken from a tenants
+# file, so scopes never collide with tenants. Names handed out say "public:NAME" instead
+# (':' is not allowed in a tenant name either), so no NUL reaches a log, a report or a page.
+PUBLIC_SCOPE = "\0public:"
+
+
+def scope_label(name: str) -> str:
+    """A tenant's name as it is; a public prefix scope's key as "public:NAME"."""
+    return "public:" + name[len(PUBLIC_SCOPE):] if name.startswith(PUBLIC_SCOPE) else name
 
 
 class PageState(enum.IntEnum):
@@ -128,8 +137,10 @@ class Ledger:
         return self._tenants.setdefault(name, len(self._tenants))
 
     def tenant_name(self, tenant: int) -> str | None:
-        """The name behind a tenant or cache-scope id (None for -1: nobody)."""
-        return next((n for n, i in self._tenants.items() if i == tenant), None)
+        """The name behind a tenant or cache-scope id (None for -1: nobody); a public scope
+        as "public:NAME" (scope_label)."""
+        name = next((n for n, i in self._tenants.items() if i == tenant), None)
+        return None if name is None else scope_label(name)
 
     def page_owner(self, page: int) -> str | None:
         """Whose data the page holds at this moment, by name: the owning request's tenant, a

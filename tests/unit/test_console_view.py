@@ -6,7 +6,6 @@ import time
 
 from test_fleet_routing import fleet, info
 
-from kvfence.engine.llm_engine import _named_scopes
 from kvfence.kv.ledger import BlockTable, Ledger, Owner
 from kvfence.pd.router import RouterBackend
 from kvfence.server.app import ServerState
@@ -26,7 +25,8 @@ def test_the_ledger_counts_pages_by_tenant_and_cache_scope_and_fenced_ones():
     led.mark_written(p, tp, 0, 8)
     for page, epoch in zip(tp.pages, tp.epochs, strict=True):
         assert led.publish(p, page, epoch)
-    assert _named_scopes(led.pages_by_owner()) == {"owned": {"alice": 3, "bob": 5}, "shared": {"public:docs": 2}}
+    assert led.pages_by_owner() == {"owned": {"alice": 3, "bob": 5}, "shared": {"public:docs": 2}}
+    assert led.page_owner(tp.pages[0]) == "public:docs"       # no NUL in a name handed out
     assert led.num_fenced == 0
     fenced = led.fence(b, tb, "test", until=time.time() + 60)
     assert len(fenced) == 5 and led.num_fenced == 5 and led.num_quarantined == 5

@@ -132,3 +132,75 @@ def test_the_operator_sections_of_the_tenants_file():
                 {"disclosure": {"notification_window_hours": 0}}, {"disclosure": {"phone": "1"}}):
         with pytest.raises(TenantsFileError):
             TenantRegistry.from_dict({**base, **bad})
+
+
+def test_a_write_cut_short_is_named_torn_and_the_next_boot_chains_on_from_it(tmp_path):
+    # found in review: a half-written last line made the report crash, and the next boot's
+    # first record was glued onto it
+    path = tmp_path / "incidents.jsonl"
+    log = _log(tmp_path)
+    log.record("ledger_refusal", request_id="r1", tenant="alice", involved=["bob"], pages=[7])
+    log.record("ledger_refusal", request_id="r2", tenant="alice", involved=["bob"], pages=[8])
+    log.close()
+    data = path.read_bytes()
+    path.write_bytes(data[:-40])                       # the process died in the middle of r2's line
+    v = incidents.verify(path)
+    assert v.ok and v.records == 1 and v.torn == (2,) and "cut short" in v.message
+    assert [r["request_id"] for r in incidents.read(path)] == ["r1"]
+    again = incidents.IncidentLog(path, "decode", boot_id="boot-2")
+    again.record("ledger_refusal", request_id="r3", tenant="carol", involved=["carol"], pages=[9])
+    again.close()
+    assert len(path.read_bytes().splitlines()) == 3     # r3 on its own line
+    v = incidents.verify(path)
+    assert v.ok and v.records == 2 and v.torn == (2,), v.message
+    rep = disclosure.build([path])
+    assert [c["request_id"] for c in rep["cross_tenant"]] == ["r1"] and "carol" in rep["tenants"]
+    assert rep["logs"][0]["torn_lines"] == [2] and "cut short" in rep["answer"]["how_we_know"]
+    # garbage put in by hand, with nothing chaining on from it, is still a break, and the
+    # report shows what came before it instead of crashing
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(lines[0] + b"{not json\n" + lines[2])
+    v = incidents.verify(path)
+    assert not v.ok and v.broken_at == 2
+    rep = disclosure.build([path])
+    assert [c["request_id"] for c in rep["cross_tenant"]] == ["r1"] and not rep["logs"][0]["intact"]
+
+
+def test_an_anchored_last_hash_catches_a_rewritten_or_cut_off_end(tmp_path, capsys):
+    from kvfence.cli import main
+    path = _events(tmp_path)
+    anchored = incidents.verify(path).last_hash
+    assert main(["incidents", "--verify", "--expect-last-hash", anchored, str(path)]) == 0
+    lines = path.read_bytes().splitlines(keepends=True)
+    rec = json.loads(lines[-1])                        # the last line, edited: the unkeyed chain still holds
+    rec["detail"] = "nothing happened"
+    path.write_bytes(b"".join(lines[:-1]) + (json.dumps(rec, sort_keys=True, separators=(",", ":")) + "\n").encode())
+    assert incidents.verify(path).ok
+    capsys.readouterr()
+    assert main(["incidents", "--verify", "--expect-last-hash", anchored, str(path)]) == 1
+    assert "not the expected" in capsys.readouterr().out
+    path.write_bytes(b"".join(lines[:-1]))             # cut off
+    assert main(["incidents", "--expect-last-hash", anchored, str(path)]) == 1
+    assert main(["incidents", "--expect-last-hash", anchored, str(path), str(path)]) == 2
+
+
+def test_a_public_prefix_scope_is_reported_as_a_scope_not_as_a_tenant(tmp_path):
+    # found in review: the ledger's key for a public scope ("\0public:NAME") reached the report
+    # as a tenant whose name starts with a NUL
+    from kvfence.engine.llm_engine import PUBLIC_SCOPE
+    from kvfence.kv.ledger import BlockTable, Ledger, Owner
+
+    led = Ledger(16, 4)
+    docs = led.tenant_id(f"{PUBLIC_SCOPE}docs")
+    p, t = Owner(led.tenant_id("bob"), 1, scope=docs), BlockTable()
+    led.allocate(p, 1, t)
+    led.mark_written(p, t, 0, 4)
+    assert led.publish(p, t.pages[0], t.epochs[0])
+    owner = led.page_owner(t.pages[0])
+    log = _log(tmp_path)
+    log.record("ledger_refusal", request_id="r1", tenant="alice", involved=[owner], pages=[t.pages[0]])
+    log.close()
+    rep = disclosure.build([tmp_path / "incidents.jsonl"])
+    assert "\0" not in json.dumps(rep) and rep["tenants"]["public:docs"]["kind"] == "public_prefix_scope"
+    assert rep["tenants"]["alice"]["kind"] == "tenant"
+    assert "public prefix scope docs" in disclosure.render(rep)
