@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+SCRUBS = ("none", "zero", "poison")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -38,6 +39,31 @@ class EngineConfig:
     fused_kernels: bool = True                # kvfence/kernels on CPU; off = plain torch ops (to compare)
     num_threads: int | None = None
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        """The settings' rules, checked before anything loads: a zero step budget or batch size
+        would have the engine spin without ever running a request, a negative cap stall every
+        prompt; a NaN fails every comparison, so each bound is written to let NaN fail."""
+        def need(ok: bool, what: str, value) -> None:
+            if not ok:
+                raise ValueError(f"{what}; got {value!r}")
+
+        self.torch_dtype()
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{name} must be at least 1", v)
+        need(isinstance(self.page_size, int) and self.page_size >= 2 and self.page_size % 2 == 0,
+             "page_size must be an even number of tokens, at least 2", self.page_size)
+        need(self.prefill_tokens_while_decoding >= 0, "prefill_tokens_while_decoding must be >= 0 (0: the whole "
+             "step budget)", self.prefill_tokens_while_decoding)
+        need(0 <= self.decode_step_target_ms < float("inf"),
+             "decode_step_target_ms must be >= 0 (0: the fixed token cap)", self.decode_step_target_ms)
+        need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be at least 1",
+             self.max_model_len)
+        need(self.num_threads is None or self.num_threads >= 1, "threads must be at least 1", self.num_threads)
+        need(self.kv_cache_memory is not None or 0.0 < self.kv_memory_fraction <= 0.95,
+             "kv_memory_fraction must be in (0, 0.95]", self.kv_memory_fraction)
+        need(self.scrub in SCRUBS, f"scrub must be one of {', '.join(SCRUBS)}", self.scrub)
 
     def torch_dtype(self) -> torch.dtype:
         try:

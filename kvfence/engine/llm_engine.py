@@ -102,15 +102,9 @@ class LLMEngine:
         self.context: ContextPlan = plan_context(self.model_config.max_context, cfg.max_model_len,
                                                  self.ledger.capacity_tokens, cfg.clamp_context)
         self.prefix_cache = PrefixCache(self.ledger) if cfg.enable_prefix_cache else None
-        if cfg.prefill_tokens_while_decoding < 0:   # a negative cap would stall every new prompt
-            raise ValueError(f"prefill_tokens_while_decoding must be >= 0 (0: the whole step budget); got "
-                             f"{cfg.prefill_tokens_while_decoding}")
         self.scheduler = Scheduler(self.ledger, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.prefix_cache,
                                    prefill_budget_while_decoding=cfg.prefill_tokens_while_decoding or None)
         self.scheduler.pages_held_elsewhere = lambda: self.kv_link.holds_pool_pages()
-        if not cfg.decode_step_target_ms >= 0:   # NaN included
-            raise ValueError(f"decode_step_target_ms must be >= 0 (0: the fixed token cap); got "
-                             f"{cfg.decode_step_target_ms}")
         # the cap sized from step times; None: the fixed token cap (or none at all)
         self.step_target = (StepTarget(cfg.decode_step_target_ms / 1e3, cfg.prefill_tokens_while_decoding,
                                        min(cfg.page_size, cfg.prefill_tokens_while_decoding))
@@ -158,8 +152,6 @@ class LLMEngine:
     def _kv_budget(self, cfg: EngineConfig, dtype: torch.dtype) -> int:
         if cfg.kv_cache_memory is not None:
             return parse_bytes(cfg.kv_cache_memory)
-        if not (0.0 < cfg.kv_memory_fraction <= 0.95):
-            raise ValueError("kv_memory_fraction must be in (0, 0.95]")
         budget = int(available_memory(self.device) * cfg.kv_memory_fraction)
         # no point in a pool much larger than a full batch of full contexts
         cap = (cfg.max_num_seqs * self.model_config.max_context + cfg.page_size) * page_bytes(
