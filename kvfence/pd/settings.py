@@ -44,6 +44,19 @@ class PDSettings:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"PD role must be one of {', '.join(ROLES)}; got {self.role!r}")
+        # each bound written so that NaN fails it: a NaN lease or skew would make every fence
+        # comparison false, and a negative skew would lift fences before a pull can have ended
+        for name in ("lease_s", "max_pull_s"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds; got {getattr(self, name)!r}")
+        if not 0 <= self.clock_skew_s < float("inf"):
+            raise ValueError(f"clock_skew_s must be >= 0 seconds (it widens every fence); got {self.clock_skew_s!r}")
+        if not 0 < self.pull_give_up_s < float("inf"):
+            raise ValueError(f"pull_give_up_s must be a positive number of seconds; got {self.pull_give_up_s!r}")
+        if self.transfer_timeout_s < 1:
+            raise ValueError(f"transfer_timeout_s must be at least 1 s; got {self.transfer_timeout_s!r}")
+        if self.transfer_buffer_pages is not None and self.transfer_buffer_pages < 1:
+            raise ValueError(f"transfer_buffer_pages must be at least 1; got {self.transfer_buffer_pages!r}")
         if self.lease_s <= 2 * self.clock_skew_s:
             raise ValueError("lease_s must exceed twice clock_skew_s, or no pull could ever start")
         if self.cluster_secret is None:
