@@ -283,7 +283,7 @@ def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int,
     drain = Drain(lambda: loop.snapshot, lambda: exit_now[0]())
     add_internal_routes(app, loop, settings, drain)
     faults.announce(log)
-    fault_control.mount(app)
+    fault_control.mount(app, settings.cluster_secret)
     scheme = "https" if tls.serving else "http"
     log.info("%s node serving its internal API on %s://%s:%d/internal%s", settings.role, scheme, host, port,
              " (client certificates required)" if tls.serving and tls.ca else "")

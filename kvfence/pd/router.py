@@ -722,7 +722,7 @@ def serve_router(prefill_urls: list[str], decode_urls: list[str], model: str | N
     state = ServerState(backend, tenants, served_model_name)
     app = create_app(state)
     faults.announce(log)
-    fault_control.mount(app)
+    fault_control.mount(app, secret)
 
     @app.get("/v1/kvfence/cluster")
     async def cluster():

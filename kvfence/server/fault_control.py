@@ -13,6 +13,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from kvfence import faults, incidents
+from kvfence.pd.seal import CONTROL_HEADER, check_control
+from kvfence.server.errors import error_body
 
 ENV_VAR = "KVFENCE_TEST_FAULT_CONTROL"
 log = logging.getLogger("kvfence.faults")
@@ -22,7 +24,10 @@ def enabled() -> bool:
     return os.environ.get(ENV_VAR) == "1"
 
 
-def mount(app: FastAPI) -> None:
+def mount(app: FastAPI, cluster_secret: bytes | None = None) -> None:
+    """The route, when the variable is set. With a cluster secret (every PD role) it takes
+    only the cluster credential, like every /internal route (I11): a node's middleware
+    checks it already, the router has no such middleware, so it is checked here as well."""
     if not enabled():
         return
     log.error("%s=1: this process lets tests switch fault points over HTTP (POST /internal/test/faults). "
@@ -30,7 +35,16 @@ def mount(app: FastAPI) -> None:
 
     @app.post("/internal/test/faults")
     async def set_faults(request: Request):
-        spec = str((await request.json()).get("spec", ""))
+        if cluster_secret is not None and not check_control(cluster_secret, request.headers.get(CONTROL_HEADER)):
+            return JSONResponse(error_body("internal API: missing or wrong cluster credential",
+                                           "invalid_request_error", None, "unauthorized"), status_code=401)
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            return JSONResponse({"error": 'send {"spec": "point:action,..."}'}, status_code=400)
+        spec = str(body.get("spec", ""))
         try:
             active = faults.load_env({faults.ENV_VAR: spec})
         except faults.FaultConfigError as e:
