@@ -28,7 +28,7 @@ from kvfence.server.auth_throttle import FailedAuthThrottle
 from kvfence.server.backend import EngineBackend, EngineFailed, RequestHandle, Update
 from kvfence.server.disconnect import watch_disconnect
 from kvfence.server.errors import ABORT_STATUS, APIError, bad_request, error_body
-from kvfence.server.isolation import isolation_statement
+from kvfence.server.isolation import isolation_statement, tenant_view
 from kvfence.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvfence.server.openai_format import Formatter, sse, usage
 from kvfence.server.protocol import (
@@ -167,7 +167,8 @@ def create_app(state: ServerState) -> FastAPI:
     async def isolation(request: Request):
         state.tenants.authenticate(request.headers.get("authorization"))
         state.ensure_ready()
-        return state.statement()
+        # one tenant (no tenants file): it is the operator's own server, shown whole
+        return state.statement() if state.tenants.single_tenant else tenant_view(state.statement())
 
     from kvfence.server import console  # the operator console (/console), behind the operator key
     console.mount(app, state)

@@ -198,6 +198,24 @@ def _pd_terms(facts: dict) -> dict:
     }
 
 
+def tenant_view(statement: dict) -> dict:
+    """The statement as a tenant's key gets it: the same promises and the same counts of
+    isolation events, without what tells one tenant about the others or about the host (the
+    incident log's path on disk, how many tenants there are, the pool's live occupancy, which
+    follows everyone's load). The operator console and `kvfence isolation` on the host show it
+    whole."""
+    out = {**statement, "audience": "tenant"}
+    iso = out["kv_memory_isolation"]
+    out["kv_memory_isolation"] = {**iso, "tenancy": {k: v for k, v in iso["tenancy"].items()
+                                                     if k != "tenants_configured"}}
+    disc = dict(out["incident_disclosure"])
+    if disc.get("incident_log"):
+        disc["incident_log"] = {k: v for k, v in disc["incident_log"].items() if k != "path"}
+    out["incident_disclosure"] = disc
+    out["live"] = {k: v for k, v in out["live"].items() if k in ("isolation_violations", "pages_quarantined")}
+    return out
+
+
 def isolation_statement(facts: dict, checks: list[dict], tenants, snapshot: dict, served_model_name: str) -> dict:
     """The statement, as JSON. `facts` and `snapshot` come from the engine loop."""
     scrub = facts["scrub"]

@@ -87,8 +87,11 @@ def test_isolation_statement_reflects_the_live_config(server):
     pc = iso["prefix_cache"]
     assert pc["enabled"] is True and "per tenant" in pc["scope"]
     assert pc["cross_tenant_sharing"].startswith("explicit opt-in only: 2 tenant(s) share 1 declared public")
-    assert iso["tenancy"] == {"mode": "multi-tenant", "tenants_configured": 7, "identity": iso["tenancy"]["identity"],
+    assert iso["tenancy"] == {"mode": "multi-tenant", "identity": iso["tenancy"]["identity"],
                               "who_sees_tenant_names": iso["tenancy"]["who_sees_tenant_names"]}
+    # a tenant's view: how many other tenants there are is the operator's to know (console, CLI)
+    assert st["audience"] == "tenant"
+    assert server.state.statement()["kv_memory_isolation"]["tenancy"]["tenants_configured"] == 7
     assert "API key" in iso["tenancy"]["identity"]
     assert "[metrics]" in iso["tenancy"]["who_sees_tenant_names"]
     cap = st["capacity"]
