@@ -1,10 +1,13 @@
 """The processes kvfence starts (launch-pd, benches, test clusters): their ports, and stopping them."""
 from __future__ import annotations
 
+import ctypes
+import os
 import random
 import signal
 import socket
 import subprocess
+import sys
 from collections.abc import Iterable
 
 # Ports for servers this project starts, picked below the kernel's ephemeral range (32768-60999
@@ -31,6 +34,26 @@ def free_ports(n: int = 1, host: str = "127.0.0.1") -> int:
         if all(_bindable(host, base + i) for i in range(n)):
             return base
     raise RuntimeError(f"no run of {n} free ports in {lo}-{hi}")
+
+
+PR_SET_PDEATHSIG = 1   # linux/prctl.h
+
+
+def start_child(cmd: list[str], **popen) -> subprocess.Popen:
+    """Popen, and on Linux the child is sent SIGTERM when the process that started it dies,
+    however it dies (SIGKILL, OOM): a killed launch-pd or bench leaves no node holding its
+    port and its KV pool. SIGTERM, not SIGKILL, so that a node drains as it would if stopped."""
+    if not sys.platform.startswith("linux"):
+        return subprocess.Popen(cmd, **popen)   # stop_processes at exit is all there is
+    parent = os.getpid()
+    prctl = ctypes.CDLL(None, use_errno=True).prctl   # looked up here: the child only calls it
+
+    def die_with_parent() -> None:   # runs in the child between fork and exec
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:   # the parent died before prctl took hold
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return subprocess.Popen(cmd, preexec_fn=die_with_parent, **popen)
 
 
 def stop_processes(procs: Iterable[subprocess.Popen], grace_s: float = 20.0, wake: bool = False) -> None:

@@ -38,7 +38,7 @@ from kvfence.pd.launch import ENGINE_FLAGS, flags, node_commands, write_secret_f
 from kvfence.pd.messages import NodeInfo
 from kvfence.pd.seal import load_secret
 from kvfence.pd.wire import cluster_headers
-from kvfence.procs import free_ports, stop_processes
+from kvfence.procs import free_ports, start_child, stop_processes
 
 DEFAULTS = {"num_requests": 16, "prompt_tokens": 256, "output_tokens": 64, "kv_cache_memory": "512MiB"}
 HOST = "127.0.0.1"
@@ -63,7 +63,7 @@ class Procs:
 
     def start(self, name: str, cmd: list[str]) -> None:
         with open(self.logdir / f"{name}.log", "ab") as log:
-            self.procs[name] = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+            self.procs[name] = start_child(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
 
     def log_tail(self, name: str, n: int = 2500) -> str:
         try:

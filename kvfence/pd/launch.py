@@ -18,7 +18,7 @@ import tempfile
 import time
 
 from kvfence.pd.seal import new_secret
-from kvfence.procs import stop_processes
+from kvfence.procs import start_child, stop_processes
 
 # the engine options a node takes from launch-pd's (and the PD bench's) command line
 ENGINE_FLAGS = ("model", "dtype", "device", "weights", "kv_cache_memory", "kv_memory_fraction", "page_size",
@@ -110,7 +110,7 @@ def _run(a, env: dict[str, str], secret_file: str) -> int:
     cmds = node_commands(a, secret_file)
     restarts = dict.fromkeys(cmds, 0)
     for role, cmd in cmds.items():
-        procs[role] = subprocess.Popen(cmd, env=env)
+        procs[role] = start_child(cmd, env=env)
         port = cmd[cmd.index("--port") + 1]
         print(f"kvfence launch-pd: started {role} on port {port} (pid {procs[role].pid}): {' '.join(cmd[2:])}",
               file=sys.stderr)
@@ -136,7 +136,7 @@ def _run(a, env: dict[str, str], secret_file: str) -> int:
                 break
             for role, rc in dead.items():
                 restarts[role] += 1
-                procs[role] = subprocess.Popen(cmds[role], env=env)
+                procs[role] = start_child(cmds[role], env=env)
                 print(f"kvfence launch-pd: {role} exited with code {rc}; restarted it (pid {procs[role].pid}, "
                       f"restart {restarts[role]} of {MAX_RESTARTS}); the router checks it again before it serves",
                       file=sys.stderr)
