@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# every server a test starts keeps its incident log (kvfence/incidents.py) under here, and the
+# processes it starts inherit it: not in the home directory of whoever runs the tests
+os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="kvfence-tests-state-")
 
 from kvfence import LLM  # noqa: E402
 from kvfence.engine.config import EngineConfig  # noqa: E402
