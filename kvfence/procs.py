@@ -42,7 +42,9 @@ PR_SET_PDEATHSIG = 1   # linux/prctl.h
 def start_child(cmd: list[str], **popen) -> subprocess.Popen:
     """Popen, and on Linux the child is sent SIGTERM when the process that started it dies,
     however it dies (SIGKILL, OOM): a killed launch-pd or bench leaves no node holding its
-    port and its KV pool. SIGTERM, not SIGKILL, so that a node drains as it would if stopped."""
+    port and its KV pool. SIGTERM, not SIGKILL, so that a node drains as it would if stopped.
+    Linux sends it when the *thread* that started the child ends: call this from the main
+    thread (every caller does), not from a worker thread that finishes first."""
     if not sys.platform.startswith("linux"):
         return subprocess.Popen(cmd, **popen)   # stop_processes at exit is all there is
     parent = os.getpid()
