@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from kvfence import incidents
+from kvfence.kv.ledger import scope_label
 
 
 def parse_time(text: str) -> float:
@@ -61,6 +62,11 @@ def build(paths: Iterable[str | Path], since: float | None = None, until: float 
         # a broken log: only the records before the break can be trusted
         for rec in incidents.read(p, None if v.broken_at is None else v.broken_at - 1):
             if (since is None or rec["unix"] >= since) and (until is None or rec["unix"] <= until):
+                # logs written before public scopes were named "public:NAME" hold the ledger's
+                # raw key ("\0public:NAME")
+                if rec.get("tenant"):
+                    rec["tenant"] = scope_label(rec["tenant"])
+                rec["involved_tenants"] = [scope_label(t) for t in rec.get("involved_tenants") or ()]
                 records.append(rec)
     records.sort(key=lambda r: r["unix"])
     tenants: dict[str, dict] = {}

@@ -11,9 +11,10 @@ which request and tenant asked, **which tenants' data was involved** (the ledger
 the page or row that was touched, at that moment), which pages or rows, what the client got
 (HTTP status, error code, tokens already streamed), and `prev`: the SHA-256 of the previous
 line's bytes (the first line's is GENESIS). `verify()` walks the chain and says where it
-breaks; an edited, inserted or deleted line breaks it at that line. (Cutting lines off the
-end leaves a valid shorter chain: `last_hash` is in the isolation statement and /metrics
-so that an operator can anchor it elsewhere and check it with `verify(expect_last_hash=...)`.)
+breaks; a line edited, inserted or deleted before the last breaks it there. The chain has
+no key: an edited last line, lines cut off the end or a file rewritten whole leave a valid
+chain, so `last_hash` is in the isolation statement and /metrics for an operator to anchor
+elsewhere, and `verify(expect_last_hash=...)` checks that the chain still passes through it.
 
 Only counts, ids, names from the operator's configuration and the checks' own messages
 (page numbers, epochs) go in; never text a client sent or the model wrote.
@@ -210,39 +211,61 @@ def read(path: str | Path, lines: int | None = None) -> Iterator[dict]:
 def verify(path: str | Path, expect_last_hash: str | None = None) -> Verification:
     """Walk the hash chain: every line's `prev` must be the hash of the line before it.
 
-    A line that is not a record is a break, except a torn write: the process stopped while
-    writing it (nothing after it), or the next boot ended it and chained on from it (the next
-    line's prev is its hash). The chain has no key, so whoever can rewrite the file can
-    rewrite it whole; `expect_last_hash` (the last_hash the isolation statement and /metrics
-    showed, kept elsewhere) is what catches that, and cut-off lines."""
+    Lines that are not records break the chain, except torn writes: a process stopped while
+    writing (a crash loop leaves several in a row), and the next boot ended the line and
+    chained on from it, so a run of them is torn when the first record after the run chains
+    from its last line, or when nothing but them follows. The chain has no key, so whoever
+    can rewrite the file can rewrite it whole; `expect_last_hash` (a last_hash the isolation
+    statement or /metrics showed at some time, kept elsewhere) is what catches that, and
+    lines cut off the end: the chain must pass through it. Records written after the anchor
+    was taken are fine; an anchor the chain never reaches is a failure."""
     prev, records, torn = GENESIS, 0, []
+    reached = {GENESIS: 0}          # hash after line n -> n: every point an anchor may name
     with open(path, "rb") as f:
         lines = f.read().splitlines(keepends=True)
-    for n, line in enumerate(lines, 1):
-        whole = line if line.endswith(b"\n") else line + b"\n"
-        rec = _record(line)
+
+    def whole(line: bytes) -> bytes:
+        return line if line.endswith(b"\n") else line + b"\n"
+
+    n = 0
+    while n < len(lines):
+        rec = _record(lines[n])
         if rec is None:
-            following = _record(lines[n]) if n < len(lines) else None
-            if (n == len(lines) and not line.endswith(b"\n")) or \
-                    (following is not None and following.get("prev") == _line_hash(whole)):
-                torn.append(n)
-                prev = _line_hash(whole)
-                continue
-            return Verification(False, records, n, f"line {n} is not a JSON record, and the chain does not go on "
-                                                   f"from it: a line was changed or inserted there", prev,
-                                tuple(torn))
+            end = n                 # lines[n:end] are not records
+            while end < len(lines) and _record(lines[end]) is None:
+                end += 1
+            last = _line_hash(whole(lines[end - 1]))
+            following = _record(lines[end]) if end < len(lines) else None
+            if following is not None and following.get("prev") != last:
+                span = f"line {n + 1}" if end == n + 1 else f"lines {n + 1}-{end}"
+                return Verification(False, records, n + 1, f"{span}: not a JSON record, and the chain does not go "
+                                                           f"on from it: a line was changed or inserted there", prev,
+                                    tuple(torn))
+            for k in range(n, end):
+                torn.append(k + 1)
+                reached[_line_hash(whole(lines[k]))] = k + 1
+            prev, n = last, end
+            continue
         if rec.get("prev") != prev:
-            return Verification(False, records, n, f"line {n}: the chain breaks here (its prev does not match the "
-                                                   f"hash of line {n - 1}): a line was changed, inserted or "
-                                                   f"removed at or before it", prev, tuple(torn))
+            return Verification(False, records, n + 1, f"line {n + 1}: the chain breaks here (its prev does not match "
+                                                       f"the hash of line {n}): a line was changed, inserted or "
+                                                       f"removed at or before it", prev, tuple(torn))
         records += 1
-        prev = _line_hash(whole)
-    if expect_last_hash is not None and expect_last_hash.strip().lower() != prev:
-        return Verification(False, records, len(lines) + 1,
-                            f"{records} records chain, but they end with hash {prev}, not the expected "
-                            f"{expect_last_hash.strip()}: lines were cut off the end, or the file was rewritten",
-                            prev, tuple(torn))
+        prev = _line_hash(whole(lines[n]))
+        reached[prev] = n + 1
+        n += 1
+    anchor = ""
+    if expect_last_hash is not None:
+        want = expect_last_hash.strip().lower()
+        if want not in reached:
+            return Verification(False, records, len(lines) + 1,
+                                f"{records} records chain, but the chain never reaches the expected hash {want} (it "
+                                f"ends with {prev}): lines were cut off the end, or the file was rewritten", prev,
+                                tuple(torn))
+        at = reached[want]
+        anchor = ("; the anchored hash is the end" if at == len(lines)
+                  else f"; the anchored hash is that of line {at}, and {len(lines) - at} line(s) came after it")
     note = (f"; line(s) {', '.join(map(str, torn))} cut short while being written (a crash or a full disk): "
             "what they recorded is lost") if torn else ""
-    return Verification(True, records, None, f"{records} records, chain intact; last hash {prev}{note}", prev,
-                        tuple(torn))
+    return Verification(True, records, None, f"{records} records, chain intact; last hash {prev}{anchor}{note}",
+                        prev, tuple(torn))

@@ -80,7 +80,9 @@ def _disclosure_terms(tenants) -> dict:
                              "checks), within the request that caused it and before its error is returned: the "
                              "requesting tenant, the tenants whose data the refused page or row held, the pages, "
                              "and what the client got; never prompt or completion text. Hash-chained: "
-                             "`kvfence incidents --verify` finds any edited, inserted or removed line"),
+                             "`kvfence incidents --verify` finds a line edited, inserted or removed before the "
+                             "last; the chain has no key, so the last line and lines cut off the end are checked "
+                             "against a last_hash kept elsewhere (`--expect-last-hash`)"),
     }
 
 
@@ -198,16 +200,26 @@ def _pd_terms(facts: dict) -> dict:
     }
 
 
-def tenant_view(statement: dict) -> dict:
-    """The statement as a tenant's key gets it: the same promises and the same counts of
+def tenant_view(statement: dict, tenant) -> dict:
+    """The statement as `tenant`'s key gets it: the same promises and the same counts of
     isolation events, without what tells one tenant about the others or about the host (the
-    incident log's path on disk, how many tenants there are, the pool's live occupancy, which
-    follows everyone's load). The operator console and `kvfence isolation` on the host show it
-    whole."""
+    incident log's path on disk, how many tenants there are, how many opted into sharing and
+    the other tenants' prompt caps, the pool's live occupancy, which follows everyone's load);
+    its own prompt cap and sharing scope instead. The operator console and `kvfence isolation`
+    on the host show it whole."""
     out = {**statement, "audience": "tenant"}
-    iso = out["kv_memory_isolation"]
-    out["kv_memory_isolation"] = {**iso, "tenancy": {k: v for k, v in iso["tenancy"].items()
-                                                     if k != "tenants_configured"}}
+    iso = dict(out["kv_memory_isolation"])
+    iso["tenancy"] = {k: v for k, v in iso["tenancy"].items() if k != "tenants_configured"}
+    if iso.get("prefix_cache", {}).get("enabled"):
+        scope = tenant.public_prefix_scope
+        iso["prefix_cache"] = {**iso["prefix_cache"], "cross_tenant_sharing": (
+            f"explicit opt-in only: your requests share prompt-prefix pages with the tenants of public prefix "
+            f"scope {scope!r}" if scope else "explicit opt-in only: your tenant has not opted in, so none of its "
+                                             "pages is shared")}
+    out["kv_memory_isolation"] = iso
+    cap = {k: v for k, v in out["capacity"].items() if k != "per_tenant_prompt_caps"}
+    cap["your_prompt_cap"] = tenant.limits.max_prompt_tokens
+    out["capacity"] = cap
     disc = dict(out["incident_disclosure"])
     if disc.get("incident_log"):
         disc["incident_log"] = {k: v for k, v in disc["incident_log"].items() if k != "path"}

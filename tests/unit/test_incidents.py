@@ -178,7 +178,7 @@ def test_an_anchored_last_hash_catches_a_rewritten_or_cut_off_end(tmp_path, caps
     assert incidents.verify(path).ok
     capsys.readouterr()
     assert main(["incidents", "--verify", "--expect-last-hash", anchored, str(path)]) == 1
-    assert "not the expected" in capsys.readouterr().out
+    assert "never reaches the expected" in capsys.readouterr().out
     path.write_bytes(b"".join(lines[:-1]))             # cut off
     assert main(["incidents", "--expect-last-hash", anchored, str(path)]) == 1
     assert main(["incidents", "--expect-last-hash", anchored, str(path), str(path)]) == 2
@@ -204,3 +204,75 @@ def test_a_public_prefix_scope_is_reported_as_a_scope_not_as_a_tenant(tmp_path):
     assert "\0" not in json.dumps(rep) and rep["tenants"]["public:docs"]["kind"] == "public_prefix_scope"
     assert rep["tenants"]["alice"]["kind"] == "tenant"
     assert "public prefix scope docs" in disclosure.render(rep)
+
+
+def test_an_anchor_taken_earlier_still_checks_a_log_that_grew_since(tmp_path, capsys):
+    # found in review: the anchor had to be the log's hash *now*, so one more incident after
+    # the operator wrote it down made --expect-last-hash fail a log nobody touched
+    from kvfence.cli import main
+    path = tmp_path / "incidents.jsonl"
+    log = _log(tmp_path)
+    log.record("ledger_refusal", request_id="r1", tenant="alice", involved=["bob"], pages=[7])
+    anchored = log.last_hash
+    log.record("ledger_refusal", request_id="r2", tenant="alice", involved=["bob"], pages=[8])
+    log.close()
+    v = incidents.verify(path, anchored)
+    assert v.ok and "line 1" in v.message, v.message
+    assert incidents.verify(path, incidents.GENESIS).ok          # anchored while the log was empty
+    assert main(["incidents", "--verify", "--expect-last-hash", anchored, str(path)]) == 0
+    # the anchored line edited: the chain no longer passes through the anchor
+    lines = path.read_bytes().splitlines(keepends=True)
+    rec = json.loads(lines[0])
+    rec["involved_tenants"] = []
+    first = (json.dumps(rec, sort_keys=True, separators=(",", ":")) + "\n").encode()
+    second = json.loads(lines[1])
+    second["prev"] = incidents._line_hash(first)              # and the chain rebuilt after it
+    path.write_bytes(first + (json.dumps(second, sort_keys=True, separators=(",", ":")) + "\n").encode())
+    assert incidents.verify(path).ok
+    v = incidents.verify(path, anchored)
+    assert not v.ok and "never reaches the expected" in v.message, v.message
+    capsys.readouterr()
+    assert main(["incidents", "--verify", "--expect-last-hash", anchored, str(path)]) == 1
+
+
+def test_a_crash_loop_leaves_several_torn_lines_and_that_is_not_tampering(tmp_path):
+    # found in review: two boots in a row died mid-write; the first torn line was followed by
+    # the second, not by a record, and verify called it an edit
+    path = tmp_path / "incidents.jsonl"
+    log = _log(tmp_path)
+    log.record("ledger_refusal", request_id="r1", tenant="alice", involved=["bob"], pages=[7])
+    log.close()
+    for boot in ("b2", "b3"):
+        again = incidents.IncidentLog(path, "decode", boot_id=boot)
+        again.record("ledger_refusal", request_id=f"lost-{boot}", tenant="alice", involved=["bob"], pages=[8])
+        again.close()
+        path.write_bytes(path.read_bytes()[:-30])       # died while writing it
+    v = incidents.verify(path)
+    assert v.ok and v.torn == (2, 3), v.message
+    # a boot that ends the torn line and then writes nothing: still torn, not a break
+    incidents.IncidentLog(path, "decode", boot_id="b4").close()
+    v = incidents.verify(path)
+    assert v.ok and v.torn == (2, 3), v.message
+    anchor = incidents.IncidentLog(path, "decode", boot_id="b5")
+    shown = anchor.last_hash                             # what the statement showed after the crash
+    anchor.record("ledger_refusal", request_id="r9", tenant="carol", involved=["carol"], pages=[9])
+    anchor.close()
+    v = incidents.verify(path, shown)
+    assert v.ok and v.records == 2 and v.torn == (2, 3), v.message
+    # garbage put between two torn lines and the record after them: the record does not chain from it
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(b"".join(lines[:3]) + b"{inserted\n" + lines[3])
+    v = incidents.verify(path)
+    assert not v.ok and v.broken_at == 2, v.message
+
+
+def test_a_log_written_before_scopes_were_named_reports_the_scope_by_its_name(tmp_path):
+    # found in review: older logs hold the ledger's raw key "\0public:NAME"
+    from kvfence.kv.ledger import PUBLIC_SCOPE
+    log = _log(tmp_path)
+    log.record("ledger_refusal", request_id="r1", tenant="alice", involved=[f"{PUBLIC_SCOPE}docs", "bob"], pages=[3])
+    log.close()
+    rep = disclosure.build([tmp_path / "incidents.jsonl"])
+    assert set(rep["tenants"]) == {"alice", "bob", "public:docs"}, rep["tenants"]
+    assert rep["tenants"]["public:docs"]["kind"] == "public_prefix_scope"
+    assert rep["cross_tenant"][0]["data_of"] == ["bob", "public:docs"]
