@@ -219,7 +219,8 @@ def verify(path: str | Path, expect_last_hash: str | None = None) -> Verificatio
     statement or /metrics showed at some time, kept elsewhere) is what catches that, and
     lines cut off the end: the chain must pass through it. Records written after the anchor
     was taken are fine; an anchor the chain never reaches is a failure."""
-    prev, records, torn = GENESIS, 0, []
+    prev, records = GENESIS, 0
+    torn: list[int] = []
     reached = {GENESIS: 0}          # hash after line n -> n: every point an anchor may name
     with open(path, "rb") as f:
         lines = f.read().splitlines(keepends=True)
