@@ -26,7 +26,6 @@ import os
 import stat
 import struct
 from collections.abc import Mapping
-from pathlib import Path
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -57,10 +56,15 @@ def load_secret(path: str | None = None, env: Mapping[str, str] | None = None) -
     path = path or env_.get(SECRET_FILE_ENV) or None
     if path:
         try:
-            mode = stat.S_IMODE(os.stat(path).st_mode)
-            raw = Path(path).read_bytes().strip()
+            with open(path, "rb") as f:      # the mode and owner of the file read, not of a name swapped after
+                st = os.fstat(f.fileno())
+                raw = f.read().strip()
         except OSError as e:
             raise SecretError(f"cannot read the cluster secret file {path}: {e.strerror}") from None
+        mode = stat.S_IMODE(st.st_mode)
+        if st.st_uid not in (os.geteuid(), 0):
+            raise SecretError(f"the cluster secret file {path} belongs to user {st.st_uid}, not to the user kvfence "
+                              f"runs as ({os.geteuid()}) or root: its owner can swap it; `chown` it to this user")
         if mode & 0o026:   # others may read, or group or others may write: it has leaked, or can be swapped
             raise SecretError(f"the cluster secret file {path} has mode {mode:o}: other users may read or change "
                               f"it, so it cannot be trusted to seal KV rows; run `chmod 600 {path}` (0400 or "

@@ -125,3 +125,16 @@ def test_owner_and_group_readable_secret_files_load(tmp_path, mode):
     f.write_text(new_secret() + "\n")
     f.chmod(mode)
     assert len(load_secret(str(f), env={})) >= 32
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_a_secret_file_another_user_owns_is_refused(tmp_path):
+    # found in review: its owner can swap the secret whatever the mode says
+    f = tmp_path / "s"
+    f.write_text(new_secret() + "\n")
+    f.chmod(0o600)
+    os.chown(f, 12345, 0)
+    with pytest.raises(SecretError, match="belongs to user 12345"):
+        load_secret(str(f), env={})
+    os.chown(f, 0, 0)
+    assert len(load_secret(str(f), env={})) >= 32
