@@ -212,11 +212,10 @@ def cmd_serve(a) -> int:
         return serve_node(_config(a), _pd_settings(a, a.role, secret), a.host, a.port, tls, a.tenants, level, limits)
     from kvfence.server.serve import serve
 
-    # a single node has no cluster: flags of the PD plane would be silently ignored, so refuse them
-    pd_only = [f for f, v in (("--cluster-secret-file", a.cluster_secret_file), ("--tls-ca", a.tls_ca),
-                              ("--tls-client-cert", a.tls_client_cert), ("--tls-client-key", a.tls_client_key),
-                              ("--allow-plaintext-network", a.allow_plaintext_network),
-                              ("--prefill-url", a.prefill_url), ("--decode-url", a.decode_url)) if v]
+    # a single node has no cluster: flags of the PD plane would be silently ignored, so refuse
+    # every one that is not at its default
+    defaults = build_parser().parse_args(["serve"])
+    pd_only = ["--" + dest.replace("_", "-") for dest in PD_ONLY_FLAGS if getattr(a, dest) != getattr(defaults, dest)]
     if pd_only:
         print(f"error: {', '.join(pd_only)} apply to --role prefill, decode and router; a single node takes "
               "--tls-cert and --tls-key (HTTPS for its API) and API keys from --tenants", file=sys.stderr)
@@ -331,6 +330,13 @@ def _server_args(p: argparse.ArgumentParser) -> None:
                    help="TOML file mapping API keys to tenants and limits (default: single-tenant, no keys)")
     p.add_argument("--served-model-name", default=None,
                    help="model name clients send (default: the model file's name, e.g. SmolLM2-135M-Instruct)")
+
+
+# what only --role prefill, decode or router reads (cmd_serve refuses them on a single node)
+PD_ONLY_FLAGS = ("cluster_secret_file", "transfer_host", "transfer_buffer_pages", "lease", "transfer_timeout",
+                 "max_pull", "clock_skew", "decode_reserve_tokens", "tls_ca", "tls_client_cert", "tls_client_key",
+                 "allow_plaintext_network", "prefill_url", "decode_url", "node_wait", "node_stall",
+                 "prefill_routing")
 
 
 def _pd_args(p: argparse.ArgumentParser) -> None:

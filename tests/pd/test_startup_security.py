@@ -52,7 +52,11 @@ def test_cert_without_key_is_refused():
 
 
 @pytest.mark.parametrize("flag", [("--tls-ca", "/x.crt"), ("--cluster-secret-file", "/x"),
-                                  ("--allow-plaintext-network",), ("--prefill-url", "http://127.0.0.1:1")])
+                                  ("--allow-plaintext-network",), ("--prefill-url", "http://127.0.0.1:1"),
+                                  # found in review: the PD tuning flags were still silently ignored
+                                  ("--lease", "10"), ("--transfer-buffer-pages", "8"), ("--clock-skew", "2"),
+                                  ("--node-wait", "5"), ("--prefill-routing", "round-robin"),
+                                  ("--decode-reserve-tokens", "64")])
 def test_a_single_node_refuses_flags_of_the_pd_plane_instead_of_ignoring_them(flag):
     r = serve("--role", "single", *flag)
     assert r.returncode == 2 and flag[0] in r.stderr and "apply to --role prefill" in r.stderr, r.stderr
@@ -92,3 +96,14 @@ def test_a_single_node_serves_https_with_tls_cert_and_key(tmp_path):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_every_flag_of_the_pd_plane_is_one_a_single_node_refuses():
+    # a PD flag added later must not be silently ignored by --role single either
+    import argparse
+
+    from kvfence.cli import PD_ONLY_FLAGS, _pd_args
+
+    p = argparse.ArgumentParser()
+    _pd_args(p)
+    assert {a.dest for a in p._actions if a.dest != "help"} <= set(PD_ONLY_FLAGS)
