@@ -43,7 +43,9 @@ from kvfence.server.errors import APIError
 DEFAULT_TENANT = "default"
 UNAUTHENTICATED = "unauthenticated"     # the metrics' tenant label of a request refused before its key
 RESERVED_NAMES = frozenset({UNAUTHENTICATED})
-_KEY = re.compile(r"[\x21-\x7e]+")       # what a client can send in a header as written: no spaces, ASCII
+# what a client can send in a header as written: printable ASCII, and spaces only inside (the
+# header is stripped, so an outer one could never match)
+_KEY = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
 LIMIT_FIELDS = ("max_prompt_tokens", "max_concurrent_requests", "tokens_per_minute")
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 WINDOW_S = 60.0
@@ -161,6 +163,13 @@ class TenantRegistry:
             return True
         return _matches(authorization, self.metrics_digests + self.operator_digests)
 
+    def is_tenant_key(self, authorization: str | None) -> bool:
+        try:
+            self.authenticate(authorization)
+        except APIError:
+            return False
+        return True
+
     def authenticate(self, authorization: str | None) -> Tenant:
         if self.single_tenant:
             return self.tenants[DEFAULT_TENANT]
@@ -188,8 +197,9 @@ def _key_digests(spec: dict, where: str) -> list[bytes]:
             raise TenantsFileError(f"{where}: an API key is shorter than 8 characters")
         if not _KEY.fullmatch(key):
             # the header is stripped and read as ASCII, so such a key could never match: refuse it now
-            raise TenantsFileError(f"{where}: an API key has a character other than printable ASCII "
-                                   "(spaces, tabs and non-ASCII letters cannot be sent in a Bearer header)")
+            raise TenantsFileError(f"{where}: an API key has a character other than printable ASCII, or begins "
+                                   "or ends with a space (tabs, non-ASCII letters and outer spaces cannot be "
+                                   "sent in a Bearer header as written)")
         digests.append(_digest(key))
     for hx in _str_list(spec.get("api_key_sha256", []), f"{where} api_key_sha256"):
         if not re.fullmatch(r"[0-9a-fA-F]{64}", hx):

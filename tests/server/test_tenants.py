@@ -221,7 +221,7 @@ tokens_per_minute = 5
      "[metrics]\napi_keys = ['sk-same-key-1']\n", r"\[metrics\]: its key is also the \[operator\] key"),
     # keys a client can never send as they are written (headers are stripped, ASCII): refused, not dead
     ("[tenants.a]\napi_keys = [' sk-aaaaaaaa']\n", "printable ASCII"),
-    ("[tenants.a]\napi_keys = ['sk-aaaa aaaa']\n", "printable ASCII"),
+    ("[tenants.a]\napi_keys = ['sk-aaaaaaaa ']\n", "printable ASCII"),
     ("[tenants.a]\napi_keys = ['sk-\u00e9\u00e9\u00e9\u00e9\u00e9\u00e9']\n", "printable ASCII"),
     ('[tenants.a]\napi_keys = ["sk-aaaaaaa\\t"]\n', "printable ASCII"),
     # the label the metrics give requests refused before a tenant is known
@@ -233,6 +233,14 @@ def test_bad_tenants_files_are_refused_clearly(tmp_path, toml, fragment):
     with pytest.raises(TenantsFileError, match=fragment) as e:
         TenantRegistry.from_file(p)
     assert "sk-same-key-1" not in str(e.value)       # a key is never echoed back
+
+
+def test_a_key_with_spaces_inside_still_authenticates():
+    # found in review: the printable-ASCII rule at first refused inner spaces, which a Bearer
+    # header carries as they are (only the ends are stripped): keys that worked stopped loading
+    reg = TenantRegistry.from_dict({"tenants": {"a": {"api_keys": ["sk-aaaa aaaa"]}}})
+    assert reg.authenticate("Bearer sk-aaaa aaaa").name == "a"
+    assert reg.authenticate("Bearer  sk-aaaa aaaa ").name == "a"
 
 
 # -- the tenant-scoped prefix cache through the API (I9) -------------------------------------
