@@ -400,6 +400,10 @@ class CanaryOptions:
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"canary: {name} must be between 0 and 1, got {v}")
+        if self.over_length_fraction == 1.0:
+            # every request refused: nothing is read back, so the run could never say CLEAN
+            raise ValueError("canary: over_length_fraction must be below 1 (some requests must be answered, or "
+                             "nothing is read back to look for other tenants' canaries)")
         for name in ("timeout_s", "settle_s", "restart_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"canary: {name} must be positive, got {getattr(self, name)}")
@@ -489,13 +493,13 @@ class Canary:
                  node_faults: dict[str, str] | None = None, model: str | None = None,
                  on_phase: Callable[[str], None] | None = None, scrape_key: str | None = None):
         self.url = url.rstrip("/").removesuffix("/v1")
-        self.scrape_key = scrape_key   # a single node's /metrics: the [metrics] or [operator] key
+        self.scrape_key = scrape_key   # /metrics, the router's nodes: the [metrics] or [operator] key
         self.opts = options or CanaryOptions()
         self.rng = random.Random(self.opts.seed)
         canaries = make_canaries(sorted(tenants), self.rng, self.opts.canaries_per_tenant)
         self.tenants = [CanaryTenant(n, tenants[n], canaries[n]) for n in sorted(tenants)]
         self.owners = {t.name: t.canaries for t in self.tenants}
-        self.node_urls = dict(nodes or {})
+        self.node_urls = {k: v.rstrip("/") for k, v in (nodes or {}).items()}
         self.kills = list(kills or [])
         self.procs = procs or {}
         self.restart = restart
@@ -514,29 +518,33 @@ class Canary:
         t = tenant or self.tenants[0]
         return {"Authorization": f"Bearer {t.api_key}"}
 
+    def _scrape_headers(self) -> dict:
+        """What reads the operator's views (/metrics, the router's nodes): the scrape key."""
+        return {"Authorization": f"Bearer {self.scrape_key}"} if self.scrape_key else {}
+
     async def _discover(self, c: httpx.AsyncClient) -> None:
         r = await c.get(self.url + "/v1/models", headers=self._headers())
         r.raise_for_status()
         card = r.json()["data"][0]
         self.model_name, self.usable = card["id"], int(card["max_model_len"])
-        r = await c.get(self.url + "/v1/kvfence/cluster")
-        if r.status_code == 200 and "check" in r.json():
+        r = await c.get(self.url + "/v1/kvfence/cluster", headers=self._scrape_headers())
+        body = r.json() if r.status_code == 200 else {}
+        if "ready" in body:                        # a router
+            if "check" not in body:
+                raise ValueError("the router shows its nodes only to the tenants file's [metrics] (or [operator]) "
+                                 "key: give the tenants file such a table with a plain api_keys entry")
             self.mode = "pd"
-            body = r.json()
             nodes = (body.get("check") or {}).get("nodes") or {}
             self.usable = int(body["check"]["usable_context"])
             self.smallest_pool = min(int(n["pool_tokens"]) for n in nodes.values())
             self.page_size = min(int(n.get("page_size") or 0) for n in nodes.values())
-            given = set(self.node_urls.values())
-            for n in body.get("nodes") or []:      # every node: a leak on the third decode node counts too
-                if n["url"] in given:
-                    continue
-                given.add(n["url"])
-                role, i = n["role"], 2
-                name = role          # the first of a role by its role (what --kill ROLE@S names)
-                while name in self.node_urls:
-                    name, i = f"{role}-{i}", i + 1
-                self.node_urls[name] = n["url"]
+            if not self.node_urls:                 # --nodes names exactly the nodes to watch
+                for n in body.get("nodes") or []:  # else every node: a leak on the third decode node counts too
+                    role, i = n["role"], 2
+                    name = role      # the first of a role by its role (what --kill ROLE@S names)
+                    while name in self.node_urls:
+                        name, i = f"{role}-{i}", i + 1
+                    self.node_urls[name] = n["url"]
         else:
             r = await c.get(self.url + "/v1/kvfence/isolation", headers=self._headers())
             r.raise_for_status()
@@ -563,8 +571,7 @@ class Canary:
                     "boot_id": info.pd.boot_id}
         from prometheus_client.parser import text_string_to_metric_families
 
-        scrape = {"Authorization": f"Bearer {self.scrape_key}"} if self.scrape_key else {}
-        r = await c.get(url + "/metrics", headers=scrape, timeout=10)
+        r = await c.get(url + "/metrics", headers=self._scrape_headers(), timeout=10)
         if r.status_code == 401:
             raise ValueError("/metrics refused the canary: give the tenants file a [metrics] (or [operator]) table "
                              "with a plain api_keys entry, so the read audit can be counted")
@@ -762,7 +769,7 @@ class Canary:
         await self._record_before_kill(c, k.role)
         old_boot = None
         try:
-            r = await c.get(self.url + "/v1/kvfence/cluster")
+            r = await c.get(self.url + "/v1/kvfence/cluster", headers=self._scrape_headers())
             old_boot = _node_of(r.json(), self.node_urls[k.role])["boot_id"]
         except (httpx.HTTPError, ValueError, KeyError):
             pass
@@ -795,7 +802,7 @@ class Canary:
         end = time.monotonic() + self.opts.restart_wait_s
         while time.monotonic() < end:
             try:
-                r = await c.get(self.url + "/v1/kvfence/cluster")
+                r = await c.get(self.url + "/v1/kvfence/cluster", headers=self._scrape_headers())
                 b = r.json()
                 if b.get("ready") and _node_of(b, self.node_urls[k.role])["boot_id"] not in (None, old_boot):
                     what += f", rejoined {time.monotonic() - t_kill:.1f} s after the kill"

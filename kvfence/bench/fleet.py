@@ -29,9 +29,13 @@ from kvfence.procs import free_ports
 TENANTS, QUESTION_WORDS, CONCURRENCY, MAX_TOKENS = 4, 12, 4, 4
 
 
+SCRAPE = {"Authorization": "Bearer sk-bench-scraper-01"}   # the router shows its nodes to this key only
+
+
 def _tenants_file(path: Path, n: int) -> list[str]:
     keys = [f"sk-bench-tenant-{i:04d}" for i in range(n)]
-    path.write_text("".join(f'[tenants.t{i}]\napi_keys = ["{k}"]\n\n' for i, k in enumerate(keys)))
+    path.write_text("".join(f'[tenants.t{i}]\napi_keys = ["{k}"]\n\n' for i, k in enumerate(keys))
+                    + '[metrics]\napi_keys = ["sk-bench-scraper-01"]\n')
     return keys
 
 
@@ -82,13 +86,13 @@ def run_mode(a, mode: str, logdir: Path, timeout: float = 600.0) -> dict:
     try:
         for name, cmd in cmds.items():
             procs.start(name, cmd)
-        procs.wait(lambda: (s := httpx.get(url + "/v1/kvfence/cluster", timeout=2).json())["ready"] and
+        procs.wait(lambda: (s := httpx.get(url + "/v1/kvfence/cluster", headers=SCRAPE, timeout=2).json())["ready"] and
                    all(n["state"] == "ready" for n in s["nodes"]), f"the fleet ({mode})", timeout)
         model = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {keys[0]}"},
                           timeout=30).json()["data"][0]["id"]
         result = asyncio.run(_workload(url, keys, model, getattr(a, "seed", None) or 0, a.prompt_tokens,
                                        a.num_requests))
-        nodes = httpx.get(url + "/v1/kvfence/cluster", timeout=10).json()["nodes"]
+        nodes = httpx.get(url + "/v1/kvfence/cluster", headers=SCRAPE, timeout=10).json()["nodes"]
         hits = 0
         for n in nodes:
             if n["role"] == "prefill":

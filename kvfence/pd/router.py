@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from fastapi import Request
 
 from kvfence import faults, incidents
 from kvfence.engine.admission import ContextLengthExceeded
@@ -710,7 +711,7 @@ def serve_router(prefill_urls: list[str], decode_urls: list[str], model: str | N
                  served_model_name: str | None = None, log_level: str = "info", wait_s: float = 300.0,
                  stall_s: float = 10.0, limits: HttpLimits | None = None, prefill_routing: str = "affinity") -> int:
     from kvfence.server import fault_control
-    from kvfence.server.app import ServerState, create_app
+    from kvfence.server.app import ServerState, create_app, may_scrape
     from kvfence.server.serve import load_tenants
 
     tenants = load_tenants(tenants_file)
@@ -725,10 +726,15 @@ def serve_router(prefill_urls: list[str], decode_urls: list[str], model: str | N
     fault_control.mount(app, secret)
 
     @app.get("/v1/kvfence/cluster")
-    async def cluster():
-        return {"ready": backend.state == "ready", "error": backend.error,
-                "check": backend.check.to_json() if backend.check else None,
-                "usable_context": backend.facts["usable_context"] if backend.facts else None,
+    async def cluster(request: Request):
+        body = {"ready": backend.state == "ready",
+                "usable_context": backend.facts["usable_context"] if backend.facts else None}
+        if not may_scrape(state, request, "/v1/kvfence/cluster"):
+            # with a tenants file, where the nodes are, how loaded each is and why one was
+            # refused are the operator's: a tenant learns only whether the service is up
+            return {**body, "detail": "per-node state needs the tenants file's [metrics] or [operator] key "
+                                      "('Authorization: Bearer <key>')"}
+        return {**body, "error": backend.error, "check": backend.check.to_json() if backend.check else None,
                 "nodes": backend.fleet.to_json() if backend.fleet else []}
 
     log.info("router serving model %r on http://%s:%d/v1 (prefill %s; decode %s)", state.served_name, host, port,

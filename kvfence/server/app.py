@@ -97,6 +97,24 @@ class ServerState:
                                    self.engine.snapshot, self.served_name)
 
 
+def may_scrape(state: ServerState, request: Request, route: str) -> bool:
+    """Whether the request carries a key that reads what the operator sees (/metrics, the
+    router's per-node state): always without a tenants file. Wrong keys are bounded per address
+    as the console's are (429 once too many); no key at all, or a tenant's own, teaches nothing
+    and is not counted."""
+    address = request.client.host if request.client else "unknown"
+    wait = state.scrape_throttle.retry_after(address)
+    if wait is not None:
+        raise APIError(429, f"Too many wrong keys for {route} from this address; try again later.",
+                       code="rate_limit_exceeded", headers={"Retry-After": str(wait)})
+    authorization = request.headers.get("authorization")
+    if state.tenants.may_scrape(authorization):
+        return True
+    if authorization and not state.tenants.is_tenant_key(authorization):
+        state.scrape_throttle.failed(address)   # a guess (a tenant's own key is not one)
+    return False
+
+
 def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -145,16 +163,8 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/metrics")
     async def metrics(request: Request):
         # its series name every tenant: with a tenants file, only the [metrics] or [operator] key
-        # reads them (server/tenants.py); wrong keys are bounded per address as the console's are
-        address = request.client.host if request.client else "unknown"
-        wait = state.scrape_throttle.retry_after(address)
-        if wait is not None:
-            raise APIError(429, "Too many wrong keys for /metrics from this address; try again later.",
-                           code="rate_limit_exceeded", headers={"Retry-After": str(wait)})
-        authorization = request.headers.get("authorization")
-        if not state.tenants.may_scrape(authorization):
-            if authorization:   # a guess; a scrape with no key at all teaches nothing and is not counted
-                state.scrape_throttle.failed(address)
+        # reads them (server/tenants.py)
+        if not may_scrape(state, request, "/metrics"):
             raise APIError(401, "/metrics names every tenant: send the tenants file's [metrics] (or [operator]) "
                            "key as 'Authorization: Bearer <key>'.", code="invalid_api_key")
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
@@ -165,10 +175,10 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/kvfence/isolation")
     async def isolation(request: Request):
-        state.tenants.authenticate(request.headers.get("authorization"))
+        tenant = state.tenants.authenticate(request.headers.get("authorization"))
         state.ensure_ready()
         # one tenant (no tenants file): it is the operator's own server, shown whole
-        return state.statement() if state.tenants.single_tenant else tenant_view(state.statement())
+        return state.statement() if state.tenants.single_tenant else tenant_view(state.statement(), tenant)
 
     from kvfence.server import console  # the operator console (/console), behind the operator key
     console.mount(app, state)

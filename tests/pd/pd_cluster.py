@@ -26,6 +26,10 @@ from kvfence.pd.wire import cluster_headers
 from kvfence.procs import free_ports, stop_processes
 
 ROOT = Path(__file__).resolve().parents[2]
+# with a tenants file the router shows its nodes only to the [metrics] or [operator] key; a
+# router without one (one tenant) shows them to anyone and ignores the header
+SCRAPE_KEY = "sk-pd-scraper-0001"
+SCRAPE = {"Authorization": f"Bearer {SCRAPE_KEY}"}
 
 
 def free_port() -> int:
@@ -127,7 +131,7 @@ class Cluster:
                 if p.poll() is not None:
                     raise RuntimeError(f"{role} exited with {p.returncode}:\n{self.log(role)[-3000:]}")
             try:  # ready, and the router has checked the nodes that run now (not ones that died)
-                r = httpx.get(self.url("router") + "/v1/kvfence/cluster", timeout=2)
+                r = httpx.get(self.url("router") + "/v1/kvfence/cluster", headers=SCRAPE, timeout=2)
                 if r.status_code == 200 and r.json().get("ready"):
                     seen = {n["role"]: n["boot_id"] for n in r.json()["nodes"] if n["state"] == "ready"}
                     if all(self.info(role)["pd"]["boot_id"] == seen[role] for role in ("prefill", "decode")):
@@ -144,7 +148,7 @@ class Cluster:
 
     def routed_node(self, role: str) -> dict:
         """The router's /v1/kvfence/cluster entry for this cluster's node of `role`."""
-        nodes = httpx.get(self.url("router") + "/v1/kvfence/cluster", timeout=10).json()["nodes"]
+        nodes = httpx.get(self.url("router") + "/v1/kvfence/cluster", headers=SCRAPE, timeout=10).json()["nodes"]
         return next(n for n in nodes if n["url"] == self.url(role))
 
     def pd(self, role: str) -> dict:
@@ -237,7 +241,7 @@ class MultiCluster(Cluster):
                 if p.poll() is not None:
                     raise RuntimeError(f"{name} exited with {p.returncode}:\n{self.log(name)[-3000:]}")
             try:  # ready, and the router has checked every node as it runs now
-                r = httpx.get(self.url("router") + "/v1/kvfence/cluster", timeout=2)
+                r = httpx.get(self.url("router") + "/v1/kvfence/cluster", headers=SCRAPE, timeout=2)
                 if r.status_code == 200 and r.json().get("ready"):
                     seen = {n["url"]: n["boot_id"] for n in r.json()["nodes"] if n["state"] == "ready"}
                     if all(self.info(n)["pd"]["boot_id"] == seen.get(self.url(n)) for n in self.nodes):
@@ -250,7 +254,7 @@ class MultiCluster(Cluster):
 
     def routed_nodes(self) -> list[dict]:
         """The router's /v1/kvfence/cluster entries, one per node (state, routed, in_flight, ...)."""
-        return httpx.get(self.url("router") + "/v1/kvfence/cluster", timeout=10).json()["nodes"]
+        return httpx.get(self.url("router") + "/v1/kvfence/cluster", headers=SCRAPE, timeout=10).json()["nodes"]
 
     def clear_faults(self) -> None:
         for name in [*self.nodes, "router"]:

@@ -20,7 +20,7 @@ from unittest import mock
 
 import httpx
 import pytest
-from pd_cluster import NODE_ARGS, Cluster
+from pd_cluster import NODE_ARGS, SCRAPE_KEY, Cluster
 
 from kvfence.canary import CanaryOptions, NodeKill, run_canary
 from kvfence.pd.seal import SECRET_ENV
@@ -30,7 +30,8 @@ pytest.importorskip("mooncake.engine", reason="the PD tests need mooncake-transf
 
 TENANTS = 6
 TENANTS_TOML = "[defaults]\nmax_concurrent_requests = 64\n" + "".join(
-    f'\n[tenants.tenant{i}]\napi_keys = ["sk-canary-tenant{i}-0000"]\n' for i in range(TENANTS))
+    f'\n[tenants.tenant{i}]\napi_keys = ["sk-canary-tenant{i}-0000"]\n' for i in range(TENANTS)) + \
+    f'\n[metrics]\napi_keys = ["{SCRAPE_KEY}"]\n'    # the router's nodes, for the canary and the harness
 
 # The incident's path, one fault per defense layer: role -> faults that switch the layer off.
 LAYERS = {

@@ -17,6 +17,7 @@
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -25,14 +26,16 @@ import sys
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import httpx
 import openai
 import pytest
 from pd_cluster import ROOT
 
+from kvfence.canary import CanaryOptions, run_canary
 from kvfence.engine.params import SamplingParams
-from kvfence.pd.seal import control_headers, load_secret, new_secret
+from kvfence.pd.seal import SECRET_FILE_ENV, control_headers, load_secret, new_secret
 from kvfence.procs import free_ports, stop_processes
 
 pytest.importorskip("mooncake.engine", reason="the PD tests need mooncake-transfer-engine-non-cuda")
@@ -46,7 +49,11 @@ api_keys = ["sk-fleet-bob-0001"]
 
 [tenants.carol]
 api_keys = ["sk-fleet-carol-01"]
+
+[metrics]
+api_keys = ["sk-fleet-scraper1"]
 """
+SCRAPE = {"Authorization": "Bearer sk-fleet-scraper1"}   # the router's per-node state is the operator's
 KEYS = ["sk-fleet-alice-01", "sk-fleet-bob-0001", "sk-fleet-carol-01"]
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.\n", "def fibonacci(n):",
            "The three primary colors are", "Once upon a time, in a small village,", "Water boils at",
@@ -107,7 +114,7 @@ class Fleet:
         self.headers = control_headers(load_secret(self.secret_file))   # the credential for /internal/*
 
     def cluster(self) -> dict:
-        return httpx.get(self.url + "/v1/kvfence/cluster", timeout=5).json()
+        return httpx.get(self.url + "/v1/kvfence/cluster", headers=SCRAPE, timeout=5).json()
 
     def client(self, key: str) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
@@ -129,7 +136,9 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    f = Fleet(tmp_path_factory.mktemp("fleet"))
+    # the read audit on every node: launch-pd passes it on (it once dropped the flag), and the
+    # canary below counts what it saw on each node
+    f = Fleet(tmp_path_factory.mktemp("fleet"), extra=("--audit-reads",))
     yield f
     f.stop()
 
@@ -197,6 +206,30 @@ def test_fleet_output_equals_single_node_and_every_node_serves(fleet, single_nod
     assert [results[i] for i in range(len(PROMPTS))] == [single_node[p] for p in PROMPTS]
     routed = {n["url"]: n["routed"] for n in fleet.cluster()["nodes"]}
     assert all(v > 0 for v in routed.values()), routed
+
+
+def test_the_canary_audits_every_node_of_the_fleet(fleet):
+    """Found in review: the canary looked at the first node of each role only, so a leak seen
+    by the audit on a fleet's second decode node still gave CLEAN."""
+    with mock.patch.dict(os.environ, {SECRET_FILE_ENV: fleet.secret_file}):
+        r = run_canary(fleet.url, fleet.tenants_file, CanaryOptions(
+            num_requests=8, concurrency=3, warmup_requests=0, max_tokens=(2, 4), long_prompt_tokens=200,
+            settle_s=25.0, timeout_s=90.0, seed=3))
+    print(r.text())
+    assert set(r.nodes) == {"prefill", "prefill-2", "decode", "decode-2"}, r.text()
+    assert {n.url for n in r.nodes.values()} == set(fleet.node_urls["prefill"] + fleet.node_urls["decode"])
+    assert all(n.audit_enabled and n.settled for n in r.nodes.values()), r.text()
+    assert r.clean and r.exit_code() == 0, r.text()
+
+
+def test_a_tenant_learns_whether_the_fleet_is_up_but_not_where_its_nodes_are(fleet):
+    # found in review: the router's cluster route named every node's URL, pool and load to
+    # anyone who could reach it, tenants included
+    for headers in ({}, {"Authorization": f"Bearer {KEYS[0]}"}):
+        body = httpx.get(fleet.url + "/v1/kvfence/cluster", headers=headers, timeout=5).json()
+        assert body["ready"] is True and set(body) == {"ready", "usable_context", "detail"}, body
+        assert "127.0.0.1" not in json.dumps(body)
+    assert len(fleet.cluster()["nodes"]) == 4
 
 
 def test_a_killed_prefill_node_is_routed_around_and_rejoins_after_its_check(fleet):
@@ -344,7 +377,7 @@ class Router:
             raise
 
     def cluster(self) -> dict:
-        return httpx.get(self.url + "/v1/kvfence/cluster", timeout=5).json()
+        return httpx.get(self.url + "/v1/kvfence/cluster", headers=SCRAPE, timeout=5).json()
 
     def client(self, key: str) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)

@@ -86,7 +86,15 @@ def test_isolation_statement_reflects_the_live_config(server):
     assert iso["read_checks_before_every_forward_pass"] is True
     pc = iso["prefix_cache"]
     assert pc["enabled"] is True and "per tenant" in pc["scope"]
-    assert pc["cross_tenant_sharing"].startswith("explicit opt-in only: 2 tenant(s) share 1 declared public")
+    # a tenant learns its own sharing, not how many others opted in (found in review)
+    assert pc["cross_tenant_sharing"] == "explicit opt-in only: your tenant has not opted in, so none of its pages " \
+                                        "is shared"
+    whole = server.state.statement()
+    assert whole["kv_memory_isolation"]["prefix_cache"]["cross_tenant_sharing"].startswith(
+        "explicit opt-in only: 2 tenant(s) share 1 declared public")
+    pub = server.client("pub1").get("/kvfence/isolation", cast_to=object)
+    assert "'shared-docs'" in pub["kv_memory_isolation"]["prefix_cache"]["cross_tenant_sharing"]
+    assert server.client("capped").get("/kvfence/isolation", cast_to=object)["capacity"]["your_prompt_cap"] == 16
     assert iso["tenancy"] == {"mode": "multi-tenant", "identity": iso["tenancy"]["identity"],
                               "who_sees_tenant_names": iso["tenancy"]["who_sees_tenant_names"]}
     # a tenant's view: how many other tenants there are is the operator's to know (console, CLI)
@@ -100,7 +108,8 @@ def test_isolation_statement_reflects_the_live_config(server):
     assert cap["pools"][0]["advertised_context_fits"] is True
     assert cap["clamped_to_pool"] is True and cap["model_max_context_tokens"] == 8192
     assert "context_length_exceeded" in cap["request_that_does_not_fit"]
-    assert cap["per_tenant_prompt_caps"] == [16]
+    assert "per_tenant_prompt_caps" not in cap and cap["your_prompt_cap"] is None   # the others' caps: operator's
+    assert whole["capacity"]["per_tenant_prompt_caps"] == [16]
     dh = st["data_handling"]
     assert dh["prompt_text_logged"] is False and dh["prompt_text_stored"] is False and dh["api_keys_logged"] is False
     checks = {c["name"]: c for c in st["startup_checks"]}
@@ -235,6 +244,11 @@ def test_guessing_the_metrics_key_is_bounded_per_address(make_server):
     srv = make_server()
     for _ in range(LIMIT + 5):
         assert _scrape(srv, None).status_code == 401
+    assert _scrape(srv, SCRAPER_KEY).status_code == 200
+    # nor is a tenant's own key (a client that sends it everywhere): it guesses nothing, and
+    # counting it would lock the operator's scraper out of a shared address
+    for _ in range(LIMIT + 5):
+        assert _scrape(srv, KEYS["alice"]).status_code == 401
     assert _scrape(srv, SCRAPER_KEY).status_code == 200
     for _ in range(LIMIT):
         assert _scrape(srv, "sk-guess-00000").status_code == 401

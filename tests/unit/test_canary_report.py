@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from kvfence.canary import CanaryReport, Leak, NodeState, RequestResult, find_canaries, load_tenant_keys, make_canaries
 
 
@@ -88,11 +90,10 @@ def test_a_run_where_nothing_was_answered_is_inconclusive_not_clean():
 
 
 def test_options_that_would_hang_or_look_at_nothing_are_refused():
-    import pytest
-
     from kvfence.canary import CanaryOptions
     for bad in ({"concurrency": 0}, {"num_requests": 0}, {"probe_fraction": 1.5}, {"timeout_s": 0},
-                {"max_tokens": (0, 4)}, {"max_tokens": (5, 4)}, {"warmup_requests": -1}):
+                {"max_tokens": (0, 4)}, {"max_tokens": (5, 4)}, {"warmup_requests": -1},
+                {"over_length_fraction": 1.0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             CanaryOptions(**bad)
 
@@ -114,17 +115,22 @@ def test_discover_audits_every_node_of_a_fleet_not_the_first_of_each_role():
     def answer(req: httpx.Request) -> httpx.Response:
         if req.url.path == "/v1/models":
             return httpx.Response(200, json={"data": [{"id": "m", "max_model_len": 1024}]})
+        if req.headers.get("authorization") != "Bearer sk-scrape-01":   # as the router: nodes to the key only
+            return httpx.Response(200, json={"ready": True, "usable_context": 1024, "detail": "needs the key"})
         return httpx.Response(200, json={"ready": True, "check": check, "nodes": nodes})
 
-    async def go(given):
-        c = Canary("http://router", {"a": "sk-aaaaaaaa"}, nodes=given)
+    async def go(given, scrape_key="sk-scrape-01"):
+        c = Canary("http://router", {"a": "sk-aaaaaaaa"}, nodes=given, scrape_key=scrape_key)
         async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
             await c._discover(client)
         return c.node_urls
 
     assert asyncio.run(go(None)) == {"prefill": "http://p1", "prefill-2": "http://p2", "decode": "http://d1",
                                      "decode-2": "http://d2", "decode-3": "http://d3"}
-    # nodes named on the command line keep their names; the rest are added once
-    got = asyncio.run(go({"decode": "http://d2"}))
-    assert sorted(got.values()) == ["http://d1", "http://d2", "http://d3", "http://p1", "http://p2"]
-    assert got["decode"] == "http://d2"
+    # a tenants file without a [metrics] or [operator] key: said, not taken for a single node
+    with pytest.raises(ValueError, match=r"\[metrics\]"):
+        asyncio.run(go(None, scrape_key=None))
+    # nodes named on the command line are exactly the nodes watched (found in review: the
+    # router's list was added to them), written as the router writes them
+    assert asyncio.run(go({"prefill": "http://p2/", "decode": "http://d2"})) == {"prefill": "http://p2",
+                                                                                  "decode": "http://d2"}
