@@ -92,8 +92,7 @@ def test_a_run_where_nothing_was_answered_is_inconclusive_not_clean():
 def test_options_that_would_hang_or_look_at_nothing_are_refused():
     from kvfence.canary import CanaryOptions
     for bad in ({"concurrency": 0}, {"num_requests": 0}, {"probe_fraction": 1.5}, {"timeout_s": 0},
-                {"max_tokens": (0, 4)}, {"max_tokens": (5, 4)}, {"warmup_requests": -1},
-                {"over_length_fraction": 1.0}):
+                {"max_tokens": (0, 4)}, {"max_tokens": (5, 4)}, {"warmup_requests": -1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             CanaryOptions(**bad)
 
