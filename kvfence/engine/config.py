@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvfence.model.linear import MATMULS
+
 SCRUBS = ("none", "zero", "poison")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -16,6 +18,7 @@ class EngineConfig:
     model: str | None = None                 # GGUF file or Hugging Face folder; None: bundled SmolLM2-135M
     dtype: str = "bfloat16"                  # bf16 is ~4x faster than fp32 on CPU; fp32 for exactness
     weights: str = "bf16"                    # native: a GGUF's quantized blocks as they are (docs/performance.md)
+    matmul: str = "auto"                     # the layers' bf16 matmul on CPU: auto (oneDNN on AMX), kvfence, onednn
     device: str = "auto"                     # auto: cuda when present, else cpu
     page_size: int = 16
     kv_cache_memory: str | int | None = None  # e.g. "2GiB"; None: kv_memory_fraction of free memory
@@ -64,6 +67,7 @@ class EngineConfig:
         need(self.kv_cache_memory is not None or 0.0 < self.kv_memory_fraction <= 0.95,
              "kv_memory_fraction must be in (0, 0.95]", self.kv_memory_fraction)
         need(self.scrub in SCRUBS, f"scrub must be one of {', '.join(SCRUBS)}", self.scrub)
+        need(self.matmul in MATMULS, f"matmul must be one of {', '.join(MATMULS)}", self.matmul)
 
     def torch_dtype(self) -> torch.dtype:
         try:

@@ -61,7 +61,7 @@ class LoadedModel:
     def load(cls, cfg: EngineConfig) -> LoadedModel:
         device = cfg.resolved_device()
         weights, tok, path = load_model(cfg.model, cfg.torch_dtype(), device, cfg.progress, cfg.weights)
-        return cls(LlamaModel(weights, device), tok, path)
+        return cls(LlamaModel(weights, device, cfg.matmul), tok, path)
 
 
 @dataclass
@@ -138,16 +138,22 @@ class LLMEngine:
 
     @property
     def matmul_path(self) -> str:
-        """The LM head's matmul (the layers' where they are all alike), with the instruction set
-        kvfence's own matmul (bf16 or native) was built for: its speed differs several times
-        between them."""
-        backend = self.model.lm_head.backend
+        """The matmuls of the layers and of the LM head, each with the instruction set kvfence's
+        own matmul (bf16 or native) was built for: its speed differs several times between them.
+        One name where they are alike (the default everywhere but on AMX, where the layers are
+        oneDNN's)."""
         kernels = self.model.kernels
-        if kernels is None:
-            return backend
-        if backend == "kvfence":
-            return f"{backend} ({kernels.gemm_isa})"
-        return f"{backend} ({kernels.qgemm_isa})" if backend == "native" else backend
+
+        def named(backend: str) -> str:
+            if kernels is None or backend not in ("kvfence", "native"):
+                return backend
+            return f"{backend} ({kernels.gemm_isa if backend == 'kvfence' else kernels.qgemm_isa})"
+
+        layers = self.model.layer_backends()
+        head = named(self.model.lm_head.backend)
+        if layers == {self.model.lm_head.backend}:
+            return head
+        return f"layers {'/'.join(sorted(named(b) for b in layers))}, LM head {head}"
 
     def _kv_budget(self, cfg: EngineConfig, dtype: torch.dtype) -> int:
         if cfg.kv_cache_memory is not None:

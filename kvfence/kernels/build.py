@@ -58,6 +58,12 @@ def _compiler() -> str | None:
     return None
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as /proc/cpuinfo names them (empty where it says none)."""
+    line = _cpu_flags()
+    return set(line.split(":", 1)[1].split()) if ":" in line else set()
+
+
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

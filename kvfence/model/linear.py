@@ -38,21 +38,38 @@ from kvfence.model.quant import QuantWeight, Weight, dense
 log = logging.getLogger("kvfence.model")
 
 
-def _onednn_ok(weight: torch.Tensor) -> bool:
-    if not torch.backends.mkldnn.is_available():
-        return False
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return False
-    return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+MATMULS = ("auto", "kvfence", "onednn")
+
+
+def resolve_matmul(choice: str) -> str:
+    """Whose bf16 matmul the decoder layers run on CPU. auto: oneDNN's on a CPU with AMX tiles
+    (oneDNN runs bf16 on them, kvfence's kernel has none: 4-11x kvfence's per matmul and the
+    fixed workload in ~0.57x the time on a 2-core Xeon, docs/performance.md), else kvfence's
+    (1.3-4.4x oneDNN's on AVX512-BF16 without AMX, and the only fast one on AVX2). The LM head
+    stays on kvfence's either way: its float32 logits (#16) are a kvfence kernel's output."""
+    if choice not in MATMULS:
+        raise ValueError(f"matmul must be one of {', '.join(MATMULS)}; got {choice!r}")
+    if choice != "auto":
+        return choice
+    from kvfence.kernels.build import cpu_flags
+
+    return "onednn" if "amx_bf16" in cpu_flags() and _onednn_bf16() else "kvfence"
+
+
+def _onednn_bf16() -> bool:
+    return (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 class Linear:
     def __init__(self, weight: Weight, pack: bool = True, float_out: bool = False,
-                 dtype: torch.dtype = torch.bfloat16):
-        """dtype: what a QuantWeight the native matmul cannot take is dequantized to."""
+                 dtype: torch.dtype = torch.bfloat16, matmul: str = "kvfence"):
+        """dtype: what a QuantWeight the native matmul cannot take is dequantized to; matmul:
+        "kvfence" or "onednn" (resolve_matmul), whose packed bf16 matmul to try first."""
         self.out_features, self.in_features = weight.shape
         self.backend = "torch"
         self.float_out = float_out
+        self.matmul = matmul
         self._wide = None  # float_out outside kvfence's matmul: x -> float32 x . W^T
         if isinstance(weight, QuantWeight):
             packed = _native_pack(weight, None, lambda p: _native_out(p, self.out_features, False, float_out))
@@ -68,10 +85,12 @@ class Linear:
 
     def _pack(self, weight: torch.Tensor) -> None:
         kernels = cpu_kernels()
-        if kernels is not None and kernels.has_gemm and self.in_features % 2 == 0:
+        # float32 logits come from kvfence's matmul whichever runs the layers
+        if (kernels is not None and kernels.has_gemm and self.in_features % 2 == 0
+                and (self.matmul == "kvfence" or self.float_out)):
             self._try("kvfence", kernels.pack_weight(self.weight))
         # oneDNN's packed matmul writes bf16 only
-        if self.backend == "torch" and not self.float_out and _onednn_ok(weight):
+        if self.backend == "torch" and not self.float_out and _onednn_bf16():
             try:
                 self._try("onednn", torch.ops.mkldnn._reorder_linear_weight(self.weight, None))
             except RuntimeError as e:  # an older oneDNN, an odd shape: plain F.linear is fine
@@ -161,7 +180,7 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
 class SwiGLU:
     """silu(x @ gate.T) * (x @ up.T)."""
 
-    def __init__(self, gate: Weight, up: Weight, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, gate: Weight, up: Weight, dtype: torch.dtype = torch.bfloat16, matmul: str = "kvfence"):
         self.inter = gate.shape[0]
         self.gated = None  # the gated panels of kvfence's matmul, when it takes them
         self.native = None  # the gated panels of the native matmul over GGUF blocks
@@ -172,13 +191,13 @@ class SwiGLU:
                 return
         gate, up = dense(gate, dtype), dense(up, dtype)
         kernels = cpu_kernels()
-        if (kernels is not None and kernels.has_gemm and gate.device.type == "cpu"
+        if (matmul == "kvfence" and kernels is not None and kernels.has_gemm and gate.device.type == "cpu"
                 and gate.dtype == torch.bfloat16 and gate.shape[1] % 2 == 0):
             self.gated = kernels.pack_weight(gate, up)
             if not _agrees(self, lambda probe: silu_mul(F.linear(probe, torch.cat([gate, up], 0))), gate.shape[1]):
                 log.warning("kvfence gated matmul disagrees with F.linear + SiLU on a probe; not using it")
                 self.gated = None
-        self.gate_up = None if self.gated is not None else Linear(torch.cat([gate, up], 0))
+        self.gate_up = None if self.gated is not None else Linear(torch.cat([gate, up], 0), matmul=matmul)
 
     @property
     def backend(self) -> str:

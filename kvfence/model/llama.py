@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from kvfence.kernels import MAX_PAGE_SIZE, DecoderStack, cpu_kernels, supports
 from kvfence.kv.pool import k_pages, v_pages
 from kvfence.model.config import ModelConfig
-from kvfence.model.linear import Linear, SwiGLU
+from kvfence.model.linear import Linear, SwiGLU, resolve_matmul
 from kvfence.model.quant import cat_rows
 from kvfence.model.weights import ModelWeights
 
@@ -52,8 +52,12 @@ class ForwardBatch:
 
 
 class LlamaModel:
-    def __init__(self, weights: ModelWeights, device: str = "cpu"):
+    def __init__(self, weights: ModelWeights, device: str = "cpu", matmul: str = "auto"):
         cfg = weights.config
+        # whose bf16 matmul runs the layers on CPU (linear.resolve_matmul): kvfence's, or
+        # oneDNN's on AMX; the LM head is kvfence's either way
+        self.matmul = resolve_matmul(matmul) if device == "cpu" else "kvfence"
+        mm = self.matmul
         self.config: ModelConfig = cfg
         self.dtype = weights.embed.dtype
         self.device = device
@@ -69,11 +73,11 @@ class LlamaModel:
         for lw in weights.layers:
             self.layers.append((
                 lw.attn_norm,
-                Linear(cat_rows([lw.q, lw.k, lw.v], dt), dtype=dt),
-                Linear(lw.o, dtype=dt),
+                Linear(cat_rows([lw.q, lw.k, lw.v], dt), dtype=dt, matmul=mm),
+                Linear(lw.o, dtype=dt, matmul=mm),
                 lw.ffn_norm,
-                SwiGLU(lw.gate, lw.up, dtype=dt),
-                Linear(lw.down, dtype=dt),
+                SwiGLU(lw.gate, lw.up, dtype=dt, matmul=mm),
+                Linear(lw.down, dtype=dt, matmul=mm),
             ))
         weights.layers.clear()  # the fused copies replace them; free the originals
         self.q_size = cfg.num_heads * cfg.head_dim
@@ -82,11 +86,15 @@ class LlamaModel:
         self.kernels = cpu_kernels() if supports(self.dtype, device, cfg.head_dim) else None
         self.stack = self._decoder_stack()
 
+    def layer_backends(self) -> set[str]:
+        """Whose matmuls run the decoder layers: kvfence, native, onednn or torch."""
+        return {m.backend for _, qkv, o, _, mlp_in, down in self.layers for m in (qkv, o, mlp_in, down)}
+
     @property
     def weights_mode(self) -> str:
         """What the matmuls really run: native (every one over GGUF blocks), bf16 (none), or
         mixed (--weights native fell back for some: no AVX2, a failed probe, another type)."""
-        backends = {m.backend for _, qkv, o, _, mlp_in, down in self.layers for m in (qkv, o, mlp_in, down)}
+        backends = self.layer_backends()
         backends.add(self.lm_head.backend)
         if backends == {"native"}:
             return "native"
@@ -97,7 +105,7 @@ class LlamaModel:
         or every one is the native matmul over GGUF blocks."""
         if self.kernels is None or self.dtype != torch.bfloat16:
             return None
-        backends = {m.backend for _, qkv, o, _, mlp_in, down in self.layers for m in (qkv, o, mlp_in, down)}
+        backends = self.layer_backends()
         if backends not in ({"kvfence"}, {"native"}):
             return None
         native = backends == {"native"}

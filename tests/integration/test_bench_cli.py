@@ -14,8 +14,16 @@ def test_bench_tiny_workload_writes_results(tmp_path):
     data = json.loads(out.read_text())
     assert data["workload"]["num_requests"] == 2
     names = [r["name"] for r in data["results"]]
+    # and the layers on the bf16 matmul --matmul auto did not pick, where this machine has both
+    from kvfence.kernels import cpu_kernels
+    from kvfence.model.linear import _onednn_bf16, resolve_matmul
+
+    both = _onednn_bf16() and cpu_kernels() is not None and cpu_kernels().has_gemm
+    auto = resolve_matmul("auto")
+    other = "onednn" if auto == "kvfence" else "kvfence"
     assert names == ["kvfence (checks on, scrub zero)", "kvfence (checks off, scrub zero)",
-                     "kvfence (no prefill cap while decoding)", "kvfence (fused kernels off)"]
+                     "kvfence (no prefill cap while decoding)", "kvfence (fused kernels off)"] + (
+        [f"kvfence ({other} layers, not auto's {auto})"] if both else [])
     for r in data["results"]:
         assert r["output_tokens"] == 8 and r["seconds"] > 0 and r["ttft_ms"]["p50"] > 0
     assert "ledger checks" in data["results"][0]["note"]

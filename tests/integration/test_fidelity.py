@@ -16,13 +16,25 @@ from kvfence.bench import fidelity
 
 
 @pytest.fixture(scope="module")
-def scores(loaded_fp32, loaded_bf16):
+def onednn_bf16():
+    """The layers on oneDNN's bf16 matmul: what --matmul auto picks on a CPU with AMX."""
+    from kvfence.engine.config import EngineConfig
+    from kvfence.engine.llm_engine import LoadedModel
+    from kvfence.model.linear import _onednn_bf16
+
+    if not _onednn_bf16():
+        pytest.skip("this torch has no oneDNN bf16 matmul on this CPU")
+    return LoadedModel.load(EngineConfig(dtype="bfloat16", matmul="onednn", progress=False)).model
+
+
+@pytest.fixture(scope="module")
+def scores(loaded_fp32, loaded_bf16, onednn_bf16):
     hf_bf16 = fidelity.load_transformers(loaded_fp32.path, torch.bfloat16)
     ref, scores = fidelity.run(loaded_fp32.model, loaded_bf16.model, loaded_fp32.tokenizer, hf_bf16,
-                               max_new=24, long_docs=2, short=4)
+                               max_new=24, long_docs=2, short=4, other_matmul_model=onednn_bf16)
     print("\n" + fidelity.table(ref, scores))
-    return ref, {s.name.split(" (")[0].split(",")[0] + ("/torch" if "torch path" in s.name else ""): s
-                 for s in scores}
+    return ref, {s.name.split(" (")[0].split(",")[0] + ("/torch" if "torch path" in s.name else "")
+                 + ("/onednn" if "onednn layers" in s.name else ""): s for s in scores}
 
 
 def test_enough_varied_positions(scores):
@@ -38,6 +50,18 @@ def test_default_is_at_least_as_faithful_as_transformers_bf16(scores):
     assert ours.positions == theirs.positions
     assert ours.agreement >= theirs.agreement, (ours, theirs)
     assert ours.mean_abs_logprob_diff <= theirs.mean_abs_logprob_diff, (ours, theirs)
+
+
+def test_onednn_layers_are_as_faithful_as_transformers_bf16(scores, onednn_bf16):
+    # what a CPU with AMX runs by default (--matmul auto): the same bar as the default here
+    _, by = scores
+    assert onednn_bf16.layer_backends() == {"onednn"} and onednn_bf16.stack is None
+    ours, theirs = by["kvfence bf16"], by["transformers bf16"]
+    alt = by["kvfence bf16/onednn"]
+    assert alt.positions == theirs.positions and alt.exact_ties == 0
+    assert alt.agreement >= theirs.agreement and alt.mean_abs_logprob_diff <= theirs.mean_abs_logprob_diff, (alt,
+                                                                                                           theirs)
+    print(f"top-1 agreement: default {ours.agreement:.4f}, oneDNN layers {alt.agreement:.4f}")
 
 
 def test_float32_logits_make_no_exact_ties(scores):

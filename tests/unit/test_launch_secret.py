@@ -59,3 +59,15 @@ def test_launch_pd_needs_at_least_one_node_of_each_role(capsys):
         assert e.value.code == 2 and "at least 1" in capsys.readouterr().err
     with pytest.raises(ValueError, match="at least one prefill"):
         node_commands(argparse.Namespace(**{**vars(_launch_args()), "prefill": 0}), "/s")
+
+
+def test_every_engine_option_is_one_launch_pd_passes_on():
+    # an engine option added later (--matmul was) must reach the nodes, not stop at launch-pd
+    import argparse
+
+    from kvfence.cli import _engine_args
+    from kvfence.pd.launch import ENGINE_FLAGS
+
+    p = argparse.ArgumentParser()
+    _engine_args(p)
+    assert {a.dest for a in p._actions if a.dest != "help"} - {"threads"} == set(ENGINE_FLAGS)
