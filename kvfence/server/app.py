@@ -80,8 +80,10 @@ class ServerState:
         if st == "loading":
             raise APIError(503, "The model is still loading; try again shortly.", code="model_not_ready",
                            headers={"Retry-After": "5"})
-        raise APIError(503, f"The engine is not serving ({st}): {self.engine.error or 'stopped'}.",
-                       code="engine_unavailable")
+        why = self.engine.error or "stopped"
+        if not self.tenants.single_tenant:   # the reason names nodes and internals: the operator's
+            why = "the operator's log and /health (with the [metrics] or [operator] key) say why"
+        raise APIError(503, f"The engine is not serving ({st}): {why}.", code="engine_unavailable")
 
     @property
     def facts(self) -> dict:
@@ -125,7 +127,8 @@ def create_app(state: ServerState) -> FastAPI:
             if state.owns_engine:
                 await asyncio.to_thread(state.engine.stop)
 
-    app = FastAPI(title="kvfence", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="kvfence", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)   # the route list (console, test faults) is nobody's business
     app.state.kvfence = state
 
     @app.exception_handler(APIError)
@@ -145,12 +148,14 @@ def create_app(state: ServerState) -> FastAPI:
 
     # -- operational endpoints -------------------------------------------------------------
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
         st = state.engine.state
         snap = state.engine.snapshot
         body = {"status": "ok" if st == "ready" else st, "ready": st == "ready", "alive": st in ("ready", "loading"),
                 "running": snap.get("running"), "waiting": snap.get("waiting")}
-        if state.engine.error:
+        # why it failed names the router's nodes (URLs, states) or the engine's internals: with a
+        # tenants file, for the [metrics] or [operator] key only (probes need the status alone)
+        if state.engine.error and may_scrape(state, request, "/health"):
             body["error"] = state.engine.error
         return JSONResponse(body, status_code=200 if st == "ready" else 503)
 

@@ -8,7 +8,7 @@ import threading
 import httpx
 import openai
 import pytest
-from server_harness import MODEL, pool_intact, wait_for
+from server_harness import MODEL, SCRAPER_KEY, pool_intact, wait_for
 
 OK_COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
 OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
@@ -84,7 +84,7 @@ def test_engine_that_cannot_start_fails_closed_with_503(make_server):
     # 16 MiB holds fewer tokens than the model's context and clamping is off: I8 refuses
     srv = make_server(wait=False, kv_cache_memory="16MiB", clamp_context=False)
     assert wait_for(lambda: srv.engine.state == "failed", 30)
-    r = httpx.get(srv.url + "/health")
+    r = httpx.get(srv.url + "/health", headers={"Authorization": f"Bearer {SCRAPER_KEY}"})
     assert r.status_code == 503 and "exceeds the KV pool capacity" in r.json()["error"]
     assert httpx.get(srv.url + "/health/live").status_code == 503
     with srv.http() as h:
@@ -219,7 +219,14 @@ def test_engine_crash_fails_requests_closed_and_health_says_so(make_server):
         assert_openai_error(h.post("/v1/completions", json=OK_COMPLETION), 503, code="engine_unavailable")
     health = httpx.get(srv.url + "/health")
     assert health.status_code == 503 and health.json()["status"] == "failed"
+    # why: for the operator's keys only (on a router it names every node's URL; found in review)
+    assert "error" not in health.json()
+    with srv.http() as h:
+        r = h.post("/v1/completions", json=OK_COMPLETION)
+        assert r.status_code == 503 and "injected engine crash" not in r.text, r.text
+    health = httpx.get(srv.url + "/health", headers={"Authorization": f"Bearer {SCRAPER_KEY}"})
     assert "injected engine crash" in health.json()["error"]
+    assert httpx.get(srv.url + "/openapi.json").status_code == 404     # no route list for anyone
 
 
 def test_idle_engine_thread_blocks_instead_of_spinning(server):
