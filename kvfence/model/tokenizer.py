@@ -5,6 +5,7 @@ Built on the `tokenizers` library from either a GGUF's metadata or a tokenizer.j
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from datetime import date
 
@@ -59,6 +60,7 @@ class KvTokenizer:
                 ends.add(tid)
         self.end_ids = frozenset(ends)
         self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
+        self.max_token_chars = _max_token_chars(self.hf)
         self._template = None
         if self.chat_template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -73,6 +75,11 @@ class KvTokenizer:
         if add_special and self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id] + ids
         return ids
+
+    def fewest_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)) from its length alone (0 where none holds): a
+        text far too long for the context is refused without seconds of tokenizing."""
+        return -(-len(text) // self.max_token_chars) if self.max_token_chars else 0
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -99,11 +106,45 @@ class KvTokenizer:
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list | None = None) -> list[int]:
         # The template writes its own special tokens; do not add a BOS twice.
-        text = self.apply_chat_template(messages, add_generation_prompt, tools)
+        return self.encode_rendered(self.apply_chat_template(messages, add_generation_prompt, tools))
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """The ids of a rendered chat template."""
         ids = self.encode(text, add_special=False)
         if self.add_bos and self.bos_id is not None and self.bos_token and not text.startswith(self.bos_token):
             ids = [self.bos_id] + ids
         return ids
+
+
+# pre-tokenizers that keep every input character (Split keeps them unless its behavior is
+# "removed"); Whitespace, WhitespaceSplit and BERT's drop whitespace
+_KEEPING_PRE_TOKENIZERS = {"Sequence", "ByteLevel", "Split", "Metaspace", "Digits", "Punctuation"}
+
+
+def _max_token_chars(hf: Tokenizer) -> int | None:
+    """The most input characters one token can stand for, where that bounds the count: no
+    normalizer (it may delete characters), pre-tokenizers that drop nothing, and a BPE that
+    never fuses a run of unknown characters into one token. A vocabulary entry is its bytes
+    (byte-level) or characters, and a character is at least one byte. None: no bound."""
+    spec = json.loads(hf.to_str())
+    model, pre = spec.get("model") or {}, spec.get("pre_tokenizer")
+    kinds: set[str] = set()
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("type"), str):
+                kinds.add(node["type"])
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(pre)
+    if (spec.get("normalizer") is not None or model.get("type") != "BPE" or model.get("fuse_unk")
+            or not kinds <= _KEEPING_PRE_TOKENIZERS or "removed" in json.dumps(pre).lower()):
+        return None
+    return max((len(t) for t in hf.get_vocab(with_added_tokens=True)), default=0) or None
 
 
 def _raise_template_error(message: str):
@@ -148,7 +189,6 @@ def tokenizer_from_gguf_metadata(meta: dict) -> KvTokenizer:
 
 def tokenizer_from_hf_folder(folder) -> KvTokenizer:
     """Load tokenizer.json plus what tokenizer_config.json says about BOS/EOS and chat."""
-    import json
     from pathlib import Path
 
     folder = Path(folder)

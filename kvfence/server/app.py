@@ -278,6 +278,9 @@ async def _generate(state: ServerState, request: Request, kind: str):
     try:
         tenant = state.tenants.authenticate(request.headers.get("authorization"))
         state.ensure_ready()
+        # the tenant's concurrency slot from here: reading, parsing, templating and tokenizing a
+        # large body is seconds of CPU, spent within the tenant's limit, not beside it
+        lease = state.limiter.hold(tenant)
         body = await read_json_body(request, state.max_body_bytes)
         if kind == "responses":
             view = ResponseView(body, rid, state.served_name)
@@ -325,7 +328,7 @@ async def _generate(state: ServerState, request: Request, kind: str):
         if req.params.json_schema is not None:
             await _check_schema(state, str(req.params.json_schema))
         # tokens_per_minute reserves prompt + the most it can generate; what it did not use is refunded
-        lease = state.limiter.admit(tenant, sum(len(ids) for ids in prompts), most)
+        state.limiter.charge(lease, sum(len(ids) for ids in prompts), most)
         choices = _choices(state, req, prompts, rid)
         try:
             for c in choices:   # the first choice of each prompt now, the others once it has run its prefill
@@ -358,6 +361,11 @@ async def _generate(state: ServerState, request: Request, kind: str):
         if e.status >= 500 or e.status == 429:
             log.info("%s tenant=%s refused: %s %s", rid, tenant.name if tenant else UNAUTHENTICATED, e.status, e.code)
         return e.response()
+    except BaseException:   # a bug, or the task cancelled while it read the body: the slot still goes back
+        if lease is not None:
+            lease.release()
+            _abort_all(state, choices, "the request failed before it ran")
+        raise
     run = _Run(state, request, choices, tenant, lease, arrival, req)
     if view is not None:
         if req.stream:
@@ -413,24 +421,55 @@ async def _submit_unless_gone(state: ServerState, request: Request, ids, params:
     raise _ClientGone()
 
 
-async def _encode_chat(tok, messages: list[dict], tools: ToolSpec | None, add_prompt: bool) -> list[int]:
-    """A chat prompt's ids: generation's and /tokenize's one way to render messages and tools."""
+async def _encode_chat(tok, messages: list[dict], tools: ToolSpec | None, add_prompt: bool,
+                       room: int | None = None) -> list[int]:
+    """A chat prompt's ids: generation's and /tokenize's one way to render messages and tools.
+    `room`: the most prompt tokens that can fit; a rendered text surely longer is refused
+    before it is tokenized."""
     rendered, template_tools = render_tools(messages, tools, tok.template_has_tools)
+
+    def encode() -> list[int]:
+        text = tok.apply_chat_template(rendered, add_prompt, template_tools)
+        if room is not None:
+            _refuse_surely_too_long(tok, text, room, "messages")
+        return tok.encode_rendered(text)
+
     try:
-        return await asyncio.to_thread(tok.encode_chat, rendered, add_prompt, template_tools)
+        return await asyncio.to_thread(encode)
     except ChatTemplateError as e:
         raise bad_request(str(e), param="messages") from None
+
+
+def _prompt_room(state: ServerState, req: GenerationRequest) -> int:
+    """The most prompt tokens the context leaves beside max_tokens (I4's rule, check_fits)."""
+    mt = req.params.max_tokens
+    return state.facts["usable_context"] - (1 if mt is None else mt)
+
+
+def _refuse_surely_too_long(tok, text: str, room: int, param: str) -> None:
+    """Tokenizing costs ~1 s of CPU per MiB; a text whose length alone shows it needs more
+    tokens than `room` is refused first (a lower bound from the vocabulary's longest token,
+    so nothing that fits is ever refused here). The exact check follows tokenizing."""
+    fewest = tok.fewest_tokens(text)
+    if fewest > room and not faults.active("skip_router_admission"):
+        raise APIError(400, f"The prompt is too long for this model's context: its {len(text)} characters are at "
+                            f"least {fewest} tokens, and at most {max(room, 0)} prompt tokens fit beside max_tokens. "
+                            "Please reduce the prompt or max_tokens.",
+                       code="context_length_exceeded", param=param, outcome="rejected")
 
 
 async def _tokenize(state: ServerState, req: GenerationRequest, text: str | None,
                     prompt_ids: list[int] | None) -> list[int]:
     tok = state.engine.tokenizer
+    room = _prompt_room(state, req)
     if req.kind == "chat":
         assert req.messages is not None
-        ids = await _encode_chat(tok, req.messages, req.tools, True)
+        ids = await _encode_chat(tok, req.messages, req.tools, True, room)
     elif prompt_ids is not None:
         ids = prompt_ids   # checked against the vocabulary after admission (I4): see _generate
     else:
+        assert text is not None
+        _refuse_surely_too_long(tok, text, room, req.prompt_param)
         ids = await asyncio.to_thread(tok.encode, text)
     if not ids:
         raise bad_request("The prompt is empty after tokenization.", param=req.prompt_param)

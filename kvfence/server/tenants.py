@@ -322,8 +322,29 @@ class TenantLimiter:
         return sum(n for _, n in used), used
 
     def admit(self, tenant: Tenant, prompt_tokens: int, max_tokens: int = 0) -> Lease:
-        """Admit or refuse; a tokens_per_minute limit reserves prompt + max_tokens now (the
-        most the request can use), and release() refunds what it did not use."""
+        """hold() and charge() in one: a slot, the prompt cap and the tokens reserved."""
+        lease = self.hold(tenant)
+        try:
+            self.charge(lease, prompt_tokens, max_tokens)
+        except APIError:
+            lease.release()
+            raise
+        return lease
+
+    def hold(self, tenant: Tenant) -> Lease:
+        """A concurrency slot only. Generation takes it as soon as the key is known, so parsing,
+        templating and tokenizing run inside the tenant's limit; /tokenize and /detokenize stop
+        here (they generate nothing: no prompt cap, no tokens_per_minute)."""
+        with self._lock:
+            self._check_slot(tenant)
+            self._in_flight[tenant.name] = self.in_flight(tenant.name) + 1
+        return Lease(self, tenant)
+
+    def charge(self, lease: Lease, prompt_tokens: int, max_tokens: int = 0) -> None:
+        """Once the prompt is tokenized: the prompt cap (400), and with tokens_per_minute a
+        reservation of prompt + max_tokens, the most the request can use (429 while the window
+        is full); release() refunds what it did not use."""
+        tenant = lease.tenant
         lim = tenant.limits
         need = prompt_tokens + max_tokens
         if lim.max_prompt_tokens is not None and prompt_tokens > lim.max_prompt_tokens:
@@ -332,9 +353,8 @@ class TenantLimiter:
                                 f"request; this request has {prompt_tokens} prompt tokens.",
                            code="tenant_max_prompt_tokens", param="prompt", outcome="rejected")
         with self._lock:
+            assert lease._open and lease._entry is None, "charge a held lease once"
             now = self._clock()
-            self._check_slot(tenant)
-            entry = None
             if lim.tokens_per_minute is not None:
                 if need > lim.tokens_per_minute:   # it could never pass: not a rate limit
                     raise APIError(400, f"This request may use {need} tokens ({prompt_tokens} in the prompt, "
@@ -348,18 +368,9 @@ class TenantLimiter:
                                         f"per minute; {total} used or reserved in the last minute, this request "
                                         f"may need {need} more. Try again in {wait} s.",
                                    code="tenant_tokens_per_minute", headers={"Retry-After": str(wait)})
-                entry = [now, need]
-                used.append(entry)
-            self._in_flight[tenant.name] = self.in_flight(tenant.name) + 1
-        return Lease(self, tenant, prompt_tokens, entry)
-
-    def hold(self, tenant: Tenant) -> Lease:
-        """A concurrency slot only: /tokenize and /detokenize generate nothing, so neither the
-        prompt cap nor tokens_per_minute applies, but they run on the server's CPU."""
-        with self._lock:
-            self._check_slot(tenant)
-            self._in_flight[tenant.name] = self.in_flight(tenant.name) + 1
-        return Lease(self, tenant)
+                lease._entry = [now, need]
+                used.append(lease._entry)
+            lease.prompt_tokens = prompt_tokens
 
     def _check_slot(self, tenant: Tenant) -> None:
         most = tenant.limits.max_concurrent_requests

@@ -286,3 +286,83 @@ def test_public_prefix_scope_in_the_tenants_file(tmp_path):
     p.write_text("[tenants.a]\napi_keys = ['sk-aaaaaaaa']\npublic_prefix_scope = 'has space'\n")
     with pytest.raises(TenantsFileError, match="public_prefix_scope"):
         TenantRegistry.from_file(p)
+
+
+def test_tokenizing_runs_inside_the_tenants_concurrency_slot(server, monkeypatch):
+    """Parsing and tokenizing a large body is seconds of CPU: it happens while the request
+    holds its tenant's slot, so a tenant with max_concurrent_requests = 1 cannot tokenize two
+    bodies at once (before, the slot was taken only after tokenizing)."""
+    import threading
+
+    tok = server.state.engine.tokenizer
+    entered, go = threading.Event(), threading.Event()
+    real = tok.encode
+
+    def slow_encode(text, *a, **kw):
+        if "hold me" in text:
+            entered.set()
+            assert go.wait(30)
+        return real(text, *a, **kw)
+
+    monkeypatch.setattr(tok, "encode", slow_encode)
+    first: dict = {}
+    t = threading.Thread(target=lambda: first.setdefault("r", server.client("solo").completions.create(
+        model=MODEL, prompt="hold me", max_tokens=2)))
+    t.start()
+    try:
+        assert entered.wait(30)
+        with pytest.raises(openai.RateLimitError) as e:   # the first one still tokenizes
+            server.client("solo").chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                          max_tokens=2)
+        assert e.value.code == "tenant_max_concurrent_requests"
+        assert server.state.limiter.in_flight("solo") == 1
+    finally:
+        go.set()
+        t.join(60)
+    assert first["r"].usage.completion_tokens >= 1
+    assert server.state.limiter.in_flight("solo") == 0     # and it went back
+
+
+def test_a_slot_goes_back_when_the_request_fails_before_it_runs(server, monkeypatch):
+    """A failure that is not a refusal (a bug in the template, say) still frees the slot."""
+    tok = server.state.engine.tokenizer
+
+    def broken(*a, **kw):
+        raise RuntimeError("injected tokenizer bug")
+
+    monkeypatch.setattr(tok, "encode", broken)
+    r = server.http("solo").post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert r.status_code == 500
+    assert server.state.limiter.in_flight("solo") == 0
+
+
+def test_a_prompt_far_too_long_is_refused_before_it_is_tokenized(server, monkeypatch):
+    """Its length alone proves it cannot fit (the vocabulary's longest token is
+    max_token_chars characters): 400 context_length_exceeded without tokenizing it."""
+    tok = server.state.engine.tokenizer
+    calls: list[int] = []
+    real = tok.encode
+
+    def counting(text, *a, **kw):
+        calls.append(len(text))
+        return real(text, *a, **kw)
+
+    monkeypatch.setattr(tok, "encode", counting)
+    usable = server.state.facts["usable_context"]
+    huge = "#" * (usable * tok.max_token_chars + 1)    # the one text whose tokens are longest, and still too long
+    assert len(huge) < 256 << 10
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client("bob").completions.create(model=MODEL, prompt=huge, max_tokens=1)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "prompt" and "characters" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client("bob").chat.completions.create(model=MODEL, messages=[{"role": "user", "content": huge}],
+                                                      max_tokens=1)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
+    assert calls == []
+    assert server.state.limiter.in_flight("bob") == 0
+    # at the bound (max_tokens 1 leaves usable - 1) it is tokenized, and the exact check refuses it
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client("bob").completions.create(model=MODEL, prompt="#" * ((usable - 1) * tok.max_token_chars),
+                                                max_tokens=1)
+    assert e.value.code == "context_length_exceeded" and "in the prompt" in e.value.message
+    assert len(calls) == 1
