@@ -169,10 +169,17 @@ class RouterBackend:
 
     # -- lifecycle --------------------------------------------------------------------------
     @property
+    def _serving(self) -> bool:
+        """Ready as of the monitor's last round, and still so now: a node marked down or sent
+        back to checking (by a poll, or a request it refused) counts at once, not only once the
+        round's other polls have answered (up to their timeout later)."""
+        return self._ready and self.fleet is not None and self.fleet.ready
+
+    @property
     def state(self) -> str:
         if self._stopped:
             return "stopped"
-        if self._ready:
+        if self._serving:
             return "ready"
         return "loading" if self.check is None and self.error is None else "not_ready"
 
@@ -290,7 +297,7 @@ class RouterBackend:
         self.snapshot = _merge_snapshots(fleet)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        return self._ready
+        return self._serving
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stopped = True
@@ -341,7 +348,7 @@ class RouterBackend:
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, tenant: str,
                      request_id: str | None = None, public_prefix_scope: str | None = None) -> RequestHandle:
-        if not self._ready or self.facts is None:
+        if not self._serving or self.facts is None:
             raise EngineFailed(self.error or f"the cluster is {self.state}")
         if params.prompt_logprobs is not None or params.max_tokens == 0:
             # prefill samples nothing and decode never computes the prompt: neither could score it

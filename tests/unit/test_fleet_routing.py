@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from kvfence.pd.capacity import plan_fleet
 from kvfence.pd.fleet import Fleet
 from kvfence.pd.messages import NodeInfo
@@ -131,6 +133,10 @@ def test_one_odd_node_is_refused_not_the_rest():
              "http://d1": ("decode", info("decode")), "http://d2": ("decode", info("decode", boot="d2"))}
     chk = plan_fleet(1024, nodes, clamp=False)
     assert chk.ok and list(chk.refused) == ["http://a-odd"], chk.note
+    # the note reaches tenants (the statement's capacity note, the start-up check's detail): it
+    # counts refused nodes; their URLs and reasons are in the operator's cluster view only
+    assert "1 node(s) refused" in chk.note and "a-odd" not in chk.note and "fingerprint" not in chk.note
+    assert chk.to_json()["nodes"]["http://a-odd"]["refused"]
 
 
 def test_a_preempted_decode_request_goes_before_new_reservations():
@@ -273,3 +279,30 @@ def test_the_router_sends_the_checked_boot(monkeypatch):
     with pytest.raises(NodeError):
         asyncio.run(go())
     assert sent[0]["expect_boot"] == "http://p1"
+
+
+def test_the_router_is_not_ready_the_moment_its_last_node_of_a_role_goes():
+    """The monitor refreshes readiness once all of a round's polls answered; a node marked down
+    by one poll (or sent back to checking by a refused request) counts at once (CI saw a 503
+    after /health said ready)."""
+    import asyncio
+
+    from kvfence.engine.params import SamplingParams
+    from kvfence.pd.router import RouterBackend
+    from kvfence.server.backend import EngineFailed
+
+    r = RouterBackend("http://p1", "http://d1", secret=b"s" * 32)
+    f = Fleet({"prefill": ["http://p1"], "decode": ["http://d1"]}, 1024, info())
+    for n in f.nodes:
+        f.observe(n, info(n.role, boot=n.url))
+    r.fleet, r.facts = f, {"usable_context": 1024}
+    r._refresh()
+    assert r.state == "ready" and r.wait_ready()
+    f.observe(f.nodes[0], None, "does not answer")     # the prefill node's poll; no refresh yet
+    assert r.state != "ready" and not r.wait_ready()
+    with pytest.raises(EngineFailed):
+        asyncio.run(r.submit([1, 2, 3], SamplingParams(max_tokens=2), "alice"))
+    f.observe(f.nodes[0], info("prefill", boot="again"))
+    assert r.state == "ready"
+    f.recheck(f.nodes[1], "restarted")                 # a request found decode not ready
+    assert r.state != "ready"
