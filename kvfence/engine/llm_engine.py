@@ -246,8 +246,10 @@ class LLMEngine:
         queued = list(self.scheduler.waiting) + self.kv_link.queued()
         if len(queued) >= limit:
             self.outcomes["overloaded"] += 1
-            raise Overloaded(f"The server is overloaded: {len(queued)} requests are waiting (at most {limit}); "
-                             "retry shortly.")
+            # how many wait is other tenants' load: the log gets it, the client does not
+            log.info("overloaded: %d requests waiting (max_waiting %d); refused one of tenant %s",
+                     len(queued), limit, tenant)
+            raise Overloaded("The server is overloaded: its queue is full; retry shortly.")
         share = max(1, limit // 2)
         mine = sum(1 for s in queued if s.tenant == tenant)
         if mine >= share:
@@ -357,9 +359,10 @@ class LLMEngine:
     def _end_unservable(self) -> list[StepOutput]:
         out = []
         for seq in self.scheduler.unservable:
-            self.end(seq, Event.ABORT, "aborted",
-                     f"the KV pool cannot hold this request ({seq.num_tokens} tokens, "
-                     f"{self.ledger.num_free} free pages, {self.ledger.num_quarantined} quarantined)",
+            # the pool's state is everyone's: the log gets it, the request its own size
+            log.warning("%s: the KV pool cannot hold it (%d tokens, %d free pages, %d quarantined)",
+                        seq.request_id, seq.num_tokens, self.ledger.num_free, self.ledger.num_quarantined)
+            self.end(seq, Event.ABORT, "aborted", f"the KV pool cannot hold this request ({seq.num_tokens} tokens)",
                      code="kv_pool_exhausted")
             out.append(StepOutput(seq, [], "", True))
         self.scheduler.unservable.clear()

@@ -60,8 +60,8 @@ class ClusterCheck:
         if self.clamped:
             text = (f"context clamped from {self.advertised} to {self.usable_context} tokens to fit every node "
                     f"(--clamp-context)")
-        if self.refused:
-            text += "; refused: " + "; ".join(p for ps in self.refused.values() for p in ps)
+        if self.refused:   # which nodes and why name their URLs: the log and the cluster route (scrape key)
+            text += f"; {len(self.refused)} node(s) refused (which and why: the router's log and /v1/kvfence/cluster)"
         return text
 
     def to_json(self) -> dict:

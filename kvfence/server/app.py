@@ -27,7 +27,7 @@ from kvfence.server import responses_api
 from kvfence.server.auth_throttle import FailedAuthThrottle
 from kvfence.server.backend import EngineBackend, EngineFailed, RequestHandle, Update
 from kvfence.server.disconnect import watch_disconnect
-from kvfence.server.errors import ABORT_STATUS, APIError, bad_request, error_body
+from kvfence.server.errors import ABORT_STATUS, OWN_DETAIL_CODES, APIError, bad_request, error_body
 from kvfence.server.isolation import isolation_statement, tenant_view
 from kvfence.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvfence.server.openai_format import Formatter, sse, usage
@@ -346,7 +346,9 @@ async def _generate(state: ServerState, request: Request, kind: str):
                            outcome="overloaded") from None
         except EngineFailed as e:  # the PD router's failures carry a machine-readable code
             headers = {"Retry-After": "1"} if e.code == "server_overloaded" else None
-            raise APIError(ABORT_STATUS.get(e.code, (503,))[0], str(e), code=e.code, headers=headers) from None
+            status, what = ABORT_STATUS.get(e.code, (503, "The engine is not available"))
+            raise APIError(status, f"{what}: {_public_detail(state, rid, tenant, e.code, str(e))}.", code=e.code,
+                           headers=headers) from None
         except GrammarError as e:
             raise bad_request(str(e), param="response_format") from None
         except ValueError as e:
@@ -387,6 +389,17 @@ async def _check_schema(state: ServerState, schema_json: str) -> None:
     if err is not None:
         raise bad_request(f"'response_format' has a schema this server cannot enforce: {err}",
                           param="response_format")
+
+
+def _public_detail(state: ServerState, rid: str, tenant: Tenant, code: str | None, detail: str) -> str:
+    """What a failure's client learns of its detail. The detail of a node's, transfer's or
+    engine's failure names internals (a node's or transfer buffer's address, free pages, an
+    exception): with tenants it goes to the log under the request's id, which the client gets
+    to quote. A single-tenant server's client is its operator and sees it whole."""
+    if state.tenants.single_tenant or code in OWN_DETAIL_CODES:
+        return detail
+    log.warning("%s tenant=%s failed (%s): %s", rid, tenant.name, code, detail)
+    return f"the operator's log has the details under {rid}"
 
 
 def _too_long(e: ContextLengthExceeded, req: GenerationRequest) -> APIError:
@@ -683,16 +696,19 @@ class _Run:
         if u is None:
             return APIError(503, "The engine stopped before the request finished.", code="engine_unavailable")
         status, what = ABORT_STATUS.get(u.abort_code or "", (500, "The request was aborted"))
-        detail = u.error or u.finish_reason
+        detail = str(u.error or u.finish_reason)
         if u.abort_code == "isolation_violation":
             # which check failed, not its detail: that names another owner's request, scope and
             # epoch (found in review); the server's log and incident log keep it
-            detail = f"{str(detail).split(':', 1)[0]} (details in the server's incident log)"
+            detail = f"{detail.split(':', 1)[0]} (details in the server's incident log)"
+        else:
+            detail = _public_detail(self.state, self.choices[0].rid, self.tenant, u.abort_code, detail)
         return APIError(status, f"{what}: {detail}.", code=u.abort_code or "request_aborted")
 
     def _fail_on(self, e: BaseException) -> APIError:
         if isinstance(e, EngineFailed):
-            return APIError(503, str(e), code="engine_unavailable")
+            detail = _public_detail(self.state, self.choices[0].rid, self.tenant, e.code, str(e))
+            return APIError(503, f"The engine stopped serving this request: {detail}.", code="engine_unavailable")
         if isinstance(e, Overloaded):
             return APIError(503, str(e), code="server_overloaded", headers={"Retry-After": str(e.retry_after_s)})
         if isinstance(e, (ValueError, ContextLengthExceeded)):

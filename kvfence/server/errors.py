@@ -67,3 +67,8 @@ ABORT_STATUS = {
     "node_error": (502, "A PD node answered with an error"),
     "server_overloaded": (503, "The server is overloaded"),
 }
+
+# abort codes whose detail is about the client's own request (its lengths, its schema); any
+# other detail may name a node, a transfer address, the pool's state or an exception, so with
+# tenants it goes to the log and the client gets the fixed text (app.py, _public_detail)
+OWN_DETAIL_CODES = frozenset({"grammar_error", "context_length_exceeded", "invalid_request"})

@@ -3,6 +3,8 @@
 abort (see test_observability), 503 while the engine is not ready."""
 from __future__ import annotations
 
+import json
+import logging
 import threading
 
 import httpx
@@ -206,16 +208,22 @@ def test_after_every_error_the_server_serves_everyone(server):
     assert r.usage.completion_tokens > 0
 
 
-def test_engine_crash_fails_requests_closed_and_health_says_so(make_server):
+def test_engine_crash_fails_requests_closed_and_health_says_so(make_server, caplog):
     srv = make_server()
     body = {"model": MODEL, "prompt": "Tell a long story:", "max_tokens": 500, "stream": True, "ignore_eos": True}
-    with srv.http() as h:
+    with srv.http() as h, caplog.at_level(logging.WARNING, logger="kvfence"):
         with h.stream("POST", "/v1/completions", json=body) as r:
             events = r.iter_lines()
-            assert next(events).startswith("data: ")
+            first = next(events)
+            assert first.startswith("data: ")
             srv.spy.crash = True
             rest = [line for line in events if line.startswith("data: ")]
-        assert '"code":"engine_unavailable"' in rest[-1] and "injected engine crash" in rest[-1]
+        # the crash's text is the engine's internals: a tenant gets the request id to quote,
+        # the operator's log has the text under it
+        rid = json.loads(first[6:])["id"]
+        assert '"code":"engine_unavailable"' in rest[-1] and "injected engine crash" not in rest[-1]
+        assert rid in rest[-1] and "operator's log" in rest[-1]
+        assert any(rid in m.getMessage() and "injected engine crash" in m.getMessage() for m in caplog.records)
         assert_openai_error(h.post("/v1/completions", json=OK_COMPLETION), 503, code="engine_unavailable")
     health = httpx.get(srv.url + "/health")
     assert health.status_code == 503 and health.json()["status"] == "failed"
@@ -254,3 +262,15 @@ def test_generated_logprobs_are_bounded_like_prompt_logprobs(server, monkeypatch
         assert "1260 entries" in err["message"]
         r = h.post("/v1/completions", json={**OK_COMPLETION, "max_tokens": 30, "logprobs": 20})
         assert r.status_code == 200, r.text
+
+
+def test_a_single_tenant_client_is_the_operator_and_sees_why(make_server):
+    """Without a tenants file nobody else's internals are at stake: the detail stays in the error."""
+    srv = make_server(tenants=None)
+    body = {"model": MODEL, "prompt": "Tell a long story:", "max_tokens": 500, "stream": True, "ignore_eos": True}
+    with srv.http(None) as h, h.stream("POST", "/v1/completions", json=body) as r:
+        events = r.iter_lines()
+        assert next(events).startswith("data: ")
+        srv.spy.crash = True
+        rest = [line for line in events if line.startswith("data: ")]
+    assert '"code":"engine_unavailable"' in rest[-1] and "injected engine crash" in rest[-1]

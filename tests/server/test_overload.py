@@ -74,8 +74,9 @@ def test_one_tenant_holds_at_most_half_the_queue(loaded_fp32):
         eng.add_request([1, 2, 3], p, tenant="alice")
     eng.add_request([1, 2, 3], p, tenant="bob")
     eng.add_request([1, 2, 3], p, tenant="bob")
-    with pytest.raises(Overloaded, match="4 requests are waiting"):
+    with pytest.raises(Overloaded, match="queue is full") as e:
         eng.add_request([1, 2, 3], p, tenant="carol")
+    assert not any(ch.isdigit() for ch in str(e.value))   # how many others wait is not carol's to know
     while eng.has_unfinished():
         eng.step()
     assert eng.ledger.num_owned == 0
