@@ -14,11 +14,17 @@ ended (on a backlogged engine it would otherwise stall the newer streams with wh
 steps). When the pool
 runs out, the most recently started sequence is preempted: its pages go back and it is
 recomputed later.
+
+Waiting requests start tenant by tenant, not in arrival order: the next one is the oldest of
+the tenant with the fewest running sequences (ties: the tenant that last started one longest
+ago). A tenant that queues a thousand requests gets
+the free slots in turn with everyone else's, instead of making each later tenant wait for all
+of them. With one tenant it is arrival order.
 """
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,6 +55,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._starts = 0                          # starts so far; a tenant's last one (round robin)
+        self._last_start: dict[str, int] = {}
         self.unservable: list[Sequence] = []  # could not get pages even alone; the engine aborts them
         # PD requests hold pool pages outside this scheduler (a computed prompt waiting for
         # transfer rows, a reservation awaiting its transfer); those pages come back, so
@@ -90,6 +98,21 @@ class Scheduler:
         self.running.remove(victim)
         self.waiting.appendleft(victim)
         self.num_preemptions += 1
+
+    def _next_waiting(self, running_by_tenant: Counter) -> int:
+        """The index in `waiting` of the request to start next: the first one (the oldest, or
+        a preempted one put back in front) of the tenant with the fewest running sequences,
+        and among those the one whose last start is longest ago (round robin)."""
+        best, best_key = 0, None
+        seen: set[str] = set()
+        for i, seq in enumerate(self.waiting):
+            if seq.tenant in seen:
+                continue
+            seen.add(seq.tenant)
+            key = (running_by_tenant[seq.tenant], self._last_start.get(seq.tenant, -1))
+            if best_key is None or key < best_key:
+                best, best_key = i, key
+        return best
 
     def _prefill_room(self, budget: int, prefilled: int, capped: bool) -> int:
         """Prefill tokens the step can still take: the budget left (decodes count in it too),
@@ -139,9 +162,12 @@ class Scheduler:
             if not is_decode:
                 prefilled += n
             i += 1
-        while (self.waiting and self._prefill_room(budget, prefilled, self.waiting[0].arrival > streams_since) > 0
-               and len(self.running) < self.max_num_seqs):
-            seq = self.waiting[0]
+        running_by_tenant = Counter(s.tenant for s in self.running)
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            at = self._next_waiting(running_by_tenant)
+            seq = self.waiting[at]
+            if self._prefill_room(budget, prefilled, seq.arrival > streams_since) <= 0:
+                break
             if self.prefix_cache is not None and seq.reads_prefix_cache:
                 seq.num_computed = self.prefix_cache.match(seq.owner, seq.cache_scope, seq.all_ids, seq.table)
                 if seq.num_preemptions == 0:
@@ -156,14 +182,17 @@ class Scheduler:
                 self.ledger.free(seq.owner, seq.table)  # let go of any cached pages just attached
                 seq.num_computed = 0
                 if not self.running and not self.pages_held_elsewhere():  # nothing will ever free pages for it
-                    self.waiting.popleft()
+                    del self.waiting[at]
                     self.unservable.append(seq)
                     continue
-                break
-            self.waiting.popleft()
+                break   # the chosen one waits for pages; a smaller one behind it does not overtake it
+            del self.waiting[at]
             self.ledger.allocate(seq.owner, need, seq.table)
             seq.on(Event.SCHEDULE)
             self.running.append(seq)
+            running_by_tenant[seq.tenant] += 1
+            self._starts += 1
+            self._last_start[seq.tenant] = self._starts
             out.append(ScheduledSeq(seq, n))
             budget -= n
             prefilled += n

@@ -80,3 +80,22 @@ def test_one_tenant_holds_at_most_half_the_queue(loaded_fp32):
     while eng.has_unfinished():
         eng.step()
     assert eng.ledger.num_owned == 0
+
+
+def test_a_tenant_that_queues_many_does_not_make_the_next_tenant_wait_for_all(loaded_fp32):
+    """The real engine, one slot: alice queues three, then bob one. Bob's runs second, not
+    fourth (engine/scheduler.py starts waiting requests tenant by tenant)."""
+    from kvfence.engine.config import EngineConfig
+    from kvfence.engine.llm_engine import LLMEngine
+    from kvfence.engine.params import SamplingParams
+
+    eng = LLMEngine(EngineConfig(dtype="float32", kv_cache_memory="16MiB", max_model_len=256, max_num_seqs=1,
+                                 progress=False), loaded_fp32)
+    p = SamplingParams(max_tokens=3, ignore_eos=True)
+    ids = [eng.add_request([1, 2, 3], p, tenant="alice").request_id for _ in range(3)]
+    ids.append(eng.add_request([4, 5, 6], p, tenant="bob").request_id)
+    finished: list[str] = []
+    while eng.has_unfinished():
+        finished += [o.seq.request_id for o in eng.step() if o.finished]
+    assert finished == [ids[0], ids[3], ids[1], ids[2]]
+    assert eng.ledger.num_owned == 0

@@ -10,8 +10,8 @@ from kvfence.engine.sequence import Sequence
 from kvfence.kv.ledger import Ledger, Owner
 
 
-def make_seq(led: Ledger, n_prompt: int, i: int) -> Sequence:
-    s = Sequence(request_id=f"r{i}", tenant="t", owner=Owner(led.tenant_id("t"), Sequence.next_number()),
+def make_seq(led: Ledger, n_prompt: int, i: int, tenant: str = "t") -> Sequence:
+    s = Sequence(request_id=f"r{i}", tenant=tenant, owner=Owner(led.tenant_id(tenant), Sequence.next_number()),
                  prompt_ids=[7] * n_prompt, params=SamplingParams(), max_tokens=100)
     s.on(Event.ADMIT)
     return s
@@ -216,3 +216,49 @@ def test_a_prefix_match_let_go_for_lack_of_pages_is_not_counted_each_step():
         assert b.state is State.WAITING and len(b.table) == 0
     assert cache.hits == filler.cached_tokens == 8 and b.cached_tokens == 0   # 44 before: b counted 12 a step
     led.check_consistency()
+
+
+def _finish(sch: Scheduler, led: Ledger, seq: Sequence) -> None:
+    seq.on(Event.FINISH)
+    led.free(seq.owner, seq.table)
+    sch.remove(seq)
+
+
+def test_free_slots_go_tenant_by_tenant_not_in_arrival_order():
+    """alice queues six before bob and carol send one each: as alice's running requests end,
+    bob's and carol's start before her queued ones (FIFO made them wait for all six)."""
+    led = Ledger(256, 4)
+    sch = Scheduler(led, max_num_seqs=2, token_budget=100)
+    alice = [make_seq(led, 2, i, "alice") for i in range(6)]
+    for s in alice:
+        sch.add(s)
+    bob, carol = make_seq(led, 2, 10, "bob"), make_seq(led, 2, 11, "carol")
+    sch.add(bob)
+    sch.add(carol)
+    step = sch.schedule()
+    assert [x.seq for x in step] == [alice[0], bob]     # alice has none running yet: her oldest; then bob
+    fake_run(step)
+    _finish(sch, led, alice[0])
+    step = sch.schedule()
+    assert step[-1].seq is carol                         # bob 1 running, alice 0, carol 0: carol is older in line
+    fake_run(step)
+    _finish(sch, led, bob)
+    _finish(sch, led, carol)
+    started = [x.seq for x in sch.schedule()]
+    assert started == [alice[1], alice[2]]              # alone again: alice's in her order
+
+
+def test_one_tenant_is_served_in_arrival_order_and_a_preempted_one_first():
+    led = Ledger(256, 4)
+    sch = Scheduler(led, max_num_seqs=1, token_budget=100)
+    seqs = [make_seq(led, 2, i) for i in range(3)]
+    for s in seqs:
+        sch.add(s)
+    order = []
+    while sch.has_work():
+        step = sch.schedule()
+        fake_run(step)
+        for x in step:
+            order.append(x.seq.request_id)
+            _finish(sch, led, x.seq)
+    assert order == ["r0", "r1", "r2"]
