@@ -173,7 +173,11 @@ def cmd_serve(a) -> int:
 
     level = "debug" if a.verbose else "info"
     try:
-        limits = HttpLimits(a.header_timeout, a.body_timeout, a.max_connections)
+        per_address = a.max_connections_per_address
+        if per_address is None and a.role in ("prefill", "decode"):
+            per_address = a.max_connections   # a node's clients are its routers, each with its pool of connections
+        limits = HttpLimits(a.header_timeout, a.body_timeout, a.max_connections,
+                            max_connections_per_address=per_address)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -413,6 +417,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a client has to send its whole request body (then 408 and close)")
     s.add_argument("--max-connections", type=int, default=2048,
                    help="open connections beyond this are answered 503 at once")
+    s.add_argument("--max-connections-per-address", type=int, default=None, metavar="N",
+                   help="open connections one client address may hold, beyond it 503 at once (default: half "
+                        "of --max-connections, all of them on a prefill or decode node, whose clients are "
+                        "routers; behind a proxy every client has its address: set it to --max-connections)")
     s.add_argument("--role", default="single", choices=["single", "prefill", "decode", "router"],
                    help="single node (default), or one part of a prefill/decode deployment")
     s.add_argument("--prefill-url", action="append", default=None,

@@ -13,6 +13,11 @@ server forever (slowloris). `GuardedH11Protocol` adds two deadlines, checked onc
 
 Nothing is timed once a request has been read: a response may stream for as long as it
 generates.
+
+One client address may hold at most `max_connections_per_address` of the connections (half of
+them by default): past it, a new connection from that address is answered 503 and closed
+before it is read, so one client cannot take every connection and lock the others out. Behind a
+proxy every client has the proxy's address: raise it to max_connections there.
 """
 from __future__ import annotations
 
@@ -30,6 +35,9 @@ log = logging.getLogger("kvfence.http")
 
 CAP_BODY = json.dumps({"error": {"message": "The server has too many open connections; retry shortly.",
                                  "type": "server_error", "param": None, "code": "server_overloaded"}}).encode()
+ADDRESS_CAP_BODY = json.dumps({"error": {
+    "message": "Too many open connections from your address; close some or retry shortly.",
+    "type": "server_error", "param": None, "code": "server_overloaded"}}).encode()
 
 
 async def _over_the_cap(scope: Any, receive: Any, send: Any) -> None:
@@ -54,12 +62,21 @@ class HttpLimits:
     body_timeout_s: float = 60.0       # an 8 MiB body needs ~140 KB/s to make it
     max_connections: int = 2048        # beyond this uvicorn answers 503 at once
     max_header_bytes: int = 64 << 10   # request line + headers; larger gets 400
+    max_connections_per_address: int | None = None   # None: half of max_connections
 
     def __post_init__(self) -> None:
         if not (self.header_timeout_s > 0 and self.body_timeout_s > 0):
             raise ValueError("HTTP read timeouts must be positive")
         if self.max_connections < 1 or self.max_header_bytes < 1024:
             raise ValueError("max_connections must be >= 1 and max_header_bytes >= 1024")
+        if self.max_connections_per_address is not None and self.max_connections_per_address < 1:
+            raise ValueError("max_connections_per_address must be >= 1")
+
+    @property
+    def per_address(self) -> int:
+        if self.max_connections_per_address is not None:
+            return self.max_connections_per_address
+        return max(1, self.max_connections // 2)
 
 
 def uvicorn_kwargs(limits: HttpLimits) -> dict[str, Any]:
@@ -69,12 +86,14 @@ def uvicorn_kwargs(limits: HttpLimits) -> dict[str, Any]:
 
 
 def _protocol_for(limits: HttpLimits) -> type[H11Protocol]:
-    # uvicorn builds the protocol itself, so the limits travel as class attributes
-    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits})
+    # uvicorn builds the protocol itself, so the limits (and the server's count of connections
+    # per address) travel as class attributes, one class per server
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits, "by_address": {}})
 
 
 class GuardedH11Protocol(H11Protocol):
     limits = HttpLimits()
+    by_address: dict[str, int] = {}    # open connections per client address (the event loop's only)
     CHECK_EVERY_S = 1.0
     LINGER_S = 2.0
 
@@ -84,13 +103,39 @@ class GuardedH11Protocol(H11Protocol):
         self._began = False          # bytes of the current request have arrived
         self._phase: object = h11.IDLE
         self._phase_since = self.loop.time()
-        self._watchdog: asyncio.TimerHandle | None = self.loop.call_later(self.CHECK_EVERY_S, self._check_deadlines)
+        self._watchdog: asyncio.TimerHandle | None = None
+        peer = transport.get_extra_info("peername")
+        self._address = peer[0] if isinstance(peer, tuple) and peer else None   # None: a Unix socket
+        if self._address is not None:
+            held = self.by_address.get(self._address, 0) + 1
+            self.by_address[self._address] = held
+            if held > self.limits.per_address:
+                log.warning("refusing a connection from %s: it holds %d (at most %d per address)",
+                            self._address, held - 1, self.limits.per_address)
+                self._refuse_connection()
+                return
+        self._watchdog = self.loop.call_later(self.CHECK_EVERY_S, self._check_deadlines)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
+        if self._address is not None:
+            left = self.by_address.get(self._address, 1) - 1
+            if left > 0:
+                self.by_address[self._address] = left
+            else:
+                self.by_address.pop(self._address, None)
+            self._address = None
         super().connection_lost(exc)
+
+    def _refuse_connection(self) -> None:
+        """503 before the request is read (written raw: h11 frames no response before one),
+        then a lingering close, as _give_up does."""
+        self.transport.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                             b"retry-after: 1\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+                             % (len(ADDRESS_CAP_BODY), ADDRESS_CAP_BODY))
+        self._linger_close()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -129,8 +174,11 @@ class GuardedH11Protocol(H11Protocol):
         if self.cycle is not None:
             self.cycle.disconnected = True       # the app's receive() returns http.disconnect
             self.cycle.message_event.set()
+        self._linger_close()
+
+    def _linger_close(self) -> None:
         # a lingering close: closing with the client's bytes still arriving makes the kernel send
-        # a reset, which can destroy the 408 before the client reads it
+        # a reset, which can destroy the answer before the client reads it
         self._discarding = True
         if self.transport.can_write_eof():
             self.transport.write_eof()

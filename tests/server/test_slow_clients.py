@@ -24,8 +24,9 @@ def guarded(make_server):
     return make_server(limits=HttpLimits(header_timeout_s=1.0, body_timeout_s=2.0))
 
 
-def _connect(srv) -> socket.socket:
-    s = socket.create_connection(("127.0.0.1", srv.port), timeout=READ_BOUND_S)
+def _connect(srv, source: str | None = None) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", srv.port), timeout=READ_BOUND_S,
+                                 source_address=(source, 0) if source else None)
     return s
 
 
@@ -117,7 +118,7 @@ def test_a_trickled_body_gets_408_and_holds_nothing(guarded):
 
 
 def test_connections_past_the_cap_get_503_at_once_and_the_cap_frees(make_server):
-    srv = make_server(limits=HttpLimits(header_timeout_s=60.0, max_connections=4))
+    srv = make_server(limits=HttpLimits(header_timeout_s=60.0, max_connections=4, max_connections_per_address=4))
     held = [_connect(srv) for _ in range(4)]
     try:
         for s in held:
@@ -163,3 +164,50 @@ def test_many_slow_clients_at_once_do_not_stop_the_others(guarded):
                 closed += 1
     assert not errors, errors
     assert closed == len(held)
+
+
+def test_one_address_cannot_take_every_connection(make_server):
+    """127.0.0.1 holds its 3 (of 8); its fourth is answered 503 before it is read, while
+    127.0.0.2 (another client on loopback) is served; once one closes, 127.0.0.1 gets in again."""
+    srv = make_server(limits=HttpLimits(header_timeout_s=60.0, max_connections=8, max_connections_per_address=3))
+    held = [_connect(srv) for _ in range(3)]
+    try:
+        for s in held:
+            s.sendall(b"GET /health/li")      # open and unfinished
+        time.sleep(0.3)
+        extra = _connect(srv)
+        extra.sendall(b"GET /health/live HTTP/1.1\r\nhost: x\r\n\r\n")
+        got = _read_until_closed(extra)
+        extra.close()
+        assert got.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in got.lower(), got[:300]
+        assert b'"code": "server_overloaded"' in got and b"from your address" in got
+        other = _connect(srv, source="127.0.0.2")
+        other.sendall(b"GET /health/live HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        assert _read_until_closed(other).startswith(b"HTTP/1.1 200")
+        other.close()
+    finally:
+        for s in held:
+            s.close()
+    deadline = time.monotonic() + READ_BOUND_S
+    while True:        # the count goes down as they close
+        with httpx.Client(timeout=READ_BOUND_S) as c:
+            r = c.get(srv.url + "/health/live")
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert r.status_code == 200, r.text
+    assert HttpLimits(max_connections=100).per_address == 50
+
+
+def test_the_cli_passes_the_per_address_cap(monkeypatch, tmp_path):
+    from kvfence import cli
+    from kvfence.server import serve as serve_module
+
+    seen: list[HttpLimits] = []
+    monkeypatch.setattr(serve_module, "serve", lambda *a, **kw: seen.append(a[7]) or 0)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    assert cli.main(["serve", "--max-connections", "64", "--max-connections-per-address", "7"]) == 0
+    assert seen[-1].max_connections == 64 and seen[-1].per_address == 7
+    assert cli.main(["serve", "--max-connections", "64"]) == 0
+    assert seen[-1].per_address == 32
+    assert cli.main(["serve", "--max-connections-per-address", "0"]) == 2     # refused, with a message
