@@ -144,6 +144,13 @@ def _max_token_chars(hf: Tokenizer) -> int | None:
     if (spec.get("normalizer") is not None or model.get("type") != "BPE" or model.get("fuse_unk")
             or not kinds <= _KEEPING_PRE_TOKENIZERS or "removed" in json.dumps(pre).lower()):
         return None
+    # an added token that strips whitespace beside it stands for any run of it
+    if any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens") or []):
+        return None
+    # a BPE with no unknown token, no byte fallback and no byte-level step drops characters
+    # it has no entry for
+    if model.get("unk_token") is None and not model.get("byte_fallback") and "ByteLevel" not in kinds:
+        return None
     return max((len(t) for t in hf.get_vocab(with_added_tokens=True)), default=0) or None
 
 
@@ -193,6 +200,7 @@ def tokenizer_from_hf_folder(folder) -> KvTokenizer:
 
     folder = Path(folder)
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.no_truncation()   # a tokenizer.json may set truncation: a long prompt must reach I4 whole, not cut short
     cfg = {}
     if (folder / "tokenizer_config.json").exists():
         cfg = json.loads((folder / "tokenizer_config.json").read_text())

@@ -736,7 +736,7 @@ def serve_router(prefill_urls: list[str], decode_urls: list[str], model: str | N
     async def cluster(request: Request):
         body = {"ready": backend.state == "ready",
                 "usable_context": backend.facts["usable_context"] if backend.facts else None}
-        if not may_scrape(state, request, "/v1/kvfence/cluster"):
+        if not may_scrape(state, request, "/v1/kvfence/cluster", public_part=True):
             # with a tenants file, where the nodes are, how loaded each is and why one was
             # refused are the operator's: a tenant learns only whether the service is up
             return {**body, "detail": "per-node state needs the tenants file's [metrics] or [operator] key "

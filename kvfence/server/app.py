@@ -99,14 +99,18 @@ class ServerState:
                                    self.engine.snapshot, self.served_name)
 
 
-def may_scrape(state: ServerState, request: Request, route: str) -> bool:
+def may_scrape(state: ServerState, request: Request, route: str, public_part: bool = False) -> bool:
     """Whether the request carries a key that reads what the operator sees (/metrics, the
     router's per-node state): always without a tenants file. Wrong keys are bounded per address
     as the console's are (429 once too many); no key at all, or a tenant's own, teaches nothing
-    and is not counted."""
+    and is not counted. `public_part`: the route has an answer for everyone (/health, the
+    cluster's readiness), which a throttled address still gets: else anyone sharing the probe's
+    address (a NAT, the ingress) could turn readiness probes into 429s with wrong keys."""
     address = request.client.host if request.client else "unknown"
     wait = state.scrape_throttle.retry_after(address)
     if wait is not None:
+        if public_part:
+            return False
         raise APIError(429, f"Too many wrong keys for {route} from this address; try again later.",
                        code="rate_limit_exceeded", headers={"Retry-After": str(wait)})
     authorization = request.headers.get("authorization")
@@ -155,7 +159,7 @@ def create_app(state: ServerState) -> FastAPI:
                 "running": snap.get("running"), "waiting": snap.get("waiting")}
         # why it failed names the router's nodes (URLs, states) or the engine's internals: with a
         # tenants file, for the [metrics] or [operator] key only (probes need the status alone)
-        if state.engine.error and may_scrape(state, request, "/health"):
+        if state.engine.error and may_scrape(state, request, "/health", public_part=True):
             body["error"] = state.engine.error
         return JSONResponse(body, status_code=200 if st == "ready" else 503)
 

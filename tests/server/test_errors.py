@@ -234,6 +234,15 @@ def test_engine_crash_fails_requests_closed_and_health_says_so(make_server, capl
         assert r.status_code == 503 and "injected engine crash" not in r.text, r.text
     health = httpx.get(srv.url + "/health", headers={"Authorization": f"Bearer {SCRAPER_KEY}"})
     assert "injected engine crash" in health.json()["error"]
+    # wrong /metrics keys throttle this address; its readiness probe still gets the status
+    # (not a 429), without the reason (no key is checked while throttled; found in review)
+    from kvfence.server.auth_throttle import LIMIT
+
+    for _ in range(LIMIT):
+        assert httpx.get(srv.url + "/metrics", headers={"Authorization": "Bearer sk-guess-00000"}).status_code == 401
+    health = httpx.get(srv.url + "/health", headers={"Authorization": f"Bearer {SCRAPER_KEY}"})
+    assert health.status_code == 503 and health.json()["status"] == "failed" and "error" not in health.json()
+    assert httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {SCRAPER_KEY}"}).status_code == 429
     assert httpx.get(srv.url + "/openapi.json").status_code == 404     # no route list for anyone
 
 

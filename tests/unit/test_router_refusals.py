@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -15,6 +16,7 @@ def test_prompt_scoring_is_refused_behind_the_router(params):
     a request for no tokens has nothing for decode to do (a 400 in server/app.py)."""
     router = RouterBackend("http://127.0.0.1:9", "http://127.0.0.1:9", b"k" * 32)
     router._ready, router.facts = True, {"usable_context": 1024}
+    router.fleet = SimpleNamespace(ready=True)   # a stand-in: no node is contacted before these refusals
     with pytest.raises(ValueError, match="not supported behind the PD router"):
         asyncio.run(router.submit([1, 2, 3], params, "alice"))
     assert not router._tasks
@@ -32,6 +34,7 @@ def test_a_request_the_wire_cannot_carry_ends_instead_of_hanging(monkeypatch):
     monkeypatch.setattr(router_mod.WireParams, "of", staticmethod(refuse))
     router = RouterBackend("http://127.0.0.1:9", "http://127.0.0.1:9", b"k" * 32)
     router._ready, router.facts = True, {"usable_context": 1024}
+    router.fleet = SimpleNamespace(ready=True)   # a stand-in: no node is contacted before these refusals
 
     async def go():
         return await asyncio.wait_for(router.submit([1, 2, 3], SamplingParams(max_tokens=4), "alice"), 10)
