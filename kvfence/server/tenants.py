@@ -287,11 +287,10 @@ class Lease:
     use this minute (prompt + max_tokens, reserved at admission); release exactly once, with
     the completion tokens it really produced: the rest is refunded."""
 
-    def __init__(self, limiter: TenantLimiter, tenant: Tenant, prompt_tokens: int = 0,
-                 entry: list | None = None):
+    def __init__(self, limiter: TenantLimiter, tenant: Tenant):
         self._limiter, self.tenant, self._open = limiter, tenant, True
-        self.prompt_tokens = prompt_tokens
-        self._entry = entry     # [time, tokens] in the tenant's window, while it has a TPM limit
+        self.prompt_tokens = 0     # set by TenantLimiter.charge
+        self._entry: list | None = None   # [time, tokens] in the tenant's window, while it has a TPM limit
 
     def release(self, completion_tokens: int = 0) -> None:
         if self._open:

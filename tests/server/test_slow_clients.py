@@ -30,6 +30,18 @@ def _connect(srv, source: str | None = None) -> socket.socket:
     return s
 
 
+def _served_again(srv) -> None:
+    """Once held connections are closed, a new one is served again (within READ_BOUND_S)."""
+    deadline = time.monotonic() + READ_BOUND_S
+    while True:
+        with httpx.Client(timeout=READ_BOUND_S) as c:
+            r = c.get(srv.url + "/health/live")
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert r.status_code == 200, r.text
+
+
 def _read_until_closed(s: socket.socket) -> bytes:
     """Everything the server sends until it closes; fails (socket.timeout) if it never does."""
     got = b""
@@ -131,14 +143,7 @@ def test_connections_past_the_cap_get_503_at_once_and_the_cap_frees(make_server)
     finally:
         for s in held:
             s.close()
-    deadline = time.monotonic() + READ_BOUND_S
-    while True:
-        with httpx.Client(timeout=READ_BOUND_S) as c:
-            r = c.get(srv.url + "/health/live")
-        if r.status_code == 200 or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert r.status_code == 200, r.text
+    _served_again(srv)
 
 
 def test_many_slow_clients_at_once_do_not_stop_the_others(guarded):
@@ -188,14 +193,7 @@ def test_one_address_cannot_take_every_connection(make_server):
     finally:
         for s in held:
             s.close()
-    deadline = time.monotonic() + READ_BOUND_S
-    while True:        # the count goes down as they close
-        with httpx.Client(timeout=READ_BOUND_S) as c:
-            r = c.get(srv.url + "/health/live")
-        if r.status_code == 200 or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert r.status_code == 200, r.text
+    _served_again(srv)   # the count goes down as they close
     assert HttpLimits(max_connections=100).per_address == 50
 
 

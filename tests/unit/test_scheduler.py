@@ -248,7 +248,7 @@ def test_free_slots_go_tenant_by_tenant_not_in_arrival_order():
     assert started == [alice[1], alice[2]]              # alone again: alice's in her order
 
 
-def test_one_tenant_is_served_in_arrival_order_and_a_preempted_one_first():
+def test_one_tenant_is_served_in_arrival_order():
     led = Ledger(256, 4)
     sch = Scheduler(led, max_num_seqs=1, token_budget=100)
     seqs = [make_seq(led, 2, i) for i in range(3)]
