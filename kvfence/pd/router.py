@@ -156,7 +156,7 @@ class RouterBackend:
         self.startup_checks: list[dict] = []
         self.check: ClusterCheck | None = None
         self.fleet: Fleet | None = None
-        self.error: str | None = None
+        self._start_error: str | None = None   # why start-up gave up (then there is no fleet)
         self.iterations = 0
         self._ready = False
         self._started = False
@@ -181,7 +181,23 @@ class RouterBackend:
             return "stopped"
         if self._serving:
             return "ready"
-        return "loading" if self.check is None and self.error is None else "not_ready"
+        return "loading" if self.fleet is None and self._start_error is None else "not_ready"
+
+    @property
+    def error(self) -> str | None:
+        """Why the router is not serving, read from the fleet now: a node marked down between
+        the monitor's rounds changes readiness at once (`_serving`), so its reason must too."""
+        if self._start_error is not None:
+            return self._start_error
+        fleet = self.fleet
+        if fleet is None or self._stopped or self._serving:
+            return None
+        missing = [r for r in ROLES if not fleet.serving(r)]
+        if not missing:
+            return "every role has a ready node again; waiting for the fleet monitor's next round to confirm it"
+        return "; ".join(f"no {r} node is ready (" + ", ".join(
+            f"{n.url}: {n.state}{' - ' + n.reason if n.reason else ''}" for n in fleet.nodes if n.role == r) + ")"
+            for r in missing)
 
     def _fetch_info(self, c: httpx.Client, a: NodeAddress) -> tuple[NodeInfo | None, str | None]:
         try:
@@ -243,7 +259,7 @@ class RouterBackend:
                     missing = [f"{r} node at {u} ({why.get(u, 'no answer')})" for r, u in every if u not in found]
                     if roles_up >= set(ROLES):
                         break
-                    self.error = f"no answer within {self.wait_s:g} s from: " + "; ".join(missing)
+                    self._start_error = f"no answer within {self.wait_s:g} s from: " + "; ".join(missing)
                     return self
                 time.sleep(0.5)
         chk = plan_fleet(self.max_model_len, found, self.clamp)
@@ -255,9 +271,9 @@ class RouterBackend:
         self.startup_checks = [{"name": "cluster capacity", "invariant": "I8",
                                 "status": "passed" if chk.ok else "failed", "detail": chk.note}]
         if not chk.ok:
-            self.error = f"cluster capacity check failed: {chk.note}"
-            log.error("%s", self.error)
-            incidents.record("startup_check_failed", invariant="I8", detail=self.error)
+            self._start_error = f"cluster capacity check failed: {chk.note}"
+            log.error("%s", self._start_error)
+            incidents.record("startup_check_failed", invariant="I8", detail=self._start_error)
             return self
         for url, reasons in chk.refused.items():
             incidents.record("node_refused", detail=f"{chk.roles.get(url)} node {url} at start: {'; '.join(reasons)}")
@@ -287,13 +303,6 @@ class RouterBackend:
         assert self.fleet is not None
         fleet = self.fleet
         self._ready = fleet.ready and not self._stopped
-        if self._ready:
-            self.error = None
-        else:
-            missing = [r for r in ROLES if not fleet.serving(r)]
-            self.error = "; ".join(f"no {r} node is ready (" + ", ".join(
-                f"{n.url}: {n.state}{' - ' + n.reason if n.reason else ''}" for n in fleet.nodes if n.role == r) + ")"
-                for r in missing)
         self.snapshot = _merge_snapshots(fleet)
 
     def wait_ready(self, timeout: float | None = None) -> bool:

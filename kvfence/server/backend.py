@@ -87,7 +87,6 @@ class RequestHandle:
 
 
 class EngineBackend(Protocol):
-    error: str | None                   # why it is not serving, if it is not
     facts: dict[str, Any] | None        # static facts (model, pool, context), once known
     snapshot: dict[str, Any]            # live counts, refreshed by the backend
     startup_checks: list[dict[str, Any]]
@@ -95,6 +94,9 @@ class EngineBackend(Protocol):
 
     @property
     def state(self) -> str: ...         # loading | ready | not_ready | failed | stopped
+
+    @property
+    def error(self) -> str | None: ...  # why it is not serving, if it is not
 
     def start(self) -> EngineBackend: ...
     def stop(self, timeout: float = 30.0) -> None: ...

@@ -306,3 +306,31 @@ def test_the_router_is_not_ready_the_moment_its_last_node_of_a_role_goes():
     assert r.state == "ready"
     f.recheck(f.nodes[1], "restarted")                 # a request found decode not ready
     assert r.state != "ready"
+
+
+def test_the_router_says_why_at_once_when_a_node_goes_down_between_rounds():
+    """Readiness counts a node marked down at once (before the monitor's next round); its
+    reason must too. Before, `error` was set only by the round, so the client and /health read
+    "not serving (not_ready): stopped" - the wrong story - until the round ended."""
+    import asyncio
+
+    from kvfence.engine.params import SamplingParams
+    from kvfence.pd.router import RouterBackend
+    from kvfence.server.engine_loop import EngineFailed
+
+    router = RouterBackend("http://127.0.0.1:9", "http://127.0.0.1:9", b"k" * 32)
+    router.fleet, router.facts = fleet(), {"usable_context": 1024}
+    router._refresh()
+    assert router.state == "ready" and router.error is None
+    for d in router.fleet.nodes[3:]:
+        router.fleet.recheck(d, "refused as not_ready")      # what a request's refusal does
+    assert router.state == "not_ready"
+    assert "no decode node is ready" in (router.error or "") and "refused as not_ready" in router.error
+    with pytest.raises(EngineFailed, match="no decode node is ready"):
+        asyncio.run(router.submit([1, 2, 3], SamplingParams(max_tokens=4), "alice"))
+    router._refresh()                                         # a round saw them down
+    for d in router.fleet.nodes[3:]:
+        router.fleet.observe(d, info("decode", boot=d.url))   # back before the next round
+    assert router.state == "not_ready" and "monitor" in (router.error or "")
+    router._refresh()
+    assert router.state == "ready" and router.error is None
