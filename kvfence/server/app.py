@@ -357,6 +357,7 @@ async def _generate(state: ServerState, request: Request, kind: str):
             raise bad_request(str(e), param="response_format") from None
         except ValueError as e:
             raise bad_request(str(e), param=req.prompt_param) from None
+        run = _Run(state, request, choices, tenant, lease, arrival, req)   # from here run.close() frees the slot
     except APIError as e:
         if lease is not None:
             lease.release()
@@ -372,7 +373,6 @@ async def _generate(state: ServerState, request: Request, kind: str):
             lease.release()
             _abort_all(state, choices, "the request failed before it ran")
         raise
-    run = _Run(state, request, choices, tenant, lease, arrival, req)
     if view is not None:
         if req.stream:
             return event_stream(view.events(run.chunks()), run.close)
