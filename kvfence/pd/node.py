@@ -287,7 +287,7 @@ def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int,
     scheme = "https" if tls.serving else "http"
     log.info("%s node serving its internal API on %s://%s:%d/internal%s", settings.role, scheme, host, port,
              " (client certificates required)" if tls.serving and tls.ca else "")
-    server = uvicorn_server(app, host, port, limits or HttpLimits(), log_level,
+    server = uvicorn_server(app, host, port, limits or HttpLimits(), log_level, refusals=state.metrics.connections,
                             **uvicorn_options(tls, client_certificates=True))
     exit_now.append(lambda: setattr(server, "should_exit", True))
     stop_at_once = server.handle_exit

@@ -755,6 +755,6 @@ def serve_router(prefill_urls: list[str], decode_urls: list[str], model: str | N
 
     log.info("router serving model %r on http://%s:%d/v1 (prefill %s; decode %s)", state.served_name, host, port,
              ", ".join(backend.urls["prefill"]), ", ".join(backend.urls["decode"]))
-    uvicorn_server(app, host, port, limits or HttpLimits(), log_level,
+    uvicorn_server(app, host, port, limits or HttpLimits(), log_level, refusals=state.metrics.connections,
                    **uvicorn_options(tls, client_certificates=False)).run()
     return 0

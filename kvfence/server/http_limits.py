@@ -18,12 +18,18 @@ One client address may hold at most `max_connections_per_address` of the connect
 them by default): past it, a new connection from that address is answered 503 and closed
 before it is read, so one client cannot take every connection and lock the others out. Behind a
 proxy every client has the proxy's address: raise it to max_connections there.
+
+Every connection closed for one of these reasons is counted (`ConnectionRefusals`, on /metrics as
+kvfence_http_connections_refused_total) and logged at most once per reason and address every
+ten seconds: a client hammering its cap would otherwise write a log line per attempt.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,21 +85,56 @@ class HttpLimits:
         return max(1, self.max_connections // 2)
 
 
-def uvicorn_kwargs(limits: HttpLimits) -> dict[str, Any]:
-    """The options of uvicorn.Config that enforce `limits` (pass them with the app's own)."""
-    return {"http": _protocol_for(limits), "limit_concurrency": limits.max_connections,
-            "h11_max_incomplete_event_size": limits.max_header_bytes}
+REFUSAL_REASONS = ("per_address_cap", "header_timeout", "body_timeout")
 
 
-def _protocol_for(limits: HttpLimits) -> type[H11Protocol]:
+class ConnectionRefusals:
+    """Connections a server closed without serving them, by reason (for /metrics), and their
+    log lines: the first per (reason, address), then at most one every `quiet_s` that says how
+    many it stood for. Addresses remembered are bounded (the oldest are forgotten first)."""
+
+    def __init__(self, quiet_s: float = 10.0, max_addresses: int = 4096,
+                 clock: Callable[[], float] = time.monotonic):
+        self.quiet_s, self.max_addresses, self.clock = quiet_s, max_addresses, clock
+        self.counts = dict.fromkeys(REFUSAL_REASONS, 0)
+        self._logged: dict[tuple[str, str], tuple[float, int]] = {}   # key -> (logged at, not logged since)
+
+    def note(self, reason: str, address: str | None, message: str, *args: Any) -> None:
+        self.counts[reason] += 1
+        key, now = (reason, address or "-"), self.clock()
+        last = self._logged.get(key)
+        if last is not None and now - last[0] < self.quiet_s:
+            self._logged[key] = (last[0], last[1] + 1)
+            return
+        if last is not None and last[1]:
+            message += f" (and {last[1]} more like it in the {now - last[0]:.0f} s before)"
+        log.warning(message, *args)
+        self._logged.pop(key, None)
+        if len(self._logged) >= self.max_addresses:
+            self._logged = {k: v for k, v in self._logged.items() if now - v[0] < self.quiet_s}
+            while len(self._logged) >= self.max_addresses:
+                del self._logged[next(iter(self._logged))]
+        self._logged[key] = (now, 0)
+
+
+def uvicorn_kwargs(limits: HttpLimits, refusals: ConnectionRefusals | None = None) -> dict[str, Any]:
+    """The options of uvicorn.Config that enforce `limits` (pass them with the app's own);
+    `refusals` counts the connections they close (the server's metrics read it)."""
+    return {"http": _protocol_for(limits, refusals or ConnectionRefusals()),
+            "limit_concurrency": limits.max_connections, "h11_max_incomplete_event_size": limits.max_header_bytes}
+
+
+def _protocol_for(limits: HttpLimits, refusals: ConnectionRefusals) -> type[H11Protocol]:
     # uvicorn builds the protocol itself, so the limits (and the server's count of connections
     # per address) travel as class attributes, one class per server
-    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits, "by_address": {}})
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits, "by_address": {},
+                                                              "refusals": refusals})
 
 
 class GuardedH11Protocol(H11Protocol):
     limits = HttpLimits()
     by_address: dict[str, int] = {}    # open connections per client address (the event loop's only)
+    refusals = ConnectionRefusals()
     CHECK_EVERY_S = 1.0
     LINGER_S = 2.0
 
@@ -110,8 +151,9 @@ class GuardedH11Protocol(H11Protocol):
             held = self.by_address.get(self._address, 0) + 1
             self.by_address[self._address] = held
             if held > self.limits.per_address:
-                log.warning("refusing a connection from %s: it holds %d (at most %d per address)",
-                            self._address, held - 1, self.limits.per_address)
+                self.refusals.note("per_address_cap", self._address,
+                                   "refusing a connection from %s: it holds %d (at most %d per address)",
+                                   self._address, held - 1, self.limits.per_address)
                 self._refuse_connection()
                 return
         self._watchdog = self.loop.call_later(self.CHECK_EVERY_S, self._check_deadlines)
@@ -155,16 +197,18 @@ class GuardedH11Protocol(H11Protocol):
         if state is h11.IDLE and self.conn.our_state is h11.IDLE and waited > self.limits.header_timeout_s:
             # a 408 only to a client that began a request: on a silent kept-alive connection it
             # could race the client's next request and be read as its answer
-            self._give_up("request headers", waited, answer_408=self._began)
+            self._give_up("header_timeout", "request headers", waited, answer_408=self._began)
             return
         if state is h11.SEND_BODY and waited > self.limits.body_timeout_s:
-            self._give_up("request body", waited, answer_408=self.cycle is None or not self.cycle.response_started)
+            self._give_up("body_timeout", "request body", waited,
+                          answer_408=self.cycle is None or not self.cycle.response_started)
             return
         self._watchdog = self.loop.call_later(self.CHECK_EVERY_S, self._check_deadlines)
 
-    def _give_up(self, what: str, waited: float, answer_408: bool) -> None:
+    def _give_up(self, reason: str, what: str, waited: float, answer_408: bool) -> None:
         client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
-        log.warning("closing the connection from %s: its %s did not arrive within %.0f s", client, what, waited)
+        self.refusals.note(reason, self.client[0] if self.client else None,
+                           "closing the connection from %s: its %s did not arrive within %.0f s", client, what, waited)
         if answer_408:
             # written raw: h11 frames no response before a request, and the app's own response,
             # if it tries one later, is dropped because the cycle is marked disconnected
@@ -192,9 +236,9 @@ class GuardedH11Protocol(H11Protocol):
 
 
 def uvicorn_server(app: Any, host: str, port: int, limits: HttpLimits, log_level: str = "info",
-                   access_log: bool = False, **options: Any):
+                   access_log: bool = False, refusals: ConnectionRefusals | None = None, **options: Any):
     """The one way kvfence builds its uvicorn servers, so that no role runs without the limits."""
     import uvicorn
 
     return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
-                                         **uvicorn_kwargs(limits), **options))
+                                         **uvicorn_kwargs(limits, refusals), **options))

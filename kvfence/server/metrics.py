@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvfence import faults
+from kvfence.server.http_limits import REFUSAL_REASONS, ConnectionRefusals
 
 REJECTION_REASONS = ("context_length_exceeded", "tenant_max_prompt_tokens", "tenant_max_concurrent_requests",
                      "tenant_tokens_per_minute", "invalid_request", "unauthorized", "model_not_found",
@@ -41,6 +42,8 @@ class ServerMetrics:
         for reason in REJECTION_REASONS:
             self.rejections.labels(reason)
         r.register(_EngineCollector(engine_loop))
+        self.connections = ConnectionRefusals()   # the HTTP server counts what it closes here (uvicorn_server)
+        r.register(_RefusalCollector(self.connections))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -59,6 +62,22 @@ class ServerMetrics:
             self.itl.observe(b - a)
         if arrival is not None and token_times:
             self.duration.observe(max(0.0, token_times[-1] - arrival))
+
+
+class _RefusalCollector:
+    def __init__(self, refusals: ConnectionRefusals):
+        self.refusals = refusals
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        c = CounterMetricFamily("kvfence_http_connections_refused", "Connections closed without being served: "
+                                "over the per-address cap, or headers or body not received in time",
+                                labels=["reason"])
+        for reason in REFUSAL_REASONS:
+            c.add_metric([reason], float(self.refusals.counts[reason]))
+        yield c
 
 
 class _EngineCollector:

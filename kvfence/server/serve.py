@@ -57,7 +57,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, tenan
     state = ServerState(engine, tenants, served_model_name, max_body_bytes)
     log.info("serving model %r on %s://%s:%d/v1", state.served_name, "https" if tls else "http", host, port)
     server = uvicorn_server(create_app(state), host, port, limits or HttpLimits(), log_level, access_log=True,
-                            **tls)
+                            refusals=state.metrics.connections, **tls)
     return run_until_engine_fails(server, engine)
 
 

@@ -111,7 +111,8 @@ class LiveServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.base_url = self.url + "/v1"
         self.server = uvicorn_server(create_app(state), "127.0.0.1", self.port, limits or HttpLimits(),
-                                     access_log=True, log_config=None, timeout_graceful_shutdown=2)
+                                     access_log=True, log_config=None, timeout_graceful_shutdown=2,
+                                     refusals=state.metrics.connections)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

@@ -7,6 +7,7 @@ Each wait below is a bound on a read (a test that fails instead of hanging), not
 assertion: without the deadlines these sockets stay open until the read times out."""
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -65,6 +66,7 @@ def test_a_half_sent_request_line_gets_408_and_a_close(guarded):
         got = _read_until_closed(s)
     assert got.startswith(b"HTTP/1.1 408"), got[:200]
     assert b"request headers not received in time" in got
+    assert guarded.metric("kvfence_http_connections_refused_total", reason="header_timeout") == 1
 
 
 def test_an_idle_connection_is_closed_silently(guarded):
@@ -171,7 +173,7 @@ def test_many_slow_clients_at_once_do_not_stop_the_others(guarded):
     assert closed == len(held)
 
 
-def test_one_address_cannot_take_every_connection(make_server):
+def test_one_address_cannot_take_every_connection(make_server, caplog):
     """127.0.0.1 holds its 3 (of 8); its fourth is answered 503 before it is read, while
     127.0.0.2 (another client on loopback) is served; once one closes, 127.0.0.1 gets in again."""
     srv = make_server(limits=HttpLimits(header_timeout_s=60.0, max_connections=8, max_connections_per_address=3))
@@ -180,12 +182,17 @@ def test_one_address_cannot_take_every_connection(make_server):
         for s in held:
             s.sendall(b"GET /health/li")      # open and unfinished
         time.sleep(0.3)
-        extra = _connect(srv)
-        extra.sendall(b"GET /health/live HTTP/1.1\r\nhost: x\r\n\r\n")
-        got = _read_until_closed(extra)
-        extra.close()
-        assert got.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in got.lower(), got[:300]
-        assert b'"code": "server_overloaded"' in got and b"from your address" in got
+        with caplog.at_level(logging.WARNING, logger="kvfence.http"):
+            for _ in range(5):
+                extra = _connect(srv)
+                extra.sendall(b"GET /health/live HTTP/1.1\r\nhost: x\r\n\r\n")
+                got = _read_until_closed(extra)
+                extra.close()
+                assert got.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in got.lower(), got[:300]
+                assert b'"code": "server_overloaded"' in got and b"from your address" in got
+        # five refusals, counted for /metrics, and one log line for them (not one per attempt)
+        assert sum("refusing a connection from 127.0.0.1" in r.getMessage() for r in caplog.records) == 1
+        assert srv.state.metrics.connections.counts["per_address_cap"] == 5
         other = _connect(srv, source="127.0.0.2")
         other.sendall(b"GET /health/live HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
         assert _read_until_closed(other).startswith(b"HTTP/1.1 200")
@@ -194,7 +201,30 @@ def test_one_address_cannot_take_every_connection(make_server):
         for s in held:
             s.close()
     _served_again(srv)   # the count goes down as they close
+    assert srv.metric("kvfence_http_connections_refused_total", reason="per_address_cap") == 5
     assert HttpLimits(max_connections=100).per_address == 50
+
+
+def test_refusal_log_lines_are_one_per_reason_and_address_every_quiet_period(caplog):
+    from kvfence.server.http_limits import ConnectionRefusals
+
+    now = [0.0]
+    r = ConnectionRefusals(quiet_s=10.0, max_addresses=3, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="kvfence.http"):
+        for i in range(100):
+            now[0] = i * 0.05
+            r.note("per_address_cap", "10.0.0.1", "refused %s", "10.0.0.1")
+        r.note("header_timeout", "10.0.0.1", "slow %s", "10.0.0.1")       # another reason: its own line
+        r.note("per_address_cap", "10.0.0.2", "refused %s", "10.0.0.2")   # another address: its own line
+        now[0] = 15.0
+        r.note("per_address_cap", "10.0.0.1", "refused %s", "10.0.0.1")
+    lines = [x.getMessage() for x in caplog.records]
+    assert lines[:3] == ["refused 10.0.0.1", "slow 10.0.0.1", "refused 10.0.0.2"]
+    assert lines[3] == "refused 10.0.0.1 (and 99 more like it in the 15 s before)" and len(lines) == 4
+    assert r.counts == {"per_address_cap": 102, "header_timeout": 1, "body_timeout": 0}
+    for i in range(50):                     # many addresses: what it remembers stays bounded
+        r.note("body_timeout", f"10.1.0.{i}", "x")
+    assert len(r._logged) <= 3
 
 
 def test_the_cli_passes_the_per_address_cap(monkeypatch, tmp_path):
