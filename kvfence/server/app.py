@@ -300,8 +300,7 @@ async def _generate(state: ServerState, request: Request, kind: str):
         for (_, pids), ids in zip(req.prompts, prompts):
             try:  # I4 here, before any tenant accounting or engine work; the engine checks again
                 if not faults.active("skip_router_admission"):
-                    mt = req.params.max_tokens   # 0 (echo only) fits where the prompt does
-                    check_fits(len(ids), 1 if mt is None else mt, facts["usable_context"])
+                    check_fits(len(ids), _least_completion(req), facts["usable_context"])
             except ContextLengthExceeded as e:
                 raise _too_long(e, req) from None
             if pids is not None:   # after I4: an over-length id list is refused before any per-id work
@@ -457,10 +456,16 @@ async def _encode_chat(tok, messages: list[dict], tools: ToolSpec | None, add_pr
         raise bad_request(str(e), param="messages") from None
 
 
-def _prompt_room(state: ServerState, req: GenerationRequest) -> int:
-    """The most prompt tokens the context leaves beside max_tokens (I4's rule, check_fits)."""
+def _least_completion(req: GenerationRequest) -> int:
+    """The completion tokens I4 (check_fits) keeps room for beside the prompt: max_tokens, 0
+    for echo only, and 1 when unset (the request then takes what the context leaves)."""
     mt = req.params.max_tokens
-    return state.facts["usable_context"] - (1 if mt is None else mt)
+    return 1 if mt is None else mt
+
+
+def _prompt_room(state: ServerState, req: GenerationRequest) -> int:
+    """The most prompt tokens the context leaves (the pre-tokenizing bound's side of I4)."""
+    return state.facts["usable_context"] - _least_completion(req)
 
 
 def _refuse_surely_too_long(tok, text: str, room: int, param: str) -> None:
