@@ -323,17 +323,25 @@ def test_tokenizing_runs_inside_the_tenants_concurrency_slot(server, monkeypatch
     assert server.state.limiter.in_flight("solo") == 0     # and it went back
 
 
-def test_a_slot_goes_back_when_the_request_fails_before_it_runs(server, monkeypatch):
-    """A failure that is not a refusal (a bug in the template, say) still frees the slot."""
-    tok = server.state.engine.tokenizer
+@pytest.mark.parametrize("where", ["tokenizer", "formatter"])
+def test_a_slot_goes_back_when_the_request_fails_before_it_is_answered(server, monkeypatch, where):
+    """A failure that is not a refusal (a bug in the template, say) still frees the slot. The
+    last step before the answer (building the run that formats it) came after the block that
+    frees the slot on failure: a bug there left the slot held for good and the engine
+    generating for nobody."""
+    from kvfence.server import app as app_mod
 
     def broken(*a, **kw):
-        raise RuntimeError("injected tokenizer bug")
+        raise RuntimeError(f"injected {where} bug")
 
-    monkeypatch.setattr(tok, "encode", broken)
-    r = server.http("solo").post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    if where == "tokenizer":
+        monkeypatch.setattr(server.state.engine.tokenizer, "encode", broken)
+    else:
+        monkeypatch.setattr(app_mod, "Formatter", broken)
+    r = server.http("solo").post("/v1/completions", json={"prompt": "x", "max_tokens": 200})
     assert r.status_code == 500
     assert server.state.limiter.in_flight("solo") == 0
+    assert wait_for(lambda: not server.state.engine.snapshot.get("running"))   # aborted at the next step
 
 
 def test_a_prompt_far_too_long_is_refused_before_it_is_tokenized(server, monkeypatch):
@@ -366,19 +374,3 @@ def test_a_prompt_far_too_long_is_refused_before_it_is_tokenized(server, monkeyp
                                                 max_tokens=1)
     assert e.value.code == "context_length_exceeded" and "in the prompt" in e.value.message
     assert len(calls) == 1
-
-
-def test_a_slot_goes_back_when_setting_up_the_answer_fails_after_submit(server, monkeypatch):
-    """The last step before the answer (building the run that formats it) came after the
-    block that frees the slot on failure: a bug there left the slot held for good and the
-    engine generating for nobody."""
-    from kvfence.server import app as app_mod
-
-    def broken(*a, **kw):
-        raise RuntimeError("injected formatter bug")
-
-    monkeypatch.setattr(app_mod, "Formatter", broken)
-    r = server.http("solo").post("/v1/completions", json={"prompt": "x", "max_tokens": 200})
-    assert r.status_code == 500
-    assert server.state.limiter.in_flight("solo") == 0
-    assert wait_for(lambda: not server.state.engine.snapshot.get("running"))   # aborted at the next step
