@@ -13,7 +13,8 @@ that queued while the engine was busy is capped, even if the streams it queued b
 ended (on a backlogged engine it would otherwise stall the newer streams with whole-budget
 steps). When the pool
 runs out, the most recently started sequence is preempted: its pages go back and it is
-recomputed later.
+recomputed later. A step that preempts starts no waiting request (as vLLM's scheduler does):
+on a short pool the newcomer was the next victim, and its prompt was computed again each time.
 
 Waiting requests start tenant by tenant, not in arrival order: the next one is the oldest of
 the tenant with the fewest running sequences (ties: the tenant that last started one longest
@@ -131,6 +132,7 @@ class Scheduler:
             self.streaming_since = min(-math.inf if s.first_token_at is None else s.first_token_at for s in decoding)
         streams_since = math.inf if self.streaming_since is None else self.streaming_since
         prefilled = 0
+        preempted_before = self.num_preemptions
         # Decoding sequences first so a long prefill never stalls token streams.
         self.running.sort(key=lambda s: (s.state is not State.DECODING, s.arrival))
         i = 0
@@ -163,7 +165,9 @@ class Scheduler:
                 prefilled += n
             i += 1
         running_by_tenant = Counter(s.tenant for s in self.running)
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        # a step that had to preempt starts nothing: the pages are short, and a newcomer would
+        # be the next shortage's victim, its prompt computed again each time
+        while self.waiting and len(self.running) < self.max_num_seqs and self.num_preemptions == preempted_before:
             at = self._next_waiting(running_by_tenant)
             seq = self.waiting[at]
             if self._prefill_room(budget, prefilled, seq.arrival > streams_since) <= 0:
