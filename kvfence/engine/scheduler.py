@@ -11,8 +11,8 @@ workload's TTFT p99 1.6-2x) for streams that had just begun. The streams begin w
 token after the engine was idle (nothing running), and go on until it is idle again: a prompt
 that queued while the engine was busy is capped, even if the streams it queued behind have
 ended (on a backlogged engine it would otherwise stall the newer streams with whole-budget
-steps). When the pool
-runs out, the most recently started sequence is preempted: its pages go back and it is
+steps). When the pool runs out, a sequence of the tenant running the most is preempted
+(its last in line: decodes before prefills, then by arrival): its pages go back and it is
 recomputed later. A step that preempts starts no waiting request (as vLLM's scheduler does):
 on a short pool the newcomer was the next victim, and its prompt was computed again each time.
 
@@ -84,9 +84,13 @@ class Scheduler:
             self.waiting.remove(seq)
 
     def _victim_after(self, seq: Sequence) -> Sequence | None:
-        """The most recently started running sequence, if it is behind seq."""
-        victim = self.running[-1]
-        return None if victim is seq else victim
+        """Who gives up its pages so that seq can go on: of the sequences behind seq (not yet
+        scheduled this step), the last of the tenant running the most."""
+        behind = self.running[self.running.index(seq) + 1:]
+        if not behind:
+            return None
+        load = Counter(s.tenant for s in self.running)
+        return max(reversed(behind), key=lambda s: load[s.tenant])   # the first maximum: the last in line
 
     def _preempt(self, victim: Sequence) -> None:
         # a PD decode request too: its transferred KV goes back with its pages and is

@@ -9,8 +9,8 @@ more than the clock skew left. The pull writes the rows, never pool pages. Waiti
 are reserved by need and tenant share, not strictly first in, first out (`_pick`).
 
 Once verified, a request grows page by page as it generates, like on a single node. If the
-pool runs out, the most recently started request is preempted: its pages go back through
-the ledger and decode recomputes its KV (prompt and generated tokens) when pages return, so
+pool runs out, the newest request of the tenant running the most is preempted: its pages go
+back through the ledger and decode recomputes its KV (prompt and generated tokens) when pages return, so
 it goes on with the same tokens; it never reads a page it does not own. Only a request that
 cannot fit even alone ends, with kv_pool_exhausted (the router's start-up check, I8, makes
 that impossible for any request it admits).

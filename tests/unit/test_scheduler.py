@@ -285,3 +285,21 @@ def test_a_step_that_preempts_starts_nothing_new():
     fake_run(step)
     step = sch.schedule()                 # the next step starts it
     assert late in [x.seq for x in step]
+
+
+def test_a_page_shortage_takes_from_the_tenant_running_the_most():
+    """alice runs three, bob one (started last). When pages run short, alice's newest gives up
+    its pages, not bob's only one: before, the newest overall was the victim, so the tenant
+    that admission had just let in was the first to lose its place."""
+    led = Ledger(10, 4)   # 9 usable pages
+    sch = Scheduler(led, max_num_seqs=8, token_budget=100)
+    a = [make_seq(led, 8, i, "alice") for i in range(3)]   # 2 pages each, a 3rd to decode
+    bob = make_seq(led, 8, 3, "bob")
+    for s in (*a, bob):
+        sch.add(s)
+    fake_run(sch.schedule())
+    assert led.num_available == 1 and all(s.state is State.DECODING for s in (*a, bob))
+    step = sch.schedule()
+    assert sch.num_preemptions == 1 and a[2].state is State.WAITING
+    assert [x.seq for x in step] == [a[0], a[1], bob]
+    led.check_consistency()
