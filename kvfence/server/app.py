@@ -624,9 +624,15 @@ class _Run:
                 see(c, c.handle.updates.get_nowait())
         return sum(latest.values())
 
+    @property
+    def cached_tokens(self) -> int:
+        """Of prompt_tokens, those read from the prefix cache: the lead choices', as the prompt is
+        counted once (the other choices' attaching its pages is how n is served, not a cache hit
+        of the client's)."""
+        return sum(c.last.cached_tokens for c in self.choices if c.lead and c.last)
+
     def _usage(self) -> dict:
-        return usage(self.prompt_tokens, self.completion_tokens,
-                     sum(c.last.cached_tokens for c in self.choices if c.last))
+        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
     def _ok(self) -> bool:
         return all(c.ok for c in self.choices)
@@ -697,7 +703,7 @@ class _Run:
         # counts only: never prompt or completion text
         log.info("%s tenant=%s choices=%d prompt_tokens=%d completion_tokens=%d cached_tokens=%d outcome=%s "
                  "ttft_ms=%s", self.choices[0].rid, self.tenant.name, len(self.choices), self.prompt_tokens,
-                 self.completion_tokens, self._usage()["prompt_tokens_details"]["cached_tokens"], outcome, ttft)
+                 self.completion_tokens, self.cached_tokens, outcome, ttft)
 
     def _failure(self) -> APIError:
         bad = next((c for c in self.choices if c.last is not None and c.last.finished and not c.ok), None)
