@@ -89,6 +89,12 @@ class KvTokenizer:
         """Does the model's chat template render OpenAI-style `tools` itself?"""
         return bool(self.chat_template) and "tools" in self.chat_template
 
+    @property
+    def template_has_developer(self) -> bool:
+        """Does the chat template render OpenAI's "developer" role itself? (Most know only
+        system, user, assistant and tool: there the developer message is the system message.)"""
+        return bool(self.chat_template) and "developer" in self.chat_template
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list | None = None) -> str:
         if self._template is None:

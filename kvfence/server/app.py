@@ -442,7 +442,7 @@ async def _encode_chat(tok, messages: list[dict], tools: ToolSpec | None, add_pr
     """A chat prompt's ids: generation's and /tokenize's one way to render messages and tools.
     `room`: the most prompt tokens that can fit; a rendered text surely longer is refused
     before it is tokenized."""
-    rendered, template_tools = render_tools(messages, tools, tok.template_has_tools)
+    rendered, template_tools = render_tools(messages, tools, tok.template_has_tools, tok.template_has_developer)
 
     def encode() -> list[int]:
         text = tok.apply_chat_template(rendered, add_prompt, template_tools)

@@ -131,9 +131,14 @@ def _generic_prompt(spec: ToolSpec) -> str:
     return "\n".join(lines)
 
 
-def render(messages: list[dict], spec: ToolSpec | None, template_has_tools: bool) -> tuple[list[dict], list | None]:
+def render(messages: list[dict], spec: ToolSpec | None, template_has_tools: bool,
+           template_has_developer: bool = False) -> tuple[list[dict], list | None]:
     """Messages for the chat template (role and content only, unless the template reads
-    tools), and the tools to pass it (None: the generic prompt is in the messages)."""
+    tools), and the tools to pass it (None: the generic prompt is in the messages). A
+    "developer" message is OpenAI's system message: for a template that does not know the
+    role it is rendered as one."""
+    if not template_has_developer:
+        messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
     if template_has_tools and spec is not None and spec.active:
         return messages, [{"type": "function", "function": t} for t in spec.allowed()]
     out: list[dict] = []
@@ -148,7 +153,7 @@ def render(messages: list[dict], spec: ToolSpec | None, template_has_tools: bool
             out.append({"role": m["role"], "content": m["content"]})
     if spec is not None and spec.active:
         prompt = _generic_prompt(spec)
-        if out and out[0]["role"] in ("system", "developer"):
+        if out and out[0]["role"] in ("system", "developer"):   # developer: a template that knows it
             out[0] = {"role": out[0]["role"], "content": out[0]["content"] + "\n\n" + prompt}
         else:
             out.insert(0, {"role": "system", "content": prompt})

@@ -30,6 +30,18 @@ def test_tokenize_messages_uses_the_chat_template(server):
     assert r.status_code == 200 and r.json()["count"] == done.usage.prompt_tokens
 
 
+def test_a_developer_message_is_the_system_message_for_a_template_without_that_role(server):
+    """OpenAI's newer clients send the instructions as role "developer". SmolLM2's template
+    knows no such role: it rendered "<|im_start|>developer", under a role the model never saw,
+    and still added its default system prompt. It is the system message there."""
+    as_system = _post(server, "/tokenize", {"messages": [{"role": "system", "content": "Be terse."},
+                                                         {"role": "user", "content": "hi"}]}).json()["tokens"]
+    as_dev = _post(server, "/tokenize", {"messages": [{"role": "developer", "content": "Be terse."},
+                                                      {"role": "user", "content": "hi"}]}).json()["tokens"]
+    assert as_dev == as_system
+    assert "developer" not in server.engine.tokenizer.decode(as_dev, skip_special_tokens=False)
+
+
 def test_tokenize_needs_a_key(server):
     assert _post(server, "/tokenize", {"prompt": "hi"}, who=None).status_code == 401
     assert _post(server, "/detokenize", {"tokens": [1]}, who="sk-not-a-key").status_code == 401
