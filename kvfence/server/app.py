@@ -295,6 +295,7 @@ async def _generate(state: ServerState, request: Request, kind: str):
         req = await asyncio.to_thread(parse, body) if big else parse(body)
         if req.model is not None and req.model != state.served_name:
             raise APIError(404, f"The model '{req.model}' does not exist.", code="model_not_found", param="model")
+        _refuse_max_tokens_beyond_context(req, state.facts["usable_context"])
         prompts = [await _tokenize(state, req, text, pids) for text, pids in req.prompts]
         facts = state.facts
         for (_, pids), ids in zip(req.prompts, prompts):
@@ -454,6 +455,17 @@ async def _encode_chat(tok, messages: list[dict], tools: ToolSpec | None, add_pr
         return await asyncio.to_thread(encode)
     except ChatTemplateError as e:
         raise bad_request(str(e), param="messages") from None
+
+
+def _refuse_max_tokens_beyond_context(req: GenerationRequest, usable: int) -> None:
+    """A max_tokens that leaves no room for even a one-token prompt is the max_tokens' fault:
+    say so under the name the client sent (clients default to 4096 or 8192)."""
+    mt = req.params.max_tokens
+    if mt is not None and mt >= usable and not faults.active("skip_router_admission"):
+        raise APIError(400, f"'{req.max_tokens_param}' is {mt}, but this model's context is {usable} tokens, "
+                            f"prompt included: set it below {usable}, or leave it out (the completion may then use "
+                            "whatever the prompt leaves).", code="context_length_exceeded",
+                       param=req.max_tokens_param, outcome="rejected")
 
 
 def _least_completion(req: GenerationRequest) -> int:

@@ -46,6 +46,7 @@ class GenerationRequest:
     messages: list[dict] | None = None   # chat, content flattened to text
     logprobs: int | None = None       # top alternatives per token; None: no logprobs
     prompt_param: str = "prompt"      # the parameter a prompt-size error points at
+    max_tokens_param: str = "max_tokens"   # the name the client gave its completion limit
     n: int = 1                        # choices per prompt
     more_prompts: list[tuple[str | None, list[int] | None]] | None = None   # completions: prompts after the first
     echo: bool = False                # completions: the prompt's text before each choice's
@@ -415,7 +416,8 @@ def parse_chat(body: dict) -> GenerationRequest:
     logprobs = (top or 0) if want else None
     messages = _messages(body.get("messages", _MISSING))
     return GenerationRequest("chat", c["model"], _params(c, max_tokens, logprobs), c["stream"], c["include_usage"],
-                             messages=messages, logprobs=logprobs, prompt_param="messages", n=c["n"], tools=tools)
+                             messages=messages, logprobs=logprobs, prompt_param="messages", n=c["n"], tools=tools,
+                             max_tokens_param="max_tokens" if mct is None else "max_completion_tokens")
 
 
 def _messages(ms) -> list[dict]:

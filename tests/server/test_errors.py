@@ -37,9 +37,25 @@ def test_context_length_exceeded_names_limit_and_token_count(server, loaded_fp32
     assert e.value.status_code == 400 and e.value.code == "context_length_exceeded"
     msg = e.value.message
     assert "1440" in msg and str(n + 100) in msg and f"{n} in the prompt" in msg
+    # a max_tokens the context cannot hold beside any prompt is the max_tokens' fault, said so
+    # under the name the client sent (before: "at most 0 prompt tokens fit", param "messages")
+    hi = [{"role": "user", "content": "hi"}]
     with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5000)
-    assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
+        c.chat.completions.create(model=MODEL, messages=hi, max_tokens=5000)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "max_tokens"
+    assert "'max_tokens' is 5000" in e.value.message and "1440" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=hi, max_completion_tokens=1440)
+    assert e.value.param == "max_completion_tokens" and "'max_completion_tokens' is 1440" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model=MODEL, input="hi", max_output_tokens=10**6)
+    assert e.value.param == "max_output_tokens" and "'max_output_tokens' is 1000000" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt="x", max_tokens=1440)
+    assert e.value.param == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:   # one token less fits no prompt of two
+        c.chat.completions.create(model=MODEL, messages=hi, max_tokens=1439)
+    assert e.value.param == "messages" and "at most 1 prompt tokens fit" in e.value.message
     # nothing was allocated for them and the server goes on
     assert server.engine.snapshot["pages_owned"] == 0 and pool_intact(server.engine.snapshot)
     assert c.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
