@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvfence import faults
 from kvfence.engine.admission import ContextLengthExceeded, Overloaded, check_fits
 from kvfence.engine.grammar import GrammarError, check_schema, ll_tokenizer
-from kvfence.engine.params import SamplingParams
+from kvfence.engine.params import SamplingParams, canonical_schema
 from kvfence.model.tokenizer import ChatTemplateError
 from kvfence.server import responses_api
 from kvfence.server.auth_throttle import FailedAuthThrottle
@@ -330,7 +330,7 @@ async def _generate(state: ServerState, request: Request, kind: str):
             raise bad_request(f"'logit_bias' names token {bad_bias[0]}, outside the vocabulary "
                               f"[0, {facts['vocab_size']}).", param="logit_bias")
         if req.params.json_schema is not None:
-            await _check_schema(state, str(req.params.json_schema))
+            await _check_schema(state, req)
         # tokens_per_minute reserves prompt + the most it can generate; what it did not use is refunded
         state.limiter.charge(lease, sum(len(ids) for ids in prompts), most)
         choices = _choices(state, req, prompts, rid)
@@ -382,17 +382,29 @@ async def _generate(state: ServerState, request: Request, kind: str):
     return await run.collect()
 
 
-async def _check_schema(state: ServerState, schema_json: str) -> None:
+async def _check_schema(state: ServerState, req: GenerationRequest) -> None:
     """A 400 that names what llguidance cannot compile, before anything reaches an engine (on
-    every role: in PD mode decode compiles it again only after prefill has run). Off the event
-    loop: a large schema takes milliseconds."""
-    def check() -> str | None:
-        return check_schema(ll_tokenizer(state.engine.tokenizer, state.facts["vocab_size"]), schema_json)
+    every role: in PD mode decode compiles it again only after prefill has run), and where the
+    client wrote it: an enforced tool call's schema is built from the tools' parameters, so the
+    first tool whose parameters fail is named. Off the event loop: a large schema takes
+    milliseconds."""
+    spec = req.tools if req.tools is not None and req.tools.enforced else None
 
-    err = await asyncio.to_thread(check)
-    if err is not None:
-        raise bad_request(f"'response_format' has a schema this server cannot enforce: {err}",
-                          param="response_format")
+    def check() -> tuple[str, str] | None:
+        ll = ll_tokenizer(state.engine.tokenizer, state.facts["vocab_size"])
+        err = check_schema(ll, str(req.params.json_schema))
+        if err is None or spec is None:
+            return None if err is None else ("response_format", err)
+        allowed = {t["name"] for t in spec.allowed()}
+        for i, t in enumerate(spec.tools):
+            if t["name"] in allowed and (own := check_schema(ll, canonical_schema(t["parameters"]))) is not None:
+                return f"tools[{i}].function.parameters", own
+        return "tools", err     # each compiles alone; together they do not
+
+    found = await asyncio.to_thread(check)
+    if found is not None:
+        param, err = found
+        raise bad_request(f"'{param}' has a schema this server cannot enforce: {err}", param=param)
 
 
 def _public_detail(state: ServerState, rid: str, tenant: Tenant, code: str | None, detail: str) -> str:

@@ -277,7 +277,7 @@ def _response_format(body: dict) -> str | None:
     if not isinstance(name, str) or not _SCHEMA_NAME.match(name):
         raise bad_request("'response_format.json_schema.name' must be 1-64 letters, digits, '_' or '-'.",
                           param="response_format")
-    if not isinstance(spec.get("strict", False), bool):
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
         raise bad_request("'response_format.json_schema.strict' must be a boolean.", param="response_format")
     if "schema" not in spec or spec["schema"] is None:
         raise bad_request("'response_format.json_schema.schema' is required.", param="response_format")

@@ -13,6 +13,7 @@ say to send the conversation in `input`, and every Response says `"store": false
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -24,6 +25,7 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # a chat parameter named in a 400 -> the Responses field the client sent
 _RENAMED = {"messages": "input", "max_completion_tokens": "max_output_tokens",
             "response_format.json_schema": "text.format", "response_format": "text.format"}
+_CHAT_TOOL = re.compile(r"tools\[(\d+)\]\.function\.")
 # sampling extensions the chat path takes, passed through as vLLM's Responses route does
 _PASSED = ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
            "frequency_penalty", "logit_bias", "stop", "min_tokens", "parallel_tool_calls", "top_logprobs")
@@ -37,9 +39,12 @@ _REFUSED = {
 
 
 def renamed(param: str | None) -> str | None:
-    """The Responses name of a chat parameter in a 400 ("messages[2].content" -> "input[2].content")."""
+    """The Responses name of a chat parameter in a 400 ("messages[2].content" -> "input[2].content",
+    "tools[1].function.parameters" -> "tools[1].parameters": Responses tools are flat)."""
     if param is None:
         return None
+    if _CHAT_TOOL.match(param):
+        return _CHAT_TOOL.sub(r"tools[\1].", param)
     for chat, resp in _RENAMED.items():
         if param == chat or param.startswith(chat + "[") or param.startswith(chat + "."):
             return resp + param[len(chat):]
@@ -394,6 +399,7 @@ def refused(e: APIError) -> APIError:
     """A chat-path 400 re-addressed to the Responses fields the client sent, in its param and
     its message."""
     e.param = renamed(e.param)
+    e.message = _CHAT_TOOL.sub(r"tools[\1].", e.message)
     for chat, resp in _RENAMED.items():
         e.message = e.message.replace(f"'{chat}", f"'{resp}")
     return e

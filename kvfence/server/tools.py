@@ -56,7 +56,8 @@ def parse_tools(body: dict) -> ToolSpec | None:
                               param=legacy)
     raw = body.get("tools")
     choice_raw = body.get("tool_choice")
-    parallel = body.get("parallel_tool_calls", True)
+    parallel = body.get("parallel_tool_calls")   # null is absent here, as for OpenAI
+    parallel = True if parallel is None else parallel
     if not isinstance(parallel, bool):
         raise bad_request("'parallel_tool_calls' must be a boolean.", param="parallel_tool_calls")
     if raw is None:
@@ -81,11 +82,13 @@ def parse_tools(body: dict) -> ToolSpec | None:
         if name in seen:
             raise bad_request(f"'{where}.function.name' {name!r} is declared twice.", param=f"{where}.function.name")
         seen.add(name)
-        desc = f.get("description", "")
+        desc = f.get("description")
+        desc = "" if desc is None else desc
         if not isinstance(desc, str):
             raise bad_request(f"'{where}.function.description' must be a string.",
                               param=f"{where}.function.description")
-        params = f.get("parameters", {"type": "object", "properties": {}})
+        params = f.get("parameters")
+        params = {"type": "object", "properties": {}} if params is None else params
         if not isinstance(params, dict):
             raise bad_request(f"'{where}.function.parameters' must be a JSON Schema object.",
                               param=f"{where}.function.parameters")

@@ -149,6 +149,10 @@ def test_logprobs_are_the_chat_paths(server):
     ({"top_logprobs": 3}, "top_logprobs", "include"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": 5}}}, "text.format", "'text.format.schema'"),
     ({"temperature": 9}, "temperature", "temperature"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": 5}]}, "tools[0].parameters", "'tools[0].parameters'"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "name": "f", "parameters": {
+        "type": "object", "properties": {"t": {"type": "array", "uniqueItems": True}}}}]},
+     "tools[0].parameters", "cannot enforce"),
 ])
 def test_what_is_refused_names_the_responses_field(server, extra, param, says):
     body = {"model": MODEL, "input": "hi", **extra}
@@ -158,6 +162,7 @@ def test_what_is_refused_names_the_responses_field(server, extra, param, says):
     err = r.json()["error"]
     assert err["param"] == param and says in err["message"], err
     assert not any(f"'{chat}" in err["message"] for chat in ("messages", "max_completion_tokens", "response_format"))
+    assert ".function." not in err["message"]
 
 
 def test_the_key_decides_the_tenant(server):

@@ -19,6 +19,9 @@ TIME = {"type": "function", "function": {
     "name": "get_time", "description": "The time in a time zone",
     "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}},
                    "required": ["zone"], "additionalProperties": False}}}
+TAGS = {"type": "function", "function": {   # a set[str] in pydantic: uniqueItems, which the grammar cannot hold
+    "name": "tag", "parameters": {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 
@@ -195,6 +198,10 @@ def test_none_hides_the_tools_and_auto_answers(server):
     ({"tools": [WEATHER], "tool_choice": "required",
       "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": ASK + [{"role": "tool", "content": "x"}]}, "messages[1].tool_call_id"),
+    # a schema the grammar cannot enforce is named where the client wrote it, not response_format
+    ({"tools": [WEATHER, TAGS], "tool_choice": "required"}, "tools[1].function.parameters"),
+    ({"tools": [TAGS, WEATHER], "tool_choice": {"type": "function", "function": {"name": "tag"}}},
+     "tools[0].function.parameters"),
     ({"messages": ASK + [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]},
      "messages[1].tool_calls[0].function.arguments"),
 ])
@@ -204,6 +211,27 @@ def test_malformed_tools_are_400s_that_name_the_field(server, extra, param):
                    headers={"authorization": "Bearer sk-alice-0001"}, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_null_means_not_set_in_tools(server):
+    """Clients that serialize pydantic models send None for what they leave out; OpenAI takes
+    null as absent for these (the SDK's own Responses FunctionToolParam types parameters and
+    strict as nullable)."""
+    tool = {"type": "function", "function": {"name": "ping", "description": None, "parameters": None,
+                                             "strict": None}}
+    body = {"model": MODEL, "messages": ASK, "tools": [tool], "tool_choice": "required", "parallel_tool_calls": None,
+            "max_tokens": 16, "temperature": 0}
+    headers = {"authorization": "Bearer sk-alice-0001"}
+    r = httpx.post(server.base_url + "/chat/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": None}}
+    r = httpx.post(server.base_url + "/chat/completions", headers=headers, timeout=60,
+                   json={"model": MODEL, "messages": ASK, "response_format": fmt, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    resp = server.client("alice").responses.create(
+        model=MODEL, input="ping", max_output_tokens=16, tool_choice="required",
+        tools=[{"type": "function", "name": "ping", "parameters": None, "strict": None}])
+    assert resp.status in ("completed", "incomplete")
 
 
 @pytest.mark.parametrize("choice,max_tokens", [
