@@ -331,6 +331,9 @@ async def _generate(state: ServerState, request: Request, kind: str):
                               f"[0, {facts['vocab_size']}).", param="logit_bias")
         if req.params.json_schema is not None:
             await _check_schema(state, req)
+        if req.logprobs is not None:   # logprobs' bytes come from llguidance's view of the vocabulary:
+            # built once (~0.2 s), off the event loop
+            await asyncio.to_thread(ll_tokenizer, state.engine.tokenizer, facts["vocab_size"])
         # tokens_per_minute reserves prompt + the most it can generate; what it did not use is refunded
         state.limiter.charge(lease, sum(len(ids) for ids in prompts), most)
         choices = _choices(state, req, prompts, rid)
@@ -611,8 +614,10 @@ class _Run:
         self.state, self.request, self.choices, self.tenant, self.lease = state, request, choices, tenant, lease
         self.arrival, self.req = arrival, req
         tok = state.engine.tokenizer
+        ll = ll_tokenizer(tok, state.facts["vocab_size"]) if req.logprobs is not None else None
         self.fmt = Formatter(req.kind, choices[0].rid, state.served_name, state.facts["fingerprint"],
-                             lambda tid: tok.decode([tid], skip_special_tokens=False))
+                             lambda tid: tok.decode([tid], skip_special_tokens=False),
+                             None if ll is None else lambda tid: ll.decode_bytes([tid]))
         for c in choices:
             if c.echo:
                 self.fmt.start_offset(c.index, len(c.echo))

@@ -1,8 +1,10 @@
 """Responses and stream chunks in the OpenAI API's shapes."""
 from __future__ import annotations
 
+import codecs
 import json
 import time
+from collections.abc import Callable
 
 from kvfence.server.backend import Logprob
 
@@ -16,16 +18,20 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 class Formatter:
     """Builds the bodies for one request: same id, model and creation time in every chunk."""
 
-    def __init__(self, kind: str, request_id: str, model: str, fingerprint: str, token_text):
+    def __init__(self, kind: str, request_id: str, model: str, fingerprint: str, token_text: Callable[[int], str],
+                 token_bytes: Callable[[int], bytes] | None = None):
         self.kind, self.id, self.model, self.fingerprint = kind, request_id, model, fingerprint
         self.created = int(time.time())
         self._token_text = token_text   # token id -> its text, for logprobs
-        self._offset: dict[int, int] = {}   # per choice: completions' text_offset runs across chunks
+        # token id -> its own bytes: a token holding part of a character has no text of its own
+        # ("\ufffd"), and clients rebuild the text from logprobs' bytes
+        self._token_bytes = token_bytes or (lambda tid: token_text(tid).encode("utf-8"))
+        self._offset: dict[int, _Offsets] = {}   # per choice: completions' text_offset runs across chunks
         self._prompt: dict[int, tuple[int, list[Logprob]]] = {}   # per choice: echoed prompt logprobs, not yet sent
 
     def start_offset(self, index: int, chars: int) -> None:
         """Choice `index`'s text starts with `chars` characters of echoed prompt."""
-        self._offset[index] = chars
+        self._offset[index] = _Offsets(chars)
 
     def prompt_logprobs(self, index: int, first_token: int, lps: list[Logprob]) -> None:
         """Choice `index`'s next completion logprobs start with its echoed prompt's: the
@@ -81,8 +87,7 @@ class Formatter:
         if lps is None:
             return None
         def entry(tid: int, lp: float) -> dict:
-            s = self._token_text(tid)
-            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+            return {"token": self._token_text(tid), "logprob": lp, "bytes": list(self._token_bytes(tid))}
         return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]}
                             for x in lps], "refusal": None}
 
@@ -95,24 +100,37 @@ class Formatter:
         offsets: list[int] = []
         if index in self._prompt:
             first, prompt = self._prompt.pop(index)
-            at = 0
+            at = _Offsets(0)
             for tid, x in [(first, None), *((p.token_id, p) for p in prompt)]:
-                s = self._token_text(tid)
-                tokens.append(s)
+                tokens.append(self._token_text(tid))
                 values.append(None if x is None else x.logprob)
                 tops.append(None if x is None else {self._token_text(t): v for t, v in x.top})
-                offsets.append(at)
-                at += len(s)
+                offsets.append(at.take(self._token_bytes(tid)))
+        at = self._offset.setdefault(index, _Offsets(0))
         for x in lps:
-            s = self._token_text(x.token_id)
-            tokens.append(s)
+            tokens.append(self._token_text(x.token_id))
             values.append(x.logprob)
             tops.append({self._token_text(t): v for t, v in x.top})
-            offsets.append(self._offset.get(index, 0))
-            self._offset[index] = self._offset.get(index, 0) + len(s)
+            offsets.append(at.take(self._token_bytes(x.token_id)))
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
 def sse(obj: dict | str) -> bytes:
     data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
+
+
+class _Offsets:
+    """text_offset, in characters of the text the client gets, token after token: a token's
+    offset is the characters completed before it (one that continues a character points at
+    that character). Summing each token's own text counted a partial character as one
+    "\ufffd" and ran ahead of the text."""
+
+    def __init__(self, chars: int):
+        self.chars = chars
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def take(self, token_bytes: bytes) -> int:
+        at = self.chars
+        self.chars += len(self._utf8.decode(token_bytes))
+        return at
