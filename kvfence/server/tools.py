@@ -164,12 +164,21 @@ def render(messages: list[dict], spec: ToolSpec | None, template_has_tools: bool
 
 
 def _call(obj, spec: ToolSpec) -> dict | None:
-    if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get("arguments"), dict)):
+    """An OpenAI tool call from a parsed {"name", "arguments"}, or None. Arguments written as
+    a JSON string holding an object are taken too (models trained on OpenAI's wire form write
+    them so); they go out as compact JSON, as the streamed calls' text is."""
+    if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
         return None
-    if obj["name"] not in {t["name"] for t in spec.allowed()}:
+    args = obj.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict) or obj["name"] not in {t["name"] for t in spec.allowed()}:
         return None
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"], "arguments": json.dumps(obj["arguments"], ensure_ascii=False)}}
+            "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False, separators=(",", ":"))}}
 
 
 def parse_answer(text: str, spec: ToolSpec) -> tuple[str | None, list[dict] | None]:
@@ -189,12 +198,22 @@ def parse_answer(text: str, spec: ToolSpec) -> tuple[str | None, list[dict] | No
             c = None
         if c is not None:
             found.append(c)
+    rest = _CALL.sub("", text)
+    # a last call whose closing tag never came (the model stopped right after its JSON)
+    head, tag, tail = rest.rpartition("<tool_call>")
+    if tag:
+        try:
+            last = _call(json.loads(tail), spec)
+        except ValueError:
+            last = None
+        if last is not None:
+            found.append(last)
+            rest = head
     if not found:
         return text, None
     if not spec.parallel:
         found = found[:1]
-    rest = _CALL.sub("", text).strip()
-    return (rest or None), found
+    return (rest.strip() or None), found
 
 
 # where an enforced call's arguments begin: compact JSON (grammar.py), name before arguments

@@ -34,3 +34,43 @@ def test_text_before_a_call_is_complete_starts_nothing():
     assert cs.feed('{"name":"get_wea') == [] and cs.calls == 0
     (d,) = cs.feed('ther","arguments":')
     assert d["function"] == {"name": "get_weather", "arguments": ""}
+
+
+def _spec(choice="auto", parallel=True):
+    from kvfence.server.tools import ToolSpec
+
+    return ToolSpec([{"name": "get_weather", "description": "", "parameters": {}},
+                     {"name": "get_time", "description": "", "parameters": {}}], choice, None, parallel)
+
+
+@pytest.mark.parametrize("text,content,calls", [
+    # the model stopped right after its JSON: no closing tag (vLLM's Hermes parser takes it too)
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}', None, [("get_weather", {"city": "Rome"})]),
+    ('Sure. <tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n<tool_call>{"name": "get_weather", '
+     '"arguments": {"city": "Oslo"}}', "Sure.", [("get_time", {}), ("get_weather", {"city": "Oslo"})]),
+    # arguments in OpenAI's wire form: a JSON string holding the object
+    ('<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}</tool_call>', None,
+     [("get_weather", {"city": "Rome"})]),
+    # not calls: text stays text
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "Ro', None, None),
+    ('<tool_call>{"name": "nope", "arguments": {}}', None, None),
+    ('<tool_call>{"name": "get_weather", "arguments": "not json"}</tool_call>', None, None),
+])
+def test_auto_answers_are_read_as_calls(text, content, calls):
+    from kvfence.server.tools import parse_answer
+
+    got_content, got_calls = parse_answer(text, _spec())
+    if calls is None:
+        assert got_calls is None and got_content == text
+        return
+    assert got_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got_calls] == calls
+
+
+def test_unstreamed_arguments_are_compact_json_like_streamed_ones():
+    from kvfence.server.tools import parse_answer
+
+    _, calls = parse_answer(ONE, _spec("required"))
+    streamed = "".join(d["function"].get("arguments", "") for d in CallStream().feed(ONE))
+    assert calls[0]["function"]["arguments"] == streamed == json.dumps(json.loads(ONE)["arguments"],
+                                                                         separators=(",", ":"))
