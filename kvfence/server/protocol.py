@@ -475,14 +475,22 @@ def _content(c, role: str, where: str) -> str:
     if isinstance(c, str):
         return c
     if isinstance(c, list):
-        parts = []
-        for j, part in enumerate(c):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"'{where}[{j}]' must be a text part ({{\"type\": \"text\", \"text\": ...}}); "
-                                  f"this model reads text only.", param=f"{where}[{j}]")
-            parts.append(part["text"])
-        return "".join(parts)
+        kinds = {"text": "text", "refusal": "refusal"} if role == "assistant" else {"text": "text"}
+        return text_of_parts(c, where, kinds, '{"type": "text", "text": ...}')
     raise bad_request(f"'{where}' must be a string or an array of text parts.", param=where)
+
+
+def text_of_parts(parts: list, where: str, kinds: dict[str, str], example: str) -> str:
+    """A content array's text: each part's (`kinds`: part type -> the field holding its text),
+    one per line, as vLLM joins them (run together, "Say" and "hi" read "Sayhi")."""
+    out = []
+    for j, part in enumerate(parts):
+        key = kinds.get(str(part.get("type"))) if isinstance(part, dict) else None
+        if key is None or not isinstance(part.get(key), str):
+            raise bad_request(f"'{where}[{j}]' must be a text part ({example}); this model reads text only.",
+                              param=f"{where}[{j}]")
+        out.append(part[key])
+    return "\n".join(out)
 
 
 # -- /tokenize and /detokenize (vLLM's extension routes) -------------------------------------

@@ -20,11 +20,13 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from kvfence.server.errors import APIError, bad_request
+from kvfence.server.protocol import text_of_parts
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # a chat parameter named in a 400 -> the Responses field the client sent
 _RENAMED = {"messages": "input", "max_completion_tokens": "max_output_tokens",
             "response_format.json_schema": "text.format", "response_format": "text.format"}
+_TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}
 _CHAT_TOOL = re.compile(r"tools\[(\d+)\]\.function\.")
 # sampling extensions the chat path takes, passed through as vLLM's Responses route does
 _PASSED = ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -152,15 +154,7 @@ def _content(c, where: str) -> str:
         return c
     if not isinstance(c, list):
         raise bad_request(f"'{where}' must be a string or an array of text parts.", param=where)
-    parts = []
-    for j, part in enumerate(c):
-        ok = isinstance(part, dict) and part.get("type") in ("input_text", "output_text", "text") \
-            and isinstance(part.get("text"), str)
-        if not ok:
-            raise bad_request(f"'{where}[{j}]' must be a text part ({{\"type\": \"input_text\", \"text\": ...}}); "
-                              f"this model reads text only.", param=f"{where}[{j}]")
-        parts.append(part["text"])
-    return "".join(parts)
+    return text_of_parts(c, where, _TEXT_PARTS, '{"type": "input_text", "text": ...}')
 
 
 def _tools(tools) -> list[dict]:

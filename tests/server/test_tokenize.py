@@ -42,6 +42,24 @@ def test_a_developer_message_is_the_system_message_for_a_template_without_that_r
     assert "developer" not in server.engine.tokenizer.decode(as_dev, skip_special_tokens=False)
 
 
+def test_text_parts_are_read_one_per_line_and_an_assistant_refusal_is_text(server):
+    """[{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}] read "Sayhi"; an
+    assistant's refusal part (valid in OpenAI's API) was a 400."""
+    def ids(messages):
+        r = _post(server, "/tokenize", {"messages": messages})
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    parts = [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}]
+    assert ids([{"role": "user", "content": parts}]) == ids([{"role": "user", "content": "Say\nhi"}])
+    refused = [{"role": "user", "content": "x"},
+               {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]},
+               {"role": "user", "content": "ok"}]
+    assert ids(refused) == ids([*refused[:1], {"role": "assistant", "content": "I can't."}, refused[2]])
+    r = _post(server, "/tokenize", {"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[0]"
+
+
 def test_tokenize_needs_a_key(server):
     assert _post(server, "/tokenize", {"prompt": "hi"}, who=None).status_code == 401
     assert _post(server, "/detokenize", {"tokens": [1]}, who="sk-not-a-key").status_code == 401
