@@ -827,8 +827,8 @@ class _Run:
         watcher = asyncio.create_task(watch_disconnect(self.request, self._client_gone))
         try:
             for c in self.choices:
-                if self.req.kind == "chat":
-                    yield self.fmt.chunk("", None, [] if want_lps else None, inc, first=True, index=c.index)
+                if self.req.kind == "chat":   # the role; no token yet, so logprobs null (as OpenAI's)
+                    yield self.fmt.chunk("", None, None, inc, first=True, index=c.index)
                 elif c.echo and not self._scores_prompt:   # else once its logprobs are known
                     yield self.fmt.chunk(c.echo, None, None, inc, index=c.index)
             echoed: set[int] = set()

@@ -135,8 +135,9 @@ def test_chat_logprobs_streamed_and_not(server):
     content = r.choices[0].logprobs.content
     assert len(content) == 4
     assert all(len(e.top_logprobs) == 3 and e.logprob <= 0 and e.top_logprobs[0].token == e.token for e in content)
-    streamed = [e for ch in c.chat.completions.create(stream=True, **kw)
-                if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    chunks = list(c.chat.completions.create(stream=True, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].logprobs is None   # no token yet
+    streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
     assert [e.token for e in streamed] == [e.token for e in content]
     assert [round(e.logprob, 4) for e in streamed] == [round(e.logprob, 4) for e in content]
 
