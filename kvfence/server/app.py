@@ -783,7 +783,9 @@ class _Run:
         for c in self.choices:
             self._prompt_logprobs(c)
             content, calls = self._answer(c, c.echo + "".join(c.text))
-            out.append((content, "tool_calls" if calls else c.reason or "stop", c.logprobs if want else None, calls))
+            # calls cut short by max_tokens keep "length", as the stream ends
+            reason = "tool_calls" if calls and c.reason != "length" else c.reason or "stop"
+            out.append((content, reason, c.logprobs if want else None, calls))
         return self.fmt.response(out, self._usage())
 
     @property
@@ -870,7 +872,8 @@ class _Run:
                         content, whole = self._answer(c, "".join(c.text))
                         yield self.fmt.chunk(content or "", None, self._take_logprobs(c, want_lps), inc,
                                              index=c.index, tool_calls=whole)
-                        yield self.fmt.chunk("", "tool_calls" if whole else c.reason, None, inc, index=c.index)
+                        yield self.fmt.chunk("", "tool_calls" if whole and c.reason != "length" else c.reason, None,
+                                             inc, index=c.index)
                     elif u.finished and c.ok:
                         yield self.fmt.chunk("", c.reason, None, inc, index=c.index)
             except Exception as e:  # noqa: BLE001 - the stream ends with the error

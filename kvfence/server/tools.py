@@ -181,13 +181,33 @@ def _call(obj, spec: ToolSpec) -> dict | None:
             "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False, separators=(",", ":"))}}
 
 
+def _whole_calls(text: str):
+    """An enforced answer as JSON: the whole of it, or, for an array of parallel calls cut
+    short by max_tokens, the calls it finished (a small model goes on to another call; the
+    stream has sent the finished ones already, and the unstreamed answer keeps them too)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    if not text.startswith("["):
+        return None
+    scan = CallStream()
+    scan.feed(text)
+    done = [end for end in scan.args_end if text.startswith("}", end)]   # the call's object closed too
+    if not done:
+        return None
+    try:
+        return json.loads(text[:done[-1] + 1] + "]")
+    except ValueError:
+        return None
+
+
 def parse_answer(text: str, spec: ToolSpec) -> tuple[str | None, list[dict] | None]:
     """(content, tool_calls) of a finished answer."""
-    if spec.enforced:   # the grammar held it to call_schema: it parses
-        try:
-            obj = json.loads(text)
-        except ValueError:
-            return text, None    # cut short by max_tokens: not a call
+    if spec.enforced:   # the grammar held it to call_schema: it parses, unless max_tokens cut it
+        obj = _whole_calls(text)
+        if obj is None:
+            return text, None    # cut short inside its only call: not a call
         calls = [c for c in (_call(o, spec) for o in (obj if isinstance(obj, list) else [obj])) if c]
         return (None, calls) if calls else (text, None)
     found = []
@@ -235,6 +255,7 @@ class CallStream:
         self.in_args = False
         self.depth = 0             # nesting inside the current arguments value
         self.in_str = self.esc = False
+        self.args_end: list[int] = []   # where each call's arguments ended in `text`
 
     def feed(self, delta: str) -> list[dict]:
         self.text += delta
@@ -255,6 +276,7 @@ class CallStream:
             self.pos = end
             if self.in_args:      # the arguments go on in text not generated yet
                 return out
+            self.args_end.append(end)
 
     def _scan(self) -> int:
         """Past the current arguments' text generated so far; ends in_args at its last character."""

@@ -258,3 +258,29 @@ def test_streamed_tool_answers_carry_the_logprobs_an_unstreamed_one_has(server, 
     assert finish == whole.finish_reason
     assert [(t, top) for t, _, top in got] == [(t, top) for t, _, top in want] and len(got) > 0
     assert [lp for _, lp, _ in got] == pytest.approx([lp for _, lp, _ in want], abs=1e-3)
+
+
+def test_parallel_calls_cut_short_keep_the_finished_ones_unstreamed_too(server):
+    """A small model often goes on to a second call; cut short inside it, the stream has sent
+    the finished call, and the unstreamed answer now keeps it too (it was the raw JSON text),
+    with finish_reason length in both. The array's closing ']' is biased away so the model
+    must go on."""
+    tok = server.engine.tokenizer
+    vocab = tok.hf.get_vocab()
+    closers = {i: -100 for s, i in vocab.items() if "]" in s and set(s) <= set("}],")}
+    assert closers
+    c = server.client("alice")
+    kw = dict(model=MODEL, messages=ASK, tools=[TIME], tool_choice="required", temperature=0, logit_bias=closers)
+    first = c.chat.completions.create(max_tokens=60, **kw).choices[0]
+    one = len(tok.encode('[{"name":"get_time","arguments":{"zone":"UTC"}}', add_special=False))
+    assert first.finish_reason == "length" and first.message.tool_calls, first
+    names = [t.function.name for t in first.message.tool_calls]
+    assert names == ["get_time"] * len(names) and 1 <= len(names) <= 60 // one
+    for t in first.message.tool_calls:
+        _valid(t)
+    deltas, finish = [], None
+    for chunk in c.chat.completions.create(stream=True, max_tokens=60, **kw):
+        for ch in chunk.choices:
+            deltas += ch.delta.tool_calls or []
+            finish = ch.finish_reason or finish
+    assert finish == "length" and sum(1 for d in deltas if d.id) == len(names) + 1   # and the unfinished one

@@ -74,3 +74,32 @@ def test_unstreamed_arguments_are_compact_json_like_streamed_ones():
     streamed = "".join(d["function"].get("arguments", "") for d in CallStream().feed(ONE))
     assert calls[0]["function"]["arguments"] == streamed == json.dumps(json.loads(ONE)["arguments"],
                                                                          separators=(",", ":"))
+
+
+THREE = '[{"name":"get_time","arguments":{}},{"name":"get_weather","arguments":{"city":"Pa}],is"}},' \
+        '{"name":"get_time","arguments":{}}]'
+
+
+@pytest.mark.parametrize("cut,names", [
+    (THREE.index('{"name":"get_weather"'), ["get_time"]),               # after the first call's ','
+    (THREE.index('Pa}],is'), ["get_time"]),                             # inside the second's arguments
+    (THREE.index('is"}}') + 5, ["get_time", "get_weather"]),            # the second closed, no ',' yet
+    (len(THREE) - 4, ["get_time", "get_weather"]),                      # inside the third
+])
+def test_parallel_calls_cut_short_keep_the_calls_they_finished(cut, names):
+    """A small model goes on to another call after the first; cut short by max_tokens, the
+    unstreamed answer was the raw JSON text and the finished calls were lost (the stream had
+    sent them). The finished calls are kept; the unfinished one is dropped."""
+    from kvfence.server.tools import parse_answer
+
+    content, calls = parse_answer(THREE[:cut], _spec("required"))
+    assert content is None and [c["function"]["name"] for c in calls] == names
+    assert [json.loads(c["function"]["arguments"]) for c in calls][1:] == [{"city": "Pa}],is"}][:len(names) - 1]
+
+
+def test_a_single_call_cut_short_is_text():
+    from kvfence.server.tools import parse_answer
+
+    cut = ONE[:-5]
+    assert parse_answer(cut, _spec("required")) == (cut, None)
+    assert parse_answer("[" + cut, _spec("required")) == ("[" + cut, None)
