@@ -12,8 +12,9 @@ token after the engine was idle (nothing running), and go on until it is idle ag
 that queued while the engine was busy is capped, even if the streams it queued behind have
 ended (on a backlogged engine it would otherwise stall the newer streams with whole-budget
 steps). When the pool runs out, a sequence of the tenant running the most is preempted
-(its last in line: decodes before prefills, then by arrival): its pages go back and it is
-recomputed later. A step that preempts starts no waiting request (as vLLM's scheduler does):
+(its last in line: decodes before prefills, then by arrival), among the one that needs the
+page and those behind it (the ones ahead already have their pages for this step): its pages
+go back and it is recomputed later. A step that preempts starts no waiting request (as vLLM's scheduler does):
 on a short pool the newcomer was the next victim, and its prompt was computed again each time.
 
 Waiting requests start tenant by tenant, not in arrival order: the next one is the oldest of
@@ -84,13 +85,13 @@ class Scheduler:
             self.waiting.remove(seq)
 
     def _victim_after(self, seq: Sequence) -> Sequence | None:
-        """Who gives up its pages so that seq can go on: of the sequences behind seq (not yet
-        scheduled this step), the last of the tenant running the most."""
-        behind = self.running[self.running.index(seq) + 1:]
-        if not behind:
-            return None
+        """Who gives up its pages so that seq can go on: of seq and the sequences behind it
+        (those ahead are scheduled already this step), the last of the tenant running the
+        most. None when that is seq itself (then it waits, or is preempted, below)."""
         load = Counter(s.tenant for s in self.running)
-        return max(reversed(behind), key=lambda s: load[s.tenant])   # the first maximum: the last in line
+        candidates = self.running[self.running.index(seq):]
+        victim = max(reversed(candidates), key=lambda s: load[s.tenant])   # the first maximum: the last in line
+        return None if victim is seq else victim
 
     def _preempt(self, victim: Sequence) -> None:
         # a PD decode request too: its transferred KV goes back with its pages and is
@@ -189,7 +190,8 @@ class Scheduler:
                         seq.cached_tokens = 0   # none used yet (its usage must not claim them if it ends here)
                 self.ledger.free(seq.owner, seq.table)  # let go of any cached pages just attached
                 seq.num_computed = 0
-                if not self.running and not self.pages_held_elsewhere():  # nothing will ever free pages for it
+                # nothing will ever free pages for it (an unservable one's go back after this schedule)
+                if not self.running and not self.pages_held_elsewhere() and not any(s.table for s in self.unservable):
                     del self.waiting[at]
                     self.unservable.append(seq)
                     continue

@@ -272,7 +272,7 @@ def test_a_step_that_preempts_starts_nothing_new():
     led = Ledger(9, 4)   # 8 usable pages
     sch = Scheduler(led, max_num_seqs=8, token_budget=100)
     a, b = make_seq(led, 8, 0, "alice"), make_seq(led, 8, 1, "alice")   # 2 pages each, a 3rd to decode
-    hog = make_seq(led, 12, 2, "carol")                                  # 3 pages
+    hog = make_seq(led, 12, 2, "alice")                                  # 3 pages
     for s in (a, b, hog):
         sch.add(s)
     fake_run(sch.schedule())
@@ -303,3 +303,42 @@ def test_a_page_shortage_takes_from_the_tenant_running_the_most():
     assert sch.num_preemptions == 1 and a[2].state is State.WAITING
     assert [x.seq for x in step] == [a[0], a[1], bob]
     led.check_consistency()
+
+
+def test_the_heavy_tenants_own_sequence_gives_way_rather_than_a_light_one_behind_it():
+    """Found in review: victims were taken only from behind the sequence that needs a page.
+    When alice's last decode (bob's started after it) needed one, bob's only sequence was
+    the one candidate. The sequence that needs the page is a candidate too: alice's own goes."""
+    led = Ledger(9, 4)   # 8 usable pages
+    sch = Scheduler(led, max_num_seqs=8, token_budget=100)
+    a = [make_seq(led, 7, 0, "alice"), make_seq(led, 7, 1, "alice"), make_seq(led, 8, 2, "alice")]
+    bob = make_seq(led, 7, 3, "bob")     # 2 pages each; only a[2] needs a 3rd to decode
+    for s in (*a, bob):
+        sch.add(s)
+    fake_run(sch.schedule())
+    assert led.num_available == 0
+    step = sch.schedule()
+    assert a[2].state is State.WAITING and bob.state is State.DECODING
+    assert [x.seq for x in step] == [a[0], a[1], bob]
+    led.check_consistency()
+
+
+
+def test_a_request_waits_while_an_unservable_ones_pages_are_still_held():
+    """Found in review: when the only running sequence could not grow (it goes to
+    `unservable`, whose pages the engine frees after the schedule), admission saw nothing
+    running and a full pool, and marked the next waiting request unservable too: aborted with
+    kv_pool_exhausted although it fits once those pages return."""
+    led = Ledger(9, 4)   # 8 usable pages
+    sch = Scheduler(led, max_num_seqs=8, token_budget=100)
+    big = make_seq(led, 32, 0)            # all 8 pages; its first decode needs a 9th
+    sch.add(big)
+    fake_run(sch.schedule())
+    small = make_seq(led, 4, 1)
+    sch.add(small)
+    assert sch.schedule() == []
+    assert sch.unservable == [big] and small.state is State.WAITING
+    big.on(Event.ABORT)                   # what the engine does with it (_end_unservable)
+    led.free(big.owner, big.table)
+    sch.unservable.clear()
+    assert [x.seq for x in sch.schedule()] == [small]
