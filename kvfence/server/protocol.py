@@ -402,6 +402,8 @@ def parse_chat(body: dict) -> GenerationRequest:
                               param="response_format")
         try:
             c["json_schema"] = canonical_schema(call_schema(tools))
+        except RecursionError:
+            raise bad_request("The tools' parameter schemas are nested too deeply.", param="tools") from None
         except ValueError:
             raise bad_request(f"The tools' parameter schemas are larger than {MAX_JSON_SCHEMA_BYTES} bytes as "
                               "compact JSON.", param="tools") from None

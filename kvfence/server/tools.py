@@ -112,13 +112,41 @@ def parse_tools(body: dict) -> ToolSpec | None:
 
 def call_schema(spec: ToolSpec) -> dict:
     """What an enforced answer must be: a call (or, with parallel calls, a non-empty array
-    of calls) of an allowed function, with arguments valid for its parameters."""
-    calls = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": t["parameters"]},
-              "required": ["name", "arguments"], "additionalProperties": False} for t in spec.allowed()]
+    of calls) of an allowed function, with arguments valid for its parameters. Each tool's
+    local $refs ("#/$defs/X", pydantic's nested models) are rewritten to where its parameters
+    now sit: unchanged they pointed at the combined schema's root, which has no $defs."""
+    allowed = spec.allowed()
+    array = spec.parallel and spec.choice == "required"
+    calls = []
+    for k, t in enumerate(allowed):
+        at = ("/items" if array else "") + (f"/anyOf/{k}" if len(allowed) > 1 else "") + "/properties/arguments"
+        calls.append({"type": "object", "properties": {"name": {"const": t["name"]},
+                                                       "arguments": _refs_moved(t["parameters"], at)},
+                      "required": ["name", "arguments"], "additionalProperties": False})
     one = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    if spec.parallel and spec.choice == "required":
+    if array:
         return {"type": "array", "items": one, "minItems": 1, "maxItems": 8}
     return one
+
+
+def _refs_moved(schema, at: str):
+    """`schema` with every local "$ref" ("#", "#/...") made relative to the JSON pointer `at`."""
+    if isinstance(schema, list):
+        return [_refs_moved(x, at) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = "#" + at + value[1:]
+        elif key in _DATA_KEYWORDS:   # values, not schemas: a "$ref" in them is text
+            out[key] = value
+        else:
+            out[key] = _refs_moved(value, at)
+    return out
+
+
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 
 
 def _generic_prompt(spec: ToolSpec) -> str:

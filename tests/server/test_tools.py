@@ -284,3 +284,34 @@ def test_parallel_calls_cut_short_keep_the_finished_ones_unstreamed_too(server):
             deltas += ch.delta.tool_calls or []
             finish = ch.finish_reason or finish
     assert finish == "length" and sum(1 for d in deltas if d.id) == len(names) + 1   # and the unfinished one
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_a_tool_whose_parameters_use_defs_is_enforced(server, choice):
+    """pydantic (and openai.pydantic_function_tool) puts nested models in $defs and points at
+    them with "#/$defs/...". Nested under the call schema those refs pointed at its root, which
+    has no $defs: a valid tool got a 400 (found in review)."""
+    import openai
+    from pydantic import BaseModel
+
+    class Place(BaseModel):
+        city: str
+        country: str
+
+    class Trip(BaseModel):
+        start: Place
+        end: Place
+
+    trip = openai.pydantic_function_tool(Trip, name="plan_trip")
+    assert "$defs" in trip["function"]["parameters"]
+    tool_choice = "required" if choice == "required" else {"type": "function", "function": {"name": "plan_trip"}}
+    r = server.client("alice").chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "A trip from Paris to Rome."}], tools=[TIME, trip],
+        tool_choice=tool_choice, max_tokens=80, temperature=0)
+    ch = r.choices[0]
+    assert ch.message.tool_calls, ch
+    for call in ch.message.tool_calls:
+        args = json.loads(call.function.arguments)
+        if call.function.name == "plan_trip":
+            Trip.model_validate(args)
+            jsonschema.validate(args, trip["function"]["parameters"])

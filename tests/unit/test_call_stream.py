@@ -103,3 +103,28 @@ def test_a_single_call_cut_short_is_text():
     cut = ONE[:-5]
     assert parse_answer(cut, _spec("required")) == (cut, None)
     assert parse_answer("[" + cut, _spec("required")) == ("[" + cut, None)
+
+
+def test_tools_nested_too_deeply_are_a_400_not_a_crash():
+    """Moving a tool's $refs walks its schema; one nested to the interpreter's recursion limit
+    is the client's 400 (param tools), not a 500."""
+    import sys
+
+    from kvfence.server.errors import APIError
+    from kvfence.server.protocol import parse_chat
+
+    deep: dict = {}
+    cur = deep
+    for _ in range(400):
+        cur["items"] = {}
+        cur = cur["items"]
+    body = {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": deep}}]}
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(350)
+    try:
+        with pytest.raises(APIError) as e:
+            parse_chat(body)
+    finally:
+        sys.setrecursionlimit(limit)
+    assert e.value.status == 400 and e.value.param == "tools"
