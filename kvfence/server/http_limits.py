@@ -142,6 +142,7 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_made(transport)
         self._discarding = False
         self._began = False          # bytes of the current request have arrived
+        self._served = False         # a response went out on it: silence after that is an idle keep-alive
         self._phase: object = h11.IDLE
         self._phase_since = self.loop.time()
         self._watchdog: asyncio.TimerHandle | None = None
@@ -183,6 +184,7 @@ class GuardedH11Protocol(H11Protocol):
         super().on_response_complete()
         self._phase, self._phase_since = h11.IDLE, self.loop.time()   # the next request's header clock
         self._began = False
+        self._served = True
 
     def _check_deadlines(self) -> None:
         self._watchdog = None
@@ -197,7 +199,11 @@ class GuardedH11Protocol(H11Protocol):
         if state is h11.IDLE and self.conn.our_state is h11.IDLE and waited > self.limits.header_timeout_s:
             # a 408 only to a client that began a request: on a silent kept-alive connection it
             # could race the client's next request and be read as its answer
-            self._give_up("header_timeout", "request headers", waited, answer_408=self._began)
+            if self._served and not self._began:   # an ordinary idle keep-alive: not a refusal
+                log.debug("closing the connection from %s: idle for %.0f s", self.client, waited)
+                self._give_up(None, "request headers", waited, answer_408=False)
+            else:
+                self._give_up("header_timeout", "request headers", waited, answer_408=self._began)
             return
         if state is h11.SEND_BODY and waited > self.limits.body_timeout_s:
             self._give_up("body_timeout", "request body", waited,
@@ -205,10 +211,13 @@ class GuardedH11Protocol(H11Protocol):
             return
         self._watchdog = self.loop.call_later(self.CHECK_EVERY_S, self._check_deadlines)
 
-    def _give_up(self, reason: str, what: str, waited: float, answer_408: bool) -> None:
-        client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
-        self.refusals.note(reason, self.client[0] if self.client else None,
-                           "closing the connection from %s: its %s did not arrive within %.0f s", client, what, waited)
+    def _give_up(self, reason: str | None, what: str, waited: float, answer_408: bool) -> None:
+        """Close the connection; `reason` counts and logs it as refused (None: an idle close)."""
+        if reason is not None:
+            client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+            self.refusals.note(reason, self.client[0] if self.client else None,
+                               "closing the connection from %s: its %s did not arrive within %.0f s", client, what,
+                               waited)
         if answer_408:
             # written raw: h11 frames no response before a request, and the app's own response,
             # if it tries one later, is dropped because the cycle is marked disconnected

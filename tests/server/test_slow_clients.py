@@ -60,21 +60,34 @@ def _completion_ok(srv) -> None:
 
 
 def test_a_half_sent_request_line_gets_408_and_a_close(guarded):
+    before = guarded.state.metrics.connections.counts["header_timeout"]
     with _connect(guarded) as s:
         s.sendall(b"POST /v1/completions HTT")
         _completion_ok(guarded)          # served while the slow one waits
         got = _read_until_closed(s)
     assert got.startswith(b"HTTP/1.1 408"), got[:200]
     assert b"request headers not received in time" in got
-    assert guarded.metric("kvfence_http_connections_refused_total", reason="header_timeout") == 1
+    assert guarded.metric("kvfence_http_connections_refused_total", reason="header_timeout") == before + 1
 
 
-def test_an_idle_connection_is_closed_silently(guarded):
+def test_an_idle_connection_is_closed_silently(guarded, caplog):
     """No byte sent: closed without a 408, which on a kept-alive connection could race the
-    client's next request and be read as its answer."""
+    client's next request and be read as its answer. One that never sent a request counts as a
+    header timeout; a kept-alive one that has been served is an ordinary idle close, neither
+    counted nor logged as a refusal (Prometheus' own scrapes keep connections open longer)."""
+    counts = guarded.state.metrics.connections.counts   # the server is the module's: count from here
+    before = counts["header_timeout"]
     with _connect(guarded) as s:
         got = _read_until_closed(s)
     assert got == b""
+    assert counts["header_timeout"] == before + 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvfence.http"), _connect(guarded) as s:
+        s.sendall(b"GET /health/live HTTP/1.1\r\nhost: x\r\n\r\n")
+        got = _read_until_closed(s)
+    assert got.startswith(b"HTTP/1.1 200") and got.count(b"HTTP/1.1") == 1
+    assert counts["header_timeout"] == before + 1
+    assert not [r for r in caplog.records if "did not arrive" in r.getMessage()]
 
 
 def test_headers_trickled_on_a_kept_alive_connection_are_cut(guarded):
