@@ -425,6 +425,16 @@ def _too_long(e: ContextLengthExceeded, req: GenerationRequest) -> APIError:
     return APIError(400, str(e), code="context_length_exceeded", param=req.prompt_param, outcome="rejected")
 
 
+def finish_reason(reason: str | None, calls: bool, enforced: bool) -> str:
+    """A choice's finish_reason: tool_calls when its answer is calls, except an enforced answer
+    (tool_choice required or named) cut short by max_tokens, which keeps length as its stream
+    ends (its last call is unfinished). An auto answer's calls are whole once found, whatever
+    cut the text after them (vLLM reports tool_calls there too)."""
+    if calls and not (enforced and reason == "length"):
+        return "tool_calls"
+    return reason or "stop"
+
+
 class _ClientGone(Exception):
     pass
 
@@ -783,9 +793,8 @@ class _Run:
         for c in self.choices:
             self._prompt_logprobs(c)
             content, calls = self._answer(c, c.echo + "".join(c.text))
-            # calls cut short by max_tokens keep "length", as the stream ends
-            reason = "tool_calls" if calls and c.reason != "length" else c.reason or "stop"
-            out.append((content, reason, c.logprobs if want else None, calls))
+            out.append((content, finish_reason(c.reason, bool(calls), self._enforced), c.logprobs if want else None,
+                        calls))
         return self.fmt.response(out, self._usage())
 
     @property
@@ -806,6 +815,10 @@ class _Run:
             return None
         out, c.logprobs = c.logprobs, []
         return out
+
+    @property
+    def _enforced(self) -> bool:
+        return self.req.tools is not None and self.req.tools.enforced
 
     def _answer(self, c: _Choice, text: str) -> tuple[str | None, list[dict] | None]:
         """A finished choice's content and tool calls (kvfence/server/tools.py)."""
@@ -861,7 +874,7 @@ class _Run:
                                              index=c.index)
                     if u.finished and c.ok and enforced:
                         if calls[c.index].calls:   # cut short by max_tokens: its last call is unfinished
-                            reason = "tool_calls" if c.reason == "stop" else c.reason
+                            reason = finish_reason(c.reason, True, True)
                         else:                      # cut short before a call began: text, as unstreamed
                             reason = c.reason
                             yield self.fmt.chunk("".join(c.text), None, self._take_logprobs(c, want_lps), inc,
@@ -872,8 +885,8 @@ class _Run:
                         content, whole = self._answer(c, "".join(c.text))
                         yield self.fmt.chunk(content or "", None, self._take_logprobs(c, want_lps), inc,
                                              index=c.index, tool_calls=whole)
-                        yield self.fmt.chunk("", "tool_calls" if whole and c.reason != "length" else c.reason, None,
-                                             inc, index=c.index)
+                        yield self.fmt.chunk("", finish_reason(c.reason, bool(whole), False), None, inc,
+                                             index=c.index)
                     elif u.finished and c.ok:
                         yield self.fmt.chunk("", c.reason, None, inc, index=c.index)
             except Exception as e:  # noqa: BLE001 - the stream ends with the error

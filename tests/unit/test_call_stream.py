@@ -128,3 +128,18 @@ def test_tools_nested_too_deeply_are_a_400_not_a_crash():
     finally:
         sys.setrecursionlimit(limit)
     assert e.value.status == 400 and e.value.param == "tools"
+
+
+@pytest.mark.parametrize("reason,calls,enforced,want", [
+    ("stop", True, True, "tool_calls"),
+    ("length", True, True, "length"),      # parallel calls cut short: the last one is unfinished
+    ("stop", True, False, "tool_calls"),
+    ("length", True, False, "tool_calls"),  # auto: a whole call, then text cut short (found in review)
+    ("length", False, False, "length"),
+    ("stop", False, True, "stop"),
+    (None, False, False, "stop"),
+])
+def test_finish_reason(reason, calls, enforced, want):
+    from kvfence.server.app import finish_reason
+
+    assert finish_reason(reason, calls, enforced) == want
