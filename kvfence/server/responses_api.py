@@ -26,7 +26,8 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # a chat parameter named in a 400 -> the Responses field the client sent
 _RENAMED = {"messages": "input", "max_completion_tokens": "max_output_tokens",
             "response_format.json_schema": "text.format", "response_format": "text.format"}
-_TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}
+_TEXT_PARTS = {"input_text": "text", "text": "text"}
+_ASSISTANT_PARTS = {**_TEXT_PARTS, "output_text": "text", "refusal": "refusal"}
 _CHAT_TOOL = re.compile(r"tools\[(\d+)\]\.function\.")
 # sampling extensions the chat path takes, passed through as vLLM's Responses route does
 _PASSED = ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -121,7 +122,7 @@ def _input(items) -> list[dict]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise bad_request(f"'{where}.role' must be user, assistant, system or developer.",
                                   param=f"{where}.role")
-            out.append({"role": role, "content": _content(item.get("content"), f"{where}.content")})
+            out.append({"role": role, "content": _content(item.get("content"), f"{where}.content", role)})
         elif kind == "function_call":
             call_id, name, args = (item.get(k) for k in ("call_id", "name", "arguments"))
             if not all(isinstance(x, str) and x for x in (call_id, name)) or not isinstance(args, str):
@@ -140,7 +141,7 @@ def _input(items) -> list[dict]:
             if not isinstance(call_id, str) or not call_id:
                 raise bad_request(f"'{where}.call_id' must name the call this output answers.",
                                   param=f"{where}.call_id")
-            text = output if isinstance(output, str) else _content(output, f"{where}.output")
+            text = output if isinstance(output, str) else _content(output, f"{where}.output", "tool")
             out.append({"role": "tool", "tool_call_id": call_id, "content": text})
         else:
             raise bad_request(f"'{where}.type' {kind!r} is not supported: input items are messages, function_call "
@@ -149,12 +150,13 @@ def _input(items) -> list[dict]:
     return out
 
 
-def _content(c, where: str) -> str:
+def _content(c, where: str, role: str) -> str:
     if isinstance(c, str):
         return c
     if not isinstance(c, list):
         raise bad_request(f"'{where}' must be a string or an array of text parts.", param=where)
-    return text_of_parts(c, where, _TEXT_PARTS, '{"type": "input_text", "text": ...}')
+    kinds = _ASSISTANT_PARTS if role == "assistant" else _TEXT_PARTS   # an answer's parts are an assistant's
+    return text_of_parts(c, where, kinds, '{"type": "input_text", "text": ...}')
 
 
 def _tools(tools) -> list[dict]:

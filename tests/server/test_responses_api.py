@@ -40,6 +40,24 @@ def test_a_response_is_the_chat_answer_in_the_responses_shape(server):
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
 
 
+def test_an_answer_fed_back_reads_as_the_assistant_turn(server):
+    """r.output goes back into the next input as is; its output_text (and a refusal) parts are
+    an assistant's text, the same prompt as the chat form of the conversation."""
+    c = server.client("alice")
+    r = c.responses.create(model=MODEL, input=ASK, max_output_tokens=8, temperature=0)
+    said = r.output_text
+    nxt = c.responses.create(model=MODEL, input=[{"role": "user", "content": ASK}, *r.output,
+                                                 {"role": "user", "content": "And Italy?"}],
+                             max_output_tokens=4, temperature=0)
+    chat = c.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, messages=[
+        {"role": "user", "content": ASK}, {"role": "assistant", "content": said},
+        {"role": "user", "content": "And Italy?"}])
+    assert nxt.usage.input_tokens == chat.usage.prompt_tokens and nxt.output_text == chat.choices[0].message.content
+    refused = [{"role": "user", "content": "x"},
+               {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]}]
+    assert c.responses.create(model=MODEL, input=refused, max_output_tokens=2).status in ("completed", "incomplete")
+
+
 def test_streamed_events_are_in_order_and_add_up_to_the_response(server):
     c = server.client("alice")
     kw = dict(model=MODEL, input=ASK, max_output_tokens=24, temperature=0)
@@ -140,6 +158,9 @@ def test_logprobs_are_the_chat_paths(server):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x"}]}]},
      "input[0].content[0]", "text only"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "item_reference"),
+    # a refusal part is an assistant's (as in chat)
+    ({"input": [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]}, "input[0].content[0]",
+     "text only"),
     ({"input": []}, "input", "non-empty"),
     ({"input": [{"role": "user", "content": 5}]}, "input[0].content", "string or an array"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id", "call_id"),
