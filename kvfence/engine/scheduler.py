@@ -14,8 +14,9 @@ ended (on a backlogged engine it would otherwise stall the newer streams with wh
 steps). When the pool runs out, a sequence of the tenant running the most is preempted
 (its last in line: decodes before prefills, then by arrival), among the one that needs the
 page and those behind it (the ones ahead already have their pages for this step): its pages
-go back and it is recomputed later. A step that preempts starts no waiting request (as vLLM's scheduler does):
-on a short pool the newcomer was the next victim, and its prompt was computed again each time.
+go back and it is recomputed later. A step that preempts starts no waiting request (as
+vLLM's scheduler does): on a short pool the newcomer was the next victim, and its prompt was
+computed again each time.
 
 Waiting requests start tenant by tenant, not in arrival order: the next one is the oldest of
 the tenant with the fewest running sequences (ties: the tenant that last started one longest

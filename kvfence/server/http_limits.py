@@ -199,11 +199,8 @@ class GuardedH11Protocol(H11Protocol):
         if state is h11.IDLE and self.conn.our_state is h11.IDLE and waited > self.limits.header_timeout_s:
             # a 408 only to a client that began a request: on a silent kept-alive connection it
             # could race the client's next request and be read as its answer
-            if self._served and not self._began:   # an ordinary idle keep-alive: not a refusal
-                log.debug("closing the connection from %s: idle for %.0f s", self.client, waited)
-                self._give_up(None, "request headers", waited, answer_408=False)
-            else:
-                self._give_up("header_timeout", "request headers", waited, answer_408=self._began)
+            idle = self._served and not self._began   # an ordinary idle keep-alive: not a refusal
+            self._give_up(None if idle else "header_timeout", "request headers", waited, answer_408=self._began)
             return
         if state is h11.SEND_BODY and waited > self.limits.body_timeout_s:
             self._give_up("body_timeout", "request body", waited,
@@ -213,8 +210,10 @@ class GuardedH11Protocol(H11Protocol):
 
     def _give_up(self, reason: str | None, what: str, waited: float, answer_408: bool) -> None:
         """Close the connection; `reason` counts and logs it as refused (None: an idle close)."""
-        if reason is not None:
-            client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+        client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+        if reason is None:
+            log.debug("closing the connection from %s: idle for %.0f s", client, waited)
+        else:
             self.refusals.note(reason, self.client[0] if self.client else None,
                                "closing the connection from %s: its %s did not arrive within %.0f s", client, what,
                                waited)
