@@ -115,6 +115,7 @@ class LLMEngine:
         self._grammars: GrammarCache | None = None    # built with the first structured-output request
         self.requests: dict[str, Sequence] = {}
         self.outcomes: Counter[str] = Counter()
+        self.tokens_computed = 0   # K/V the model wrote: prompts, generated and recomputed tokens
         # PD: a KvExporter (prefill node) or KvImporter (decode node) replaces it (attach_link)
         self.kv_link: KvLink = NoKvLink()
         self._pending_outputs: list[StepOutput] = []  # produced outside step(), returned by the next one
@@ -345,6 +346,7 @@ class LLMEngine:
             outputs += [self._refuse_read(s.seq, v) for s, v in result.violations]
             outputs += self._postprocess(result)
             ran += result.ran
+        self.tokens_computed += sum(s.num_new for s in ran)
         # PD prefill: prompts computed this pass leave the scheduler for the KV link
         prefilled = [s.seq for s in ran if s.seq.hold_kv and s.seq.uncomputed == 0 and not s.seq.finished]
         for seq in prefilled:
@@ -588,6 +590,7 @@ class LLMEngine:
             "pages_quarantined": led.num_quarantined, "capacity_tokens": led.capacity_tokens,
             "pages_fenced": led.num_fenced, "pages_by_owner": led.pages_by_owner(),
             "usable_context": self.usable_context, "preemptions": self.scheduler.num_preemptions,
+            "tokens_computed": self.tokens_computed,
             "prefill_cap_while_decoding": self.scheduler.prefill_budget_while_decoding or 0,
             "violations": dict(led.violations), "outcomes": dict(self.outcomes),
             **({"pd": self.kv_link.stats()} if not isinstance(self.kv_link, NoKvLink) else {}),

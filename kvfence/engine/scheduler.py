@@ -13,10 +13,11 @@ that queued while the engine was busy is capped, even if the streams it queued b
 ended (on a backlogged engine it would otherwise stall the newer streams with whole-budget
 steps). When the pool runs out, a sequence of the tenant running the most is preempted
 (its last in line: decodes before prefills, then by arrival), among the one that needs the
-page and those behind it (the ones ahead already have their pages for this step): its pages
-go back and it is recomputed later. A step that preempts starts no waiting request (as
-vLLM's scheduler does): on a short pool the newcomer was the next victim, and its prompt was
-computed again each time.
+page and those behind it (the ones ahead already have their pages for this step): its whole
+pages go to its own cache scope and back to the pool, and on its return it attaches those a
+grant has not evicted meanwhile (a chain's tail is evicted first) and recomputes the rest.
+A step that preempts starts no waiting request (as vLLM's scheduler does): on a short pool
+the newcomer was the next victim, and its prompt was computed again each time.
 
 Waiting requests start tenant by tenant, not in arrival order: the next one is the oldest of
 the tenant with the fewest running sequences (ties: the tenant that last started one longest
@@ -96,8 +97,13 @@ class Scheduler:
 
     def _preempt(self, victim: Sequence) -> None:
         # a PD decode request too: its transferred KV goes back with its pages and is
-        # recomputed here from its tokens, like any preempted request
+        # recomputed here from its tokens, like any preempted request. Its whole pages go to
+        # its own cache scope first, as a finished request's do (I9): they are evicted only
+        # when a grant needs them, so what survives the shortage is attached, not recomputed
         victim.reserved = False
+        if self.prefix_cache is not None:
+            self.prefix_cache.publish(victim.owner, victim.cache_scope, victim.all_ids, victim.table,
+                                      victim.num_computed)
         self.ledger.free(victim.owner, victim.table)
         victim.num_computed = 0
         victim.num_preemptions += 1

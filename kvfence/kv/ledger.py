@@ -266,7 +266,9 @@ class Ledger:
         return True
 
     def _detach_all(self, owner: Owner) -> None:
-        for p in self._attached.pop(owner.request, []):
+        # last page first: it becomes the least recent of them, so eviction takes a chain's
+        # tail before its head (a head evicted first would leave the rest unmatchable)
+        for p in reversed(self._attached.pop(owner.request, [])):
             self.refcount[p] -= 1
             if self.refcount[p] == 0:
                 if self.suspect[p]:

@@ -138,9 +138,14 @@ class _EngineCollector:
                                    "tenant-scoped prefix cache")
         hits.add_metric([], float(s.get("prefix_cache_hit_tokens", 0)))
         yield hits
-        pre = CounterMetricFamily("kvfence_preemptions", "Sequences preempted (pages returned, recomputed later)")
+        pre = CounterMetricFamily("kvfence_preemptions", "Sequences preempted (pages returned; on return, "
+                                  "what the sequence's own prefix cache still holds is attached, the rest recomputed)")
         pre.add_metric([], float(s.get("preemptions", 0)))
         yield pre
+        comp = CounterMetricFamily("kvfence_tokens_computed", "Tokens the model computed K/V for: prompts (less "
+                                   "prefix-cache hits), generated tokens, and recomputation after preemption")
+        comp.add_metric([], float(s.get("tokens_computed", 0)))
+        yield comp
         ledger = CounterMetricFamily("kvfence_kv_page_events", "Ledger page events", labels=["event"])
         counters = s.get("ledger_counters", {})
         for ev in ("pages_allocated", "pages_freed", "pages_quarantined"):

@@ -132,4 +132,6 @@ def test_preempted_requests_match(hf_reference, make_llm):
     assert all(engine.ledger.pages_for(len(p) + 56) == 5 for p in prompts)
     check_against_reference(hf_reference, llm, prompts, steps=56)
     assert engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
+    # the prompts share no whole page: every hit is a preempted request attaching its own pages
+    assert engine.prefix_cache is not None and engine.prefix_cache.hits > 0
     assert engine.ledger.num_available == engine.ledger.usable_pages and engine.ledger.num_owned == 0

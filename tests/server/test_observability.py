@@ -18,7 +18,7 @@ FAMILIES = ["kvfence_requests", "kvfence_prompt_tokens", "kvfence_generation_tok
             "kvfence_time_to_first_token_seconds", "kvfence_inter_token_latency_seconds",
             "kvfence_requests_running", "kvfence_requests_waiting", "kvfence_kv_pages",
             "kvfence_admission_rejections", "kvfence_isolation_violations", "kvfence_engine_ready",
-            "kvfence_prefill_cap_tokens"]
+            "kvfence_prefill_cap_tokens", "kvfence_tokens_computed", "kvfence_preemptions"]
 
 
 def test_health_reports_ready_and_load(server):
@@ -51,6 +51,9 @@ def test_metrics_families_and_values_follow_requests(server):
         get(before, "kvfence_generation_tokens_total", tenant="bob") + 6
     assert get(after, "kvfence_prompt_tokens_total", tenant="bob") == \
         get(before, "kvfence_prompt_tokens_total", tenant="bob") + r.usage.prompt_tokens
+    # a prompt shorter than a page hits no cache; the last generated token is never computed
+    assert get(after, "kvfence_tokens_computed_total") == \
+        get(before, "kvfence_tokens_computed_total") + r.usage.prompt_tokens + 6 - 1
     assert get(after, "kvfence_admission_rejections_total", reason="context_length_exceeded") == \
         get(before, "kvfence_admission_rejections_total", reason="context_length_exceeded") + 1
     assert get(after, "kvfence_time_to_first_token_seconds_count") == \

@@ -233,3 +233,26 @@ def test_shared_pages_are_read_only_scoped_and_refcounted():
     led.allocate(b, 7, BlockTable())
     assert evicted == [p0] and led.state[p0] == PageState.OWNED and led.counters["pages_evicted"] == 1
     led.check_consistency()
+
+
+def test_eviction_takes_a_cached_chains_tail_before_its_head():
+    """A prefix is matched from its first page on, so evicting the head first would leave the
+    rest of the chain unmatchable while it still held pages (found measuring preemption: the
+    head went first, and a preempted request re-attached nothing)."""
+    led = Ledger(8, 4)
+    evicted = []
+    led.on_evict = evicted.append
+    a = owner(led, "A", 1)
+    t = BlockTable()
+    led.allocate(a, 3, t)
+    led.mark_written(a, t, 0, 12)
+    head, mid, tail = t.pages
+    for p, e in zip(t.pages, t.epochs, strict=True):
+        assert led.publish(a, p, e)
+    led.free(a, t)
+    assert led.num_free == 4
+    led.allocate(owner(led, "B", 2), 5, BlockTable())   # needs one cached page
+    assert evicted == [tail]
+    led.allocate(owner(led, "B", 3), 1, BlockTable())
+    assert evicted == [tail, mid] and led.state[head] == PageState.SHARED
+    led.check_consistency()

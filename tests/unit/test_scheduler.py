@@ -8,6 +8,7 @@ from kvfence.engine.request_states import Event, State
 from kvfence.engine.scheduler import Scheduler
 from kvfence.engine.sequence import Sequence
 from kvfence.kv.ledger import Ledger, Owner
+from kvfence.kv.prefix_cache import PrefixCache
 
 
 def make_seq(led: Ledger, n_prompt: int, i: int, tenant: str = "t") -> Sequence:
@@ -342,3 +343,44 @@ def test_a_request_waits_while_an_unservable_ones_pages_are_still_held():
     led.free(big.owner, big.table)
     sch.unservable.clear()
     assert [x.seq for x in sch.schedule()] == [small]
+
+
+def test_a_preempted_sequence_gets_its_own_cached_pages_back():
+    """Preemption publishes the victim's whole pages, generated ones too, to its own cache
+    scope (as a finished request's are; the engine publishes a prompt's when its prefill ends)
+    before they go back: they are evicted only if a grant needs them, so on its return it
+    attaches what survived instead of recomputing it. Another tenant with the same tokens
+    attaches none (I9)."""
+    led = Ledger(13, 4)                    # 12 usable pages
+    pc = PrefixCache(led)
+    sch = Scheduler(led, max_num_seqs=8, token_budget=100, prefix_cache=pc)
+    a, b = make_seq(led, 16, 0), make_seq(led, 16, 1)   # 4 pages each, then growing
+    b.prompt_ids = list(range(100, 116))
+    for s in (a, b):
+        sch.add(s)
+    while not sch.num_preemptions:          # decodes grow until a page is short
+        _run_written(led, pc, sch.schedule())
+    assert b.state is State.WAITING and b.num_computed == 0 and not b.table
+    other = make_seq(led, 0, 9, tenant="u")  # the same tokens in another tenant's scope
+    other.prompt_ids = list(b.all_ids)
+    assert pc.match(other.owner, other.cache_scope, other.all_ids, other.table) == 0
+    sch.remove(a)                           # a finishes and gives back its pages
+    led.free(a.owner, a.table)
+    step = sch.schedule()
+    assert [x.seq for x in step] == [b]
+    # 6 whole pages were published; its last went to the grant that preempted it (a chain's
+    # tail goes first), the other 5 come back: a generated page among them
+    assert len(b.all_ids) == 25 and b.num_computed == 20 > len(b.prompt_ids)
+    assert step[0].num_new == b.num_tokens - b.num_computed
+    assert b.cached_tokens == 0             # usage counts the cache only for a first start
+    led.check_consistency()
+
+
+def _run_written(led, pc, step):
+    """fake_run, with the ledger told what was written and a finished prefill published."""
+    for x in step:
+        led.mark_written(x.seq.owner, x.seq.table, x.seq.num_computed, x.seq.num_computed + x.num_new)
+    fake_run(step)
+    for x in step:
+        if len(x.seq.output_ids) == 1:
+            pc.publish(x.seq.owner, x.seq.cache_scope, x.seq.all_ids, x.seq.table, x.seq.num_computed)
