@@ -391,13 +391,15 @@ async def _check_schema(state: ServerState, req: GenerationRequest) -> None:
     client wrote it: an enforced tool call's schema is built from the tools' parameters, so the
     first tool whose parameters fail is named. Off the event loop: a large schema takes
     milliseconds."""
-    spec = req.tools if req.tools is not None and req.tools.enforced else None
+    spec = req.tools if req.tools is not None and (req.tools.enforced or req.tools.answer_schema is not None) else None
 
     def check() -> tuple[str, str] | None:
         ll = ll_tokenizer(state.engine.tokenizer, state.facts["vocab_size"])
         err = check_schema(ll, str(req.params.json_schema))
         if err is None or spec is None:
             return None if err is None else ("response_format", err)
+        if spec.answer_schema is not None and (own := check_schema(ll, spec.answer_schema)) is not None:
+            return "response_format", own
         allowed = {t["name"] for t in spec.allowed()}
         for i, t in enumerate(spec.tools):
             if t["name"] in allowed and (own := check_schema(ll, canonical_schema(t["parameters"]))) is not None:

@@ -26,7 +26,7 @@ from kvfence.engine.params import (
     canonical_schema,
 )
 from kvfence.server.errors import APIError, bad_request
-from kvfence.server.tools import ToolSpec, call_schema, parse_tools
+from kvfence.server.tools import ToolSpec, call_or_answer_schema, call_schema, parse_tools
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16      # prompts x n in one request: each is a sequence in the engine
@@ -396,17 +396,21 @@ def _prompt(p, where: str) -> tuple[str | None, list[int] | None]:
 def parse_chat(body: dict) -> GenerationRequest:
     c = _common(body, "chat")
     tools = parse_tools(body)
-    if tools is not None and tools.enforced:   # the answer is held to a call of an allowed function
-        if c["json_schema"] is not None:
-            raise bad_request("'response_format' and a required 'tool_choice' both constrain the answer; send one.",
-                              param="response_format")
+    # the answer is held to a call of an allowed function (enforced), or with "auto" and a
+    # response_format to the format's answer or one call. A response_format governs text, as
+    # at OpenAI: a forced call has none, so the format (checked above) has nothing to hold
+    if tools is not None and (tools.enforced or (tools.active and c["json_schema"] is not None)):
         try:
-            c["json_schema"] = canonical_schema(call_schema(tools))
+            if tools.enforced:
+                c["json_schema"] = canonical_schema(call_schema(tools))
+            else:
+                tools.answer_schema = c["json_schema"]
+                c["json_schema"] = canonical_schema(call_or_answer_schema(tools, c["json_schema"]))
         except RecursionError:
             raise bad_request("The tools' parameter schemas are nested too deeply.", param="tools") from None
         except ValueError:
-            raise bad_request(f"The tools' parameter schemas are larger than {MAX_JSON_SCHEMA_BYTES} bytes as "
-                              "compact JSON.", param="tools") from None
+            raise bad_request(f"The tools' parameter schemas (with the response_format's) are larger than "
+                              f"{MAX_JSON_SCHEMA_BYTES} bytes as compact JSON.", param="tools") from None
     max_tokens = _int(body, "max_tokens", None, 1, MAX_TOKENS_CAP)
     mct = _int(body, "max_completion_tokens", None, 1, MAX_TOKENS_CAP)
     if mct is not None:

@@ -83,9 +83,11 @@ def chat_body(body: dict) -> dict:
         out["stream"] = body["stream"]
         if body["stream"] is True:
             out["stream_options"] = {"include_usage": True}   # the final event carries the usage
-    if body.get("tools") is not None:
+    # an empty 'tools' is no tools here (the Agents SDK sends [] for an agent without any), and
+    # then "auto" asks for nothing; chat completions refuses [] as OpenAI's does
+    if body.get("tools") not in (None, []):
         out["tools"] = _tools(body["tools"])
-    if body.get("tool_choice") is not None:
+    if body.get("tool_choice") is not None and (out.get("tools") or body["tool_choice"] != "auto"):
         out["tool_choice"] = _tool_choice(body["tool_choice"])
     fmt = _text_format(body.get("text"))
     if fmt is not None:
@@ -253,11 +255,14 @@ class ResponseView:
         msg = choice["message"]
         output = []
         calls = msg.get("tool_calls") or []
+        status, why = self._status(choice["finish_reason"])
         if msg.get("content") or not calls:
             lps = (choice.get("logprobs") or {}).get("content")
-            output.append(self._message(msg.get("content") or "", lps))
+            # text that max_output_tokens cut is an incomplete item, as OpenAI marks it (calls
+            # that came back parsed are whole)
+            output.append(self._message(msg.get("content") or "", lps, "incomplete" if why and not calls else
+                                        "completed"))
         output += [self._call(c) for c in calls]
-        status, why = self._status(choice["finish_reason"])
         return self._object(status, output, usage(chat["usage"]), incomplete=why)
 
     # -- events ---------------------------------------------------------------------------
@@ -299,9 +304,9 @@ class ResponseView:
                     for ev in s.call(d):
                         yield ev
                 finish = choice.get("finish_reason") or finish
-        for ev in s.close():
-            yield ev
         status, why = self._status(finish)
+        for ev in s.close(cut=why is not None):
+            yield ev
         final = self._object(status, s.output, use, incomplete=why)
         yield self._event("response.completed" if status == "completed" else "response.incomplete", response=final)
 
@@ -340,11 +345,11 @@ class _Items:
                 self.v._event("response.content_part.added", item_id=t["id"], output_index=t["index"],
                               content_index=0, part=part)]
 
-    def _close_text(self) -> list[bytes]:
+    def _close_text(self, status: str = "completed") -> list[bytes]:
         t, self._text = self._text, None
         if t is None:
             return []
-        item = self.v._message(t["text"], t["logprobs"], item_id=t["id"])
+        item = self.v._message(t["text"], t["logprobs"], status, item_id=t["id"])
         self.output.append(item)
         return [self.v._event("response.output_text.done", item_id=t["id"], output_index=t["index"], content_index=0,
                               text=t["text"], logprobs=t["logprobs"]),
@@ -375,15 +380,17 @@ class _Items:
         return self.v._call({"id": c["call_id"], "function": {"name": c["name"], "arguments": arguments}}, status,
                             c["id"])
 
-    def close(self) -> list[bytes]:
-        """Close what is open; an answer with no text and no call is still one (empty) message."""
+    def close(self, cut: bool = False) -> list[bytes]:
+        """Close what is open; an answer with no text and no call is still one (empty) message.
+        cut: max_output_tokens ended it, so the last item (what was being written) is incomplete."""
         ev = []
         if self._text is None and not self._calls and not self.output:
             ev += self._open_text()
-        ev += self._close_text()
+        ev += self._close_text("incomplete" if cut and not self._calls else "completed")
+        last = max(self._calls, default=None)
         for k in sorted(self._calls):
             c = self._calls.pop(k)
-            item = self._item(c, "completed", c["arguments"])
+            item = self._item(c, "incomplete" if cut and k == last else "completed", c["arguments"])
             self.output.append(item)
             ev += [self.v._event("response.function_call_arguments.done", item_id=c["id"], output_index=c["index"],
                                  name=c["name"], arguments=c["arguments"]),

@@ -13,7 +13,9 @@ engine's grammar (kvfence/engine/grammar.py) to a JSON schema that admits only c
 allowed functions with arguments valid for their parameters (an array of them when
 `parallel_tool_calls` is on), so it always parses into valid calls. With "auto" the model
 chooses freely; only text that is a well-formed call of a declared function becomes a
-`tool_calls` entry, the rest is content. With "none" the tools are not shown to the model.
+`tool_calls` entry, the rest is content. With "auto" and a response_format the grammar admits
+the format's answer or one call as bare JSON (call_or_answer_schema). With "none" the tools
+are not shown to the model.
 """
 from __future__ import annotations
 
@@ -35,6 +37,9 @@ class ToolSpec:
     choice: str                       # "none" | "auto" | "required" | "function"
     name: str | None = None           # tool_choice's function, when choice == "function"
     parallel: bool = True
+    # "auto" with a response_format: the grammar admits the format's answer or one call as bare
+    # JSON (OpenAI's response_format governs text, not calls); this is the format's schema
+    answer_schema: str | None = None
 
     @property
     def active(self) -> bool:
@@ -129,6 +134,12 @@ def call_schema(spec: ToolSpec) -> dict:
     return one
 
 
+def call_or_answer_schema(spec: ToolSpec, answer_schema: str) -> dict:
+    """What an "auto" answer with a response_format must be: the format's answer, or one call
+    of a declared function (call_schema's, for one call). Each branch's local $refs follow it."""
+    return {"anyOf": [_refs_moved(json.loads(answer_schema), "/anyOf/0"), _refs_moved(call_schema(spec), "/anyOf/1")]}
+
+
 def _refs_moved(schema, at: str):
     """`schema` with every local "$ref" ("#", "#/...") made relative to the JSON pointer `at`."""
     if isinstance(schema, list):
@@ -154,8 +165,12 @@ def _generic_prompt(spec: ToolSpec) -> str:
     for t in spec.allowed():
         lines.append(f"- {t['name']}: {t['description'] or '(no description)'}\n  parameters: "
                      f"{json.dumps(t['parameters'], separators=(',', ':'))}")
-    lines.append('To call a function, answer with <tool_call>{"name": "<function>", "arguments": {...}}</tool_call>'
-                 " and nothing else" + (" (one tag per call)" if spec.parallel else "") + ".")
+    if spec.answer_schema is not None:
+        lines.append('To call a function, answer with only {"name": "<function>", "arguments": {...}}; otherwise '
+                     "answer in the requested JSON format.")
+    else:
+        lines.append('To call a function, answer with <tool_call>{"name": "<function>", "arguments": {...}}'
+                     "</tool_call> and nothing else" + (" (one tag per call)" if spec.parallel else "") + ".")
     if spec.enforced:
         lines.append("You must call a function now." if spec.choice == "required"
                      else f"You must call {spec.name} now.")
@@ -238,6 +253,12 @@ def parse_answer(text: str, spec: ToolSpec) -> tuple[str | None, list[dict] | No
             return text, None    # cut short inside its only call: not a call
         calls = [c for c in (_call(o, spec) for o in (obj if isinstance(obj, list) else [obj])) if c]
         return (None, calls) if calls else (text, None)
+    if spec.answer_schema is not None:   # the grammar held it to the format's answer or one bare call
+        try:
+            call = _call(json.loads(text), spec)
+        except ValueError:
+            call = None
+        return (None, [call]) if call is not None else (text, None)
     found = []
     for m in _CALL.finditer(text):
         try:

@@ -87,9 +87,17 @@ def test_max_output_tokens_ends_incomplete(server):
     r = c.responses.create(**kw)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 5
-    last = list(c.responses.create(stream=True, **kw))[-1]
+    assert [item.status for item in r.output] == ["incomplete"]     # the cut message item, as OpenAI marks it
+    events = list(c.responses.create(stream=True, **kw))
+    last = events[-1]
     assert last.type == "response.incomplete" and last.response.incomplete_details.reason == "max_output_tokens"
     assert last.response.output_text == r.output_text
+    assert [item.status for item in last.response.output] == ["incomplete"]
+    done = [e.item.status for e in events if e.type == "response.output_item.done"]
+    assert done == ["incomplete"]
+    whole = c.responses.create(**{**kw, "max_output_tokens": 64, "input": "Say yes."})
+    if whole.status == "completed":
+        assert [item.status for item in whole.output] == ["completed"]
 
 
 def test_a_function_call_and_its_output_round_trip(server):

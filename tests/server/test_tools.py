@@ -195,8 +195,11 @@ def test_none_hides_the_tools_and_auto_answers(server):
     ({"tool_choice": "required"}, "tool_choice"),
     ({"functions": [WEATHER["function"]]}, "functions"),
     ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
-    ({"tools": [WEATHER], "tool_choice": "required",
-      "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "xml"}}, "response_format"),
+    # with "auto" the answer may be the format's: a format the grammar cannot hold is named as such
+    ({"tools": [WEATHER], "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "array", "uniqueItems": True}}}}, "response_format"),
+    ({"tools": [TAGS], "response_format": {"type": "json_object"}}, "tools[0].function.parameters"),
     ({"messages": ASK + [{"role": "tool", "content": "x"}]}, "messages[1].tool_call_id"),
     # a schema the grammar cannot enforce is named where the client wrote it, not response_format
     ({"tools": [WEATHER, TAGS], "tool_choice": "required"}, "tools[1].function.parameters"),
@@ -315,3 +318,107 @@ def test_a_tool_whose_parameters_use_defs_is_enforced(server, choice):
         if call.function.name == "plan_trip":
             Trip.model_validate(args)
             jsonschema.validate(args, trip["function"]["parameters"])
+
+
+LIST = {"type": "json_schema", "json_schema": {"name": "cities", "schema": {
+    "type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1, "maxItems": 3}}}
+
+
+def _banned(server, first: str) -> dict[str, int]:
+    """logit_bias that bans every token whose text starts with `first`: with a grammar that
+    admits an answer starting with '[' or a call starting with '{', banning one picks the other
+    on any CPU (a greedy choice between them would hang on kernels' last bits)."""
+    tok = server.engine.tokenizer
+    ids = [i for i in range(tok.vocab_size) if tok.decode([i]).startswith(first)]
+    assert 0 < len(ids) <= 1024
+    return {str(i): -100 for i in ids}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_response_format_and_a_required_choice_give_the_call(server, stream):
+    """OpenAI's response_format governs text; a forced call has none (the Agents SDK sends both
+    for an agent with an output_type and tool_choice="required", instructor's RESPONSES_TOOLS
+    always). It used to be a 400."""
+    c = server.client("alice")
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=64, temperature=0,
+              response_format=LIST)
+    if stream:
+        calls: dict[int, dict] = {}
+        finish = None
+        for chunk in c.chat.completions.create(stream=True, **kw):
+            for ch in chunk.choices:
+                for d in ch.delta.tool_calls or []:
+                    e = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                    e["name"] += d.function.name or ""
+                    e["arguments"] += d.function.arguments or ""
+                finish = ch.finish_reason or finish
+        assert finish == "tool_calls" and calls
+        for e in calls.values():
+            jsonschema.validate(json.loads(e["arguments"]), SCHEMAS[e["name"]])
+    else:
+        ch = c.chat.completions.create(**kw).choices[0]
+        assert ch.finish_reason == "tool_calls" and ch.message.content is None
+        for call in ch.message.tool_calls:
+            _valid(call)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_with_a_response_format_answers_in_the_format_or_calls(server, stream):
+    """With "auto" and a response_format the grammar admits the format's answer or one call of
+    a declared function, as OpenAI lets the model choose (an agent with tools and an output
+    type): before, the format held every answer and no tool could ever be called."""
+    c = server.client("bob")
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=48, temperature=0, response_format=LIST)
+
+    def ask(bias):
+        if not stream:
+            ch = c.chat.completions.create(logit_bias=bias, **kw).choices[0]
+            return ch.message.content, ch.message.tool_calls, ch.finish_reason
+        text, calls, finish = "", [], None
+        for chunk in c.chat.completions.create(logit_bias=bias, stream=True, **kw):
+            for ch in chunk.choices:
+                text += ch.delta.content or ""
+                calls += ch.delta.tool_calls or []
+                finish = ch.finish_reason or finish
+        return text or None, calls or None, finish
+
+    content, calls, finish = ask(_banned(server, "["))       # no answer can start: a call
+    assert finish == "tool_calls" and content is None and len(calls) == 1
+    assert calls[0].function.name == "get_weather" and calls[0].id.startswith("call_")
+    jsonschema.validate(json.loads(calls[0].function.arguments), SCHEMAS["get_weather"])
+    content, calls, finish = ask(_banned(server, "{"))       # no call can start: the format's answer
+    assert calls is None and finish in ("stop", "length")
+    if finish == "stop":
+        jsonschema.validate(json.loads(content), LIST["json_schema"]["schema"])
+
+
+def test_responses_take_an_empty_tools_list_as_none(server):
+    """The Agents SDK sends "tools": [] for an agent without tools, and its default model
+    speaks the Responses API: every tool-less agent got a 400. Chat completions still refuses
+    [] (OpenAI's does too)."""
+    c = server.client("alice")
+    r = c.responses.create(model=MODEL, input="Say hi.", max_output_tokens=8, tools=[], tool_choice="auto",
+                           temperature=0)
+    plain = c.responses.create(model=MODEL, input="Say hi.", max_output_tokens=8, temperature=0)
+    assert r.output_text == plain.output_text and r.tools == []
+    for choice in ("required", {"type": "function", "name": "x"}):
+        body = {"model": MODEL, "input": "hi", "tools": [], "tool_choice": choice}
+        bad = httpx.post(server.base_url + "/responses", json=body, timeout=30,
+                         headers={"authorization": "Bearer sk-alice-0001"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice", bad.text
+    bad = httpx.post(server.base_url + "/chat/completions", json={"model": MODEL, "messages": ASK, "tools": []},
+                     headers={"authorization": "Bearer sk-alice-0001"}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools", bad.text
+
+
+def test_responses_with_a_text_format_and_a_named_function_give_the_call(server):
+    """instructor's RESPONSES_TOOLS mode sends both on every call."""
+    fmt = {"format": {"type": "json_schema", "name": "ok", "schema": {
+        "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}}
+    tool = {"type": "function", **WEATHER["function"]}
+    r = server.client("alice").responses.create(model=MODEL, input="What is the weather in Paris?", tools=[tool],
+                                                tool_choice={"type": "function", "name": "get_weather"}, text=fmt,
+                                                max_output_tokens=64, temperature=0)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and len(calls) == 1 and calls[0].name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS["get_weather"])
