@@ -58,7 +58,7 @@ class Formatter:
         return {**self._head("text_completion"), "choices": out, "usage": use}
 
     # -- stream chunks -------------------------------------------------------------------
-    def chunk(self, text: str, finish_reason: str | None, lps: list[Logprob] | None, with_usage: bool,
+    def chunk(self, text: str | None, finish_reason: str | None, lps: list[Logprob] | None, with_usage: bool,
               first: bool = False, index: int = 0, tool_calls: list[dict] | None = None,
               call_deltas: list[dict] | None = None) -> dict:
         if self.kind == "chat":

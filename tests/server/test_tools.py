@@ -422,3 +422,15 @@ def test_responses_with_a_text_format_and_a_named_function_give_the_call(server)
     calls = [o for o in r.output if o.type == "function_call"]
     assert r.status == "completed" and len(calls) == 1 and calls[0].name == "get_weather"
     jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS["get_weather"])
+
+
+def test_a_streamed_enforced_answer_assembles_with_null_content(server):
+    """The SDK's stream helper assembles the message from the deltas: an answer that is calls
+    by construction says content null, as the unstreamed one does (it used to assemble "")."""
+    c = server.client("alice")
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=64, temperature=0)
+    with c.chat.completions.stream(**kw) as s:
+        streamed = s.get_final_completion().choices[0].message
+    whole = c.chat.completions.create(**kw).choices[0].message
+    assert streamed.content is None and whole.content is None
+    assert [t.function.arguments for t in streamed.tool_calls] == [t.function.arguments for t in whole.tool_calls]
