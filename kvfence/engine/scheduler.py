@@ -97,9 +97,9 @@ class Scheduler:
 
     def _preempt(self, victim: Sequence) -> None:
         # a PD decode request too: its transferred KV goes back with its pages and is
-        # recomputed here from its tokens, like any preempted request. Its whole pages go to
-        # its own cache scope first, as a finished request's do (I9): they are evicted only
-        # when a grant needs them, so what survives the shortage is attached, not recomputed
+        # recomputed here from its tokens, like any preempted request. With a prefix cache (not
+        # on a PD decode node) its whole pages go to its own cache scope first, as a finished
+        # request's do (I9): evicted only when a grant needs them, what survives is attached
         victim.reserved = False
         if self.prefix_cache is not None:
             self.prefix_cache.publish(victim.owner, victim.cache_scope, victim.all_ids, victim.table,

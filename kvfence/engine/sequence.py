@@ -57,8 +57,8 @@ class Sequence:
     cached_tokens: int = 0                   # prompt tokens served from the prefix cache
     grammar: Constraint | None = None        # structured output: where its grammar is (engine/grammar.py)
     # PD (kvfence/pd): a prefill node computes the prompt but its last token and holds the
-    # KV for decode (hold_kv); a decode node gets every page it will need at RESERVE
-    # (reserved: never preempted, it could not get its transferred KV back) from kv_source.
+    # KV for decode (hold_kv); a decode node gets the prompt's pages at RESERVE and fills
+    # them from kv_source (reserved: until it runs; preempted later, it recomputes its KV).
     hold_kv: bool = False
     reserved: bool = False
     kv_source: Handoff | None = None         # decode: the manifest and where to pull it from

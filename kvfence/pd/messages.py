@@ -295,7 +295,8 @@ class PdSecurity(WireModel):
 
 # the snapshot counts the router sums over its nodes and routes by (pd/router.py, pd/fleet.py)
 SNAPSHOT_COUNTS = ("running", "waiting", "pages_total", "pages_free", "pages_owned", "pages_shared",
-                   "pages_quarantined", "capacity_tokens", "preemptions", "prefix_cache_hit_tokens")
+                   "pages_quarantined", "capacity_tokens", "preemptions", "prefix_cache_hit_tokens",
+                   "tokens_computed")
 
 
 class NodeInfo(WireModel):

@@ -674,6 +674,7 @@ def _merge_snapshots(fleet: Fleet) -> dict:
     out["prefix_cache_hit_tokens"] = sum(int(s.get("prefix_cache_hit_tokens", 0)) for r, s in ready
                                          if r == "prefill")
     out["waiting"] = sum(int(s.get("waiting", 0)) for _, s in ready)
+    out["tokens_computed"] = sum(int(s.get("tokens_computed", 0)) for _, s in ready)   # prefill's and decode's
     out["usable_context"] = fleet.usable_context
     violations: dict[str, int] = {}
     for s in snaps.values():

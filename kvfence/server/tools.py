@@ -25,6 +25,7 @@ import uuid
 from dataclasses import dataclass
 
 from kvfence.server.errors import bad_request
+from kvfence.server.schema_parts import SchemaParts
 
 MAX_TOOLS = 64
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -118,46 +119,29 @@ def parse_tools(body: dict) -> ToolSpec | None:
 def call_schema(spec: ToolSpec) -> dict:
     """What an enforced answer must be: a call (or, with parallel calls, a non-empty array
     of calls) of an allowed function, with arguments valid for its parameters. Each tool's
-    local $refs ("#/$defs/X", pydantic's nested models) are rewritten to where its parameters
-    now sit: unchanged they pointed at the combined schema's root, which has no $defs."""
-    allowed = spec.allowed()
-    array = spec.parallel and spec.choice == "required"
-    calls = []
-    for k, t in enumerate(allowed):
-        at = ("/items" if array else "") + (f"/anyOf/{k}" if len(allowed) > 1 else "") + "/properties/arguments"
-        calls.append({"type": "object", "properties": {"name": {"const": t["name"]},
-                                                       "arguments": _refs_moved(t["parameters"], at)},
-                      "required": ["name", "arguments"], "additionalProperties": False})
-    one = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    if array:
-        return {"type": "array", "items": one, "minItems": 1, "maxItems": 8}
-    return one
+    definitions (pydantic's nested models) move to the root's $defs (schema_parts.py)."""
+    parts = SchemaParts()
+    return parts.root(_calls(spec, parts, array=spec.parallel and spec.choice == "required"))
 
 
 def call_or_answer_schema(spec: ToolSpec, answer_schema: str) -> dict:
     """What an "auto" answer with a response_format must be: the format's answer, or one call
-    of a declared function (call_schema's, for one call). Each branch's local $refs follow it."""
-    return {"anyOf": [_refs_moved(json.loads(answer_schema), "/anyOf/0"), _refs_moved(call_schema(spec), "/anyOf/1")]}
+    of a declared function."""
+    parts = SchemaParts()
+    return parts.root({"anyOf": [parts.add(json.loads(answer_schema), "answer"), _calls(spec, parts, array=False)]})
 
 
-def _refs_moved(schema, at: str):
-    """`schema` with every local "$ref" ("#", "#/...") made relative to the JSON pointer `at`."""
-    if isinstance(schema, list):
-        return [_refs_moved(x, at) for x in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
-            out[key] = "#" + at + value[1:]
-        elif key in _DATA_KEYWORDS:   # values, not schemas: a "$ref" in them is text
-            out[key] = value
-        else:
-            out[key] = _refs_moved(value, at)
-    return out
+def _calls(spec: ToolSpec, parts: SchemaParts, array: bool) -> dict:
+    calls = [{"type": "object", "properties": {"name": {"const": t["name"]},
+                                               "arguments": parts.add(t["parameters"], f"tool{k}")},
+              "required": ["name", "arguments"], "additionalProperties": False}
+             for k, t in enumerate(spec.allowed())]
+    one = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return {"type": "array", "items": one, "minItems": 1, "maxItems": 8} if array else one
 
 
-_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+_BARE_CALL = ('To call a function, answer with only {"name": "<function>", "arguments": {...}}; otherwise answer in '
+              "the requested JSON format.")
 
 
 def _generic_prompt(spec: ToolSpec) -> str:
@@ -166,8 +150,7 @@ def _generic_prompt(spec: ToolSpec) -> str:
         lines.append(f"- {t['name']}: {t['description'] or '(no description)'}\n  parameters: "
                      f"{json.dumps(t['parameters'], separators=(',', ':'))}")
     if spec.answer_schema is not None:
-        lines.append('To call a function, answer with only {"name": "<function>", "arguments": {...}}; otherwise '
-                     "answer in the requested JSON format.")
+        lines.append(_BARE_CALL)
     else:
         lines.append('To call a function, answer with <tool_call>{"name": "<function>", "arguments": {...}}'
                      "</tool_call> and nothing else" + (" (one tag per call)" if spec.parallel else "") + ".")
@@ -186,6 +169,8 @@ def render(messages: list[dict], spec: ToolSpec | None, template_has_tools: bool
     if not template_has_developer:
         messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
     if template_has_tools and spec is not None and spec.active:
+        if spec.answer_schema is not None:   # the template asks for its own call form, which the grammar forbids
+            messages = _with_system(list(messages), _BARE_CALL)
         return messages, [{"type": "function", "function": t} for t in spec.allowed()]
     out: list[dict] = []
     for m in messages:
@@ -198,12 +183,15 @@ def render(messages: list[dict], spec: ToolSpec | None, template_has_tools: bool
         else:
             out.append({"role": m["role"], "content": m["content"]})
     if spec is not None and spec.active:
-        prompt = _generic_prompt(spec)
-        if out and out[0]["role"] in ("system", "developer"):   # developer: a template that knows it
-            out[0] = {"role": out[0]["role"], "content": out[0]["content"] + "\n\n" + prompt}
-        else:
-            out.insert(0, {"role": "system", "content": prompt})
+        out = _with_system(out, _generic_prompt(spec))
     return out, None
+
+
+def _with_system(messages: list[dict], text: str) -> list[dict]:
+    """text added to the first system message, or as one."""
+    if messages and messages[0]["role"] in ("system", "developer"):   # developer: a template that knows it
+        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + text}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
 
 
 def _call(obj, spec: ToolSpec) -> dict | None:
@@ -255,9 +243,13 @@ def parse_answer(text: str, spec: ToolSpec) -> tuple[str | None, list[dict] | No
         return (None, calls) if calls else (text, None)
     if spec.answer_schema is not None:   # the grammar held it to the format's answer or one bare call
         try:
-            call = _call(json.loads(text), spec)
+            obj = json.loads(text)
         except ValueError:
-            call = None
+            return text, None
+        # the call branch writes exactly {"name", "arguments": {...}}; an answer the format allows
+        # in that very shape is taken as the call too (only the call branch checked its arguments)
+        exact = isinstance(obj, dict) and list(obj) == ["name", "arguments"] and isinstance(obj["arguments"], dict)
+        call = _call(obj, spec) if exact else None
         return (None, [call]) if call is not None else (text, None)
     found = []
     for m in _CALL.finditer(text):

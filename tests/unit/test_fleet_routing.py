@@ -22,7 +22,7 @@ def info(role="prefill", usable=1024, boot="b1", fingerprint="fp", free=80, drai
              pd=dict(role=role, boot_id=boot, transfer_session="127.0.0.1:1", buffer_base=0, kv_layout="L",
                      slot_bytes=1, buffer_rows=90, lease_s=4.0, max_pull_s=3.0, clock_skew_s=0.5),
              snapshot={"running": 1, "waiting": 2, "pages_free": free, "pages_total": 90, "usable_context": usable,
-                       "draining": draining, "violations": {}})
+                       "draining": draining, "violations": {}, "tokens_computed": 100})
     d.update(kw)
     return NodeInfo.from_json(d)
 
@@ -115,6 +115,7 @@ def test_the_merged_snapshot_sums_pools_but_not_the_context():
     assert snap["usable_context"] == 1024                  # the fleet's, not 2 x 1024
     assert snap["pages_total"] == 180 and snap["pages_free"] == 160 and snap["running"] == 2
     assert snap["waiting"] == 10                           # every ready node's queue
+    assert snap["tokens_computed"] == 500                  # prefill's and decode's work
     assert snap["fleet"]["prefill"]["ready"] == 3 and snap["fleet"]["decode"]["refused"] == 0
 
 

@@ -13,7 +13,7 @@ from kvfence.kv.prefix_cache import PrefixCache
 
 def make_seq(led: Ledger, n_prompt: int, i: int, tenant: str = "t") -> Sequence:
     s = Sequence(request_id=f"r{i}", tenant=tenant, owner=Owner(led.tenant_id(tenant), Sequence.next_number()),
-                 prompt_ids=[7] * n_prompt, params=SamplingParams(), max_tokens=100)
+                 prompt_ids=[7] * n_prompt, params=SamplingParams(), max_tokens=100, cache_scope=tenant)
     s.on(Event.ADMIT)
     return s
 
@@ -364,6 +364,9 @@ def test_a_preempted_sequence_gets_its_own_cached_pages_back():
     other = make_seq(led, 0, 9, tenant="u")  # the same tokens in another tenant's scope
     other.prompt_ids = list(b.all_ids)
     assert pc.match(other.owner, other.cache_scope, other.all_ids, other.table) == 0
+    forged = make_seq(led, 0, 10, tenant="u")   # the hash chain of b's scope: the ledger still refuses
+    forged.prompt_ids, forged.cache_scope = list(b.all_ids), b.cache_scope
+    assert pc.match(forged.owner, forged.cache_scope, forged.all_ids, forged.table) == 0
     sch.remove(a)                           # a finishes and gives back its pages
     led.free(a.owner, a.table)
     step = sch.schedule()
