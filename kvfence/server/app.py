@@ -845,9 +845,11 @@ class _Run:
         try:
             for c in self.choices:
                 if self.req.kind == "chat":   # the role; no token yet, so logprobs null (as OpenAI's)
-                    # an enforced answer is calls by construction: no content, as OpenAI's first
-                    # delta of a tool-call answer says (the client then assembles null, not "")
-                    yield self.fmt.chunk(None if self._enforced else "", None, None, inc, first=True, index=c.index)
+                    # with tools the answer may be calls (an enforced one is): no content yet, as
+                    # OpenAI's first delta of a tool-call answer says, so a client assembles null
+                    # for calls, not "" (text, sent whole at the end, then fills it)
+                    tools_on = self.req.tools is not None and self.req.tools.active
+                    yield self.fmt.chunk(None if tools_on else "", None, None, inc, first=True, index=c.index)
                 elif c.echo and not self._scores_prompt:   # else once its logprobs are known
                     yield self.fmt.chunk(c.echo, None, None, inc, index=c.index)
             echoed: set[int] = set()

@@ -383,6 +383,11 @@ def test_auto_with_a_response_format_answers_in_the_format_or_calls(server, stre
         return text or None, calls or None, finish
 
     content, calls, finish = ask(_banned(server, "["))       # no answer can start: a call
+    if stream:   # the SDK's helper assembles the stream as the unstreamed answer says
+        with c.chat.completions.stream(logit_bias=_banned(server, "["), **kw) as s:
+            assert s.get_final_completion().choices[0].message.content is None
+        with c.chat.completions.stream(logit_bias=_banned(server, "{"), **kw) as s:
+            assert json.loads(s.get_final_completion().choices[0].message.content)
     assert finish == "tool_calls" and content is None and len(calls) == 1
     assert calls[0].function.name == "get_weather" and calls[0].id.startswith("call_")
     jsonschema.validate(json.loads(calls[0].function.arguments), SCHEMAS["get_weather"])
