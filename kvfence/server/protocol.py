@@ -396,21 +396,7 @@ def _prompt(p, where: str) -> tuple[str | None, list[int] | None]:
 def parse_chat(body: dict) -> GenerationRequest:
     c = _common(body, "chat")
     tools = parse_tools(body)
-    # the answer is held to a call of an allowed function (enforced), or with "auto" and a
-    # response_format to the format's answer or one call. A response_format governs text, as
-    # at OpenAI: a forced call has none, so the format (checked above) has nothing to hold
-    if tools is not None and (tools.enforced or (tools.active and c["json_schema"] is not None)):
-        try:
-            if tools.enforced:
-                c["json_schema"] = canonical_schema(call_schema(tools))
-            else:
-                tools.answer_schema = c["json_schema"]
-                c["json_schema"] = canonical_schema(call_or_answer_schema(tools, c["json_schema"]))
-        except RecursionError:
-            raise bad_request("The tools' parameter schemas are nested too deeply.", param="tools") from None
-        except ValueError:
-            raise bad_request(f"The tools' parameter schemas (with the response_format's) are larger than "
-                              f"{MAX_JSON_SCHEMA_BYTES} bytes as compact JSON.", param="tools") from None
+    c["json_schema"] = _held_to(tools, c["json_schema"])
     max_tokens = _int(body, "max_tokens", None, 1, MAX_TOKENS_CAP)
     mct = _int(body, "max_completion_tokens", None, 1, MAX_TOKENS_CAP)
     if mct is not None:
@@ -499,6 +485,26 @@ def text_of_parts(parts: list, where: str, kinds: dict[str, str], example: str) 
     return "\n".join(out)
 
 
+def _held_to(tools: ToolSpec | None, fmt: str | None) -> str | None:
+    """The schema a chat answer is held to: a call of an allowed function (enforced), or with
+    "auto" and a response_format the format's answer or one call (tools.answer_schema is set:
+    the prompt then asks for the bare call form), else the format. A response_format governs
+    text, as at OpenAI: a forced call has none, so the format (checked already) holds nothing."""
+    if tools is None or not (tools.enforced or (tools.active and fmt is not None)):
+        return fmt
+    try:
+        if tools.enforced:
+            return canonical_schema(call_schema(tools))
+        assert fmt is not None
+        tools.answer_schema = fmt
+        return canonical_schema(call_or_answer_schema(tools, fmt))
+    except RecursionError:
+        raise bad_request("The tools' parameter schemas are nested too deeply.", param="tools") from None
+    except ValueError:
+        raise bad_request(f"The tools' parameter schemas (with the response_format's) are larger than "
+                          f"{MAX_JSON_SCHEMA_BYTES} bytes as compact JSON.", param="tools") from None
+
+
 # -- /tokenize and /detokenize (vLLM's extension routes) -------------------------------------
 
 MAX_DETOKENIZE_IDS = 1 << 20
@@ -506,13 +512,16 @@ MAX_DETOKENIZE_IDS = 1 << 20
 
 def parse_tokenize(body: dict) -> tuple[str | None, list[dict] | None, bool, ToolSpec | None]:
     """(prompt text, or chat messages; add_generation_prompt; the messages' tools) of a
-    /tokenize body. Tools are read as chat completions reads them: a prompt that declares
-    tools counts the tokens generation would send, tool descriptions included."""
+    /tokenize body. Tools (and a response_format beside them) are read as chat completions
+    reads them: a prompt that declares tools counts the tokens generation would send, tool
+    descriptions included."""
     _field(body, "model", (str,), None, "a string")
     if "messages" in body and body["messages"] is not None:
         if body.get("prompt") is not None:
             raise bad_request("Give 'prompt' or 'messages', not both.", param="prompt")
-        return None, _messages(body["messages"]), _bool(body, "add_generation_prompt", True), parse_tools(body)
+        tools = parse_tools(body)
+        _held_to(tools, _response_format(body))   # a format beside "auto" changes the tools' prompt
+        return None, _messages(body["messages"]), _bool(body, "add_generation_prompt", True), tools
     if body.get("tools") is not None:
         raise bad_request("'tools' goes with 'messages', not with 'prompt'.", param="tools")
     p = body.get("prompt", _MISSING)

@@ -89,16 +89,19 @@ ROUND_TRIP = [
 ]
 
 
-@pytest.mark.parametrize("msgs,tools", [
-    ([{"role": "user", "content": "Weather in Paris?"}], WEATHER),   # the tools' descriptions count
-    (ROUND_TRIP, None),                                               # a call and its result, rendered
-    (ROUND_TRIP, WEATHER),
+JSON = {"type": "json_object"}
+
+
+@pytest.mark.parametrize("msgs,tools,fmt", [
+    ([{"role": "user", "content": "Weather in Paris?"}], WEATHER, None),   # the tools' descriptions count
+    (ROUND_TRIP, None, None),                                               # a call and its result, rendered
+    (ROUND_TRIP, WEATHER, None),
+    (ROUND_TRIP, WEATHER, JSON),   # beside a format, "auto" asks for the bare call form: another prompt
 ])
-def test_tokenize_counts_tools_and_tool_messages_as_generation_does(server, msgs, tools):
-    body = {"messages": msgs} | ({"tools": tools} if tools else {})
-    r = _post(server, "/tokenize", body)
+def test_tokenize_counts_tools_and_tool_messages_as_generation_does(server, msgs, tools, fmt):
+    extra = ({"tools": tools} if tools else {}) | ({"response_format": fmt} if fmt else {})
+    r = _post(server, "/tokenize", {"messages": msgs} | extra)
     assert r.status_code == 200, r.text
-    extra = {"tools": tools} if tools else {}
     done = server.client("alice").chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, **extra)
     assert r.json()["count"] == done.usage.prompt_tokens
     if tools:   # and the tools are in it: without them the count is smaller
