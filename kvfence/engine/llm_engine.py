@@ -290,7 +290,7 @@ class LLMEngine:
 
     def publish_prefix(self, seq: Sequence) -> None:
         if self.prefix_cache is not None:
-            self.prefix_cache.publish(seq.owner, seq.cache_scope, seq.all_ids, seq.table, seq.num_computed)
+            self.prefix_cache.publish(seq.owner, seq.cache_scope, seq.all_ids, seq.table, seq.publishable)
 
     def end(self, seq: Sequence, event: Event, reason: str, error: str | None = None,
             code: str | None = None, reader_stopped: bool = False) -> None:

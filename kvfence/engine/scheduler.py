@@ -103,7 +103,7 @@ class Scheduler:
         victim.reserved = False
         if self.prefix_cache is not None:
             self.prefix_cache.publish(victim.owner, victim.cache_scope, victim.all_ids, victim.table,
-                                      victim.num_computed)
+                                      victim.publishable)
         self.ledger.free(victim.owner, victim.table)
         victim.num_computed = 0
         victim.num_preemptions += 1

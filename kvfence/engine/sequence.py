@@ -10,7 +10,7 @@ import torch
 
 from kvfence.engine.params import SamplingParams
 from kvfence.engine.request_states import TERMINAL, Event, State, advance
-from kvfence.kv.ledger import BlockTable, Owner
+from kvfence.kv.ledger import PUBLIC_SCOPE, BlockTable, Owner
 
 if TYPE_CHECKING:
     from kvfence.engine.detokenizer import IncrementalDetokenizer
@@ -78,6 +78,16 @@ class Sequence:
     @property
     def uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
+
+    @property
+    def publishable(self) -> int:
+        """Computed tokens whose whole pages may go to the prefix cache: all of them in the
+        tenant's own scope; in an opted-in public scope only the prompt's, since the opt-in
+        shares prompt prefixes, not what the model wrote for one tenant (another tenant sending
+        a guess of it would learn from its cached_tokens whether the guess was right)."""
+        if self.cache_scope.startswith(PUBLIC_SCOPE):
+            return min(self.num_computed, len(self.prompt_ids))
+        return self.num_computed
 
     @property
     def reads_prefix_cache(self) -> bool:

@@ -128,3 +128,21 @@ def test_eviction_under_pressure_keeps_outputs_and_ledger_right(make_llm):
     assert eng.ledger.counters["pages_evicted"] > 0
     assert eng.ledger.num_owned == 0
     assert eng.ledger.num_available == eng.ledger.usable_pages
+
+
+def test_a_public_scope_shares_prompts_not_what_the_model_wrote(llm):
+    """The opt-in shares prompt prefixes. A's generated pages stay out of the public scope: B
+    sending A's prompt and A's answer (a guess of it) attaches A's prompt pages only, so its
+    cached_tokens cannot confirm the guess. In A's own scope the answer's pages are cached."""
+    eng = llm.engine
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompt = ids_for(llm, "Hi")
+    a = eng.add_request(prompt, long, tenant="A", public_prefix_scope="bank-system-prompt")
+    run_to_end(eng)
+    guess = prompt + a.output_ids + ids_for(llm, "")[:4]
+    b = run(eng, guess, "B", public_prefix_scope="bank-system-prompt")
+    assert 0 < b.cached_tokens <= len(prompt) // 16 * 16
+    own = eng.add_request(prompt, long, tenant="A")
+    run_to_end(eng)
+    mine = run(eng, prompt + own.output_ids + ids_for(llm, "")[:4], "A")
+    assert mine.cached_tokens > len(prompt)
