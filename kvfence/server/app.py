@@ -841,23 +841,22 @@ class _Run:
         """The stream's bodies in order: chunks, an error body if it fails, then "[DONE]"."""
         want_lps = self.req.logprobs is not None
         inc = self.req.include_usage
+        # with tools the answer is a call or text only once it is whole: it is sent at its end,
+        # except an enforced one (required, a named function), a call by construction: its
+        # calls are streamed as they are generated
+        tools = self.req.tools is not None and self.req.tools.active
+        enforced = tools and self._enforced
         watcher = asyncio.create_task(watch_disconnect(self.request, self._client_gone))
         try:
             for c in self.choices:
                 if self.req.kind == "chat":   # the role; no token yet, so logprobs null (as OpenAI's)
-                    # with tools the answer may be calls (an enforced one is): no content yet, as
-                    # OpenAI's first delta of a tool-call answer says, so a client assembles null
-                    # for calls, not "" (text, sent whole at the end, then fills it)
-                    tools_on = self.req.tools is not None and self.req.tools.active
-                    yield self.fmt.chunk(None if tools_on else "", None, None, inc, first=True, index=c.index)
+                    # with tools the answer may be calls: no content yet, as OpenAI's first delta of
+                    # a tool-call answer says, so a client assembles null for calls, not "" (text,
+                    # sent whole at the end, then fills it)
+                    yield self.fmt.chunk(None if tools else "", None, None, inc, first=True, index=c.index)
                 elif c.echo and not self._scores_prompt:   # else once its logprobs are known
                     yield self.fmt.chunk(c.echo, None, None, inc, index=c.index)
             echoed: set[int] = set()
-            # with tools the answer is a call or text only once it is whole: it is sent at its end,
-            # except an enforced one (required, a named function), a call by construction: its
-            # calls are streamed as they are generated
-            tools = self.req.tools is not None and self.req.tools.active
-            enforced = tools and self.req.tools is not None and self.req.tools.enforced
             calls: dict[int, CallStream] = {}
             try:
                 async for c, u in self._updates():

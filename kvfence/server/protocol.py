@@ -490,14 +490,13 @@ def _held_to(tools: ToolSpec | None, fmt: str | None) -> str | None:
     "auto" and a response_format the format's answer or one call (tools.answer_schema is set:
     the prompt then asks for the bare call form), else the format. A response_format governs
     text, as at OpenAI: a forced call has none, so the format (checked already) holds nothing."""
-    if tools is None or not (tools.enforced or (tools.active and fmt is not None)):
-        return fmt
     try:
-        if tools.enforced:
+        if tools is not None and tools.enforced:
             return canonical_schema(call_schema(tools))
-        assert fmt is not None
-        tools.answer_schema = fmt
-        return canonical_schema(call_or_answer_schema(tools, fmt))
+        if tools is not None and tools.active and fmt is not None:
+            tools.answer_schema = fmt
+            return canonical_schema(call_or_answer_schema(tools, fmt))
+        return fmt
     except RecursionError:
         raise bad_request("The tools' parameter schemas are nested too deeply.", param="tools") from None
     except ValueError:

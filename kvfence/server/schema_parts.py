@@ -32,8 +32,10 @@ class SchemaParts:
         moved = _Moved(prefix)
         body = moved.schema({k: v for k, v in schema.items() if k not in ("$defs", "definitions", *_ROOT_ONLY)})
         for key, tag in (("$defs", "."), ("definitions", ":")):
-            for name, sub in (schema.get(key) or {}).items() if isinstance(schema.get(key), dict) else ():
-                self.defs[prefix + tag + name] = moved.schema(sub)
+            defs = schema.get(key)
+            if isinstance(defs, dict):
+                for name, sub in defs.items():
+                    self.defs[prefix + tag + name] = moved.schema(sub)
         if moved.root_used:
             self.defs[prefix] = body
         return body

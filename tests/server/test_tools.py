@@ -127,6 +127,21 @@ OPEN_WEATHER = {"type": "function", "function": {
                    "required": ["city", "unit"]}}}
 
 
+def _streamed_calls(c, **kw) -> tuple[list[dict], str | None]:
+    """A streamed answer's calls, each {"name", "arguments"} added up from its deltas, and
+    its finish_reason."""
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in c.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            for d in ch.delta.tool_calls or []:
+                e = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                e["name"] += d.function.name or ""
+                e["arguments"] += d.function.arguments or ""
+            finish = ch.finish_reason or finish
+    return list(calls.values()), finish
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_schema_that_leaves_objects_open_still_gets_a_call(server, stream):
     """Held to the open schema as written, greedy SmolLM2 went on after city and unit with keys
@@ -136,17 +151,8 @@ def test_a_schema_that_leaves_objects_open_still_gets_a_call(server, stream):
     c = server.client("alice")
     kw = dict(model=MODEL, messages=ASK, tools=[OPEN_WEATHER], tool_choice="required", max_tokens=64, temperature=0)
     if stream:
-        calls: dict[int, dict] = {}
-        finish = None
-        for chunk in c.chat.completions.create(stream=True, **kw):
-            for ch in chunk.choices:
-                for d in ch.delta.tool_calls or []:
-                    e = calls.setdefault(d.index, {"name": "", "arguments": ""})
-                    e["name"] += d.function.name or ""
-                    e["arguments"] += d.function.arguments or ""
-                finish = ch.finish_reason or finish
-        assert finish == "tool_calls", calls
-        got = list(calls.values())
+        got, finish = _streamed_calls(c, **kw)
+        assert finish == "tool_calls", got
     else:
         r = c.chat.completions.create(**kw).choices[0]
         assert r.finish_reason == "tool_calls", r.message.content
@@ -343,17 +349,9 @@ def test_a_response_format_and_a_required_choice_give_the_call(server, stream):
     kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=64, temperature=0,
               response_format=LIST)
     if stream:
-        calls: dict[int, dict] = {}
-        finish = None
-        for chunk in c.chat.completions.create(stream=True, **kw):
-            for ch in chunk.choices:
-                for d in ch.delta.tool_calls or []:
-                    e = calls.setdefault(d.index, {"name": "", "arguments": ""})
-                    e["name"] += d.function.name or ""
-                    e["arguments"] += d.function.arguments or ""
-                finish = ch.finish_reason or finish
+        calls, finish = _streamed_calls(c, **kw)
         assert finish == "tool_calls" and calls
-        for e in calls.values():
+        for e in calls:
             jsonschema.validate(json.loads(e["arguments"]), SCHEMAS[e["name"]])
     else:
         ch = c.chat.completions.create(**kw).choices[0]
