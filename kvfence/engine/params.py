@@ -7,6 +7,9 @@ from typing import Any
 
 # a JSON schema for structured output, as compact JSON (the API's and the PD wire's bound)
 MAX_JSON_SCHEMA_BYTES = 64 << 10
+# below it a seen token's positive logit divided by the penalty overflows float32 to inf, and
+# sampling gets NaN (1e-300 was a 500); a factor that small already makes seen tokens certain
+MIN_REPETITION_PENALTY = 0.01
 # stop strings and stop token ids: the API's and the PD wire's bounds (one place, so a request
 # a single node takes is one the router can hand to its nodes)
 MAX_STOP_CHARS = 4096
@@ -71,8 +74,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not (-2.0 <= getattr(self, name) <= 2.0):
                 problems.append(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not (0.0 < self.repetition_penalty <= 2.0):
-            problems.append(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not (MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2.0):
+            problems.append(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 2], "
+                            f"got {self.repetition_penalty}")
         if not (0.0 <= self.min_p <= 1.0):
             problems.append(f"min_p must be in [0, 1], got {self.min_p}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):

@@ -13,7 +13,13 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
-from kvfence.engine.params import MAX_STOP_CHARS, MAX_STOP_TOKEN_ID, MAX_STOP_TOKEN_IDS, SamplingParams
+from kvfence.engine.params import (
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_ID,
+    MAX_STOP_TOKEN_IDS,
+    MIN_REPETITION_PENALTY,
+    SamplingParams,
+)
 
 # bounds: generous for any real request, small enough that no field can make a node
 # allocate or loop without limit
@@ -85,7 +91,7 @@ class WireParams(WireModel):
     include_stop_str_in_output: bool = False
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
+    repetition_penalty: Annotated[float, Field(ge=MIN_REPETITION_PENALTY, le=2.0)] = 1.0
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)] = 0
     # JSON object keys are strings: token ids as decimal strings

@@ -22,6 +22,7 @@ from kvfence.engine.params import (
     MAX_STOP_CHARS,
     MAX_STOP_TOKEN_ID,
     MAX_STOP_TOKEN_IDS,
+    MIN_REPETITION_PENALTY,
     SamplingParams,
     canonical_schema,
 )
@@ -296,10 +297,7 @@ MAX_LOGIT_BIAS = 1024
 
 
 def _repetition_penalty(body: dict) -> float:
-    v = _num(body, "repetition_penalty", 1.0, None, 2.0)
-    if v <= 0.0:
-        raise bad_request(f"'repetition_penalty' must be > 0, got {v}.", param="repetition_penalty")
-    return v
+    return _num(body, "repetition_penalty", 1.0, MIN_REPETITION_PENALTY, 2.0)
 
 
 def _logit_bias(body: dict) -> dict[int, float]:

@@ -67,7 +67,7 @@ def test_min_p_is_accepted_and_seeded_sampling_stays_reproducible(server):
 @pytest.mark.parametrize("field,value", [
     ("presence_penalty", 2.5), ("frequency_penalty", -2.01), ("logit_bias", {"abc": 1}), ("logit_bias", {"5": 101}),
     ("logit_bias", {"99999999": 1}), ("logit_bias", {"5": "x"}), ("logit_bias", [1, 2]),
-    ("repetition_penalty", 0), ("min_p", 1.5), ("min_tokens", -1),
+    ("repetition_penalty", 0), ("repetition_penalty", 1e-300), ("min_p", 1.5), ("min_tokens", -1),
 ])
 def test_a_wrong_value_is_a_400_naming_the_field(server, field, value):
     c = server.client("alice")

@@ -82,7 +82,8 @@ def test_the_sampler_refuses_adjustments_without_histories():
 
 @pytest.mark.parametrize("kw,match", [
     (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-3), "frequency_penalty"),
-    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(min_p=1.5), "min_p"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(repetition_penalty=1e-300), "repetition_penalty"),
+    (dict(min_p=1.5), "min_p"),
     (dict(min_tokens=20, max_tokens=10), "min_tokens"), (dict(logit_bias={1: 101.0}), "logit_bias"),
     (dict(logit_bias={-1: 1.0}), "logit_bias"),
 ])
