@@ -572,7 +572,7 @@ class Canary:
             raise ValueError("/metrics refused the canary: give the tenants file a [metrics] (or [operator]) table "
                              "with a plain api_keys entry, so the read audit can be counted")
         r.raise_for_status()
-        by_kind, pages, seen_audit = {}, {}, False
+        by_kind, pages, load, seen_audit = {}, {}, {}, False
         for fam in text_string_to_metric_families(r.text):
             for smp in fam.samples:
                 if smp.name == "kvfence_read_audit_violations_total":
@@ -580,11 +580,11 @@ class Canary:
                     by_kind[smp.labels["kind"]] = int(smp.value)
                 elif smp.name == "kvfence_kv_pages":
                     pages[smp.labels["state"]] = int(smp.value)
-        r = await c.get(url + "/health", timeout=10)
-        h = r.json()
+                elif smp.name in ("kvfence_requests_running", "kvfence_requests_waiting"):
+                    load[smp.name.rsplit("_", 1)[1]] = int(smp.value)
         audit = {"violations": sum(by_kind.values()), "by_kind": by_kind} if seen_audit else None
         return {"audit": audit, "pages_owned": pages.get("used"), "pages_quarantined": pages.get("quarantined"),
-                "running": h.get("running"), "waiting": h.get("waiting"), "buffer_rows": None,
+                "running": load.get("running"), "waiting": load.get("waiting"), "buffer_rows": None,
                 "buffer_free": None, "buffer_fenced": None, "boot_id": "single"}
 
     async def _baseline(self, c: httpx.AsyncClient, report: CanaryReport) -> None:

@@ -155,12 +155,14 @@ def create_app(state: ServerState) -> FastAPI:
     async def health(request: Request):
         st = state.engine.state
         snap = state.engine.snapshot
-        body = {"status": "ok" if st == "ready" else st, "ready": st == "ready", "alive": st in ("ready", "loading"),
-                "running": snap.get("running"), "waiting": snap.get("waiting")}
-        # why it failed names the router's nodes (URLs, states) or the engine's internals: with a
-        # tenants file, for the [metrics] or [operator] key only (probes need the status alone)
-        if state.engine.error and may_scrape(state, request, "/health", public_part=True):
-            body["error"] = state.engine.error
+        body = {"status": "ok" if st == "ready" else st, "ready": st == "ready", "alive": st in ("ready", "loading")}
+        # the live counts follow every tenant's load, and why it failed names the router's nodes
+        # (URLs, states) or the engine's internals: with a tenants file, for the [metrics] or
+        # [operator] key only (probes need the status alone)
+        if may_scrape(state, request, "/health", public_part=True):
+            body |= {"running": snap.get("running"), "waiting": snap.get("waiting")}
+            if state.engine.error:
+                body["error"] = state.engine.error
         return JSONResponse(body, status_code=200 if st == "ready" else 503)
 
     @app.get("/health/live")
