@@ -121,7 +121,10 @@ def uvicorn_kwargs(limits: HttpLimits, refusals: ConnectionRefusals | None = Non
     """The options of uvicorn.Config that enforce `limits` (pass them with the app's own);
     `refusals` counts the connections they close (the server's metrics read it)."""
     return {"http": _protocol_for(limits, refusals or ConnectionRefusals()),
-            "limit_concurrency": limits.max_connections, "h11_max_incomplete_event_size": limits.max_header_bytes}
+            "limit_concurrency": limits.max_connections, "h11_max_incomplete_event_size": limits.max_header_bytes,
+            # uvicorn would take X-Forwarded-For from a loopback peer as the client's address;
+            # every per-address bound (wrong keys, connections) must count the real peer
+            "proxy_headers": False}
 
 
 def _protocol_for(limits: HttpLimits, refusals: ConnectionRefusals) -> type[H11Protocol]:

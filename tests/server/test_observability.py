@@ -221,8 +221,11 @@ def test_http_bench_against_the_server(single, tmp_path, capsys):
     assert "TTFT" in capsys.readouterr().out
 
 
-def _scrape(srv, key: str | None) -> httpx.Response:
-    return httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=30)
+def _scrape(srv, key: str | None, forwarded_for: str | None = None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if forwarded_for:
+        headers["X-Forwarded-For"] = forwarded_for
+    return httpx.get(srv.url + "/metrics", headers=headers, timeout=30)
 
 
 def test_metrics_name_tenants_only_to_the_scraper_or_operator_key(make_server):
@@ -263,3 +266,15 @@ def test_guessing_the_metrics_key_is_bounded_per_address(make_server):
         assert _scrape(srv, "sk-guess-00000").status_code == 401
     r = _scrape(srv, SCRAPER_KEY)
     assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+
+
+def test_a_forwarded_for_header_does_not_move_the_count_to_another_address(make_server):
+    """uvicorn believes X-Forwarded-For from loopback unless told not to: a guesser could name a
+    new address for each guess (no bound at all) or name the scraper's (locking it out)."""
+    from kvfence.server.auth_throttle import LIMIT
+
+    srv = make_server()
+    for i in range(LIMIT):
+        assert _scrape(srv, "sk-guess-00000", forwarded_for=f"10.8.0.{i}").status_code == 401
+    assert _scrape(srv, SCRAPER_KEY).status_code == 429            # counted against the real address
+    assert _scrape(srv, SCRAPER_KEY, forwarded_for="10.9.9.9").status_code == 429
