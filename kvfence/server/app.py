@@ -223,15 +223,22 @@ def _openai_routes(app: FastAPI, state: ServerState) -> None:
         lease = state.limiter.hold(tenant)    # the tenant's concurrency limit, as generation
         try:
             body = await read_json_body(request, state.max_body_bytes)
-            text, messages, add_prompt, tools = parse_tokenize(body)
-            tok = state.engine.tokenizer
-            if messages is None:
-                ids = await asyncio.to_thread(tok.encode, text)
+            prompt, add_prompt, tools = parse_tokenize(body)
+            tok, ctx = state.engine.tokenizer, state.facts["usable_context"]
+            # only what could be sent: the ids of a longer text (8 MB of words gave ~1M) took
+            # seconds to encode as JSON on the event loop, every tenant's streams waiting
+            if isinstance(prompt, str):
+                _refuse_surely_too_long(tok, prompt, ctx, "prompt", generating=False)
+                ids = await asyncio.to_thread(tok.encode, prompt)
             else:   # rendered as _tokenize renders a chat request: tool calls, results and tools alike
-                ids = await _encode_chat(tok, messages, tools, add_prompt)
+                ids = await _encode_chat(tok, prompt, tools, add_prompt, ctx, generating=False)
+            if len(ids) > ctx:
+                raise APIError(400, f"The prompt is {len(ids)} tokens, more than this model's context of {ctx} "
+                                    "tokens.", code="context_length_exceeded",
+                               param="prompt" if isinstance(prompt, str) else "messages", outcome="rejected")
         finally:
             lease.release()
-        return {"count": len(ids), "max_model_len": state.facts["usable_context"], "tokens": ids}
+        return {"count": len(ids), "max_model_len": ctx, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
@@ -468,7 +475,7 @@ async def _submit_unless_gone(state: ServerState, request: Request, ids, params:
 
 
 async def _encode_chat(tok, messages: list[dict], tools: ToolSpec | None, add_prompt: bool,
-                       room: int | None = None) -> list[int]:
+                       room: int, generating: bool = True) -> list[int]:
     """A chat prompt's ids: generation's and /tokenize's one way to render messages and tools.
     `room`: the most prompt tokens that can fit; a rendered text surely longer is refused
     before it is tokenized."""
@@ -476,8 +483,7 @@ async def _encode_chat(tok, messages: list[dict], tools: ToolSpec | None, add_pr
 
     def encode() -> list[int]:
         text = tok.apply_chat_template(rendered, add_prompt, template_tools)
-        if room is not None:
-            _refuse_surely_too_long(tok, text, room, "messages")
+        _refuse_surely_too_long(tok, text, room, "messages", generating)
         return tok.encode_rendered(text)
 
     try:
@@ -509,15 +515,17 @@ def _prompt_room(state: ServerState, req: GenerationRequest) -> int:
     return state.facts["usable_context"] - _least_completion(req)
 
 
-def _refuse_surely_too_long(tok, text: str, room: int, param: str) -> None:
+def _refuse_surely_too_long(tok, text: str, room: int, param: str, generating: bool = True) -> None:
     """Tokenizing costs ~1 s of CPU per MiB; a text whose length alone shows it needs more
     tokens than `room` is refused first (a lower bound from the vocabulary's longest token,
-    so nothing that fits is ever refused here). The exact check follows tokenizing."""
+    so nothing that fits is ever refused here). The exact check follows tokenizing.
+    `generating`: room is what max_tokens leaves (else the whole context: /tokenize)."""
     fewest = tok.fewest_tokens(text)
     if fewest > room and not faults.active("skip_router_admission"):
+        fit = (f"at most {max(room, 0)} prompt tokens fit beside max_tokens. Please reduce the prompt or max_tokens."
+               if generating else f"this model's context is {room} tokens.")
         raise APIError(400, f"The prompt is too long for this model's context: its {len(text)} characters are at "
-                            f"least {fewest} tokens, and at most {max(room, 0)} prompt tokens fit beside max_tokens. "
-                            "Please reduce the prompt or max_tokens.",
+                            f"least {fewest} tokens, and {fit}",
                        code="context_length_exceeded", param=param, outcome="rejected")
 
 

@@ -507,8 +507,8 @@ def _held_to(tools: ToolSpec | None, fmt: str | None) -> str | None:
 MAX_DETOKENIZE_IDS = 1 << 20
 
 
-def parse_tokenize(body: dict) -> tuple[str | None, list[dict] | None, bool, ToolSpec | None]:
-    """(prompt text, or chat messages; add_generation_prompt; the messages' tools) of a
+def parse_tokenize(body: dict) -> tuple[str | list[dict], bool, ToolSpec | None]:
+    """(prompt text or chat messages; add_generation_prompt; the messages' tools) of a
     /tokenize body. Tools (and a response_format beside them) are read as chat completions
     reads them: a prompt that declares tools counts the tokens generation would send, tool
     descriptions included."""
@@ -518,13 +518,13 @@ def parse_tokenize(body: dict) -> tuple[str | None, list[dict] | None, bool, Too
             raise bad_request("Give 'prompt' or 'messages', not both.", param="prompt")
         tools = parse_tools(body)
         _held_to(tools, _response_format(body))   # a format beside "auto" changes the tools' prompt
-        return None, _messages(body["messages"]), _bool(body, "add_generation_prompt", True), tools
+        return _messages(body["messages"]), _bool(body, "add_generation_prompt", True), tools
     if body.get("tools") is not None:
         raise bad_request("'tools' goes with 'messages', not with 'prompt'.", param="tools")
     p = body.get("prompt", _MISSING)
     if not isinstance(p, str):
         raise bad_request("'prompt' must be a string (or give 'messages').", param="prompt")
-    return p, None, False, None
+    return p, False, None
 
 
 def parse_detokenize(body: dict) -> list[int]:

@@ -3,6 +3,8 @@ as generation, so the count a client gets is the prompt_tokens a completion repo
 same key as generation; clear 400s for wrong input."""
 from __future__ import annotations
 
+import re
+
 import pytest
 from server_harness import MODEL
 
@@ -117,3 +119,22 @@ def test_tokenize_refuses_malformed_tools(server, body, param):
     r = _post(server, "/tokenize", body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("how", ["prompt", "messages"])
+def test_a_prompt_beyond_the_context_is_a_400_with_its_count(server, how):
+    """/tokenize answers what can be sent: a prompt longer than the context is a 400 that says
+    how long it is. Unbounded, 8 MB of words came back as ~1M ids whose JSON encoding held the
+    event loop for seconds (every tenant's streams and /health/live with it)."""
+    ctx = server.engine.facts["usable_context"]
+
+    def body(text):
+        return {"prompt": text} if how == "prompt" else {"messages": [{"role": "user", "content": text}]}
+
+    r = _post(server, "/tokenize", body("hello " * (ctx + 10)))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    said = re.search(r"is (\d+) tokens", r.json()["error"]["message"])
+    assert said and int(said.group(1)) >= ctx + 10 and str(ctx) in r.json()["error"]["message"], r.text
+    # a text whose length alone shows it cannot fit is refused before it is tokenized
+    r = _post(server, "/tokenize", body("x" * (100 * ctx)))
+    assert r.status_code == 400 and "at least" in r.json()["error"]["message"], r.text
