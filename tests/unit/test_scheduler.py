@@ -387,3 +387,40 @@ def _run_written(led, pc, step):
     for x in step:
         if len(x.seq.output_ids) == 1:
             pc.publish(x.seq.owner, x.seq.cache_scope, x.seq.all_ids, x.seq.table, x.seq.num_computed)
+
+
+def test_a_newcomer_starts_beside_a_long_prefill_and_the_step_stays_full():
+    """A prompt that arrives while another's long prompt is prefilled starts in the next step,
+    not once the whole long prompt is done. An attacker probe saw a 7000-token prompt hold every
+    other tenant's first token for 11-18 s, and the delay told them the prompt's length. What
+    the newcomer does not use of the room kept for it goes back to the long prompt."""
+    led = Ledger(256, 4)
+    sch = Scheduler(led, max_num_seqs=8, token_budget=100)
+    long = make_seq(led, 600, 0, tenant="carol")
+    sch.add(long)
+    step = sch.schedule()
+    assert [(s.seq.request_id, s.num_new) for s in step] == [("r0", 100)]
+    fake_run(step)
+    sch.add(make_seq(led, 5, 1, tenant="bob"))
+    step = sch.schedule()
+    assert sorted((s.seq.request_id, s.num_new) for s in step) == [("r0", 95), ("r1", 5)]
+    for s in step:
+        assert len(s.seq.table) * 4 >= s.seq.num_computed + s.num_new
+    fake_run(step)
+    step = sch.schedule()          # nobody waits: the long prompt has the budget beside the decode
+    assert [(s.seq.request_id, s.num_new) for s in step] == [("r1", 1), ("r0", 99)]
+    led.check_consistency()
+
+
+def test_a_newcomer_gets_a_share_of_the_cap_beside_a_long_capped_prefill():
+    """While streams decode, a prompt that arrived after them is capped; one arriving behind
+    it gets a share of that cap too, not the leftovers of a 60-token prompt's five steps."""
+    led = Ledger(256, 4)
+    sch = Scheduler(led, max_num_seqs=16, token_budget=100, prefill_budget_while_decoding=12)
+    _decoding(led, sch, 2)
+    sch.add(make_seq(led, 60, 0))
+    fake_run(sch.schedule())
+    sch.add(make_seq(led, 2, 1))
+    step = sch.schedule()
+    # the two decodes, then the cap's 12 prefill tokens: the newcomer's 2 and the long one's 10
+    assert sorted((s.seq.request_id, s.num_new) for s in step[2:]) == [("r0", 10), ("r1", 2)]
