@@ -138,6 +138,12 @@ def _warm_up(engine) -> list[dict]:
     return out
 
 
+# what opting in means, said where the opt-in is stated: a hit is visible in cached_tokens
+_SCOPE_PROBE = ("every prompt sent in a scope, earlier answers sent back in a conversation included, can be "
+                "tested by any tenant of the scope: a guess that matches it reports cached tokens. The model's "
+                "own output is never shared")
+
+
 def _prefix_cache_terms(enabled: bool, tenants) -> dict:
     if not enabled:
         return {"enabled": False,
@@ -153,7 +159,7 @@ def _prefix_cache_terms(enabled: bool, tenants) -> dict:
         "pages": "cached pages are read-only and reference-counted; the ledger checks their scope before every "
                  "forward pass, and an evicted page is scrubbed by the policy above before reuse",
         "cross_tenant_sharing": (f"explicit opt-in only: {opted} tenant(s) share {len(public)} declared public "
-                                 f"prefix scope(s)") if public else "none: no tenant has opted in",
+                                 f"prefix scope(s); {_SCOPE_PROBE}") if public else "none: no tenant has opted in",
         "visible_as": "usage.prompt_tokens_details.cached_tokens",
     }
 
@@ -214,8 +220,8 @@ def tenant_view(statement: dict, tenant) -> dict:
         scope = tenant.public_prefix_scope
         iso["prefix_cache"] = {**iso["prefix_cache"], "cross_tenant_sharing": (
             f"explicit opt-in only: your requests share prompt-prefix pages with the tenants of public prefix "
-            f"scope {scope!r}" if scope else "explicit opt-in only: your tenant has not opted in, so none of its "
-                                             "pages is shared")}
+            f"scope {scope!r}; {_SCOPE_PROBE}" if scope else
+            "explicit opt-in only: your tenant has not opted in, so none of its pages is shared")}
     out["kv_memory_isolation"] = iso
     cap = {k: v for k, v in out["capacity"].items() if k != "per_tenant_prompt_caps"}
     cap["your_prompt_cap"] = tenant.limits.max_prompt_tokens

@@ -103,6 +103,10 @@ def test_isolation_statement_reflects_the_live_config(server):
         "explicit opt-in only: 2 tenant(s) share 1 declared public")
     pub = server.client("pub1").get("/kvfence/isolation", cast_to=object)
     assert "'shared-docs'" in pub["kv_memory_isolation"]["prefix_cache"]["cross_tenant_sharing"]
+    # what a member of a scope exposes is said where the opt-in is (an attacker probe confirmed a
+    # guess of another member's earlier answer, sent back in its next turn, through cached_tokens)
+    for sharing in (pub, whole):
+        assert "earlier answers sent back" in sharing["kv_memory_isolation"]["prefix_cache"]["cross_tenant_sharing"]
     assert server.client("capped").get("/kvfence/isolation", cast_to=object)["capacity"]["your_prompt_cap"] == 16
     assert iso["tenancy"] == {"mode": "multi-tenant", "identity": iso["tenancy"]["identity"],
                               "who_sees_tenant_names": iso["tenancy"]["who_sees_tenant_names"]}
