@@ -118,7 +118,9 @@ def canonical_schema(schema: Any) -> str:
         raise ValueError("json_schema must be a JSON object")
     try:
         text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError, RecursionError) as e:
+    except ValueError:   # allow_nan=False: a literal like 1e999 parses to infinity
+        raise ValueError("json_schema holds a number out of range (infinite or NaN)") from None
+    except (TypeError, RecursionError) as e:
         raise ValueError(f"json_schema is not JSON: {e}") from None
     if len(text.encode()) > MAX_JSON_SCHEMA_BYTES:
         raise ValueError(f"json_schema is larger than {MAX_JSON_SCHEMA_BYTES} bytes as compact JSON")

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from starlette.requests import ClientDisconnect
 
 from kvfence.engine.params import (
-    MAX_JSON_SCHEMA_BYTES,
     MAX_STOP_CHARS,
     MAX_STOP_TOKEN_ID,
     MAX_STOP_TOKEN_IDS,
@@ -288,9 +287,9 @@ def _response_format(body: dict) -> str | None:
                           f"{_type_name(schema)}.", param="response_format")
     try:
         return canonical_schema(schema)
-    except ValueError:
-        raise bad_request(f"'response_format.json_schema.schema' is larger than {MAX_JSON_SCHEMA_BYTES} bytes "
-                          "as compact JSON.", param="response_format") from None
+    except ValueError as e:   # too large, or a number out of range: the reason names which
+        raise bad_request(f"'response_format.json_schema.schema' {str(e).removeprefix('json_schema ')}.",
+                          param="response_format") from None
 
 
 MAX_LOGIT_BIAS = 1024
@@ -497,9 +496,9 @@ def _held_to(tools: ToolSpec | None, fmt: str | None) -> str | None:
         return fmt
     except RecursionError:
         raise bad_request("The tools' parameter schemas are nested too deeply.", param="tools") from None
-    except ValueError:
-        raise bad_request(f"The tools' parameter schemas (with the response_format's) are larger than "
-                          f"{MAX_JSON_SCHEMA_BYTES} bytes as compact JSON.", param="tools") from None
+    except ValueError as e:
+        raise bad_request(f"The tools' parameter schemas (with the response_format's): "
+                          f"{str(e).replace('json_schema', 'the combined schema')}.", param="tools") from None
 
 
 # -- /tokenize and /detokenize (vLLM's extension routes) -------------------------------------

@@ -130,3 +130,15 @@ def test_the_compile_cache_is_per_tenant_scope(make_server):
         _chat(srv.client(who), response_format=schema, max_tokens=4)
     assert (stats()["hits"], stats()["misses"]) == (2, 3)
     assert stats()["scopes"] == 3
+
+
+def test_a_number_out_of_range_in_a_schema_is_named_as_such(server):
+    """1e999 is valid JSON syntax that parses to infinity, which no schema can hold; the 400 said
+    the schema was larger than 64 KiB (found by an attacker probe)."""
+    body = (b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "response_format": '
+            b'{"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "number", "maximum": 1e999}}}}'
+            % MODEL.encode())
+    with server.http("alice") as c:
+        r = c.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    assert "out of range" in r.json()["error"]["message"] and "larger" not in r.json()["error"]["message"], r.text
