@@ -52,3 +52,31 @@ def test_a_maximal_token_id_body_does_not_stall_the_event_loop(big_server, monke
     # both passes over the 4 M ids ran in a worker thread, not on the server's event loop thread
     assert set(threads) == {"json", "fields"}
     assert all(t is not big_server.thread for t in threads.values()), threads
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/v1/completions", {"prompt": "Hello there", "max_tokens": 2, "echo": True, "logprobs": 2, "n": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "logprobs": True,
+                              "top_logprobs": 2}),
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": 16}),
+])
+def test_an_answer_is_built_and_encoded_off_the_event_loop(big_server, monkeypatch, route, body):
+    """An answer with ~1M logprob entries (echo, logprobs, n=11 over 4000 prompt tokens: an
+    attacker probe) took ~0.6 s to build and ~1.3 s to encode as JSON; on the event loop that
+    paused every other tenant's stream and /health/live. Both now run in a worker thread."""
+    import kvfence.server.app as app
+    from kvfence.server.openai_format import Formatter
+
+    threads: dict[str, threading.Thread] = {}
+
+    def spy(name, fn):
+        def wrapped(*a, **kw):
+            threads[name] = threading.current_thread()
+            return fn(*a, **kw)
+        return wrapped
+    monkeypatch.setattr(Formatter, "response", spy("build", Formatter.response))
+    monkeypatch.setattr(app, "encode_json", spy("encode", app.encode_json))
+    r = httpx.post(big_server.url + route, json={"model": "SmolLM2-135M-Instruct", **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert set(threads) == {"build", "encode"}
+    assert all(t is not big_server.thread for t in threads.values()), threads
