@@ -258,11 +258,14 @@ class ResponseView:
         status, why = self._status(choice["finish_reason"])
         if msg.get("content") or not calls:
             lps = (choice.get("logprobs") or {}).get("content")
-            # text that max_output_tokens cut is an incomplete item, as OpenAI marks it (calls
-            # that came back parsed are whole)
+            # text that max_output_tokens cut is an incomplete item, as OpenAI marks it
             output.append(self._message(msg.get("content") or "", lps, "incomplete" if why and not calls else
                                         "completed"))
-        output += [self._call(c) for c in calls]
+        # calls with finish_reason length are a forced answer that max_output_tokens cut: its
+        # last call's arguments are unfinished, as the stream's last item says (an auto answer's
+        # calls are whole, and say tool_calls)
+        output += [self._call(c, "incomplete" if why and k == len(calls) - 1 else "completed")
+                   for k, c in enumerate(calls)]
         return self._object(status, output, usage(chat["usage"]), incomplete=why)
 
     # -- events ---------------------------------------------------------------------------

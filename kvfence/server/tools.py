@@ -212,33 +212,29 @@ def _call(obj, spec: ToolSpec) -> dict | None:
             "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False, separators=(",", ":"))}}
 
 
-def _whole_calls(text: str):
-    """An enforced answer as JSON: the whole of it, or, for an array of parallel calls cut
-    short by max_tokens, the calls it finished (a small model goes on to another call; the
-    stream has sent the finished ones already, and the unstreamed answer keeps them too)."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        pass
-    if not text.startswith("["):
-        return None
-    scan = CallStream()
-    scan.feed(text)
-    done = [end for end in scan.args_end if text.startswith("}", end)]   # the call's object closed too
-    if not done:
-        return None
-    try:
-        return json.loads(text[:done[-1] + 1] + "]")
-    except ValueError:
-        return None
+def _cut_calls(text: str, spec: ToolSpec) -> list[dict]:
+    """An enforced answer cut short by max_tokens, as the stream sent it (CallStream): every
+    call whose name is closed, the finished ones whole, the last one with its arguments so far
+    (not valid JSON, as OpenAI returns a cut call, so a client sees it is cut: finish_reason
+    is length). Arguments are the text as generated, the stream's pieces added up."""
+    calls: list[dict] = []
+    for d in CallStream().feed(text):
+        if "id" in d:
+            calls.append({"id": d["id"], "type": "function", "function": dict(d["function"])})
+        else:
+            calls[d["index"]]["function"]["arguments"] += d["function"]["arguments"]
+    allowed = {t["name"] for t in spec.allowed()}
+    return [c for c in calls if c["function"]["name"] in allowed]   # the grammar admits no other
 
 
 def parse_answer(text: str, spec: ToolSpec) -> tuple[str | None, list[dict] | None]:
     """(content, tool_calls) of a finished answer."""
     if spec.enforced:   # the grammar held it to call_schema: it parses, unless max_tokens cut it
-        obj = _whole_calls(text)
-        if obj is None:
-            return text, None    # cut short inside its only call: not a call
+        try:
+            obj = json.loads(text)
+        except ValueError:   # cut short: the calls begun, as streamed; before a name closed, text
+            cut = _cut_calls(text, spec)
+            return (None, cut) if cut else (text, None)
         calls = [c for c in (_call(o, spec) for o in (obj if isinstance(obj, list) else [obj])) if c]
         return (None, calls) if calls else (text, None)
     if spec.answer_schema is not None:   # the grammar held it to the format's answer or one bare call
@@ -277,9 +273,11 @@ def parse_answer(text: str, spec: ToolSpec) -> tuple[str | None, list[dict] | No
     return (rest.strip() or None), found
 
 
-# where an enforced call's arguments begin: compact JSON (grammar.py), name before arguments
-# (llguidance keeps the schema's order, call_schema's), after '[' or '},' in an array of calls
-_CALL_HEAD = re.compile(r'(?:\[|\},)?\{"name":"([A-Za-z0-9_-]{1,64})","arguments":')
+# an enforced call's name: compact JSON (grammar.py), name before arguments (llguidance keeps
+# the schema's order, call_schema's), after '[' or '},' in an array of calls; the name is known
+# once its closing quote comes (a name holds no quote), and its arguments follow _ARGS_KEY
+_CALL_HEAD = re.compile(r'(?:\[|\},)?\{"name":"([A-Za-z0-9_-]{1,64})"')
+_ARGS_KEY = ',"arguments":'
 
 
 class CallStream:
@@ -287,21 +285,26 @@ class CallStream:
     as its text is generated, the way OpenAI streams them: a call's first delta carries its
     index, id, type and name (arguments ""), the next ones pieces of its arguments' JSON text.
     The grammar holds the text to call_schema, so a call is known as soon as its name is
-    closed. An answer cut short by max_tokens leaves its last call's arguments unfinished."""
+    closed. An answer cut short by max_tokens leaves its last call's arguments unfinished
+    (or empty, cut before they began); parse_answer reads a cut answer with it too."""
 
     def __init__(self) -> None:
         self.text = ""
         self.pos = 0               # scanned up to here
         self.calls = 0             # calls started
+        self.in_key = False        # a call named, its ',"arguments":' not all generated yet
         self.in_args = False
         self.depth = 0             # nesting inside the current arguments value
         self.in_str = self.esc = False
-        self.args_end: list[int] = []   # where each call's arguments ended in `text`
 
     def feed(self, delta: str) -> list[dict]:
         self.text += delta
         out: list[dict] = []
         while True:
+            if self.in_key:
+                if not self.text.startswith(_ARGS_KEY, self.pos):   # not all generated yet
+                    return out
+                self.pos, self.in_key, self.in_args, self.depth = self.pos + len(_ARGS_KEY), False, True, 0
             if not self.in_args:
                 m = _CALL_HEAD.match(self.text, self.pos)
                 if m is None:
@@ -309,7 +312,7 @@ class CallStream:
                 out.append({"index": self.calls, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                             "function": {"name": m.group(1), "arguments": ""}})
                 self.calls += 1
-                self.pos, self.in_args, self.depth = m.end(), True, 0
+                self.pos, self.in_key = m.end(), True
                 continue
             start, end = self.pos, self._scan()
             if end > start:
@@ -317,7 +320,6 @@ class CallStream:
             self.pos = end
             if self.in_args:      # the arguments go on in text not generated yet
                 return out
-            self.args_end.append(end)
 
     def _scan(self) -> int:
         """Past the current arguments' text generated so far; ends in_args at its last character."""

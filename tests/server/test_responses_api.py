@@ -132,6 +132,27 @@ def test_a_streamed_function_call_arrives_as_argument_deltas(server):
     assert kinds[-1] == "response.completed"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_cut_by_max_output_tokens_is_an_incomplete_call_item(server, stream):
+    """Cut short, a forced call is still a call (its arguments so far), and the Response says
+    which item was being written, unstreamed as streamed: the call item is incomplete. Unstreamed
+    it used to be a message item holding the call's JSON text."""
+    c = server.client("alice")
+    kw = dict(model=MODEL, input="What is the weather in Paris?", tools=[WEATHER], max_output_tokens=11,
+              temperature=0, tool_choice={"type": "function", "name": "get_weather"})
+    if stream:
+        events = list(c.responses.create(stream=True, **kw))
+        assert events[-1].type == "response.incomplete"
+        r = events[-1].response
+    else:
+        r = c.responses.create(**kw)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert [(o.type, o.status, o.name) for o in r.output] == [("function_call", "incomplete", "get_weather")]
+    assert r.output[0].arguments.startswith('{"city') and r.output[0].call_id.startswith("call_")
+    with pytest.raises(ValueError):
+        json.loads(r.output[0].arguments)
+
+
 class Pick(BaseModel):
     colour: Literal["red", "green", "blue"]
     count: int

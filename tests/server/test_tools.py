@@ -100,22 +100,47 @@ def test_enforced_calls_stream_as_they_are_generated(server, choice):
         [(t.function.name, json.loads(t.function.arguments)) for t in whole.message.tool_calls]
 
 
-def test_a_streamed_call_cut_short_by_max_tokens_ends_with_length(server):
-    """As OpenAI: the call's name and the arguments generated so far, finish_reason length (the
-    unstreamed answer, which is whole or nothing, is the text instead)."""
-    c = server.client("alice")
-    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=12, temperature=0,
-              tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    whole = c.chat.completions.create(**kw).choices[0]
-    assert whole.finish_reason == "length" and whole.message.tool_calls is None
-    deltas, finish = [], None
+def _streamed_answer(c, **kw) -> tuple[str | None, list[tuple[str, str]], str | None]:
+    """A streamed answer's content, calls ((name, arguments), added up from their deltas) and
+    finish_reason."""
+    text, calls, finish = "", {}, None
     for chunk in c.chat.completions.create(stream=True, **kw):
         for ch in chunk.choices:
-            deltas += ch.delta.tool_calls or []
+            text += ch.delta.content or ""
+            for d in ch.delta.tool_calls or []:
+                if d.index not in calls:
+                    assert d.id.startswith("call_") and d.type == "function" and d.function.arguments == ""
+                    calls[d.index] = [d.function.name, ""]
+                else:
+                    calls[d.index][1] += d.function.arguments
             finish = ch.finish_reason or finish
-    assert finish == "length" and deltas[0].function.name == "get_weather"
-    args = "".join(d.function.arguments or "" for d in deltas)
-    assert whole.message.content.endswith(args) and args.startswith("{")
+    return text or None, [(n, a) for n, a in calls.values()], finish
+
+
+@pytest.mark.parametrize("max_tokens", [3, 8, 11, 12])
+def test_a_forced_call_cut_short_by_max_tokens_is_the_same_call_streamed_or_not(server, max_tokens):
+    """As OpenAI: a forced call cut short comes back as a tool call with its arguments so far
+    (not valid JSON: that is how a client sees the cut) and finish_reason length, content null,
+    unstreamed as streamed. Unstreamed it used to be the text ('{"name":"get_weather",
+    "arguments":{"city' at 11), and with 8 tokens ('{"name":"get_weather","arguments') the
+    stream sent the text too: a call is one as soon as its name is closed. Cut before that (3
+    tokens) there is no call to name: the text, in both."""
+    c = server.client("alice")
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=max_tokens, temperature=0,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = c.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "length"
+    calls = [(t.function.name, t.function.arguments) for t in whole.message.tool_calls or []]
+    assert _streamed_answer(c, **kw) == (whole.message.content, calls, "length")
+    if max_tokens == 3:
+        assert not calls and whole.message.content.startswith('{"name":"')
+        return
+    assert whole.message.content is None and [n for n, _ in calls] == ["get_weather"]
+    assert whole.message.tool_calls[0].id.startswith("call_") and whole.message.tool_calls[0].type == "function"
+    args = calls[0][1]
+    assert args == "" if max_tokens == 8 else args.startswith('{"city')
+    with pytest.raises(ValueError):
+        json.loads(args)
 
 
 # the parameters LangChain's bind_tools and pydantic write for get_weather(city, unit):
@@ -269,30 +294,27 @@ def test_streamed_tool_answers_carry_the_logprobs_an_unstreamed_one_has(server, 
     assert [lp for _, lp, _ in got] == pytest.approx([lp for _, lp, _ in want], abs=1e-3)
 
 
-def test_parallel_calls_cut_short_keep_the_finished_ones_unstreamed_too(server):
+def test_parallel_calls_cut_short_keep_every_call_begun_unstreamed_too(server):
     """A small model often goes on to a second call; cut short inside it, the stream has sent
-    the finished call, and the unstreamed answer now keeps it too (it was the raw JSON text),
-    with finish_reason length in both. The array's closing ']' is biased away so the model
-    must go on."""
+    the finished calls and the unfinished one's arguments so far, and the unstreamed answer is
+    the same calls (it was the raw JSON text, then only the finished calls), with finish_reason
+    length in both. The array's closing ']' is biased away so the model must go on."""
     tok = server.engine.tokenizer
     vocab = tok.hf.get_vocab()
     closers = {i: -100 for s, i in vocab.items() if "]" in s and set(s) <= set("}],")}
     assert closers
     c = server.client("alice")
-    kw = dict(model=MODEL, messages=ASK, tools=[TIME], tool_choice="required", temperature=0, logit_bias=closers)
-    first = c.chat.completions.create(max_tokens=60, **kw).choices[0]
+    kw = dict(model=MODEL, messages=ASK, tools=[TIME], tool_choice="required", temperature=0, logit_bias=closers,
+              max_tokens=60)
+    first = c.chat.completions.create(**kw).choices[0]
     one = len(tok.encode('[{"name":"get_time","arguments":{"zone":"UTC"}}', add_special=False))
-    assert first.finish_reason == "length" and first.message.tool_calls, first
+    assert first.finish_reason == "length" and first.message.tool_calls and first.message.content is None, first
     names = [t.function.name for t in first.message.tool_calls]
-    assert names == ["get_time"] * len(names) and 1 <= len(names) <= 60 // one
-    for t in first.message.tool_calls:
+    assert names == ["get_time"] * len(names) and 1 <= len(names) <= 60 // one + 1
+    for t in first.message.tool_calls[:-1]:
         _valid(t)
-    deltas, finish = [], None
-    for chunk in c.chat.completions.create(stream=True, max_tokens=60, **kw):
-        for ch in chunk.choices:
-            deltas += ch.delta.tool_calls or []
-            finish = ch.finish_reason or finish
-    assert finish == "length" and sum(1 for d in deltas if d.id) == len(names) + 1   # and the unfinished one
+    calls = [(t.function.name, t.function.arguments) for t in first.message.tool_calls]
+    assert _streamed_answer(c, **kw) == (None, calls, "length")
 
 
 @pytest.mark.parametrize("choice", ["required", "named"])

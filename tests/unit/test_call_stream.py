@@ -80,29 +80,57 @@ THREE = '[{"name":"get_time","arguments":{}},{"name":"get_weather","arguments":{
         '{"name":"get_time","arguments":{}}]'
 
 
-@pytest.mark.parametrize("cut,names", [
-    (THREE.index('{"name":"get_weather"'), ["get_time"]),               # after the first call's ','
-    (THREE.index('Pa}],is'), ["get_time"]),                             # inside the second's arguments
-    (THREE.index('is"}}') + 5, ["get_time", "get_weather"]),            # the second closed, no ',' yet
-    (len(THREE) - 4, ["get_time", "get_weather"]),                      # inside the third
+@pytest.mark.parametrize("cut,calls", [
+    (THREE.index('{"name":"get_weather"'), [("get_time", "{}")]),                      # after the first call's ','
+    (THREE.index('"get_weather"') + 12, [("get_time", "{}")]),                        # the second's name open
+    (THREE.index('"get_weather"') + 13, [("get_time", "{}"), ("get_weather", "")]),   # ... closed
+    (THREE.index('"get_weather"') + 20, [("get_time", "{}"), ("get_weather", "")]),   # inside ',"arguments":'
+    (THREE.index('Pa}],is'), [("get_time", "{}"), ("get_weather", '{"city":"')]),    # inside its arguments
+    (THREE.index('is"}}') + 5, [("get_time", "{}"), ("get_weather", '{"city":"Pa}],is"}')]),   # closed, no ','
+    (len(THREE) - 3, [("get_time", "{}"), ("get_weather", '{"city":"Pa}],is"}'), ("get_time", "{")]),
 ])
-def test_parallel_calls_cut_short_keep_the_calls_they_finished(cut, names):
+def test_parallel_calls_cut_short_keep_every_call_begun(cut, calls):
     """A small model goes on to another call after the first; cut short by max_tokens, the
-    unstreamed answer was the raw JSON text and the finished calls were lost (the stream had
-    sent them). The finished calls are kept; the unfinished one is dropped."""
+    unstreamed answer keeps every call whose name is closed, the last one with its arguments so
+    far, as the stream sent them (it used to drop the unfinished one)."""
     from kvfence.server.tools import parse_answer
 
-    content, calls = parse_answer(THREE[:cut], _spec("required"))
-    assert content is None and [c["function"]["name"] for c in calls] == names
-    assert [json.loads(c["function"]["arguments"]) for c in calls][1:] == [{"city": "Pa}],is"}][:len(names) - 1]
+    content, got = parse_answer(THREE[:cut], _spec("required"))
+    assert content is None and [(c["function"]["name"], c["function"]["arguments"]) for c in got] == calls
+    assert len({c["id"] for c in got}) == len(got) and all(c["id"].startswith("call_") for c in got)
 
 
-def test_a_single_call_cut_short_is_text():
+def _streamed(text: str) -> list[tuple[str, str]]:
+    calls: dict[int, list[str]] = {}
+    for d in CallStream().feed(text):
+        calls.setdefault(d["index"], [d["function"].get("name", ""), ""])[1] += d["function"]["arguments"]
+    return [(n, a) for n, a in calls.values()]
+
+
+@pytest.mark.parametrize("text", [ONE, TWO, THREE])
+def test_a_cut_answer_is_what_its_stream_sent(text):
+    """Cut short anywhere, the unstreamed answer is the streamed one: the calls begun (a name
+    closed) with their arguments as generated, content null; before the first name closes it is
+    the text, as the stream then sends it (max_tokens 8 gave '{"name":"get_weather","arguments'
+    as content streamed, and max_tokens 11 the text unstreamed but a call streamed)."""
     from kvfence.server.tools import parse_answer
 
-    cut = ONE[:-5]
-    assert parse_answer(cut, _spec("required")) == (cut, None)
-    assert parse_answer("[" + cut, _spec("required")) == ("[" + cut, None)
+    head = text.index('"', text.index('"name":"') + 8) + 1      # the first name's closing quote
+    for cut in range(1, len(text)):
+        content, calls = parse_answer(text[:cut], _spec("required"))
+        if cut < head:
+            assert (content, calls) == (text[:cut], None) and _streamed(text[:cut]) == [], cut
+        else:
+            assert content is None and calls, cut
+            assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == _streamed(text[:cut])
+
+
+def test_a_call_is_named_once_its_name_is_closed():
+    cs = CallStream()
+    (d,) = cs.feed('{"name":"get_weather","argu')
+    assert d["function"] == {"name": "get_weather", "arguments": ""} and cs.calls == 1
+    assert cs.feed('ments"') == []
+    assert cs.feed(':{"ci') == [{"index": 0, "function": {"arguments": '{"ci'}}]
 
 
 def test_tools_nested_too_deeply_are_a_400_not_a_crash():
