@@ -84,6 +84,9 @@ def test_each_process_runs_a_sealed_kvfence_command_with_both_probes(name):
         else:
             assert p["httpGet"]["port"] == a.port and p["httpGet"]["scheme"] == "HTTPS"
             assert p["httpGet"]["path"] == ("/health" if probe == "readinessProbe" else "/health/live")
+        # Kubernetes' default is 1 s: a loop paused a moment under load (or the probe command's
+        # own ~3 s start) would fail probes, and failed liveness restarts every request on the pod
+        assert p.get("timeoutSeconds", 1) >= 5, (role, probe)
     assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
     if role != "router":
         assert work["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 120   # room to drain
