@@ -29,6 +29,8 @@ _RENAMED = {"messages": "input", "max_completion_tokens": "max_output_tokens",
 _TEXT_PARTS = {"input_text": "text", "text": "text"}
 _ASSISTANT_PARTS = {**_TEXT_PARTS, "output_text": "text", "refusal": "refusal"}
 _CHAT_TOOL = re.compile(r"tools\[(\d+)\]\.function\.")
+# tool_choice allowed_tools: chat nests mode and tools under "allowed_tools", Responses does not
+_CHAT_ALLOWED = re.compile(r"tool_choice\.allowed_tools\b")
 # sampling extensions the chat path takes, passed through as vLLM's Responses route does
 _PASSED = ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
            "frequency_penalty", "logit_bias", "stop", "min_tokens", "parallel_tool_calls", "top_logprobs")
@@ -46,6 +48,8 @@ def renamed(param: str | None) -> str | None:
     "tools[1].function.parameters" -> "tools[1].parameters": Responses tools are flat)."""
     if param is None:
         return None
+    if _CHAT_ALLOWED.match(param):   # "tool_choice.allowed_tools.tools[0].function.name" -> "tool_choice.tools[0].name"
+        return _CHAT_TOOL.sub(r"tools[\1].", _CHAT_ALLOWED.sub("tool_choice", param))
     if _CHAT_TOOL.match(param):
         return _CHAT_TOOL.sub(r"tools[\1].", param)
     for chat, resp in _RENAMED.items():
@@ -180,8 +184,30 @@ def _tool_choice(choice):
         return choice   # none, auto, required (the chat path checks the value)
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}.",
-                      param="tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        return {"type": "allowed_tools", "allowed_tools": {"mode": choice.get("mode"),
+                                                           "tools": _allowed_tools(choice.get("tools"))}}
+    raise bad_request("'tool_choice' must be 'none', 'auto', 'required', {\"type\": \"function\", \"name\": ...} or "
+                      "{\"type\": \"allowed_tools\", \"mode\": ..., \"tools\": [...]}.", param="tool_choice")
+
+
+def _allowed_tools(tools) -> list[dict]:
+    """allowed_tools' flat function entries in the chat form; the chat path checks the mode and
+    that 'tools' declares each name (its 400s renamed back by `renamed`)."""
+    if not isinstance(tools, list) or not tools:
+        raise bad_request("'tool_choice.tools' must be a non-empty array of the functions that may be called.",
+                          param="tool_choice.tools")
+    out = []
+    for i, t in enumerate(tools):
+        where = f"tool_choice.tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function":
+            kind = t.get("type") if isinstance(t, dict) else None
+            raise bad_request(f"'{where}': only function tools are supported (got type {kind!r}); kvfence runs no "
+                              f"hosted tools.", param=f"{where}.type")
+        if not isinstance(t.get("name"), str):
+            raise bad_request(f"'{where}' must be {{\"type\": \"function\", \"name\": ...}}.", param=f"{where}.name")
+        out.append({"type": "function", "function": {"name": t["name"]}})
+    return out
 
 
 def _text_format(text) -> dict | None:
@@ -405,7 +431,7 @@ def refused(e: APIError) -> APIError:
     """A chat-path 400 re-addressed to the Responses fields the client sent, in its param and
     its message."""
     e.param = renamed(e.param)
-    e.message = _CHAT_TOOL.sub(r"tools[\1].", e.message)
+    e.message = _CHAT_TOOL.sub(r"tools[\1].", _CHAT_ALLOWED.sub("tool_choice", e.message))
     for chat, resp in _RENAMED.items():
         e.message = e.message.replace(f"'{chat}", f"'{resp}")
     return e

@@ -11,11 +11,18 @@ earlier calls written back in that form, and results as user messages that name 
 Enforcement: with `tool_choice` "required" or a named function, the output is held by the
 engine's grammar (kvfence/engine/grammar.py) to a JSON schema that admits only calls of the
 allowed functions with arguments valid for their parameters (an array of them when
-`parallel_tool_calls` is on), so it always parses into valid calls. With "auto" the model
-chooses freely; only text that is a well-formed call of a declared function becomes a
-`tool_calls` entry, the rest is content. With "auto" and a response_format the grammar admits
-the format's answer or one call as bare JSON (call_or_answer_schema). With "none" the tools
-are not shown to the model.
+`parallel_tool_calls` is on), so it always parses into valid calls; cut short by max_tokens,
+the calls begun (a name closed) are still calls, the last one's arguments unfinished, as the
+stream sent them (CallStream). With "auto" the model chooses freely; only text that is a
+well-formed call of an allowed function becomes a `tool_calls` entry, the rest is content.
+With "auto" and a response_format the grammar admits the format's answer or one call as bare
+JSON (call_or_answer_schema). With "none" the tools are not shown to the model.
+
+`tool_choice` {"type": "allowed_tools", "allowed_tools": {"mode", "tools"}} is "auto" or
+"required" over a subset of the declared functions (ToolSpec.only): every declared function
+is still shown to the model (OpenAI keeps the whole list in the prompt, so a conversation
+that changes the subset keeps its prompt's prefix), with a sentence naming the ones it may
+call; only those can be called (the grammar under "required", parsing under "auto").
 """
 from __future__ import annotations
 
@@ -41,6 +48,8 @@ class ToolSpec:
     # "auto" with a response_format: the grammar admits the format's answer or one call as bare
     # JSON (OpenAI's response_format governs text, not calls); this is the format's schema
     answer_schema: str | None = None
+    # tool_choice allowed_tools: the functions that may be called ("auto" or "required" over them)
+    only: frozenset[str] | None = None
 
     @property
     def active(self) -> bool:
@@ -51,7 +60,15 @@ class ToolSpec:
         return self.choice in ("required", "function")
 
     def allowed(self) -> list[dict]:
-        return [t for t in self.tools if self.choice != "function" or t["name"] == self.name]
+        """The functions that may be called."""
+        if self.choice == "function":
+            return [t for t in self.tools if t["name"] == self.name]
+        return [t for t in self.tools if self.only is None or t["name"] in self.only]
+
+    def shown(self) -> list[dict]:
+        """The functions the prompt lists: under allowed_tools every declared one (the prompt
+        then names the allowed ones), else the ones that may be called."""
+        return self.tools if self.only is not None else self.allowed()
 
 
 def parse_tools(body: dict) -> ToolSpec | None:
@@ -99,11 +116,13 @@ def parse_tools(body: dict) -> ToolSpec | None:
             raise bad_request(f"'{where}.function.parameters' must be a JSON Schema object.",
                               param=f"{where}.function.parameters")
         tools.append({"name": name, "description": desc, "parameters": params})
-    name = None
+    name, only = None, None
     if choice_raw is None:
         choice = "auto"
-    elif choice_raw in ("none", "auto", "required"):
+    elif isinstance(choice_raw, str) and choice_raw in ("none", "auto", "required"):
         choice = choice_raw
+    elif isinstance(choice_raw, dict) and choice_raw.get("type") == "allowed_tools":
+        choice, only = _allowed_tools(choice_raw.get("allowed_tools"), seen)
     elif isinstance(choice_raw, dict) and choice_raw.get("type") == "function" and isinstance(
             choice_raw.get("function"), dict) and isinstance(choice_raw["function"].get("name"), str):
         choice, name = "function", choice_raw["function"]["name"]
@@ -111,9 +130,39 @@ def parse_tools(body: dict) -> ToolSpec | None:
             raise bad_request(f"'tool_choice' names function {name!r}, which 'tools' does not declare.",
                               param="tool_choice")
     else:
-        raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", "
-                          "\"function\": {\"name\": ...}}.", param="tool_choice")
-    return ToolSpec(tools, choice, name, parallel)
+        raise bad_request("'tool_choice' must be 'none', 'auto', 'required', {\"type\": \"function\", "
+                          "\"function\": {\"name\": ...}} or {\"type\": \"allowed_tools\", \"allowed_tools\": "
+                          "{\"mode\": ..., \"tools\": [...]}}.", param="tool_choice")
+    return ToolSpec(tools, choice, name, parallel, only=only)
+
+
+def _allowed_tools(raw, declared: set[str]) -> tuple[str, frozenset[str]]:
+    """tool_choice allowed_tools' (mode, names): "auto" or "required" over the functions it
+    lists, each one that 'tools' declares (a name listed twice counts once)."""
+    where = "tool_choice.allowed_tools"
+    if not isinstance(raw, dict):
+        raise bad_request(f"'{where}' must be {{\"mode\": \"auto\" | \"required\", \"tools\": "
+                          f"[{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, ...]}}.", param=where)
+    mode = raw.get("mode")
+    if not isinstance(mode, str) or mode not in ("auto", "required"):
+        raise bad_request(f"'{where}.mode' must be 'auto' or 'required'.", param=f"{where}.mode")
+    listed = raw.get("tools")
+    if not isinstance(listed, list) or not listed:
+        raise bad_request(f"'{where}.tools' must be a non-empty array of the functions that may be called.",
+                          param=f"{where}.tools")
+    names = set()
+    for i, t in enumerate(listed):
+        at = f"{where}.tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict) \
+                or not isinstance(t["function"].get("name"), str):
+            raise bad_request(f"'{at}' must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}} "
+                              f"(only function tools run here).", param=at)
+        name = t["function"]["name"]
+        if name not in declared:
+            raise bad_request(f"'{at}.function.name' names function {name!r}, which 'tools' does not declare.",
+                              param=f"{at}.function.name")
+        names.add(name)
+    return mode, frozenset(names)
 
 
 def call_schema(spec: ToolSpec) -> dict:
@@ -146,7 +195,7 @@ _BARE_CALL = ('To call a function, answer with only {"name": "<function>", "argu
 
 def _generic_prompt(spec: ToolSpec) -> str:
     lines = ["You can call these functions. Each takes JSON arguments that follow its schema:"]
-    for t in spec.allowed():
+    for t in spec.shown():
         lines.append(f"- {t['name']}: {t['description'] or '(no description)'}\n  parameters: "
                      f"{json.dumps(t['parameters'], separators=(',', ':'))}")
     if spec.answer_schema is not None:
@@ -154,10 +203,21 @@ def _generic_prompt(spec: ToolSpec) -> str:
     else:
         lines.append('To call a function, answer with <tool_call>{"name": "<function>", "arguments": {...}}'
                      "</tool_call> and nothing else" + (" (one tag per call)" if spec.parallel else "") + ".")
-    if spec.enforced:
+    if spec.only is not None:
+        lines.append(_only_note(spec))
+    elif spec.enforced:
         lines.append("You must call a function now." if spec.choice == "required"
                      else f"You must call {spec.name} now.")
     return "\n".join(lines)
+
+
+def _only_note(spec: ToolSpec) -> str:
+    """allowed_tools: which of the listed functions may be called now (last in the prompt, so
+    the list before it is the same whatever the subset)."""
+    names = ", ".join(t["name"] for t in spec.allowed())
+    if spec.choice == "required":
+        return f"You must call one of these functions now: {names}."
+    return f"Only these functions may be called now: {names}."
 
 
 def render(messages: list[dict], spec: ToolSpec | None, template_has_tools: bool,
@@ -171,7 +231,9 @@ def render(messages: list[dict], spec: ToolSpec | None, template_has_tools: bool
     if template_has_tools and spec is not None and spec.active:
         if spec.answer_schema is not None:   # the template asks for its own call form, which the grammar forbids
             messages = _with_system(list(messages), _BARE_CALL)
-        return messages, [{"type": "function", "function": t} for t in spec.allowed()]
+        if spec.only is not None:            # the template lists every declared function
+            messages = _with_system(list(messages), _only_note(spec))
+        return messages, [{"type": "function", "function": t} for t in spec.shown()]
     out: list[dict] = []
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
@@ -247,15 +309,17 @@ def parse_answer(text: str, spec: ToolSpec) -> tuple[str | None, list[dict] | No
         exact = isinstance(obj, dict) and list(obj) == ["name", "arguments"] and isinstance(obj["arguments"], dict)
         call = _call(obj, spec) if exact else None
         return (None, [call]) if call is not None else (text, None)
-    found = []
+    found, kept, at = [], [], 0
     for m in _CALL.finditer(text):
         try:
             c = _call(json.loads(m.group(1)), spec)
         except ValueError:
             c = None
-        if c is not None:
-            found.append(c)
-    rest = _CALL.sub("", text)
+        if c is not None:   # a call leaves the content; a tag that is none (e.g. of a function
+            found.append(c)  # not allowed under allowed_tools) stays in it
+            kept.append(text[at:m.start()])
+            at = m.end()
+    rest = "".join(kept) + text[at:]
     # a last call whose closing tag never came (the model stopped right after its JSON)
     head, tag, tail = rest.rpartition("<tool_call>")
     if tag:

@@ -132,6 +132,38 @@ def test_a_streamed_function_call_arrives_as_argument_deltas(server):
     assert kinds[-1] == "response.completed"
 
 
+TIME = {"type": "function", "name": "get_time", "description": "The time in a time zone",
+        "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}},
+                       "required": ["zone"], "additionalProperties": False}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_allowed_tools_hold_the_call_to_the_listed_functions(server, stream):
+    """Responses' tool_choice allowed_tools (mode and tools beside type, flat function entries)
+    is the chat path's: asked for the weather with both tools declared, only get_time may be
+    called. The Response echoes the tool_choice the client sent."""
+    c = server.client("alice")
+    choice = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_time"}]}
+    kw = dict(model=MODEL, input="What is the weather in Paris?", tools=[WEATHER, TIME], tool_choice=choice,
+              max_output_tokens=64, temperature=0)
+    if stream:
+        events = list(c.responses.create(stream=True, **kw))
+        assert events[-1].type == "response.completed"
+        r = events[-1].response
+    else:
+        r = c.responses.create(**kw)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and calls and all(o.status == "completed" for o in r.output)
+    for call in calls:
+        assert call.name == "get_time"
+        jsonschema.validate(json.loads(call.arguments), TIME["parameters"])
+    assert r.tool_choice.type == "allowed_tools" and r.tool_choice.mode == "required"
+    assert r.tool_choice.tools == choice["tools"]
+    auto = c.responses.create(**{**kw, "tool_choice": {**choice, "mode": "auto"}, "max_output_tokens": 8})
+    assert auto.tool_choice.mode == "auto" and all(o.name == "get_time" for o in auto.output
+                                                   if o.type == "function_call")
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_forced_call_cut_by_max_output_tokens_is_an_incomplete_call_item(server, stream):
     """Cut short, a forced call is still a call (its arguments so far), and the Response says
@@ -184,6 +216,17 @@ def test_logprobs_are_the_chat_paths(server):
     ({"truncation": "auto"}, "truncation", "never drops"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type", "only function tools"),
     ({"tool_choice": {"type": "web_search"}}, "tool_choice", "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "always", "tools": [
+        {"type": "function", "name": "get_weather"}]}}, "tool_choice.mode", "'auto' or 'required'"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice.tools",
+     "non-empty"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [
+        {"type": "mcp", "server_label": "deepwiki"}]}}, "tool_choice.tools[0].type", "only function tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function"}]}},
+     "tool_choice.tools[0].name", "'tool_choice.tools[0]'"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": [
+        {"type": "function", "name": "get_weather"}, {"type": "function", "name": "nope"}]}},
+     "tool_choice.tools[1].name", "'tool_choice.tools[1].name' names function 'nope'"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x"}]}]},
      "input[0].content[0]", "text only"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "item_reference"),

@@ -216,6 +216,55 @@ def test_none_hides_the_tools_and_auto_answers(server):
         _valid(call)
 
 
+def _allowed(mode: str, *names: str) -> dict:
+    return {"type": "allowed_tools", "allowed_tools": {
+        "mode": mode, "tools": [{"type": "function", "function": {"name": n}} for n in names]}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_allowed_tools_required_calls_only_the_allowed_ones(server, stream):
+    """tool_choice allowed_tools (OpenAI's; it was a 400): with mode required the answer is a
+    call of a listed function, whatever the model would have picked among all those declared.
+    Asked for the weather with both tools declared, greedy SmolLM2 calls get_weather; allowed
+    only get_time, the grammar holds it to get_time."""
+    c = server.client("alice")
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=96, temperature=0)
+    free = c.chat.completions.create(tool_choice="required", **kw).choices[0].message.tool_calls
+    assert "get_weather" in [t.function.name for t in free]
+    kw["tool_choice"] = _allowed("required", "get_time")
+    if stream:
+        content, calls, finish = _streamed_answer(c, **kw)
+    else:
+        ch = c.chat.completions.create(**kw).choices[0]
+        content, finish = ch.message.content, ch.finish_reason
+        calls = [(t.function.name, t.function.arguments) for t in ch.message.tool_calls or []]
+    assert finish == "tool_calls" and content is None and calls
+    for name, args in calls:
+        assert name == "get_time"
+        jsonschema.validate(json.loads(args), SCHEMAS["get_time"])
+
+
+def test_allowed_tools_auto_keeps_every_tool_in_the_prompt_and_calls_only_allowed_ones(server):
+    """mode auto: the model may answer or call a listed function. Every declared function is
+    still in the prompt (OpenAI keeps the whole list, so changing the subset keeps the prompt's
+    prefix); with a response_format beside it the grammar admits the format's answer or a call of
+    a listed function only: no answer can start here, and the call is get_time though the user
+    asks for the weather."""
+    c = server.client("bob")
+    kw = dict(model=MODEL, messages=ASK, max_tokens=48, temperature=0)
+    auto = c.chat.completions.create(tools=[WEATHER, TIME], tool_choice=_allowed("auto", "get_time"), **kw)
+    for t in auto.choices[0].message.tool_calls or []:
+        assert t.function.name == "get_time"
+    only_time = c.chat.completions.create(tools=[TIME], **kw)
+    assert auto.usage.prompt_tokens > only_time.usage.prompt_tokens + 40     # get_weather's schema is there too
+    ch = c.chat.completions.create(tools=[WEATHER, TIME], tool_choice=_allowed("auto", "get_time"),
+                                   response_format=LIST, logit_bias=_banned(server, "["),
+                                   **{**kw, "max_tokens": 96}).choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None
+    assert [t.function.name for t in ch.message.tool_calls] == ["get_time"]
+    jsonschema.validate(json.loads(ch.message.tool_calls[0].function.arguments), SCHEMAS["get_time"])
+
+
 @pytest.mark.parametrize("extra,param", [
     ({"tools": "x"}, "tools"),
     ({"tools": [{"type": "function"}]}, "tools[0]"),
@@ -224,6 +273,27 @@ def test_none_hides_the_tools_and_auto_answers(server):
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools"}}, "tool_choice.allowed_tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "none", "tools": [{"type": "function", "function": {"name": "get_weather"}}]}}},
+     "tool_choice.allowed_tools.mode"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "tools": [{"type": "function", "function": {"name": "get_weather"}}]}}}, "tool_choice.allowed_tools.mode"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}},
+     "tool_choice.allowed_tools.tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "auto", "tools": "get_weather"}}}, "tool_choice.allowed_tools.tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "allowed_tools": {   # the Responses form
+        "mode": "auto", "tools": [{"type": "function", "name": "get_weather"}]}}},
+     "tool_choice.allowed_tools.tools[0]"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "auto", "tools": [{"type": "custom", "custom": {"name": "get_weather"}}]}}},
+     "tool_choice.allowed_tools.tools[0]"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+        {"type": "function", "function": {"name": "get_weather"}},
+        {"type": "function", "function": {"name": "nope"}}]}}}, "tool_choice.allowed_tools.tools[1].function.name"),
+    ({"tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "auto", "tools": [{"type": "function", "function": {"name": "get_weather"}}]}}}, "tool_choice"),
     ({"functions": [WEATHER["function"]]}, "functions"),
     ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "xml"}}, "response_format"),
