@@ -24,7 +24,9 @@ While requests wait, the prefills already running leave a quarter of the step's 
 the running prefills at the end of the step. Without it a long prompt took every step until it
 was done: a tenant's 7000-token prompt held every other tenant's first token for 11-18 s on a
 2-core CPU, and how long told them the prompt's length. Now a newcomer starts in the next
-step; the step is as full as before.
+step; the step is as full as before. The cap counts the capped prompts' tokens only: a burst's
+uncapped prompt beside streams used it up too, and kept every capped newcomer out until it was
+done (found in review).
 
 Waiting requests start tenant by tenant, not in arrival order: the next one is the oldest of
 the tenant with the fewest running sequences (ties: the tenant that last started one longest
@@ -137,12 +139,15 @@ class Scheduler:
                 best, best_key = i, key
         return best
 
-    def _prefill_room(self, budget: int, prefilled: int, capped: bool, for_queue: bool = False) -> int:
+    def _prefill_room(self, budget: int, capped_so_far: int, capped: bool, for_queue: bool = False) -> int:
         """Prefill tokens the step can still take: the budget left (decodes count in it too),
-        and for a capped prefill what the cap leaves after `prefilled`. for_queue: keep the
-        waiting requests' share of the room out of it (a running prefill, while some wait)."""
+        and for a capped prefill what the cap leaves after the capped prefills already in the
+        step (an uncapped one, left from a burst, does not use the cap up: counted, it kept
+        every capped newcomer out until it was done). for_queue: keep the waiting requests'
+        share of the room out of it (a running prefill, while some wait)."""
         cap = self.prefill_budget_while_decoding
-        room, whole = (min(budget, cap - prefilled), cap) if capped and cap is not None else (budget, self.token_budget)
+        room, whole = ((min(budget, cap - capped_so_far), cap) if capped and cap is not None
+                       else (budget, self.token_budget))
         return room - whole // QUEUE_SHARE if for_queue else room
 
     def schedule(self) -> list[ScheduledSeq]:
@@ -155,7 +160,7 @@ class Scheduler:
             # a PD decode request has no first token here: it streams already, all are capped
             self.streaming_since = min(-math.inf if s.first_token_at is None else s.first_token_at for s in decoding)
         streams_since = math.inf if self.streaming_since is None else self.streaming_since
-        prefilled = 0
+        capped_so_far = 0     # prefill tokens of capped prompts in this step
         preempted_before = self.num_preemptions
         # Decoding sequences first so a long prefill never stalls token streams.
         self.running.sort(key=lambda s: (s.state is not State.DECODING, s.arrival))
@@ -165,8 +170,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             is_decode = seq.state is State.DECODING
+            capped = seq.arrival > streams_since
             n = min(seq.uncomputed, budget if is_decode else
-                    self._prefill_room(budget, prefilled, seq.arrival > streams_since, for_queue))
+                    self._prefill_room(budget, capped_so_far, capped, for_queue))
             if n <= 0 and not is_decode:
                 break   # only prefills are left (decodes sort first) and the cap is spent
             need = self.ledger.pages_for(seq.num_computed + n) - len(seq.table)
@@ -187,8 +193,8 @@ class Scheduler:
             self.ledger.allocate(seq.owner, need, seq.table)
             out.append(ScheduledSeq(seq, n))
             budget -= n
-            if not is_decode:
-                prefilled += n
+            if not is_decode and capped:
+                capped_so_far += n
             i += 1
         running_by_tenant = Counter(s.tenant for s in self.running)
         # a step that had to preempt starts nothing: the pages are short, and a newcomer would
@@ -196,13 +202,14 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_num_seqs and self.num_preemptions == preempted_before:
             at = self._next_waiting(running_by_tenant)
             seq = self.waiting[at]
-            if self._prefill_room(budget, prefilled, seq.arrival > streams_since) <= 0:
+            capped = seq.arrival > streams_since
+            if self._prefill_room(budget, capped_so_far, capped) <= 0:
                 break
             if self.prefix_cache is not None and seq.reads_prefix_cache:
                 seq.num_computed = self.prefix_cache.match(seq.owner, seq.cache_scope, seq.all_ids, seq.table)
                 if seq.num_preemptions == 0:
                     seq.cached_tokens = seq.num_computed
-            n = min(seq.uncomputed, self._prefill_room(budget, prefilled, seq.arrival > streams_since))
+            n = min(seq.uncomputed, self._prefill_room(budget, capped_so_far, capped))
             need = self.ledger.pages_for(seq.num_computed + n) - len(seq.table)
             if need > self.ledger.num_available:
                 if self.prefix_cache is not None and seq.reads_prefix_cache:
@@ -226,12 +233,13 @@ class Scheduler:
             self._last_start[seq.tenant] = self._starts
             out.append(ScheduledSeq(seq, n))
             budget -= n
-            prefilled += n
+            if capped:
+                capped_so_far += n
         if for_queue:
-            self._give_back(out, budget, prefilled, streams_since)
+            self._give_back(out, budget, capped_so_far, streams_since)
         return out
 
-    def _give_back(self, out: list[ScheduledSeq], budget: int, prefilled: int, streams_since: float) -> None:
+    def _give_back(self, out: list[ScheduledSeq], budget: int, capped_so_far: int, streams_since: float) -> None:
         """The room kept for the queue that it did not take goes to the running prefills, in
         order, with pages that are free (no preemption for it)."""
         planned = {id(s.seq): s for s in out}
@@ -242,7 +250,8 @@ class Scheduler:
                 continue
             s = planned.get(id(seq))
             done = s.num_new if s is not None else 0
-            extra = min(seq.uncomputed - done, self._prefill_room(budget, prefilled, seq.arrival > streams_since))
+            capped = seq.arrival > streams_since
+            extra = min(seq.uncomputed - done, self._prefill_room(budget, capped_so_far, capped))
             need = self.ledger.pages_for(seq.num_computed + done + extra) - len(seq.table)
             if extra <= 0 or need > self.ledger.num_available:
                 continue
@@ -252,4 +261,5 @@ class Scheduler:
             else:
                 s.num_new += extra
             budget -= extra
-            prefilled += extra
+            if capped:
+                capped_so_far += extra

@@ -140,10 +140,11 @@ def test_a_burst_into_an_idle_engine_prefills_with_the_whole_budget():
         s.first_token_at = time.perf_counter()
     # r0 and r1 stream now, but r2 was waiting before they started: it finishes at full speed,
     # as it did before the cap (the fixed workload's TTFT), while a prompt arriving now is capped
+    # (the burst's chunk does not use up the cap: the late one starts beside it, capped)
     late = make_seq(led, 40, 3)
     sch.add(late)
     step = sch.schedule()
-    assert [(s.seq.request_id, s.num_new) for s in step] == [("r0", 1), ("r1", 1), ("r2", 20)]
+    assert [(s.seq.request_id, s.num_new) for s in step] == [("r0", 1), ("r1", 1), ("r2", 20), ("r3", 12)]
     fake_run(step)
     step = sch.schedule()
     assert [(s.seq.request_id, s.num_new) for s in step][-1] == ("r3", 12)
@@ -424,3 +425,25 @@ def test_a_newcomer_gets_a_share_of_the_cap_beside_a_long_capped_prefill():
     step = sch.schedule()
     # the two decodes, then the cap's 12 prefill tokens: the newcomer's 2 and the long one's 10
     assert sorted((s.seq.request_id, s.num_new) for s in step[2:]) == [("r0", 10), ("r1", 2)]
+
+
+def test_a_capped_newcomer_starts_beside_a_long_uncapped_prefill():
+    """A long prompt that came in a burst is not capped; once streams decode, a prompt arriving
+    behind it is. The cap counted the burst's chunk too, so the newcomer's room stayed 0 until
+    the long prompt was done (found in review: the 11-18 s first token again, with the default
+    cap on)."""
+    led = Ledger(4096, 4)
+    sch = Scheduler(led, max_num_seqs=16, token_budget=100, prefill_budget_while_decoding=12)
+    first, long = make_seq(led, 1, 1), make_seq(led, 2000, 0)
+    sch.add(first)
+    sch.add(long)
+    fake_run(sch.schedule())
+    first.first_token_at = time.perf_counter()      # it streams now; the long prompt was already there
+    assert first.state is State.DECODING and long.state is State.PREFILLING
+    late = make_seq(led, 5, 2)
+    sch.add(late)
+    step = sch.schedule()
+    assert ("r2", 5) in [(s.seq.request_id, s.num_new) for s in step]
+    # the cap bounds what the capped prompts add to the step: the late one's 5 here
+    assert sum(s.num_new for s in step if s.seq.arrival > first.first_token_at) <= 12
+    led.check_consistency()
