@@ -21,6 +21,7 @@ from typing import Any
 
 from kvfence.server.errors import APIError, bad_request
 from kvfence.server.protocol import text_of_parts
+from kvfence.server.tools import MAX_TOOLS
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # a chat parameter named in a 400 -> the Responses field the client sent
@@ -194,9 +195,9 @@ def _tool_choice(choice):
 def _allowed_tools(tools) -> list[dict]:
     """allowed_tools' flat function entries in the chat form; the chat path checks the mode and
     that 'tools' declares each name (its 400s renamed back by `renamed`)."""
-    if not isinstance(tools, list) or not tools:
-        raise bad_request("'tool_choice.tools' must be a non-empty array of the functions that may be called.",
-                          param="tool_choice.tools")
+    if not isinstance(tools, list) or not tools or len(tools) > MAX_TOOLS:
+        raise bad_request(f"'tool_choice.tools' must be a non-empty array of at most {MAX_TOOLS} functions that may "
+                          "be called.", param="tool_choice.tools")
     out = []
     for i, t in enumerate(tools):
         where = f"tool_choice.tools[{i}]"

@@ -147,9 +147,9 @@ def _allowed_tools(raw, declared: set[str]) -> tuple[str, frozenset[str]]:
     if not isinstance(mode, str) or mode not in ("auto", "required"):
         raise bad_request(f"'{where}.mode' must be 'auto' or 'required'.", param=f"{where}.mode")
     listed = raw.get("tools")
-    if not isinstance(listed, list) or not listed:
-        raise bad_request(f"'{where}.tools' must be a non-empty array of the functions that may be called.",
-                          param=f"{where}.tools")
+    if not isinstance(listed, list) or not listed or len(listed) > MAX_TOOLS:
+        raise bad_request(f"'{where}.tools' must be a non-empty array of at most {MAX_TOOLS} functions that may be "
+                          "called.", param=f"{where}.tools")
     names = set()
     for i, t in enumerate(listed):
         at = f"{where}.tools[{i}]"

@@ -85,6 +85,9 @@ def test_params_round_trip_and_checks():
         WireParams.from_json({"max_tokens": 0})
     with pytest.raises(MessageError, match="beam_width"):
         WireParams.from_json({"beam_width": 4})
+    # the API's floor holds on the wire too: a node's sampler would otherwise get NaN
+    with pytest.raises(MessageError, match="repetition_penalty"):
+        WireParams.from_json({"repetition_penalty": 1e-300})
 
 
 def test_bodies():

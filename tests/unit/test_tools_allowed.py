@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 
 from kvfence.server.errors import APIError
-from kvfence.server.tools import call_or_answer_schema, call_schema, parse_answer, parse_tools, render
+from kvfence.server.tools import MAX_TOOLS, call_or_answer_schema, call_schema, parse_answer, parse_tools, render
 
 TOOLS = [{"type": "function", "function": {"name": n, "description": f"does {n}", "parameters": {
     "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}} for n in ("a", "b", "c")]
@@ -99,8 +99,19 @@ def test_a_template_that_reads_tools_gets_them_all_and_the_sentence():
         {"type": "function", "function": {"name": "a"}}, {"type": "function", "function": {"name": "d"}}]}},
      "tool_choice.allowed_tools.tools[1].function.name"),
     ({"type": "allowed", "allowed_tools": {"mode": "auto", "tools": []}}, "tool_choice"),
+    # no longer than 'tools' may be, before any entry is read (an 8 MiB list took ~0.6 s, found in review)
+    ({"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+        {"type": "function", "function": {"name": "a"}}] * (MAX_TOOLS + 1)}}, "tool_choice.allowed_tools.tools"),
 ])
 def test_a_malformed_allowed_tools_is_a_400_that_names_it(choice, param):
     with pytest.raises(APIError) as e:
         parse_tools({"tools": TOOLS, "tool_choice": choice})
     assert e.value.status == 400 and e.value.param == param
+
+
+def test_the_responses_form_is_bounded_before_its_entries_are_read():
+    from kvfence.server.responses_api import _tool_choice
+
+    with pytest.raises(APIError) as e:
+        _tool_choice({"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "a"}] * 65})
+    assert e.value.status == 400 and e.value.param == "tool_choice.tools"
