@@ -54,6 +54,12 @@ def test_under_auto_a_call_of_an_unlisted_function_is_not_a_call():
     content, calls = parse_answer(text + '<tool_call>{"name": "b", "arguments": {"x": 2}}</tool_call>', spec)
     assert content == text and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
         [("b", {"x": 2})]
+    # beside a response_format the call is bare JSON: an unlisted name is the format's answer
+    spec.answer_schema = '{"type": "object"}'
+    bare = '{"name": "a", "arguments": {"x": 1}}'
+    assert parse_answer(bare, spec) == (bare, None)
+    content, calls = parse_answer(bare.replace('"a"', '"b"'), spec)
+    assert content is None and [c["function"]["name"] for c in calls] == ["b"]
 
 
 def test_every_declared_function_is_shown_and_the_listed_ones_named_last():
