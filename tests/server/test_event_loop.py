@@ -11,6 +11,16 @@ import httpx
 import pytest
 
 
+def _spy_on(threads: dict[str, threading.Thread]):
+    """spy(name, fn): fn, recording in `threads` which thread ran it under `name`."""
+    def spy(name, fn):
+        def wrapped(*a, **kw):
+            threads[name] = threading.current_thread()
+            return fn(*a, **kw)
+        return wrapped
+    return spy
+
+
 @pytest.fixture(scope="module")
 def big_server(make_server):
     return make_server(tenants=None, max_body_bytes=16 << 20)
@@ -22,11 +32,7 @@ def test_a_maximal_token_id_body_does_not_stall_the_event_loop(big_server, monke
 
     threads: dict[str, threading.Thread] = {}   # where the JSON and the request fields were parsed
 
-    def spy(name, fn):
-        def wrapped(*a, **kw):
-            threads[name] = threading.current_thread()
-            return fn(*a, **kw)
-        return wrapped
+    spy = _spy_on(threads)
     monkeypatch.setattr(protocol, "parse_json_body", spy("json", protocol.parse_json_body))
     monkeypatch.setattr(app, "parse_completion", spy("fields", app.parse_completion))
     raw = json.dumps({"prompt": [1] * 4_000_000, "max_tokens": 1}).encode()
@@ -71,11 +77,7 @@ def test_an_answer_is_built_off_the_event_loop_and_encoded_in_slices(big_server,
 
     threads: dict[str, threading.Thread] = {}
 
-    def spy(name, fn):
-        def wrapped(*a, **kw):
-            threads[name] = threading.current_thread()
-            return fn(*a, **kw)
-        return wrapped
+    spy = _spy_on(threads)
     monkeypatch.setattr(Formatter, "response", spy("build", Formatter.response))
     monkeypatch.setattr(app, "encode_json", spy("encode", app.encode_json))
     r = httpx.post(big_server.url + route, json={"model": "SmolLM2-135M-Instruct", **body}, timeout=60)
