@@ -12,6 +12,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -560,13 +561,22 @@ def _count_refusal(state: ServerState, tenant: Tenant | None, e: APIError) -> No
         state.metrics.rejections.labels(reason).inc()
 
 
+# answers are built here, not in the default pool that tokenizing and body parsing share: a
+# tenant whose answers are large (echo and logprobs) then queues behind its own builds only
+_ANSWER_BUILDERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvfence-answer")
+
+
+async def build_answer(build: Callable[[], dict]) -> dict:
+    return await asyncio.get_running_loop().run_in_executor(_ANSWER_BUILDERS, build)
+
+
 async def json_off_loop(build: Callable[[], dict]) -> Response:
     """An answer built in a worker thread (Python code, which lets the loop run) and encoded a
     slice at a time (server/json_slices.py). One with ~1M logprob entries (echo, logprobs, n=11
     over 4000 prompt tokens) took ~0.6 s to build and 1.3-2.4 s to encode; on the event loop,
     or in a thread (the C encoder holds the GIL throughout), that paused every other tenant's
     stream and /health/live."""
-    answer = await asyncio.to_thread(build)
+    answer = await build_answer(build)
     return Response(await encode_json(answer), media_type="application/json")
 
 
@@ -814,7 +824,7 @@ class _Run:
             self.close()
             raise self._failure()
         self.close()
-        return await asyncio.to_thread(self._body)   # see json_off_loop
+        return await build_answer(self._body)   # see json_off_loop
 
     def _body(self) -> dict:
         want = self.req.logprobs is not None
