@@ -392,7 +392,7 @@ async def _generate(state: ServerState, request: Request, kind: str):
         if req.stream:
             return event_stream(view.events(run.chunks()), run.close)
         done = await run.result()
-        return await json_off_loop(lambda: view.response(done))
+        return await json_answer(await build_answer(lambda: view.response(done)))
     if req.stream:
         return event_stream(run.events(), run.close)
     return await run.collect()
@@ -570,13 +570,12 @@ async def build_answer(build: Callable[[], dict]) -> dict:
     return await asyncio.get_running_loop().run_in_executor(_ANSWER_BUILDERS, build)
 
 
-async def json_off_loop(build: Callable[[], dict]) -> Response:
-    """An answer built in a worker thread (Python code, which lets the loop run) and encoded a
-    slice at a time (server/json_slices.py). One with ~1M logprob entries (echo, logprobs, n=11
-    over 4000 prompt tokens) took ~0.6 s to build and 1.3-2.4 s to encode; on the event loop,
-    or in a thread (the C encoder holds the GIL throughout), that paused every other tenant's
-    stream and /health/live."""
-    answer = await build_answer(build)
+async def json_answer(answer: dict) -> Response:
+    """An answer (built by build_answer: Python code, which lets the loop run) encoded a slice
+    at a time (server/json_slices.py). One with ~1M logprob entries (echo, logprobs, n=11 over
+    4000 prompt tokens) took ~0.6 s to build and 1.3-2.4 s to encode; on the event loop, or
+    encoded in a thread (the C encoder holds the GIL throughout), that paused every other
+    tenant's stream and /health/live."""
     return Response(await encode_json(answer), media_type="application/json")
 
 
@@ -805,8 +804,7 @@ class _Run:
         raise e
 
     async def collect(self) -> Response:
-        done = await self.result()
-        return await json_off_loop(lambda: done)
+        return await json_answer(await self.result())
 
     async def result(self) -> dict:
         """The whole answer's body (chat.completion or text_completion); APIError if it failed."""
@@ -824,7 +822,7 @@ class _Run:
             self.close()
             raise self._failure()
         self.close()
-        return await build_answer(self._body)   # see json_off_loop
+        return await build_answer(self._body)   # see json_answer
 
     def _body(self) -> dict:
         want = self.req.logprobs is not None
