@@ -137,6 +137,15 @@ TIME = {"type": "function", "name": "get_time", "description": "The time in a ti
                        "required": ["zone"], "additionalProperties": False}}
 
 
+def _created(client, stream: bool, last_event: str, **kw):
+    """The Response, created streamed (then its last event must be `last_event`) or not."""
+    if not stream:
+        return client.responses.create(**kw)
+    events = list(client.responses.create(stream=True, **kw))
+    assert events[-1].type == last_event
+    return events[-1].response
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_allowed_tools_hold_the_call_to_the_listed_functions(server, stream):
     """Responses' tool_choice allowed_tools (mode and tools beside type, flat function entries)
@@ -146,12 +155,7 @@ def test_allowed_tools_hold_the_call_to_the_listed_functions(server, stream):
     choice = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_time"}]}
     kw = dict(model=MODEL, input="What is the weather in Paris?", tools=[WEATHER, TIME], tool_choice=choice,
               max_output_tokens=64, temperature=0)
-    if stream:
-        events = list(c.responses.create(stream=True, **kw))
-        assert events[-1].type == "response.completed"
-        r = events[-1].response
-    else:
-        r = c.responses.create(**kw)
+    r = _created(c, stream, "response.completed", **kw)
     calls = [o for o in r.output if o.type == "function_call"]
     assert r.status == "completed" and calls and all(o.status == "completed" for o in r.output)
     for call in calls:
@@ -172,12 +176,7 @@ def test_a_forced_call_cut_by_max_output_tokens_is_an_incomplete_call_item(serve
     c = server.client("alice")
     kw = dict(model=MODEL, input="What is the weather in Paris?", tools=[WEATHER], max_output_tokens=11,
               temperature=0, tool_choice={"type": "function", "name": "get_weather"})
-    if stream:
-        events = list(c.responses.create(stream=True, **kw))
-        assert events[-1].type == "response.incomplete"
-        r = events[-1].response
-    else:
-        r = c.responses.create(**kw)
+    r = _created(c, stream, "response.incomplete", **kw)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert [(o.type, o.status, o.name) for o in r.output] == [("function_call", "incomplete", "get_weather")]
     assert r.output[0].arguments.startswith('{"city') and r.output[0].call_id.startswith("call_")
