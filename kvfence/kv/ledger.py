@@ -120,6 +120,7 @@ class Ledger:
         self.refcount = np.zeros(num_pages, dtype=np.int64)  # requests attached to a SHARED page
         self._attached: dict[int, list[int]] = {}  # request -> SHARED pages it holds a reference on
         self._evictable: OrderedDict[int, None] = OrderedDict()  # SHARED, refcount 0, least recent first
+        self._retiring: set[int] = set()   # SHARED pages of a retired scope: freed when their last reader ends
         self.on_evict: Callable[[int], None] | None = None  # the prefix cache forgets the page
         self.on_time_lift: Callable[[int, list[int]], None] | None = None  # a fence ends by time (incident log)
         self.state[NULL_PAGE] = PageState.RESERVED_NULL
@@ -273,7 +274,10 @@ class Ledger:
             if self.refcount[p] == 0:
                 if self.suspect[p]:
                     self._forget(p)
+                    self._retiring.discard(p)
                     self._quarantine_page(p)
+                elif p in self._retiring:
+                    self._evict(p)
                 else:
                     self._evictable[p] = None  # most recently used last
 
@@ -284,10 +288,32 @@ class Ledger:
 
     def _evict_one(self) -> None:
         page, _ = self._evictable.popitem(last=False)
+        self._evict(page)
+
+    def _evict(self, page: int) -> None:
         self._forget(page)
+        self._retiring.discard(page)
         self.refcount[page] = 0
         self._release([page])
         self.counters["pages_evicted"] += 1
+
+    def retire_scope(self, name: str) -> int:
+        """A tenant is gone (a tenants-file reload removed it): its cached prefix pages leave
+        the cache now, so a tenant given the name later cannot attach or time them. Pages no
+        request reads are scrubbed and freed at once, the others when their last reader ends.
+        Returns how many pages were retired."""
+        scope = self._tenants.get(name)
+        if scope is None:
+            return 0
+        pages = np.flatnonzero((self.state == PageState.SHARED) & (self.owner_tenant == scope))
+        for p in (int(p) for p in pages):
+            if self.refcount[p] == 0:
+                self._evict(p)
+            else:
+                self._forget(p)   # no longer found by the prefix cache
+                self._retiring.add(p)
+        self.counters["pages_retired"] += len(pages)
+        return len(pages)
 
     def _owns(self, owner: Owner, page: int, epoch: int) -> bool:
         return (self.state[page] == PageState.OWNED and self.owner_request[page] == owner.request

@@ -235,6 +235,38 @@ def test_shared_pages_are_read_only_scoped_and_refcounted():
     led.check_consistency()
 
 
+def test_a_retired_scopes_pages_leave_the_cache_now_or_when_their_last_reader_ends():
+    """A tenant removed by a tenants-file reload: its cached pages are forgotten and scrubbed,
+    an unread one at once, one a request still reads once that request ends; another scope's
+    pages stay cached."""
+    scrubbed: list[int] = []
+    led = Ledger(8, 4, scrub="zero", scrubber=lambda pages, policy: scrubbed.extend(pages))
+    evicted: list[int] = []
+    led.on_evict = evicted.append
+    cached = {}
+    for name, req in (("A", 1), ("B", 2)):
+        o, t = owner(led, name, req), BlockTable()
+        led.allocate(o, 2, t)
+        led.mark_written(o, t, 0, 8)
+        for p, e in zip(t.pages, t.epochs, strict=True):
+            assert led.publish(o, p, e)
+        cached[name] = list(t.pages)
+        led.free(o, t)
+    reader, rt = owner(led, "A", 3), BlockTable()
+    assert led.attach(reader, cached["A"][0], rt)           # A's first page is being read
+    assert led.retire_scope("A") == 2 and led.retire_scope("nobody") == 0
+    unread, read = cached["A"][1], cached["A"][0]
+    assert sorted(evicted) == sorted([unread, read]) and scrubbed == [unread]   # both forgotten, one freed
+    assert led.state[unread] == PageState.FREE and led.state[read] == PageState.SHARED
+    assert not led.attach(owner(led, "A", 4), unread, BlockTable())
+    led.check_consistency()
+    led.free(reader, rt)                                    # its last reader ends: freed, not cached
+    assert led.state[read] == PageState.FREE and scrubbed == [unread, read]
+    assert all(led.state[p] == PageState.SHARED for p in cached["B"])
+    assert led.num_available == 7
+    led.check_consistency()
+
+
 def test_eviction_takes_a_cached_chains_tail_before_its_head():
     """A prefix is matched from its first page on, so evicting the head first would leave the
     rest of the chain unmatchable while it still held pages (found measuring preemption: the
