@@ -288,6 +288,11 @@ class LLMEngine:
         """time.time() at which step() has timed work (PD leases, fences), or None."""
         return self.kv_link.next_timer()
 
+    def forget_tenant(self, tenant: str) -> int:
+        """The tenant was removed from the tenants file: its own cache scope's prefix pages
+        are retired (Ledger.retire_scope); a public scope it shared stays. Returns the pages."""
+        return self.ledger.retire_scope(tenant) if self.prefix_cache is not None else 0
+
     def publish_prefix(self, seq: Sequence) -> None:
         if self.prefix_cache is not None:
             self.prefix_cache.publish(seq.owner, seq.cache_scope, seq.all_ids, seq.table, seq.publishable)

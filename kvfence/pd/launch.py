@@ -123,8 +123,16 @@ def _run(a, env: dict[str, str], secret_file: str) -> int:
     def stop(*_):
         stopping.append(True)
 
+    def reload_tenants(*_):
+        # every process read the tenants file (the nodes serve /v1 with it too): each reloads it
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGHUP)
+        print("kvfence launch-pd: SIGHUP passed on: every process reloads the tenants file", file=sys.stderr)
+
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGHUP, reload_tenants)
     code = 0
     try:
         while not stopping:

@@ -29,6 +29,7 @@ MAX_TEXT = 4096               # reasons and error messages
 MAX_PROMPT_IDS = 1 << 20      # a prompt's token ids
 MAX_TOKEN_ID = (1 << 31) - 1
 MAX_PAGES = 1 << 20           # pages of one handoff
+MAX_TENANTS = 1 << 16         # tenant names in one message
 U64 = (1 << 64) - 1
 
 Id = Annotated[str, Field(min_length=1, max_length=MAX_ID)]
@@ -200,6 +201,17 @@ class StopPullBody(WireModel):
 
 class StopPullReply(WireModel):
     reader_stopped: bool   # True: no read of it began, or every read that began has ended
+
+
+class ForgetTenantsBody(WireModel):
+    """POST /internal/forget_tenants (prefill): the router's tenants file no longer names these
+    tenants; retire their cached prefix pages, so that a tenant given one of the names later
+    cannot attach or time them."""
+    tenants: Annotated[list[Name], Field(min_length=1, max_length=MAX_TENANTS)]
+
+
+class ForgetTenantsReply(WireModel):
+    pages: Count   # prefix pages retired
 
 
 class ControlReply(WireModel):

@@ -33,6 +33,8 @@ from kvfence.pd.messages import (
     ControlReply,
     DecodeBody,
     FailedEvent,
+    ForgetTenantsBody,
+    ForgetTenantsReply,
     LogprobEntry,
     Manifest,
     MessageError,
@@ -234,6 +236,11 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
         async def release(request: Request):
             rid = (await _read(request, ReleaseBody)).request_id
             return ControlReply(result=await loop.call(lambda e: e.release_kv(rid))).to_json()
+
+        @app.post("/internal/forget_tenants")
+        async def forget_tenants(request: Request):
+            names = (await _read(request, ForgetTenantsBody)).tenants
+            return ForgetTenantsReply(pages=await loop.forget_tenants(list(names))).to_json()
 
         @app.post("/internal/abort")
         async def abort(request: Request):

@@ -46,6 +46,8 @@ from kvfence.pd.messages import (
     AdmittedEvent,
     DecodeBody,
     FailedEvent,
+    ForgetTenantsBody,
+    ForgetTenantsReply,
     Handoff,
     Manifest,
     MessageError,
@@ -505,6 +507,28 @@ class RouterBackend:
                 log.warning("request %s: decode on %s failed before admitting it (%s: %s); trying another decode node",
                             body.request_id, node.url, e.code, e)
                 tried.add(node.url)
+
+    async def forget_tenants(self, tenants: list[str]) -> int:
+        """The tenants file dropped these tenants: every prefill node retires their cached
+        prefix pages (decode nodes cache none). A node that cannot be reached is logged: its
+        cache keeps them until it restarts or evicts them."""
+        if not tenants or self.fleet is None:
+            return 0
+        body = _json(ForgetTenantsBody(tenants=tenants))
+
+        async def forget_on(node: Node) -> int:
+            try:
+                r = await self._http().post(node.url + "/internal/forget_tenants", **_options(node, **body))
+                if r.status_code == 200:
+                    return ForgetTenantsReply.from_json(r.content).pages
+                log.warning("prefill %s did not retire removed tenants' cached pages: HTTP %d", node.url,
+                            r.status_code)
+            except (httpx.HTTPError, MessageError) as e:
+                log.warning("prefill %s did not retire removed tenants' cached pages: %s", node.url, e)
+            return 0
+
+        nodes = [n for n in self.fleet.nodes if n.role == "prefill"]
+        return sum(await asyncio.gather(*(forget_on(n) for n in nodes)))
 
     async def _settle_prefill(self, rid: str, flight: _Flight) -> None:
         """Tell prefill the request is over, and whether a pull of its rows can still run: if

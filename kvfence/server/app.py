@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import signal
 import time
 import uuid
 from collections.abc import Callable
@@ -44,7 +45,15 @@ from kvfence.server.protocol import (
 )
 from kvfence.server.responses_api import ResponseView
 from kvfence.server.streaming import event_stream
-from kvfence.server.tenants import UNAUTHENTICATED, Lease, Tenant, TenantLimiter, TenantRegistry
+from kvfence.server.tenants import (
+    UNAUTHENTICATED,
+    Lease,
+    Tenant,
+    TenantLimiter,
+    TenantRegistry,
+    TenantsFileError,
+    registry_change,
+)
 from kvfence.server.tools import CallStream, ToolSpec, parse_answer
 from kvfence.server.tools import render as render_tools
 
@@ -69,6 +78,7 @@ class ServerState:
         self.max_body_bytes = max_body_bytes
         self.owns_engine = owns_engine
         self._served = served_model_name
+        self._reloading = asyncio.Lock()
 
     @property
     def served_name(self) -> str:
@@ -101,6 +111,70 @@ class ServerState:
         return isolation_statement(self.facts, self.engine.startup_checks, self.tenants,
                                    self.engine.snapshot, self.served_name)
 
+    async def reload_tenants(self, why: str) -> dict:
+        """Read the tenants file again and serve by it from now on (SIGHUP, or the operator's
+        POST /v1/kvfence/tenants/reload). A file that does not load changes nothing
+        (TenantsFileError). Requests in flight whose key no longer names their tenant end
+        with 401 api_key_revoked; removed tenants' cached prefix pages are retired on this
+        engine (or, behind the router, on every prefill node). Limits apply to new requests;
+        concurrency and tokens-per-minute counts carry over by tenant name."""
+        async with self._reloading:   # one at a time: a SIGHUP beside the route would interleave
+            try:
+                new = await asyncio.to_thread(self.tenants.reread)
+            except TenantsFileError as e:
+                self.metrics.tenant_reloads.labels("error").inc()
+                log.error("tenants file not reloaded (%s): %s; still serving by the previous one", why, e)
+                raise
+            old, self.tenants = self.tenants, new
+            change = registry_change(old, new)
+            change["requests_revoked"] = self.limiter.revoke_unless(
+                lambda lease: new.accepts(lease.key, lease.tenant.name))
+            try:
+                change["prefix_pages_retired"] = await self.engine.forget_tenants(change["removed"])
+            except EngineFailed as e:   # a failed engine's pool is never read again
+                log.warning("removed tenants' cached prefix pages not retired: %s", e)
+                change["prefix_pages_retired"] = 0
+        self.metrics.tenant_reloads.labels("ok").inc()
+        log.info("tenants file %s reloaded (%s): %d tenant(s); added %s, removed %s, changed %s; %d key(s) revoked, "
+                 "%d added; %d request(s) in flight ended; %d cached prefix page(s) retired", new.source, why,
+                 change["tenants"], change["added"] or "none", change["removed"] or "none",
+                 change["changed"] or "none", change["keys_revoked"], change["keys_added"],
+                 change["requests_revoked"], change["prefix_pages_retired"])
+        return change
+
+
+class KeyRevoked(Exception):
+    """A reload of the tenants file took the request's key away while it ran."""
+
+
+def _reload_on_sighup(state: ServerState) -> bool:
+    """SIGHUP reloads the tenants file, as it reloads nginx's or Prometheus's configuration
+    (without a tenants file it is logged and ignored: its default action would stop the
+    server). Only the process's main thread can take signals: a server run in another thread
+    (the tests' servers) has the reload route alone. Returns whether the handler is set."""
+    loop = asyncio.get_running_loop()
+    pending: set[asyncio.Task] = set()
+
+    async def reload() -> None:
+        try:
+            await state.reload_tenants("SIGHUP")
+        except TenantsFileError:
+            pass   # logged and counted by reload_tenants
+
+    def on_hup() -> None:
+        if state.tenants.source is None:
+            log.warning("SIGHUP ignored: no tenants file to reload (single-tenant mode)")
+            return
+        task = loop.create_task(reload())
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
+    try:
+        loop.add_signal_handler(signal.SIGHUP, on_hup)
+    except (RuntimeError, ValueError):   # not the main thread
+        return False
+    return True
+
 
 def may_scrape(state: ServerState, request: Request, route: str, public_part: bool = False) -> bool:
     """Whether the request carries a key that reads what the operator sees (/metrics, the
@@ -128,9 +202,12 @@ def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.engine.start()
+        hup = _reload_on_sighup(state)
         try:
             yield
         finally:
+            if hup:
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             if state.owns_engine:
                 await asyncio.to_thread(state.engine.stop)
 
@@ -292,11 +369,11 @@ async def _generate(state: ServerState, request: Request, kind: str):
     choices: list[_Choice] = []
     view: ResponseView | None = None
     try:
-        tenant = state.tenants.authenticate(request.headers.get("authorization"))
+        tenant, key = state.tenants.identify(request.headers.get("authorization"))
         state.ensure_ready()
         # the tenant's concurrency slot from here: reading, parsing, templating and tokenizing a
         # large body is seconds of CPU, spent within the tenant's limit, not beside it
-        lease = state.limiter.hold(tenant)
+        lease = state.limiter.hold(tenant, key)
         body = await read_json_body(request, state.max_body_bytes)
         if kind == "responses":
             view = ResponseView(body, rid, state.served_name)
@@ -373,6 +450,9 @@ async def _generate(state: ServerState, request: Request, kind: str):
         except ValueError as e:
             raise bad_request(str(e), param=req.prompt_param) from None
         run = _Run(state, request, choices, tenant, lease, arrival, req)   # from here run.close() frees the slot
+        lease.on_revoke = run.revoke
+        if lease.revoked:   # a reload took the key while it was parsed or submitted
+            run.revoke()
     except APIError as e:
         if lease is not None:
             lease.release()
@@ -666,6 +746,7 @@ class _Run:
             if c.echo:
                 self.fmt.start_offset(c.index, len(c.echo))
         self.disconnected = False
+        self.revoked = False
         self._closed = False
         self._queue: asyncio.Queue = asyncio.Queue()   # (choice, Update | BaseException) from every pump
         self._pumps: list[asyncio.Task] = []
@@ -713,6 +794,13 @@ class _Run:
     def _client_gone(self) -> None:
         self.disconnected = True
         _abort_all(self.state, self.choices, "client disconnected")
+
+    def revoke(self) -> None:
+        """Its key was revoked: the engine stops now, and the client's answer (or stream)
+        ends with 401 api_key_revoked where it is read next."""
+        self.revoked = True
+        _abort_all(self.state, self.choices, "API key revoked")
+        self._queue.put_nowait((self.choices[0], KeyRevoked()))
 
     # -- the choices' updates ----------------------------------------------------------------------
     def _start(self) -> None:
@@ -762,7 +850,9 @@ class _Run:
         if not all(c.done for c in self.choices):
             _abort_all(self.state, self.choices, "client disconnected" if not self._ok() else "request ended")
             self.disconnected = self.disconnected or not self._ok()
-        if outcome is None:
+        if self.revoked:
+            outcome = "key_revoked"
+        elif outcome is None:
             reason = next((c.reason for c in self.choices if c.reason), None)
             outcome = ("client_disconnected" if self.disconnected and not self._ok() else
                        reason or "error" if self._ok() else "error")
@@ -794,6 +884,9 @@ class _Run:
         return APIError(status, f"{what}: {detail}.", code=u.abort_code or "request_aborted")
 
     def _fail_on(self, e: BaseException) -> APIError:
+        if isinstance(e, KeyRevoked):
+            return APIError(401, "The API key of this request was revoked while it ran (the operator reloaded the "
+                                 "tenants file); it was stopped.", code="api_key_revoked", outcome="key_revoked")
         if isinstance(e, EngineFailed):
             detail = _public_detail(self.state, self.choices[0].rid, self.tenant, e.code, str(e))
             return APIError(503, f"The engine stopped serving this request: {detail}.", code="engine_unavailable")

@@ -35,9 +35,11 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 from kvfence.server.auth_throttle import FailedAuthThrottle
 from kvfence.server.console_view import console_view, incidents_view
 from kvfence.server.errors import error_body
+from kvfence.server.tenants import TenantsFileError
 
 if TYPE_CHECKING:
     from kvfence.server.app import ServerState
+    from kvfence.server.tenants import TenantRegistry
 
 COOKIE = "kvfence_console"
 SESSION_S = 12 * 3600
@@ -54,7 +56,7 @@ SECURITY_HEADERS = {
 }
 NOT_CONFIGURED = ("The operator console is off: this server has no operator key. Add an [operator] table to the "
                   "tenants file (--tenants FILE) with api_keys = [\"<key>\"] or api_key_sha256 = [\"<hex digest>\"], "
-                  "and restart.")
+                  "then send the server SIGHUP to reload it (or restart it).")
 
 _LOGIN = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>kvfence operator console</title>
@@ -98,9 +100,15 @@ class OperatorAuth:
     """The operator key (TenantRegistry.is_operator) or a console cookie made from it."""
 
     def __init__(self, state: ServerState):
-        self.tenants = state.tenants
+        self._state = state
         self._secret = secrets.token_bytes(32)
         self.throttle = FailedAuthThrottle()
+
+    @property
+    def tenants(self) -> TenantRegistry:
+        """The registry in force: after a reload that changed the operator key, the old key
+        and the cookies signed for it stop working at once."""
+        return self._state.tenants
 
     @property
     def configured(self) -> bool:
@@ -263,6 +271,26 @@ def mount(app: FastAPI, state: ServerState) -> None:
         resp = RedirectResponse("/console", status_code=303)
         resp.delete_cookie(COOKIE, path="/", httponly=True, samesite="strict")
         return _secure(resp)
+
+    @app.post("/v1/kvfence/tenants/reload")
+    async def reload_tenants(request: Request):
+        # the key in the header only, never the console's cookie: a cookie rides along on a
+        # request another site makes the browser send
+        if not auth.configured:
+            return _json_error(404, NOT_CONFIGURED, "operator_not_configured")
+        if (slow := _throttled(auth, request)) is not None:
+            return slow
+        if not auth.tenants.is_operator(request.headers.get("authorization")):
+            if "authorization" in request.headers:
+                auth.throttle.failed(_address(request))
+            return _json_error(401, "Reloading the tenants file needs the operator key (never a tenant's): send "
+                                    "'Authorization: Bearer <operator key>'.", "invalid_operator_key")
+        try:
+            change = await state.reload_tenants("POST /v1/kvfence/tenants/reload")
+        except TenantsFileError as e:
+            return _json_error(400, f"The tenants file was not reloaded, the previous one stays in force: {e}",
+                               "invalid_tenants_file")
+        return _secure(JSONResponse({"reloaded": True, **change}))
 
     @app.get("/v1/kvfence/console")
     async def console_json(request: Request):

@@ -161,6 +161,13 @@ class EngineLoop:
         """Thread-safe and idempotent: the engine thread aborts it if it is still running."""
         self._commands.put(_Abort(request_id, reason))
 
+    async def forget_tenants(self, tenants: list[str]) -> int:
+        """Retire the removed tenants' cached prefix pages in the engine thread; after the
+        aborts already queued, so their requests' references are gone first."""
+        if not tenants or self.state != "ready":
+            return 0
+        return await self.call(lambda engine: sum(engine.forget_tenant(t) for t in tenants))
+
     async def call(self, fn: Callable):
         """Run fn(engine) in the engine thread and return its result (PD control messages)."""
         if self.state != "ready":

@@ -28,7 +28,12 @@ class ServerMetrics:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("kvfence_requests", "Finished API requests by tenant and outcome "
                                 "(stop, length, client_disconnected, error, rejected, invalid, unauthorized, "
-                                "rate_limited, not_ready)", ["tenant", "outcome"], registry=r)
+                                "rate_limited, not_ready, key_revoked)", ["tenant", "outcome"], registry=r)
+        self.tenant_reloads = Counter("kvfence_tenants_reloads", "Reloads of the tenants file (SIGHUP or POST "
+                                      "/v1/kvfence/tenants/reload) by result: ok, or error (the previous file "
+                                      "stays in force)", ["result"], registry=r)
+        for result in ("ok", "error"):
+            self.tenant_reloads.labels(result)
         self.prompt_tokens = Counter("kvfence_prompt_tokens", "Prompt tokens admitted", ["tenant"], registry=r)
         self.generation_tokens = Counter("kvfence_generation_tokens", "Tokens generated", ["tenant"], registry=r)
         self.ttft = Histogram("kvfence_time_to_first_token_seconds", "From request arrival to the first token",

@@ -35,6 +35,7 @@ import threading
 import time
 import tomllib
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -171,8 +172,13 @@ class TenantRegistry:
         return True
 
     def authenticate(self, authorization: str | None) -> Tenant:
+        return self.identify(authorization)[0]
+
+    def identify(self, authorization: str | None) -> tuple[Tenant, bytes | None]:
+        """The tenant and the digest of the key that named it (None without a tenants file):
+        a request keeps the digest, so that a reload that revokes the key ends it."""
         if self.single_tenant:
-            return self.tenants[DEFAULT_TENANT]
+            return self.tenants[DEFAULT_TENANT], None
         key = _bearer(authorization)
         if key is None:
             raise APIError(401, "Missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key")
@@ -183,7 +189,46 @@ class TenantRegistry:
                 found = tenant
         if found is None:
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+        return found, presented
+
+    def accepts(self, key: bytes | None, tenant: str) -> bool:
+        """Whether `key` (a digest from identify) still names `tenant` here: false once the key
+        is gone, or given to another tenant, or the tenant is."""
+        if self.single_tenant:
+            return True
+        found = False
+        for digest, t in self._entries:   # every entry, no early exit
+            found |= key is not None and hmac.compare_digest(key, digest) and t.name == tenant
         return found
+
+    def reread(self) -> TenantRegistry:
+        """The registry its file says now (TenantsFileError if the file is wrong: the caller
+        keeps this one)."""
+        if self.source is None:
+            raise TenantsFileError("no tenants file to reload: this server is single-tenant (start it with "
+                                   "--tenants FILE to serve several tenants)")
+        return TenantRegistry.from_file(self.source)
+
+
+def registry_change(old: TenantRegistry, new: TenantRegistry) -> dict:
+    """What a reload changed, for the operator's log and the reload route's answer: tenant
+    names and counts, never a key or a digest."""
+    def keys(reg: TenantRegistry) -> dict[str, set[bytes]]:
+        out: dict[str, set[bytes]] = {}
+        for d, t in reg._entries:
+            out.setdefault(t.name, set()).add(d)
+        return out
+
+    was, now = keys(old), keys(new)
+    kept = sorted(set(old.tenants) & set(new.tenants))
+    return {"tenants": len(new.tenants),
+            "added": sorted(set(new.tenants) - set(old.tenants)),
+            "removed": sorted(set(old.tenants) - set(new.tenants)),
+            "changed": [n for n in kept if old.tenants[n] != new.tenants[n] or was.get(n) != now.get(n)],
+            "keys_revoked": sum(len(d - now.get(n, set())) for n, d in was.items()),
+            "keys_added": sum(len(d - was.get(n, set())) for n, d in now.items()),
+            "operator_keys_changed": set(old.operator_digests) != set(new.operator_digests),
+            "metrics_keys_changed": set(old.metrics_digests) != set(new.metrics_digests)}
 
 
 DISCLOSURE_FIELDS = {"contact": str, "postmortems": str, "notification_window_hours": int}
@@ -285,17 +330,28 @@ def _limits(spec: dict, where: str, base: Limits) -> Limits:
 class Lease:
     """One admitted request's hold on its tenant's concurrency slot and on the tokens it may
     use this minute (prompt + max_tokens, reserved at admission); release exactly once, with
-    the completion tokens it really produced: the rest is refunded."""
+    the completion tokens it really produced: the rest is refunded.
 
-    def __init__(self, limiter: TenantLimiter, tenant: Tenant):
-        self._limiter, self.tenant, self._open = limiter, tenant, True
+    It also stands for the request when the tenants file is reloaded: a lease whose key no
+    longer names its tenant is revoked, and `on_revoke` (set once the request runs) ends it."""
+
+    def __init__(self, limiter: TenantLimiter, tenant: Tenant, key: bytes | None = None):
+        self._limiter, self.tenant, self.key, self._open = limiter, tenant, key, True
         self.prompt_tokens = 0     # set by TenantLimiter.charge
         self._entry: list | None = None   # [time, tokens] in the tenant's window, while it has a TPM limit
+        self.revoked = False
+        self.on_revoke: Callable[[], None] | None = None
 
     def release(self, completion_tokens: int = 0) -> None:
         if self._open:
             self._open = False
             self._limiter._release(self, completion_tokens)
+
+    def revoke(self) -> None:
+        if not self.revoked:
+            self.revoked = True
+            if self.on_revoke is not None:
+                self.on_revoke()
 
 
 class TenantLimiter:
@@ -306,6 +362,16 @@ class TenantLimiter:
         self._lock = threading.Lock()
         self._in_flight: dict[str, int] = {}
         self._used: dict[str, deque[list]] = {}   # tenant -> [time, tokens] entries, oldest first
+        self._open: set[Lease] = set()              # every lease not yet released
+
+    def revoke_unless(self, still_valid: Callable[[Lease], bool]) -> int:
+        """Revoke every open lease that `still_valid` refuses (a reload's check of its key);
+        returns how many. The callbacks run here, on the caller's thread (the event loop)."""
+        with self._lock:
+            gone = [lease for lease in self._open if not lease.revoked and not still_valid(lease)]
+        for lease in gone:
+            lease.revoke()
+        return len(gone)
 
     def in_flight(self, tenant: str) -> int:
         return self._in_flight.get(tenant, 0)
@@ -330,14 +396,16 @@ class TenantLimiter:
             raise
         return lease
 
-    def hold(self, tenant: Tenant) -> Lease:
+    def hold(self, tenant: Tenant, key: bytes | None = None) -> Lease:
         """A concurrency slot only. Generation takes it as soon as the key is known, so parsing,
         templating and tokenizing run inside the tenant's limit; /tokenize and /detokenize stop
         here (they generate nothing: no prompt cap, no tokens_per_minute)."""
         with self._lock:
             self._check_slot(tenant)
             self._in_flight[tenant.name] = self.in_flight(tenant.name) + 1
-        return Lease(self, tenant)
+            lease = Lease(self, tenant, key)
+            self._open.add(lease)
+        return lease
 
     def charge(self, lease: Lease, prompt_tokens: int, max_tokens: int = 0) -> None:
         """Once the prompt is tokenized: the prompt cap (400), and with tokens_per_minute a
@@ -388,6 +456,7 @@ class TenantLimiter:
 
     def _release(self, lease: Lease, completion_tokens: int) -> None:
         with self._lock:
+            self._open.discard(lease)
             name = lease.tenant.name
             self._in_flight[name] = max(0, self.in_flight(name) - 1)
             if lease._entry is not None:   # the reservation becomes what was used

@@ -558,6 +558,7 @@ def test_malformed_manifest_is_a_400_and_decode_keeps_serving(cluster, client, f
 
 INTERNAL_ROUTES = [("prefill", "GET", "/internal/info"), ("prefill", "POST", "/internal/prefill"),
                    ("prefill", "POST", "/internal/release"), ("prefill", "POST", "/internal/abort"),
+                   ("prefill", "POST", "/internal/forget_tenants"),
                    ("prefill", "POST", "/internal/test/faults"), ("decode", "GET", "/internal/info"),
                    ("decode", "POST", "/internal/decode"), ("decode", "POST", "/internal/stop_pull"),
                    ("decode", "POST", "/internal/test/faults"),

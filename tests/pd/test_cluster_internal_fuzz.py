@@ -49,6 +49,7 @@ BODIES = {
     "/internal/release": {"request_id": "f1"},
     "/internal/abort": {"request_id": "f1", "reader_stopped": False, "reason": "fuzz"},
     "/internal/stop_pull": {"request_id": "f1"},
+    "/internal/forget_tenants": {"tenants": ["f1"]},
 }
 ROLE = {"/internal/decode": "decode", "/internal/stop_pull": "decode"}
 
@@ -145,7 +146,8 @@ def test_router_public_routes_never_5xx(cluster, endpoint, data, auth, headers):
 
 
 _any_path = st.sampled_from(["/internal/prefill", "/internal/decode", "/internal/release", "/internal/abort",
-                             "/internal/stop_pull", "/internal/info", "/internal/test/faults", "/v1/completions",
+                             "/internal/stop_pull", "/internal/forget_tenants",
+                             "/internal/info", "/internal/test/faults", "/v1/completions",
                              "/v1/models", "/v1/kvfence/cluster", "/v1/kvfence/isolation", "/metrics",
                              "/health/live", "/health/ready", "/", "/internal/../v1/models", "/internal//info"]) | \
     st.text(st.characters(min_codepoint=33, max_codepoint=126, exclude_characters="#?%"), max_size=20).map(

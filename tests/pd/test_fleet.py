@@ -52,8 +52,12 @@ api_keys = ["sk-fleet-carol-01"]
 
 [metrics]
 api_keys = ["sk-fleet-scraper1"]
+
+[operator]
+api_keys = ["sk-fleet-operator"]
 """
-SCRAPE = {"Authorization": "Bearer sk-fleet-scraper1"}   # the router's per-node state is the operator's
+SCRAPE = {"Authorization": "Bearer sk-fleet-scraper1"}
+OPERATOR = {"Authorization": "Bearer sk-fleet-operator"}   # the router's per-node state is the operator's
 KEYS = ["sk-fleet-alice-01", "sk-fleet-bob-0001", "sk-fleet-carol-01"]
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.\n", "def fibonacci(n):",
            "The three primary colors are", "Once upon a time, in a small village,", "Water boils at",
@@ -230,6 +234,43 @@ def test_a_tenant_learns_whether_the_fleet_is_up_but_not_where_its_nodes_are(fle
         assert body["ready"] is True and set(body) == {"ready", "usable_context", "detail"}, body
         assert "127.0.0.1" not in json.dumps(body)
     assert len(fleet.cluster()["nodes"]) == 4
+
+
+def test_a_tenant_removed_from_the_routers_file_leaves_no_cached_prefix_on_the_prefill_nodes(fleet):
+    """The router's reload retires the removed tenant's cache scope on every prefill node: a
+    tenant given the name later starts with nothing cached (mutant: the router tells no node)."""
+    prompt = ("Our company handbook, section one: every employee receives a laptop, a badge and a desk. "
+              "Section two: holidays are requested two weeks ahead. Section three says that") * 2
+
+    def cached(key: str) -> int:
+        c = fleet.client(key)
+        r = c.completions.create(model=c.models.list().data[0].id, prompt=prompt, max_tokens=2, temperature=0)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    def reload(text: str) -> dict:
+        fleet.tenants_file.write_text(text)
+        r = httpx.post(fleet.url + "/v1/kvfence/tenants/reload", headers=OPERATOR, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    carol = KEYS[2]
+    try:
+        cached(carol)
+        assert cached(carol) >= 32     # routed by her scope to the prefill node that cached it
+        change = reload(TENANTS.replace(f'[tenants.carol]\napi_keys = ["{carol}"]\n', ""))
+        assert change["removed"] == ["carol"] and change["prefix_pages_retired"] >= 2, change
+        assert reload(TENANTS.replace(carol, "sk-fleet-carol-02"))["added"] == ["carol"]
+        assert cached("sk-fleet-carol-02") == 0
+    finally:   # back to TENANTS by SIGHUP to launch-pd, which passes it on to every process
+        fleet.tenants_file.write_text(TENANTS)
+        fleet.proc.send_signal(signal.SIGHUP)
+
+    def works(key: str) -> bool:
+        return httpx.get(fleet.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=5).status_code \
+            == 200
+
+    _wait(lambda: works(carol) and not works("sk-fleet-carol-02"), 30, "the fleet to reload on SIGHUP")
+    assert fleet.proc.poll() is None and all(n["state"] == "ready" for n in fleet.cluster()["nodes"])
 
 
 def test_a_killed_prefill_node_is_routed_around_and_rejoins_after_its_check(fleet):

@@ -20,13 +20,17 @@ def make_server(loaded_fp32):
     started: list[LiveServer] = []
 
     def make(tenants: str | None = TENANTS_TOML, gate: threading.Event | None = None, wait: bool = True,
-             max_body_bytes: int = 256 << 10, limits: HttpLimits | None = None, **engine_kw) -> LiveServer:
+             max_body_bytes: int = 256 << 10, limits: HttpLimits | None = None,
+             registry: TenantRegistry | None = None, **engine_kw) -> LiveServer:
         cfg = EngineConfig(**{**ENGINE, **engine_kw})
         spy = SpyEngine(cfg, loaded_fp32, gate)
         engine = EngineLoop(spy, run_startup_checks).start()
         if wait:
             assert engine.wait_ready(60), engine.error
-        reg = TenantRegistry.single() if tenants is None else TenantRegistry.from_dict(tomllib.loads(tenants))
+        if registry is not None:   # e.g. one read from a file, which a reload reads again
+            reg = registry
+        else:
+            reg = TenantRegistry.single() if tenants is None else TenantRegistry.from_dict(tomllib.loads(tenants))
         srv = LiveServer(ServerState(engine, reg, None, max_body_bytes=max_body_bytes), spy, limits)
         started.append(srv)
         return srv

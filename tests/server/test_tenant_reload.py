@@ -1,0 +1,303 @@
+"""Reloading the tenants file without a restart (POST /v1/kvfence/tenants/reload with the
+operator key, or SIGHUP): a revoked key's requests end at once while everyone else's go on,
+a removed tenant's cached prefixes are retired, a rotated operator key locks the old one and
+its console cookies out, and a file that does not load changes nothing."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import openai
+import pytest
+from server_harness import MODEL, pool_intact, wait_for
+
+from kvfence.server.app import ServerState, _reload_on_sighup
+from kvfence.server.tenants import Tenant, TenantLimiter, TenantRegistry, registry_change
+
+OPERATOR = "sk-operator-0001"
+ROTATED_OPERATOR = "sk-operator-0002"
+SCRAPER = "sk-scraper-0001"
+ALICE, ALICE2, BOB = "sk-alice-0001", "sk-alice-0002", "sk-bob-00000001"
+FILE = f"""
+[tenants.alice]
+api_keys = ["{ALICE}", "{ALICE2}"]
+
+[tenants.bob]
+api_keys = ["{BOB}"]
+
+[operator]
+api_keys = ["{OPERATOR}"]
+
+[metrics]
+api_keys = ["{SCRAPER}"]
+"""
+WITHOUT_BOB = FILE.replace(f'[tenants.bob]\napi_keys = ["{BOB}"]\n', "")
+PROMPT = ("Our company handbook, section one: every employee receives a laptop, a badge and a desk. "
+          "Section two: holidays are requested two weeks ahead. Section three says that")
+LONG = dict(model=MODEL, max_tokens=300, temperature=0, extra_body={"ignore_eos": True})
+
+
+@pytest.fixture(scope="module")
+def tenants_path(tmp_path_factory):
+    return tmp_path_factory.mktemp("reload") / "tenants.toml"
+
+
+@pytest.fixture(scope="module")
+def _server(make_server, tenants_path):
+    tenants_path.write_text(FILE)
+    return make_server(registry=TenantRegistry.from_file(tenants_path))
+
+
+@pytest.fixture
+def srv(_server, tenants_path):
+    """The server, with FILE in force again (tests rotate the operator key too)."""
+    tenants_path.write_text(FILE)
+    assert any(reload(_server, key).status_code == 200 for key in (OPERATOR, ROTATED_OPERATOR))
+    return _server
+
+
+def reload(srv, key: str | None = OPERATOR) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(srv.url + "/v1/kvfence/tenants/reload", headers=headers, timeout=60)
+
+
+def client(srv, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.base_url, api_key=key, max_retries=0, timeout=120)
+
+
+def metric(srv, name: str, **labels) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {SCRAPER}"}, timeout=30)
+    r.raise_for_status()
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            if s.name == name and s.labels == labels:
+                return s.value
+    return 0.0
+
+
+def test_a_removed_tenants_stream_ends_at_once_and_the_others_go_on(srv, tenants_path):
+    bob = client(srv, BOB).chat.completions.create(messages=[{"role": "user", "content": "Count."}], stream=True,
+                                                   **LONG)
+    alice = client(srv, ALICE).chat.completions.create(messages=[{"role": "user", "content": "Count."}],
+                                                       stream=True, **{**LONG, "max_tokens": 40})
+    next(bob)
+    next(alice)
+    revoked_before = metric(srv, "kvfence_requests_total", tenant="bob", outcome="key_revoked")
+    tenants_path.write_text(WITHOUT_BOB)
+    r = reload(srv)
+    assert r.status_code == 200, r.text
+    change = r.json()
+    assert change["removed"] == ["bob"] and change["added"] == [] and change["keys_revoked"] == 1
+    assert change["requests_revoked"] == 1 and change["tenants"] == 1
+    assert BOB not in r.text and "sk-" not in r.text          # names and counts, never a key
+    with pytest.raises(openai.APIError) as e:
+        n = sum(1 for _ in bob)
+        pytest.fail(f"bob's stream went on for {n} more chunks after his key was revoked")
+    assert e.value.body["code"] == "api_key_revoked", e.value.body
+    done = list(alice)
+    assert done[-1].choices[0].finish_reason == "length"     # alice's stream never noticed
+    with pytest.raises(openai.AuthenticationError):
+        client(srv, BOB).models.list()
+    assert metric(srv, "kvfence_requests_total", tenant="bob", outcome="key_revoked") == revoked_before + 1
+    assert wait_for(lambda: pool_intact(srv.wait_idle())), srv.engine.snapshot
+
+
+def test_a_rotated_key_ends_its_own_requests_not_the_tenants_others(srv, tenants_path):
+    """alice drops her second key: what runs under it stops (unstreamed: a 401 as its answer),
+    what runs under her first key finishes, and only the first key works from then on."""
+    out: dict = {}
+
+    def ask(name: str, key: str) -> None:
+        try:
+            out[name] = client(srv, key).completions.create(prompt=PROMPT, **LONG)
+        except openai.APIError as e:
+            out[name] = e
+
+    threads = [threading.Thread(target=ask, args=a) for a in (("old", ALICE2), ("kept", ALICE))]
+    for t in threads:
+        t.start()
+    assert wait_for(lambda: srv.engine.snapshot.get("running", 0) == 2, timeout=60), srv.engine.snapshot
+    tenants_path.write_text(FILE.replace(f'"{ALICE}", "{ALICE2}"', f'"{ALICE}"'))
+    change = reload(srv).json()
+    assert change["changed"] == ["alice"] and change["removed"] == [] and change["requests_revoked"] == 1
+    for t in threads:
+        t.join(120)
+    assert isinstance(out["old"], openai.AuthenticationError) and out["old"].code == "api_key_revoked", out["old"]
+    assert out["kept"].choices[0].finish_reason == "length" and out["kept"].usage.completion_tokens == 300
+    with pytest.raises(openai.AuthenticationError):
+        client(srv, ALICE2).models.list()
+    assert client(srv, ALICE).models.list().data
+
+
+def test_a_removed_tenants_cached_prefixes_are_retired(srv, tenants_path):
+    """A tenant given a removed tenant's name must not attach (or time) the cached pages of the
+    prompts the removed one sent."""
+    kw = dict(model=MODEL, prompt=PROMPT + " bob", max_tokens=2, temperature=0)
+    client(srv, BOB).completions.create(**kw)
+    assert client(srv, BOB).completions.create(**kw).usage.prompt_tokens_details.cached_tokens >= 32   # cached
+    tenants_path.write_text(WITHOUT_BOB)
+    change = reload(srv).json()
+    assert change["prefix_pages_retired"] >= 2, change
+    new_bob = "sk-another-bob-01"
+    tenants_path.write_text(FILE.replace(BOB, new_bob))
+    assert reload(srv).json()["added"] == ["bob"]
+    assert client(srv, new_bob).completions.create(**kw).usage.prompt_tokens_details.cached_tokens == 0
+    assert wait_for(lambda: pool_intact(srv.wait_idle())), srv.engine.snapshot
+
+
+def test_a_file_that_does_not_load_changes_nothing(srv, tenants_path):
+    errors = metric(srv, "kvfence_tenants_reloads_total", result="error")
+    tenants_path.write_text(FILE.replace("[tenants.bob]", "[tenants.bob]\nmax_prompt_tokens = -3"))
+    r = reload(srv)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_tenants_file", r.text
+    assert "max_prompt_tokens must be a positive integer" in r.json()["error"]["message"]
+    tenants_path.write_text("[tenants")
+    assert reload(srv).json()["error"]["code"] == "invalid_tenants_file"
+    assert metric(srv, "kvfence_tenants_reloads_total", result="error") == errors + 2
+    for key in (ALICE, BOB):     # still served by the previous file
+        assert client(srv, key).models.list().data
+
+
+def test_only_the_operator_key_reloads(srv, make_server, server, single):
+    for key in (None, ALICE, BOB, SCRAPER, "sk-not-a-key-000"):
+        r = reload(srv, key)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_operator_key", (key, r.text)
+    # a server whose file names no operator, or that has no file: the route is off, and says how
+    for other in (server, single):
+        r = reload(other, OPERATOR)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "operator_not_configured", r.text
+
+
+def test_a_rotated_operator_key_and_its_console_cookies_stop_working(srv, tenants_path):
+    with httpx.Client(base_url=srv.url, timeout=30) as browser:
+        r = browser.post("/console/login", data={"key": OPERATOR}, follow_redirects=False)
+        assert r.status_code == 303
+        assert browser.get("/v1/kvfence/console").status_code == 200     # the cookie works
+        new_key = ROTATED_OPERATOR
+        tenants_path.write_text(FILE.replace(OPERATOR, new_key))
+        assert reload(srv).json()["operator_keys_changed"] is True
+        assert browser.get("/v1/kvfence/console").status_code == 401     # the old key's cookie is dead
+        assert reload(srv, OPERATOR).status_code == 401
+        assert reload(srv, new_key).status_code == 200
+
+
+# -- the parts, without a server -------------------------------------------------------------------
+def test_the_change_names_tenants_and_counts_keys():
+    def reg(text: str) -> TenantRegistry:
+        import tomllib
+
+        return TenantRegistry.from_dict(tomllib.loads(text))
+
+    old = reg(FILE)
+    new = reg(FILE.replace(f'"{ALICE2}"', '"sk-alice-0003"').replace("[tenants.bob]", "[tenants.bob]\n"
+                                                                       "max_concurrent_requests = 2")
+              + '\n[tenants.carol]\napi_keys = ["sk-carol-00001"]\n')
+    change = registry_change(old, new)
+    assert change["added"] == ["carol"] and change["removed"] == [] and change["changed"] == ["alice", "bob"]
+    assert change["keys_revoked"] == 1 and change["keys_added"] == 2 and not change["operator_keys_changed"]
+    alice2 = old.identify(f"Bearer {ALICE2}")[1]
+    assert old.accepts(alice2, "alice") and not new.accepts(alice2, "alice")
+    assert not new.accepts(new.identify(f"Bearer {BOB}")[1], "alice")     # a key names its own tenant only
+    assert TenantRegistry.single().accepts(None, "default")
+
+
+def test_only_leases_whose_key_is_refused_are_revoked():
+    limiter, ended = TenantLimiter(), []
+    a, b = limiter.hold(Tenant("a"), b"a"), limiter.hold(Tenant("b"), b"b")
+    a.on_revoke = lambda: ended.append("a")
+    b.on_revoke = lambda: ended.append("b")
+    done = limiter.hold(Tenant("a"), b"a")
+    done.release()
+    assert limiter.revoke_unless(lambda lease: lease.key != b"a") == 1
+    assert ended == ["a"] and a.revoked and not b.revoked and not done.revoked
+    assert limiter.revoke_unless(lambda lease: lease.key != b"a") == 0     # once
+
+
+class _NoEngine:
+    """Unit-test stand-in for the backend: the reload asks it to retire removed tenants' pages."""
+    snapshot: dict = {}
+    forgotten: list = []
+
+    async def forget_tenants(self, tenants: list[str]) -> int:
+        self.forgotten.append(list(tenants))
+        return 0
+
+
+def test_sighup_reloads_the_file_and_is_harmless_without_one(tmp_path, caplog):
+    """The handler the server's lifespan installs (in the main thread, as `kvfence serve` runs)."""
+    path = tmp_path / "tenants.toml"
+    path.write_text(FILE)
+    with_file = ServerState(_NoEngine(), TenantRegistry.from_file(path))  # type: ignore[arg-type]
+    without = ServerState(_NoEngine(), TenantRegistry.single())  # type: ignore[arg-type]
+    fallback = signal.signal(signal.SIGHUP, lambda *_: None)   # had no handler been set, do not die
+
+    async def main() -> None:
+        for state in (with_file, without):
+            assert _reload_on_sighup(state)
+            try:
+                path.write_text(WITHOUT_BOB)
+                os.kill(os.getpid(), signal.SIGHUP)
+                for _ in range(100):
+                    await asyncio.sleep(0.05)
+                    if state is with_file and "bob" not in state.tenants.tenants:
+                        break
+            finally:
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+
+    try:
+        with caplog.at_level(logging.INFO, logger="kvfence.server"):
+            asyncio.run(main())
+    finally:
+        signal.signal(signal.SIGHUP, fallback)
+    assert sorted(with_file.tenants.tenants) == ["alice"] and _NoEngine.forgotten == [["bob"]]
+    assert "SIGHUP ignored: no tenants file to reload" in caplog.text
+    assert "reloaded (SIGHUP)" in caplog.text
+
+
+def test_kvfence_serve_reloads_its_tenants_file_on_sighup(tmp_path):
+    """The real process: a key added and another revoked by editing the file and sending SIGHUP;
+    a broken file then changes nothing."""
+    from kvfence.procs import free_ports
+
+    path = tmp_path / "tenants.toml"
+    path.write_text(FILE)
+    port = free_ports(1)
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "serve.log", "wb")
+    p = subprocess.Popen([sys.executable, "-m", "kvfence.cli", "serve", "--port", str(port), "--dtype", "float32",
+                          "--kv-cache-memory", "32MiB", "--max-model-len", "256", "--threads", "1",
+                          "--tenants", str(path)],
+                         env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}, stdout=log, stderr=subprocess.STDOUT)
+
+    def status(key: str) -> int:
+        try:
+            return httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=5).status_code
+        except httpx.HTTPError:
+            return 0
+
+    try:
+        assert wait_for(lambda: status(BOB) == 200, timeout=180), (tmp_path / "serve.log").read_text()[-3000:]
+        new_bob = "sk-bob-rotated-01"
+        path.write_text(FILE.replace(BOB, new_bob))
+        p.send_signal(signal.SIGHUP)
+        assert wait_for(lambda: status(new_bob) == 200 and status(BOB) == 401, timeout=30)
+        path.write_text("[tenants")
+        p.send_signal(signal.SIGHUP)
+        assert wait_for(lambda: b"tenants file not reloaded (SIGHUP)" in (tmp_path / "serve.log").read_bytes(),
+                        timeout=30)
+        assert p.poll() is None and status(new_bob) == 200 and status(ALICE) == 200
+    finally:
+        p.terminate()
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
