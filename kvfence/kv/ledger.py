@@ -125,7 +125,9 @@ class Ledger:
         self.on_time_lift: Callable[[int, list[int]], None] | None = None  # a fence ends by time (incident log)
         self.state[NULL_PAGE] = PageState.RESERVED_NULL
         self._free: deque[int] = deque(range(num_pages - 1, 0, -1))
-        self._tenants: dict[str, int] = {}
+        self._tenants: dict[str, int] = {}   # name -> its current id
+        self._names: dict[int, str] = {}     # every id ever given -> its name
+        self._retired: set[int] = set()      # ids of retired cache scopes: never published to again
         # I6 fences: request -> (its quarantined pages, time after which nothing can touch
         # them, or None: only an explicit proof lifts it). The owner tag of a quarantine.
         self._fences: dict[int, tuple[list[int], float | None]] = {}
@@ -135,12 +137,16 @@ class Ledger:
 
     # -- tenants ------------------------------------------------------------------------
     def tenant_id(self, name: str) -> int:
-        return self._tenants.setdefault(name, len(self._tenants))
+        got = self._tenants.get(name)
+        if got is None:   # ids only grow: a retired name comes back under a new one
+            got = self._tenants[name] = len(self._names)
+            self._names[got] = name
+        return got
 
     def tenant_name(self, tenant: int) -> str | None:
         """The name behind a tenant or cache-scope id (None for -1: nobody); a public scope
         as "public:NAME" (scope_label)."""
-        name = next((n for n, i in self._tenants.items() if i == tenant), None)
+        name = self._names.get(tenant)
         return None if name is None else scope_label(name)
 
     def page_owner(self, page: int) -> str | None:
@@ -193,7 +199,11 @@ class Ledger:
         out: dict[str, dict[str, int]] = {}
         for state, key in ((PageState.OWNED, "owned"), (PageState.SHARED, "shared")):
             ids, counts = np.unique(self.owner_tenant[self.state == state], return_counts=True)
-            out[key] = {self.tenant_name(int(i)) or "?": int(c) for i, c in zip(ids, counts, strict=True)}
+            named: dict[str, int] = {}
+            for i, c in zip(ids, counts, strict=True):   # a retired id and its successor share a name
+                name = self.tenant_name(int(i)) or "?"
+                named[name] = named.get(name, 0) + int(c)
+            out[key] = named
         return out
 
     def pages_for(self, tokens: int) -> int:
@@ -244,7 +254,8 @@ class Ledger:
     def publish(self, owner: Owner, page: int, epoch: int) -> bool:
         """Turn a fully written page that owner owns into a read-only SHARED page of owner's
         cache scope. Owner keeps a reference until it is freed."""
-        if not self._owns(owner, page, epoch) or self.written[page] != self.page_size or self.suspect[page]:
+        if not self._owns(owner, page, epoch) or self.written[page] != self.page_size or self.suspect[page] \
+                or owner.cache_scope in self._retired:   # a request that outlived its tenant's removal
             return False
         self.state[page] = PageState.SHARED
         self.owner_request[page] = -1
@@ -256,7 +267,8 @@ class Ledger:
 
     def attach(self, owner: Owner, page: int, table: BlockTable) -> bool:
         """Give owner a read reference on a SHARED page of its own cache scope."""
-        if self.state[page] != PageState.SHARED or self.owner_tenant[page] != owner.cache_scope:
+        if self.state[page] != PageState.SHARED or self.owner_tenant[page] != owner.cache_scope \
+                or page in self._retiring:
             return False
         self.refcount[page] += 1
         self._evictable.pop(page, None)
@@ -301,10 +313,13 @@ class Ledger:
         """A tenant is gone (a tenants-file reload removed it): its cached prefix pages leave
         the cache now, so a tenant given the name later cannot attach or time them. Pages no
         request reads are scrubbed and freed at once, the others when their last reader ends.
-        Returns how many pages were retired."""
-        scope = self._tenants.get(name)
+        The scope's id is retired with them: a request of the old tenant still running
+        publishes nothing more under it, and the name comes back under a new id, which
+        attaches none of the old one's pages. Returns how many pages were retired."""
+        scope = self._tenants.pop(name, None)
         if scope is None:
             return 0
+        self._retired.add(scope)
         pages = np.flatnonzero((self.state == PageState.SHARED) & (self.owner_tenant == scope))
         for p in (int(p) for p in pages):
             if self.refcount[p] == 0:
@@ -503,6 +518,9 @@ class Ledger:
                 raise LedgerError(f"page {p}: state {PageState(int(st)).name} but on free list: {p in free}")
             if (st == PageState.SHARED) != (p in self._evictable or self.refcount[p] > 0):
                 raise LedgerError(f"page {p}: shared={st == PageState.SHARED} but refcount {self.refcount[p]}")
+            if p in self._retiring and not (st == PageState.SHARED and self.refcount[p] > 0
+                                            and p not in self._evictable):
+                raise LedgerError(f"page {p} is retiring but not a shared page that a request still reads")
             if st != PageState.OWNED and self.owner_request[p] != -1:
                 raise LedgerError(f"page {p} is {PageState(int(st)).name} yet has an owner")
             if st == PageState.OWNED and self.owner_request[p] < 0:

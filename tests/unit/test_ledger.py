@@ -259,9 +259,19 @@ def test_a_retired_scopes_pages_leave_the_cache_now_or_when_their_last_reader_en
     assert sorted(evicted) == sorted([unread, read]) and scrubbed == [unread]   # both forgotten, one freed
     assert led.state[unread] == PageState.FREE and led.state[read] == PageState.SHARED
     assert not led.attach(owner(led, "A", 4), unread, BlockTable())
+    # the name comes back under a new id, which attaches nothing of the old one's
+    assert owner(led, "A", 5).tenant != reader.tenant and not led.attach(owner(led, "A", 5), read, BlockTable())
+    assert not led.attach(Owner(reader.tenant, 7), read, BlockTable())   # nor does the old one, any more
+    # a request of the removed tenant still running publishes nothing more under the old scope
+    late, lt = Owner(reader.tenant, 6), BlockTable()
+    led.allocate(late, 1, lt)
+    led.mark_written(late, lt, 0, 4)
+    assert not led.publish(late, lt.pages[0], lt.epochs[0])
+    led.free(late, lt)
     led.check_consistency()
+    before = len(scrubbed)
     led.free(reader, rt)                                    # its last reader ends: freed, not cached
-    assert led.state[read] == PageState.FREE and scrubbed == [unread, read]
+    assert led.state[read] == PageState.FREE and scrubbed[before:] == [read]
     assert all(led.state[p] == PageState.SHARED for p in cached["B"])
     assert led.num_available == 7
     led.check_consistency()
