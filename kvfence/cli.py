@@ -168,6 +168,9 @@ def _cluster_secret(a) -> bytes | None:
 
 
 def cmd_serve(a) -> int:
+    from kvfence.server.app import hold_sighup
+
+    hold_sighup()   # a SIGHUP while the model loads reloads the tenants file once serving, not exits
     from kvfence import incidents
     from kvfence.server.http_limits import HttpLimits
 

@@ -42,6 +42,7 @@ from kvfence.pd.addresses import NodeAddress, Resolver, expand, system_resolver
 from kvfence.pd.capacity import ClusterCheck, plan_fleet
 from kvfence.pd.fleet import Fleet, Node
 from kvfence.pd.messages import (
+    MAX_TENANTS,
     AbortBody,
     AdmittedEvent,
     DecodeBody,
@@ -514,18 +515,22 @@ class RouterBackend:
         cache keeps them until it restarts or evicts them."""
         if not tenants or self.fleet is None:
             return 0
-        body = _json(ForgetTenantsBody(tenants=tenants))
+        bodies = [_json(ForgetTenantsBody(tenants=tenants[i:i + MAX_TENANTS]))
+                  for i in range(0, len(tenants), MAX_TENANTS)]
 
         async def forget_on(node: Node) -> int:
+            pages = 0
             try:
-                r = await self._http().post(node.url + "/internal/forget_tenants", **_options(node, **body))
-                if r.status_code == 200:
-                    return ForgetTenantsReply.from_json(r.content).pages
-                log.warning("prefill %s did not retire removed tenants' cached pages: HTTP %d", node.url,
-                            r.status_code)
+                for body in bodies:
+                    r = await self._http().post(node.url + "/internal/forget_tenants", **_options(node, **body))
+                    if r.status_code != 200:
+                        log.warning("prefill %s did not retire removed tenants' cached pages: HTTP %d", node.url,
+                                    r.status_code)
+                        break
+                    pages += ForgetTenantsReply.from_json(r.content).pages
             except (httpx.HTTPError, MessageError) as e:
                 log.warning("prefill %s did not retire removed tenants' cached pages: %s", node.url, e)
-            return 0
+            return pages
 
         nodes = [n for n in self.fleet.nodes if n.role == "prefill"]
         return sum(await asyncio.gather(*(forget_on(n) for n in nodes)))

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import logging
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -127,16 +128,21 @@ class ServerState:
                 raise
             old, self.tenants = self.tenants, new
             change = registry_change(old, new)
-            change["requests_revoked"] = self.limiter.revoke_unless(
-                lambda lease: new.accepts(lease.key, lease.tenant.name))
+            # from here the new file is in force: what fails below is logged, and the reload stands
             try:
-                change["prefix_pages_retired"] = await self.engine.forget_tenants(change["removed"])
-            except EngineFailed as e:   # a failed engine's pool is never read again
-                log.warning("removed tenants' cached prefix pages not retired: %s", e)
-                change["prefix_pages_retired"] = 0
+                change["requests_revoked"] = self.limiter.revoke_unless(
+                    lambda lease: new.accepts(lease.key, lease.tenant.name))
+            except Exception:   # noqa: BLE001 - a callback's bug must not undo the swap
+                log.exception("revoking requests in flight failed; new requests are served by the new file")
+                change["requests_revoked"] = None
+            try:
+                change["prefix_pages_retired"] = await self.engine.forget_tenants(change["retired"])
+            except Exception as e:   # noqa: BLE001 - e.g. a failed engine, whose pool is never read again
+                log.warning("retired tenants' cached prefix pages not retired: %s", e)
+                change["prefix_pages_retired"] = None
         self.metrics.tenant_reloads.labels("ok").inc()
         log.info("tenants file %s reloaded (%s): %d tenant(s); added %s, removed %s, changed %s; %d key(s) revoked, "
-                 "%d added; %d request(s) in flight ended; %d cached prefix page(s) retired", new.source, why,
+                 "%d added; %s request(s) in flight ended; %s cached prefix page(s) retired", new.source, why,
                  change["tenants"], change["added"] or "none", change["removed"] or "none",
                  change["changed"] or "none", change["keys_revoked"], change["keys_added"],
                  change["requests_revoked"], change["prefix_pages_retired"])
@@ -145,6 +151,24 @@ class ServerState:
 
 class KeyRevoked(Exception):
     """A reload of the tenants file took the request's key away while it ran."""
+
+    @staticmethod
+    def api_error() -> APIError:
+        return APIError(401, "The API key of this request was revoked while it ran (the operator reloaded the "
+                             "tenants file); it was stopped.", code="api_key_revoked", outcome="key_revoked")
+
+
+_EARLY_HUP = threading.Event()   # a SIGHUP came while no server took it (hold_sighup)
+
+
+def hold_sighup() -> None:
+    """Until the server takes SIGHUP itself (_reload_on_sighup), and again once it stops, a
+    SIGHUP is kept for later instead of its default action, which ends the process: launch-pd
+    passes SIGHUP on to every child, one of them perhaps still loading its model."""
+    try:
+        signal.signal(signal.SIGHUP, lambda *_: _EARLY_HUP.set())
+    except ValueError:   # not the main thread
+        pass
 
 
 def _reload_on_sighup(state: ServerState) -> bool:
@@ -173,6 +197,9 @@ def _reload_on_sighup(state: ServerState) -> bool:
         loop.add_signal_handler(signal.SIGHUP, on_hup)
     except (RuntimeError, ValueError):   # not the main thread
         return False
+    if _EARLY_HUP.is_set():   # the file may have changed while the model loaded
+        _EARLY_HUP.clear()
+        on_hup()
     return True
 
 
@@ -208,6 +235,7 @@ def create_app(state: ServerState) -> FastAPI:
         finally:
             if hup:
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+                hold_sighup()
             if state.owns_engine:
                 await asyncio.to_thread(state.engine.stop)
 
@@ -298,9 +326,9 @@ def _openai_routes(app: FastAPI, state: ServerState) -> None:
     # as generation, the same tokenizer and chat template, nothing reaches the engine
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        tenant = state.tenants.authenticate(request.headers.get("authorization"))
+        tenant, key = state.tenants.identify(request.headers.get("authorization"))
         state.ensure_ready()
-        lease = state.limiter.hold(tenant)    # the tenant's concurrency limit, as generation
+        lease = state.limiter.hold(tenant, key)    # the tenant's concurrency limit, as generation
         try:
             body = await read_json_body(request, state.max_body_bytes)
             prompt, add_prompt, tools = parse_tokenize(body)
@@ -316,21 +344,25 @@ def _openai_routes(app: FastAPI, state: ServerState) -> None:
                 raise APIError(400, f"The prompt is {len(ids)} tokens, more than this model's context of {ctx} "
                                     "tokens.", code="context_length_exceeded",
                                param="prompt" if isinstance(prompt, str) else "messages", outcome="rejected")
+            if lease.revoked:   # a reload took the key while it was tokenized
+                raise KeyRevoked.api_error()
         finally:
             lease.release()
         return {"count": len(ids), "max_model_len": ctx, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        tenant = state.tenants.authenticate(request.headers.get("authorization"))
+        tenant, key = state.tenants.identify(request.headers.get("authorization"))
         state.ensure_ready()
-        lease = state.limiter.hold(tenant)
+        lease = state.limiter.hold(tenant, key)
         try:
             ids = parse_detokenize(await read_json_body(request, state.max_body_bytes))
             vocab = state.facts["vocab_size"]
             if any(t < 0 or t >= vocab for t in ids):
                 raise bad_request(f"Token ids must be in [0, {vocab}).", param="tokens")
             text = await asyncio.to_thread(state.engine.tokenizer.decode, ids, False)
+            if lease.revoked:
+                raise KeyRevoked.api_error()
         finally:
             lease.release()
         return {"prompt": text}
@@ -374,6 +406,10 @@ async def _generate(state: ServerState, request: Request, kind: str):
         # the tenant's concurrency slot from here: reading, parsing, templating and tokenizing a
         # large body is seconds of CPU, spent within the tenant's limit, not beside it
         lease = state.limiter.hold(tenant, key)
+        # a reload that revokes the key from here on stops the request: before it runs, this
+        # event (which abandons a submit in progress); once it runs, _Run.revoke
+        revoked = asyncio.Event()
+        lease.on_revoke = revoked.set
         body = await read_json_body(request, state.max_body_bytes)
         if kind == "responses":
             view = ResponseView(body, rid, state.served_name)
@@ -429,7 +465,11 @@ async def _generate(state: ServerState, request: Request, kind: str):
         try:
             for c in choices:   # the first choice of each prompt now, the others once it has run its prefill
                 if c.lead:
-                    c.handle = await _submit_unless_gone(state, request, c.prompt_ids, c.params, tenant, c.rid)
+                    c.handle = await _submit_unless_gone(state, request, c.prompt_ids, c.params, tenant, c.rid,
+                                                         revoked)
+        except KeyRevoked as e:
+            _abort_all(state, choices, "API key revoked")
+            raise e.api_error() from None
         except _ClientGone:
             _abort_all(state, choices, "client disconnected")
             lease.release()
@@ -535,27 +575,32 @@ class _ClientGone(Exception):
 
 
 async def _submit_unless_gone(state: ServerState, request: Request, ids, params: SamplingParams, tenant: Tenant,
-                              rid: str) -> RequestHandle:
-    """engine.submit, abandoned (and so aborted) if the client leaves while it waits. On a
-    single node submit is only admission; behind the PD router it lasts the whole prefill."""
+                              rid: str, revoked: asyncio.Event) -> RequestHandle:
+    """engine.submit, abandoned (and so aborted) if the client leaves or its key is revoked
+    while it waits (_ClientGone, KeyRevoked). On a single node submit is only admission;
+    behind the PD router it lasts the whole prefill."""
+    if revoked.is_set():
+        raise KeyRevoked()
     sub = asyncio.ensure_future(state.engine.submit(ids, params, tenant.name, rid, tenant.public_prefix_scope))
     gone = asyncio.Event()
     watcher = asyncio.create_task(watch_disconnect(request, gone.set))
-    waiter = asyncio.create_task(gone.wait())
+    waiters = {asyncio.create_task(gone.wait()), asyncio.create_task(revoked.wait())}
     try:
-        await asyncio.wait({sub, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({sub, *waiters}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-        waiter.cancel()
+        for w in waiters:
+            w.cancel()
     if sub.done():
         return sub.result()
+    why, error = ("API key revoked", KeyRevoked()) if revoked.is_set() else ("client disconnected", _ClientGone())
     sub.cancel()
     try:
         handle = await sub
     except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the client is gone; nothing to report to
-        raise _ClientGone() from None
-    state.engine.abort(handle.request_id, "client disconnected")  # admitted just as it left
-    raise _ClientGone()
+        raise error from None
+    state.engine.abort(handle.request_id, why)  # admitted just as it left
+    raise error
 
 
 async def _encode_chat(tok, messages: list[dict], tools: ToolSpec | None, add_prompt: bool,
@@ -797,8 +842,13 @@ class _Run:
 
     def revoke(self) -> None:
         """Its key was revoked: the engine stops now, and the client's answer (or stream)
-        ends with 401 api_key_revoked where it is read next."""
+        ends with 401 api_key_revoked where it is read next. The pumps stop now too, not when
+        the consumer reads on (a stream whose client paused reading may not for long): one
+        would start the other choices of its prompt on its first update, or be starting them
+        (a cancelled submit is aborted)."""
         self.revoked = True
+        for t in self._pumps:
+            t.cancel()
         _abort_all(self.state, self.choices, "API key revoked")
         self._queue.put_nowait((self.choices[0], KeyRevoked()))
 
@@ -829,6 +879,8 @@ class _Run:
         """(choice, update) until every choice is done; an exception ends the request."""
         self._start()
         while not all(c.done for c in self.choices):
+            if self.revoked:   # before what is queued: a client that paused reading gets no more
+                raise KeyRevoked()
             c, u = await self._queue.get()
             if isinstance(u, BaseException):
                 raise u
@@ -850,7 +902,7 @@ class _Run:
         if not all(c.done for c in self.choices):
             _abort_all(self.state, self.choices, "client disconnected" if not self._ok() else "request ended")
             self.disconnected = self.disconnected or not self._ok()
-        if self.revoked:
+        if self.revoked and not self._ok():
             outcome = "key_revoked"
         elif outcome is None:
             reason = next((c.reason for c in self.choices if c.reason), None)
@@ -885,8 +937,7 @@ class _Run:
 
     def _fail_on(self, e: BaseException) -> APIError:
         if isinstance(e, KeyRevoked):
-            return APIError(401, "The API key of this request was revoked while it ran (the operator reloaded the "
-                                 "tenants file); it was stopped.", code="api_key_revoked", outcome="key_revoked")
+            return e.api_error()
         if isinstance(e, EngineFailed):
             detail = _public_detail(self.state, self.choices[0].rid, self.tenant, e.code, str(e))
             return APIError(503, f"The engine stopped serving this request: {detail}.", code="engine_unavailable")

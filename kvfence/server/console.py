@@ -56,7 +56,7 @@ SECURITY_HEADERS = {
 }
 NOT_CONFIGURED = ("The operator console is off: this server has no operator key. Add an [operator] table to the "
                   "tenants file (--tenants FILE) with api_keys = [\"<key>\"] or api_key_sha256 = [\"<hex digest>\"], "
-                  "then send the server SIGHUP to reload it (or restart it).")
+                  "then restart the server (one started with that tenants file also reloads it on SIGHUP).")
 
 _LOGIN = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>kvfence operator console</title>

@@ -50,6 +50,7 @@ _KEY = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
 LIMIT_FIELDS = ("max_prompt_tokens", "max_concurrent_requests", "tokens_per_minute")
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 WINDOW_S = 60.0
+MAX_FILE_BYTES = 64 << 20
 
 
 class TenantsFileError(ValueError):
@@ -91,6 +92,7 @@ class TenantRegistry:
         for tenant, digests in tenants:
             self.tenants[tenant.name] = tenant
             self._entries += [(d, tenant) for d in digests]
+        self._owner_of = {d: t.name for d, t in self._entries}   # for accepts (no caller times it)
 
     @classmethod
     def single(cls) -> TenantRegistry:
@@ -100,11 +102,17 @@ class TenantRegistry:
     def from_file(cls, path: str | Path) -> TenantRegistry:
         path = Path(path)
         try:
+            # a regular file of sane size: a FIFO or a device would hang a reload for good
+            if path.exists() and (not path.is_file() or path.stat().st_size > MAX_FILE_BYTES):
+                raise TenantsFileError(f"tenants file {path} is not a regular file of at most "
+                                       f"{MAX_FILE_BYTES >> 20} MiB")
             data = tomllib.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise TenantsFileError(f"tenants file {path} does not exist") from None
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise TenantsFileError(f"tenants file {path} is not valid TOML: {e}") from None
+        except OSError as e:   # unreadable (permissions, a directory's race): a clear error, not a traceback
+            raise TenantsFileError(f"tenants file {path} cannot be read: {e.strerror or e}") from None
         return cls.from_dict(data, source=str(path))
 
     @classmethod
@@ -194,12 +202,9 @@ class TenantRegistry:
     def accepts(self, key: bytes | None, tenant: str) -> bool:
         """Whether `key` (a digest from identify) still names `tenant` here: false once the key
         is gone, or given to another tenant, or the tenant is."""
-        if self.single_tenant:
-            return True
-        found = False
-        for digest, t in self._entries:   # every entry, no early exit
-            found |= key is not None and hmac.compare_digest(key, digest) and t.name == tenant
-        return found
+        # a dict, not the constant-time scan: a reload checks every request in flight on the
+        # event loop, and only the operator's reload waits for the answer
+        return self.single_tenant or (key is not None and self._owner_of.get(key) == tenant)
 
     def reread(self) -> TenantRegistry:
         """The registry its file says now (TenantsFileError if the file is wrong: the caller
@@ -221,9 +226,13 @@ def registry_change(old: TenantRegistry, new: TenantRegistry) -> dict:
 
     was, now = keys(old), keys(new)
     kept = sorted(set(old.tenants) & set(new.tenants))
+    removed = sorted(set(old.tenants) - set(new.tenants))
     return {"tenants": len(new.tenants),
             "added": sorted(set(new.tenants) - set(old.tenants)),
-            "removed": sorted(set(old.tenants) - set(new.tenants)),
+            "removed": removed,
+            # a kept name whose keys are all new is another party under the old name (or a
+            # rotation of every key at once): its cache goes with the old keys
+            "retired": removed + [n for n in kept if was.get(n) and now.get(n) and not was[n] & now[n]],
             "changed": [n for n in kept if old.tenants[n] != new.tenants[n] or was.get(n) != now.get(n)],
             "keys_revoked": sum(len(d - now.get(n, set())) for n, d in was.items()),
             "keys_added": sum(len(d - was.get(n, set())) for n, d in now.items()),

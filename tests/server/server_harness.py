@@ -71,6 +71,7 @@ class SpyEngine:
         # table (that page's own epoch): a read of someone else's KV, which the ledger must refuse
         self.foreign_tenants: set[str] = set()
         self.crash = False
+        self.step_delay = 0.0   # seconds each step waits first: a test can act while a prefill runs
 
     def __call__(self) -> LLMEngine:
         if self.gate is not None:
@@ -83,6 +84,8 @@ class SpyEngine:
             return add(prompt_ids, params, tenant=tenant, request_id=request_id, prompt=prompt, **kw)
 
         def faulty_step():
+            if self.step_delay:
+                time.sleep(self.step_delay)
             if self.crash:
                 raise RuntimeError("injected engine crash")
             for seq in list(eng.requests.values()):

@@ -5,9 +5,11 @@ its console cookies out, and a file that does not load changes nothing."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -153,6 +155,70 @@ def test_a_removed_tenants_cached_prefixes_are_retired(srv, tenants_path):
     assert wait_for(lambda: pool_intact(srv.wait_idle())), srv.engine.snapshot
 
 
+def test_a_request_revoked_before_it_reaches_the_engine_never_does(srv, tenants_path):
+    """Found in review: a body still arriving when the key was revoked went on to the engine,
+    ran, and published its prompt into the retired cache scope."""
+    seen = len(srv.spy.seen)
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 4}).encode()
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + BOB.encode() + b"\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body[:20])
+        assert wait_for(lambda: srv.state.limiter.in_flight("bob") == 1)     # it holds its slot
+        tenants_path.write_text(WITHOUT_BOB)
+        assert reload(srv).json()["requests_revoked"] == 1
+        sock.sendall(body[20:])
+        answer = sock.recv(65536).decode()
+    assert answer.startswith("HTTP/1.1 401") and "api_key_revoked" in answer, answer
+    assert len(srv.spy.seen) == seen                      # the engine never saw it
+    assert "bob" not in srv.engine.snapshot["pages_by_owner"]["shared"]
+
+
+def test_the_other_choices_of_a_revoked_request_never_start(srv, tenants_path):
+    """n > 1: the other choices start once the first has run its prefill; a key revoked during
+    that prefill ends the request before they do (found in review: its abort started them)."""
+    out: list = []
+
+    def ask() -> None:
+        try:
+            out.append(client(srv, BOB).completions.create(prompt=PROMPT, n=3, **LONG))
+        except openai.APIError as e:
+            out.append(e)
+
+    srv.spy.step_delay = 1.0      # the first choice's prefill step: time to revoke during it
+    try:
+        before = set(srv.spy.seen)
+        t = threading.Thread(target=ask)
+        t.start()
+        assert wait_for(lambda: set(srv.spy.seen) - before, timeout=30)
+        tenants_path.write_text(WITHOUT_BOB)
+        assert reload(srv).json()["requests_revoked"] == 1
+        t.join(60)
+    finally:
+        srv.spy.step_delay = 0.0
+    assert isinstance(out[0], openai.AuthenticationError) and out[0].code == "api_key_revoked", out
+    started = set(srv.spy.seen) - before
+    assert len(started) == 1, started                      # the first choice only
+    assert wait_for(lambda: pool_intact(srv.wait_idle())), srv.engine.snapshot
+
+
+def test_a_name_whose_keys_are_all_new_starts_with_an_empty_cache(srv, tenants_path):
+    """Every key of a tenant replaced in one reload: another party under the old name (or a
+    rotation of every key at once), and the cache goes with the old keys."""
+    kw = dict(model=MODEL, prompt=PROMPT + " again", max_tokens=2, temperature=0)
+    client(srv, BOB).completions.create(**kw)
+    assert client(srv, BOB).completions.create(**kw).usage.prompt_tokens_details.cached_tokens >= 32
+    new_bob = "sk-other-bob-001"
+    tenants_path.write_text(FILE.replace(BOB, new_bob))
+    change = reload(srv).json()
+    assert change["changed"] == ["bob"] and change["retired"] == ["bob"] and change["prefix_pages_retired"] >= 2
+    assert client(srv, new_bob).completions.create(**kw).usage.prompt_tokens_details.cached_tokens == 0
+    # one key kept: the same tenant, cache kept
+    tenants_path.write_text(FILE.replace(f'"{BOB}"', f'"{new_bob}", "sk-bob-third-01"'))
+    assert reload(srv).json()["retired"] == []
+    assert client(srv, new_bob).completions.create(**kw).usage.prompt_tokens_details.cached_tokens >= 32
+
+
 def test_a_file_that_does_not_load_changes_nothing(srv, tenants_path):
     errors = metric(srv, "kvfence_tenants_reloads_total", result="error")
     tenants_path.write_text(FILE.replace("[tenants.bob]", "[tenants.bob]\nmax_prompt_tokens = -3"))
@@ -283,17 +349,24 @@ def test_kvfence_serve_reloads_its_tenants_file_on_sighup(tmp_path):
         except httpx.HTTPError:
             return 0
 
+    def logged(text: bytes) -> bool:
+        return text in (tmp_path / "serve.log").read_bytes()
+
     try:
-        assert wait_for(lambda: status(BOB) == 200, timeout=180), (tmp_path / "serve.log").read_text()[-3000:]
+        # while the model loads: the signal is kept, and the reload runs once it serves
+        assert wait_for(lambda: logged(b"loading the model"), timeout=60), (tmp_path / "serve.log").read_text()
         new_bob = "sk-bob-rotated-01"
         path.write_text(FILE.replace(BOB, new_bob))
         p.send_signal(signal.SIGHUP)
-        assert wait_for(lambda: status(new_bob) == 200 and status(BOB) == 401, timeout=30)
-        path.write_text("[tenants")
+        assert wait_for(lambda: status(new_bob) == 200, timeout=180), (tmp_path / "serve.log").read_text()[-3000:]
+        assert status(BOB) == 401
+        path.write_text("[tenants")      # while serving: a broken file changes nothing
         p.send_signal(signal.SIGHUP)
-        assert wait_for(lambda: b"tenants file not reloaded (SIGHUP)" in (tmp_path / "serve.log").read_bytes(),
-                        timeout=30)
+        assert wait_for(lambda: logged(b"tenants file not reloaded (SIGHUP)"), timeout=30)
         assert p.poll() is None and status(new_bob) == 200 and status(ALICE) == 200
+        path.write_text(WITHOUT_BOB)     # and a good one is in force
+        p.send_signal(signal.SIGHUP)
+        assert wait_for(lambda: status(new_bob) == 401, timeout=30) and status(ALICE) == 200
     finally:
         p.terminate()
         try:
