@@ -139,6 +139,11 @@ class Scheduler:
                 best, best_key = i, key
         return best
 
+    def _capped(self, seq: Sequence) -> bool:
+        """Whether seq's prefill is under the cap while streams decode: it arrived after the
+        engine's streams began (a burst's prompts, there before them, are not)."""
+        return self.streaming_since is not None and seq.arrival > self.streaming_since
+
     def _prefill_room(self, budget: int, capped_so_far: int, capped: bool, for_queue: bool = False) -> int:
         """Prefill tokens the step can still take: the budget left (decodes count in it too),
         and for a capped prefill what the cap leaves after the capped prefills already in the
@@ -159,7 +164,6 @@ class Scheduler:
         elif self.streaming_since is None and decoding:
             # a PD decode request has no first token here: it streams already, all are capped
             self.streaming_since = min(-math.inf if s.first_token_at is None else s.first_token_at for s in decoding)
-        streams_since = math.inf if self.streaming_since is None else self.streaming_since
         capped_so_far = 0     # prefill tokens of capped prompts in this step
         preempted_before = self.num_preemptions
         # Decoding sequences first so a long prefill never stalls token streams.
@@ -170,7 +174,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             is_decode = seq.state is State.DECODING
-            capped = seq.arrival > streams_since
+            capped = self._capped(seq)
             n = min(seq.uncomputed, budget if is_decode else
                     self._prefill_room(budget, capped_so_far, capped, for_queue))
             if n <= 0 and not is_decode:
@@ -202,7 +206,7 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_num_seqs and self.num_preemptions == preempted_before:
             at = self._next_waiting(running_by_tenant)
             seq = self.waiting[at]
-            capped = seq.arrival > streams_since
+            capped = self._capped(seq)
             if self._prefill_room(budget, capped_so_far, capped) <= 0:
                 break
             if self.prefix_cache is not None and seq.reads_prefix_cache:
@@ -236,10 +240,10 @@ class Scheduler:
             if capped:
                 capped_so_far += n
         if for_queue:
-            self._give_back(out, budget, capped_so_far, streams_since)
+            self._give_back(out, budget, capped_so_far)
         return out
 
-    def _give_back(self, out: list[ScheduledSeq], budget: int, capped_so_far: int, streams_since: float) -> None:
+    def _give_back(self, out: list[ScheduledSeq], budget: int, capped_so_far: int) -> None:
         """The room kept for the queue that it did not take goes to the running prefills, in
         order, with pages that are free (no preemption for it)."""
         planned = {id(s.seq): s for s in out}
@@ -250,7 +254,7 @@ class Scheduler:
                 continue
             s = planned.get(id(seq))
             done = s.num_new if s is not None else 0
-            capped = seq.arrival > streams_since
+            capped = self._capped(seq)
             extra = min(seq.uncomputed - done, self._prefill_room(budget, capped_so_far, capped))
             need = self.ledger.pages_for(seq.num_computed + done + extra) - len(seq.table)
             if extra <= 0 or need > self.ledger.num_available:
