@@ -80,6 +80,7 @@ class ServerState:
         self.owns_engine = owns_engine
         self._served = served_model_name
         self._reloading = asyncio.Lock()
+        self.last_reload: dict | None = None   # the operator console shows it
 
     @property
     def served_name(self) -> str:
@@ -124,6 +125,7 @@ class ServerState:
                 new = await asyncio.to_thread(self.tenants.reread)
             except TenantsFileError as e:
                 self.metrics.tenant_reloads.labels("error").inc()
+                self.last_reload = {"at": time.time(), "trigger": why, "result": "error", "error": str(e)}
                 log.error("tenants file not reloaded (%s): %s; still serving by the previous one", why, e)
                 raise
             old, self.tenants = self.tenants, new
@@ -141,6 +143,7 @@ class ServerState:
                 log.warning("retired tenants' cached prefix pages not retired: %s", e)
                 change["prefix_pages_retired"] = None
         self.metrics.tenant_reloads.labels("ok").inc()
+        self.last_reload = {"at": time.time(), "trigger": why, "result": "ok", **change}
         log.info("tenants file %s reloaded (%s): %d tenant(s); added %s, removed %s, changed %s; %d key(s) revoked, "
                  "%d added; %s request(s) in flight ended; %s cached prefix page(s) retired", new.source, why,
                  change["tenants"], change["added"] or "none", change["removed"] or "none",

@@ -88,7 +88,8 @@ _PAGE = """<!doctype html>
 <section id="pools-section"><h2>KV pool map</h2>
 <p class="note">One cell per page (or per group of pages on a large pool), grouped by state, not by address:
 counts and owners only, never content.</p><div id="pools"></div></section>
-<section id="requests-section"><h2>Requests and rejections</h2><div id="requests"></div></section>
+<section id="requests-section"><h2>Requests and rejections</h2><div id="tenants"></div><div id="requests"></div>
+</section>
 <section id="incidents-section"><h2>Incident log, newest first</h2><p class="note" id="incidents-note"></p>
 <div id="incidents"></div></section>
 <section id="isolation-section"><h2>Isolation statement</h2><div id="isolation"></div></section>

@@ -42,7 +42,13 @@ def console_view(state: ServerState) -> dict[str, Any]:
                  for p in [pool_of(n.url, n.role, n.info.snapshot)] if p is not None]
     return {"generated_at": time.time(), "role": role, "served_model": _served(state),
             "isolation": statement, "isolation_unavailable": why, "nodes": nodes, "pools": pools,
-            "requests": request_counters(state), "incidents": incidents_view()}
+            "requests": request_counters(state), "incidents": incidents_view(), "tenants": tenants_view(state)}
+
+
+def tenants_view(state: ServerState) -> dict[str, Any]:
+    """The tenants file in force and its last reload (names and counts, never a key)."""
+    reg = state.tenants
+    return {"file": reg.source, "configured": len(reg.tenants), "last_reload": state.last_reload}
 
 
 def _fleet(state: ServerState) -> Fleet | None:

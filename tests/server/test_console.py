@@ -19,6 +19,7 @@ from browser import Browser, chromium_or_skip
 from server_harness import KEYS, MODEL, TENANTS_TOML, wait_for
 
 from kvfence import incidents
+from kvfence.server.tenants import TenantRegistry
 
 OPERATOR_KEY = "op-console-key-0001"
 OPERATOR_TOML = TENANTS_TOML + f'\n[operator]\napi_keys = ["{OPERATOR_KEY}"]\n'
@@ -122,8 +123,10 @@ def test_the_console_in_a_real_browser(make_server, tmp_path):
     exe = chromium_or_skip()
     log_path = tmp_path / "incidents-single-0.jsonl"
     incidents.open_log(log_path, "single", boot_id="console-test")
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(OPERATOR_TOML)
     try:
-        _browser_run(make_server(tenants=OPERATOR_TOML), exe, tmp_path, log_path)
+        _browser_run(make_server(registry=TenantRegistry.from_file(tenants)), exe, tmp_path, log_path)
     finally:
         incidents.close_log()
 
@@ -155,6 +158,9 @@ def _browser_run(srv, exe: str, tmp_path: Path, log_path: Path) -> None:
                                                   max_tokens=600, stream=True, **kw) for who in ("alice", "bob")]
     for s in streams:
         next(iter(s))           # each has its first token: both are running and hold pages
+    r = httpx.post(srv.url + "/v1/kvfence/tenants/reload", headers={"Authorization": f"Bearer {OPERATOR_KEY}"},
+                   timeout=30)
+    assert r.status_code == 200 and r.json()["changed"] == [], r.text    # the same file: the page shows it
     _, release = _hold_engine(srv)
     try:
         snap = srv.engine.snapshot
@@ -190,6 +196,10 @@ def _browser_run(srv, exe: str, tmp_path: Path, log_path: Path) -> None:
     # rates appear from the second refresh on; the isolation statement is rendered
     assert dom["outcomes"]["length"] >= 3 and dom["rates_shown"]
     assert "kv memory isolation" in dom["isolation_text"]
+    # the tenants file in force, and its last reload
+    assert "Tenants: 7, from " in dom["tenants_text"] and "tenants.toml" in dom["tenants_text"]
+    assert "Last reload" in dom["tenants_text"] and "(POST /v1/kvfence/tenants/reload)" in dom["tenants_text"]
+    assert "0 key(s) revoked, 0 request(s) in flight ended" in dom["tenants_text"]
     # nothing a tenant sent or holds: no prompt text, no key; the cookie is out of the page's reach
     assert canary not in dom["html"] and all(k not in dom["html"] for k in KEYS.values())
     assert OPERATOR_KEY not in dom["html"] and dom["document_cookie"] == ""
@@ -239,6 +249,7 @@ _READ_DOM = """(() => {
     incident_text: document.getElementById('incidents').textContent,
     xss_element: document.getElementById('xss'), title: document.title,
     isolation_text: document.getElementById('isolation').textContent,
+    tenants_text: document.getElementById('tenants').textContent,
     html: document.documentElement.outerHTML, document_cookie: document.cookie,
   };
 })()"""

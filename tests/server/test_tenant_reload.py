@@ -228,6 +228,10 @@ def test_a_file_that_does_not_load_changes_nothing(srv, tenants_path):
     tenants_path.write_text("[tenants")
     assert reload(srv).json()["error"]["code"] == "invalid_tenants_file"
     assert metric(srv, "kvfence_tenants_reloads_total", result="error") == errors + 2
+    shown = httpx.get(srv.url + "/v1/kvfence/console", headers={"Authorization": f"Bearer {OPERATOR}"},
+                      timeout=30).json()["tenants"]             # the operator console says so
+    assert shown["configured"] == 2 and shown["last_reload"]["result"] == "error"
+    assert "not valid TOML" in shown["last_reload"]["error"]
     for key in (ALICE, BOB):     # still served by the previous file
         assert client(srv, key).models.list().data
 

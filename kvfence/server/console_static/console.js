@@ -191,6 +191,24 @@ function renderStatement(st) {
   return el("div", {}, head, details);
 }
 
+function renderTenants(t) {
+  const where = t.file ? `from ${t.file} (edit it, then SIGHUP or POST /v1/kvfence/tenants/reload)` : "not from a file";
+  const out = el("p", {class: "note", id: "tenants-line"}, `Tenants: ${t.configured}, ${where}. `);
+  const r = t.last_reload;
+  if (!r) {
+    out.append("Not reloaded since start.");
+  } else {
+    const when = new Date(r.at * 1000).toLocaleTimeString();
+    const names = (label, list) => list && list.length ? `${label} ${list.join(", ")}; ` : "";
+    out.append(el("span", {"data-result": r.result}, r.result === "ok"
+      ? `Last reload ${when} (${r.trigger}): ${names("added", r.added)}${names("removed", r.removed)}` +
+        `${names("changed", r.changed)}${r.keys_revoked} key(s) revoked, ${r.requests_revoked ?? "?"} request(s) ` +
+        `in flight ended, ${r.prefix_pages_retired ?? "?"} cached page(s) retired.`
+      : `Last reload ${when} (${r.trigger}) FAILED, the previous file stays in force: ${r.error}`));
+  }
+  return out;
+}
+
 function replace(id, node) {
   const box = document.getElementById(id);
   box.replaceChildren(node);
@@ -202,6 +220,7 @@ function render(data) {
   if (!data.pools.length) pools.append(el("p", {class: "note"}, "No node has reported its pool yet."));
   replace("pools", pools);
   replace("requests", renderRequests(data));
+  replace("tenants", renderTenants(data.tenants));
   const inc = data.incidents;
   document.getElementById("incidents-note").textContent = inc.note +
     (inc.log ? ` This process's log: ${inc.log.path} (${inc.log.records_this_boot} records this boot; last hash ${inc.log.last_hash}).` : "");
