@@ -168,10 +168,22 @@ def test_a_request_revoked_before_it_reaches_the_engine_never_does(srv, tenants_
         tenants_path.write_text(WITHOUT_BOB)
         assert reload(srv).json()["requests_revoked"] == 1
         sock.sendall(body[20:])
-        answer = sock.recv(65536).decode()
+        answer = _read_answer(sock)
     assert answer.startswith("HTTP/1.1 401") and "api_key_revoked" in answer, answer
     assert len(srv.spy.seen) == seen                      # the engine never saw it
     assert "bob" not in srv.engine.snapshot["pages_by_owner"]["shared"]
+
+
+def _read_answer(sock: socket.socket) -> str:
+    """One HTTP answer with a Content-Length body (headers and body may come in separate reads)."""
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < int(
+            data.lower().partition(b"content-length:")[2].split(b"\r\n")[0] or 0):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode()
 
 
 def test_the_other_choices_of_a_revoked_request_never_start(srv, tenants_path):
