@@ -213,7 +213,9 @@ class LLMEngine:
                 seq.prompt_ids = list(prompt_ids[:1])  # the incident: a one-token stand-in, handed off anyway
             if params.json_schema is not None and not hold_kv:   # a prefill node samples nothing
                 # GrammarError: a schema llguidance cannot compile (the server checked it first)
-                seq.grammar = self.grammars.constraint(scope, str(params.json_schema))
+                # keyed by the scope's ledger id, not its name: a name retired by a tenants-file
+                # reload comes back under a new id, which reuses (and times) none of its grammars
+                seq.grammar = self.grammars.constraint(str(seq.owner.cache_scope), str(params.json_schema))
             if kv_source is not None:
                 # ManifestError: a handoff this node must not take
                 seq.kv_source = self.kv_link.check(seq, kv_source)
@@ -289,9 +291,10 @@ class LLMEngine:
         return self.kv_link.next_timer()
 
     def forget_tenant(self, tenant: str) -> int:
-        """The tenant was removed from the tenants file: its own cache scope's prefix pages
-        are retired (Ledger.retire_scope); a public scope it shared stays. Returns the pages."""
-        return self.ledger.retire_scope(tenant) if self.prefix_cache is not None else 0
+        """The tenant was removed from the tenants file: its own cache scope is retired
+        (Ledger.retire_scope): its prefix pages, and with its id the compiled grammars kept
+        under it; a public scope it shared stays. Returns the pages."""
+        return self.ledger.retire_scope(tenant)
 
     def publish_prefix(self, seq: Sequence) -> None:
         if self.prefix_cache is not None:

@@ -161,6 +161,12 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
         started = drain.start("the router or an operator asked (POST /internal/drain)")
         return ControlReply(result="draining" if started else "already_draining").to_json()
 
+    @app.post("/internal/forget_tenants")
+    async def forget_tenants(request: Request):
+        # both roles: prefill's cached prefixes, and on either the grammars kept under the scope
+        names = (await _read(request, ForgetTenantsBody)).tenants
+        return ForgetTenantsReply(pages=await loop.forget_tenants(list(names))).to_json()
+
     def _refuse_if_draining() -> None:
         if drain.active:
             raise APIError(503, "node is draining: it takes no new request", code="draining")
@@ -236,11 +242,6 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
         async def release(request: Request):
             rid = (await _read(request, ReleaseBody)).request_id
             return ControlReply(result=await loop.call(lambda e: e.release_kv(rid))).to_json()
-
-        @app.post("/internal/forget_tenants")
-        async def forget_tenants(request: Request):
-            names = (await _read(request, ForgetTenantsBody)).tenants
-            return ForgetTenantsReply(pages=await loop.forget_tenants(list(names))).to_json()
 
         @app.post("/internal/abort")
         async def abort(request: Request):

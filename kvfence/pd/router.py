@@ -510,9 +510,9 @@ class RouterBackend:
                 tried.add(node.url)
 
     async def forget_tenants(self, tenants: list[str]) -> int:
-        """The tenants file dropped these tenants: every prefill node retires their cached
-        prefix pages (decode nodes cache none). A node that cannot be reached is logged: its
-        cache keeps them until it restarts or evicts them."""
+        """The tenants file dropped these tenants: every node retires their cache scopes
+        (prefill's cached prefix pages; on both roles the compiled grammars kept under them).
+        A node that cannot be reached is logged: it keeps them until it restarts or evicts them."""
         if not tenants or self.fleet is None:
             return 0
         bodies = [_json(ForgetTenantsBody(tenants=tenants[i:i + MAX_TENANTS]))
@@ -524,16 +524,15 @@ class RouterBackend:
                 for body in bodies:
                     r = await self._http().post(node.url + "/internal/forget_tenants", **_options(node, **body))
                     if r.status_code != 200:
-                        log.warning("prefill %s did not retire removed tenants' cached pages: HTTP %d", node.url,
-                                    r.status_code)
+                        log.warning("%s %s did not retire removed tenants' cache scopes: HTTP %d", node.role,
+                                    node.url, r.status_code)
                         break
                     pages += ForgetTenantsReply.from_json(r.content).pages
             except (httpx.HTTPError, MessageError) as e:
-                log.warning("prefill %s did not retire removed tenants' cached pages: %s", node.url, e)
+                log.warning("%s %s did not retire removed tenants' cache scopes: %s", node.role, node.url, e)
             return pages
 
-        nodes = [n for n in self.fleet.nodes if n.role == "prefill"]
-        return sum(await asyncio.gather(*(forget_on(n) for n in nodes)))
+        return sum(await asyncio.gather(*(forget_on(n) for n in self.fleet.nodes)))
 
     async def _settle_prefill(self, rid: str, flight: _Flight) -> None:
         """Tell prefill the request is over, and whether a pull of its rows can still run: if

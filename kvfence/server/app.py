@@ -81,6 +81,12 @@ class ServerState:
         self._served = served_model_name
         self._reloading = asyncio.Lock()
         self.last_reload: dict | None = None   # the operator console shows it
+        self._paused: frozenset[str] = frozenset()   # names whose scope a reload is retiring now
+
+    def refuse_if_paused(self, tenant: Tenant) -> None:
+        if tenant.name in self._paused:
+            raise APIError(503, "This API key's tenant is being reconfigured; retry in a moment.",
+                           code="server_overloaded", headers={"Retry-After": "1"}, outcome="not_ready")
 
     @property
     def served_name(self) -> str:
@@ -128,8 +134,11 @@ class ServerState:
                 self.last_reload = {"at": time.time(), "trigger": why, "result": "error", "error": str(e)}
                 log.error("tenants file not reloaded (%s): %s; still serving by the previous one", why, e)
                 raise
-            old, self.tenants = self.tenants, new
-            change = registry_change(old, new)
+            change = registry_change(self.tenants, new)
+            # a retired name's new party waits until every node has retired the old scope: its
+            # request could otherwise reach a prefill node first and attach the old pages
+            self._paused = frozenset(change["retired"])
+            self.tenants = new
             # from here the new file is in force: what fails below is logged, and the reload stands
             try:
                 change["requests_revoked"] = self.limiter.revoke_unless(
@@ -142,6 +151,8 @@ class ServerState:
             except Exception as e:   # noqa: BLE001 - e.g. a failed engine, whose pool is never read again
                 log.warning("retired tenants' cached prefix pages not retired: %s", e)
                 change["prefix_pages_retired"] = None
+            finally:
+                self._paused = frozenset()
         self.metrics.tenant_reloads.labels("ok").inc()
         self.last_reload = {"at": time.time(), "trigger": why, "result": "ok", **change}
         log.info("tenants file %s reloaded (%s): %d tenant(s); added %s, removed %s, changed %s; %d key(s) revoked, "
@@ -406,6 +417,7 @@ async def _generate(state: ServerState, request: Request, kind: str):
     try:
         tenant, key = state.tenants.identify(request.headers.get("authorization"))
         state.ensure_ready()
+        state.refuse_if_paused(tenant)
         # the tenant's concurrency slot from here: reading, parsing, templating and tokenizing a
         # large body is seconds of CPU, spent within the tenant's limit, not beside it
         lease = state.limiter.hold(tenant, key)
@@ -880,6 +892,8 @@ class _Run:
 
     async def _updates(self):
         """(choice, update) until every choice is done; an exception ends the request."""
+        if self.revoked:   # revoked before the stream was first read: no pump may start (one
+            raise KeyRevoked()   # would start the other choices on its lead's abort update)
         self._start()
         while not all(c.done for c in self.choices):
             if self.revoked:   # before what is queued: a client that paused reading gets no more
@@ -903,7 +917,8 @@ class _Run:
         for t in self._pumps:
             t.cancel()
         if not all(c.done for c in self.choices):
-            _abort_all(self.state, self.choices, "client disconnected" if not self._ok() else "request ended")
+            _abort_all(self.state, self.choices, "API key revoked" if self.revoked else
+                       "client disconnected" if not self._ok() else "request ended")
             self.disconnected = self.disconnected or not self._ok()
         if self.revoked and not self._ok():
             outcome = "key_revoked"

@@ -561,6 +561,7 @@ INTERNAL_ROUTES = [("prefill", "GET", "/internal/info"), ("prefill", "POST", "/i
                    ("prefill", "POST", "/internal/forget_tenants"),
                    ("prefill", "POST", "/internal/test/faults"), ("decode", "GET", "/internal/info"),
                    ("decode", "POST", "/internal/decode"), ("decode", "POST", "/internal/stop_pull"),
+                   ("decode", "POST", "/internal/forget_tenants"),
                    ("decode", "POST", "/internal/test/faults"),
                    ("router", "POST", "/internal/test/faults")]   # found in review: the router's took anyone
 

@@ -231,6 +231,28 @@ def test_a_name_whose_keys_are_all_new_starts_with_an_empty_cache(srv, tenants_p
     assert client(srv, new_bob).completions.create(**kw).usage.prompt_tokens_details.cached_tokens >= 32
 
 
+def test_a_retired_names_new_party_reuses_none_of_its_compiled_grammars(srv, tenants_path):
+    """Compiled structured-output grammars are kept per cache scope (I9): a hit is faster, so
+    the new party under a retired name must not hit the old party's schemas."""
+    schema = {"type": "object", "properties": {"reload_probe": {"type": "integer"}}, "required": ["reload_probe"]}
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "A number."}], max_tokens=8, temperature=0,
+              response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
+
+    def grammars() -> dict:
+        return srv.engine.snapshot["grammar_cache"]
+
+    client(srv, BOB).chat.completions.create(**kw)
+    hits = grammars()["hits"]
+    client(srv, BOB).chat.completions.create(**kw)
+    assert wait_for(lambda: grammars()["hits"] == hits + 1)   # the same party: compiled once
+    new_bob = "sk-grammar-bob-01"
+    tenants_path.write_text(FILE.replace(BOB, new_bob))
+    assert reload(srv).json()["retired"] == ["bob"]
+    misses = grammars()["misses"]
+    client(srv, new_bob).chat.completions.create(**kw)
+    assert wait_for(lambda: grammars()["misses"] == misses + 1) and grammars()["hits"] == hits + 1
+
+
 def test_a_file_that_does_not_load_changes_nothing(srv, tenants_path):
     errors = metric(srv, "kvfence_tenants_reloads_total", result="error")
     tenants_path.write_text(FILE.replace("[tenants.bob]", "[tenants.bob]\nmax_prompt_tokens = -3"))
@@ -306,11 +328,38 @@ def test_only_leases_whose_key_is_refused_are_revoked():
 class _NoEngine:
     """Unit-test stand-in for the backend: the reload asks it to retire removed tenants' pages."""
     snapshot: dict = {}
-    forgotten: list = []
+
+    def __init__(self) -> None:
+        self.forgotten: list = []
 
     async def forget_tenants(self, tenants: list[str]) -> int:
         self.forgotten.append(list(tenants))
         return 0
+
+
+def test_a_retired_names_new_party_waits_until_every_node_has_retired_the_old_scope(tmp_path):
+    """While the reload retires a name's scope on the nodes (behind the router, HTTP to each),
+    the name's new party is told to retry: a request of it reaching a prefill node before that
+    node's retirement would attach the old party's pages."""
+    from kvfence.server.errors import APIError
+
+    path = tmp_path / "tenants.toml"
+    path.write_text(FILE)
+
+    class SlowNodes(_NoEngine):
+        async def forget_tenants(self, tenants: list[str]) -> int:
+            with pytest.raises(APIError) as e:    # mid-retirement: the new bob is asked to retry
+                state.refuse_if_paused(state.tenants.identify("Bearer sk-new-bob-0001")[0])
+            assert e.value.status == 503 and e.value.headers["Retry-After"] == "1"
+            state.refuse_if_paused(state.tenants.identify(f"Bearer {ALICE}")[0])   # others go on
+            self.forgotten.append(list(tenants))
+            return 0
+
+    state = ServerState(SlowNodes(), TenantRegistry.from_file(path))  # type: ignore[arg-type]
+    path.write_text(FILE.replace(BOB, "sk-new-bob-0001"))
+    change = asyncio.run(state.reload_tenants("test"))
+    assert change["retired"] == ["bob"] and state.engine.forgotten == [["bob"]]
+    state.refuse_if_paused(state.tenants.identify("Bearer sk-new-bob-0001")[0])    # and then it is served
 
 
 def test_sighup_reloads_the_file_and_is_harmless_without_one(tmp_path, caplog):
@@ -339,7 +388,7 @@ def test_sighup_reloads_the_file_and_is_harmless_without_one(tmp_path, caplog):
             asyncio.run(main())
     finally:
         signal.signal(signal.SIGHUP, fallback)
-    assert sorted(with_file.tenants.tenants) == ["alice"] and _NoEngine.forgotten == [["bob"]]
+    assert sorted(with_file.tenants.tenants) == ["alice"] and with_file.engine.forgotten == [["bob"]]
     assert "SIGHUP ignored: no tenants file to reload" in caplog.text
     assert "reloaded (SIGHUP)" in caplog.text
 
