@@ -39,18 +39,24 @@ def free_ports(n: int = 1, host: str = "127.0.0.1") -> int:
 PR_SET_PDEATHSIG = 1   # linux/prctl.h
 
 
-def start_child(cmd: list[str], **popen) -> subprocess.Popen:
+def start_child(cmd: list[str], hold_hangup: bool = False, **popen) -> subprocess.Popen:
     """Popen, and on Linux the child is sent SIGTERM when the process that started it dies,
     however it dies (SIGKILL, OOM): a killed launch-pd or bench leaves no node holding its
     port and its KV pool. SIGTERM, not SIGKILL, so that a node drains as it would if stopped.
     Linux sends it when the *thread* that started the child ends: call this from the main
-    thread (every caller does), not from a worker thread that finishes first."""
+    thread (every caller does), not from a worker thread that finishes first.
+
+    hold_hangup: the child starts with SIGHUP blocked, so a SIGHUP passed on while it is still
+    importing waits for it instead of ending it (a `kvfence serve` unblocks it once it has a
+    handler: kvfence.server.app.hold_sighup)."""
     if not sys.platform.startswith("linux"):
         return subprocess.Popen(cmd, **popen)   # stop_processes at exit is all there is
     parent = os.getpid()
     prctl = ctypes.CDLL(None, use_errno=True).prctl   # looked up here: the child only calls it
 
     def die_with_parent() -> None:   # runs in the child between fork and exec
+        if hold_hangup:   # a signal mask outlives exec
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
         prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         if os.getppid() != parent:   # the parent died before prctl took hold
             os.kill(os.getpid(), signal.SIGTERM)

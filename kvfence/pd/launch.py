@@ -111,7 +111,7 @@ def _run(a, env: dict[str, str], secret_file: str) -> int:
     cmds = node_commands(a, secret_file)
     restarts = dict.fromkeys(cmds, 0)
     for role, cmd in cmds.items():
-        procs[role] = start_child(cmd, env=env)
+        procs[role] = start_child(cmd, hold_hangup=True, env=env)
         port = cmd[cmd.index("--port") + 1]
         print(f"kvfence launch-pd: started {role} on port {port} (pid {procs[role].pid}): {' '.join(cmd[2:])}",
               file=sys.stderr)
@@ -145,7 +145,7 @@ def _run(a, env: dict[str, str], secret_file: str) -> int:
                 break
             for role, rc in dead.items():
                 restarts[role] += 1
-                procs[role] = start_child(cmds[role], env=env)
+                procs[role] = start_child(cmds[role], hold_hangup=True, env=env)
                 print(f"kvfence launch-pd: {role} exited with code {rc}; restarted it (pid {procs[role].pid}, "
                       f"restart {restarts[role]} of {MAX_RESTARTS}); the router checks it again before it serves",
                       file=sys.stderr)

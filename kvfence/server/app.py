@@ -122,10 +122,10 @@ class ServerState:
     async def reload_tenants(self, why: str) -> dict:
         """Read the tenants file again and serve by it from now on (SIGHUP, or the operator's
         POST /v1/kvfence/tenants/reload). A file that does not load changes nothing
-        (TenantsFileError). Requests in flight whose key no longer names their tenant end
-        with 401 api_key_revoked; removed tenants' cached prefix pages are retired on this
-        engine (or, behind the router, on every prefill node). Limits apply to new requests;
-        concurrency and tokens-per-minute counts carry over by tenant name."""
+        (TenantsFileError). Requests whose key no longer names their tenant end with 401
+        api_key_revoked; the cache scopes of removed tenants (and of names whose keys were all
+        replaced) are retired on this engine, or behind the router on every node. Limits apply
+        to new requests; concurrency and tokens-per-minute counts carry over by tenant name."""
         async with self._reloading:   # one at a time: a SIGHUP beside the route would interleave
             try:
                 new = await asyncio.to_thread(self.tenants.reread)
@@ -181,6 +181,9 @@ def hold_sighup() -> None:
     passes SIGHUP on to every child, one of them perhaps still loading its model."""
     try:
         signal.signal(signal.SIGHUP, lambda *_: _EARLY_HUP.set())
+        # launch-pd starts its children with SIGHUP blocked (procs.start_child): one sent while
+        # this process imported is delivered now, to the handler
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
     except ValueError:   # not the main thread
         pass
 

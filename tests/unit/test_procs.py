@@ -44,3 +44,26 @@ def test_a_child_is_stopped_when_its_launcher_is_sigkilled():
     finally:
         if launcher.poll() is None:
             launcher.kill()
+
+
+HANGUP_CHILD = """
+import signal, sys, time
+time.sleep(1.0)   # importing: a SIGHUP arrives now
+got = []
+signal.signal(signal.SIGHUP, lambda *_: got.append(1))
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})   # as kvfence's hold_sighup does
+time.sleep(0.2)
+sys.exit(0 if got else 3)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the child's mask is set between fork and exec")
+def test_a_hangup_sent_while_a_child_starts_waits_for_its_handler():
+    """launch-pd passes SIGHUP on to every child; one still importing (no handler yet) was
+    ended by it (found in review: a dead router stops the whole launch-pd cluster)."""
+    from kvfence.procs import start_child
+
+    child = start_child([sys.executable, "-c", HANGUP_CHILD], hold_hangup=True)
+    time.sleep(0.3)
+    child.send_signal(signal.SIGHUP)
+    assert child.wait(30) == 0        # alive, and the handler got it once it was there
