@@ -146,6 +146,7 @@ class ServerState:
             except Exception:   # noqa: BLE001 - a callback's bug must not undo the swap
                 log.exception("revoking requests in flight failed; new requests are served by the new file")
                 change["requests_revoked"] = None
+            self.limiter.forget(change["retired"])
             try:
                 change["prefix_pages_retired"] = await self.engine.forget_tenants(change["retired"])
             except Exception as e:   # noqa: BLE001 - e.g. a failed engine, whose pool is never read again

@@ -373,6 +373,13 @@ class TenantLimiter:
         self._used: dict[str, deque[list]] = {}   # tenant -> [time, tokens] entries, oldest first
         self._open: set[Lease] = set()              # every lease not yet released
 
+    def forget(self, tenants: list[str]) -> None:
+        """Names retired by a reload: their tokens-per-minute window starts empty, so another
+        party under the name neither inherits the old one's usage nor reads it in a 429."""
+        with self._lock:
+            for name in tenants:
+                self._used.pop(name, None)
+
     def revoke_unless(self, still_valid: Callable[[Lease], bool]) -> int:
         """Revoke every open lease that `still_valid` refuses (a reload's check of its key);
         returns how many. The callbacks run here, on the caller's thread (the event loop)."""

@@ -20,7 +20,7 @@ import pytest
 from server_harness import MODEL, pool_intact, wait_for
 
 from kvfence.server.app import ServerState, _reload_on_sighup
-from kvfence.server.tenants import Tenant, TenantLimiter, TenantRegistry, registry_change
+from kvfence.server.tenants import Limits, Tenant, TenantLimiter, TenantRegistry, registry_change
 
 OPERATOR = "sk-operator-0001"
 ROTATED_OPERATOR = "sk-operator-0002"
@@ -356,9 +356,12 @@ def test_a_retired_names_new_party_waits_until_every_node_has_retired_the_old_sc
             return 0
 
     state = ServerState(SlowNodes(), TenantRegistry.from_file(path))  # type: ignore[arg-type]
+    for name in ("alice", "bob"):   # a minute's usage: the new bob must not inherit (or read) the old one's
+        state.limiter.admit(Tenant(name, Limits(tokens_per_minute=10_000)), 100, 20).release(20)
     path.write_text(FILE.replace(BOB, "sk-new-bob-0001"))
     change = asyncio.run(state.reload_tenants("test"))
     assert change["retired"] == ["bob"] and state.engine.forgotten == [["bob"]]
+    assert state.limiter.tokens_in_window("bob") == 0 and state.limiter.tokens_in_window("alice") == 120
     state.refuse_if_paused(state.tenants.identify("Bearer sk-new-bob-0001")[0])    # and then it is served
 
 
