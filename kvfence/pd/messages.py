@@ -204,9 +204,9 @@ class StopPullReply(WireModel):
 
 
 class ForgetTenantsBody(WireModel):
-    """POST /internal/forget_tenants (prefill): the router's tenants file no longer names these
-    tenants; retire their cached prefix pages, so that a tenant given one of the names later
-    cannot attach or time them."""
+    """POST /internal/forget_tenants (both roles): the router's tenants file retired these names
+    (removed, or every key replaced); retire their cache scopes (prefix pages, compiled
+    grammars), so that a tenant given one of the names later cannot attach or time them."""
     tenants: Annotated[list[Name], Field(min_length=1, max_length=MAX_TENANTS)]
 
 

@@ -107,4 +107,4 @@ class EngineBackend(Protocol):
 
     def abort(self, request_id: str, reason: str = "client disconnected") -> None: ...
 
-    async def forget_tenants(self, tenants: list[str]) -> int: ...   # removed tenants' cached prefix pages
+    async def forget_tenants(self, tenants: list[str]) -> int: ...   # retire names' cache scopes (pages retired)

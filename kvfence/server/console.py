@@ -137,9 +137,10 @@ class OperatorAuth:
             found |= hmac.compare_digest(mac.encode(), self._mac(d, int(exp)).encode())
         return found
 
-    def allows(self, request: Request) -> bool:
+    def allows(self, request: Request, cookie: bool = True) -> bool:
+        """The operator's key in the header, or (`cookie`) a console cookie made from it."""
         return self.tenants.is_operator(request.headers.get("authorization")) or \
-            self._cookie_ok(request.cookies.get(COOKIE))
+            (cookie and self._cookie_ok(request.cookies.get(COOKIE)))
 
 
 def _asset(name: str) -> str:
@@ -172,11 +173,11 @@ def _throttled(auth: OperatorAuth, request: Request) -> Response | None:
                        "too_many_failed_sign_ins", {"Retry-After": str(wait)})
 
 
-def _refused_guess(auth: OperatorAuth, request: Request) -> bool:
+def _refused_guess(auth: OperatorAuth, request: Request, cookie: bool = True) -> bool:
     """True (and counted) when the request offered a key that is not the operator's. A bad
     cookie is not counted: its HMAC cannot be guessed, and after a restart (a new secret)
     every open console tab would count against its own address."""
-    if auth.allows(request):
+    if auth.allows(request, cookie):
         return False
     if "authorization" in request.headers:
         auth.throttle.failed(_address(request))
@@ -202,15 +203,15 @@ def mount(app: FastAPI, state: ServerState) -> None:
     assets = {"console.js": ("application/javascript", _asset("console.js")),
               "console.css": ("text/css", _asset("console.css")), "login.css": ("text/css", _asset("login.css"))}
 
-    def refused(request: Request) -> Response | None:
+    def refused(request: Request, cookie: bool = True,
+                need: str = "The operator console needs the operator key (never a tenant's): send "
+                            "'Authorization: Bearer <operator key>' or sign in at /console.") -> Response | None:
         if not auth.configured:
             return _json_error(404, NOT_CONFIGURED, "operator_not_configured")
         if (slow := _throttled(auth, request)) is not None:
             return slow
-        if _refused_guess(auth, request):
-            return _json_error(401, "The operator console needs the operator key (never a tenant's): send "
-                                    "'Authorization: Bearer <operator key>' or sign in at /console.",
-                               "invalid_operator_key")
+        if _refused_guess(auth, request, cookie):
+            return _json_error(401, need, "invalid_operator_key")
         return None
 
     @app.get("/console")
@@ -277,15 +278,10 @@ def mount(app: FastAPI, state: ServerState) -> None:
     async def reload_tenants(request: Request):
         # the key in the header only, never the console's cookie: a cookie rides along on a
         # request another site makes the browser send
-        if not auth.configured:
-            return _json_error(404, NOT_CONFIGURED, "operator_not_configured")
-        if (slow := _throttled(auth, request)) is not None:
-            return slow
-        if not auth.tenants.is_operator(request.headers.get("authorization")):
-            if "authorization" in request.headers:
-                auth.throttle.failed(_address(request))
-            return _json_error(401, "Reloading the tenants file needs the operator key (never a tenant's): send "
-                                    "'Authorization: Bearer <operator key>'.", "invalid_operator_key")
+        no = refused(request, cookie=False, need="Reloading the tenants file needs the operator key (never a "
+                                                 "tenant's): send 'Authorization: Bearer <operator key>'.")
+        if no is not None:
+            return no
         try:
             change = await state.reload_tenants("POST /v1/kvfence/tenants/reload")
         except TenantsFileError as e:

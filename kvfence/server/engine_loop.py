@@ -162,8 +162,8 @@ class EngineLoop:
         self._commands.put(_Abort(request_id, reason))
 
     async def forget_tenants(self, tenants: list[str]) -> int:
-        """Retire the removed tenants' cached prefix pages in the engine thread; after the
-        aborts already queued, so their requests' references are gone first."""
+        """Retire these names' cache scopes (LLMEngine.forget_tenant) in the engine thread; after
+        the aborts already queued, so their requests' references are gone first."""
         if not tenants or self.state != "ready":
             return 0
         return await self.call(lambda engine: sum(engine.forget_tenant(t) for t in tenants))
