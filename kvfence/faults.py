@@ -50,6 +50,8 @@ FAULTS: dict[str, str] = {
     "duplicate_transfer_completion": "a transfer's completion notice is delivered twice",
     "kill_node_at": "the node process exits at the point named by ARG",
     "corrupt_staged_page": "prefill flips one byte of a staged row after sealing it (a corrupted transfer, I5)",
+    "lose_forget_tenants": "the PD router's forget_tenants messages after a tenants-file reload reach no node (as "
+                           "if every node were unreachable at that moment)",
     "delay_handoff": "the PD router waits ARG seconds (default 1) between prefill and decode",
     "poison_request": "processing the sampled token of a request whose prompt contains token id ARG raises "
                       "(containment: only that request fails)",

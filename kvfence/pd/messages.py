@@ -164,6 +164,14 @@ class Handoff(WireModel):
 
 
 # -- router -> node requests -----------------------------------------------------------------
+class ScopeStamp(WireModel):
+    """The generation of the tenant's cache scope a router sent a request under
+    (kvfence/pd/scope_epochs.py): a node refuses a stamp older than one it retired, and
+    retires the scope first for a newer one."""
+    router: Id     # the router process; a restarted router is another
+    epoch: Count   # the router's tenants-file reload that last retired the name; 0: none
+
+
 class PrefillBody(WireModel):
     """POST /internal/prefill: admit, compute all but the last prompt token, hold the KV."""
     request_id: Id
@@ -174,6 +182,8 @@ class PrefillBody(WireModel):
     # the node process the router checked (I8); another boot refuses with not_ready, so a
     # restarted node serves only once the router has checked it again
     expect_boot: Id | None = None
+    # taken when the router checked the request's key; None: not sent by a router (tests)
+    scope: ScopeStamp | None = None
 
 
 class DecodeBody(PrefillBody):
@@ -206,8 +216,11 @@ class StopPullReply(WireModel):
 class ForgetTenantsBody(WireModel):
     """POST /internal/forget_tenants (both roles): the router's tenants file retired these names
     (removed, or every key replaced); retire their cache scopes (prefix pages, compiled
-    grammars), so that a tenant given one of the names later cannot attach or time them."""
+    grammars), so that a tenant given one of the names later cannot attach or time them. A node
+    retires only names whose epoch is new to it (a request stamped with it may have come first)."""
     tenants: Annotated[list[Name], Field(min_length=1, max_length=MAX_TENANTS)]
+    router: Id
+    epoch: Annotated[int, Field(ge=1, le=MAX_TOKEN_ID)]   # the router's reload that retired them
 
 
 class ForgetTenantsReply(WireModel):

@@ -49,6 +49,7 @@ from kvfence.pd.messages import (
     WireModel,
     event_line,
 )
+from kvfence.pd.scope_epochs import ScopeEpochs, ScopeRetired
 from kvfence.pd.seal import CONTROL_HEADER, check_control
 from kvfence.pd.settings import PDSettings
 from kvfence.pd.tls import TlsSettings, uvicorn_options
@@ -123,6 +124,8 @@ def _refusal(e: Exception) -> RejectedEvent:
         return RejectedEvent(code="engine_unavailable", message=str(e)[:4096])
     if isinstance(e, Overloaded):
         return RejectedEvent(code="server_overloaded", message=str(e)[:4096])
+    if isinstance(e, ScopeRetired):
+        return RejectedEvent(code="scope_retired", message=str(e)[:4096])
     return RejectedEvent(code="invalid_request", message=f"bad internal request: {e}"[:4096])
 
 
@@ -161,11 +164,14 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
         started = drain.start("the router or an operator asked (POST /internal/drain)")
         return ControlReply(result="draining" if started else "already_draining").to_json()
 
+    scopes = ScopeEpochs()   # which generation of each tenant's scope each router retired here
+
     @app.post("/internal/forget_tenants")
     async def forget_tenants(request: Request):
         # both roles: prefill's cached prefixes, and on either the grammars kept under the scope
-        names = (await _read(request, ForgetTenantsBody)).tenants
-        return ForgetTenantsReply(pages=await loop.forget_tenants(list(names))).to_json()
+        body = await _read(request, ForgetTenantsBody)
+        due = scopes.forget(body.router, body.epoch, list(body.tenants))
+        return ForgetTenantsReply(pages=await loop.retire_soon(due) if due else 0).to_json()
 
     def _refuse_if_draining() -> None:
         if drain.active:
@@ -191,9 +197,15 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
         params = _params(body)
         drain.streams += 1
 
+        async def admit():
+            # one event-loop step from the scope check to the submission's command: no forget
+            # message or other request can retire the scope in between (pd/scope_epochs.py)
+            if scopes.admit(body.scope, body.tenant):
+                loop.retire_soon([body.tenant])   # queued ahead of this request
+            return await loop.submit(body.prompt_ids, params, body.tenant, rid, body.public_prefix_scope, **extra)
+
         async def gen():
-            sub = asyncio.ensure_future(loop.submit(body.prompt_ids, params, body.tenant, rid,
-                                                    body.public_prefix_scope, **extra))
+            sub = asyncio.ensure_future(admit())
             # watch for the router hanging up explicitly (writes to a closed connection do not
             # fail reliably)
             watcher = asyncio.create_task(watch_disconnect(request, lambda: loop.abort(rid, "router disconnected")))
@@ -205,7 +217,7 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
                         yield event_line(WaitEvent())
                 try:
                     handle = sub.result()
-                except (ContextLengthExceeded, ManifestError, EngineFailed, Overloaded, ValueError) as e:
+                except (ContextLengthExceeded, ManifestError, EngineFailed, Overloaded, ScopeRetired, ValueError) as e:
                     yield event_line(_refusal(e))
                     return
                 a = handle.admission

@@ -26,6 +26,7 @@ import os
 import ssl
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ from kvfence.pd.messages import (
     ProgressEvent,
     RejectedEvent,
     ReleaseBody,
+    ScopeStamp,
     StopPullBody,
     StopPullReply,
     WaitEvent,
@@ -169,6 +171,7 @@ class RouterBackend:
         self._background: set[asyncio.Task] = set()
         self._client: httpx.AsyncClient | None = None
         self.ready = threading.Event()
+        self.router_id = uuid.uuid4().hex   # this process, in the scope stamps (pd/scope_epochs.py)
 
     # -- lifecycle --------------------------------------------------------------------------
     @property
@@ -359,7 +362,8 @@ class RouterBackend:
         return self._client
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, tenant: str,
-                     request_id: str | None = None, public_prefix_scope: str | None = None) -> RequestHandle:
+                     request_id: str | None = None, public_prefix_scope: str | None = None,
+                     scope_epoch: int = 0) -> RequestHandle:
         if not self._serving or self.facts is None:
             raise EngineFailed(self.error or f"the cluster is {self.state}")
         if params.prompt_logprobs is not None or params.max_tokens == 0:
@@ -374,8 +378,9 @@ class RouterBackend:
         loop = asyncio.get_running_loop()
         admitted: asyncio.Future = loop.create_future()
         handle = RequestHandle(rid, asyncio.Queue())
-        task = asyncio.create_task(self._run(rid, list(prompt_ids), params, tenant, public_prefix_scope, handle,
-                                             admitted))
+        stamp = ScopeStamp(router=self.router_id, epoch=scope_epoch)
+        task = asyncio.create_task(self._run(rid, list(prompt_ids), params, tenant, public_prefix_scope, stamp,
+                                             handle, admitted))
         self._tasks[rid] = task
         task.add_done_callback(lambda _t: self._tasks.pop(rid, None))
         try:
@@ -407,7 +412,7 @@ class RouterBackend:
             log.warning("%s %s %s failed: %s", node.role, node.url, path, e)
 
     async def _run(self, rid: str, ids: list[int], params: SamplingParams, tenant: str, scope: str | None,
-                   handle: RequestHandle, admitted: asyncio.Future) -> None:
+                   stamp: ScopeStamp, handle: RequestHandle, admitted: asyncio.Future) -> None:
         flight = _Flight()
 
         def last_update(message: str, code: str, completion: int) -> None:
@@ -427,12 +432,12 @@ class RouterBackend:
             wire = WireParams.of(params)
             if len(ids) >= 2:
                 body = PrefillBody(request_id=rid, tenant=tenant, prompt_ids=ids, params=wire,
-                                   public_prefix_scope=scope)
+                                   public_prefix_scope=scope, scope=stamp)
                 await self._prefill_on_some_node(body, flight, scope or tenant)
                 if faults.active("delay_handoff"):
                     await asyncio.sleep(faults.arg_float("delay_handoff", 1.0))
             body = DecodeBody(request_id=rid, tenant=tenant, prompt_ids=ids, params=wire,
-                              public_prefix_scope=scope, handoff=self._handoff(flight))
+                              public_prefix_scope=scope, scope=stamp, handoff=self._handoff(flight))
             await self._decode_on_some_node(body, flight, handle, admitted, len(ids))
         except asyncio.CancelledError:
             # abort(): the server side still waits on this handle for the request's last update
@@ -509,17 +514,22 @@ class RouterBackend:
                             body.request_id, node.url, e.code, e)
                 tried.add(node.url)
 
-    async def forget_tenants(self, tenants: list[str]) -> int:
-        """The tenants file dropped these tenants: every node retires their cache scopes
-        (prefill's cached prefix pages; on both roles the compiled grammars kept under them).
-        A node that cannot be reached is logged: it keeps them until it restarts or evicts them."""
+    async def forget_tenants(self, tenants: list[str], epoch: int = 0) -> int:
+        """Reload `epoch` of the tenants file retired these names: every node retires their
+        cache scopes (prefill's cached prefix pages; on both roles the compiled grammars kept
+        under them). A node that cannot be reached now retires them before it admits the
+        first request stamped with the epoch (pd/scope_epochs.py); it is logged."""
         if not tenants or self.fleet is None:
             return 0
-        bodies = [_json(ForgetTenantsBody(tenants=tenants[i:i + MAX_TENANTS]))
+        bodies = [_json(ForgetTenantsBody(tenants=tenants[i:i + MAX_TENANTS], router=self.router_id,
+                                          epoch=epoch))
                   for i in range(0, len(tenants), MAX_TENANTS)]
 
         async def forget_on(node: Node) -> int:
             pages = 0
+            if faults.active("lose_forget_tenants"):
+                log.warning("%s %s: the forget message is lost (fault lose_forget_tenants)", node.role, node.url)
+                return 0
             try:
                 for body in bodies:
                     r = await self._http().post(node.url + "/internal/forget_tenants", **_options(node, **body))

@@ -135,6 +135,7 @@ class ServerState:
                 log.error("tenants file not reloaded (%s): %s; still serving by the previous one", why, e)
                 raise
             change = registry_change(self.tenants, new)
+            new.succeed(self.tenants, change["retired"])
             # a retired name's new party waits until every node has retired the old scope: its
             # request could otherwise reach a prefill node first and attach the old pages
             self._paused = frozenset(change["retired"])
@@ -148,7 +149,7 @@ class ServerState:
                 change["requests_revoked"] = None
             self.limiter.forget(change["retired"])
             try:
-                change["prefix_pages_retired"] = await self.engine.forget_tenants(change["retired"])
+                change["prefix_pages_retired"] = await self.engine.forget_tenants(change["retired"], new.reloads)
             except Exception as e:   # noqa: BLE001 - e.g. a failed engine, whose pool is never read again
                 log.warning("retired tenants' cached prefix pages not retired: %s", e)
                 change["prefix_pages_retired"] = None
@@ -600,7 +601,8 @@ async def _submit_unless_gone(state: ServerState, request: Request, ids, params:
     behind the PD router it lasts the whole prefill."""
     if revoked.is_set():
         raise KeyRevoked()
-    sub = asyncio.ensure_future(state.engine.submit(ids, params, tenant.name, rid, tenant.public_prefix_scope))
+    sub = asyncio.ensure_future(state.engine.submit(ids, params, tenant.name, rid, tenant.public_prefix_scope,
+                                                    scope_epoch=tenant.scope_epoch))
     gone = asyncio.Event()
     watcher = asyncio.create_task(watch_disconnect(request, gone.set))
     waiters = {asyncio.create_task(gone.wait()), asyncio.create_task(revoked.wait())}
@@ -886,7 +888,8 @@ class _Run:
                     siblings, c.siblings = c.siblings, []
                     for s in siblings:
                         s.handle = await self.state.engine.submit(s.prompt_ids, s.params, self.tenant.name, s.rid,
-                                                                  self.tenant.public_prefix_scope)
+                                                                  self.tenant.public_prefix_scope,
+                                                                  scope_epoch=self.tenant.scope_epoch)
                         self._pumps.append(asyncio.create_task(self._pump(s)))
                 await self._queue.put((c, u))
         except asyncio.CancelledError:

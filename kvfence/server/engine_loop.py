@@ -137,10 +137,12 @@ class EngineLoop:
     # -- requests (asyncio side) ----------------------------------------------------------
     async def submit(self, prompt_ids: list[int], params: SamplingParams, tenant: str,
                      request_id: str | None = None, public_prefix_scope: str | None = None,
-                     **extra) -> RequestHandle:
+                     scope_epoch: int = 0, **extra) -> RequestHandle:
         """Admit a request in the engine thread. Raises what add_request raises
         (ContextLengthExceeded, ValueError) or EngineFailed. `public_prefix_scope` only for a
-        tenant whose tenants-file entry opts into that scope (I9)."""
+        tenant whose tenants-file entry opts into that scope (I9). `scope_epoch` is for the PD
+        wire (pd/scope_epochs.py): here a reload's retirement is ordered with every submission
+        by this engine's one command queue. The command is queued before the first await."""
         if self.state != "ready":
             raise EngineFailed(self.error or f"the engine is {self.state}")
         loop = asyncio.get_running_loop()
@@ -161,21 +163,32 @@ class EngineLoop:
         """Thread-safe and idempotent: the engine thread aborts it if it is still running."""
         self._commands.put(_Abort(request_id, reason))
 
-    async def forget_tenants(self, tenants: list[str]) -> int:
+    async def forget_tenants(self, tenants: list[str], epoch: int = 0) -> int:
         """Retire these names' cache scopes (LLMEngine.forget_tenant) in the engine thread; after
-        the aborts already queued, so their requests' references are gone first."""
+        the aborts already queued, so their requests' references are gone first. `epoch`: as
+        for submit."""
         if not tenants or self.state != "ready":
             return 0
-        return await self.call(lambda engine: sum(engine.forget_tenant(t) for t in tenants))
+        return await self.retire_soon(tenants)
+
+    def retire_soon(self, tenants: list[str]) -> asyncio.Future:
+        """forget_tenants' command queued now, ahead of any submission queued after this call
+        (a PD node retiring a scope before the request that showed it stale here)."""
+        return self.call_soon(lambda engine: sum(engine.forget_tenant(t) for t in tenants))
 
     async def call(self, fn: Callable):
         """Run fn(engine) in the engine thread and return its result (PD control messages)."""
+        return await self.call_soon(fn)
+
+    def call_soon(self, fn: Callable) -> asyncio.Future:
+        """Queue fn(engine) for the engine thread now, in order with every other command; the
+        future gets its result."""
         if self.state != "ready":
             raise EngineFailed(self.error or f"the engine is {self.state}")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._commands.put(_Call(fn, loop, fut))
-        return await fut
+        return fut
 
     # -- the engine thread ----------------------------------------------------------------
     def _main(self) -> None:

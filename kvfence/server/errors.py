@@ -66,6 +66,8 @@ ABORT_STATUS = {
     "node_unavailable": (503, "A PD node is unavailable"),
     "node_error": (502, "A PD node answered with an error"),
     "server_overloaded": (503, "The server is overloaded"),
+    # PD: a node had retired the tenant's cache scope by a reload that revoked the request's key
+    "scope_retired": (401, "The API key of this request was revoked while it ran"),
 }
 
 # abort codes whose detail is about the client's own request (its lengths, its schema); any

@@ -36,7 +36,7 @@ import time
 import tomllib
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvfence.server.errors import APIError
@@ -69,6 +69,9 @@ class Tenant:
     name: str
     limits: Limits = field(default_factory=Limits)
     public_prefix_scope: str | None = None   # opt-in cross-tenant prefix sharing (I9); None: own scope only
+    # the reload of this process that last retired the name's cache scope (0: none); a PD router
+    # stamps the tenant's requests with it (kvfence/pd/scope_epochs.py)
+    scope_epoch: int = 0
 
 
 def _digest(key: str) -> bytes:
@@ -84,6 +87,8 @@ class TenantRegistry:
         self.operator_digests: list[bytes] = []
         self.metrics_digests: list[bytes] = []    # [metrics]: a scraper's key, good for /metrics only
         self.disclosure: dict = {}
+        self.reloads = 0                       # how many reloads led to this registry
+        self.scope_epochs: dict[str, int] = {}   # name -> the reload that last retired it (gone names too)
         self._entries: list[tuple[bytes, Tenant]] = []
         self.tenants: dict[str, Tenant] = {}
         if tenants is None:
@@ -206,6 +211,15 @@ class TenantRegistry:
         # event loop, and only the operator's reload waits for the answer
         return self.single_tenant or (key is not None and self._owner_of.get(key) == tenant)
 
+    def succeed(self, old: TenantRegistry, retired: list[str]) -> None:
+        """This registry replaces `old` by a reload that retires `retired`: number the reload,
+        and give every tenant its name's scope epoch (carried over, or this reload's)."""
+        self.reloads = old.reloads + 1
+        self.scope_epochs = {**old.scope_epochs, **dict.fromkeys(retired, self.reloads)}
+        epoch = {n: self.scope_epochs.get(n, 0) for n in self.tenants}
+        self.tenants = {n: replace(t, scope_epoch=epoch[n]) for n, t in self.tenants.items()}
+        self._entries = [(d, self.tenants[t.name]) for d, t in self._entries]
+
     def reread(self) -> TenantRegistry:
         """The registry its file says now (TenantsFileError if the file is wrong: the caller
         keeps this one)."""
@@ -213,6 +227,11 @@ class TenantRegistry:
             raise TenantsFileError("no tenants file to reload: this server is single-tenant (start it with "
                                    "--tenants FILE to serve several tenants)")
         return TenantRegistry.from_file(self.source)
+
+
+def _as_filed(t: Tenant) -> Tenant:
+    """What the tenants file says of a tenant: its scope epoch is the reloads', not the file's."""
+    return replace(t, scope_epoch=0)
 
 
 def registry_change(old: TenantRegistry, new: TenantRegistry) -> dict:
@@ -233,7 +252,8 @@ def registry_change(old: TenantRegistry, new: TenantRegistry) -> dict:
             # a kept name whose keys are all new is another party under the old name (or a
             # rotation of every key at once): its cache goes with the old keys
             "retired": removed + [n for n in kept if was.get(n) and now.get(n) and not was[n] & now[n]],
-            "changed": [n for n in kept if old.tenants[n] != new.tenants[n] or was.get(n) != now.get(n)],
+            "changed": [n for n in kept if _as_filed(old.tenants[n]) != _as_filed(new.tenants[n])
+                        or was.get(n) != now.get(n)],
             "keys_revoked": sum(len(d - now.get(n, set())) for n, d in was.items()),
             "keys_added": sum(len(d - was.get(n, set())) for n, d in now.items()),
             "operator_keys_changed": set(old.operator_digests) != set(new.operator_digests),

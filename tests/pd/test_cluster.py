@@ -18,6 +18,7 @@ from pd_cluster import ROOT, free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvfence.engine.params import SamplingParams
+from kvfence.procs import stop_processes
 
 pytest.importorskip("mooncake.engine", reason="the PD tests need mooncake-transfer-engine-non-cuda")
 
@@ -667,4 +668,132 @@ def test_a_node_name_means_every_address_behind_it_and_is_followed(cluster):
         assert [n.state for n in backend.fleet.nodes if n.role == "prefill"] == ["ready"]
     finally:
         backend.stop()
+    cluster.wait_quiet(30)
+
+
+# -- scope generations: a router's reload against requests already on their way -----------------
+SCOPE_IDS = list(range(1000, 1064))   # 64 tokens: four full pages to cache
+
+
+def _node_request(cluster, role: str, rid: str, tenant: str, scope: dict | None) -> list[dict]:
+    """One internal request straight to a node, stamped with `scope`; its events. A prefill
+    node's hold is given back at once (no decode will pull it)."""
+    path = "/internal/prefill" if role == "prefill" else "/internal/decode"
+    body = {"request_id": rid, "tenant": tenant, "prompt_ids": SCOPE_IDS if role == "prefill" else [7],
+            "params": {"max_tokens": 1, "temperature": 0.0}, **({"scope": scope} if scope is not None else {})}
+    with httpx.stream("POST", cluster.url(role) + path, json=body, headers=cluster.headers, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        events = [json.loads(line) for line in r.iter_lines() if line.strip()]
+    if role == "prefill" and any(e.get("event") == "admitted" for e in events):
+        httpx.post(cluster.url(role) + "/internal/abort", json={"request_id": rid, "reader_stopped": True},
+                   headers=cluster.headers, timeout=10).raise_for_status()
+    return events
+
+
+def _cached(events: list[dict]) -> int:
+    assert any(e.get("event") == "admitted" for e in events), events
+    return max(e.get("cached_tokens") or 0 for e in events)
+
+
+def _forget(cluster, role: str, router: str, epoch: int, tenant: str) -> int:
+    r = httpx.post(cluster.url(role) + "/internal/forget_tenants", headers=cluster.headers, timeout=30,
+                   json={"tenants": [tenant], "router": router, "epoch": epoch})
+    r.raise_for_status()
+    return r.json()["pages"]
+
+
+def test_a_node_refuses_a_request_sent_before_a_retirement_and_retires_for_one_sent_after(cluster):
+    """The router stamps each request with the reload that last retired its tenant's name.
+    A node that already carried out a newer retirement refuses the request (it was sent before
+    the reload that revoked its key: admitted, it would run, and publish its prompt, under the
+    name's new scope); a node that missed the router's forget message retires the scope
+    before it admits the first request of the new generation, so the new party attaches none
+    of the old pages. Mutants: no refusal; no retirement on a newer stamp."""
+    def stamp(epoch: int) -> dict:
+        return {"router": "router-under-test", "epoch": epoch}
+
+    def prefill(n: int, epoch: int | None) -> list[dict]:
+        return _node_request(cluster, "prefill", f"scope-{n}", "scope-bob", None if epoch is None else stamp(epoch))
+
+    prefill(1, 0)
+    assert _cached(prefill(2, 0)) >= 48                       # the old party's prompt is cached
+    assert _cached(prefill(3, 1)) == 0                        # reload 1's message never came: retired first
+    assert _cached(prefill(4, 1)) >= 48                       # once: the new party's own pages stay
+    stale = prefill(5, 0)                                     # sent before reload 1, arriving after
+    assert [e["event"] for e in stale] == ["rejected"] and stale[0]["code"] == "scope_retired", stale
+    assert "reload 1" in stale[0]["message"]
+    assert _forget(cluster, "prefill", "router-under-test", 1, "scope-bob") == 0   # late: nothing dropped
+    assert _cached(prefill(6, 1)) >= 48
+    assert _forget(cluster, "prefill", "router-under-test", 2, "scope-bob") >= 3   # reload 2 retires
+    assert _cached(prefill(7, 2)) == 0
+    assert _cached(prefill(8, None)) >= 48                    # unstamped (no router): no check
+    # decode keeps compiled grammars per scope: the same rule
+    assert _forget(cluster, "decode", "router-under-test", 1, "scope-bob") == 0
+    late = _node_request(cluster, "decode", "scope-d1", "scope-bob", stamp(0))
+    assert [e["event"] for e in late] == ["rejected"] and late[0]["code"] == "scope_retired", late
+    assert any(e.get("event") == "admitted" for e in _node_request(cluster, "decode", "scope-d2", "scope-bob",
+                                                                   stamp(1)))
+    cluster.wait_quiet(30)
+
+
+SCOPE_TENANTS = """
+[tenants.carol]
+api_keys = ["{carol}"]
+
+[operator]
+api_keys = ["sk-scope-operator"]
+"""
+
+
+def test_a_node_the_reload_did_not_reach_retires_the_scope_before_the_new_partys_first_request(cluster, tmp_path):
+    """A second router with a tenants file over the shared nodes; its forget messages are
+    lost (as to a node unreachable during the reload). The name's new party must still find
+    nothing of the old one's cached on the prefill node: the router stamps its requests with
+    the reload, and the node retires the scope first. The old key gets 401. Mutant: the router
+    stamps epoch 0 whatever the reload."""
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(SCOPE_TENANTS.format(carol="sk-scope-carol-01"))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "router2.log", "w+")
+    router = subprocess.Popen([sys.executable, "-m", "kvfence.cli", "serve", "--role", "router", "--port", str(port),
+                               "--prefill-url", cluster.url("prefill"), "--decode-url", cluster.url("decode"),
+                               "--node-stall", "5", "--tenants", str(tenants)],
+                              cwd=ROOT, env=cluster.env, stdout=log, stderr=subprocess.STDOUT)
+    operator = {"Authorization": "Bearer sk-scope-operator"}
+    prompt = ("The lighthouse keeper's log for the winter: storms on the first and third weeks, a supply boat "
+              "late by nine days, and a new lamp fitted in February. ") * 3
+
+    def cached(key: str) -> int:
+        c = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+        r = c.completions.create(model=c.models.list().data[0].id, prompt=prompt, max_tokens=1, temperature=0)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    try:
+        end = time.monotonic() + 120
+        while True:
+            assert router.poll() is None and time.monotonic() < end, (tmp_path / "router2.log").read_text()[-3000:]
+            try:
+                if httpx.get(url + "/v1/kvfence/cluster", timeout=2).json().get("ready"):
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+        cached("sk-scope-carol-01")
+        assert cached("sk-scope-carol-01") >= 32
+        httpx.post(url + "/internal/test/faults", json={"spec": "lose_forget_tenants"}, headers=cluster.headers,
+                   timeout=10).raise_for_status()
+        tenants.write_text(SCOPE_TENANTS.format(carol="sk-scope-carol-02"))   # another party under the name
+        r = httpx.post(url + "/v1/kvfence/tenants/reload", headers=operator, timeout=60)
+        assert r.status_code == 200 and r.json()["retired"] == ["carol"], r.text
+        assert r.json()["prefix_pages_retired"] == 0          # no node heard of it
+        assert cached("sk-scope-carol-02") == 0
+        c = openai.OpenAI(base_url=url + "/v1", api_key="sk-scope-carol-02", max_retries=0, timeout=60)
+        both = c.completions.create(model=c.models.list().data[0].id, prompt=prompt, max_tokens=2, n=2)
+        assert len(both.choices) == 2       # the second choice is stamped like the first, not refused
+        with pytest.raises(openai.AuthenticationError):
+            cached("sk-scope-carol-01")
+    finally:
+        stop_processes([router], grace_s=10)
+        log.close()
     cluster.wait_quiet(30)

@@ -41,7 +41,8 @@ MANIFEST = dict(request_id="f1", tenant="default", token_count=3, page_count=1, 
                 lease_deadline=0.0)
 BODIES = {
     "/internal/prefill": {"request_id": "f1", "tenant": "default", "prompt_ids": [1, 2, 3, 4],
-                          "params": {"max_tokens": 2, "temperature": 0.0}},
+                          "params": {"max_tokens": 2, "temperature": 0.0},
+                          "scope": {"router": "fuzz-router", "epoch": 0}},
     "/internal/decode": {"request_id": "f1", "tenant": "default", "prompt_ids": [1, 2, 3, 4],
                          "params": {"max_tokens": 2, "temperature": 0.0},
                          "handoff": {"manifest": MANIFEST, "source": {"session": "127.0.0.1:1", "base": 0,
@@ -49,7 +50,7 @@ BODIES = {
     "/internal/release": {"request_id": "f1"},
     "/internal/abort": {"request_id": "f1", "reader_stopped": False, "reason": "fuzz"},
     "/internal/stop_pull": {"request_id": "f1"},
-    "/internal/forget_tenants": {"tenants": ["f1"]},
+    "/internal/forget_tenants": {"tenants": ["f1"], "router": "fuzz-router", "epoch": 1},
 }
 ROLE = {"/internal/decode": "decode", "/internal/stop_pull": "decode"}
 

@@ -334,7 +334,7 @@ class _NoEngine:
     def __init__(self) -> None:
         self.forgotten: list = []
 
-    async def forget_tenants(self, tenants: list[str]) -> int:
+    async def forget_tenants(self, tenants: list[str], epoch: int = 0) -> int:
         self.forgotten.append(list(tenants))
         return 0
 
@@ -349,7 +349,7 @@ def test_a_retired_names_new_party_waits_until_every_node_has_retired_the_old_sc
     path.write_text(FILE)
 
     class SlowNodes(_NoEngine):
-        async def forget_tenants(self, tenants: list[str]) -> int:
+        async def forget_tenants(self, tenants: list[str], epoch: int = 0) -> int:
             with pytest.raises(APIError) as e:    # mid-retirement: the new bob is asked to retry
                 state.refuse_if_paused(state.tenants.identify("Bearer sk-new-bob-0001")[0])
             assert e.value.status == 503 and e.value.headers["Retry-After"] == "1"

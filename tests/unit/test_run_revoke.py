@@ -25,7 +25,7 @@ class _Engine:
         self.submits: list[str] = []
         self.aborts: list[tuple[str, str]] = []
 
-    async def submit(self, ids, params, tenant, rid, scope=None) -> RequestHandle:
+    async def submit(self, ids, params, tenant, rid, scope=None, scope_epoch=0) -> RequestHandle:
         self.submits.append(rid)
         await asyncio.sleep(0)
         h = RequestHandle(rid, asyncio.Queue())

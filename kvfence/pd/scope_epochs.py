@@ -1,0 +1,77 @@
+"""Which generation of a tenant's cache scope a PD node serves, per router.
+
+A router's tenants-file reload retires a name's cache scope when the tenant is removed or all
+its keys are replaced (perhaps another party under the old name). The router numbers its
+reloads: a tenant's scope epoch is the number of the reload that last retired its name (0:
+none in this router process), and every request it sends a node carries (router, epoch),
+taken when the request's key was checked. The node keeps the highest epoch it has seen per
+(router, tenant) and, before admitting a stamped request, compares:
+
+- older: the request was sent before a retirement the node already carried out. Its key was
+  revoked with it and the router's abort is on its way; admitted now it would run, and publish
+  its prompt, under the name's new scope. Refused (ScopeRetired).
+- newer: the node missed the router's forget message (it was unreachable, or the message is
+  still on its way). It retires the scope first, queued ahead of the request, so the new party
+  attaches none of the old party's pages.
+- the same: admitted.
+
+The forget message records its epoch the same way and retires only what is newer, so a late
+one does not drop the new party's pages again. A restarted router is a new router id with no
+history. The table is bounded; the pair least recently used is dropped first, and a dropped
+pair errs toward retiring again, which costs cache, never isolation.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from kvfence.pd.messages import ScopeStamp
+
+MAX_PAIRS = 1 << 16   # (router, tenant) pairs remembered
+
+
+class ScopeRetired(Exception):
+    """A request stamped with a scope epoch older than one this node already retired."""
+
+
+class ScopeEpochs:
+    def __init__(self, max_pairs: int = MAX_PAIRS):
+        self._known: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._max = max_pairs
+
+    def admit(self, stamp: ScopeStamp | None, tenant: str) -> bool:
+        """Whether the tenant's scope must be retired before this request is admitted (its
+        epoch is new here; recorded now), or ScopeRetired for a stale one. Call it in the same
+        event-loop step as the request's submission, so that no forget message nor another
+        request's retirement comes between the answer and the engine's command queue."""
+        if stamp is None:   # not sent by a router (a test harness, the canary's direct use)
+            return False
+        pair = (stamp.router, tenant)
+        known = self._known.get(pair)
+        if known is not None:
+            self._known.move_to_end(pair)
+            if stamp.epoch < known:
+                raise ScopeRetired(f"tenant {tenant!r}'s cache scope was retired by the router's reload {known}; "
+                                   f"this request was sent under reload {stamp.epoch} (its key was revoked)")
+            if stamp.epoch == known:
+                return False
+        elif stamp.epoch == 0:   # nothing retired by that router, and nothing known here
+            return False
+        self._remember(pair, stamp.epoch)
+        return True
+
+    def forget(self, router: str, epoch: int, tenants: list[str]) -> list[str]:
+        """The router's forget message: the names to retire now (those whose epoch is new
+        here), recorded. Same event-loop step as the retirement's command, as for admit."""
+        due = []
+        for t in tenants:
+            known = self._known.get((router, t))
+            if known is None or epoch > known:
+                self._remember((router, t), epoch)
+                due.append(t)
+        return due
+
+    def _remember(self, pair: tuple[str, str], epoch: int) -> None:
+        self._known[pair] = epoch
+        self._known.move_to_end(pair)
+        while len(self._known) > self._max:
+            self._known.popitem(last=False)

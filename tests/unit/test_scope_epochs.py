@@ -1,0 +1,95 @@
+"""The PD node's table of retired scope generations (kvfence/pd/scope_epochs.py) and the
+reload numbering it is fed from (TenantRegistry.succeed)."""
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+
+from kvfence.pd.messages import ForgetTenantsBody, MessageError, PrefillBody, ScopeStamp
+from kvfence.pd.scope_epochs import ScopeEpochs, ScopeRetired
+from kvfence.server.tenants import TenantRegistry, registry_change
+
+
+def stamp(epoch: int, router: str = "r1") -> ScopeStamp:
+    return ScopeStamp(router=router, epoch=epoch)
+
+
+def test_older_refused_newer_retires_first_same_admitted():
+    s = ScopeEpochs()
+    assert s.admit(None, "bob") is False            # not from a router: no check
+    assert s.admit(stamp(0), "bob") is False        # nothing retired anywhere
+    assert s.admit(stamp(2), "bob") is True         # the node missed reload 2's message
+    assert s.admit(stamp(2), "bob") is False        # retired once, not per request
+    with pytest.raises(ScopeRetired, match="reload 2"):
+        s.admit(stamp(0), "bob")                    # sent before the retirement: refused
+    with pytest.raises(ScopeRetired):
+        s.admit(stamp(1), "bob")
+    assert s.admit(stamp(0), "alice") is False      # per tenant
+    assert s.admit(stamp(0, "r2"), "bob") is False  # per router: another router's numbering
+    assert s.admit(stamp(3), "bob") is True
+
+
+def test_the_forget_message_retires_only_what_is_new_here():
+    s = ScopeEpochs()
+    assert s.forget("r1", 1, ["bob", "carol"]) == ["bob", "carol"]
+    assert s.admit(stamp(1), "bob") is False        # the message came first: nothing more to do
+    assert s.admit(stamp(2), "carol") is True       # a request of reload 2 came before its message
+    assert s.forget("r1", 2, ["carol", "dave"]) == ["dave"]   # late: carol's new pages stay
+    assert s.forget("r1", 1, ["bob"]) == []         # a duplicate
+    with pytest.raises(ScopeRetired):
+        s.admit(stamp(0), "dave")
+
+
+def test_a_dropped_pair_errs_toward_retiring_again():
+    s = ScopeEpochs(max_pairs=2)
+    s.admit(stamp(1), "a")
+    s.admit(stamp(1), "b")
+    s.admit(stamp(1), "a")                          # used: b is now the oldest
+    s.admit(stamp(1), "c")                          # b dropped
+    assert s.admit(stamp(1), "a") is False
+    assert s.admit(stamp(1), "b") is True           # forgotten: retired once more (cache only)
+
+
+def test_the_stamp_and_the_forget_message_are_typed():
+    body = {"request_id": "x", "tenant": "bob", "prompt_ids": [1], "params": {}}
+    assert PrefillBody.from_json(body).scope is None
+    for bad in ({"router": "r", "epoch": -1}, {"router": "", "epoch": 0}, {"router": "r", "epoch": 1.0},
+                {"router": "r", "epoch": "1"}, {"router": "r"}, {"router": "r", "epoch": 0, "x": 1}):
+        with pytest.raises(MessageError, match="scope"):
+            PrefillBody.from_json({**body, "scope": bad})
+    with pytest.raises(MessageError, match="epoch"):   # a forget names the reload that retired
+        ForgetTenantsBody.from_json({"tenants": ["bob"], "router": "r", "epoch": 0})
+    with pytest.raises(MessageError, match="router"):
+        ForgetTenantsBody.from_json({"tenants": ["bob"], "epoch": 1})
+
+
+FILE = """
+[tenants.alice]
+api_keys = ["sk-alice-000001"]
+[tenants.bob]
+api_keys = ["sk-bob-00000001"]
+"""
+
+
+def _reload(old: TenantRegistry, text: str) -> TenantRegistry:
+    new = TenantRegistry.from_dict(tomllib.loads(text))
+    new.succeed(old, registry_change(old, new)["retired"])
+    return new
+
+
+def test_reloads_number_the_retirements_and_a_name_keeps_its_epoch_while_it_is_gone():
+    r0 = TenantRegistry.from_dict(tomllib.loads(FILE))
+    assert r0.reloads == 0 and {t.scope_epoch for t in r0.tenants.values()} == {0}
+    r1 = _reload(r0, FILE.replace("sk-bob-00000001", "sk-bob-00000002"))      # bob: another party
+    assert r1.tenants["bob"].scope_epoch == 1 and r1.tenants["alice"].scope_epoch == 0
+    assert r1.identify("Bearer sk-bob-00000002")[0].scope_epoch == 1          # what a lease holds
+    r2 = _reload(r1, FILE.replace('[tenants.bob]\napi_keys = ["sk-bob-00000001"]\n', ""))  # bob removed
+    assert r2.reloads == 2 and "bob" not in r2.tenants and r2.scope_epochs["bob"] == 2
+    r3 = _reload(r2, FILE)                                                    # bob back: not retired now,
+    assert r3.tenants["bob"].scope_epoch == 2                                 # but a node that missed 2 must
+    assert registry_change(r3, TenantRegistry.from_dict(tomllib.loads(FILE)))["changed"] == []   # an epoch is
+    r4 = _reload(r3, FILE.replace("[tenants.alice]", "[tenants.alice]\nmax_concurrent_requests = 2"))  # no edit
+    assert r4.tenants["bob"].scope_epoch == 2 and r4.tenants["alice"].scope_epoch == 0
+    assert r4.tenants["alice"].limits.max_concurrent_requests == 2
+    assert registry_change(r3, r4)["changed"] == ["alice"]
