@@ -431,6 +431,7 @@ async def _generate(state: ServerState, request: Request, kind: str):
         revoked = asyncio.Event()
         lease.on_revoke = revoked.set
         body = await read_json_body(request, state.max_body_bytes)
+        _refuse_if_revoked(revoked)   # after each wait from here: a revoked key's answer is its 401
         if kind == "responses":
             view = ResponseView(body, rid, state.served_name)
             body = responses_api.chat_body(body)
@@ -438,10 +439,12 @@ async def _generate(state: ServerState, request: Request, kind: str):
         # a long token-id prompt or conversation is validated off the event loop, like its JSON
         big = any(isinstance(v, list) and len(v) > 4096 for v in (body.get("prompt"), body.get("messages")))
         req = await asyncio.to_thread(parse, body) if big else parse(body)
+        _refuse_if_revoked(revoked)
         if req.model is not None and req.model != state.served_name:
             raise APIError(404, f"The model '{req.model}' does not exist.", code="model_not_found", param="model")
         _refuse_max_tokens_beyond_context(req, state.facts["usable_context"])
         prompts = [await _tokenize(state, req, text, pids) for text, pids in req.prompts]
+        _refuse_if_revoked(revoked)
         facts = state.facts
         for (_, pids), ids in zip(req.prompts, prompts):
             try:  # I4 here, before any tenant accounting or engine work; the engine checks again
@@ -479,6 +482,7 @@ async def _generate(state: ServerState, request: Request, kind: str):
         if req.logprobs is not None:   # logprobs' bytes come from llguidance's view of the vocabulary:
             # built once (~0.2 s), off the event loop
             await asyncio.to_thread(ll_tokenizer, state.engine.tokenizer, facts["vocab_size"])
+        _refuse_if_revoked(revoked)
         # tokens_per_minute reserves prompt + the most it can generate; what it did not use is refunded
         state.limiter.charge(lease, sum(len(ids) for ids in prompts), most)
         choices = _choices(state, req, prompts, rid)
@@ -592,6 +596,13 @@ def finish_reason(reason: str | None, calls: bool, enforced: bool) -> str:
 
 class _ClientGone(Exception):
     pass
+
+
+def _refuse_if_revoked(revoked: asyncio.Event) -> None:
+    """A reload revoked the request's key while it was read, parsed or tokenized: stop here,
+    with the 401 the client needs to see, rather than a complaint about its body."""
+    if revoked.is_set():
+        raise KeyRevoked.api_error()
 
 
 async def _submit_unless_gone(state: ServerState, request: Request, ids, params: SamplingParams, tenant: Tenant,

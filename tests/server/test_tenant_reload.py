@@ -174,6 +174,23 @@ def test_a_request_revoked_before_it_reaches_the_engine_never_does(srv, tenants_
     assert "bob" not in srv.engine.snapshot["pages_by_owner"]["shared"]
 
 
+def test_a_body_completed_after_its_key_was_revoked_is_told_so_before_it_is_judged(srv, tenants_path):
+    """The body arrives after the reload that took its key, and is wrong as well: the client
+    is told its key was revoked (401), not what is wrong with a body the server never reads."""
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": "four"}).encode()
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + BOB.encode() + b"\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body[:20])
+        assert wait_for(lambda: srv.state.limiter.in_flight("bob") == 1)
+        tenants_path.write_text(WITHOUT_BOB)
+        assert reload(srv).json()["requests_revoked"] == 1
+        sock.sendall(body[20:])
+        answer = _read_answer(sock)
+    assert answer.startswith("HTTP/1.1 401") and "api_key_revoked" in answer, answer
+    assert srv.state.limiter.in_flight("bob") == 0
+
+
 def _read_answer(sock: socket.socket) -> str:
     """One HTTP answer with a Content-Length body (headers and body may come in separate reads)."""
     data = b""
