@@ -171,7 +171,13 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
         # both roles: prefill's cached prefixes, and on either the grammars kept under the scope
         body = await _read(request, ForgetTenantsBody)
         due = scopes.forget(body.router, body.epoch, list(body.tenants))
-        return ForgetTenantsReply(pages=await loop.retire_soon(due) if due else 0).to_json()
+        try:
+            pages = await loop.retire_soon(due) if due else 0
+        except BaseException:
+            for t in due:   # not retired: the next stamped request tries again
+                scopes.undo(body.router, t)
+            raise
+        return ForgetTenantsReply(pages=pages).to_json()
 
     def _refuse_if_draining() -> None:
         if drain.active:
@@ -200,9 +206,16 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
         async def admit():
             # one event-loop step from the scope check to the submission's command: no forget
             # message or other request can retire the scope in between (pd/scope_epochs.py)
-            if scopes.admit(body.scope, body.tenant):
-                loop.retire_soon([body.tenant])   # queued ahead of this request
-            return await loop.submit(body.prompt_ids, params, body.tenant, rid, body.public_prefix_scope, **extra)
+            retiring = loop.retire_soon([body.tenant]) if scopes.admit(body.scope, body.tenant) else None
+            handle = await loop.submit(body.prompt_ids, params, body.tenant, rid, body.public_prefix_scope, **extra)
+            # the engine ran the retirement first, so its outcome is known by now
+            if retiring is not None and (not retiring.done() or retiring.exception() is not None):
+                assert body.scope is not None
+                scopes.undo(body.scope.router, body.tenant)
+                loop.abort(rid, "the tenant's retired cache scope could not be retired here")
+                raise EngineFailed(f"retiring tenant {body.tenant!r}'s cache scope failed: "
+                                   f"{retiring.exception() if retiring.done() else 'not done'}")
+            return handle
 
         async def gen():
             sub = asyncio.ensure_future(admit())
@@ -295,9 +308,12 @@ def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int,
         return 2
     assert loop.facts is not None
     loop.facts = {**loop.facts, "pd_security": tls.describe()}   # for /internal/info and the statement
-    # the public API only with a tenants file: otherwise anyone reaching the node could
-    # generate around the router's admission and tenant limits
-    state = ServerState(loop, tenants, public_api=tenants_file is not None)
+    # no public generation API on a node: requests come through the router, its admission, its
+    # tenant limits and its scope stamps (pd/scope_epochs.py). A tenant calling a node's /v1
+    # directly went around all three: its requests shared the name's cache scope unstamped, so
+    # an old party's prompt could land in a scope the router had retired. The tenants file here
+    # keys the status routes (/metrics, /health's detail, the console) and the isolation statement.
+    state = ServerState(loop, tenants, public_api=False)
     app = create_app(state)
     exit_now: list = []
     drain = Drain(lambda: loop.snapshot, lambda: exit_now[0]())

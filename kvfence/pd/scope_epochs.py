@@ -17,8 +17,9 @@ taken when the request's key was checked. The node keeps the highest epoch it ha
 
 The forget message records its epoch the same way and retires only what is newer, so a late
 one does not drop the new party's pages again. A restarted router is a new router id with no
-history. The table is bounded; the pair least recently used is dropped first, and a dropped
-pair errs toward retiring again, which costs cache, never isolation.
+history. The table is bounded: the pair least recently used is dropped first, and its router
+keeps the highest epoch it dropped as a floor; a pair unknown here from a router with a floor
+is retired before its first request, whatever its stamp (cache, never isolation).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class ScopeRetired(Exception):
 class ScopeEpochs:
     def __init__(self, max_pairs: int = MAX_PAIRS):
         self._known: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._floor: dict[str, int] = {}   # router -> the highest epoch of its pairs dropped for room
         self._max = max_pairs
 
     def admit(self, stamp: ScopeStamp | None, tenant: str) -> bool:
@@ -54,10 +56,15 @@ class ScopeEpochs:
                                    f"this request was sent under reload {stamp.epoch} (its key was revoked)")
             if stamp.epoch == known:
                 return False
-        elif stamp.epoch == 0:   # nothing retired by that router, and nothing known here
+        elif stamp.epoch == 0 and stamp.router not in self._floor:   # nothing retired by that router here
             return False
         self._remember(pair, stamp.epoch)
         return True
+
+    def undo(self, router: str, tenant: str) -> None:
+        """The retirement recorded for this pair did not happen: forget the pair, so that the
+        next stamped request retires again."""
+        self._known.pop((router, tenant), None)
 
     def forget(self, router: str, epoch: int, tenants: list[str]) -> list[str]:
         """The router's forget message: the names to retire now (those whose epoch is new
@@ -65,7 +72,7 @@ class ScopeEpochs:
         due = []
         for t in tenants:
             known = self._known.get((router, t))
-            if known is None or epoch > known:
+            if known is None or epoch > known:   # unknown: perhaps dropped for room, so retire
                 self._remember((router, t), epoch)
                 due.append(t)
         return due
@@ -74,4 +81,5 @@ class ScopeEpochs:
         self._known[pair] = epoch
         self._known.move_to_end(pair)
         while len(self._known) > self._max:
-            self._known.popitem(last=False)
+            (router, _), epoch = self._known.popitem(last=False)
+            self._floor[router] = max(self._floor.get(router, 0), epoch)

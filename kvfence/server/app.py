@@ -69,8 +69,8 @@ class ServerState:
     def __init__(self, engine: EngineBackend, tenants: TenantRegistry, served_model_name: str | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, owns_engine: bool = True, public_api: bool = True):
         self.engine = engine
-        # False on a PD node without a tenants file: no /v1 generation or model routes, so
-        # nothing reaches its engine around the router's admission and tenant limits
+        # False on a PD node: no /v1 generation or model routes, so nothing reaches its engine
+        # around the router's admission, tenant limits and scope stamps
         self.public_api = public_api
         self.tenants = tenants
         self.limiter = TenantLimiter()
@@ -149,7 +149,10 @@ class ServerState:
                 change["requests_revoked"] = None
             self.limiter.forget(change["retired"])
             try:
-                change["prefix_pages_retired"] = await self.engine.forget_tenants(change["retired"], new.reloads)
+                # a PD node serves no tenant itself: its scopes are the router's to retire (by its
+                # message and its stamps); retiring here as well only dropped the new party's pages
+                change["prefix_pages_retired"] = (await self.engine.forget_tenants(change["retired"], new.reloads)
+                                                  if self.public_api else 0)
             except Exception as e:   # noqa: BLE001 - e.g. a failed engine, whose pool is never read again
                 log.warning("retired tenants' cached prefix pages not retired: %s", e)
                 change["prefix_pages_retired"] = None
@@ -505,6 +508,8 @@ async def _generate(state: ServerState, request: Request, kind: str):
             raise APIError(503, str(e), code="server_overloaded", headers={"Retry-After": str(e.retry_after_s)},
                            outcome="overloaded") from None
         except EngineFailed as e:  # the PD router's failures carry a machine-readable code
+            if e.code == "scope_retired":   # a node had retired the scope by the reload that revoked the key
+                raise KeyRevoked.api_error() from None
             headers = {"Retry-After": "1"} if e.code == "server_overloaded" else None
             status, what = ABORT_STATUS.get(e.code, (503, "The engine is not available"))
             raise APIError(status, f"{what}: {_public_detail(state, rid, tenant, e.code, str(e))}.", code=e.code,

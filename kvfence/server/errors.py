@@ -67,6 +67,7 @@ ABORT_STATUS = {
     "node_error": (502, "A PD node answered with an error"),
     "server_overloaded": (503, "The server is overloaded"),
     # PD: a node had retired the tenant's cache scope by a reload that revoked the request's key
+    # (app.py answers it as api_key_revoked before it starts; this is for one that ends later)
     "scope_retired": (401, "The API key of this request was revoked while it ran"),
 }
 

@@ -585,7 +585,8 @@ def test_internal_routes_need_the_cluster_credential(cluster, role, method, path
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_nodes_serve_no_public_api_without_a_tenants_file(cluster, role):
-    """Anyone reaching a node could otherwise generate around the router's admission and limits."""
+    """Anyone reaching a node could otherwise generate around the router's admission and limits
+    (with a tenants file neither: tests/pd/test_fleet.py)."""
     r = httpx.post(cluster.url(role) + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=10)
     assert r.status_code == 404
     assert httpx.get(cluster.url(role) + "/health", timeout=10).status_code == 200

@@ -226,6 +226,21 @@ def test_the_canary_audits_every_node_of_the_fleet(fleet):
     assert r.clean and r.exit_code() == 0, r.text()
 
 
+def test_a_tenant_reaching_a_node_cannot_generate_there(fleet):
+    """launch-pd gives every node the tenants file (for its status routes), yet a tenant's key
+    generates only through the router: on a node's own /v1 it would skip the router's limits and
+    the scope stamps that keep a reload's retirement (found in review)."""
+    key = {"Authorization": f"Bearer {KEYS[0]}"}
+    for url in fleet.node_urls["prefill"] + fleet.node_urls["decode"]:
+        for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                           ("/v1/responses", {"input": "hi"})):
+            r = httpx.post(url + path, json=body, headers=key, timeout=10)
+            assert r.status_code == 404, (url, path, r.status_code, r.text[:200])
+        assert httpx.get(url + "/metrics", headers=SCRAPE, timeout=10).status_code == 200   # still the file's
+        assert httpx.get(url + "/metrics", headers=key, timeout=10).status_code == 401
+
+
 def test_a_tenant_learns_whether_the_fleet_is_up_but_not_where_its_nodes_are(fleet):
     # found in review: the router's cluster route named every node's URL, pool and load to
     # anyone who could reach it, tenants included

@@ -49,6 +49,18 @@ def test_a_dropped_pair_errs_toward_retiring_again():
     s.admit(stamp(1), "c")                          # b dropped
     assert s.admit(stamp(1), "a") is False
     assert s.admit(stamp(1), "b") is True           # forgotten: retired once more (cache only)
+    # found in review: a stale epoch-0 request of a dropped pair went into the current scope
+    s.admit(stamp(2), "d")
+    s.admit(stamp(2), "e")                          # b (and more) dropped again
+    assert s.admit(stamp(0), "b") is True           # unknown, from a router that dropped pairs: retire
+    assert s.admit(stamp(0, "r2"), "b") is False    # another router dropped nothing
+
+
+def test_a_retirement_that_did_not_happen_is_tried_again():
+    s = ScopeEpochs()
+    assert s.admit(stamp(1), "bob") is True
+    s.undo("r1", "bob")
+    assert s.admit(stamp(1), "bob") is True
 
 
 def test_the_stamp_and_the_forget_message_are_typed():
