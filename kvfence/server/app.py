@@ -136,6 +136,7 @@ class ServerState:
                 raise
             change = registry_change(self.tenants, new)
             new.succeed(self.tenants, change["retired"])
+            old_operator, old_metrics = bool(self.tenants.operator_digests), bool(self.tenants.metrics_digests)
             # a retired name's new party waits until every node has retired the old scope: its
             # request could otherwise reach a prefill node first and attach the old pages
             self._paused = frozenset(change["retired"])
@@ -160,6 +161,15 @@ class ServerState:
                 self._paused = frozenset()
         self.metrics.tenant_reloads.labels("ok").inc()
         self.last_reload = {"at": time.time(), "trigger": why, "result": "ok", **change}
+        for section, changed, had, has, lost in (
+                ("[operator]", change["operator_keys_changed"], old_operator, bool(new.operator_digests),
+                 "the console and the reload route are off (SIGHUP still reloads)"),
+                ("[metrics]", change["metrics_keys_changed"], old_metrics, bool(new.metrics_digests),
+                 "a Prometheus scraper with the old key now gets 401")):
+            if changed and had and not has:
+                log.warning("tenants file %s reloaded without %s keys: %s", new.source, section, lost)
+            elif changed:
+                log.info("tenants file %s: the %s keys changed", new.source, section)
         log.info("tenants file %s reloaded (%s): %d tenant(s); added %s, removed %s, changed %s; %d key(s) revoked, "
                  "%d added; %s request(s) in flight ended; %s cached prefix page(s) retired", new.source, why,
                  change["tenants"], change["added"] or "none", change["removed"] or "none",
@@ -316,10 +326,14 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/kvfence/isolation")
     async def isolation(request: Request):
-        tenant = state.tenants.authenticate(request.headers.get("authorization"))
+        auth = request.headers.get("authorization")
+        reg = state.tenants
+        # the operator's (and the scraper's, which reads every tenant's series anyway) is the whole
+        # statement, as one tenant's server is; a tenant sees its own part
+        whole = reg.single_tenant or reg.is_operator(auth) or (bool(reg.metrics_digests) and reg.may_scrape(auth))
+        tenant = None if whole else reg.authenticate(auth)
         state.ensure_ready()
-        # one tenant (no tenants file): it is the operator's own server, shown whole
-        return state.statement() if state.tenants.single_tenant else tenant_view(state.statement(), tenant)
+        return state.statement() if tenant is None else tenant_view(state.statement(), tenant)
 
     from kvfence.server import console  # the operator console (/console), behind the operator key
     console.mount(app, state)

@@ -245,6 +245,15 @@ def test_metrics_name_tenants_only_to_the_scraper_or_operator_key(make_server):
     for key in (SCRAPER_KEY, operator):
         r = _scrape(srv, key)
         assert r.status_code == 200 and 'tenant="bob"' in r.text
+        # and the isolation statement whole, as `kvfence isolation --api-key` asks for it (an
+        # operator's walkthrough found both keys refused there)
+        st = httpx.get(srv.url + "/v1/kvfence/isolation", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        assert st.status_code == 200 and "audience" not in st.json(), st.text[:300]
+        assert "per_tenant_prompt_caps" in st.json()["capacity"]
+    bob = httpx.get(srv.url + "/v1/kvfence/isolation", headers={"Authorization": f"Bearer {KEYS['bob']}"}, timeout=30)
+    assert bob.json()["audience"] == "tenant"
+    assert httpx.get(srv.url + "/v1/kvfence/isolation", headers={"Authorization": "Bearer sk-nobody"},
+                     timeout=30).status_code == 401
 
 
 def test_metrics_stay_open_without_a_tenants_file(single):

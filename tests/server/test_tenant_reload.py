@@ -270,6 +270,18 @@ def test_a_retired_names_new_party_reuses_none_of_its_compiled_grammars(srv, ten
     assert wait_for(lambda: grammars()["misses"] == misses + 1) and grammars()["hits"] == hits + 1
 
 
+def test_a_reload_that_drops_the_scrapers_key_says_so_in_the_log(srv, tenants_path, caplog):
+    """Found by an operator's walkthrough: a file without [metrics] turned every scrape into a
+    401 and the log said "changed none"."""
+    tenants_path.write_text(FILE.replace(f'[metrics]\napi_keys = ["{SCRAPER}"]\n', ""))
+    with caplog.at_level(logging.INFO, logger="kvfence.server"):
+        assert reload(srv).json()["metrics_keys_changed"] is True
+    assert "reloaded without [metrics] keys: a Prometheus scraper with the old key now gets 401" in caplog.text
+    assert "[operator]" not in caplog.text
+    assert httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {SCRAPER}"}, timeout=10).status_code \
+        == 401
+
+
 def test_a_file_that_does_not_load_changes_nothing(srv, tenants_path):
     errors = metric(srv, "kvfence_tenants_reloads_total", result="error")
     tenants_path.write_text(FILE.replace("[tenants.bob]", "[tenants.bob]\nmax_prompt_tokens = -3"))
