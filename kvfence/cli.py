@@ -476,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     inc.add_argument("--json", action="store_true")
     inc.add_argument("--verify", action="store_true", help="only check the hash chains; exit 1 if one is broken")
     inc.add_argument("--expect-last-hash", default=None, metavar="HEX",
-                     help="a last_hash of the log anchored elsewhere (the isolation statement or /metrics showed it): "
+                     help="a last_hash of the log anchored elsewhere (the isolation statement showed it): "
                           "the chain must pass through it; one that never does was cut off or rewritten")
     inc.add_argument("--tenants", default=None, metavar="FILE",
                      help="the tenants file whose [disclosure] commitments head the report")

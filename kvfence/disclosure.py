@@ -108,6 +108,9 @@ def build(paths: Iterable[str | Path], since: float | None = None, until: float 
     process = [{k: r.get(k) for k in ("time", "kind", "invariant", "role", "boot_id", "detail")}
                for r in records if not r.get("tenant") and not r.get("involved_tenants")]
     any_reached = any(c["reached_client"] for c in cross)
+    intact = all(c["intact"] for c in chains)
+    # a broken chain may have lost the very record that says yes: then the logs cannot say no
+    answer = "yes" if any_reached else "no" if intact else "cannot tell"
     return {
         "disclosure": {"contact": (disclosure or {}).get("contact"),
                        "postmortems_published_at": (disclosure or {}).get("postmortems"),
@@ -120,10 +123,11 @@ def build(paths: Iterable[str | Path], since: float | None = None, until: float 
                     for k, v in sorted(tenants.items())},
         "cross_tenant": cross,
         "process_events": process if tenant is None else [],
-        "answer": {"any_byte_computed_over_another_tenants_data_reached_a_client": "yes" if any_reached else "no",
+        "answer": {"any_byte_computed_over_another_tenants_data_reached_a_client": answer,
                    "how_we_know": ("every cross-tenant event above names what the client got and why the refused "
                                    "data was never computed over; the logs' hash chains are "
-                                   + ("intact" if all(c["intact"] for c in chains) else "BROKEN (see logs)")
+                                   + ("intact" if intact else "BROKEN (see logs): records may be missing, so an "
+                                      "answer of no cannot be given")
                                    + (f"; {torn} line(s) were cut short while being written, and what they "
                                       "recorded is lost" if (torn := sum(len(c["torn_lines"]) for c in chains))
                                       else ""))},
@@ -140,7 +144,7 @@ def render(rep: dict) -> str:
     win = rep["window"]
     lines += ["", f"events: {rep['events']} (first {win['first_event'] or '-'}, last {win['last_event'] or '-'})"]
     for c in rep["logs"]:
-        lines.append(f"  log {c['log']}: {'chain intact' if c['intact'] else 'CHAIN BROKEN'}; {c['message']}")
+        lines.append(f"  log {c['log']}: {'' if c['intact'] else 'CHAIN BROKEN: '}{c['message']}")
     lines += ["", "per tenant:"]
     if not rep["tenants"]:
         lines.append("  (no tenant was involved in any event)")

@@ -13,7 +13,7 @@ the page or row that was touched, at that moment), which pages or rows, what the
 line's bytes (the first line's is GENESIS). `verify()` walks the chain and says where it
 breaks; a line edited, inserted or deleted before the last breaks it there. The chain has
 no key: an edited last line, lines cut off the end or a file rewritten whole leave a valid
-chain, so `last_hash` is in the isolation statement and /metrics for an operator to anchor
+chain, so `last_hash` is in the isolation statement (and the console) for an operator to anchor
 elsewhere, and `verify(expect_last_hash=...)` checks that the chain still passes through it.
 
 Only counts, ids, names from the operator's configuration and the checks' own messages
