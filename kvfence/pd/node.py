@@ -57,7 +57,7 @@ from kvfence.server.backend import EngineFailed, Update
 from kvfence.server.disconnect import watch_disconnect
 from kvfence.server.engine_loop import EngineLoop
 from kvfence.server.errors import APIError, error_body
-from kvfence.server.http_limits import HttpLimits, uvicorn_server
+from kvfence.server.http_limits import HttpLimits, port_unavailable, uvicorn_server
 from kvfence.server.protocol import read_body_bytes
 from kvfence.server.streaming import StreamWithCleanup
 
@@ -295,11 +295,15 @@ def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int,
     from kvfence.server import fault_control
     from kvfence.server.app import ServerState, create_app
     from kvfence.server.isolation import run_startup_checks
-    from kvfence.server.serve import load_tenants, run_until_engine_fails
+    from kvfence.server.serve import EXIT_CANNOT_LISTEN, load_tenants, run_until_engine_fails
 
     if settings.role == "decode":
         config.enable_prefix_cache = False  # decode's KV arrives by transfer; nothing to reuse
     tenants = load_tenants(tenants_file)
+    taken = port_unavailable(host, port)   # before the model loads, not minutes after
+    if taken:
+        log.error("%s node not serving: %s", settings.role, taken)
+        return EXIT_CANNOT_LISTEN
 
     loop = EngineLoop(lambda: build_node_engine(config, settings), run_startup_checks,
                       name=f"kvfence-{settings.role}").start()

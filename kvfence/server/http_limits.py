@@ -26,8 +26,10 @@ ten seconds: a client hammering its cap would otherwise write a log line per att
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -253,3 +255,25 @@ def uvicorn_server(app: Any, host: str, port: int, limits: HttpLimits, log_level
 
     return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                                          **uvicorn_kwargs(limits, refusals), **options))
+
+
+def port_unavailable(host: str, port: int) -> str | None:
+    """Why host:port cannot be listened on now (taken, or not this machine's address), or
+    None. Checked before the model loads: uvicorn binds only once the server starts, after
+    minutes of loading with a large model, and a taken port was found only then. Bound as
+    uvicorn binds (SO_REUSEADDR) and closed at once; a race with another process remains."""
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return f"cannot listen on {host}:{port}: {e.strerror or e}"
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            why = "it is already in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
+            return f"cannot listen on {host}:{port}: {why}"
+    return None

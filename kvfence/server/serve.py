@@ -8,7 +8,7 @@ import threading
 from kvfence.engine.config import EngineConfig
 from kvfence.server.app import DEFAULT_MAX_BODY_BYTES, ServerState, create_app
 from kvfence.server.engine_loop import EngineLoop
-from kvfence.server.http_limits import HttpLimits, uvicorn_server
+from kvfence.server.http_limits import HttpLimits, port_unavailable, uvicorn_server
 from kvfence.server.isolation import run_startup_checks
 from kvfence.server.tenants import TenantRegistry
 
@@ -39,6 +39,10 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, tenan
           log_level: str = "info", limits: HttpLimits | None = None, tls_cert: str | None = None,
           tls_key: str | None = None) -> int:
     tenants = load_tenants(tenants_file)          # a bad tenants file fails before the model loads
+    taken = port_unavailable(host, port)          # so does a taken port
+    if taken:
+        log.error("not serving: %s (choose another --port, or stop what listens there)", taken)
+        return EXIT_CANNOT_LISTEN
     tls = {"ssl_certfile": tls_cert, "ssl_keyfile": tls_key} if tls_cert else {}
     if tls_cert:   # unreadable or mismatched: say so now, not after the model has loaded
         try:
@@ -62,6 +66,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, tenan
 
 
 EXIT_ENGINE_FAILED = 70   # EX_SOFTWARE; not uvicorn's 3 (it could not bind) nor 2 (refused to start)
+EXIT_CANNOT_LISTEN = 3    # what uvicorn exits with when it cannot bind
 
 
 def run_until_engine_fails(server, engine: EngineLoop, grace_s: float = 1.0) -> int:

@@ -1,0 +1,56 @@
+"""A taken port is refused before the model loads (or the router waits for its nodes), with
+the reason; uvicorn alone found it only once the server started, minutes later with a large
+model, after logging that it served (found by an operator walkthrough)."""
+from __future__ import annotations
+
+import logging
+import socket
+
+import pytest
+
+from kvfence.engine.config import EngineConfig
+from kvfence.pd.settings import PDSettings
+from kvfence.pd.tls import TlsSettings
+from kvfence.server.http_limits import port_unavailable
+from kvfence.server.serve import EXIT_CANNOT_LISTEN
+
+
+@pytest.fixture
+def taken():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        yield s.getsockname()[1]
+
+
+def _never(*a, **kw):
+    raise AssertionError("started loading although the port is taken")
+
+
+def test_the_check_names_a_taken_port_and_passes_a_free_one(taken):
+    assert port_unavailable("127.0.0.1", taken) == f"cannot listen on 127.0.0.1:{taken}: it is already in use"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    assert port_unavailable("127.0.0.1", free) is None
+    assert "cannot listen on 192.0.2.1" in port_unavailable("192.0.2.1", free)   # not this machine's address
+
+
+def test_serve_refuses_a_taken_port_before_loading(taken, monkeypatch, caplog):
+    from kvfence.server import serve as serve_module
+
+    monkeypatch.setattr(serve_module, "start_engine", _never)
+    with caplog.at_level(logging.ERROR, logger="kvfence.server"):
+        assert serve_module.serve(EngineConfig(), port=taken) == EXIT_CANNOT_LISTEN
+    assert "it is already in use" in caplog.text
+
+
+def test_nodes_and_the_router_refuse_a_taken_port_before_starting(taken, monkeypatch):
+    from kvfence.pd import node, router
+
+    monkeypatch.setattr(node, "EngineLoop", _never)
+    assert node.serve_node(EngineConfig(), PDSettings(role="prefill", cluster_secret=b"s" * 32), "127.0.0.1", taken,
+                           TlsSettings()) == EXIT_CANNOT_LISTEN
+    monkeypatch.setattr(router, "RouterBackend", _never)
+    assert router.serve_router(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], None, "127.0.0.1", taken, None, False,
+                               b"s" * 32, TlsSettings()) == EXIT_CANNOT_LISTEN
