@@ -463,6 +463,7 @@ async def _generate(state: ServerState, request: Request, kind: str):
         prompts = [await _tokenize(state, req, text, pids) for text, pids in req.prompts]
         _refuse_if_revoked(revoked)
         facts = state.facts
+        _limit_implicit_max_tokens(req, tenant, prompts, facts["usable_context"])
         for (_, pids), ids in zip(req.prompts, prompts):
             try:  # I4 here, before any tenant accounting or engine work; the engine checks again
                 if not faults.active("skip_router_admission"):
@@ -681,6 +682,27 @@ def _refuse_max_tokens_beyond_context(req: GenerationRequest, usable: int) -> No
                             f"prompt included: set it below {usable}, or leave it out (the completion may then use "
                             "whatever the prompt leaves).", code="context_length_exceeded",
                        param=req.max_tokens_param, outcome="rejected")
+
+
+def _limit_implicit_max_tokens(req: GenerationRequest, tenant: Tenant, prompts: list[list[int]], usable: int) -> None:
+    """A request that sets no max_tokens may run to the end of the context, and
+    tokens_per_minute reserves all of it: a tenant whose limit is below the context could then
+    send no such request at all (most clients set none), and every one held the rest of the
+    context from its budget. Its limit is the tenant's default_max_tokens, and never more than
+    an empty minute of its tokens_per_minute could take; it ends with finish_reason "length"
+    there. A request that sets max_tokens is taken as it is."""
+    if req.params.max_tokens is not None or not prompts:
+        return
+    lim = tenant.limits
+    room = usable - max(len(ids) for ids in prompts)
+    caps = [room]
+    if lim.default_max_tokens is not None:
+        caps.append(lim.default_max_tokens)
+    if lim.tokens_per_minute is not None:   # prompts + n x max_tokens per prompt must fit the minute
+        caps.append((lim.tokens_per_minute - sum(len(ids) for ids in prompts)) // (len(prompts) * req.n))
+    cap = min(caps)
+    if cap >= 1 and cap < room:   # below 1 the prompt alone is refused, with its own reason
+        req.params = dataclasses.replace(req.params, max_tokens=cap)
 
 
 def _least_completion(req: GenerationRequest) -> int:

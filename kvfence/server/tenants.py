@@ -47,7 +47,7 @@ RESERVED_NAMES = frozenset({UNAUTHENTICATED})
 # what a client can send in a header as written: printable ASCII, and spaces only inside (the
 # header is stripped, so an outer one could never match)
 _KEY = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
-LIMIT_FIELDS = ("max_prompt_tokens", "max_concurrent_requests", "tokens_per_minute")
+LIMIT_FIELDS = ("max_prompt_tokens", "max_concurrent_requests", "tokens_per_minute", "default_max_tokens")
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 WINDOW_S = 60.0
 MAX_FILE_BYTES = 64 << 20
@@ -62,6 +62,7 @@ class Limits:
     max_prompt_tokens: int | None = None
     max_concurrent_requests: int | None = None
     tokens_per_minute: int | None = None
+    default_max_tokens: int | None = None   # the completion limit of a request that sets none
 
 
 @dataclass(frozen=True)
@@ -461,8 +462,9 @@ class TenantLimiter:
             if lim.tokens_per_minute is not None:
                 if need > lim.tokens_per_minute:   # it could never pass: not a rate limit
                     raise APIError(400, f"This request may use {need} tokens ({prompt_tokens} in the prompt, "
-                                        f"max_tokens {max_tokens}), more than the {lim.tokens_per_minute} tokens "
-                                        "per minute this API key may use; lower max_tokens.",
+                                        f"{max_tokens} to complete), more than the {lim.tokens_per_minute} tokens "
+                                        "per minute this API key may use; send a shorter prompt or a lower "
+                                        "max_tokens.",
                                    code="tenant_tokens_per_minute", param="max_tokens", outcome="rejected")
                 total, used = self._window(tenant.name, now)
                 if total + need > lim.tokens_per_minute:

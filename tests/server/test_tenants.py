@@ -108,6 +108,32 @@ def test_tokens_per_minute_gives_429_with_retry_after(server):
     assert server.client("alice").completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage
 
 
+def test_a_request_without_max_tokens_fits_its_tenants_budget(make_server):
+    """Found by an operator walkthrough: a chat request without max_tokens (what most clients
+    send) reserved the rest of the context, so a tenant whose tokens_per_minute was below the
+    context got a 400 it could not fix. Such a request is now limited by the tenant's
+    default_max_tokens, and never beyond what an empty minute of its budget holds; one that
+    sets max_tokens is taken as it is."""
+    from server_harness import TENANTS_TOML
+
+    srv = make_server(tenants=TENANTS_TOML + '\n[tenants.brief]\napi_keys = ["sk-brief-00001"]\n'
+                      'default_max_tokens = 5\n')
+    ask = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
+    r = srv.client("metered").chat.completions.create(model=MODEL, messages=ask, temperature=0,
+                                                      extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.total_tokens == 60, r.usage
+    brief = srv.client("sk-brief-00001").chat.completions
+    r = brief.create(model=MODEL, messages=ask, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+    r = brief.create(model=MODEL, messages=ask, max_tokens=9, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 9
+    r = brief.create(model=MODEL, messages=ask, n=2, extra_body={"ignore_eos": True})
+    assert [c.finish_reason for c in r.choices] == ["length", "length"] and r.usage.completion_tokens == 10
+    # completions keep OpenAI's own default of 16 when max_tokens is not sent
+    r = srv.client("sk-brief-00001").completions.create(model=MODEL, prompt="Once", extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 16
+
+
 def test_limiter_reserves_prompt_plus_max_tokens_and_refunds_the_rest():
     """tokens_per_minute holds the most a request can use while it runs (so N concurrent
     requests cannot each take the whole budget) and keeps only what it used."""
@@ -208,6 +234,8 @@ tokens_per_minute = 5
     ("[tenants.a]\napi_keys = ['short']\n", "shorter than 8"),
     ("[tenants.a]\napi_keys = ['sk-same-key-1']\n[tenants.b]\napi_keys = ['sk-same-key-1']\n", "also given"),
     ("[tenants.a]\napi_keys = ['sk-aaaaaaaa']\nmax_concurrent_requests = 0\n", "positive integer"),
+    ("[tenants.a]\napi_keys = ['sk-aaaaaaaa']\ndefault_max_tokens = 0\n", "default_max_tokens must be a positive"),
+    ("[defaults]\ndefault_max_tokens = '5'\n[tenants.a]\napi_keys = ['sk-aaaaaaaa']\n", "positive integer"),
     ("[tenants.a]\napi_keys = ['sk-aaaaaaaa']\nmax_concurent_requests = 3\n", "unknown field"),
     ("[tenants.'bad name']\napi_keys = ['sk-aaaaaaaa']\n", "tenant names"),
     ("[tenant.a]\napi_keys = ['sk-aaaaaaaa']\n", "unknown top-level"),
