@@ -277,7 +277,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return e.response()
+        return _with_request_id(request, e.response())
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
@@ -287,8 +287,10 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):
-        log.error("unhandled %s on %s %s", type(e).__name__, request.method, request.url.path)
-        return JSONResponse(error_body("Internal server error.", "server_error", None, None), status_code=500)
+        log.error("unhandled %s on %s %s (request %s)", type(e).__name__, request.method, request.url.path,
+                  getattr(request.state, "request_id", "-"))
+        return _with_request_id(request, JSONResponse(error_body("Internal server error.", "server_error", None,
+                                                                 None), status_code=500))
 
     # -- operational endpoints -------------------------------------------------------------
     @app.get("/health")
@@ -432,6 +434,7 @@ _REJECTION_REASON = {"context_length_exceeded": "context_length_exceeded",
 async def _generate(state: ServerState, request: Request, kind: str):
     arrival = time.perf_counter()
     rid = {"chat": "chatcmpl-", "completion": "cmpl-", "responses": "resp-"}[kind] + uuid.uuid4().hex
+    request.state.request_id = rid   # every answer carries it (x-request-id), as the operator's log does
     tenant: Tenant | None = None
     lease: Lease | None = None
     choices: list[_Choice] = []
@@ -544,9 +547,11 @@ async def _generate(state: ServerState, request: Request, kind: str):
         if kind == "responses":
             e = responses_api.refused(e)
         _count_refusal(state, tenant, e)
-        if e.status >= 500 or e.status == 429:
-            log.info("%s tenant=%s refused: %s %s", rid, tenant.name if tenant else UNAUTHENTICATED, e.status, e.code)
-        return e.response()
+        # every refusal, so that "my requests get 400" can be looked up by request id; the code
+        # and the parameter, never the message (it may quote what the client sent)
+        log.info("%s tenant=%s refused: %s %s%s", rid, tenant.name if tenant else UNAUTHENTICATED, e.status, e.code,
+                 f" param={e.param}" if e.param else "")
+        return _with_request_id(request, e.response())
     except BaseException:   # a bug, or the task cancelled while it read the body: the slot still goes back
         if lease is not None:
             lease.release()
@@ -554,12 +559,21 @@ async def _generate(state: ServerState, request: Request, kind: str):
         raise
     if view is not None:
         if req.stream:
-            return event_stream(view.events(run.chunks()), run.close)
+            return _with_request_id(request, event_stream(view.events(run.chunks()), run.close))
         done = await run.result()
-        return await json_answer(await build_answer(lambda: view.response(done)))
+        return _with_request_id(request, await json_answer(await build_answer(lambda: view.response(done))))
     if req.stream:
-        return event_stream(run.events(), run.close)
-    return await run.collect()
+        return _with_request_id(request, event_stream(run.events(), run.close))
+    return _with_request_id(request, await run.collect())
+
+
+def _with_request_id(request: Request, response: Response) -> Response:
+    """The request's id in x-request-id (what the official client reads as `_request_id`), so a
+    client can quote it and the operator find it in the log."""
+    rid = getattr(request.state, "request_id", None)
+    if rid is not None:
+        response.headers["x-request-id"] = rid
+    return response
 
 
 async def _check_schema(state: ServerState, req: GenerationRequest) -> None:

@@ -299,3 +299,28 @@ def test_a_single_tenant_client_is_the_operator_and_sees_why(make_server):
         srv.spy.crash = True
         rest = [line for line in events if line.startswith("data: ")]
     assert '"code":"engine_unavailable"' in rest[-1] and "injected engine crash" in rest[-1]
+
+
+def test_every_answer_and_refusal_carries_a_request_id_the_log_names(server, caplog):
+    """Found by an operator walkthrough: a 400 left no line in the log (only the access line,
+    with no tenant, request or reason) and no id the client could quote. Every answer now has
+    x-request-id (the official client's `_request_id`), and each refusal's log line names it,
+    the tenant, the status, the code and the parameter, never what the client sent."""
+    c = server.client("alice")
+    ok = c.chat.completions.with_raw_response.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                      max_tokens=2)
+    assert ok.headers["x-request-id"] == ok.parse().id and ok.parse().id.startswith("chatcmpl-")
+    with c.completions.with_streaming_response.create(model=MODEL, prompt="Hi", max_tokens=2, stream=True) as s:
+        assert s.headers["x-request-id"].startswith("cmpl-")
+    with caplog.at_level(logging.INFO, logger="kvfence.server"):
+        r = httpx.post(server.base_url + "/completions", json={**OK_COMPLETION, "max_tokens": "secret-words-here"},
+                       headers={"Authorization": "Bearer sk-alice-0001"}, timeout=30)
+        assert_openai_error(r, 400, param="max_tokens")
+        rid = r.headers["x-request-id"]
+        bad_key = httpx.post(server.base_url + "/completions", json=OK_COMPLETION,
+                             headers={"Authorization": "Bearer sk-nobody-0000"}, timeout=30)
+    assert bad_key.status_code == 401 and bad_key.headers["x-request-id"].startswith("cmpl-")
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "kvfence.server"]
+    assert f"{rid} tenant=alice refused: 400 " in "\n".join(lines) and "param=max_tokens" in "\n".join(lines), lines
+    assert f"{bad_key.headers['x-request-id']} tenant=unauthenticated refused: 401 invalid_api_key" in "\n".join(lines)
+    assert "secret-words-here" not in "\n".join(lines)
