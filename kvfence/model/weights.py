@@ -1,6 +1,7 @@
 """The weights a Llama-family decoder needs, named independently of any file format."""
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -40,8 +41,10 @@ def assemble(config: ModelConfig, load: Callable[[str, int | None], Weight | Non
              progress: bool = True) -> ModelWeights:
     """Build ModelWeights through a format's `load(field, layer)`: field is one of
     LAYER_FIELDS (layer set) or embed / final_norm / lm_head (layer None; lm_head may be
-    None when tied). Shows a progress bar, one tick per layer."""
-    bar = tqdm(total=config.num_layers + 2, desc=desc, unit="layer", disable=not progress, leave=False)
+    None when tied). Shows a progress bar, one tick per layer, on a terminal only: in a log
+    file its carriage returns glued the next log line onto it."""
+    shown = progress and sys.stderr.isatty()
+    bar = tqdm(total=config.num_layers + 2, desc=desc, unit="layer", disable=not shown, leave=False)
     embed = load("embed", None)
     bar.update(1)
     layers = []
