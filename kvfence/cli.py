@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 
@@ -399,11 +400,29 @@ def _at_least_one(text: str) -> int:
     return n
 
 
+class _ShowDefaults(argparse.HelpFormatter):
+    """--help names each option's default unless its text already speaks of it (an operator
+    could not tell --max-waiting's or --max-connections' default without reading the code)."""
+
+    @staticmethod
+    def _shows(action: argparse.Action) -> bool:
+        d = action.default
+        return bool(action.option_strings) and d not in (None, False, [], argparse.SUPPRESS) \
+            and not isinstance(action, argparse._HelpAction)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text.lower() or not self._shows(action):
+            return action.help
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """kvfence's command line (deploy/ tests parse the manifests' commands with it)."""
     parser = argparse.ArgumentParser(prog="kvfence", description="KV-isolated LLM inference")
     parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True,
+                                parser_class=functools.partial(argparse.ArgumentParser, formatter_class=_ShowDefaults))
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
     s.add_argument("--host", default="127.0.0.1")
@@ -561,7 +580,10 @@ def build_parser() -> argparse.ArgumentParser:
     # (listed for --help; main() hands `kvfence sim ...` to kvfence.sim.run before parsing)
     sub.add_parser("sim", help="deterministic PD simulation: seeds x request lives, I1-I11 after every step "
                                "(kvfence sim --help)", add_help=False)
-
+    for command in sub.choices.values():   # an option without help text still shows its default
+        for action in command._actions:
+            if action.help is None and _ShowDefaults._shows(action):
+                action.help = "(default: %(default)s)"
     return parser
 
 
