@@ -61,8 +61,8 @@ class WireModel(BaseModel):
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
-    def dumps(self) -> bytes:
-        return self.model_dump_json().encode()
+    def dumps(self, exclude: set[str] | None = None) -> bytes:
+        return self.model_dump_json(exclude=exclude).encode()
 
     @classmethod
     def from_json(cls: type[M], data: Any) -> M:
@@ -219,8 +219,14 @@ class ForgetTenantsBody(WireModel):
     grammars), so that a tenant given one of the names later cannot attach or time them. A node
     retires only names whose epoch is new to it (a request stamped with it may have come first)."""
     tenants: Annotated[list[Name], Field(min_length=1, max_length=MAX_TENANTS)]
-    router: Id
-    epoch: Annotated[int, Field(ge=1, le=MAX_TOKEN_ID)]   # the router's reload that retired them
+    # the router and its reload that retired them; absent (a router from before scope stamps):
+    # retire them whatever the node knows
+    router: Id | None = None
+    epoch: Annotated[int, Field(ge=1, le=MAX_TOKEN_ID)] | None = None
+
+    def model_post_init(self, _context: Any) -> None:
+        if (self.router is None) != (self.epoch is None):
+            raise ValueError("router and epoch come together, or neither")
 
 
 class ForgetTenantsReply(WireModel):
@@ -359,6 +365,9 @@ class NodeInfo(WireModel):
     prefix_cache: bool
     pd: PdFacts
     pd_security: PdSecurity | None = None
+    # checks ScopeStamp (pd/scope_epochs.py); a node from before it refuses the stamp as an
+    # unknown field, so the router sends it none (the router is upgraded first)
+    scope_stamps: bool = False
     snapshot: dict[str, Any] = {}
 
     @field_validator("snapshot")

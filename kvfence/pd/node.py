@@ -157,7 +157,8 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
     async def info():
         if loop.state != "ready" or loop.facts is None:
             return _error(503, f"node is {loop.state}: {loop.error or ''}", "not_ready")
-        return NodeInfo.from_json({**loop.facts, "snapshot": {**loop.snapshot, "draining": drain.active}}).to_json()
+        return NodeInfo.from_json({**loop.facts, "scope_stamps": True,
+                                   "snapshot": {**loop.snapshot, "draining": drain.active}}).to_json()
 
     @app.post("/internal/drain")
     async def start_drain():
@@ -170,12 +171,13 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
     async def forget_tenants(request: Request):
         # both roles: prefill's cached prefixes, and on either the grammars kept under the scope
         body = await _read(request, ForgetTenantsBody)
-        due = scopes.forget(body.router, body.epoch, list(body.tenants))
+        due = (list(body.tenants) if body.router is None or body.epoch is None   # a router from before stamps
+               else scopes.forget(body.router, body.epoch, list(body.tenants)))
         try:
             pages = await loop.retire_soon(due) if due else 0
         except BaseException:
             for t in due:   # not retired: the next stamped request tries again
-                scopes.undo(body.router, t)
+                scopes.undo(body.router or "", t)
             raise
         return ForgetTenantsReply(pages=pages).to_json()
 

@@ -521,8 +521,7 @@ class RouterBackend:
         first request stamped with the epoch (pd/scope_epochs.py); it is logged."""
         if not tenants or self.fleet is None:
             return 0
-        bodies = [_json(ForgetTenantsBody(tenants=tenants[i:i + MAX_TENANTS], router=self.router_id,
-                                          epoch=epoch))
+        bodies = [ForgetTenantsBody(tenants=tenants[i:i + MAX_TENANTS], router=self.router_id, epoch=epoch)
                   for i in range(0, len(tenants), MAX_TENANTS)]
 
         async def forget_on(node: Node) -> int:
@@ -532,7 +531,8 @@ class RouterBackend:
                 return 0
             try:
                 for body in bodies:
-                    r = await self._http().post(node.url + "/internal/forget_tenants", **_options(node, **body))
+                    r = await self._http().post(node.url + "/internal/forget_tenants",
+                                                **_options(node, **_json(body, _stamps(node))))
                     if r.status_code != 200:
                         log.warning("%s %s did not retire removed tenants' cache scopes: HTTP %d", node.role,
                                     node.url, r.status_code)
@@ -579,7 +579,7 @@ class RouterBackend:
             body = body.model_copy(update={"expect_boot": node.checked_boot})
         try:
             r = await stack.enter_async_context(self._http().stream("POST", node.url + path,
-                                                                    **_options(node, **_json(body))))
+                                                                    **_options(node, **_json(body, _stamps(node)))))
         except httpx.ConnectError as e:    # the node never got the request: another may take it
             raise NodeError(f"the {role} node is unreachable: {type(e).__name__}: {e}", "node_unavailable",
                             retryable=True) from None
@@ -730,9 +730,20 @@ def _options(node: Node, **kw) -> dict[str, Any]:
     return node.address.http_options(**kw) if node.address is not None else kw
 
 
-def _json(body: WireModel) -> dict[str, Any]:
-    """An internal message as an httpx request's body."""
-    return {"content": body.dumps(), "headers": {"content-type": "application/json"}}
+# fields a node from before scope stamps does not know (NodeInfo.scope_stamps false): it
+# refuses unknown fields, so during a rolling upgrade (router first) it gets the message without
+STAMP_FIELDS = frozenset({"scope", "router", "epoch"})
+
+
+def _json(body: WireModel, stamps: bool = True) -> dict[str, Any]:
+    """An internal message as an httpx request's body; `stamps` False: for a node from before
+    scope stamps."""
+    exclude = None if stamps else set(STAMP_FIELDS & set(type(body).model_fields))
+    return {"content": body.dumps(exclude), "headers": {"content-type": "application/json"}}
+
+
+def _stamps(node: Node) -> bool:
+    return node.info is not None and node.info.scope_stamps
 
 
 def _error_of(raw: bytes) -> tuple[str, str | None] | None:

@@ -696,9 +696,10 @@ def _cached(events: list[dict]) -> int:
     return max(e.get("cached_tokens") or 0 for e in events)
 
 
-def _forget(cluster, role: str, router: str, epoch: int, tenant: str) -> int:
+def _forget(cluster, role: str, router: str | None, epoch: int | None, tenant: str) -> int:
+    stamp = {"router": router, "epoch": epoch} if router is not None else {}   # none: a router from before stamps
     r = httpx.post(cluster.url(role) + "/internal/forget_tenants", headers=cluster.headers, timeout=30,
-                   json={"tenants": [tenant], "router": router, "epoch": epoch})
+                   json={"tenants": [tenant], **stamp})
     r.raise_for_status()
     return r.json()["pages"]
 
@@ -728,6 +729,8 @@ def test_a_node_refuses_a_request_sent_before_a_retirement_and_retires_for_one_s
     assert _forget(cluster, "prefill", "router-under-test", 2, "scope-bob") >= 3   # reload 2 retires
     assert _cached(prefill(7, 2)) == 0
     assert _cached(prefill(8, None)) >= 48                    # unstamped (no router): no check
+    assert _forget(cluster, "prefill", None, None, "scope-bob") >= 3   # a router from before stamps: retire
+    assert _cached(prefill(9, 2)) == 0
     # decode keeps compiled grammars per scope: the same rule
     assert _forget(cluster, "decode", "router-under-test", 1, "scope-bob") == 0
     late = _node_request(cluster, "decode", "scope-d1", "scope-bob", stamp(0))

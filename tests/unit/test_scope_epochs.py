@@ -105,3 +105,22 @@ def test_reloads_number_the_retirements_and_a_name_keeps_its_epoch_while_it_is_g
     assert r4.tenants["bob"].scope_epoch == 2 and r4.tenants["alice"].scope_epoch == 0
     assert r4.tenants["alice"].limits.max_concurrent_requests == 2
     assert registry_change(r3, r4)["changed"] == ["alice"]
+
+
+def test_a_node_from_before_stamps_gets_messages_it_can_read():
+    """A rolling upgrade, router first: a node whose info does not say scope_stamps refuses
+    unknown fields, so the router sends it no stamp and the forget message without its epoch
+    (found in review: every prefill request would have been a 400)."""
+    import json
+
+    from kvfence.pd.messages import NodeInfo
+    from kvfence.pd.router import _json
+
+    body = PrefillBody(request_id="x", tenant="bob", prompt_ids=[1, 2], params={}, scope=stamp(3))
+    assert json.loads(_json(body)["content"])["scope"] == {"router": "r1", "epoch": 3}
+    old = json.loads(_json(body, stamps=False)["content"])
+    assert "scope" not in old and old["tenant"] == "bob"
+    forget = ForgetTenantsBody(tenants=["bob"], router="r1", epoch=3)
+    assert json.loads(_json(forget, stamps=False)["content"]) == {"tenants": ["bob"]}
+    assert ForgetTenantsBody.from_json({"tenants": ["bob"]}).router is None   # what such a router sends
+    assert "scope_stamps" in NodeInfo.model_fields and NodeInfo.model_fields["scope_stamps"].default is False
