@@ -57,7 +57,7 @@ from kvfence.server.backend import EngineFailed, Update
 from kvfence.server.disconnect import watch_disconnect
 from kvfence.server.engine_loop import EngineLoop
 from kvfence.server.errors import APIError, error_body
-from kvfence.server.http_limits import HttpLimits, port_unavailable, uvicorn_server
+from kvfence.server.http_limits import HttpLimits, uvicorn_server
 from kvfence.server.protocol import read_body_bytes
 from kvfence.server.streaming import StreamWithCleanup
 
@@ -112,6 +112,13 @@ async def _read(request: Request, cls: type[M]) -> M:
         return cls.from_json(raw)
     except MessageError as e:
         raise APIError(400, f"bad internal request: {e}", code="invalid_request") from None
+
+
+def _undo_if_failed(done: asyncio.Future, scopes: ScopeEpochs, router: str, tenants: list[str]) -> None:
+    """A retirement the scope table recorded did not happen: the table goes back for its pairs."""
+    if done.cancelled() or done.exception() is not None:
+        for t in tenants:
+            scopes.undo(router, t)
 
 
 def _refusal(e: Exception) -> RejectedEvent:
@@ -171,15 +178,17 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
     async def forget_tenants(request: Request):
         # both roles: prefill's cached prefixes, and on either the grammars kept under the scope
         body = await _read(request, ForgetTenantsBody)
-        due = (list(body.tenants) if body.router is None or body.epoch is None   # a router from before stamps
-               else scopes.forget(body.router, body.epoch, list(body.tenants)))
-        try:
-            pages = await loop.retire_soon(due) if due else 0
-        except BaseException:
-            for t in due:   # not retired: the next stamped request tries again
-                scopes.undo(body.router or "", t)
-            raise
-        return ForgetTenantsReply(pages=pages).to_json()
+        if body.router is None or body.epoch is None:   # a router from before scope stamps
+            return ForgetTenantsReply(pages=await loop.forget_tenants(list(body.tenants))).to_json()
+        router = body.router
+        due = scopes.forget(router, body.epoch, list(body.tenants))
+        if not due:
+            return ForgetTenantsReply(pages=0).to_json()
+        retiring = loop.retire_soon(due)
+        # not retired after all (the engine failed): the table goes back, and the next stamped
+        # request retires; this also holds when the router hung up while the command was queued
+        retiring.add_done_callback(lambda f: _undo_if_failed(f, scopes, router, due))
+        return ForgetTenantsReply(pages=await retiring).to_json()
 
     def _refuse_if_draining() -> None:
         if drain.active:
@@ -209,14 +218,14 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
             # one event-loop step from the scope check to the submission's command: no forget
             # message or other request can retire the scope in between (pd/scope_epochs.py)
             retiring = loop.retire_soon([body.tenant]) if scopes.admit(body.scope, body.tenant) else None
+            if retiring is not None and body.scope is not None:
+                router = body.scope.router
+                retiring.add_done_callback(lambda f: _undo_if_failed(f, scopes, router, [body.tenant]))
             handle = await loop.submit(body.prompt_ids, params, body.tenant, rid, body.public_prefix_scope, **extra)
-            # the engine ran the retirement first, so its outcome is known by now
-            if retiring is not None and (not retiring.done() or retiring.exception() is not None):
-                assert body.scope is not None
-                scopes.undo(body.scope.router, body.tenant)
+            # the engine ran the retirement before the submission, so its outcome is known now
+            if retiring is not None and retiring.done() and not retiring.cancelled() and retiring.exception():
                 loop.abort(rid, "the tenant's retired cache scope could not be retired here")
-                raise EngineFailed(f"retiring tenant {body.tenant!r}'s cache scope failed: "
-                                   f"{retiring.exception() if retiring.done() else 'not done'}")
+                raise EngineFailed(f"retiring tenant {body.tenant!r}'s cache scope failed: {retiring.exception()}")
             return handle
 
         async def gen():
@@ -297,15 +306,14 @@ def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int,
     from kvfence.server import fault_control
     from kvfence.server.app import ServerState, create_app
     from kvfence.server.isolation import run_startup_checks
-    from kvfence.server.serve import EXIT_CANNOT_LISTEN, load_tenants, run_until_engine_fails
+    from kvfence.server.serve import load_tenants, refuse_unusable_port, run_until_engine_fails
 
     if settings.role == "decode":
         config.enable_prefix_cache = False  # decode's KV arrives by transfer; nothing to reuse
     tenants = load_tenants(tenants_file)
-    taken = port_unavailable(host, port)   # before the model loads, not minutes after
-    if taken:
-        log.error("%s node not serving: %s", settings.role, taken)
-        return EXIT_CANNOT_LISTEN
+    refused = refuse_unusable_port(host, port, f"{settings.role} node")   # before the model loads
+    if refused is not None:
+        return refused
 
     loop = EngineLoop(lambda: build_node_engine(config, settings), run_startup_checks,
                       name=f"kvfence-{settings.role}").start()

@@ -70,7 +70,7 @@ from kvfence.pd.settings import ROLES
 from kvfence.pd.tls import TlsSettings, client_context, uvicorn_options
 from kvfence.pd.wire import cluster_headers
 from kvfence.server.backend import Admitted, EngineFailed, Logprob, RequestHandle, Update
-from kvfence.server.http_limits import HttpLimits, port_unavailable, uvicorn_server
+from kvfence.server.http_limits import HttpLimits, uvicorn_server
 
 log = logging.getLogger("kvfence.pd.router")
 
@@ -514,7 +514,7 @@ class RouterBackend:
                             body.request_id, node.url, e.code, e)
                 tried.add(node.url)
 
-    async def forget_tenants(self, tenants: list[str], epoch: int = 0) -> int:
+    async def forget_tenants(self, tenants: list[str], epoch: int) -> int:
         """Reload `epoch` of the tenants file retired these names: every node retires their
         cache scopes (prefill's cached prefix pages; on both roles the compiled grammars kept
         under them). A node that cannot be reached now retires them before it admits the
@@ -778,13 +778,12 @@ def serve_router(prefill_urls: list[str], decode_urls: list[str], model: str | N
                  stall_s: float = 10.0, limits: HttpLimits | None = None, prefill_routing: str = "affinity") -> int:
     from kvfence.server import fault_control
     from kvfence.server.app import ServerState, create_app, may_scrape
-    from kvfence.server.serve import EXIT_CANNOT_LISTEN, load_tenants
+    from kvfence.server.serve import load_tenants, refuse_unusable_port
 
     tenants = load_tenants(tenants_file)
-    taken = port_unavailable(host, port)   # before waiting up to --node-wait for the nodes
-    if taken:
-        log.error("router not serving: %s", taken)
-        return EXIT_CANNOT_LISTEN
+    refused = refuse_unusable_port(host, port, "router")   # before waiting up to --node-wait for the nodes
+    if refused is not None:
+        return refused
     backend = RouterBackend(prefill_urls, decode_urls, secret, tls, model, max_model_len, clamp_context, wait_s,
                             stall_s, prefill_routing=prefill_routing).start()
     if backend.error is not None:

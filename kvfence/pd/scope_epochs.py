@@ -38,6 +38,7 @@ class ScopeEpochs:
     def __init__(self, max_pairs: int = MAX_PAIRS):
         self._known: OrderedDict[tuple[str, str], int] = OrderedDict()
         self._floor: dict[str, int] = {}   # router -> the highest epoch of its pairs dropped for room
+        self._before: dict[tuple[str, str], int | None] = {}   # a pair's epoch before its last change
         self._max = max_pairs
 
     def admit(self, stamp: ScopeStamp | None, tenant: str) -> bool:
@@ -62,9 +63,16 @@ class ScopeEpochs:
         return True
 
     def undo(self, router: str, tenant: str) -> None:
-        """The retirement recorded for this pair did not happen: forget the pair, so that the
-        next stamped request retires again."""
-        self._known.pop((router, tenant), None)
+        """The retirement last recorded for this pair did not happen: back to what was known
+        before it (a stale stamp is still refused by that), so the next newer stamp retires again."""
+        pair = (router, tenant)
+        if pair not in self._before:
+            return
+        before = self._before.pop(pair)
+        if before is None:
+            self._known.pop(pair, None)
+        else:
+            self._known[pair] = before
 
     def forget(self, router: str, epoch: int, tenants: list[str]) -> list[str]:
         """The router's forget message: the names to retire now (those whose epoch is new
@@ -78,8 +86,10 @@ class ScopeEpochs:
         return due
 
     def _remember(self, pair: tuple[str, str], epoch: int) -> None:
+        self._before[pair] = self._known.get(pair)
         self._known[pair] = epoch
         self._known.move_to_end(pair)
         while len(self._known) > self._max:
-            (router, _), epoch = self._known.popitem(last=False)
-            self._floor[router] = max(self._floor.get(router, 0), epoch)
+            dropped, epoch = self._known.popitem(last=False)
+            self._before.pop(dropped, None)
+            self._floor[dropped[0]] = max(self._floor.get(dropped[0], 0), epoch)

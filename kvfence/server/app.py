@@ -330,10 +330,9 @@ def create_app(state: ServerState) -> FastAPI:
     async def isolation(request: Request):
         auth = request.headers.get("authorization")
         reg = state.tenants
-        # the operator's (and the scraper's, which reads every tenant's series anyway) is the whole
-        # statement, as one tenant's server is; a tenant sees its own part
-        whole = reg.single_tenant or reg.is_operator(auth) or (bool(reg.metrics_digests) and reg.may_scrape(auth))
-        tenant = None if whole else reg.authenticate(auth)
+        # the operator's and the scraper's key (it reads every tenant's series anyway) get the
+        # whole statement, as one tenant's server does; a tenant sees its own part
+        tenant = None if reg.may_scrape(auth) else reg.authenticate(auth)
         state.ensure_ready()
         return state.statement() if tenant is None else tenant_view(state.statement(), tenant)
 
@@ -450,8 +449,13 @@ async def _generate(state: ServerState, request: Request, kind: str):
         # event (which abandons a submit in progress); once it runs, _Run.revoke
         revoked = asyncio.Event()
         lease.on_revoke = revoked.set
-        body = await read_json_body(request, state.max_body_bytes)
-        _refuse_if_revoked(revoked)   # after each wait from here: a revoked key's answer is its 401
+        # after each wait from here a revoked key's answer is its 401: before the body is parsed,
+        # and instead of whatever was wrong with the body (too large, cut off)
+        try:
+            body = await read_json_body(request, state.max_body_bytes, before_parse=lambda: _refuse_if_revoked(revoked))
+        except APIError:
+            _refuse_if_revoked(revoked)
+            raise
         if kind == "responses":
             view = ResponseView(body, rid, state.served_name)
             body = responses_api.chat_body(body)
@@ -505,7 +509,7 @@ async def _generate(state: ServerState, request: Request, kind: str):
             await asyncio.to_thread(ll_tokenizer, state.engine.tokenizer, facts["vocab_size"])
         _refuse_if_revoked(revoked)
         # tokens_per_minute reserves prompt + the most it can generate; what it did not use is refunded
-        state.limiter.charge(lease, sum(len(ids) for ids in prompts), most)
+        state.limiter.charge(lease, sum(len(ids) for ids in prompts), most, param=req.max_tokens_param)
         choices = _choices(state, req, prompts, rid)
         try:
             for c in choices:   # the first choice of each prompt now, the others once it has run its prefill
@@ -547,10 +551,11 @@ async def _generate(state: ServerState, request: Request, kind: str):
         if kind == "responses":
             e = responses_api.refused(e)
         _count_refusal(state, tenant, e)
-        # every refusal, so that "my requests get 400" can be looked up by request id; the code
-        # and the parameter, never the message (it may quote what the client sent)
-        log.info("%s tenant=%s refused: %s %s%s", rid, tenant.name if tenant else UNAUTHENTICATED, e.status, e.code,
-                 f" param={e.param}" if e.param else "")
+        # every tenant's refusal, so that "my requests get 400" can be looked up by request id;
+        # the code and the parameter, never the message (it may quote what the client sent).
+        # Anyone without a key is at debug: they could fill the log a line per request.
+        log.log(logging.INFO if tenant is not None else logging.DEBUG, "%s tenant=%s refused: %s %s%s", rid,
+                tenant.name if tenant else UNAUTHENTICATED, e.status, e.code, f" param={e.param}" if e.param else "")
         return _with_request_id(request, e.response())
     except BaseException:   # a bug, or the task cancelled while it read the body: the slot still goes back
         if lease is not None:

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from starlette.requests import ClientDisconnect
@@ -86,9 +87,12 @@ async def read_body_bytes(request, limit: int) -> bytes:
 OFF_LOOP_BYTES = 64 << 10
 
 
-async def read_json_body(request, limit: int) -> dict:
-    """The request body as a JSON object, or a 400/413 that says what is wrong with it."""
+async def read_json_body(request, limit: int, before_parse: Callable[[], None] | None = None) -> dict:
+    """The request body as a JSON object, or a 400/413 that says what is wrong with it.
+    `before_parse` runs once the bytes are in, before any parsing (it may raise)."""
     raw = await read_body_bytes(request, limit)
+    if before_parse is not None:
+        before_parse()
     if len(raw) > OFF_LOOP_BYTES:
         return await asyncio.to_thread(parse_json_body, raw)
     return parse_json_body(raw)

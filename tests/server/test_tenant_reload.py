@@ -176,8 +176,30 @@ def test_a_request_revoked_before_it_reaches_the_engine_never_does(srv, tenants_
 
 def test_a_body_completed_after_its_key_was_revoked_is_told_so_before_it_is_judged(srv, tenants_path):
     """The body arrives after the reload that took its key, and is wrong as well: the client
-    is told its key was revoked (401), not what is wrong with a body the server never reads."""
-    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": "four"}).encode()
+    is told its key was revoked (401), not what is wrong with a body the server never reads:
+    a wrong field, or JSON that does not parse (found in review: it got its 400)."""
+    for body in (json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": "four"}).encode(), b"{" * 30):
+        tenants_path.write_text(FILE)
+        assert reload(srv).status_code == 200
+        _revoked_while_arriving(srv, tenants_path, body)
+
+
+def test_a_node_refusing_a_stale_scope_stamp_is_a_revoked_key_to_the_client(srv, monkeypatch):
+    """Behind the PD router a node refuses a request stamped before a retirement it carried out
+    (pd/scope_epochs.py): the request's key was revoked by that reload, and the client is told
+    so, as by the router's own revocation."""
+    from kvfence.server.backend import EngineFailed
+
+    async def stale(*a, **kw):
+        raise EngineFailed("tenant 'bob''s cache scope was retired by the router's reload 2", "scope_retired")
+
+    monkeypatch.setattr(srv.state.engine, "submit", stale)
+    with pytest.raises(openai.AuthenticationError) as e:
+        client(srv, BOB).completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert e.value.code == "api_key_revoked" and "reload 2" not in e.value.message
+
+
+def _revoked_while_arriving(srv, tenants_path, body: bytes) -> None:
     with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Authorization: Bearer " + BOB.encode() + b"\r\nContent-Length: "

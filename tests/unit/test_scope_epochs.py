@@ -61,6 +61,12 @@ def test_a_retirement_that_did_not_happen_is_tried_again():
     assert s.admit(stamp(1), "bob") is True
     s.undo("r1", "bob")
     assert s.admit(stamp(1), "bob") is True
+    # found in review: undo forgot the pair, and a stale stamp then went into the current scope
+    assert s.forget("r1", 3, ["bob"]) == ["bob"]
+    s.undo("r1", "bob")                              # reload 3's retirement failed: back to 1
+    with pytest.raises(ScopeRetired):
+        s.admit(stamp(0), "bob")
+    assert s.admit(stamp(3), "bob") is True          # and reload 3's first request retires
 
 
 def test_the_stamp_and_the_forget_message_are_typed():
@@ -124,3 +130,9 @@ def test_a_node_from_before_stamps_gets_messages_it_can_read():
     assert json.loads(_json(forget, stamps=False)["content"]) == {"tenants": ["bob"]}
     assert ForgetTenantsBody.from_json({"tenants": ["bob"]}).router is None   # what such a router sends
     assert "scope_stamps" in NodeInfo.model_fields and NodeInfo.model_fields["scope_stamps"].default is False
+    from types import SimpleNamespace
+
+    from kvfence.pd.router import _stamps
+    assert _stamps(SimpleNamespace(info=SimpleNamespace(scope_stamps=True)))           # type: ignore[arg-type]
+    assert not _stamps(SimpleNamespace(info=SimpleNamespace(scope_stamps=False)))      # type: ignore[arg-type]
+    assert not _stamps(SimpleNamespace(info=None))                                     # type: ignore[arg-type]
