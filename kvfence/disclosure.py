@@ -109,8 +109,10 @@ def build(paths: Iterable[str | Path], since: float | None = None, until: float 
                for r in records if not r.get("tenant") and not r.get("involved_tenants")]
     any_reached = any(c["reached_client"] for c in cross)
     intact = all(c["intact"] for c in chains)
-    # a broken chain may have lost the very record that says yes: then the logs cannot say no
-    answer = "yes" if any_reached else "no" if intact else "cannot tell"
+    torn = sum(len(c["torn_lines"]) for c in chains)
+    # a broken chain or a torn line may have lost the very record that says yes: then the logs
+    # cannot say no
+    answer = "yes" if any_reached else "no" if intact and not torn else "cannot tell"
     return {
         "disclosure": {"contact": (disclosure or {}).get("contact"),
                        "postmortems_published_at": (disclosure or {}).get("postmortems"),
@@ -129,8 +131,7 @@ def build(paths: Iterable[str | Path], since: float | None = None, until: float 
                                    + ("intact" if intact else "BROKEN (see logs): records may be missing, so an "
                                       "answer of no cannot be given")
                                    + (f"; {torn} line(s) were cut short while being written, and what they "
-                                      "recorded is lost" if (torn := sum(len(c["torn_lines"]) for c in chains))
-                                      else ""))},
+                                      "recorded is lost" if torn else ""))},
     }
 
 
@@ -145,6 +146,9 @@ def render(rep: dict) -> str:
     lines += ["", f"events: {rep['events']} (first {win['first_event'] or '-'}, last {win['last_event'] or '-'})"]
     for c in rep["logs"]:
         lines.append(f"  log {c['log']}: {'' if c['intact'] else 'CHAIN BROKEN: '}{c['message']}")
+    # with records lost, no tenant's "no" can be given either
+    unknown = "cannot tell" if rep["answer"]["any_byte_computed_over_another_tenants_data_reached_a_client"] == \
+        "cannot tell" else None
     lines += ["", "per tenant:"]
     if not rep["tenants"]:
         lines.append("  (no tenant was involved in any event)")
@@ -154,7 +158,7 @@ def render(rep: dict) -> str:
         lines.append(f"  {shown}: {t['events']} event(s) {t['first']} .. {t['last']}; as requester: "
                      f"{len(t['as_requester'])} request(s); as owner of touched data: {len(t['as_owner'])} "
                      f"request(s); cross-tenant: {t['cross_tenant_events']}; bytes reached a client: "
-                     f"{'YES' if t['bytes_reached_a_client'] else 'no'}")
+                     f"{'YES' if t['bytes_reached_a_client'] else unknown or 'no'}")
         for rid in t["as_requester"]:
             lines.append(f"      requested {rid}")
         for rid in t["as_owner"]:

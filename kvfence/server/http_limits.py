@@ -260,20 +260,30 @@ def uvicorn_server(app: Any, host: str, port: int, limits: HttpLimits, log_level
 def port_unavailable(host: str, port: int) -> str | None:
     """Why host:port cannot be listened on now (taken, or not this machine's address), or
     None. Checked before the model loads: uvicorn binds only once the server starts, after
-    minutes of loading with a large model, and a taken port was found only then. Bound as
-    uvicorn binds (SO_REUSEADDR) and closed at once; a race with another process remains."""
+    minutes of loading with a large model, and a taken port was found only then. Every address
+    the name resolves to is tried as uvicorn's server binds them (SO_REUSEADDR; IPv6 only on an
+    IPv6 socket; a family this host cannot open skipped), each socket closed at once; a race
+    with another process remains."""
     if port == 0:
         return None
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         return f"cannot listen on {host}:{port}: {e.strerror or e}"
-    family, kind, proto, _, addr = infos[0]
-    with socket.socket(family, kind, proto) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    bound = 0
+    for family, kind, proto, _, addr in dict.fromkeys(infos):
         try:
-            s.bind(addr)
-        except OSError as e:
-            why = "it is already in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
-            return f"cannot listen on {host}:{port}: {why}"
-    return None
+            s = socket.socket(family, kind, proto)
+        except OSError:   # e.g. IPv6 listed for the name but off on this host: uvicorn skips it too
+            continue
+        with s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(addr)
+            except OSError as e:
+                why = "it is already in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
+                return f"cannot listen on {host}:{port} ({addr[0]}): {why}"
+        bound += 1
+    return None if bound else f"cannot listen on {host}:{port}: no address of it can be opened here"

@@ -39,10 +39,9 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, tenan
           log_level: str = "info", limits: HttpLimits | None = None, tls_cert: str | None = None,
           tls_key: str | None = None) -> int:
     tenants = load_tenants(tenants_file)          # a bad tenants file fails before the model loads
-    taken = port_unavailable(host, port)          # so does a taken port
-    if taken:
-        log.error("not serving: %s (choose another --port, or stop what listens there)", taken)
-        return EXIT_CANNOT_LISTEN
+    refused = refuse_unusable_port(host, port, "kvfence serve")   # so does a taken port
+    if refused is not None:
+        return refused
     tls = {"ssl_certfile": tls_cert, "ssl_keyfile": tls_key} if tls_cert else {}
     if tls_cert:   # unreadable or mismatched: say so now, not after the model has loaded
         try:
@@ -67,6 +66,17 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, tenan
 
 EXIT_ENGINE_FAILED = 70   # EX_SOFTWARE; not uvicorn's 3 (it could not bind) nor 2 (refused to start)
 EXIT_CANNOT_LISTEN = 3    # what uvicorn exits with when it cannot bind
+
+
+def refuse_unusable_port(host: str, port: int, who: str) -> int | None:
+    """EXIT_CANNOT_LISTEN, with the reason in the log, if host:port cannot be listened on now;
+    None if it can. Every role asks before its slow start (the model, or the router's wait
+    for its nodes)."""
+    why = port_unavailable(host, port)
+    if why is None:
+        return None
+    log.error("%s not serving: %s (choose another --port or --host, or stop what listens there)", who, why)
+    return EXIT_CANNOT_LISTEN
 
 
 def run_until_engine_fails(server, engine: EngineLoop, grace_s: float = 1.0) -> int:

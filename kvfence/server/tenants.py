@@ -86,7 +86,9 @@ class TenantRegistry:
         self.single_tenant = tenants is None
         self.source = source
         self.operator_digests: list[bytes] = []
-        self.metrics_digests: list[bytes] = []    # [metrics]: a scraper's key, good for /metrics only
+        # [metrics]: a scraper's key: /metrics, /health's detail, the router's per-node state and
+        # the whole isolation statement (what describes every tenant); never generation or the console
+        self.metrics_digests: list[bytes] = []
         self.disclosure: dict = {}
         self.reloads = 0                       # how many reloads led to this registry
         self.scope_epochs: dict[str, int] = {}   # name -> the reload that last retired it (gone names too)
@@ -444,7 +446,7 @@ class TenantLimiter:
             self._open.add(lease)
         return lease
 
-    def charge(self, lease: Lease, prompt_tokens: int, max_tokens: int = 0) -> None:
+    def charge(self, lease: Lease, prompt_tokens: int, max_tokens: int = 0, param: str = "max_tokens") -> None:
         """Once the prompt is tokenized: the prompt cap (400), and with tokens_per_minute a
         reservation of prompt + max_tokens, the most the request can use (429 while the window
         is full); release() refunds what it did not use."""
@@ -463,9 +465,9 @@ class TenantLimiter:
                 if need > lim.tokens_per_minute:   # it could never pass: not a rate limit
                     raise APIError(400, f"This request may use {need} tokens ({prompt_tokens} in the prompt, "
                                         f"{max_tokens} to complete), more than the {lim.tokens_per_minute} tokens "
-                                        "per minute this API key may use; send a shorter prompt or a lower "
-                                        "max_tokens.",
-                                   code="tenant_tokens_per_minute", param="max_tokens", outcome="rejected")
+                                        f"per minute this API key may use; send a shorter prompt or a lower "
+                                        f"{param}.",
+                                   code="tenant_tokens_per_minute", param=param, outcome="rejected")
                 total, used = self._window(tenant.name, now)
                 if total + need > lim.tokens_per_minute:
                     wait = self._wait_for(used, total + need - lim.tokens_per_minute, now)

@@ -28,7 +28,9 @@ def _never(*a, **kw):
 
 
 def test_the_check_names_a_taken_port_and_passes_a_free_one(taken):
-    assert port_unavailable("127.0.0.1", taken) == f"cannot listen on 127.0.0.1:{taken}: it is already in use"
+    assert port_unavailable("127.0.0.1", taken) == \
+        f"cannot listen on 127.0.0.1:{taken} (127.0.0.1): it is already in use"
+    assert "already in use" in port_unavailable("localhost", taken)   # every address of a name
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
