@@ -22,8 +22,13 @@ def load_tenants(path: str | None) -> TenantRegistry:
                     "not checked (pass --tenants FILE to serve several tenants)")
     else:
         reg = TenantRegistry.from_file(path)
-        log.info("multi-tenant mode: %d tenant(s) from %s; requests need 'Authorization: Bearer <key>'",
-                 len(reg.tenants), path)
+        # what the operator keys open, said at start: without them the console and the reload
+        # route are off and /metrics answers 401 to every scraper
+        log.info("multi-tenant mode: %d tenant(s) from %s; requests need 'Authorization: Bearer <key>'; "
+                 "operator console and reload route %s; /metrics %s", len(reg.tenants), path,
+                 "on ([operator] key)" if reg.operator_digests else "off (no [operator] key)",
+                 "for the [metrics] or [operator] key" if reg.metrics_digests else
+                 "for the [operator] key only" if reg.operator_digests else "closed (no [metrics] or [operator] key)")
     return reg
 
 

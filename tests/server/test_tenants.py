@@ -51,6 +51,23 @@ def test_single_tenant_mode_is_announced_at_start_up(caplog):
     assert any("SINGLE-TENANT" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
 
 
+def test_multi_tenant_mode_says_what_the_operator_keys_open(caplog, tmp_path):
+    """Found by an operator walkthrough: the start-up line did not say whether the console and
+    /metrics could be reached at all."""
+    from kvfence.server.serve import load_tenants
+
+    path = tmp_path / "t.toml"
+    path.write_text("[tenants.a]\napi_keys = ['sk-aaaaaaaa']\n")
+    with caplog.at_level(logging.INFO):
+        load_tenants(str(path))
+    assert "console and reload route off (no [operator] key); /metrics closed" in caplog.text
+    caplog.clear()
+    path.write_text("[tenants.a]\napi_keys = ['sk-aaaaaaaa']\n[operator]\napi_keys = ['sk-operator-1']\n")
+    with caplog.at_level(logging.INFO):
+        load_tenants(str(path))
+    assert "console and reload route on ([operator] key); /metrics for the [operator] key only" in caplog.text
+
+
 def test_max_prompt_tokens_per_tenant(server):
     ok = server.client("capped").completions.create(model=MODEL, prompt="Hi there", max_tokens=2)
     assert ok.usage.prompt_tokens <= 16
