@@ -186,9 +186,10 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
             return ForgetTenantsReply(pages=0).to_json()
         retiring = loop.retire_soon(due)
         # not retired after all (the engine failed): the table goes back, and the next stamped
-        # request retires; this also holds when the router hung up while the command was queued
+        # request retires. Shielded: a router hanging up cancels this wait, not the queued
+        # retirement, which still runs and must stay recorded
         retiring.add_done_callback(lambda f: _undo_if_failed(f, scopes, router, due))
-        return ForgetTenantsReply(pages=await retiring).to_json()
+        return ForgetTenantsReply(pages=await asyncio.shield(retiring)).to_json()
 
     def _refuse_if_draining() -> None:
         if drain.active:
