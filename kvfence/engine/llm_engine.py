@@ -41,7 +41,7 @@ from kvfence.engine.sampler import SampleOutput, Sampler, make_generator, score_
 from kvfence.engine.scheduler import ScheduledSeq, Scheduler
 from kvfence.engine.sequence import Sequence, TokenLogprob
 from kvfence.engine.step_target import StepTarget
-from kvfence.kv.ledger import PUBLIC_SCOPE, Ledger, Owner, ReadRequest, Violation
+from kvfence.kv.ledger import Ledger, Owner, ReadRequest, Violation, scope_name
 from kvfence.kv.pool import KVPool, available_memory, page_bytes, parse_bytes
 from kvfence.kv.prefix_cache import PrefixCache
 from kvfence.model.llama import LlamaModel
@@ -173,12 +173,13 @@ class LLMEngine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, tenant: str = "default",
                     request_id: str | None = None, prompt: str | None = None,
                     public_prefix_scope: str | None = None, hold_kv: bool = False,
-                    kv_source=None) -> Sequence:
+                    kv_source=None, router: str | None = None) -> Sequence:
         """Admit a request (I4) or raise ContextLengthExceeded before anything is allocated.
 
         The prefix cache is scoped to the tenant; `public_prefix_scope` (which the caller must
         only pass for a tenant that opted in) shares cached prefixes across tenants that name
-        the same public scope (I9).
+        the same public scope (I9). `router` (a PD node: the router process that sent it)
+        makes either scope that router's own (ledger.scope_name).
 
         PD: `hold_kv` (prefill node) computes all prompt tokens but the last and hands the
         KV to the attached KvExporter; `kv_source` (decode node) is the handoff (manifest + source),
@@ -192,7 +193,7 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})")
         max_tokens = params.max_tokens if params.max_tokens is not None else max(
             1, self.usable_context - len(prompt_ids))
-        scope = f"{PUBLIC_SCOPE}{public_prefix_scope}" if public_prefix_scope else tenant
+        scope = scope_name(tenant, public_prefix_scope, router)
         if (hold_kv or kv_source is not None) and isinstance(self.kv_link, NoKvLink):
             raise ValueError("this engine is not a PD node: no KV link attached")
         if hold_kv and len(prompt_ids) < 2:
@@ -290,11 +291,12 @@ class LLMEngine:
         """time.time() at which step() has timed work (PD leases, fences), or None."""
         return self.kv_link.next_timer()
 
-    def forget_tenant(self, tenant: str) -> int:
+    def forget_tenant(self, tenant: str, router: str | None = None) -> int:
         """The tenant was removed from the tenants file: its own cache scope is retired
         (Ledger.retire_scope): its prefix pages, and with its id the compiled grammars kept
-        under it; a public scope it shared stays. Returns the pages."""
-        return self.ledger.retire_scope(tenant)
+        under it; a public scope it shared stays. On a PD node, the scope of that router's
+        tenant of the name. Returns the pages."""
+        return self.ledger.retire_scope(scope_name(tenant, router=router))
 
     def publish_prefix(self, seq: Sequence) -> None:
         if self.prefix_cache is not None:

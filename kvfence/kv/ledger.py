@@ -27,8 +27,24 @@ NULL_PAGE = 0  # never granted; padding slots point here and it always holds zer
 PUBLIC_SCOPE = "\0public:"
 
 
+# on a PD node, every scope belongs to the router process that sent its requests: the router
+# decides who a tenant name is, and another router (or the same one restarted, which forgets
+# its reload history) may give the name to another party. Appended, so the public mark stays first.
+ROUTER_REALM = "\0router:"
+
+
+def scope_name(tenant: str, public_prefix_scope: str | None = None, router: str | None = None) -> str:
+    """The one rule for a request's prefix-cache scope key (I9): its tenant's own, or the
+    opted-in public scope; behind a router, that router's copy of either, so that no router
+    process attaches pages cached for another's tenants of the same name."""
+    base = f"{PUBLIC_SCOPE}{public_prefix_scope}" if public_prefix_scope else tenant
+    return f"{base}{ROUTER_REALM}{router}" if router else base
+
+
 def scope_label(name: str) -> str:
-    """A tenant's name as it is; a public prefix scope's key as "public:NAME"."""
+    """A tenant's name as it is; a public prefix scope's key as "public:NAME"; without the
+    router it is kept for (reports name tenants, not router processes)."""
+    name = name.split(ROUTER_REALM, 1)[0]
     return "public:" + name[len(PUBLIC_SCOPE):] if name.startswith(PUBLIC_SCOPE) else name
 
 

@@ -184,7 +184,7 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
         due = scopes.forget(router, body.epoch, list(body.tenants))
         if not due:
             return ForgetTenantsReply(pages=0).to_json()
-        retiring = loop.retire_soon(due)
+        retiring = loop.retire_soon(due, router)
         # not retired after all (the engine failed): the table goes back, and the next stamped
         # request retires. Shielded: a router hanging up cancels this wait, not the queued
         # retirement, which still runs and must stay recorded
@@ -218,11 +218,14 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
         async def admit():
             # one event-loop step from the scope check to the submission's command: no forget
             # message or other request can retire the scope in between (pd/scope_epochs.py)
-            retiring = loop.retire_soon([body.tenant]) if scopes.admit(body.scope, body.tenant) else None
-            if retiring is not None and body.scope is not None:
-                router = body.scope.router
+            router = body.scope.router if body.scope is not None else None
+            retiring = loop.retire_soon([body.tenant], router) if scopes.admit(body.scope, body.tenant) else None
+            if retiring is not None and router is not None:
                 retiring.add_done_callback(lambda f: _undo_if_failed(f, scopes, router, [body.tenant]))
-            handle = await loop.submit(body.prompt_ids, params, body.tenant, rid, body.public_prefix_scope, **extra)
+            # the cache scope is the stamping router's (ledger.scope_name): a name another router
+            # (or this one restarted) gave to another party shares no page with it
+            handle = await loop.submit(body.prompt_ids, params, body.tenant, rid, body.public_prefix_scope,
+                                       router=router, **extra)
             # the engine ran the retirement before the submission, so its outcome is known now
             if retiring is not None and retiring.done() and not retiring.cancelled() and retiring.exception():
                 loop.abort(rid, "the tenant's retired cache scope could not be retired here")

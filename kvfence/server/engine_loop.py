@@ -171,10 +171,11 @@ class EngineLoop:
             return 0
         return await self.retire_soon(tenants)
 
-    def retire_soon(self, tenants: list[str]) -> asyncio.Future:
+    def retire_soon(self, tenants: list[str], router: str | None = None) -> asyncio.Future:
         """forget_tenants' command queued now, ahead of any submission queued after this call
-        (a PD node retiring a scope before the request that showed it stale here)."""
-        return self.call_soon(lambda engine: sum(engine.forget_tenant(t) for t in tenants))
+        (a PD node retiring a scope before the request that showed it stale here; `router`:
+        the scopes of that router's tenants, LLMEngine.add_request)."""
+        return self.call_soon(lambda engine: sum(engine.forget_tenant(t, router) for t in tenants))
 
     async def call(self, fn: Callable):
         """Run fn(engine) in the engine thread and return its result (PD control messages)."""

@@ -202,6 +202,10 @@ def _pd_terms(facts: dict) -> dict:
                 "pull_source": "decode pulls only from the transfer session the router read from the prefill "
                                "node itself, never from an address a manifest names",
             },
+            "cache_scopes": "on a node, each router process's tenants have their own prefix-cache scopes, so "
+                            "a restarted or second router never reaches pages cached for another's tenant "
+                            "of the same name; a router's tenants-file reload retires a name's scope on "
+                            "every node, and a request stamped before it is refused (scope_retired)",
         },
     }
 

@@ -130,19 +130,40 @@ def test_eviction_under_pressure_keeps_outputs_and_ledger_right(make_llm):
     assert eng.ledger.num_available == eng.ledger.usable_pages
 
 
-def test_a_public_scope_shares_prompts_not_what_the_model_wrote(llm):
+@pytest.mark.parametrize("router", [None, "router-1"])
+def test_a_public_scope_shares_prompts_not_what_the_model_wrote(llm, router):
     """The opt-in shares prompt prefixes. A's generated pages stay out of the public scope: B
     sending A's prompt and A's answer (a guess of it) attaches A's prompt pages only, so its
-    cached_tokens cannot confirm the guess. In A's own scope the answer's pages are cached."""
+    cached_tokens cannot confirm the guess. In A's own scope the answer's pages are cached.
+    The same on a PD node, where the scope is the router's copy (its key keeps the public mark)."""
     eng = llm.engine
     long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     prompt = ids_for(llm, "Hi")
-    a = eng.add_request(prompt, long, tenant="A", public_prefix_scope="bank-system-prompt")
+    a = eng.add_request(prompt, long, tenant="A", public_prefix_scope="bank-system-prompt", router=router)
     run_to_end(eng)
     guess = prompt + a.output_ids + ids_for(llm, "")[:4]
-    b = run(eng, guess, "B", public_prefix_scope="bank-system-prompt")
+    b = run(eng, guess, "B", public_prefix_scope="bank-system-prompt", router=router)
     assert 0 < b.cached_tokens <= len(prompt) // 16 * 16
     own = eng.add_request(prompt, long, tenant="A")
     run_to_end(eng)
     mine = run(eng, prompt + own.output_ids + ids_for(llm, "")[:4], "A")
     assert mine.cached_tokens > len(prompt)
+
+
+def test_a_tenant_name_behind_two_routers_is_two_scopes(llm):
+    """On a PD node a tenant's scope is the sending router's: another router, or the same one
+    restarted (a new process id that forgets its reloads), may have given the name to another
+    party, and that party must attach none of the pages cached under it (the gap a router
+    restarted after a reload that missed the node left). Retiring one router's scope leaves
+    the other's; reports still name the tenant, not the router."""
+    eng = llm.engine
+    question = ids_for(llm, "What are your opening hours?")
+    run(eng, question, "A", router="router-1")
+    assert run(eng, question, "A", router="router-1").cached_tokens > 0        # its own scope hits
+    assert run(eng, question, "A", router="router-2").cached_tokens == 0       # another router's: nothing
+    assert run(eng, question, "A").cached_tokens == 0                          # nor a single node's
+    assert run(eng, question, "A", public_prefix_scope="p", router="router-1").cached_tokens == 0
+    assert eng.forget_tenant("A", router="router-2") > 0
+    assert run(eng, question, "A", router="router-1").cached_tokens > 0
+    assert run(eng, question, "A", router="router-2").cached_tokens == 0
+    assert set(eng.ledger.pages_by_owner()["shared"]) == {"A", "public:p"}

@@ -719,6 +719,9 @@ def test_a_node_refuses_a_request_sent_before_a_retirement_and_retires_for_one_s
 
     prefill(1, 0)
     assert _cached(prefill(2, 0)) >= 48                       # the old party's prompt is cached
+    # the same name from another router process (or this one restarted): its own scope
+    assert _cached(_node_request(cluster, "prefill", "scope-other", "scope-bob",
+                                 {"router": "another-router", "epoch": 0})) == 0
     assert _cached(prefill(3, 1)) == 0                        # reload 1's message never came: retired first
     assert _cached(prefill(4, 1)) >= 48                       # once: the new party's own pages stay
     stale = prefill(5, 0)                                     # sent before reload 1, arriving after
@@ -728,9 +731,12 @@ def test_a_node_refuses_a_request_sent_before_a_retirement_and_retires_for_one_s
     assert _cached(prefill(6, 1)) >= 48
     assert _forget(cluster, "prefill", "router-under-test", 2, "scope-bob") >= 3   # reload 2 retires
     assert _cached(prefill(7, 2)) == 0
-    assert _cached(prefill(8, None)) >= 48                    # unstamped (no router): no check
-    assert _forget(cluster, "prefill", None, None, "scope-bob") >= 3   # a router from before stamps: retire
-    assert _cached(prefill(9, 2)) == 0
+    # unstamped (a router from before stamps): no check, and the name's plain scope
+    assert _cached(prefill(8, None)) == 0
+    assert _cached(prefill(9, None)) >= 48
+    assert _forget(cluster, "prefill", None, None, "scope-bob") >= 3   # such a router's forget: that scope
+    assert _cached(prefill(10, None)) == 0
+    assert _cached(prefill(11, 2)) >= 48                      # the stamping router's scope stays
     # decode keeps compiled grammars per scope: the same rule
     assert _forget(cluster, "decode", "router-under-test", 1, "scope-bob") == 0
     late = _node_request(cluster, "decode", "scope-d1", "scope-bob", stamp(0))
@@ -738,6 +744,40 @@ def test_a_node_refuses_a_request_sent_before_a_retirement_and_retires_for_one_s
     assert any(e.get("event") == "admitted" for e in _node_request(cluster, "decode", "scope-d2", "scope-bob",
                                                                    stamp(1)))
     cluster.wait_quiet(30)
+
+
+LIGHTHOUSE = ("The lighthouse keeper's log for the winter: storms on the first and third weeks, a supply boat "
+              "late by nine days, and a new lamp fitted in February. ") * 3
+
+
+def _start_router(cluster, tmp_path, tenants, name: str):
+    """Another router process over the cluster's nodes, with its own tenants file; ready."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / f"{name}.log", "w+")
+    router = subprocess.Popen([sys.executable, "-m", "kvfence.cli", "serve", "--role", "router", "--port", str(port),
+                               "--prefill-url", cluster.url("prefill"), "--decode-url", cluster.url("decode"),
+                               "--node-stall", "5", "--tenants", str(tenants)],
+                              cwd=ROOT, env=cluster.env, stdout=log, stderr=subprocess.STDOUT)
+    end = time.monotonic() + 120
+    while True:
+        if router.poll() is not None or time.monotonic() > end:
+            stop_processes([router], grace_s=10)
+            log.close()
+            raise AssertionError((tmp_path / f"{name}.log").read_text()[-3000:])
+        try:
+            if httpx.get(url + "/v1/kvfence/cluster", timeout=2).json().get("ready"):
+                return router, url, log
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.5)
+
+
+def _cached_through(url: str, key: str) -> int:
+    """cached_tokens of the lighthouse prompt sent through the router at url with key."""
+    c = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+    r = c.completions.create(model=c.models.list().data[0].id, prompt=LIGHTHOUSE, max_tokens=1, temperature=0)
+    return r.usage.prompt_tokens_details.cached_tokens
 
 
 SCOPE_TENANTS = """
@@ -757,32 +797,13 @@ def test_a_node_the_reload_did_not_reach_retires_the_scope_before_the_new_partys
     stamps epoch 0 whatever the reload."""
     tenants = tmp_path / "tenants.toml"
     tenants.write_text(SCOPE_TENANTS.format(carol="sk-scope-carol-01"))
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "router2.log", "w+")
-    router = subprocess.Popen([sys.executable, "-m", "kvfence.cli", "serve", "--role", "router", "--port", str(port),
-                               "--prefill-url", cluster.url("prefill"), "--decode-url", cluster.url("decode"),
-                               "--node-stall", "5", "--tenants", str(tenants)],
-                              cwd=ROOT, env=cluster.env, stdout=log, stderr=subprocess.STDOUT)
+    router, url, log = _start_router(cluster, tmp_path, tenants, "router2")
     operator = {"Authorization": "Bearer sk-scope-operator"}
-    prompt = ("The lighthouse keeper's log for the winter: storms on the first and third weeks, a supply boat "
-              "late by nine days, and a new lamp fitted in February. ") * 3
 
     def cached(key: str) -> int:
-        c = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
-        r = c.completions.create(model=c.models.list().data[0].id, prompt=prompt, max_tokens=1, temperature=0)
-        return r.usage.prompt_tokens_details.cached_tokens
+        return _cached_through(url, key)
 
     try:
-        end = time.monotonic() + 120
-        while True:
-            assert router.poll() is None and time.monotonic() < end, (tmp_path / "router2.log").read_text()[-3000:]
-            try:
-                if httpx.get(url + "/v1/kvfence/cluster", timeout=2).json().get("ready"):
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.5)
         cached("sk-scope-carol-01")
         assert cached("sk-scope-carol-01") >= 32
         httpx.post(url + "/internal/test/faults", json={"spec": "lose_forget_tenants"}, headers=cluster.headers,
@@ -793,10 +814,42 @@ def test_a_node_the_reload_did_not_reach_retires_the_scope_before_the_new_partys
         assert r.json()["prefix_pages_retired"] == 0          # no node heard of it
         assert cached("sk-scope-carol-02") == 0
         c = openai.OpenAI(base_url=url + "/v1", api_key="sk-scope-carol-02", max_retries=0, timeout=60)
-        both = c.completions.create(model=c.models.list().data[0].id, prompt=prompt, max_tokens=2, n=2)
+        both = c.completions.create(model=c.models.list().data[0].id, prompt=LIGHTHOUSE, max_tokens=2, n=2)
         assert len(both.choices) == 2       # the second choice is stamped like the first, not refused
         with pytest.raises(openai.AuthenticationError):
             cached("sk-scope-carol-01")
+    finally:
+        stop_processes([router], grace_s=10)
+        log.close()
+    cluster.wait_quiet(30)
+
+
+def test_a_router_restarted_after_a_reload_that_missed_a_node_does_not_open_the_old_partys_pages(cluster, tmp_path):
+    """The router reloads a name to another party while its forget message cannot reach the
+    prefill node, and is restarted before the new party's first request: the new router
+    process has no reload history, so its stamps say nothing is retired. The node keeps each
+    router's tenants in their own scopes, so the new party still attaches none of the old
+    party's cached pages (before, it did: the gap left in stop 36). Mutant: the scope key
+    without the router (ledger.scope_name)."""
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(SCOPE_TENANTS.format(carol="sk-restart-carol-01"))
+    router, url, log = _start_router(cluster, tmp_path, tenants, "router-before")
+    try:
+        _cached_through(url, "sk-restart-carol-01")
+        assert _cached_through(url, "sk-restart-carol-01") >= 32
+        httpx.post(url + "/internal/test/faults", json={"spec": "lose_forget_tenants"}, headers=cluster.headers,
+                   timeout=10).raise_for_status()
+        tenants.write_text(SCOPE_TENANTS.format(carol="sk-restart-carol-02"))
+        r = httpx.post(url + "/v1/kvfence/tenants/reload", headers={"Authorization": "Bearer sk-scope-operator"},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["retired"] == ["carol"] and r.json()["prefix_pages_retired"] == 0
+    finally:
+        stop_processes([router], grace_s=10)
+        log.close()
+    router, url, log = _start_router(cluster, tmp_path, tenants, "router-after")
+    try:
+        assert _cached_through(url, "sk-restart-carol-02") == 0
+        assert _cached_through(url, "sk-restart-carol-02") >= 32     # its own pages are cached as usual
     finally:
         stop_processes([router], grace_s=10)
         log.close()

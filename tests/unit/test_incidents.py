@@ -192,8 +192,7 @@ def test_an_anchored_last_hash_catches_a_rewritten_or_cut_off_end(tmp_path, caps
 def test_a_public_prefix_scope_is_reported_as_a_scope_not_as_a_tenant(tmp_path):
     # found in review: the ledger's key for a public scope ("\0public:NAME") reached the report
     # as a tenant whose name starts with a NUL
-    from kvfence.engine.llm_engine import PUBLIC_SCOPE
-    from kvfence.kv.ledger import BlockTable, Ledger, Owner
+    from kvfence.kv.ledger import PUBLIC_SCOPE, BlockTable, Ledger, Owner
 
     led = Ledger(16, 4)
     docs = led.tenant_id(f"{PUBLIC_SCOPE}docs")
