@@ -33,6 +33,13 @@ class Overloaded(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
+def completion_tokens(max_tokens: int | None, prompt_tokens: int, usable: int) -> int:
+    """The most completion tokens a request may generate: its max_tokens, or the rest of the
+    context when it sets none (at least 1: a prompt that leaves none is refused by I4). The one
+    rule the engine, the PD router and the server's reservations follow."""
+    return max_tokens if max_tokens is not None else max(1, usable - prompt_tokens)
+
+
 class CapacityError(RuntimeError):
     """The advertised context does not fit the KV pool (the incident's misconfiguration)."""
 

@@ -16,7 +16,14 @@ from typing import TypeVar
 import torch
 
 from kvfence import faults, incidents
-from kvfence.engine.admission import ContextLengthExceeded, ContextPlan, Overloaded, check_fits, plan_context
+from kvfence.engine.admission import (
+    ContextLengthExceeded,
+    ContextPlan,
+    Overloaded,
+    check_fits,
+    completion_tokens,
+    plan_context,
+)
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.containment import FAIL_CLOSED, MAX_FAILED_STEPS
 from kvfence.engine.detokenizer import IncrementalDetokenizer
@@ -191,8 +198,7 @@ class LLMEngine:
         self._check_load(tenant)
         if any((not isinstance(t, int)) or t < 0 or t >= self.model_config.vocab_size for t in prompt_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})")
-        max_tokens = params.max_tokens if params.max_tokens is not None else max(
-            1, self.usable_context - len(prompt_ids))
+        max_tokens = completion_tokens(params.max_tokens, len(prompt_ids), self.usable_context)
         scope = scope_name(tenant, public_prefix_scope, router)
         if (hold_kv or kv_source is not None) and isinstance(self.kv_link, NoKvLink):
             raise ValueError("this engine is not a PD node: no KV link attached")

@@ -37,7 +37,7 @@ import httpx
 from fastapi import Request
 
 from kvfence import faults, incidents
-from kvfence.engine.admission import ContextLengthExceeded
+from kvfence.engine.admission import ContextLengthExceeded, completion_tokens
 from kvfence.engine.params import SamplingParams
 from kvfence.pd.addresses import NodeAddress, Resolver, expand, system_resolver
 from kvfence.pd.capacity import ClusterCheck, plan_fleet
@@ -370,8 +370,7 @@ class RouterBackend:
             # prefill samples nothing and decode never computes the prompt: neither could score it
             raise ValueError("echo with logprobs, and max_tokens 0, are not supported behind the PD router; "
                              "send them to a single-node server")
-        usable = self.facts["usable_context"]
-        max_tokens = params.max_tokens if params.max_tokens is not None else max(1, usable - len(prompt_ids))
+        max_tokens = completion_tokens(params.max_tokens, len(prompt_ids), self.facts["usable_context"])
         if max_tokens != params.max_tokens:
             params = dataclasses.replace(params, max_tokens=max_tokens)
         rid = request_id or f"pd-{time.time_ns()}"

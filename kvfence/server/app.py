@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvfence import faults
-from kvfence.engine.admission import ContextLengthExceeded, Overloaded, check_fits
+from kvfence.engine.admission import ContextLengthExceeded, Overloaded, check_fits, completion_tokens
 from kvfence.engine.grammar import GrammarError, check_schema, ll_tokenizer
 from kvfence.engine.params import SamplingParams, canonical_schema
 from kvfence.model.tokenizer import ChatTemplateError
@@ -490,8 +490,8 @@ async def _generate(state: ServerState, request: Request, kind: str):
         # the most completion tokens this request can use: max_tokens, or the rest of the context
         # when it sets none (what the engine will allow), for every choice (n choices of a prompt
         # may use n x max_tokens); it bounds the logprobs and tokens_per_minute reserves it
-        mt = req.params.max_tokens
-        most = sum(mt if mt is not None else max(1, facts["usable_context"] - len(ids)) for ids in prompts) * req.n
+        usable = facts["usable_context"]
+        most = sum(completion_tokens(req.params.max_tokens, len(ids), usable) for ids in prompts) * req.n
         if req.params.logprobs is not None:   # the answer is built whole on the event loop: bound it
             entries = most * (req.params.logprobs + 1)
             if entries > MAX_LOGPROB_ENTRIES:
@@ -712,14 +712,10 @@ def _limit_implicit_max_tokens(req: GenerationRequest, tenant: Tenant, prompts: 
     there. A request that sets max_tokens is taken as it is."""
     if req.params.max_tokens is not None or not prompts:
         return
-    lim = tenant.limits
-    room = usable - max(len(ids) for ids in prompts)
-    caps = [room]
-    if lim.default_max_tokens is not None:
-        caps.append(lim.default_max_tokens)
-    if lim.tokens_per_minute is not None:   # prompts + n x max_tokens per prompt must fit the minute
-        caps.append((lim.tokens_per_minute - sum(len(ids) for ids in prompts)) // (len(prompts) * req.n))
-    cap = min(caps)
+    room = min(completion_tokens(None, len(ids), usable) for ids in prompts)
+    caps = [room, tenant.limits.default_max_tokens,
+            TenantLimiter.largest_max_tokens(tenant, sum(len(ids) for ids in prompts), len(prompts) * req.n)]
+    cap = min(c for c in caps if c is not None)
     if cap >= 1 and cap < room:   # below 1 the prompt alone is refused, with its own reason
         req.params = dataclasses.replace(req.params, max_tokens=cap)
 

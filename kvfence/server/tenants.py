@@ -446,6 +446,14 @@ class TenantLimiter:
             self._open.add(lease)
         return lease
 
+    @staticmethod
+    def largest_max_tokens(tenant: Tenant, prompt_tokens: int, completions: int) -> int | None:
+        """The largest max_tokens per completion that charge() could ever pass for these prompt
+        tokens and this many completions (None: no tokens_per_minute): what an empty minute
+        holds after the prompts, shared evenly."""
+        tpm = tenant.limits.tokens_per_minute
+        return None if tpm is None else (tpm - prompt_tokens) // max(1, completions)
+
     def charge(self, lease: Lease, prompt_tokens: int, max_tokens: int = 0, param: str = "max_tokens") -> None:
         """Once the prompt is tokenized: the prompt cap (400), and with tokens_per_minute a
         reservation of prompt + max_tokens, the most the request can use (429 while the window
