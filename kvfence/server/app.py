@@ -345,15 +345,15 @@ def _openai_routes(app: FastAPI, state: ServerState) -> None:
     """The public OpenAI API: models, completions, chat completions."""
     @app.get("/v1/models")
     async def models(request: Request):
-        state.tenants.authenticate(request.headers.get("authorization"))
-        return {"object": "list", "data": [_model_card(state)] if state.engine.facts else []}
+        tenant = state.tenants.authenticate(request.headers.get("authorization"))
+        return {"object": "list", "data": [_model_card(state, tenant)] if state.engine.facts else []}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str, request: Request):
-        state.tenants.authenticate(request.headers.get("authorization"))
+        tenant = state.tenants.authenticate(request.headers.get("authorization"))
         if not state.engine.facts or model != state.served_name:
             raise APIError(404, f"The model '{model}' does not exist.", code="model_not_found", param="model")
-        return _model_card(state)
+        return _model_card(state, tenant)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -413,10 +413,16 @@ def _openai_routes(app: FastAPI, state: ServerState) -> None:
         return await _generate(state, request, "responses")   # a view of chat (server/responses_api.py)
 
 
-def _model_card(state: ServerState) -> dict:
+def _model_card(state: ServerState, tenant: Tenant) -> dict:
+    """The model as the caller's key sees it: the context, and with a tenants file the key's
+    own limits (null: none), so a client can size its requests before one is refused. Only
+    its own: another tenant's limits say nothing it may know."""
     f = state.facts
-    return {"id": state.served_name, "object": "model", "created": 0, "owned_by": "kvfence",
+    card = {"id": state.served_name, "object": "model", "created": 0, "owned_by": "kvfence",
             "max_model_len": f["usable_context"], "fingerprint": f["fingerprint"]}
+    if not state.tenants.single_tenant:
+        card["tenant_limits"] = dataclasses.asdict(tenant.limits)
+    return card
 
 
 _REJECTION_REASON = {"context_length_exceeded": "context_length_exceeded",

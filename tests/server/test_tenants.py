@@ -42,6 +42,28 @@ def test_single_tenant_mode_needs_no_key_and_says_so(single):
     assert tenancy["mode"] == "single-tenant" and "not checked" in tenancy["identity"]
 
 
+def test_a_key_reads_its_own_limits_in_the_model_card(make_server):
+    """A client can size its requests before one is refused: /v1/models shows the calling
+    key's own limits (null: none), never another tenant's; without a tenants file there are
+    none to show."""
+    from server_harness import TENANTS_TOML
+
+    srv = make_server(tenants=TENANTS_TOML + '\n[tenants.brief]\napi_keys = ["sk-brief-00001"]\n'
+                      'default_max_tokens = 5\nmax_prompt_tokens = 300\n')
+    card = srv.client("sk-brief-00001").models.list().data[0].model_dump()
+    limits = card["tenant_limits"]
+    assert limits == {"max_prompt_tokens": 300, "max_concurrent_requests": limits["max_concurrent_requests"],
+                      "tokens_per_minute": None, "default_max_tokens": 5}
+    assert limits["max_concurrent_requests"] >= 1     # the tenants file's default share of the node
+    assert card["max_model_len"] > 300
+    other = srv.client("metered").models.retrieve(MODEL).model_dump()["tenant_limits"]
+    assert other["tokens_per_minute"] is not None and other["default_max_tokens"] is None
+
+
+def test_single_tenant_mode_has_no_tenant_limits_to_show(single):
+    assert "tenant_limits" not in single.client().models.list().data[0].model_dump()
+
+
 def test_single_tenant_mode_is_announced_at_start_up(caplog):
     from kvfence.server.serve import load_tenants
 
