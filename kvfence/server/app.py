@@ -477,6 +477,8 @@ async def _generate(state: ServerState, request: Request, kind: str):
         _refuse_if_revoked(revoked)
         facts = state.facts
         _limit_implicit_max_tokens(req, tenant, prompts, facts["usable_context"])
+        if view is not None:   # the Response says the limit that applied, the tenant's own included
+            view.max_output_tokens = req.params.max_tokens
         for (_, pids), ids in zip(req.prompts, prompts):
             try:  # I4 here, before any tenant accounting or engine work; the engine checks again
                 if not faults.active("skip_router_admission"):

@@ -244,6 +244,9 @@ class ResponseView:
         self.id = "resp_" + request_id.split("-", 1)[-1]
         self.created = int(time.time())
         self.want_logprobs = LOGPROBS_INCLUDE in (body.get("include") or [])
+        # what was sent, or the tenant's default_max_tokens where it set none (app.py); None:
+        # the rest of the context
+        self.max_output_tokens: int | None = body.get("max_output_tokens")
         self._seq = 0
 
     # -- the Response object --------------------------------------------------------------
@@ -253,7 +256,7 @@ class ResponseView:
         fmt = (b.get("text") or {}).get("format") or {"type": "text"}
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "error": error, "incomplete_details": {"reason": incomplete} if incomplete else None,
-                "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
+                "instructions": b.get("instructions"), "max_output_tokens": self.max_output_tokens,
                 "model": self.model, "output": output, "parallel_tool_calls": b.get("parallel_tool_calls", True),
                 "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
                 "store": False, "background": False, "temperature": b.get("temperature", 1.0),

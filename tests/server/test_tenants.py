@@ -168,6 +168,10 @@ def test_a_request_without_max_tokens_fits_its_tenants_budget(make_server):
     assert r.usage.completion_tokens == 9
     r = brief.create(model=MODEL, messages=ask, n=2, extra_body={"ignore_eos": True})
     assert [c.finish_reason for c in r.choices] == ["length", "length"] and r.usage.completion_tokens == 10
+    # a Response says the limit that ended it, not null
+    r = srv.client("sk-brief-00001").responses.create(model=MODEL, input=ask[0]["content"],
+                                                      extra_body={"ignore_eos": True})
+    assert r.status == "incomplete" and r.max_output_tokens == 5 and r.usage.output_tokens == 5
     # completions keep OpenAI's own default of 16 when max_tokens is not sent
     r = srv.client("sk-brief-00001").completions.create(model=MODEL, prompt="Once", extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 16
