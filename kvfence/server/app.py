@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, RedirectResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvfence import faults
@@ -293,6 +293,19 @@ def create_app(state: ServerState) -> FastAPI:
                                                                  None), status_code=500))
 
     # -- operational endpoints -------------------------------------------------------------
+    @app.get("/")
+    async def root(request: Request):
+        """Someone pointed a browser or curl at the bare address: say what answers here. A
+        browser goes to the operator console where one is on; nothing else is listed (no
+        route map: see the FastAPI app's openapi_url)."""
+        console_on = bool(state.tenants.operator_digests)
+        if console_on and "text/html" in request.headers.get("accept", ""):
+            return RedirectResponse("/console", status_code=303)
+        return {"service": "kvfence",
+                "openai_base_url": "/v1" if state.public_api else None,
+                "health": "/health",
+                "console": "/console" if console_on else None}
+
     @app.get("/health")
     async def health(request: Request):
         st = state.engine.state

@@ -37,6 +37,20 @@ def _get(srv, path: str, key: str | None = None, **kw) -> httpx.Response:
     return httpx.get(srv.url + path, headers=headers, timeout=30, follow_redirects=False, **kw)
 
 
+def test_the_bare_address_says_what_answers_there(server, console_server):
+    """Found by an operator walkthrough: GET / was a JSON 404. It names the OpenAI base URL
+    and the console (null where it is off); a browser goes straight to the console where it
+    is on. No key needed, and nothing about tenants or the model in it."""
+    r = _get(server, "/")
+    assert r.status_code == 200 and r.json() == {"service": "kvfence", "openai_base_url": "/v1",
+                                                 "health": "/health", "console": None}
+    html = {"accept": "text/html,application/xhtml+xml"}
+    assert httpx.get(server.url + "/", headers=html, timeout=30).status_code == 200
+    assert _get(console_server, "/").json()["console"] == "/console"
+    r = httpx.get(console_server.url + "/", headers=html, timeout=30)
+    assert r.status_code == 303 and r.headers["location"] == "/console"
+
+
 def test_without_an_operator_key_the_console_is_off_and_says_how_to_turn_it_on(server):
     for path in ROUTES:
         r = _get(server, path, KEYS["alice"])
