@@ -92,12 +92,15 @@ def build(paths: Iterable[str | Path], since: float | None = None, until: float 
                 e["as_requester"].add(rid)
             if name in (rec.get("involved_tenants") or ()):
                 e["as_owner"].add(rid)
-        others = set(rec.get("involved_tenants") or ()) - {rec.get("tenant")}
+        others = set(rec.get("involved_tenants") or ())
+        if not rec.get("other_party"):   # else the requester's name, but another party's data
+            others -= {rec.get("tenant")}
         if others and rec.get("tenant"):
             reached, how = _reached_client(rec)
             cross.append({"time": rec["time"], "kind": rec["kind"], "invariant": rec["invariant"],
                           "request_id": rec.get("request_id"), "requester": rec.get("tenant"),
                           "data_of": sorted(others), "role": rec["role"], "pages": rec.get("pages"),
+                          "same_name_other_party": bool(rec.get("other_party")),
                           "rows": rec.get("rows"), "reached_client": reached, "how_we_know": how})
             for name in others | {rec["tenant"]}:
                 entry(name)["cross_tenant_events"] += 1
@@ -167,7 +170,9 @@ def render(rep: dict) -> str:
         lines += ["", "events that involved another tenant's data:"]
         for c in rep["cross_tenant"]:
             lines.append(f"  {c['time']} {c['kind']} ({c['invariant']}) {c['request_id']} of {c['requester']} -> "
-                         f"data of {', '.join(c['data_of'])} on {c['role']}: reached a client: "
+                         f"data of {', '.join(c['data_of'])}"
+                         f"{' (another party under the same name)' if c.get('same_name_other_party') else ''}"
+                         f" on {c['role']}: reached a client: "
                          f"{'YES' if c['reached_client'] else 'no'} ({c['how_we_know']})")
     if rep["process_events"]:
         lines += ["", "process events (no tenant involved):"]

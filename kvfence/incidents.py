@@ -122,7 +122,8 @@ class IncidentLog:
 
     def record(self, kind: str, *, request_id: str | None = None, tenant: str | None = None,
                involved: Iterable[str] = (), pages: Iterable[int] = (), rows: Iterable[int] = (),
-               client: dict | None = None, detail: str = "", invariant: str | None = None) -> dict:
+               client: dict | None = None, detail: str = "", invariant: str | None = None,
+               other_party: bool = False) -> dict:
         if kind not in KINDS:
             raise ValueError(f"unknown incident kind {kind!r}")
         now = time.time()
@@ -132,6 +133,9 @@ class IncidentLog:
                    "invariant": invariant or KINDS[kind][0], "request_id": request_id, "tenant": tenant,
                    "involved_tenants": sorted({t for t in involved if t}), "pages": sorted({int(p) for p in pages}),
                    "rows": sorted({int(r) for r in rows}), "client": client, "detail": detail[:1000],
+                   # the data involved is another party's under the requester's own name (a
+                   # retired tenant's, another router's): cross-tenant though the names match
+                   **({"other_party": True} if other_party else {}),
                    "prev": self.last_hash}
             line = (json.dumps(rec, sort_keys=True, separators=(",", ":"), ensure_ascii=True) + "\n").encode()
             os.write(self._fd, line)

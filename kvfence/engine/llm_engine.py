@@ -207,7 +207,9 @@ class LLMEngine:
         if (hold_kv or kv_source is not None) and (params.prompt_logprobs is not None or max_tokens == 0):
             raise ValueError("prompt logprobs and max_tokens 0 are not supported on PD nodes")
         seq = Sequence(request_id=request_id, tenant=tenant,
-                       owner=Owner(self.ledger.tenant_id(tenant), Sequence.next_number(),
+                       # the tenant's id is its own scope's (the router's tenant of the name on a PD
+                       # node), so reports can tell two parties of one name apart
+                       owner=Owner(self.ledger.tenant_id(scope_name(tenant, router=router)), Sequence.next_number(),
                                    scope=self.ledger.tenant_id(scope)),
                        prompt_ids=list(prompt_ids[:-1] if hold_kv else prompt_ids), params=params,
                        max_tokens=max_tokens, prompt=prompt, cache_scope=scope, hold_kv=hold_kv)
@@ -334,11 +336,14 @@ class LLMEngine:
     def _refuse_read(self, seq: Sequence, v: Violation) -> StepOutput:
         """The one place an isolation violation ends a request: quarantine the page it
         pointed at, abort the request (the rest of the batch goes on)."""
-        owner = self.ledger.page_owner(v.page)   # whose data the read pointed at, before quarantine
+        owner_id = self.ledger.page_owner_id(v.page)   # whose data the read pointed at, before quarantine
+        owner = None if owner_id is None else self.ledger.tenant_name(owner_id)
         self.ledger.quarantine([v.page], reason=f"{v.invariant} violation")
         log.error("isolation violation %s on request %s: %s", v.invariant, seq.request_id, v.detail)
         incidents.record("ledger_refusal", invariant=v.invariant, request_id=seq.request_id, tenant=seq.tenant,
                          involved=[owner] if owner else [], pages=[v.page], detail=v.detail,
+                         other_party=owner_id is not None and self.ledger.same_name_other_party(seq.owner.tenant,
+                                                                                                owner_id),
                          client=incidents.client_outcome("isolation_violation", len(seq.output_ids)))
         self.end(seq, Event.ABORT, "aborted", f"isolation check {v.invariant} failed: {v.detail}",
                  code="isolation_violation")

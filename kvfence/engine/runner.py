@@ -75,6 +75,7 @@ class ModelRunner:
                 owner = self.ledger.tenant_name(v.page_owner_scope)
                 incidents.record("audit_violation", request_id=v.request_id, tenant=self.ledger.tenant_name(v.tenant),
                                  involved=[owner] if owner else [], pages=[v.page],
+                                 other_party=self.ledger.same_name_other_party(v.tenant, v.page_owner_scope),
                                  detail=f"{v.kind} on page {v.page} slots {v.first_slot}..{v.last_slot} "
                                         f"({v.page_state}, epoch {v.epoch})")
         logits = self.model.forward(batch, self.pool.kv, fused=self.fused_kernels)

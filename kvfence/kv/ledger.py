@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 NULL_PAGE = 0  # never granted; padding slots point here and it always holds zeros
+# what a tenant (and a public prefix scope) may be called: the tenants file and the PD wire
+# both hold names to it, so the scope keys below never collide
+TENANT_NAME = r"[A-Za-z0-9_.\-]{1,64}"
 # a public prefix scope's cache key: a NUL can't appear in a tenant name taken from a tenants
 # file, so scopes never collide with tenants. Names handed out say "public:NAME" instead
 # (':' is not allowed in a tenant name either), so no NUL reaches a log, a report or a page.
@@ -168,9 +171,19 @@ class Ledger:
     def page_owner(self, page: int) -> str | None:
         """Whose data the page holds at this moment, by name: the owning request's tenant, a
         shared page's cache scope; None for a free page."""
+        owner = self.page_owner_id(page)
+        return None if owner is None else self.tenant_name(owner)
+
+    def page_owner_id(self, page: int) -> int | None:
         if self.state[page] not in (PageState.OWNED, PageState.SHARED, PageState.QUARANTINED):
             return None
-        return self.tenant_name(int(self.owner_tenant[page]))
+        return int(self.owner_tenant[page])
+
+    def same_name_other_party(self, a: int, b: int) -> bool:
+        """Two tenant or scope ids that reports would name alike but that are not the same
+        party's: a retired name and its successor, or on a PD node two routers' tenants of one
+        name. A report keyed by name must not take one's data for the other's own."""
+        return a != b and self.tenant_name(a) == self.tenant_name(b)
 
     # -- capacity -----------------------------------------------------------------------
     @property

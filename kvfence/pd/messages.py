@@ -20,6 +20,7 @@ from kvfence.engine.params import (
     MIN_REPETITION_PENALTY,
     SamplingParams,
 )
+from kvfence.kv.ledger import TENANT_NAME
 
 # bounds: generous for any real request, small enough that no field can make a node
 # allocate or loop without limit
@@ -34,6 +35,9 @@ U64 = (1 << 64) - 1
 
 Id = Annotated[str, Field(min_length=1, max_length=MAX_ID)]
 Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
+# a tenant or public prefix scope as the tenants file names it, and a router process's id:
+# the parts of a node's cache-scope keys (ledger.scope_name), so none can hold its separators
+ScopePart = Annotated[str, Field(pattern=f"^{TENANT_NAME}$")]
 Text = Annotated[str, Field(max_length=MAX_TEXT)]
 Count = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
@@ -123,7 +127,7 @@ class Manifest(WireModel):
     It names no address to pull from: decode pulls from the TransferSource the router read
     from the prefill node itself."""
     request_id: Id
-    tenant: Name
+    tenant: ScopePart
     token_count: Count                # tokens whose KV the pages hold: all the prompt but its last token
     page_count: Annotated[int, Field(ge=0, le=MAX_PAGES)]
     page_size: Annotated[int, Field(ge=1, le=1 << 16)]
@@ -168,17 +172,17 @@ class ScopeStamp(WireModel):
     """The generation of the tenant's cache scope a router sent a request under
     (kvfence/pd/scope_epochs.py): a node refuses a stamp older than one it retired, and
     retires the scope first for a newer one."""
-    router: Id     # the router process; a restarted router is another
+    router: ScopePart   # the router process (a uuid's hex); a restarted router is another
     epoch: Count   # the router's tenants-file reload that last retired the name; 0: none
 
 
 class PrefillBody(WireModel):
     """POST /internal/prefill: admit, compute all but the last prompt token, hold the KV."""
     request_id: Id
-    tenant: Name
+    tenant: ScopePart
     prompt_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_IDS)]
     params: WireParams
-    public_prefix_scope: Name | None = None
+    public_prefix_scope: ScopePart | None = None
     # the node process the router checked (I8); another boot refuses with not_ready, so a
     # restarted node serves only once the router has checked it again
     expect_boot: Id | None = None
@@ -218,10 +222,10 @@ class ForgetTenantsBody(WireModel):
     (removed, or every key replaced); retire their cache scopes (prefix pages, compiled
     grammars), so that a tenant given one of the names later cannot attach or time them. A node
     retires only names whose epoch is new to it (a request stamped with it may have come first)."""
-    tenants: Annotated[list[Name], Field(min_length=1, max_length=MAX_TENANTS)]
+    tenants: Annotated[list[ScopePart], Field(min_length=1, max_length=MAX_TENANTS)]
     # the router and its reload that retired them; absent (a router from before scope stamps):
     # retire them whatever the node knows
-    router: Id | None = None
+    router: ScopePart | None = None
     epoch: Annotated[int, Field(ge=1, le=MAX_TOKEN_ID)] | None = None
 
     def model_post_init(self, _context: Any) -> None:

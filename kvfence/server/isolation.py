@@ -204,8 +204,11 @@ def _pd_terms(facts: dict) -> dict:
             },
             "cache_scopes": "on a node, each router process's tenants have their own prefix-cache scopes, so "
                             "a restarted or second router never reaches pages cached for another's tenant "
-                            "of the same name; a router's tenants-file reload retires a name's scope on "
-                            "every node, and a request stamped before it is refused (scope_retired)",
+                            "of the same name; a router's tenants-file reload retires a name's scope on each "
+                            "node when its message arrives, or before the first request of the new "
+                            "generation there, and a node that retired it refuses a request stamped before "
+                            "(scope_retired). Pages of a router process that is gone stay, unreachable, "
+                            "until the cache evicts them",
         },
     }
 

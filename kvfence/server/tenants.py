@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from kvfence.kv.ledger import TENANT_NAME
 from kvfence.server.errors import APIError
 
 DEFAULT_TENANT = "default"
@@ -48,7 +49,7 @@ RESERVED_NAMES = frozenset({UNAUTHENTICATED})
 # header is stripped, so an outer one could never match)
 _KEY = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
 LIMIT_FIELDS = ("max_prompt_tokens", "max_concurrent_requests", "tokens_per_minute", "default_max_tokens")
-_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+_NAME = re.compile(TENANT_NAME)
 WINDOW_S = 60.0
 MAX_FILE_BYTES = 64 << 20
 

@@ -167,3 +167,46 @@ def test_a_tenant_name_behind_two_routers_is_two_scopes(llm):
     assert run(eng, question, "A", router="router-1").cached_tokens > 0
     assert run(eng, question, "A", router="router-2").cached_tokens == 0
     assert set(eng.ledger.pages_by_owner()["shared"]) == {"A", "public:p"}
+
+
+def test_a_forced_read_across_two_routers_tenants_of_one_name_is_reported_cross_tenant(llm, tmp_path):
+    """The incident log names tenants, not routers, so router-1's "A" reading a page cached
+    for router-2's "A" (perhaps another party) must not read as A touching its own data: the
+    record says other_party, and the disclosure report counts it cross-tenant (found in
+    review). Mutant: same_name_other_party always False."""
+    from kvfence import disclosure, incidents
+
+    incidents.open_log(tmp_path / "incidents.jsonl", "test")
+    try:
+        eng = llm.engine
+        run(eng, ids_for(llm, "What are your opening hours?"), "A", router="router-2")
+        shared = [p for p in range(1, eng.ledger.num_pages) if eng.ledger.state[p] == PageState.SHARED]
+        a = eng.add_request(llm.tokenizer.encode("Another question of A's, rather long to span pages " * 3),
+                            GREEDY, tenant="A", router="router-1")
+        eng.step()
+        eng.step()
+        a.table.pages[0] = shared[0]
+        a.table.epochs[0] = int(eng.ledger.epoch[shared[0]])
+        run_to_end(eng)
+        assert a.state is State.ABORTED and "I2" in a.error
+        # a page a running request of the other router's "A" owns: the same
+        long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        x = eng.add_request(ids_for(llm, "Tell me about savings accounts."), long, tenant="A", router="router-2")
+        y = eng.add_request(ids_for(llm, "Tell me about loans."), long, tenant="A", router="router-1")
+        eng.step()
+        eng.step()
+        owned = x.table.pages[-1]   # its first pages are cached ones (the same system prompt)
+        assert eng.ledger.state[owned] == PageState.OWNED
+        y.table.pages[-1] = owned
+        y.table.epochs[-1] = int(eng.ledger.epoch[owned])
+        run_to_end(eng)
+        assert y.state is State.ABORTED and "I2" in y.error
+    finally:
+        incidents.close_log()
+    rec = [r for r in incidents.read(tmp_path / "incidents.jsonl") if r["kind"] == "ledger_refusal"]
+    assert [(r["request_id"], r["tenant"], r["involved_tenants"], r.get("other_party")) for r in rec] == [
+        (a.request_id, "A", ["A"], True), (y.request_id, "A", ["A"], True)]
+    rep = disclosure.build([tmp_path / "incidents.jsonl"])
+    assert [c["data_of"] for c in rep["cross_tenant"]] == [["A"], ["A"]]
+    assert rep["tenants"]["A"]["cross_tenant_events"] == 2
+    assert "another party under the same name" in disclosure.render(rep)

@@ -13,6 +13,7 @@ from kvfence.pd.messages import (
     AdmittedEvent,
     DecodeBody,
     FailedEvent,
+    ForgetTenantsBody,
     Handoff,
     Manifest,
     MessageError,
@@ -101,6 +102,22 @@ def test_bodies():
         PrefillBody.from_json({"request_id": "r", "tenant": "t", "prompt_ids": [1, -2], "params": {}})
     with pytest.raises(MessageError, match="reader_stopped"):
         AbortBody.from_json({"request_id": "r", "reader_stopped": "yes"})
+
+
+@pytest.mark.parametrize("field, value", [("tenant", "a\0router:x"), ("tenant", "public:docs"), ("tenant", "a" * 65),
+                                          ("public_prefix_scope", "docs\0"), ("scope", {"router": "r\0x", "epoch": 0}),
+                                          ("scope", {"router": "", "epoch": 0})])
+def test_names_in_a_nodes_cache_scope_keys_are_held_to_the_tenants_files_rule(field, value):
+    """A node builds its cache-scope keys from the tenant, the public scope and the router id
+    (ledger.scope_name, NUL-marked parts): none may hold what the tenants file refuses, so no
+    two (router, tenant, scope) triples can meet in one key (found in review)."""
+    body = {"request_id": "r", "tenant": "acme", "prompt_ids": [1, 2], "params": {},
+            "scope": {"router": "0f" * 16, "epoch": 3}}
+    PrefillBody.from_json(body)
+    with pytest.raises(MessageError, match=field):
+        PrefillBody.from_json({**body, field: value})
+    with pytest.raises(MessageError, match="tenants"):
+        ForgetTenantsBody.from_json({"tenants": ["ok", "not ok"]})
 
 
 def test_events_round_trip():
