@@ -479,7 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
     lp.set_defaults(func=cmd_launch_pd)
 
     pr = sub.add_parser("probe", help="exit 0 if the kvfence process on this host's --port is alive or ready")
-    pr.add_argument("what", choices=["live", "ready"])
+    pr.add_argument("what", nargs="?", choices=["live", "ready"], default="ready",
+                    help="live: the process answers; ready: it serves (the model loaded, a router's nodes checked)")
     pr.add_argument("--port", type=int, default=8000)
     pr.add_argument("--timeout", type=float, default=3.0)
     pr.add_argument("--tls-ca", default=None, metavar="FILE", help="verify the process's certificate chain with it")

@@ -23,5 +23,6 @@ def test_probe_ready_fails_while_the_engine_is_loading(make_server):
     try:
         assert main(["probe", "live", "--port", str(srv.port)]) == 0      # loading counts as alive
         assert main(["probe", "ready", "--port", str(srv.port)]) == 1
+        assert main(["probe", "--port", str(srv.port)]) == 1               # no argument: ready
     finally:
         gate.set()
