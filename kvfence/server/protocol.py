@@ -207,7 +207,50 @@ def _type_name(v) -> str:
 
 # -- shared sampling fields --------------------------------------------------------------
 
+# Other servers' request fields that change the answer, which kvfence does not do: a client
+# moved from vLLM or SGLang sending them would get an answer that silently ignores them (free
+# text for a guided_json schema). Refused with what to send instead, unless the value asks for
+# what kvfence does anyway (the tuple; null is always "not set").
+_STRUCTURED = "send 'response_format' of type json_schema (every token held to the schema)"
+_FOREIGN: dict[str, tuple[tuple, str]] = {
+    "guided_json": ((), f"vLLM's guided decoding is not a kvfence field; {_STRUCTURED}."),
+    "guided_regex": ((), "regular-expression constraints are not supported; a JSON schema can hold a string to "
+                         "a 'pattern': " + _STRUCTURED + "."),
+    "guided_choice": ((), "vLLM's guided decoding is not a kvfence field; a JSON schema with an 'enum' does "
+                          "it: " + _STRUCTURED + "."),
+    "guided_grammar": ((), f"grammar constraints other than a JSON schema are not supported; {_STRUCTURED}."),
+    "guided_decoding_backend": ((), f"vLLM's guided decoding is not a kvfence field; {_STRUCTURED}."),
+    "guided_whitespace_pattern": ((), f"vLLM's guided decoding is not a kvfence field; {_STRUCTURED}."),
+    "structured_outputs": ((), f"vLLM's structured_outputs is not a kvfence field; {_STRUCTURED}."),
+    "regex": ((), "SGLang's regex constraint is not supported; a JSON schema can hold a string to a 'pattern': "
+                  + _STRUCTURED + "."),
+    "ebnf": ((), f"EBNF grammars are not supported; {_STRUCTURED}."),
+    "use_beam_search": ((False,), "beam search is not supported; ask for n choices and pick by their logprobs."),
+    "length_penalty": ((1, 1.0), "length_penalty applies to beam search, which is not supported."),
+    "bad_words": (([],), "'bad_words' is not supported; 'logit_bias' of -100 on their token ids bans them."),
+    "allowed_token_ids": (([],), "'allowed_token_ids' is not supported; 'logit_bias' can favour or ban tokens."),
+    "truncate_prompt_tokens": ((), "kvfence never truncates a prompt: one longer than the context is a 400 "
+                                   "(context_length_exceeded); shorten it yourself."),
+    "chat_template": ((), "the model's own chat template is always used; per-request templates are not "
+                          "supported."),
+    "chat_template_kwargs": (({},), "per-request chat template arguments are not supported."),
+    "add_generation_prompt": ((True,), "the chat template always ends with the assistant's turn here."),
+    "continue_final_message": ((False,), "continuing the last assistant message is not supported; send the text "
+                                         "as a /v1/completions prompt."),
+    "prompt_logprobs": ((), "send 'echo': true with 'logprobs' to /v1/completions for the prompt's logprobs."),
+}
+
+
+def refuse_foreign_fields(body: dict) -> None:
+    """A 400 for another server's field that would change the answer (_FOREIGN)."""
+    for name, (harmless, why) in _FOREIGN.items():
+        v = body.get(name)
+        if v is not None and not any(type(v) is type(h) and v == h for h in harmless):
+            raise bad_request(f"'{name}' is not supported: {why}", param=name)
+
+
 def _common(body: dict, kind: str) -> dict:
+    refuse_foreign_fields(body)
     model = _field(body, "model", (str,), None, "a string")
     n = _int(body, "n", 1, 1, MAX_CHOICES)
     stop = body.get("stop")
@@ -245,6 +288,8 @@ def _common(body: dict, kind: str) -> dict:
         seed=_int(body, "seed", None, -(2**63), 2**64 - 1),
         stop=stop, stop_token_ids=stop_ids,
         ignore_eos=_bool(body, "ignore_eos", False),
+        skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
         presence_penalty=_num(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=_repetition_penalty(body),
@@ -328,6 +373,8 @@ def _params(c: dict, max_tokens: int | None, logprobs: int | None) -> SamplingPa
         return SamplingParams(temperature=c["temperature"], top_p=c["top_p"], top_k=c["top_k"], seed=c["seed"],
                               max_tokens=max_tokens, stop=c["stop"], stop_token_ids=c["stop_token_ids"],
                               ignore_eos=c["ignore_eos"], logprobs=logprobs,
+                              skip_special_tokens=c["skip_special_tokens"],
+                              include_stop_str_in_output=c["include_stop_str_in_output"],
                               presence_penalty=c["presence_penalty"], frequency_penalty=c["frequency_penalty"],
                               repetition_penalty=c["repetition_penalty"], min_p=c["min_p"],
                               min_tokens=c["min_tokens"], logit_bias=c["logit_bias"],

@@ -20,7 +20,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from kvfence.server.errors import APIError, bad_request
-from kvfence.server.protocol import text_of_parts
+from kvfence.server.protocol import refuse_foreign_fields, text_of_parts
 from kvfence.server.tools import MAX_TOOLS
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -34,7 +34,8 @@ _CHAT_TOOL = re.compile(r"tools\[(\d+)\]\.function\.")
 _CHAT_ALLOWED = re.compile(r"tool_choice\.allowed_tools\b")
 # sampling extensions the chat path takes, passed through as vLLM's Responses route does
 _PASSED = ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-           "frequency_penalty", "logit_bias", "stop", "min_tokens", "parallel_tool_calls", "top_logprobs")
+           "frequency_penalty", "logit_bias", "stop", "min_tokens", "parallel_tool_calls", "top_logprobs",
+           "ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
 _REFUSED = {
     "previous_response_id": "kvfence stores no responses (no tenant's text outlives its request); send the whole "
                             "conversation in 'input'.",
@@ -64,6 +65,7 @@ def chat_body(body: dict) -> dict:
     for key, why in _REFUSED.items():
         if body.get(key) is not None:
             raise bad_request(f"'{key}' is not supported: {why}", param=key)
+    refuse_foreign_fields(body)   # the chat body below would drop them silently
     if body.get("background") not in (None, False):
         raise bad_request("'background' is not supported: kvfence stores no responses to fetch later; stream "
                           "instead.", param="background")

@@ -81,3 +81,57 @@ def test_a_wrong_value_is_a_400_naming_the_field(server, field, value):
 def test_min_tokens_above_max_tokens_is_a_400(server):
     with pytest.raises(openai.BadRequestError, match="min_tokens"):
         server.client("alice").completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"min_tokens": 5})
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(server):
+    """vLLM's skip_special_tokens, which SamplingParams and the PD wire carried already but the
+    API did not take: false shows the special tokens the model wrote (here forced by
+    logit_bias), true (the default) leaves them out."""
+    c = server.client("alice")
+    special = server.engine.tokenizer.hf.token_to_id("<|im_end|>")
+    kw = dict(prompt="Hello", max_tokens=2, logit_bias={str(special): 100})
+    kept = _complete(c, **kw, extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    assert kept.choices[0].text == "<|im_end|><|im_end|>"
+    assert _complete(c, **kw, extra_body={"ignore_eos": True}).choices[0].text == ""
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(server):
+    """vLLM's include_stop_str_in_output, carried by SamplingParams and the PD wire, now taken
+    by the API: the answer ends with the stop string instead of before it."""
+    c = server.client("alice")
+    plain = _complete(c, prompt="Count: 1, 2, 3,", max_tokens=12).choices[0].text
+    stop = plain.strip()[:2]
+    cut = _complete(c, prompt="Count: 1, 2, 3,", max_tokens=12, stop=[stop])
+    kept = _complete(c, prompt="Count: 1, 2, 3,", max_tokens=12, stop=[stop],
+                     extra_body={"include_stop_str_in_output": True})
+    assert cut.choices[0].finish_reason == "stop" == kept.choices[0].finish_reason
+    assert kept.choices[0].text == cut.choices[0].text + stop, (plain, cut.choices[0].text, kept.choices[0].text)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("guided_json", {"type": "object"}), ("guided_choice", ["yes", "no"]), ("guided_regex", "[0-9]+"),
+    ("structured_outputs", {"json": {"type": "object"}}), ("regex", "a+"), ("use_beam_search", True),
+    ("bad_words", ["x"]), ("chat_template", "{{ messages }}"), ("continue_final_message", True),
+    ("prompt_logprobs", 1), ("truncate_prompt_tokens", 10),
+])
+def test_another_servers_field_that_would_change_the_answer_is_a_400_saying_what_to_send(server, field, value):
+    """A client moved from vLLM or SGLang sending guided_json got free text, silently: such
+    fields are refused with what to use instead, on chat, completions and Responses. Values
+    that ask for what kvfence does anyway pass. Mutant: no refusal."""
+    c = server.client("alice")
+    ask = [{"role": "user", "content": "Is water wet?"}]
+    calls = [lambda: c.chat.completions.create(model=MODEL, messages=ask, max_tokens=2, extra_body={field: value}),
+             lambda: c.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={field: value}),
+             lambda: c.responses.create(model=MODEL, input="hi", max_output_tokens=2, extra_body={field: value})]
+    said = []
+    for call in calls:
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert e.value.body["param"] == field and "not supported" in e.value.body["message"], e.value.body
+        said.append(e.value.body["message"])
+    if field == "guided_json":
+        assert "'response_format' of type json_schema" in said[0] and "'text.format' of type json_schema" in said[2]
+    harmless = {"use_beam_search": False, "add_generation_prompt": True, "length_penalty": 1.0, "bad_words": [],
+                "chat_template_kwargs": {}, field: None}
+    r = c.chat.completions.create(model=MODEL, messages=ask, max_tokens=2, temperature=0, extra_body=harmless)
+    assert r.choices[0].message.content
