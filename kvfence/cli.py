@@ -245,7 +245,7 @@ def _pd_settings(a, role: str, secret: bytes):
     return PDSettings(role, transfer_host=a.transfer_host, transfer_buffer_pages=a.transfer_buffer_pages,
                       lease_s=a.lease, transfer_timeout_s=a.transfer_timeout, max_pull_s=a.max_pull,
                       clock_skew_s=a.clock_skew, decode_reserve_tokens=a.decode_reserve_tokens,
-                      cluster_secret=secret)
+                      router_scope_idle_s=a.router_scope_idle, cluster_secret=secret)
 
 
 def cmd_soak(a) -> int:
@@ -346,7 +346,8 @@ def _server_args(p: argparse.ArgumentParser) -> None:
 
 # what only --role prefill, decode or router reads (cmd_serve refuses them on a single node)
 PD_ONLY_FLAGS = ("cluster_secret_file", "transfer_host", "transfer_buffer_pages", "lease", "transfer_timeout",
-                 "max_pull", "clock_skew", "decode_reserve_tokens", "tls_ca", "tls_client_cert", "tls_client_key",
+                 "max_pull", "clock_skew", "decode_reserve_tokens", "router_scope_idle", "tls_ca", "tls_client_cert",
+                 "tls_client_key",
                  "allow_plaintext_network", "prefill_url", "decode_url", "node_wait", "node_stall",
                  "prefill_routing")
 
@@ -369,6 +370,9 @@ def _pd_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-reserve-tokens", type=int, default=256,
                    help="decode: generated tokens reserved with the prompt before the pull; beyond them a "
                         "request grows page by page (and may be preempted and recomputed when the pool is full)")
+    p.add_argument("--router-scope-idle", type=float, default=600.0, metavar="S",
+                   help="PD nodes: retire the cache scopes of a router process that sent nothing for this long "
+                        "(a restarted router's old pages; a quiet one only loses its cached prefixes)")
 
 
 def _tls_args(p: argparse.ArgumentParser) -> None:

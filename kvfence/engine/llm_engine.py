@@ -43,6 +43,7 @@ from kvfence.engine.kv_link import (
 from kvfence.engine.logits_processors import History
 from kvfence.engine.params import SamplingParams
 from kvfence.engine.request_states import Event, State
+from kvfence.engine.router_realms import RouterRealms
 from kvfence.engine.runner import ModelRunner, StepResult
 from kvfence.engine.sampler import SampleOutput, Sampler, make_generator, score_tokens
 from kvfence.engine.scheduler import ScheduledSeq, Scheduler
@@ -130,6 +131,7 @@ class LLMEngine:
         self._stalled = False
         self.wake: Callable[[], None] = lambda: None  # the server's loop sets this: wakes a blocked loop
         self.clock: Callable[[], float] = time.time   # PD leases and fences; the simulation swaps it
+        self.realms = RouterRealms()   # PD: the router processes this node holds cache scopes for
         log.info("model %s (%s, %s on %s, %s, %s matmuls); KV pool %d pages x %d tokens = %d tokens "
                  "(%.1f MiB, scrub=%s); %s", self.model_config.name, self.model_path.name, cfg.dtype, self.device,
                  self.compute_path, self.matmul_path, self.ledger.usable_pages, cfg.page_size,
@@ -195,6 +197,8 @@ class LLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if router:
+            self.realms.seen(router, self.clock())
         self._check_load(tenant)
         if any((not isinstance(t, int)) or t < 0 or t >= self.model_config.vocab_size for t in prompt_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})")
@@ -296,15 +300,33 @@ class LLMEngine:
             self.kv_link.busy()
 
     def next_timer(self) -> float | None:
-        """time.time() at which step() has timed work (PD leases, fences), or None."""
-        return self.kv_link.next_timer()
+        """time.time() at which step() has timed work (PD leases, fences, an idle router's
+        scopes), or None."""
+        due = [t for t in (self.kv_link.next_timer(), self.realms.next_due()) if t is not None]
+        return min(due) if due else None
 
     def forget_tenant(self, tenant: str, router: str | None = None) -> int:
         """The tenant was removed from the tenants file: its own cache scope is retired
         (Ledger.retire_scope): its prefix pages, and with its id the compiled grammars kept
         under it; a public scope it shared stays. On a PD node, the scope of that router's
         tenant of the name. Returns the pages."""
+        if router:
+            self.realms.seen(router, self.clock())
         return self.ledger.retire_scope(scope_name(tenant, router=router))
+
+    def retire_idle_routers(self) -> int:
+        """PD: the cache scopes of router processes idle past RouterRealms.idle_s leave
+        (engine/router_realms.py), and the ledger forgets the names nothing uses. Returns the
+        pages retired."""
+        gone = self.realms.due(self.clock())
+        if not gone:
+            return 0
+        pages = sum(self.ledger.retire_realm(r) for r in gone)
+        live = {i for s in self.requests.values() for i in (s.owner.tenant, s.owner.cache_scope)}
+        pruned = self.ledger.prune_names(live)
+        log.info("%d router process(es) sent nothing for %.0f s: %d cached page(s) of their scopes retired, %d "
+                 "name(s) forgotten", len(gone), self.realms.idle_s, pages, pruned)
+        return pages
 
     def publish_prefix(self, seq: Sequence) -> None:
         if self.prefix_cache is not None:
@@ -352,6 +374,7 @@ class LLMEngine:
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
+        self.retire_idle_routers()
         outputs += self._apply(self.kv_link.before_step(self.clock()))
         step = self.scheduler.schedule()
         outputs += self._end_unservable()

@@ -145,7 +145,8 @@ class Ledger:
         self.state[NULL_PAGE] = PageState.RESERVED_NULL
         self._free: deque[int] = deque(range(num_pages - 1, 0, -1))
         self._tenants: dict[str, int] = {}   # name -> its current id
-        self._names: dict[int, str] = {}     # every id ever given -> its name
+        self._names: dict[int, str] = {}     # every id given and still referenced -> its name
+        self._next_id = 0                    # ids are never reused, even once pruned
         self._retired: set[int] = set()      # ids of retired cache scopes: never published to again
         # I6 fences: request -> (its quarantined pages, time after which nothing can touch
         # them, or None: only an explicit proof lifts it). The owner tag of a quarantine.
@@ -158,7 +159,8 @@ class Ledger:
     def tenant_id(self, name: str) -> int:
         got = self._tenants.get(name)
         if got is None:   # ids only grow: a retired name comes back under a new one
-            got = self._tenants[name] = len(self._names)
+            got = self._tenants[name] = self._next_id
+            self._next_id += 1
             self._names[got] = name
         return got
 
@@ -337,6 +339,25 @@ class Ledger:
         self.refcount[page] = 0
         self._release([page])
         self.counters["pages_evicted"] += 1
+
+    def retire_realm(self, router: str) -> int:
+        """Retire every cache scope of that router process (ledger.scope_name): its tenants'
+        own and their public ones, as retire_scope does each. Returns the pages."""
+        suffix = f"{ROUTER_REALM}{router}"
+        return sum(self.retire_scope(n) for n in [n for n in self._tenants if n.endswith(suffix)])
+
+    def prune_names(self, live: set[int]) -> int:
+        """Forget the names of retired ids that nothing refers to any more: no page (owned,
+        shared or quarantined) and no request in `live` (the ids of every request the engine
+        holds). Each router process a PD node served leaves its names behind once retired; this
+        keeps the tables to what is in use. Returns how many were dropped."""
+        current = set(self._tenants.values())
+        held = set(np.unique(self.owner_tenant[self.state != PageState.FREE]).tolist())
+        gone = [i for i in self._names if i not in current and i not in held and i not in live]
+        for i in gone:
+            del self._names[i]
+            self._retired.discard(i)
+        return len(gone)
 
     def retire_scope(self, name: str) -> int:
         """A tenant is gone (a tenants-file reload removed it): its cached prefix pages leave

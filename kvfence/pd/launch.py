@@ -26,7 +26,7 @@ ENGINE_FLAGS = ("model", "dtype", "device", "weights", "matmul", "kv_cache_memor
                 "page_size", "max_model_len", "clamp_context", "max_num_seqs", "max_num_batched_tokens",
                 "max_waiting", "prefill_tokens_while_decoding", "decode_step_target_ms", "scrub", "audit_reads")
 PD_FLAGS = ("transfer_host", "transfer_buffer_pages", "lease", "transfer_timeout", "max_pull", "clock_skew",
-            "decode_reserve_tokens")
+            "decode_reserve_tokens", "router_scope_idle")
 
 
 def flags(a, names) -> list[str]:

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse
 from kvfence import faults
 from kvfence.engine.admission import ContextLengthExceeded, Overloaded
 from kvfence.engine.config import EngineConfig
+from kvfence.engine.router_realms import RouterRealms
 from kvfence.pd.drain import Drain
 from kvfence.pd.manifest import ManifestError
 from kvfence.pd.messages import (
@@ -85,6 +86,7 @@ def build_node_engine(config: EngineConfig, settings: PDSettings, loaded=None):
     from kvfence.pd.transfer import PageTransport
 
     engine = LLMEngine(config, loaded)
+    engine.realms = RouterRealms(settings.router_scope_idle_s)
     transport = PageTransport(settings.transfer_host, settings.transfer_timeout_s)
     link = (KvExporter if settings.role == "prefill" else KvImporter)(engine, settings, transport)
     log.info("%s node: transfer engine %s, transfer buffer %d rows x %d bytes; lease %.0f s, fence after "

@@ -38,6 +38,9 @@ class PDSettings:
     # decode reserves the prompt plus at most this many generated tokens before the transfer;
     # a request grows page by page past that, like on a single node (kvfence/pd/decode.py)
     decode_reserve_tokens: int = 256
+    # a router process silent this long is taken for gone: its cache scopes here are retired
+    # (engine/router_realms.py)
+    router_scope_idle_s: float = 600.0
     # the cluster secret (kvfence/pd/seal.py): seals transfer rows, derives the control credential
     cluster_secret: bytes | None = field(default=None, repr=False)
 
@@ -61,6 +64,9 @@ class PDSettings:
             raise ValueError("lease_s must exceed twice clock_skew_s, or no pull could ever start")
         if self.cluster_secret is None:
             raise ValueError("a PD node needs the cluster secret (kvfence/pd/seal.py load_secret)")
+        if not 0 < self.router_scope_idle_s < float("inf"):
+            raise ValueError(f"router_scope_idle_s must be a positive number of seconds; got "
+                             f"{self.router_scope_idle_s!r}")
         if self.decode_reserve_tokens < 1:
             raise ValueError("decode_reserve_tokens must be at least 1")
         if self.max_pull_s < self.transfer_timeout_s:

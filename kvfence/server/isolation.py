@@ -207,8 +207,9 @@ def _pd_terms(facts: dict) -> dict:
                             "of the same name; a router's tenants-file reload retires a name's scope on each "
                             "node when its message arrives, or before the first request of the new "
                             "generation there, and a node that retired it refuses a request stamped before "
-                            "(scope_retired). Pages of a router process that is gone stay, unreachable, "
-                            "until the cache evicts them",
+                            "(scope_retired). The scopes of a router process that sent a node nothing for "
+                            "its --router-scope-idle (600 s by default; a restarted router is a new process) "
+                            "are retired there, until then unreachable",
         },
     }
 

@@ -6,7 +6,7 @@ import pytest
 from kvfence import SamplingParams
 from kvfence.engine.request_states import State
 from kvfence.kv import prefix_cache
-from kvfence.kv.ledger import PageState
+from kvfence.kv.ledger import PageState, scope_name
 
 from .conftest import run_to_end
 
@@ -210,3 +210,36 @@ def test_a_forced_read_across_two_routers_tenants_of_one_name_is_reported_cross_
     assert [c["data_of"] for c in rep["cross_tenant"]] == [["A"], ["A"]]
     assert rep["tenants"]["A"]["cross_tenant_events"] == 2
     assert "another party under the same name" in disclosure.render(rep)
+
+
+def test_a_router_process_silent_past_its_idle_time_leaves_no_pages_or_names_behind(llm):
+    """A restarted router is a new process id: its predecessor's scopes can no longer be
+    attached, but their pages (a removed party's prompts among them) and their ledger names
+    stayed until the cache happened to evict them. After RouterRealms.idle_s without a request
+    or message from a router, its scopes are retired and their names forgotten; a router
+    heard from since keeps its own, and a request still running keeps its name. Mutants: no
+    sweep in step(); prune_names dropping what a running request uses."""
+    eng = llm.engine
+    now = [1000.0]
+    eng.clock = lambda: now[0]
+    eng.realms.idle_s = 60.0
+    question = ids_for(llm, "What are your opening hours?")
+    run(eng, question, "A", router="gone-router")
+    run(eng, question, "B", router="gone-router", public_prefix_scope="p")
+    gone_a = eng.ledger.tenant_id(scope_name("A", router="gone-router"))
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    # admitted, still waiting (no page yet) when the sweep comes: only the request refers to its id
+    running = eng.add_request(ids_for(llm, "Tell me about loans."), long, tenant="C", router="gone-router")
+    now[0] = 1050.0
+    eng.add_request(question, GREEDY, tenant="A", router="live-router")
+    assert eng.next_timer() == 1000.0 + 60         # when gone-router becomes idle
+    now[0] = 1070.0
+    eng.step()                                     # gone-router: silent for 70 s; live-router for 20 s
+    assert eng.ledger.tenant_name(running.owner.tenant) == "C"      # still running: its name is kept
+    assert gone_a not in eng.ledger._names                          # nothing refers to it: forgotten
+    run_to_end(eng)
+    assert running.state is State.FINISHED
+    assert set(eng.ledger.pages_by_owner()["shared"]) == {"A"}      # live-router's A alone
+    assert run(eng, question, "A", router="live-router").cached_tokens > 0
+    assert run(eng, question, "A", router="gone-router").cached_tokens == 0
+    eng.ledger.check_consistency()
