@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -111,6 +112,10 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, chat: bool, time
     return s
 
 
+class LoadError(RuntimeError):
+    """The target cannot be benchmarked as asked: said in one line, not a traceback."""
+
+
 async def run_load(url: str, num_requests: int, concurrency: int, prompt_words: int, max_tokens: int,
                    model: str | None = None, api_key: str | None = None, endpoint: str = "completions",
                    timeout: float = 600.0, seed: int = 0) -> Report:
@@ -122,8 +127,15 @@ async def run_load(url: str, num_requests: int, concurrency: int, prompt_words: 
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as client:
         if model is None:
             r = await client.get(base + "/models")
-            r.raise_for_status()
-            model = r.json()["data"][0]["id"]
+            if r.status_code == 401:
+                raise LoadError(f"{base}/models answered 401: the server wants an API key; pass --api-key KEY "
+                                "(or set OPENAI_API_KEY)")
+            try:
+                r.raise_for_status()
+                model = r.json()["data"][0]["id"]
+            except (httpx.HTTPStatusError, ValueError, KeyError, IndexError, TypeError):
+                raise LoadError(f"{base}/models answered {r.status_code} {r.text[:200]!r}: is that an "
+                                "OpenAI-compatible server? (--model-name skips this question)") from None
         chat = endpoint == "chat"
         target = base + ("/chat/completions" if chat else "/completions")
 
@@ -184,8 +196,12 @@ def main(args) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)   # not one line per request
     conc = args.concurrency or args.num_requests
     key = args.api_key or os.environ.get("OPENAI_API_KEY")
-    report = asyncio.run(run_load(args.url, args.num_requests, conc, args.prompt_tokens, args.output_tokens,
-                                  args.model_name, key, args.endpoint, args.timeout))
+    try:
+        report = asyncio.run(run_load(args.url, args.num_requests, conc, args.prompt_tokens, args.output_tokens,
+                                      args.model_name, key, args.endpoint, args.timeout))
+    except (LoadError, httpx.ConnectError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:

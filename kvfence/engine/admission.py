@@ -16,10 +16,13 @@ class ContextLengthExceeded(ValueError):
 
     def __init__(self, prompt_tokens: int, max_tokens: int, limit: int):
         self.prompt_tokens, self.max_tokens, self.limit = prompt_tokens, max_tokens, limit
-        super().__init__(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} for the "
-            f"completion). Please reduce the prompt or max_tokens.")
+        super().__init__(self.said_as("the prompt", "max_tokens"))
+
+    def said_as(self, prompt_param: str, max_param: str) -> str:
+        """The message with the request's own names for its prompt and completion limit."""
+        return (f"This model's maximum context length is {self.limit} tokens. However, you requested "
+                f"{self.prompt_tokens + self.max_tokens} tokens ({self.prompt_tokens} in the prompt, "
+                f"{self.max_tokens} for the completion). Please reduce {prompt_param} or {max_param}.")
 
 
 class Overloaded(RuntimeError):

@@ -53,6 +53,7 @@ from kvfence.server.tenants import (
     TenantLimiter,
     TenantRegistry,
     TenantsFileError,
+    prompt_cap_refusal,
     registry_change,
 )
 from kvfence.server.tools import CallStream, ToolSpec, parse_answer
@@ -306,7 +307,8 @@ def create_app(state: ServerState) -> FastAPI:
                 "health": "/health",
                 "console": "/console" if console_on else None}
 
-    @app.get("/health")
+    # HEAD too: load balancers' health checks often send it
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health(request: Request):
         st = state.engine.state
         snap = state.engine.snapshot
@@ -320,7 +322,7 @@ def create_app(state: ServerState) -> FastAPI:
                 body["error"] = state.engine.error
         return JSONResponse(body, status_code=200 if st == "ready" else 503)
 
-    @app.get("/health/live")
+    @app.api_route("/health/live", methods=["GET", "HEAD"])
     async def live():
         st = state.engine.state
         alive = st in ("ready", "loading")
@@ -386,10 +388,10 @@ def _openai_routes(app: FastAPI, state: ServerState) -> None:
             # only what could be sent: the ids of a longer text (8 MB of words gave ~1M) took
             # seconds to encode as JSON on the event loop, every tenant's streams waiting
             if isinstance(prompt, str):
-                _refuse_surely_too_long(tok, prompt, ctx, "prompt", generating=False)
+                _refuse_surely_too_long(tok, prompt, ctx, "prompt", max_param=None)
                 ids = await asyncio.to_thread(tok.encode, prompt)
             else:   # rendered as _tokenize renders a chat request: tool calls, results and tools alike
-                ids = await _encode_chat(tok, prompt, tools, add_prompt, ctx, generating=False)
+                ids = await _encode_chat(tok, prompt, tools, add_prompt, ctx, max_param=None)
             if len(ids) > ctx:
                 raise APIError(400, f"The prompt is {len(ids)} tokens, more than this model's context of {ctx} "
                                     "tokens.", code="context_length_exceeded",
@@ -486,7 +488,8 @@ async def _generate(state: ServerState, request: Request, kind: str):
         if req.model is not None and req.model != state.served_name:
             raise APIError(404, f"The model '{req.model}' does not exist.", code="model_not_found", param="model")
         _refuse_max_tokens_beyond_context(req, state.facts["usable_context"])
-        prompts = [await _tokenize(state, req, text, pids) for text, pids in req.prompts]
+        cap = tenant.limits.max_prompt_tokens
+        prompts = [await _tokenize(state, req, text, pids, cap) for text, pids in req.prompts]
         _refuse_if_revoked(revoked)
         facts = state.facts
         _limit_implicit_max_tokens(req, tenant, prompts, facts["usable_context"])
@@ -523,6 +526,10 @@ async def _generate(state: ServerState, request: Request, kind: str):
         if bad_bias:
             raise bad_request(f"'logit_bias' names token {bad_bias[0]}, outside the vocabulary "
                               f"[0, {facts['vocab_size']}).", param="logit_bias")
+        bad_stop = [t for t in req.params.stop_token_ids if t >= facts["vocab_size"]]
+        if bad_stop:   # the model can never write it: the stop would silently never apply
+            raise bad_request(f"'stop_token_ids' names token {bad_stop[0]}, outside the vocabulary "
+                              f"[0, {facts['vocab_size']}).", param="stop_token_ids")
         if req.params.json_schema is not None:
             await _check_schema(state, req)
         if req.logprobs is not None:   # logprobs' bytes come from llguidance's view of the vocabulary:
@@ -530,7 +537,8 @@ async def _generate(state: ServerState, request: Request, kind: str):
             await asyncio.to_thread(ll_tokenizer, state.engine.tokenizer, facts["vocab_size"])
         _refuse_if_revoked(revoked)
         # tokens_per_minute reserves prompt + the most it can generate; what it did not use is refunded
-        state.limiter.charge(lease, sum(len(ids) for ids in prompts), most, param=req.max_tokens_param)
+        state.limiter.charge(lease, sum(len(ids) for ids in prompts), most, param=req.max_tokens_param,
+                             prompt_param=req.prompt_param)
         choices = _choices(state, req, prompts, rid)
         try:
             for c in choices:   # the first choice of each prompt now, the others once it has run its prefill
@@ -641,7 +649,8 @@ def _public_detail(state: ServerState, rid: str, tenant: Tenant, code: str | Non
 
 
 def _too_long(e: ContextLengthExceeded, req: GenerationRequest) -> APIError:
-    return APIError(400, str(e), code="context_length_exceeded", param=req.prompt_param, outcome="rejected")
+    return APIError(400, e.said_as(f"'{req.prompt_param}'", f"'{req.max_tokens_param}'"),
+                    code="context_length_exceeded", param=req.prompt_param, outcome="rejected")
 
 
 def finish_reason(reason: str | None, calls: bool, enforced: bool) -> str:
@@ -696,15 +705,15 @@ async def _submit_unless_gone(state: ServerState, request: Request, ids, params:
 
 
 async def _encode_chat(tok, messages: list[dict], tools: ToolSpec | None, add_prompt: bool,
-                       room: int, generating: bool = True) -> list[int]:
+                       room: int, max_param: str | None = "max_tokens", cap: int | None = None) -> list[int]:
     """A chat prompt's ids: generation's and /tokenize's one way to render messages and tools.
     `room`: the most prompt tokens that can fit; a rendered text surely longer is refused
-    before it is tokenized."""
+    before it is tokenized (_refuse_surely_too_long)."""
     rendered, template_tools = render_tools(messages, tools, tok.template_has_tools, tok.template_has_developer)
 
     def encode() -> list[int]:
         text = tok.apply_chat_template(rendered, add_prompt, template_tools)
-        _refuse_surely_too_long(tok, text, room, "messages", generating)
+        _refuse_surely_too_long(tok, text, room, "messages", max_param, cap)
         return tok.encode_rendered(text)
 
     try:
@@ -753,32 +762,38 @@ def _prompt_room(state: ServerState, req: GenerationRequest) -> int:
     return state.facts["usable_context"] - _least_completion(req)
 
 
-def _refuse_surely_too_long(tok, text: str, room: int, param: str, generating: bool = True) -> None:
+def _refuse_surely_too_long(tok, text: str, room: int, param: str, max_param: str | None = "max_tokens",
+                            cap: int | None = None) -> None:
     """Tokenizing costs ~1 s of CPU per MiB; a text whose length alone shows it needs more
     tokens than `room` is refused first (a lower bound from the vocabulary's longest token,
-    so nothing that fits is ever refused here). The exact check follows tokenizing.
-    `generating`: room is what max_tokens leaves (else the whole context: /tokenize)."""
+    so nothing that fits is ever refused here), or more than the tenant's prompt cap `cap`.
+    The exact checks follow tokenizing. `max_param`: the request's completion limit, which
+    room leaves space for (None: room is the whole context, /tokenize)."""
     fewest = tok.fewest_tokens(text)
+    if cap is not None and fewest > cap:
+        raise prompt_cap_refusal(cap, f"this prompt's {len(text)} characters are at least {fewest} tokens", param)
     if fewest > room and not faults.active("skip_router_admission"):
-        fit = (f"at most {max(room, 0)} prompt tokens fit beside max_tokens. Please reduce the prompt or max_tokens."
-               if generating else f"this model's context is {room} tokens.")
+        fit = (f"at most {max(room, 0)} prompt tokens fit beside '{max_param}'. Please shorten '{param}' or lower "
+               f"'{max_param}'." if max_param else f"this model's context is {room} tokens.")
         raise APIError(400, f"The prompt is too long for this model's context: its {len(text)} characters are at "
                             f"least {fewest} tokens, and {fit}",
                        code="context_length_exceeded", param=param, outcome="rejected")
 
 
 async def _tokenize(state: ServerState, req: GenerationRequest, text: str | None,
-                    prompt_ids: list[int] | None) -> list[int]:
+                    prompt_ids: list[int] | None, cap: int | None) -> list[int]:
+    """`cap`: the tenant's max_prompt_tokens, checked exactly by TenantLimiter.charge; a text
+    surely longer is refused before it is tokenized, under its own name."""
     tok = state.engine.tokenizer
     room = _prompt_room(state, req)
     if req.kind == "chat":
         assert req.messages is not None
-        ids = await _encode_chat(tok, req.messages, req.tools, True, room)
+        ids = await _encode_chat(tok, req.messages, req.tools, True, room, req.max_tokens_param, cap)
     elif prompt_ids is not None:
         ids = prompt_ids   # checked against the vocabulary after admission (I4): see _generate
     else:
         assert text is not None
-        _refuse_surely_too_long(tok, text, room, req.prompt_param)
+        _refuse_surely_too_long(tok, text, room, req.prompt_param, req.max_tokens_param, cap)
         ids = await asyncio.to_thread(tok.encode, text)
     if not ids:
         raise bad_request("The prompt is empty after tokenization.", param=req.prompt_param)

@@ -207,12 +207,13 @@ def _type_name(v) -> str:
 
 # -- shared sampling fields --------------------------------------------------------------
 
-# Other servers' request fields that change the answer, which kvfence does not do: a client
-# moved from vLLM or SGLang sending them would get an answer that silently ignores them (free
-# text for a guided_json schema). Refused with what to send instead, unless the value asks for
-# what kvfence does anyway (the tuple; null is always "not set").
+# Request fields (OpenAI's, or other servers' extensions) that change the answer in a way
+# kvfence does not do: a client sending them would get an answer that silently ignores them
+# (free text for a vLLM client's guided_json schema, text where it asked for audio). Refused
+# with what to send instead, unless the value asks for what kvfence does anyway (the tuple;
+# null is always "not set").
 _STRUCTURED = "send 'response_format' of type json_schema (every token held to the schema)"
-_FOREIGN: dict[str, tuple[tuple, str]] = {
+_UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "guided_json": ((), f"vLLM's guided decoding is not a kvfence field; {_STRUCTURED}."),
     "guided_regex": ((), "regular-expression constraints are not supported; a JSON schema can hold a string to "
                          "a 'pattern': " + _STRUCTURED + "."),
@@ -238,19 +239,25 @@ _FOREIGN: dict[str, tuple[tuple, str]] = {
     "continue_final_message": ((False,), "continuing the last assistant message is not supported; send the text "
                                          "as a /v1/completions prompt."),
     "prompt_logprobs": ((), "send 'echo': true with 'logprobs' to /v1/completions for the prompt's logprobs."),
+    "modalities": ((["text"],), "this model writes text only."),
+    "audio": ((), "this model writes text only."),
+    "web_search_options": ((), "kvfence has no web search; put what the model should know in the messages."),
 }
 
 
-def refuse_foreign_fields(body: dict) -> None:
-    """A 400 for another server's field that would change the answer (_FOREIGN)."""
-    for name, (harmless, why) in _FOREIGN.items():
+def refuse_unsupported_fields(body: dict) -> None:
+    """A 400 for a field that would change the answer in a way kvfence does not (_UNSUPPORTED)."""
+    for name, (harmless, why) in _UNSUPPORTED.items():
         v = body.get(name)
         if v is not None and not any(type(v) is type(h) and v == h for h in harmless):
             raise bad_request(f"'{name}' is not supported: {why}", param=name)
 
 
 def _common(body: dict, kind: str) -> dict:
-    refuse_foreign_fields(body)
+    refuse_unsupported_fields(body)
+    # accepted and ignored, but held to OpenAI's types: a wrong one is a client bug to hear of
+    _field(body, "user", (str,), None, "a string")
+    _field(body, "metadata", (dict,), None, "an object")
     model = _field(body, "model", (str,), None, "a string")
     n = _int(body, "n", 1, 1, MAX_CHOICES)
     stop = body.get("stop")
@@ -272,7 +279,11 @@ def _common(body: dict, kind: str) -> dict:
     if opts is not None:
         if not stream:
             raise bad_request("'stream_options' is only allowed with stream=true.", param="stream_options")
-        include_usage = _bool(opts, "include_usage", False)
+        include_usage = opts.get("include_usage")
+        if include_usage is not None and not isinstance(include_usage, bool):
+            raise bad_request(f"'stream_options.include_usage' must be a boolean, got {_type_name(include_usage)}.",
+                              param="stream_options.include_usage")
+        include_usage = bool(include_usage)
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                   for t in stop_ids):
@@ -379,8 +390,9 @@ def _params(c: dict, max_tokens: int | None, logprobs: int | None) -> SamplingPa
                               repetition_penalty=c["repetition_penalty"], min_p=c["min_p"],
                               min_tokens=c["min_tokens"], logit_bias=c["logit_bias"],
                               json_schema=c["json_schema"])
-    except ValueError as e:
-        raise bad_request(str(e)) from None
+    except ValueError as e:   # SamplingParams' own checks ("min_tokens must be ..."): name the field
+        first = str(e).split(" ", 1)[0]
+        raise bad_request(str(e), param=first if first in c or first == "max_tokens" else None) from None
 
 
 # -- /v1/completions ---------------------------------------------------------------------

@@ -20,12 +20,12 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from kvfence.server.errors import APIError, bad_request
-from kvfence.server.protocol import refuse_foreign_fields, text_of_parts
+from kvfence.server.protocol import refuse_unsupported_fields, text_of_parts
 from kvfence.server.tools import MAX_TOOLS
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # a chat parameter named in a 400 -> the Responses field the client sent
-_RENAMED = {"messages": "input", "max_completion_tokens": "max_output_tokens",
+_RENAMED = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
             "response_format.json_schema": "text.format", "response_format": "text.format"}
 _TEXT_PARTS = {"input_text": "text", "text": "text"}
 _ASSISTANT_PARTS = {**_TEXT_PARTS, "output_text": "text", "refusal": "refusal"}
@@ -36,6 +36,20 @@ _CHAT_ALLOWED = re.compile(r"tool_choice\.allowed_tools\b")
 _PASSED = ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
            "frequency_penalty", "logit_bias", "stop", "min_tokens", "parallel_tool_calls", "top_logprobs",
            "ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+# chat completions fields a Responses client may send by habit: each would be dropped below
+# (what passes, as it asks for what a Response does anyway; the field to send instead)
+_CHAT_ONLY: dict[str, tuple[tuple, str]] = {
+    "response_format": ((), "'text.format'"), "max_tokens": ((), "'max_output_tokens'"),
+    "max_completion_tokens": ((), "'max_output_tokens'"), "messages": ((), "'input'"),
+    "logprobs": ((False,), "'include': [\"message.output_text.logprobs\"]"), "n": ((1,), "one answer")}
+
+
+class _AsSent(APIError):
+    """A 400 that already names the fields as the Responses client sent them (refused()
+    leaves it as it is)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(400, message, param=param)
 _REFUSED = {
     "previous_response_id": "kvfence stores no responses (no tenant's text outlives its request); send the whole "
                             "conversation in 'input'.",
@@ -65,7 +79,10 @@ def chat_body(body: dict) -> dict:
     for key, why in _REFUSED.items():
         if body.get(key) is not None:
             raise bad_request(f"'{key}' is not supported: {why}", param=key)
-    refuse_foreign_fields(body)   # the chat body below would drop them silently
+    refuse_unsupported_fields(body)   # the chat body below would drop them silently
+    for chat, (harmless, resp) in _CHAT_ONLY.items():
+        if body.get(chat) is not None and body[chat] not in harmless:
+            raise _AsSent(f"'{chat}' is a chat completions field; a Response takes {resp}.", param=chat)
     if body.get("background") not in (None, False):
         raise bad_request("'background' is not supported: kvfence stores no responses to fetch later; stream "
                           "instead.", param="background")
@@ -436,6 +453,8 @@ class _Items:
 def refused(e: APIError) -> APIError:
     """A chat-path 400 re-addressed to the Responses fields the client sent, in its param and
     its message."""
+    if isinstance(e, _AsSent):
+        return e
     e.param = renamed(e.param)
     e.message = _CHAT_TOOL.sub(r"tools[\1].", _CHAT_ALLOWED.sub("tool_choice", e.message))
     for chat, resp in _RENAMED.items():

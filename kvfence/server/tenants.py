@@ -80,6 +80,13 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
+def prompt_cap_refusal(cap: int, has: str, param: str) -> APIError:
+    """The tenant's max_prompt_tokens refusal. Not a rate limit: retrying cannot help, so 400
+    (the client's retry logic stays out of it)."""
+    return APIError(400, f"This API key may send at most {cap} prompt tokens per request; {has}.",
+                    code="tenant_max_prompt_tokens", param=param, outcome="rejected")
+
+
 class TenantRegistry:
     """Who is calling. `authenticate()` maps an Authorization header to a Tenant or raises 401."""
 
@@ -455,7 +462,8 @@ class TenantLimiter:
         tpm = tenant.limits.tokens_per_minute
         return None if tpm is None else (tpm - prompt_tokens) // max(1, completions)
 
-    def charge(self, lease: Lease, prompt_tokens: int, max_tokens: int = 0, param: str = "max_tokens") -> None:
+    def charge(self, lease: Lease, prompt_tokens: int, max_tokens: int = 0, param: str = "max_tokens",
+               prompt_param: str = "prompt") -> None:
         """Once the prompt is tokenized: the prompt cap (400), and with tokens_per_minute a
         reservation of prompt + max_tokens, the most the request can use (429 while the window
         is full); release() refunds what it did not use."""
@@ -463,10 +471,8 @@ class TenantLimiter:
         lim = tenant.limits
         need = prompt_tokens + max_tokens
         if lim.max_prompt_tokens is not None and prompt_tokens > lim.max_prompt_tokens:
-            # Not a rate limit: retrying cannot help, so 400 (the client's retry logic stays out of it).
-            raise APIError(400, f"This API key may send at most {lim.max_prompt_tokens} prompt tokens per "
-                                f"request; this request has {prompt_tokens} prompt tokens.",
-                           code="tenant_max_prompt_tokens", param="prompt", outcome="rejected")
+            raise prompt_cap_refusal(lim.max_prompt_tokens, f"this request has {prompt_tokens} prompt tokens",
+                                     prompt_param)
         with self._lock:
             assert lease._open and lease._entry is None, "charge a held lease once"
             now = self._clock()

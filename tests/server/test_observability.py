@@ -27,6 +27,8 @@ def test_health_reports_ready_and_load(server):
     body = r.json()
     assert body["status"] == "ok" and body["ready"] is True
     assert httpx.get(server.url + "/health/live").json()["alive"] is True
+    # load balancers' checks often send HEAD (it was a 405)
+    assert [httpx.head(server.url + p).status_code for p in ("/health", "/health/live")] == [200, 200]
     # the live counts follow every tenant's load: the [metrics] key reads them, a probe without a
     # key or a tenant's key does not (an attacker probe watched others' activity through them)
     scraper = httpx.get(server.url + "/health", headers={"Authorization": f"Bearer {SCRAPER_KEY}"}).json()

@@ -26,3 +26,11 @@ def test_probe_ready_fails_while_the_engine_is_loading(make_server):
         assert main(["probe", "--port", str(srv.port)]) == 1               # no argument: ready
     finally:
         gate.set()
+
+
+def test_bench_url_without_the_key_a_server_wants_says_so_in_one_line(server, capsys):
+    """Found by a walkthrough: kvfence bench --url against a server with a tenants file and no
+    --api-key died with a traceback from /v1/models' 401."""
+    assert main(["bench", "--url", server.url, "--num-requests", "1", "--output-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--api-key" in err and "Traceback" not in err

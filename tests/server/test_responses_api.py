@@ -278,3 +278,31 @@ def test_a_stream_its_client_leaves_gives_every_page_back(server):
     after = server.wait_idle(30)
     assert after["running"] == 0 and after["waiting"] == 0 and pool_intact(after)
     assert after["pages_free"] >= base["pages_free"] - 2
+
+
+@pytest.mark.parametrize("field,value,instead", [
+    ("response_format", {"type": "json_object"}, "text.format"), ("max_tokens", 5, "max_output_tokens"),
+    ("messages", [{"role": "user", "content": "hi"}], "input"), ("n", 2, "one answer"),
+])
+def test_a_chat_completions_field_sent_to_responses_is_a_400_naming_it(server, field, value, instead):
+    """Found by a developer walkthrough: a Responses request with chat's response_format got
+    free text (the field was dropped). Each chat-only field is a 400 that names it as sent and
+    says what a Response takes; values that ask for what a Response does anyway pass."""
+    c = server.client("alice")
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model=MODEL, input="hi", max_output_tokens=4, extra_body={field: value})
+    assert e.value.body["param"] == field and instead in e.value.body["message"], e.value.body
+    ok = c.responses.create(model=MODEL, input="hi", max_output_tokens=4, extra_body={"n": 1, "logprobs": False})
+    assert ok.status in ("completed", "incomplete")
+
+
+def test_responses_errors_name_responses_fields(server):
+    """A prompt over the tenant's cap, and one over the context, name input and
+    max_output_tokens, not chat's messages and max_tokens (found by a walkthrough)."""
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client("capped").responses.create(model=MODEL, input="word " * 40, max_output_tokens=4)
+    assert e.value.body["param"] == "input" and e.value.body["code"] == "tenant_max_prompt_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client("alice").responses.create(model=MODEL, input="word " * 9000, max_output_tokens=4)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "input"
+    assert "'max_output_tokens'" in e.value.body["message"] and "'max_tokens'" not in e.value.body["message"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import httpx
 import openai
 import pytest
 from server_harness import MODEL
@@ -79,8 +80,24 @@ def test_a_wrong_value_is_a_400_naming_the_field(server, field, value):
 
 
 def test_min_tokens_above_max_tokens_is_a_400(server):
-    with pytest.raises(openai.BadRequestError, match="min_tokens"):
+    with pytest.raises(openai.BadRequestError, match="min_tokens") as e:
         server.client("alice").completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"min_tokens": 5})
+    assert e.value.body["param"] == "min_tokens"     # found by a walkthrough: it was null
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"stop_token_ids": [10**9]}, "stop_token_ids"), ({"user": 5}, "user"), ({"metadata": "x"}, "metadata"),
+    ({"stream": True, "stream_options": {"include_usage": "x"}}, "stream_options.include_usage"),
+])
+def test_values_openai_refuses_are_a_400_naming_the_field(server, extra, param):
+    """Found by a developer walkthrough: a stop token id outside the vocabulary (a stop that
+    can never apply), a numeric user, a string metadata were taken; include_usage's error
+    named 'include_usage' alone."""
+    r = httpx.post(server.url + "/v1/chat/completions", headers={"authorization": "Bearer sk-alice-0001"},
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
 
 
 def test_skip_special_tokens_false_keeps_them_in_the_text(server):
@@ -112,7 +129,8 @@ def test_include_stop_str_in_output_keeps_the_stop_string(server):
     ("guided_json", {"type": "object"}), ("guided_choice", ["yes", "no"]), ("guided_regex", "[0-9]+"),
     ("structured_outputs", {"json": {"type": "object"}}), ("regex", "a+"), ("use_beam_search", True),
     ("bad_words", ["x"]), ("chat_template", "{{ messages }}"), ("continue_final_message", True),
-    ("prompt_logprobs", 1), ("truncate_prompt_tokens", 10),
+    ("prompt_logprobs", 1), ("truncate_prompt_tokens", 10), ("modalities", ["text", "audio"]),
+    ("audio", {"voice": "alloy", "format": "wav"}), ("web_search_options", {}),
 ])
 def test_another_servers_field_that_would_change_the_answer_is_a_400_saying_what_to_send(server, field, value):
     """A client moved from vLLM or SGLang sending guided_json got free text, silently: such
@@ -132,6 +150,6 @@ def test_another_servers_field_that_would_change_the_answer_is_a_400_saying_what
     if field == "guided_json":
         assert "'response_format' of type json_schema" in said[0] and "'text.format' of type json_schema" in said[2]
     harmless = {"use_beam_search": False, "add_generation_prompt": True, "length_penalty": 1.0, "bad_words": [],
-                "chat_template_kwargs": {}, field: None}
+                "chat_template_kwargs": {}, "modalities": ["text"], field: None}
     r = c.chat.completions.create(model=MODEL, messages=ask, max_tokens=2, temperature=0, extra_body=harmless)
     assert r.choices[0].message.content

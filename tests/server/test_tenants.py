@@ -98,6 +98,30 @@ def test_max_prompt_tokens_per_tenant(server):
     assert e.value.code == "tenant_max_prompt_tokens" and "16" in e.value.message and "40" in e.value.message
     # the same prompt is fine for a tenant without the cap
     assert server.client("alice").completions.create(model=MODEL, prompt="word " * 40, max_tokens=2).usage
+    # chat names its messages (found by a walkthrough: it said 'prompt')
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client("capped").chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w " * 40}],
+                                                        max_tokens=2)
+    assert e.value.code == "tenant_max_prompt_tokens" and e.value.param == "messages"
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_text_surely_over_the_tenants_cap_is_refused_by_that_cap_before_tokenizing(server, monkeypatch, kind):
+    """Found by a walkthrough: a tenant capped at 16 prompt tokens sending 1.2M characters was
+    told that 8190 tokens fit beside max_tokens (the context's bound, the only one checked
+    before tokenizing). Its own cap refuses it now, before any tokenizing. Mutant: no cap in
+    the pre-tokenizing bound."""
+    tok = server.engine.tokenizer
+    monkeypatch.setattr(tok, "encode", lambda *a, **k: pytest.fail("tokenized a text surely over the cap"))
+    monkeypatch.setattr(tok, "encode_rendered", lambda *a, **k: pytest.fail("tokenized a text surely over the cap"))
+    c = server.client("capped")
+    with pytest.raises(openai.BadRequestError) as e:
+        if kind == "chat":
+            c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x" * 200_000}], max_tokens=2)
+        else:
+            c.completions.create(model=MODEL, prompt="x" * 200_000, max_tokens=2)
+    assert e.value.code == "tenant_max_prompt_tokens" and "at most 16 prompt tokens" in e.value.message
+    assert "characters are at least" in e.value.message   # the rendered conversation's, for chat
 
 
 def test_max_concurrent_requests_gives_429_and_others_keep_going(server):
