@@ -525,6 +525,11 @@ class RouterBackend:
 
         async def forget_on(node: Node) -> int:
             pages = 0
+            if node.info is None:
+                # never checked by this router process, so never sent one of its requests: it
+                # holds nothing in this router's scopes (a node keeps each router's apart). An
+                # unstamped message would have retired the name's plain scope instead
+                return 0
             if faults.active("lose_forget_tenants"):
                 log.warning("%s %s: the forget message is lost (fault lose_forget_tenants)", node.role, node.url)
                 return 0
