@@ -45,3 +45,19 @@ def test_a_routers_scopes_retire_together_and_their_names_go_once_unused():
     fresh = led.tenant_id(scope_name("A", router="r1"))
     assert fresh not in (r1,) and fresh > max(led._names.keys() - {fresh})   # ids are never reused
     led.check_consistency()
+
+
+def test_the_idle_time_reaches_a_nodes_settings_and_launch_pd_passes_it_on():
+    """--router-scope-idle on `serve --role prefill|decode` is the node's PDSettings, which
+    build_node_engine gives the engine's RouterRealms; launch-pd passes it to every node."""
+    from kvfence.cli import _pd_settings, build_parser
+    from kvfence.pd.launch import PD_FLAGS, flags
+    from kvfence.pd.settings import PDSettings
+
+    a = build_parser().parse_args(["serve", "--role", "prefill", "--router-scope-idle", "5"])
+    assert _pd_settings(a, "prefill", b"s" * 32).router_scope_idle_s == 5
+    assert flags(a, PD_FLAGS)[-2:] == ["--router-scope-idle", "5.0"]
+    a = build_parser().parse_args(["launch-pd", "--router-scope-idle", "7"])
+    assert "--router-scope-idle" in flags(a, PD_FLAGS)
+    with pytest.raises(ValueError, match="router_scope_idle_s"):
+        PDSettings("decode", router_scope_idle_s=0, cluster_secret=b"s" * 32)
