@@ -76,3 +76,29 @@ def test_a_refusal_in_the_stream_is_retryable_as_one_in_the_status(code, retryab
         asyncio.run(router._admitted("decode", events()))
     assert e.value.retryable is retryable
     assert may_retry_decode(e.value.code, e.value.retryable, admitted=False, tried=0) is retryable
+
+
+def test_a_forget_message_goes_stamped_to_checked_nodes_only():
+    """A node this router process never checked was never sent one of its requests, so it
+    holds none of its scopes (a node keeps each router's apart): no message. It used to get an
+    unstamped one, which retired the name's plain scope instead. Mutant: no such skip."""
+    import json
+
+    from kvfence.pd.messages import ForgetTenantsReply
+
+    sent = []
+
+    class Client:
+        async def post(self, url, content=None, headers=None, **kw):
+            sent.append((url, json.loads(content)))
+            return SimpleNamespace(status_code=200, content=ForgetTenantsReply(pages=3).dumps())
+
+    router = RouterBackend("http://127.0.0.1:9", "http://127.0.0.1:9", b"k" * 32)
+    router._client = Client()
+    checked = SimpleNamespace(url="http://checked", role="prefill", address=None,
+                              info=SimpleNamespace(scope_stamps=True))
+    never = SimpleNamespace(url="http://never", role="decode", address=None, info=None)
+    router.fleet = SimpleNamespace(nodes=[checked, never])
+    assert asyncio.run(router.forget_tenants(["carol"], 2)) == 3
+    assert sent == [("http://checked/internal/forget_tenants",
+                     {"tenants": ["carol"], "router": router.router_id, "epoch": 2})]
