@@ -104,13 +104,18 @@ def uniformity(row: np.ndarray) -> float:
     return float(((counts - expect) ** 2 / expect).sum())
 
 
-def held_rows(cluster, intruder) -> list[np.ndarray]:
-    """Wait for prefill to hold a request's rows, then read its whole buffer."""
-    session, base, rows, slot = buffer_of(cluster, intruder, "prefill")
+def wait_held(cluster, rows: int) -> None:
+    """Until prefill holds a request's rows (of its `rows`, the null row among them)."""
     end = time.monotonic() + 30
     while cluster.pd("prefill")["buffer_free"] == rows - 1:
         assert time.monotonic() < end, "prefill never held the request"
         time.sleep(0.05)
+
+
+def held_rows(cluster, intruder) -> list[np.ndarray]:
+    """Wait for prefill to hold a request's rows, then read its whole buffer."""
+    session, base, rows, slot = buffer_of(cluster, intruder, "prefill")
+    wait_held(cluster, rows)
     raw = intruder.read(session, base, rows * slot).reshape(rows, slot)
     return [r for r in raw if r.any()]
 
@@ -155,9 +160,10 @@ def test_mutant_without_sealing_the_same_read_shows_plaintext(cluster, intruder,
 
 def _overwrite_held_rows(cluster, intruder) -> int:
     session, base, rows, slot = buffer_of(cluster, intruder, "prefill")
-    raw = held_rows(cluster, intruder)
-    assert raw
+    # made before the hold, and no read first: the write must land inside the HOLD_S window
+    # (reading the whole buffer first once took it, on 2 busy cores, and the request passed)
     noise = np.random.default_rng(0).integers(0, 256, rows * slot, dtype=np.uint8).tobytes()
+    wait_held(cluster, rows)
     return intruder.write(session, base + slot, noise[slot:])   # every row but the null row
 
 
