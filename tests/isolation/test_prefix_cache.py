@@ -30,6 +30,18 @@ def ids_for(llm, question):
     return llm.tokenizer.encode(SYSTEM + question)
 
 
+def shared_pages(eng) -> list[int]:
+    return [p for p in range(1, eng.ledger.num_pages) if eng.ledger.state[p] == PageState.SHARED]
+
+
+def point_and_run(eng, seq, slot: int, page: int) -> None:
+    """Forge seq's block table: slot `slot` points at `page` (with its current epoch, so only
+    the ownership check can catch it); then run everything to the end."""
+    seq.table.pages[slot] = page
+    seq.table.epochs[slot] = int(eng.ledger.epoch[page])
+    run_to_end(eng)
+
+
 def test_same_tenant_hits_and_output_is_unchanged(llm, make_llm):
     eng = llm.engine
     first = run(eng, ids_for(llm, "What are your opening hours?"), "A")
@@ -88,14 +100,12 @@ def test_mutant_with_both_layers_removed_leaks(llm, monkeypatch):
 def test_forced_cross_tenant_read_of_a_shared_page_is_an_I2_violation(llm):
     eng = llm.engine
     run(eng, ids_for(llm, "What are your opening hours?"), "A")
-    shared = [p for p in range(1, eng.ledger.num_pages) if eng.ledger.state[p] == PageState.SHARED]
+    shared = shared_pages(eng)
     b = eng.add_request(llm.tokenizer.encode("Tenant B's own question, rather long to span pages " * 3),
                         GREEDY, tenant="B")
     eng.step()
     eng.step()
-    b.table.pages[0] = shared[0]
-    b.table.epochs[0] = int(eng.ledger.epoch[shared[0]])
-    run_to_end(eng)
+    point_and_run(eng, b, 0, shared[0])
     assert b.state is State.ABORTED and "I2" in b.error
     assert eng.ledger.state[shared[0]] == PageState.QUARANTINED  # no longer served to anyone
 
@@ -103,14 +113,11 @@ def test_forced_cross_tenant_read_of_a_shared_page_is_an_I2_violation(llm):
 def test_writing_into_a_shared_page_is_refused(llm):
     eng = llm.engine
     a = run(eng, ids_for(llm, "What are your opening hours?"), "A")
-    shared = [p for p in range(1, eng.ledger.num_pages) if eng.ledger.state[p] == PageState.SHARED]
+    shared = shared_pages(eng)
     a2 = eng.add_request(ids_for(llm, "Where is the nearest branch?"), GREEDY, tenant="A")
     eng.step()
     eng.step()
-    last = (a2.num_computed) // 16  # the page the next token goes to
-    a2.table.pages[last] = shared[-1]
-    a2.table.epochs[last] = int(eng.ledger.epoch[shared[-1]])
-    run_to_end(eng)
+    point_and_run(eng, a2, a2.num_computed // 16, shared[-1])   # the page the next token goes to
     assert a2.state is State.ABORTED and "would write" in a2.error
     assert a.state is State.FINISHED
 
@@ -180,14 +187,12 @@ def test_a_forced_read_across_two_routers_tenants_of_one_name_is_reported_cross_
     try:
         eng = llm.engine
         run(eng, ids_for(llm, "What are your opening hours?"), "A", router="router-2")
-        shared = [p for p in range(1, eng.ledger.num_pages) if eng.ledger.state[p] == PageState.SHARED]
+        shared = shared_pages(eng)
         a = eng.add_request(llm.tokenizer.encode("Another question of A's, rather long to span pages " * 3),
                             GREEDY, tenant="A", router="router-1")
         eng.step()
         eng.step()
-        a.table.pages[0] = shared[0]
-        a.table.epochs[0] = int(eng.ledger.epoch[shared[0]])
-        run_to_end(eng)
+        point_and_run(eng, a, 0, shared[0])
         assert a.state is State.ABORTED and "I2" in a.error
         # a page a running request of the other router's "A" owns: the same
         long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -197,9 +202,7 @@ def test_a_forced_read_across_two_routers_tenants_of_one_name_is_reported_cross_
         eng.step()
         owned = x.table.pages[-1]   # its first pages are cached ones (the same system prompt)
         assert eng.ledger.state[owned] == PageState.OWNED
-        y.table.pages[-1] = owned
-        y.table.epochs[-1] = int(eng.ledger.epoch[owned])
-        run_to_end(eng)
+        point_and_run(eng, y, -1, owned)
         assert y.state is State.ABORTED and "I2" in y.error
     finally:
         incidents.close_log()
