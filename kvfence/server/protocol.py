@@ -245,12 +245,21 @@ _UNSUPPORTED: dict[str, tuple[tuple, str]] = {
 }
 
 
-def refuse_unsupported_fields(body: dict) -> None:
-    """A 400 for a field that would change the answer in a way kvfence does not (_UNSUPPORTED)."""
-    for name, (harmless, why) in _UNSUPPORTED.items():
+def unwanted_field(body: dict, table: dict[str, tuple[tuple, str]]) -> tuple[str, str] | None:
+    """(name, why) of the first field of `table` that `body` sets to anything but null or one
+    of its harmless values (compared with their type: 1 is not True), or None."""
+    for name, (harmless, why) in table.items():
         v = body.get(name)
         if v is not None and not any(type(v) is type(h) and v == h for h in harmless):
-            raise bad_request(f"'{name}' is not supported: {why}", param=name)
+            return name, why
+    return None
+
+
+def refuse_unsupported_fields(body: dict) -> None:
+    """A 400 for a field that would change the answer in a way kvfence does not (_UNSUPPORTED)."""
+    found = unwanted_field(body, _UNSUPPORTED)
+    if found is not None:
+        raise bad_request(f"'{found[0]}' is not supported: {found[1]}", param=found[0])
 
 
 def _common(body: dict, kind: str) -> dict:

@@ -20,7 +20,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from kvfence.server.errors import APIError, bad_request
-from kvfence.server.protocol import refuse_unsupported_fields, text_of_parts
+from kvfence.server.protocol import refuse_unsupported_fields, text_of_parts, unwanted_field
 from kvfence.server.tools import MAX_TOOLS
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -42,6 +42,13 @@ _CHAT_ONLY: dict[str, tuple[tuple, str]] = {
     "response_format": ((), "'text.format'"), "max_tokens": ((), "'max_output_tokens'"),
     "max_completion_tokens": ((), "'max_output_tokens'"), "messages": ((), "'input'"),
     "logprobs": ((False,), "'include': [\"message.output_text.logprobs\"]"), "n": ((1,), "one answer")}
+_REFUSED = {
+    "previous_response_id": "kvfence stores no responses (no tenant's text outlives its request); send the whole "
+                            "conversation in 'input'.",
+    "conversation": "kvfence stores no conversations (no tenant's text outlives its request); send the whole "
+                    "conversation in 'input'.",
+    "prompt": "kvfence stores no prompt templates; send the text in 'instructions' and 'input'.",
+}
 
 
 class _AsSent(APIError):
@@ -50,13 +57,6 @@ class _AsSent(APIError):
 
     def __init__(self, message: str, param: str):
         super().__init__(400, message, param=param)
-_REFUSED = {
-    "previous_response_id": "kvfence stores no responses (no tenant's text outlives its request); send the whole "
-                            "conversation in 'input'.",
-    "conversation": "kvfence stores no conversations (no tenant's text outlives its request); send the whole "
-                    "conversation in 'input'.",
-    "prompt": "kvfence stores no prompt templates; send the text in 'instructions' and 'input'.",
-}
 
 
 def renamed(param: str | None) -> str | None:
@@ -80,9 +80,10 @@ def chat_body(body: dict) -> dict:
         if body.get(key) is not None:
             raise bad_request(f"'{key}' is not supported: {why}", param=key)
     refuse_unsupported_fields(body)   # the chat body below would drop them silently
-    for chat, (harmless, resp) in _CHAT_ONLY.items():
-        if body.get(chat) is not None and body[chat] not in harmless:
-            raise _AsSent(f"'{chat}' is a chat completions field; a Response takes {resp}.", param=chat)
+    chat_only = unwanted_field(body, _CHAT_ONLY)
+    if chat_only is not None:
+        raise _AsSent(f"'{chat_only[0]}' is a chat completions field; a Response takes {chat_only[1]}.",
+                      param=chat_only[0])
     if body.get("background") not in (None, False):
         raise bad_request("'background' is not supported: kvfence stores no responses to fetch later; stream "
                           "instead.", param="background")
