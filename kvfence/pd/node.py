@@ -19,7 +19,7 @@ import logging
 import signal
 from typing import TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from kvfence import faults
@@ -95,6 +95,9 @@ def build_node_engine(config: EngineConfig, settings: PDSettings, loaded=None):
     return engine
 
 
+INTERNAL_PREFIX = "/internal"   # every route under it takes only the cluster credential (I11)
+
+
 def _error(status: int, message: str, code: str) -> JSONResponse:
     return JSONResponse(error_body(message, "invalid_request_error" if status < 500 else "server_error", None, code),
                         status_code=status)
@@ -151,32 +154,34 @@ def _progress(u: Update) -> ProgressEvent:
         reader_stopped=data.get("reader_stopped") if u.event == "kv_failed" else None)
 
 
-def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, drain: Drain) -> None:
+def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, drain: Drain) -> APIRouter:
     secret = settings.cluster_secret
     assert secret is not None  # PDSettings refuses to exist without it
 
-    @app.middleware("http")
-    async def _cluster_only(request: Request, call_next):
-        # every internal route, the test-only fault switch included, needs the credential (I11)
-        if request.url.path.startswith("/internal/") and not check_control(secret, request.headers.get(CONTROL_HEADER)):
-            return _error(401, "internal API: missing or wrong cluster credential", "unauthorized")
-        return await call_next(request)
+    def _cluster_only(request: Request) -> None:
+        # I11, declared on the routes themselves: a middleware matching request.url.path let
+        # through what a Host header made look like another path (Starlette before 1.0.1
+        # built url.path from it while routing used the scope's path)
+        if not check_control(secret, request.headers.get(CONTROL_HEADER)):
+            raise APIError(401, "internal API: missing or wrong cluster credential", code="unauthorized")
 
-    @app.get("/internal/info")
+    internal = APIRouter(prefix=INTERNAL_PREFIX, dependencies=[Depends(_cluster_only)])
+
+    @internal.get("/info")
     async def info():
         if loop.state != "ready" or loop.facts is None:
             return _error(503, f"node is {loop.state}: {loop.error or ''}", "not_ready")
         return NodeInfo.from_json({**loop.facts, "scope_stamps": True,
                                    "snapshot": {**loop.snapshot, "draining": drain.active}}).to_json()
 
-    @app.post("/internal/drain")
+    @internal.post("/drain")
     async def start_drain():
         started = drain.start("the router or an operator asked (POST /internal/drain)")
         return ControlReply(result="draining" if started else "already_draining").to_json()
 
     scopes = ScopeEpochs()   # which generation of each tenant's scope each router retired here
 
-    @app.post("/internal/forget_tenants")
+    @internal.post("/forget_tenants")
     async def forget_tenants(request: Request):
         # both roles: prefill's cached prefixes, and on either the grammars kept under the scope
         body = await _read(request, ForgetTenantsBody)
@@ -273,38 +278,41 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
         return StreamWithCleanup(gen(), drain.stream_ended, "application/x-ndjson")
 
     if settings.role == "prefill":
-        @app.post("/internal/prefill")
+        @internal.post("/prefill")
         async def prefill(request: Request):
             _refuse_if_draining()
             body = await _read(request, PrefillBody)
             _refuse_if_unchecked(body)
             return _stream(body, request, hold_kv=True)
 
-        @app.post("/internal/release")
+        @internal.post("/release")
         async def release(request: Request):
             rid = (await _read(request, ReleaseBody)).request_id
             return ControlReply(result=await loop.call(lambda e: e.release_kv(rid))).to_json()
 
-        @app.post("/internal/abort")
+        @internal.post("/abort")
         async def abort(request: Request):
             body = await _read(request, AbortBody)
             loop.abort(body.request_id, body.reason)  # still computing: the ordinary abort
             result = await loop.call(lambda e: e.abort_kv(body.request_id, body.reader_stopped, body.reason))
             return ControlReply(result=result).to_json()
     else:
-        @app.post("/internal/stop_pull")
+        @internal.post("/stop_pull")
         async def stop_pull(request: Request):
             rid = (await _read(request, StopPullBody)).request_id
             loop.abort(rid, "the router gave up on the request")   # processed before the question below
             stopped = await loop.call(lambda e: e.kv_link.stop_pull(rid))
             return StopPullReply(reader_stopped=stopped).to_json()
 
-        @app.post("/internal/decode")
+        @internal.post("/decode")
         async def decode(request: Request):
             _refuse_if_draining()
             body = await _read(request, DecodeBody)
             _refuse_if_unchecked(body)
             return _stream(body, request, **({"kv_source": body.handoff} if body.handoff is not None else {}))
+
+    app.include_router(internal)
+    return internal
 
 
 def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int, tls: TlsSettings,

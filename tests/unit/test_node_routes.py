@@ -1,0 +1,55 @@
+"""A node's internal routes carry the cluster-credential check themselves (I11), so no path
+a proxy, a Host header or a path-parsing difference bends can reach one without it."""
+from types import SimpleNamespace
+
+import pytest
+from fastapi import FastAPI
+from fastapi.routing import APIRoute
+from fastapi.testclient import TestClient
+
+from kvfence.pd.drain import Drain
+from kvfence.pd.node import INTERNAL_PREFIX, add_internal_routes
+from kvfence.pd.seal import control_headers
+from kvfence.pd.settings import PDSettings
+from kvfence.server.errors import APIError
+
+SECRET = b"s" * 32
+
+
+def _node_app(role: str) -> tuple[FastAPI, list[APIRoute]]:
+    """The app and the internal routes it was given (a fake engine loop: the check comes first)."""
+    app = FastAPI()
+    app.add_exception_handler(APIError, lambda request, e: e.response())
+    loop = SimpleNamespace(state="starting", facts=None, error="test", snapshot={})
+    internal = add_internal_routes(app, loop, PDSettings(role, cluster_secret=SECRET),
+                                   Drain(lambda: {}, lambda: None))
+    routes = [r for r in internal.routes if isinstance(r, APIRoute)]
+    assert routes and all(r.path.startswith(INTERNAL_PREFIX + "/") for r in routes)
+    return app, routes
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_every_internal_route_declares_the_credential_check(role):
+    _, routes = _node_app(role)
+    assert len(routes) >= 5
+    for route in routes:
+        checks = [d.call.__name__ for d in route.dependant.dependencies]
+        assert "_cluster_only" in checks, route.path
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+@pytest.mark.parametrize("host", [None, "x/y?", "a?x", "a#b", "node:1/../v1"])
+def test_no_host_header_opens_an_internal_route(role, host):
+    app, routes = _node_app(role)
+    client = TestClient(app, raise_server_exceptions=False)
+    headers = {} if host is None else {"host": host}
+    for route in routes:
+        method = sorted(route.methods)[0]
+        r = client.request(method, route.path, headers=headers, json={})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized", (route.path, host, r.text)
+
+
+def test_the_credential_opens_them():
+    client = TestClient(_node_app("prefill")[0], raise_server_exceptions=False)
+    r = client.get(INTERNAL_PREFIX + "/info", headers=control_headers(SECRET))
+    assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"   # past the check, to the route
