@@ -283,6 +283,26 @@ def test_guessing_the_metrics_key_is_bounded_per_address(make_server):
     assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
 
 
+def test_guessing_keys_on_the_isolation_statement_is_bounded_too(make_server):
+    """The statement answers the operator's and the scraper's keys whole and a wrong key 401:
+    a guesser learned there which key opens the console, without any bound. Its wrong keys
+    count with /metrics'; once throttled, the right key is not checked there either, and a
+    tenant behind the same address still reads its own part."""
+    from kvfence.server.auth_throttle import LIMIT
+
+    srv = make_server()
+
+    def statement(key):
+        return httpx.get(srv.url + "/v1/kvfence/isolation", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+    for i in range(LIMIT):
+        assert statement(f"sk-guess-{i:05d}").status_code == 401
+    assert statement(SCRAPER_KEY).status_code == 401
+    assert _scrape(srv, SCRAPER_KEY).status_code == 429
+    mine = statement(KEYS["alice"])
+    assert mine.status_code == 200 and mine.json()["audience"] == "tenant"
+
+
 def test_a_forwarded_for_header_does_not_move_the_count_to_another_address(make_server):
     """uvicorn believes X-Forwarded-For from loopback unless told not to: a guesser could name a
     new address for each guess (no bound at all) or name the scraper's (locking it out)."""
