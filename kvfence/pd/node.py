@@ -119,11 +119,11 @@ async def _read(request: Request, cls: type[M]) -> M:
         raise APIError(400, f"bad internal request: {e}", code="invalid_request") from None
 
 
-def _undo_if_failed(done: asyncio.Future, scopes: ScopeEpochs, router: str, tenants: list[str]) -> None:
-    """A retirement the scope table recorded did not happen: the table goes back for its pairs."""
+def _again_if_failed(done: asyncio.Future, scopes: ScopeEpochs, router: str, tenants: list[str]) -> None:
+    """A retirement the scope table recorded did not happen: its pairs retire again next time."""
     if done.cancelled() or done.exception() is not None:
         for t in tenants:
-            scopes.undo(router, t)
+            scopes.retire_again(router, t)
 
 
 def _refusal(e: Exception) -> RejectedEvent:
@@ -192,10 +192,10 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
         if not due:
             return ForgetTenantsReply(pages=0).to_json()
         retiring = loop.retire_soon(due, router)
-        # not retired after all (the engine failed): the table goes back, and the next stamped
-        # request retires. Shielded: a router hanging up cancels this wait, not the queued
+        # not retired after all (the retirement raised): the next stamped request or forget
+        # message of those pairs retires again. Shielded: a router hanging up cancels this wait, not the queued
         # retirement, which still runs and must stay recorded
-        retiring.add_done_callback(lambda f: _undo_if_failed(f, scopes, router, due))
+        retiring.add_done_callback(lambda f: _again_if_failed(f, scopes, router, due))
         return ForgetTenantsReply(pages=await asyncio.shield(retiring)).to_json()
 
     def _refuse_if_draining() -> None:
@@ -228,7 +228,7 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
             router = body.scope.router if body.scope is not None else None
             retiring = loop.retire_soon([body.tenant], router) if scopes.admit(body.scope, body.tenant) else None
             if retiring is not None and router is not None:
-                retiring.add_done_callback(lambda f: _undo_if_failed(f, scopes, router, [body.tenant]))
+                retiring.add_done_callback(lambda f: _again_if_failed(f, scopes, router, [body.tenant]))
             # the cache scope is the stamping router's (ledger.scope_name): a name another router
             # (or this one restarted) gave to another party shares no page with it
             handle = await loop.submit(body.prompt_ids, params, body.tenant, rid, body.public_prefix_scope,

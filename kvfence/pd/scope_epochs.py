@@ -40,7 +40,7 @@ class ScopeEpochs:
     def __init__(self, max_pairs: int = MAX_PAIRS):
         self._known: OrderedDict[tuple[str, str], int] = OrderedDict()
         self._floor: dict[str, int] = {}   # router -> the highest epoch of its pairs dropped for room
-        self._before: dict[tuple[str, str], int | None] = {}   # a pair's epoch before its last change
+        self._again: set[tuple[str, str]] = set()   # pairs whose recorded retirement did not happen
         self._max = max_pairs
 
     def admit(self, stamp: ScopeStamp | None, tenant: str) -> bool:
@@ -57,24 +57,20 @@ class ScopeEpochs:
             if stamp.epoch < known:
                 raise ScopeRetired(f"tenant {tenant!r}'s cache scope was retired by the router's reload {known}; "
                                    f"this request was sent under reload {stamp.epoch} (its key was revoked)")
-            if stamp.epoch == known:
+            if stamp.epoch == known and pair not in self._again:
                 return False
         elif stamp.epoch == 0 and stamp.router not in self._floor:   # nothing retired by that router here
             return False
         self._remember(pair, stamp.epoch)
         return True
 
-    def undo(self, router: str, tenant: str) -> None:
-        """The retirement last recorded for this pair did not happen: back to what was known
-        before it (a stale stamp is still refused by that), so the next newer stamp retires again."""
-        pair = (router, tenant)
-        if pair not in self._before:
-            return
-        before = self._before.pop(pair)
-        if before is None:
-            self._known.pop(pair, None)
-        else:
-            self._known[pair] = before
+    def retire_again(self, router: str, tenant: str) -> None:
+        """A retirement recorded for this pair did not happen: the pair's next request or
+        forget message retires again. Its epoch stays: stamps older than it are still refused,
+        their keys were revoked whichever retirement failed (going back to the epoch before
+        the failed one let a stale stamp in when a later retirement of the pair went through)."""
+        if (router, tenant) in self._known:
+            self._again.add((router, tenant))
 
     def forget(self, router: str, epoch: int, tenants: list[str]) -> list[str]:
         """The router's forget message: the names to retire now (those whose epoch is new
@@ -82,16 +78,17 @@ class ScopeEpochs:
         due = []
         for t in tenants:
             known = self._known.get((router, t))
-            if known is None or epoch > known:   # unknown: perhaps dropped for room, so retire
+            if known is None or epoch > known or (epoch == known and (router, t) in self._again):
+                # unknown: perhaps dropped for room, so retire
                 self._remember((router, t), epoch)
                 due.append(t)
         return due
 
     def _remember(self, pair: tuple[str, str], epoch: int) -> None:
-        self._before[pair] = self._known.get(pair)
+        self._again.discard(pair)   # retired (again) now; a failure marks it once more
         self._known[pair] = epoch
         self._known.move_to_end(pair)
         while len(self._known) > self._max:
             dropped, epoch = self._known.popitem(last=False)
-            self._before.pop(dropped, None)
+            self._again.discard(dropped)   # unknown pairs of a router with a floor retire anyway
             self._floor[dropped[0]] = max(self._floor.get(dropped[0], 0), epoch)

@@ -59,14 +59,30 @@ def test_a_dropped_pair_errs_toward_retiring_again():
 def test_a_retirement_that_did_not_happen_is_tried_again():
     s = ScopeEpochs()
     assert s.admit(stamp(1), "bob") is True
-    s.undo("r1", "bob")
+    s.retire_again("r1", "bob")
     assert s.admit(stamp(1), "bob") is True
+    assert s.admit(stamp(1), "bob") is False         # retired this time: once is enough
     # found in review: undo forgot the pair, and a stale stamp then went into the current scope
     assert s.forget("r1", 3, ["bob"]) == ["bob"]
-    s.undo("r1", "bob")                              # reload 3's retirement failed: back to 1
+    s.retire_again("r1", "bob")                      # reload 3's retirement failed
     with pytest.raises(ScopeRetired):
         s.admit(stamp(0), "bob")
     assert s.admit(stamp(3), "bob") is True          # and reload 3's first request retires
+    s.retire_again("r1", "bob")
+    assert s.forget("r1", 3, ["bob"]) == ["bob"]     # or its forget message, sent again
+
+
+def test_an_earlier_failed_retirement_lets_no_stale_stamp_in_after_a_later_one():
+    """Found in review: reloads 1 and 2 each queued a retirement, the first failed, and undoing
+    it set the pair back to 1 while 2's went through: a request stamped 1 (its key revoked by
+    reload 2) was then admitted into the scope of reload 2's party."""
+    s = ScopeEpochs()
+    assert s.forget("r1", 1, ["bob"]) == ["bob"]
+    assert s.forget("r1", 2, ["bob"]) == ["bob"]
+    s.retire_again("r1", "bob")                      # reload 1's retirement failed, 2's ran
+    with pytest.raises(ScopeRetired):
+        s.admit(stamp(1), "bob")
+    assert s.admit(stamp(2), "bob") is True          # retired once more: cache only
 
 
 def test_the_stamp_and_the_forget_message_are_typed():
