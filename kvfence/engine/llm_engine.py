@@ -131,6 +131,9 @@ class LLMEngine:
         self._stalled = False
         self.wake: Callable[[], None] = lambda: None  # the server's loop sets this: wakes a blocked loop
         self.clock: Callable[[], float] = time.time   # PD leases and fences; the simulation swaps it
+        # how long a router was silent: a wall clock stepped forward by NTP must not make every
+        # router look gone at once (their scopes retired together, every cache cold)
+        self.steady_clock: Callable[[], float] = time.monotonic
         self.realms = RouterRealms()   # PD: the router processes this node holds cache scopes for
         log.info("model %s (%s, %s on %s, %s, %s matmuls); KV pool %d pages x %d tokens = %d tokens "
                  "(%.1f MiB, scrub=%s); %s", self.model_config.name, self.model_path.name, cfg.dtype, self.device,
@@ -198,7 +201,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if router:
-            self.realms.seen(router, self.clock())
+            self.realms.seen(router, self.steady_clock())
         self._check_load(tenant)
         if any((not isinstance(t, int)) or t < 0 or t >= self.model_config.vocab_size for t in prompt_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})")
@@ -302,7 +305,9 @@ class LLMEngine:
     def next_timer(self) -> float | None:
         """time.time() at which step() has timed work (PD leases, fences, an idle router's
         scopes), or None."""
-        due = [t for t in (self.kv_link.next_timer(), self.realms.next_due()) if t is not None]
+        realm = self.realms.next_due()   # on the steady clock: said as the wall clock's time
+        due = [t for t in (self.kv_link.next_timer(),
+                           None if realm is None else self.clock() + realm - self.steady_clock()) if t is not None]
         return min(due) if due else None
 
     def forget_tenant(self, tenant: str, router: str | None = None) -> int:
@@ -311,14 +316,14 @@ class LLMEngine:
         under it; a public scope it shared stays. On a PD node, the scope of that router's
         tenant of the name. Returns the pages."""
         if router:
-            self.realms.seen(router, self.clock())
+            self.realms.seen(router, self.steady_clock())
         return self.ledger.retire_scope(scope_name(tenant, router=router))
 
     def retire_idle_routers(self) -> int:
         """PD: the cache scopes of router processes idle past RouterRealms.idle_s leave
         (engine/router_realms.py), and the ledger forgets the names nothing uses. Returns the
         pages retired."""
-        gone = self.realms.due(self.clock())
+        gone = self.realms.due(self.steady_clock())
         if not gone:
             return 0
         pages = sum(self.ledger.retire_realm(r) for r in gone)

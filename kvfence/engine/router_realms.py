@@ -26,7 +26,7 @@ class RouterRealms:
         self._seen[router] = now
 
     def next_due(self) -> float | None:
-        """When the least recently seen router becomes idle (time.time()), or None."""
+        """When the least recently seen router becomes idle (on the clock `seen` was given), or None."""
         for when in self._seen.values():
             return when + self.idle_s
         return None

@@ -224,7 +224,8 @@ def test_a_router_process_silent_past_its_idle_time_leaves_no_pages_or_names_beh
     sweep in step(); prune_names dropping what a running request uses."""
     eng = llm.engine
     now = [1000.0]
-    eng.clock = lambda: now[0]
+    eng.clock = lambda: now[0] + 5e8          # leases' wall clock: not what idleness is measured on
+    eng.steady_clock = lambda: now[0]
     eng.realms.idle_s = 60.0
     question = ids_for(llm, "What are your opening hours?")
     run(eng, question, "A", router="gone-router")
@@ -235,7 +236,7 @@ def test_a_router_process_silent_past_its_idle_time_leaves_no_pages_or_names_beh
     running = eng.add_request(ids_for(llm, "Tell me about loans."), long, tenant="C", router="gone-router")
     now[0] = 1050.0
     eng.add_request(question, GREEDY, tenant="A", router="live-router")
-    assert eng.next_timer() == 1000.0 + 60         # when gone-router becomes idle
+    assert eng.next_timer() == 5e8 + 1000.0 + 60   # when gone-router becomes idle, as a wall time
     now[0] = 1070.0
     eng.step()                                     # gone-router: silent for 70 s; live-router for 20 s
     assert eng.ledger.tenant_name(running.owner.tenant) == "C"      # still running: its name is kept
