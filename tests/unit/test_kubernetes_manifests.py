@@ -122,3 +122,69 @@ def test_the_image_runs_the_readme_set_up_and_the_readme_points_at_it():
     assert all(c["image"] == "kvfence:latest" for kind in ("StatefulSet", "Deployment")
                for c in [_container(w) for w in _by_kind(kind).values()])
     assert "deploy/kubernetes" in (ROOT / "README.md").read_text()
+
+
+# -- who may connect to what (network-policy.yaml) ---------------------------------------------
+NAMESPACE = "kvfence"
+MOONCAKE_PORT = 40123   # Mooncake picks its handshake and data ports at start: any port stands for them
+
+
+def _pod(component: str | None, namespace: str = NAMESPACE) -> tuple[str, dict]:
+    labels = {"app.kubernetes.io/name": "kvfence", "app.kubernetes.io/component": component} if component else {}
+    return namespace, labels
+
+
+def _matches(selector: dict, labels: dict) -> bool:
+    assert set(selector) <= {"matchLabels"}, selector    # the evaluator below knows no more
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def _peer_matches(peer: dict, src: tuple[str, dict]) -> bool:
+    assert set(peer) == {"podSelector"}, peer              # same namespace, by labels
+    return src[0] == NAMESPACE and _matches(peer["podSelector"], src[1])
+
+
+def _port_matches(entry: dict, port: int) -> bool:
+    return entry.get("protocol", "TCP") == "TCP" and entry.get("port", port) == port
+
+
+def _may_connect(src: tuple[str, dict], dst: tuple[str, dict], port: int, docs=None) -> bool:
+    """NetworkPolicy's ingress rule: a pod no policy selects takes anything; a selected one
+    takes what one rule of one selecting policy allows (no `from`: any peer; no `ports`: any port)."""
+    policies = [d for _, d in (DOCS if docs is None else docs) if d["kind"] == "NetworkPolicy" and d["metadata"]["namespace"] == dst[0]
+                and "Ingress" in d["spec"]["policyTypes"] and _matches(d["spec"]["podSelector"], dst[1])]
+    if not policies:
+        return True
+    return any(("from" not in rule or any(_peer_matches(p, src) for p in rule["from"]))
+               and ("ports" not in rule or any(_port_matches(e, port) for e in rule["ports"]))
+               for pol in policies for rule in pol["spec"].get("ingress", []))
+
+
+def _port(role: str) -> int:
+    work = {**_by_kind("StatefulSet"), **_by_kind("Deployment")}[f"kvfence-{role}"]
+    assert work["spec"]["template"]["metadata"]["labels"] == _pod(role)[1]   # what the policies select
+    return _parse(_container(work)["args"]).port
+
+
+def test_only_the_router_reaches_a_nodes_internal_api_and_only_the_other_role_its_transfer_ports():
+    """Mooncake's ports authenticate nothing and listen on all interfaces: sealed rows keep
+    the KV unreadable, but anyone reaching them could fail every PD request, and anyone
+    reaching a node's internal port could guess at its credential."""
+    outsider, neighbour = _pod(None, "default"), _pod(None)
+    router, prefill, decode = _pod("router"), _pod("prefill"), _pod("decode")
+    for stranger in (outsider, neighbour):
+        assert _may_connect(stranger, router, _port("router"))                 # the public API
+        for node, role in ((prefill, "prefill"), (decode, "decode")):
+            for port in (_port(role), MOONCAKE_PORT):
+                assert not _may_connect(stranger, node, port), (stranger, role, port)
+        assert not _may_connect(stranger, neighbour, 8080)    # deny by default: a pod added later too
+    assert _may_connect(router, prefill, _port("prefill")) and _may_connect(router, decode, _port("decode"))
+    assert not _may_connect(router, prefill, MOONCAKE_PORT) and not _may_connect(router, decode, MOONCAKE_PORT)
+    assert _may_connect(decode, prefill, MOONCAKE_PORT) and _may_connect(prefill, decode, MOONCAKE_PORT)
+    assert not _may_connect(prefill, prefill, _port("prefill"))   # a node calls no node's internal API
+
+
+def test_the_policy_check_can_fail():
+    """The evaluator is not vacuous: without the policies, a stranger reaches a node."""
+    others = [(n, d) for n, d in DOCS if d["kind"] != "NetworkPolicy"]
+    assert _may_connect(_pod(None, "default"), _pod("prefill"), MOONCAKE_PORT, others)
