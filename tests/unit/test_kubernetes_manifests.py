@@ -151,7 +151,8 @@ def _port_matches(entry: dict, port: int) -> bool:
 def _may_connect(src: tuple[str, dict], dst: tuple[str, dict], port: int, docs=None) -> bool:
     """NetworkPolicy's ingress rule: a pod no policy selects takes anything; a selected one
     takes what one rule of one selecting policy allows (no `from`: any peer; no `ports`: any port)."""
-    policies = [d for _, d in (DOCS if docs is None else docs) if d["kind"] == "NetworkPolicy" and d["metadata"]["namespace"] == dst[0]
+    docs = DOCS if docs is None else docs
+    policies = [d for _, d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["namespace"] == dst[0]
                 and "Ingress" in d["spec"]["policyTypes"] and _matches(d["spec"]["podSelector"], dst[1])]
     if not policies:
         return True
