@@ -34,6 +34,7 @@ from kvfence.server.disconnect import watch_disconnect
 from kvfence.server.errors import ABORT_STATUS, OWN_DETAIL_CODES, APIError, bad_request, error_body
 from kvfence.server.isolation import isolation_statement, tenant_view
 from kvfence.server.json_slices import encode as encode_json
+from kvfence.server.log_budget import LogBudget
 from kvfence.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvfence.server.openai_format import Formatter, sse, usage
 from kvfence.server.protocol import (
@@ -77,6 +78,7 @@ class ServerState:
         self.limiter = TenantLimiter()
         self.metrics = ServerMetrics(engine)
         self.scrape_throttle = FailedAuthThrottle()   # wrong /metrics keys, per address
+        self.refusal_lines = LogBudget()   # log lines for tenants' refused requests
         self.max_body_bytes = max_body_bytes
         self.owns_engine = owns_engine
         self._served = served_model_name
@@ -584,8 +586,13 @@ async def _generate(state: ServerState, request: Request, kind: str):
         # every tenant's refusal, so that "my requests get 400" can be looked up by request id;
         # the code and the parameter, never the message (it may quote what the client sent).
         # Anyone without a key is at debug: they could fill the log a line per request.
-        log.log(logging.INFO if tenant is not None else logging.DEBUG, "%s tenant=%s refused: %s %s%s", rid,
-                tenant.name if tenant else UNAUTHENTICATED, e.status, e.code, f" param={e.param}" if e.param else "")
+        # A tenant's lines are budgeted (log_budget.py): a client looping on a refusal adds a few.
+        who = tenant.name if tenant else UNAUTHENTICATED
+        left_out = state.refusal_lines.take(who) if tenant is not None else 0
+        if left_out is not None:
+            log.log(logging.INFO if tenant is not None else logging.DEBUG, "%s tenant=%s refused: %s %s%s%s", rid,
+                    who, e.status, e.code, f" param={e.param}" if e.param else "",
+                    f" ({left_out} earlier refusal(s) of this tenant not logged)" if left_out else "")
         return _with_request_id(request, e.response())
     except BaseException:   # a bug, or the task cancelled while it read the body: the slot still goes back
         if lease is not None:

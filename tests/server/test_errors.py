@@ -12,6 +12,8 @@ import openai
 import pytest
 from server_harness import MODEL, SCRAPER_KEY, pool_intact, wait_for
 
+from kvfence.server.log_budget import LogBudget
+
 OK_COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
 OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
 
@@ -312,6 +314,7 @@ def test_every_answer_and_refusal_carries_a_request_id_the_log_names(server, cap
     assert ok.headers["x-request-id"] == ok.parse().id and ok.parse().id.startswith("chatcmpl-")
     with c.completions.with_streaming_response.create(model=MODEL, prompt="Hi", max_tokens=2, stream=True) as s:
         assert s.headers["x-request-id"].startswith("cmpl-")
+    server.state.refusal_lines = LogBudget()   # other tests' refusals of alice may have used up this window's
     with caplog.at_level(logging.DEBUG, logger="kvfence.server"):
         r = httpx.post(server.base_url + "/completions", json={**OK_COMPLETION, "max_tokens": "secret-words-here"},
                        headers={"Authorization": "Bearer sk-alice-0001"}, timeout=30)
@@ -326,3 +329,21 @@ def test_every_answer_and_refusal_carries_a_request_id_the_log_names(server, cap
     assert "tenant=unauthenticated refused: 401 invalid_api_key" in keyless.getMessage()
     assert keyless.levelno == logging.DEBUG   # anyone without a key could fill the log at INFO
     assert "secret-words-here" not in "\n".join(lines)
+
+
+def test_a_tenant_looping_on_a_refusal_adds_a_bounded_number_of_log_lines(server, caplog):
+    """Found in review: each refused request of a known tenant wrote a line, so a client looping
+    on a 404 or its 429 filled the log at its own pace. Past its budget the lines are counted,
+    and the next one written says how many were left out."""
+    from kvfence.server.log_budget import PER_WINDOW
+
+    now = [0.0]
+    server.state.refusal_lines = LogBudget(clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="kvfence.server"), server.http("bob") as h:
+        for _ in range(PER_WINDOW + 30):
+            assert h.post("/v1/completions", json={**OK_COMPLETION, "model": "no-such-model"}).status_code == 404
+        now[0] = 60.0
+        assert h.post("/v1/completions", json={**OK_COMPLETION, "model": "no-such-model"}).status_code == 404
+    lines = [rec.getMessage() for rec in caplog.records if "tenant=bob refused" in rec.getMessage()]
+    assert len(lines) == PER_WINDOW + 1, len(lines)
+    assert lines[-1].endswith("(30 earlier refusal(s) of this tenant not logged)"), lines[-1]
