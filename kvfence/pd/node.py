@@ -167,6 +167,11 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
 
     internal = APIRouter(prefix=INTERNAL_PREFIX, dependencies=[Depends(_cluster_only)])
 
+    @app.exception_handler(EngineFailed)
+    async def _engine_failed(request: Request, e: EngineFailed):
+        # a control message to a node whose engine stopped: the router takes 503 for "not serving"
+        return _error(503, f"the node's engine is not serving: {e}"[:4096], "engine_unavailable")
+
     @internal.get("/info")
     async def info():
         if loop.state != "ready" or loop.facts is None:

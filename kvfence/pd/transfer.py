@@ -1,8 +1,9 @@
 """Move KV pages between processes with the Mooncake Transfer Engine (TCP, P2P handshake).
 
-One `PageTransport` wraps one Mooncake engine. Each side registers its whole pool tensor
-once (registering thousands of per-page regions is slow) and hands its `session_id` and
-the pool's base address to the peer; the reader then pulls pages by offset.
+One `PageTransport` wraps one Mooncake engine. Each side registers its transfer buffer
+(pd/staging.py: sealed rows, never the KV pool) once, as one region (registering thousands
+of per-row regions is slow), and hands its `session_id` and the buffer's base address to the
+peer; the reader then pulls rows by offset.
 
 Mooncake is imported lazily, so `import kvfence` never needs it.
 

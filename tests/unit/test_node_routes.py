@@ -11,16 +11,21 @@ from kvfence.pd.drain import Drain
 from kvfence.pd.node import INTERNAL_PREFIX, add_internal_routes
 from kvfence.pd.seal import control_headers
 from kvfence.pd.settings import PDSettings
+from kvfence.server.backend import EngineFailed
 from kvfence.server.errors import APIError
 
 SECRET = b"s" * 32
+
+
+async def _engine_stopped(fn):
+    raise EngineFailed("the engine stopped: test")
 
 
 def _node_app(role: str) -> tuple[FastAPI, list[APIRoute]]:
     """The app and the internal routes it was given (a fake engine loop: the check comes first)."""
     app = FastAPI()
     app.add_exception_handler(APIError, lambda request, e: e.response())
-    loop = SimpleNamespace(state="starting", facts=None, error="test", snapshot={})
+    loop = SimpleNamespace(state="starting", facts=None, error="test", snapshot={}, call=_engine_stopped)
     internal = add_internal_routes(app, loop, PDSettings(role, cluster_secret=SECRET),
                                    Drain(lambda: {}, lambda: None))
     routes = [r for r in internal.routes if isinstance(r, APIRoute)]
@@ -53,3 +58,10 @@ def test_the_credential_opens_them():
     client = TestClient(_node_app("prefill")[0], raise_server_exceptions=False)
     r = client.get(INTERNAL_PREFIX + "/info", headers=control_headers(SECRET))
     assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"   # past the check, to the route
+
+
+def test_a_control_message_to_a_stopped_engine_is_a_503_not_a_500():
+    """The router reads 503 as "this node is not serving"; a 500 read as a bug in the node."""
+    client = TestClient(_node_app("prefill")[0], raise_server_exceptions=False)
+    r = client.post(INTERNAL_PREFIX + "/release", json={"request_id": "r1"}, headers=control_headers(SECRET))
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable", r.text
