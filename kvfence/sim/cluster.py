@@ -47,10 +47,11 @@ from kvfence.pd.decode import KvImporter
 from kvfence.pd.drain import idle as drained_idle
 from kvfence.pd.fleet import Fleet
 from kvfence.pd.manifest import ManifestError
-from kvfence.pd.messages import NodeInfo
+from kvfence.pd.messages import NodeInfo, ScopeStamp
 from kvfence.pd.node import unchecked_boot
 from kvfence.pd.prefill import KvExporter
 from kvfence.pd.router import may_retry_decode, may_retry_prefill
+from kvfence.pd.scope_epochs import ScopeEpochs, ScopeRetired
 from kvfence.pd.settings import PDSettings
 from kvfence.pd.transfer import InProcessTransport
 from kvfence.server.engine_loop import engine_facts
@@ -78,6 +79,7 @@ EXPLAINED_BY = {
     "node_unavailable": {"crash", "fleet"},
     "not_ready": {"crash", "fleet"},
     "draining": {"fleet"},
+    "scope_retired": {"rekey"},   # its key was revoked by a reload a node had already carried out
     "kv_pool_exhausted": {"known_bug_pool_held_outside_scheduler"},
 }
 
@@ -155,12 +157,25 @@ class SimConfig:
     decode_nodes: int = 1
     w_drain: float = 0.0
     misconfigured: float = 0.0      # share of restarts that come up with a pool below the advertised context
+    # cache scopes across router processes (pd/scope_epochs.py, engine/router_realms.py): with
+    # `routers`, requests are stamped by router processes; a tenant's name is given to another
+    # party (its keys replaced), each router reloads the file in its own time and sends a forget
+    # message that nodes may miss, routers restart under new ids, and nodes retire the scopes of
+    # a router silent for router_idle_s. The check: no cache scope ever holds two parties (I9).
+    routers: int = 0                # 0: requests carry no stamp, as from a router before stamps
+    w_rekey: float = 0.0            # the tenants file gives a name to another party
+    w_router_restart: float = 0.0
+    forget_drop: float = 0.0        # share of forget messages a node never gets
+    router_idle_s: float = 600.0
 
     @classmethod
-    def draw(cls, seed: int, lives: int = 1000, fleet: bool = False, **overrides) -> SimConfig:
+    def draw(cls, seed: int, lives: int = 1000, fleet: bool = False, scopes: bool = False,
+             **overrides) -> SimConfig:
         """A configuration drawn from the seed, so that a campaign covers many regimes: pool
         and buffer sizes, concurrency, chunking, crash, abort and transfer-fault rates; with
-        `fleet`, 2-4 prefill and 2-4 decode nodes, drains and misconfigured restarts too."""
+        `fleet`, 2-4 prefill and 2-4 decode nodes, drains and misconfigured restarts too; with
+        `scopes`, 1-3 router processes, names given to new parties, lost forget messages,
+        router restarts and idle routers' scopes retired."""
         r = random.Random(f"config-{seed}")
         ps = 4
         ctx = r.choice([32, 48, 64, 96])
@@ -192,6 +207,11 @@ class SimConfig:
             kw.update(prefill_nodes=f.randint(2, 4), decode_nodes=f.randint(2, 4),
                       w_crash=f.choice([0.002, 0.006, 0.012]), w_drain=f.choice([0.002, 0.006, 0.02]),
                       misconfigured=f.choice([0.0, 0.2, 0.5]), concurrency=f.randint(4, 16))
+        if scopes:   # its own stream too
+            g = random.Random(f"scopes-{seed}")
+            kw.update(routers=g.randint(1, 3), w_rekey=g.choice([0.01, 0.03, 0.1]),
+                      w_router_restart=g.choice([0.0, 0.005, 0.02]), forget_drop=g.choice([0.0, 0.3, 0.7]),
+                      router_idle_s=g.choice([30.0, 120.0, 600.0]), tenants=g.randint(1, 3))
         kw.update(overrides)
         return cls(**kw)
 
@@ -250,6 +270,9 @@ class Life:
     result: str | None = None     # "200", "error" or "gone" (client disconnected)
     code: str | None = None
     finish_reason: str | None = None
+    router: str = ""              # the router process that checked its key ("": unstamped)
+    epoch: int = 0                # its stamp: that router's scope epoch of the tenant then
+    party: tuple = ()             # who sent it: (tenant name, the party holding the name's keys)
 
     @property
     def done(self) -> bool:
@@ -264,6 +287,28 @@ class Msg:
     rid: str
     boot: int          # the node process the message was sent to
     reader_stopped: bool = False
+
+
+@dataclass
+class SimRouter:
+    """One router process as the nodes see it: its id, its reloads of the tenants file, and
+    which party each name's keys belong to as it last read the file."""
+    id: str
+    parties: dict[str, int]                                  # tenant -> party, as this router read the file
+    reloads: int = 0
+    epochs: dict[str, int] = field(default_factory=dict)     # tenant -> its reload that last retired the name
+    stale: set[str] = field(default_factory=set)             # names given to a new party since its last reload
+    live: bool = True                                        # restarted: no new request comes through it
+
+
+@dataclass
+class Forget:
+    """A router's forget message (POST /internal/forget_tenants) to one node process."""
+    node: str
+    boot: int
+    router: str
+    epoch: int
+    tenants: tuple[str, ...]
 
 
 class Node:
@@ -281,6 +326,7 @@ class Node:
         self.stalled = False   # its last step changed nothing: stepping again is pointless until something else happens
         self.reused_memory = False   # restarted on its old, un-zeroed transfer-buffer memory
         self.poked = False     # a message or notice reached it: the server's loop runs a step after each one
+        self.scopes = ScopeEpochs()   # its process's scope table (kvfence/pd/node.py)
 
     @property
     def up(self) -> bool:
@@ -374,6 +420,13 @@ class Simulation:
         # would be possible if the cache were not tenant-scoped (I9)
         self.prefixes = [[self.rng.randrange(2, vocab) for _ in range(self.rng.randint(3, 6) * cfg.page_size)]
                          for _ in range(3)]
+        # router processes and parties, on their own RNG: runs without them replay as before
+        self.srng = random.Random(f"scopes-{cfg.seed}")
+        self.party = {f"tenant{i}": 0 for i in range(cfg.tenants)}   # the tenants file: name -> its party now
+        self.routers = [SimRouter(f"router-{j}", dict(self.party)) for j in range(cfg.routers)]
+        self.forgets: list[Forget] = []
+        # (node, boot, cache scope id) -> the party whose requests used it: one each, ever (I9)
+        self.scope_party: dict[tuple[str, int, int], tuple] = {}
         names = {role: [role] + [f"{role}-{i}" for i in range(2, count + 1)]
                  for role, count in (("prefill", cfg.prefill_nodes), ("decode", cfg.decode_nodes))}
         self.nodes = {name: Node(self, role, name) for role, ns in names.items() for name in ns}
@@ -413,6 +466,9 @@ class Simulation:
         eng = LLMEngine(self._engine_config(node.role, node.small), self.loaded)
         node.offset = self.rng.uniform(-self.true_skew / 2, self.true_skew / 2)
         eng.clock = node.clock
+        eng.steady_clock = node.clock   # router idleness on the virtual clock too
+        eng.realms.idle_s = c.router_idle_s
+        node.scopes = ScopeEpochs()   # a new process: its table starts empty
         name = old[0].session_id if old else f"sim{self.uid}:{node.name}:{node.boot}"
         tr = InProcessTransport(name)
         st = PDSettings(node.role, transfer_buffer_pages=c.prefill_rows if node.role == "prefill" else c.decode_rows,
@@ -674,6 +730,12 @@ class Simulation:
                     acts.append((c.w_drain, self._drain_node, (node,)))
             if c.w_adversary:
                 acts.append((c.w_adversary, self.adversary.act, ()))
+            if c.routers:
+                acts.append((c.w_rekey, self._rekey, ()))
+                if c.w_router_restart:
+                    acts.append((c.w_router_restart, self._router_restart, ()))
+        if any(r.live and r.stale for r in self.routers):
+            acts.append((1.0, self._router_reload, ()))
         acts += self._progress_actions()
         acts.append((1.0, self._tick, ()))
         acts.append((c.w_jump, self._jump, ()))
@@ -692,6 +754,8 @@ class Simulation:
             acts.append((3.0, self._deliver_notice, ()))
         if self.msgs:
             acts.append((3.0, self._deliver_msg, ()))
+        if self.forgets:
+            acts.append((3.0, self._deliver_forget, ()))
         return acts
 
     def _has_work(self, node: Node) -> bool:
@@ -759,6 +823,11 @@ class Simulation:
                     over_p=n + max_tokens > ctx_p, over_d=n + max_tokens > ctx_d)
         self.lives[life.rid] = life
         self.open.append(life)
+        live = [rt for rt in self.routers if rt.live]
+        if live:   # the router process that checks its key: the party and the stamp it gives
+            rt = self.srng.choice(live)
+            life.router, life.epoch = rt.id, rt.epochs.get(life.tenant, 0)
+            life.party = (life.tenant, rt.parties[life.tenant])
         checked = r.random() < c.router_check
         over = " (over-length)" if life.over_p or life.over_d else ""
         self._log(f"arrive {life.rid} {life.tenant} prompt {n} max_tokens {max_tokens}{over}"
@@ -805,9 +874,13 @@ class Simulation:
             self._log(f"  {p.name} refuses {life.rid}: {refused[1]}")
             return self._prefill_failed(life, *refused)
         n, max_tokens = len(life.ids), life.params.max_tokens
+        if not self._admit_scope(life, p):
+            self._unroute(life, "p")
+            return self._answer(life, "error", "scope_retired", where=p.name)
         granted = p.engine.ledger.counters["pages_allocated"]
         try:
-            seq = p.engine.add_request(life.ids, life.params, tenant=life.tenant, request_id=life.rid, hold_kv=True)
+            seq = p.engine.add_request(life.ids, life.params, tenant=life.tenant, request_id=life.rid, hold_kv=True,
+                                       router=life.router or None)
         except ContextLengthExceeded:
             self._check(p.engine.ledger.counters["pages_allocated"] == granted and life.rid not in p.engine.requests,
                         "I4", f"prefill allocated for {life.rid} although it rejected it")
@@ -818,6 +891,7 @@ class Simulation:
         self._check(n + max_tokens <= p.engine.usable_context or not self.cfg.check_admission, "I4",
                     f"{p.name} admitted {life.rid} although prompt + max_tokens = {n + max_tokens} exceeds its "
                     f"usable context {p.engine.usable_context} (seq state {seq.state.value})")
+        self._check_party(life, p, seq)
         life.p_owner = seq.owner.request
         self._names[seq.owner.request] = f"{life.rid}@{p.name}"
         p.poked = True
@@ -893,9 +967,13 @@ class Simulation:
                 return self._route_decode(life, source)
             return self._answer(life, "error", code, where=d.name)
         kw = {"kv_source": {"manifest": dict(life.manifest), "source": source}} if life.manifest is not None else {}
+        if not self._admit_scope(life, d):
+            life.reader_stopped = True   # refused: it never pulls
+            return self._answer(life, "error", "scope_retired", where=d.name)
         granted = (d.engine.ledger.counters["pages_allocated"], d.link.staging.ledger.counters["pages_allocated"])
         try:
-            seq = d.engine.add_request(life.ids, life.params, tenant=life.tenant, request_id=life.rid, **kw)
+            seq = d.engine.add_request(life.ids, life.params, tenant=life.tenant, request_id=life.rid,
+                                       router=life.router or None, **kw)
         except (ContextLengthExceeded, ManifestError) as e:
             now = (d.engine.ledger.counters["pages_allocated"], d.link.staging.ledger.counters["pages_allocated"])
             self._check(now == granted and life.rid not in d.engine.requests, "I4",
@@ -912,12 +990,98 @@ class Simulation:
                     f"{d.name} admitted over-length {life.rid}")
         self._check(life.manifest is not None or len(life.ids) == 1, "I4",
                     f"{life.rid} reached decode without a manifest")
+        self._check_party(life, d, seq)
         life.d_owner = seq.owner.request
         self._names[seq.owner.request] = f"{life.rid}@{d.name}"
         d.poked = True
         life.d_sink = True
         life.stage = "decode"
         self._log(f"  {life.rid} -> {d.name}")
+
+    # -- cache scopes across router processes (SimConfig.routers) ---------------------------------
+    def _admit_scope(self, life: Life, node: Node) -> bool:
+        """kvfence/pd/node.py's admission of a stamped request: a stale stamp is refused, a newer
+        one retires the name's scope first (the node missed the forget message). False: refused."""
+        if not life.router:
+            return True
+        try:
+            due = node.scopes.admit(ScopeStamp(router=life.router, epoch=life.epoch), life.tenant)
+        except ScopeRetired:
+            rt = next(r for r in self.routers if r.id == life.router)
+            self._check(rt.epochs.get(life.tenant, 0) > life.epoch, "I9",
+                        f"{node.name} refused {life.rid} as stamped before a reload, but its router has not "
+                        f"reloaded {life.tenant} since")
+            life.excuses.add("rekey")
+            self.stats["scope_stale_stamp_refused"] += 1
+            self._log(f"  {node.name} refuses {life.rid}: stamped {life.epoch} by {life.router}, a retired scope")
+            return False
+        if due:
+            pages = node.engine.forget_tenant(life.tenant, life.router)
+            self.stats["scope_retired_on_stamp"] += 1
+            self._log(f"  {node.name} retires {life.tenant}@{life.router} before {life.rid} ({pages} pages)")
+        return True
+
+    def _check_party(self, life: Life, node: Node, seq) -> None:
+        """I9 by who sent what, not by the engine's own scope ids: a cache scope (the pages a
+        request may attach and publish to) serves one party, ever."""
+        if not life.party:
+            return
+        key = (node.name, node.boot, seq.owner.cache_scope)
+        first = self.scope_party.setdefault(key, life.party)
+        self._check(first == life.party, "I9",
+                    f"{node.name} put {life.rid} (party {life.party} via {life.router}, stamp {life.epoch}) in cache "
+                    f"scope {seq.owner.cache_scope}, which served party {first}: another party's cached prompts "
+                    f"are open to it")
+
+    def _rekey(self) -> None:
+        """The tenants file gives a name to another party (its keys replaced): every router
+        serves the old party until it reloads."""
+        tenant = self.srng.choice(sorted(self.party))
+        self.party[tenant] += 1
+        for rt in self.routers:
+            if rt.live:
+                rt.stale.add(tenant)
+        self._log(f"tenants file: {tenant} is party {self.party[tenant]} now")
+
+    def _router_reload(self) -> None:
+        """One router reloads the file (kvfence/server/tenants.py registry_change): a new epoch
+        for each name given to another party, and a forget message to each node it checked."""
+        rt = self.srng.choice([r for r in self.routers if r.live and r.stale])
+        rt.reloads += 1
+        names = tuple(sorted(rt.stale))
+        for t in names:
+            rt.epochs[t] = rt.reloads
+            rt.parties[t] = self.party[t]
+        rt.stale.clear()
+        sent = []
+        for node in self.nodes.values():
+            if node.up and self.srng.random() >= self.cfg.forget_drop:
+                self.forgets.append(Forget(node.name, node.boot, rt.id, rt.reloads, names))
+                sent.append(node.name)
+        self._log(f"{rt.id} reloads ({rt.reloads}): {', '.join(names)} retired; forget to {', '.join(sent) or 'none'}")
+
+    def _router_restart(self) -> None:
+        """A router process is replaced: a new id, reading the file as it is now, with no
+        epochs; the old one's requests in flight run on, nothing new comes through it."""
+        old = self.srng.choice([r for r in self.routers if r.live])
+        old.live = False
+        new = SimRouter(f"router-{len(self.routers)}", dict(self.party))
+        self.routers.append(new)
+        self.stats["router_restarts"] += 1
+        self._log(f"{old.id} replaced by {new.id}")
+
+    def _deliver_forget(self) -> None:
+        f = self.srng.choice(self.forgets)
+        self.forgets.remove(f)
+        node = self.nodes[f.node]
+        if not node.up or node.boot != f.boot:
+            self._log(f"forget {f.router}:{f.epoch} -> {f.node}: lost (node gone)")
+            return
+        due = node.scopes.forget(f.router, f.epoch, list(f.tenants))
+        pages = sum(node.engine.forget_tenant(t, f.router) for t in due)
+        node.poked = True
+        self.stats["scope_forget_delivered"] += 1
+        self._log(f"forget {f.router}:{f.epoch} {','.join(f.tenants)} -> {f.node}: retired {due} ({pages} pages)")
 
     def _client_abort(self) -> None:
         life = self.rng.choice(self.open)
@@ -979,8 +1143,9 @@ class Simulation:
                 over = life.over_p if node.role == "prefill" else life.over_d
             self._check(over, "I4", f"{life.rid} was refused as over-length at {where} although it fits")
             return
-        self._check(not (life.over_p or life.over_d) or bool(life.excuses & {"crash", "client_abort", "fleet"}),
-                    "I4", f"over-length {life.rid} was not refused with a 400 (got {life.code})")
+        excused = bool(life.excuses & {"crash", "client_abort", "fleet", "rekey"})
+        self._check(not (life.over_p or life.over_d) or excused, "I4",
+                    f"over-length {life.rid} was not refused with a 400 (got {life.code})")
         why = EXPLAINED_BY.get(life.code, set())
         self._check(bool(why & life.excuses), "outcome",
                     f"{life.rid} ended with error {life.code} but nothing the simulation injected explains it "
@@ -1001,7 +1166,9 @@ class Simulation:
         before = self._signature(node)
         node.poked = False
         self._staged_plain.clear()
+        routers = len(node.engine.realms)
         outs = node.engine.step()
+        self.stats["scope_idle_routers_retired"] += routers - len(node.engine.realms)   # silent past router_idle_s
         node.stalled = not outs and self._signature(node) == before
         self._log(f"step {node.role}: {len(outs)} outputs{' (nothing moved)' if node.stalled else ''}")
         if node.role == "prefill":
@@ -1428,9 +1595,10 @@ class SimResult:
 
 
 def simulate(seed: int, lives: int = 1000, draw: bool = True, loaded=None, fleet: bool = False,
-             **overrides) -> SimResult:
+             scopes: bool = False, **overrides) -> SimResult:
     """Run one seed; raises SimFailure on the first invariant violation. `fleet`: draw a
-    fleet (SimConfig.draw); without `draw`, set prefill_nodes/decode_nodes in overrides."""
-    cfg = (SimConfig.draw(seed, lives, fleet=fleet, **overrides) if draw
+    fleet, `scopes`: router processes and parties (SimConfig.draw); without `draw`, set
+    prefill_nodes/decode_nodes or routers in overrides."""
+    cfg = (SimConfig.draw(seed, lives, fleet=fleet, scopes=scopes, **overrides) if draw
            else SimConfig(seed=seed, lives=lives, **overrides))
     return Simulation(cfg, loaded).run()

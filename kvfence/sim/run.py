@@ -4,6 +4,7 @@
     python -m kvfence.sim --seed 1234 --lives 1000 --trace      # replay one seed, printing every step
     python -m kvfence.sim --seeds 20 --fault skip_row_auth      # show a fault point being caught
     python -m kvfence.sim --fleet --lives 100000 --seeds 100    # fleets of 2-4 x 2-4 nodes
+    python -m kvfence.sim --scopes --lives 100000 --seeds 100   # 1-3 routers, names given to new parties
 
 Each seed draws its own configuration (pool and buffer sizes, concurrency, fault rates; see
 SimConfig.draw) unless --fixed. It prints a line per seed, then the count of lives, wall
@@ -33,7 +34,7 @@ def _one(job: dict) -> dict:
             stack.enter_context(faults.injected(*job["faults"]))
         try:
             r = simulate(job["seed"], job["lives"], draw=not job["fixed"], known_bugs=tuple(job["known_bugs"]),
-                         trace_all=job["trace"], fleet=job["fleet"])
+                         trace_all=job["trace"], fleet=job["fleet"], scopes=job["scopes"])
             return {"seed": job["seed"], "ok": True, "lives": r.lives, "steps": r.steps, "seconds": r.seconds,
                     "outcomes": dict(r.outcomes), "stats": dict(r.stats)}
         except SimFailure as e:
@@ -51,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fleet", action="store_true",
                     help="fleets: 2-4 prefill x 2-4 decode nodes behind the router's fleet logic, with node kills, "
                          "restarts, drains and misconfigured (refused) nodes")
+    ap.add_argument("--scopes", action="store_true",
+                    help="1-3 router processes stamping requests; tenants' names given to new parties, reloads "
+                         "whose forget messages nodes may miss, router restarts, idle routers' scopes retired; checks "
+                         "that no cache scope ever serves two parties")
     ap.add_argument("--fixed", action="store_true", help="SimConfig defaults instead of a configuration drawn per seed")
     ap.add_argument("--fault", action="append", default=[], help="enable a kvfence.faults point (repeatable)")
     ap.add_argument("--known-bugs", default="",
@@ -69,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [a.seed] if a.seed is not None else list(range(a.first_seed, a.first_seed + a.seeds))
     per = max(1, a.lives // len(seeds))
     jobs = [{"seed": s, "lives": per + (1 if i < a.lives - per * len(seeds) else 0), "fixed": a.fixed,
-             "faults": a.fault, "known_bugs": known, "trace": a.trace, "fleet": a.fleet} for i, s in enumerate(seeds)]
+             "faults": a.fault, "known_bugs": known, "trace": a.trace, "fleet": a.fleet,
+             "scopes": a.scopes} for i, s in enumerate(seeds)]
     print(f"kvfence simulation: {len(seeds)} seed(s), {sum(j['lives'] for j in jobs)} request lives"
           f"{', faults ' + ','.join(a.fault) if a.fault else ''}{', excusing ' + ','.join(known) if known else ''}",
           flush=True)
@@ -103,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     print("outcomes:")
     for k, v in sorted(outcomes.items(), key=lambda kv: -kv[1]):
         print(f"  {v:8d}  {k}")
-    kinds = ("transport_", "crash", "known_bug", "adversary_", "drain", "routed_", "fleet_")
+    kinds = ("transport_", "crash", "known_bug", "adversary_", "drain", "routed_", "fleet_", "scope_", "router_")
     interesting = {k: v for k, v in stats.items() if v and (k.startswith(kinds)
                                                             or k.endswith(("fences", "late_notices", "stale_notices",
                                                                            "verify_failed", "leases_expired",
