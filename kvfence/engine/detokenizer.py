@@ -25,6 +25,11 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special = params.skip_special_tokens
         self._stops = list(params.stop)
+        # per stop string: its prefix function, and how much of it the text so far ends with
+        # (KMP). Trying every length per token instead cost O(len(stop)^2) a token: 10 ms with
+        # 16 stops of 4,096 characters that the output kept half-matching.
+        self._borders = [_prefix_function(stop) for stop in self._stops]
+        self._matched = [0] * len(self._stops)
         self._include_stop = params.include_stop_str_in_output
 
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
@@ -89,6 +94,7 @@ class IncrementalDetokenizer:
         # Invariant: no stop string can start in already-emitted text (any partial match
         # is kept in _pending), so searching pending + piece finds every match.
         buf = self._pending + piece
+        self._follow(piece)
         hit = self._find_stop(buf) if stops_active else None
         if hit is not None:
             pos, stop = hit
@@ -114,12 +120,38 @@ class IncrementalDetokenizer:
                 best = (pos, stop)
         return best
 
+    def _follow(self, piece: str) -> None:
+        """Advance each stop string's match over the new text (amortized O(1) a character)."""
+        for i, stop in enumerate(self._stops):
+            border, k = self._borders[i], self._matched[i]
+            for c in piece:
+                if k == len(stop):   # a whole match (stops not active yet): go on from its border
+                    k = border[k]
+                while k and stop[k] != c:
+                    k = border[k]
+                if stop[k] == c:
+                    k += 1
+            self._matched[i] = k
+
     def _stop_prefix_len(self, buf: str) -> int:
-        """Length of the longest suffix of buf that is a proper prefix of some stop string."""
+        """Length of the longest suffix of buf that is a proper prefix of some stop string:
+        what each stop's match says (never more than buf: a held prefix is all in _pending)."""
         best = 0
-        for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(buf)), best, -1):
-                if buf.endswith(stop[:k]):
-                    best = k
-                    break
-        return best
+        for i, stop in enumerate(self._stops):
+            k = self._matched[i]
+            best = max(best, self._borders[i][k] if k == len(stop) else k)
+        return min(best, len(buf))
+
+
+def _prefix_function(stop: str) -> list[int]:
+    """border[k]: the length of the longest proper prefix of stop[:k] that is also its suffix
+    (k = 0 .. len(stop)), the failure links of a KMP matcher."""
+    border = [0] * (len(stop) + 1)
+    k = 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = border[k]
+        if stop[i] == stop[k]:
+            k += 1
+        border[i + 1] = k
+    return border
