@@ -288,6 +288,13 @@ def create_app(state: ServerState) -> FastAPI:
         msg = f"No route {request.method} {request.url.path}." if e.status_code in (404, 405) else str(e.detail)
         return JSONResponse(error_body(msg, type_, None, None), status_code=e.status_code)
 
+    @app.exception_handler(RecursionError)
+    async def _too_deep(request: Request, e: RecursionError):
+        # the body is parsed off the event loop, where the stack is shallower: JSON nested just
+        # short of the parser's limit parses there, then fails to print (tool parameters into
+        # the prompt, a Responses echo) on the loop. A client's doing, not a server error
+        return _with_request_id(request, bad_request("The request body is nested too deeply.").response())
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):
         log.error("unhandled %s on %s %s (request %s)", type(e).__name__, request.method, request.url.path,

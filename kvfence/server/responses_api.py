@@ -156,7 +156,7 @@ def _input(items) -> list[dict]:
                 raise bad_request(f"'{where}' must have 'call_id', 'name' and 'arguments' (JSON text).", param=where)
             try:   # checked here so the 400 names this item (the chat path counts messages, not items)
                 json.loads(args or "{}")
-            except ValueError:
+            except (ValueError, RecursionError):   # deep nesting: was a 500
                 raise bad_request(f"'{where}.arguments' is not valid JSON.", param=f"{where}.arguments") from None
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
             if out and out[-1]["role"] == "assistant":   # one assistant turn: its text and its calls
@@ -263,7 +263,8 @@ class ResponseView:
         self.body, self.model = body, model
         self.id = "resp_" + request_id.split("-", 1)[-1]
         self.created = int(time.time())
-        self.want_logprobs = LOGPROBS_INCLUDE in (body.get("include") or [])
+        include = body.get("include")   # built before chat_body checks it: a number here was a 500
+        self.want_logprobs = isinstance(include, list) and LOGPROBS_INCLUDE in include
         # what was sent, or the tenant's default_max_tokens where it set none (app.py); None:
         # the rest of the context
         self.max_output_tokens: int | None = body.get("max_output_tokens")

@@ -34,6 +34,10 @@ from dataclasses import dataclass
 from kvfence.server.errors import bad_request
 from kvfence.server.schema_parts import SchemaParts
 
+# what parsing the model's own text may raise: a grammar allows nesting deeper than Python's
+# parser recurses (a recursive $ref), and that answer was a 500 after its whole generation
+JSON_ERRORS = (ValueError, RecursionError)
+
 MAX_TOOLS = 64
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
@@ -266,7 +270,7 @@ def _call(obj, spec: ToolSpec) -> dict | None:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except ValueError:
+        except JSON_ERRORS:
             return None
     if not isinstance(args, dict) or obj["name"] not in {t["name"] for t in spec.allowed()}:
         return None
@@ -294,7 +298,7 @@ def parse_answer(text: str, spec: ToolSpec) -> tuple[str | None, list[dict] | No
     if spec.enforced:   # the grammar held it to call_schema: it parses, unless max_tokens cut it
         try:
             obj = json.loads(text)
-        except ValueError:   # cut short: the calls begun, as streamed; before a name closed, text
+        except JSON_ERRORS:   # cut short: the calls begun, as streamed; before a name closed, text
             cut = _cut_calls(text, spec)
             return (None, cut) if cut else (text, None)
         calls = [c for c in (_call(o, spec) for o in (obj if isinstance(obj, list) else [obj])) if c]
@@ -302,7 +306,7 @@ def parse_answer(text: str, spec: ToolSpec) -> tuple[str | None, list[dict] | No
     if spec.answer_schema is not None:   # the grammar held it to the format's answer or one bare call
         try:
             obj = json.loads(text)
-        except ValueError:
+        except JSON_ERRORS:
             return text, None
         # the call branch writes exactly {"name", "arguments": {...}}; an answer the format allows
         # in that very shape is taken as the call too (only the call branch checked its arguments)
@@ -313,7 +317,7 @@ def parse_answer(text: str, spec: ToolSpec) -> tuple[str | None, list[dict] | No
     for m in _CALL.finditer(text):
         try:
             c = _call(json.loads(m.group(1)), spec)
-        except ValueError:
+        except JSON_ERRORS:
             c = None
         if c is not None:   # a call leaves the content; a tag that is none (e.g. of a function
             found.append(c)  # not allowed under allowed_tools) stays in it
@@ -325,7 +329,7 @@ def parse_answer(text: str, spec: ToolSpec) -> tuple[str | None, list[dict] | No
     if tag:
         try:
             last = _call(json.loads(tail), spec)
-        except ValueError:
+        except JSON_ERRORS:
             last = None
         if last is not None:
             found.append(last)

@@ -347,3 +347,29 @@ def test_a_tenant_looping_on_a_refusal_adds_a_bounded_number_of_log_lines(server
     lines = [rec.getMessage() for rec in caplog.records if "tenant=bob refused" in rec.getMessage()]
     assert len(lines) == PER_WINDOW + 1, len(lines)
     assert lines[-1].endswith("(30 earlier refusal(s) of this tenant not logged)"), lines[-1]
+
+
+def _nested(depth: int) -> str:
+    """JSON text of a schema nested `depth` objects deep (two JSON levels each), written as text:
+    the test's own JSON encoder recurses as deep as the server's printer."""
+    return '{"type":"object","properties":{"x":' * depth + '{"type":"string"}' + "}}" * depth
+
+
+@pytest.mark.parametrize("route,body,param", [
+    ("/v1/responses", json.dumps({"input": "hi", "include": 5}), "include"),
+    ("/v1/responses", json.dumps({"input": [{"type": "function_call", "call_id": "c1", "name": "f",
+                                             "arguments": "[" * 100_000}]}), "input[0].arguments"),
+    # parsed off the loop (over 64 KB), where the stack is shallow; printed on the loop, where it
+    # is not: tool parameters rendered into the prompt
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi ' + "x" * 70_000 + '"}], "max_tokens": 1, '
+                             '"tools": [{"type": "function", "function": {"name": "f", "parameters": '
+                             + _nested(480) + "}}]}", None),
+], ids=["include-number", "deep-arguments", "deep-tool-parameters"])
+def test_client_shapes_that_were_500s_are_400s(server, route, body, param):
+    """Found in review: each of these was an unhandled TypeError or RecursionError (500), and
+    the server serves the next request as before."""
+    body = '{"model": "' + MODEL + '", ' + body[1:]
+    r = httpx.post(server.url + route, content=body, timeout=60,
+                   headers={"Authorization": "Bearer sk-alice-0001", "Content-Type": "application/json"})
+    assert_openai_error(r, 400, param=param)
+    assert server.client("alice").completions.create(model=MODEL, prompt="Hi", max_tokens=1).choices

@@ -121,3 +121,14 @@ def test_the_responses_form_is_bounded_before_its_entries_are_read():
     with pytest.raises(APIError) as e:
         _tool_choice({"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "a"}] * 65})
     assert e.value.status == 400 and e.value.param == "tool_choice.tools"
+
+
+@pytest.mark.parametrize("spec", [_spec("required", "a"), _spec("auto", "a")], ids=["enforced", "free"])
+def test_model_text_nested_past_the_parser_is_text_not_a_500(spec):
+    """Found in review: a recursive $ref lets the grammar write deeper nesting than Python's JSON
+    parser recurses; parse_answer raised RecursionError after the whole generation (a 500)."""
+    deep = "[" * 100_000 + "]" * 100_000
+    for text in (deep, f'<tool_call>{{"name": "a", "arguments": {{"x": {deep}}}}}</tool_call>',
+                 f'{{"name": "a", "arguments": "{deep}"}}'):
+        content, calls = parse_answer(text, spec)
+        assert calls is None and content == text
