@@ -419,6 +419,9 @@ def _openai_routes(app: FastAPI, state: ServerState) -> None:
         lease = state.limiter.hold(tenant, key)
         try:
             ids = parse_detokenize(await read_json_body(request, state.max_body_bytes))
+            ctx = state.facts["usable_context"]
+            if len(ids) > ctx:   # a million ids of 81 characters each was an 85 MB text and reply
+                raise bad_request(f"'tokens' may hold at most this model's context of {ctx} ids.", param="tokens")
             vocab = state.facts["vocab_size"]
             if any(t < 0 or t >= vocab for t in ids):
                 raise bad_request(f"Token ids must be in [0, {vocab}).", param="tokens")
@@ -499,18 +502,18 @@ async def _generate(state: ServerState, request: Request, kind: str):
             raise APIError(404, f"The model '{req.model}' does not exist.", code="model_not_found", param="model")
         _refuse_max_tokens_beyond_context(req, state.facts["usable_context"])
         cap = tenant.limits.max_prompt_tokens
-        prompts = [await _tokenize(state, req, text, pids, cap) for text, pids in req.prompts]
-        _refuse_if_revoked(revoked)
         facts = state.facts
+        prompts = []
+        for text, pids in req.prompts:
+            prompts.append(await _tokenize(state, req, text, pids, cap))
+            # each as soon as it is tokenized: a list of long texts was all tokenized first
+            _refuse_if_too_long(prompts[-1], req, facts["usable_context"])
+        _refuse_if_revoked(revoked)
         _limit_implicit_max_tokens(req, tenant, prompts, facts["usable_context"])
         if view is not None:   # the Response says the limit that applied, the tenant's own included
             view.max_output_tokens = req.params.max_tokens
         for (_, pids), ids in zip(req.prompts, prompts):
-            try:  # I4 here, before any tenant accounting or engine work; the engine checks again
-                if not faults.active("skip_router_admission"):
-                    check_fits(len(ids), _least_completion(req), facts["usable_context"])
-            except ContextLengthExceeded as e:
-                raise _too_long(e, req) from None
+            _refuse_if_too_long(ids, req, facts["usable_context"])   # with the max_tokens now applied
             if pids is not None:   # after I4: an over-length id list is refused before any per-id work
                 vocab = facts["vocab_size"]
                 if any(t < 0 or t >= vocab for t in ids):
@@ -763,6 +766,15 @@ def _limit_implicit_max_tokens(req: GenerationRequest, tenant: Tenant, prompts: 
     cap = min(c for c in caps if c is not None)
     if cap >= 1 and cap < room:   # below 1 the prompt alone is refused, with its own reason
         req.params = dataclasses.replace(req.params, max_tokens=cap)
+
+
+def _refuse_if_too_long(ids: list[int], req: GenerationRequest, usable: int) -> None:
+    """I4 here, before any tenant accounting or engine work; the engine checks again."""
+    try:
+        if not faults.active("skip_router_admission"):
+            check_fits(len(ids), _least_completion(req), usable)
+    except ContextLengthExceeded as e:
+        raise _too_long(e, req) from None
 
 
 def _least_completion(req: GenerationRequest) -> int:

@@ -138,3 +138,25 @@ def test_a_prompt_beyond_the_context_is_a_400_with_its_count(server, how):
     # a text whose length alone shows it cannot fit is refused before it is tokenized
     r = _post(server, "/tokenize", body("x" * (100 * ctx)))
     assert r.status_code == 400 and "at least" in r.json()["error"]["message"], r.text
+
+
+def test_detokenize_takes_at_most_the_context(server):
+    """Found in review: a million ids of the longest token was an 85 MB text and reply."""
+    ctx = server.engine.facts["usable_context"]
+    assert _post(server, "/detokenize", {"tokens": [1] * ctx}).status_code == 200
+    r = _post(server, "/detokenize", {"tokens": [1] * (ctx + 1)})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens" and str(ctx) in r.text
+
+
+def test_a_list_of_prompts_stops_tokenizing_at_the_first_too_long(server, monkeypatch):
+    """Found in review: every text of a prompt list was tokenized (seconds each, near the
+    length bound) before any was checked against the context."""
+    tok = server.engine.tokenizer
+    encoded = []
+    real = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text, *a, **k: encoded.append(len(text)) or real(text, *a, **k))
+    long = " 1" * server.engine.facts["usable_context"]   # passes the length bound, one token a digit
+    with server.http("alice") as c:
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": [long, long, "short"], "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert encoded == [len(long)]
