@@ -262,11 +262,29 @@ def refuse_unsupported_fields(body: dict) -> None:
         raise bad_request(f"'{found[0]}' is not supported: {found[1]}", param=found[0])
 
 
+# OpenAI's own bounds on what is only stored and echoed (the Responses object echoes both in
+# every event): without them a megabyte of metadata went out three times a streamed answer
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE, MAX_USER_CHARS = 16, 64, 512, 512
+
+
+def _metadata(meta: dict | None) -> None:
+    if meta is None:
+        return
+    if len(meta) > MAX_METADATA_PAIRS:
+        raise bad_request(f"'metadata' may hold at most {MAX_METADATA_PAIRS} pairs.", param="metadata")
+    for k, v in meta.items():
+        if len(k) > MAX_METADATA_KEY or not isinstance(v, str) or len(v) > MAX_METADATA_VALUE:
+            raise bad_request(f"'metadata' keys are strings of at most {MAX_METADATA_KEY} characters and values "
+                              f"strings of at most {MAX_METADATA_VALUE}.", param=f"metadata.{k[:MAX_METADATA_KEY]}")
+
+
 def _common(body: dict, kind: str) -> dict:
     refuse_unsupported_fields(body)
     # accepted and ignored, but held to OpenAI's types: a wrong one is a client bug to hear of
-    _field(body, "user", (str,), None, "a string")
-    _field(body, "metadata", (dict,), None, "an object")
+    user = _field(body, "user", (str,), None, "a string")
+    if user is not None and len(user) > MAX_USER_CHARS:
+        raise bad_request(f"'user' may be at most {MAX_USER_CHARS} characters.", param="user")
+    _metadata(_field(body, "metadata", (dict,), None, "an object"))
     model = _field(body, "model", (str,), None, "a string")
     n = _int(body, "n", 1, 1, MAX_CHOICES)
     stop = body.get("stop")

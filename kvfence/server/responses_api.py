@@ -35,7 +35,8 @@ _CHAT_ALLOWED = re.compile(r"tool_choice\.allowed_tools\b")
 # sampling extensions the chat path takes, passed through as vLLM's Responses route does
 _PASSED = ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
            "frequency_penalty", "logit_bias", "stop", "min_tokens", "parallel_tool_calls", "top_logprobs",
-           "ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+           "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+           "user", "metadata")   # only echoed, but held to OpenAI's types and bounds there
 # chat completions fields a Responses client may send by habit: each would be dropped below
 # (what passes, as it asks for what a Response does anyway; the field to send instead)
 _CHAT_ONLY: dict[str, tuple[tuple, str]] = {

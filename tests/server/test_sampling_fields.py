@@ -88,6 +88,10 @@ def test_min_tokens_above_max_tokens_is_a_400(server):
 @pytest.mark.parametrize("extra,param", [
     ({"stop_token_ids": [10**9]}, "stop_token_ids"), ({"user": 5}, "user"), ({"metadata": "x"}, "metadata"),
     ({"stream": True, "stream_options": {"include_usage": "x"}}, "stream_options.include_usage"),
+    # OpenAI's bounds on what is only echoed (a review found a megabyte of metadata echoed
+    # three times a streamed Response)
+    ({"metadata": {"k": 5}}, "metadata.k"), ({"metadata": {"k": "v" * 513}}, "metadata.k"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"), ({"user": "u" * 513}, "user"),
 ])
 def test_values_openai_refuses_are_a_400_naming_the_field(server, extra, param):
     """Found by a developer walkthrough: a stop token id outside the vocabulary (a stop that
@@ -153,3 +157,18 @@ def test_another_servers_field_that_would_change_the_answer_is_a_400_saying_what
                 "chat_template_kwargs": {}, "modalities": ["text"], field: None}
     r = c.chat.completions.create(model=MODEL, messages=ask, max_tokens=2, temperature=0, extra_body=harmless)
     assert r.choices[0].message.content
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"), ({"metadata": "x"}, "metadata"),
+    ({"user": 5}, "user"),
+])
+def test_the_responses_echo_is_held_to_the_same_bounds(server, extra, param):
+    """The Response object echoes metadata and user in every event; they were taken unchecked."""
+    r = httpx.post(server.url + "/v1/responses", headers={"authorization": "Bearer sk-alice-0001"},
+                   json={"model": MODEL, "input": "hi", "max_output_tokens": 2, **extra}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    ok = httpx.post(server.url + "/v1/responses", headers={"authorization": "Bearer sk-alice-0001"},
+                    json={"model": MODEL, "input": "hi", "max_output_tokens": 2, "metadata": {"k": "v"}, "user": "u"},
+                    timeout=60)
+    assert ok.status_code == 200 and ok.json()["metadata"] == {"k": "v"} and ok.json()["user"] == "u"
