@@ -38,6 +38,7 @@ from kvfence.server.log_budget import LogBudget
 from kvfence.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvfence.server.openai_format import Formatter, sse, usage
 from kvfence.server.protocol import (
+    OFF_LOOP_BYTES,
     GenerationRequest,
     parse_chat,
     parse_completion,
@@ -492,11 +493,15 @@ async def _generate(state: ServerState, request: Request, kind: str):
             raise
         if kind == "responses":
             view = ResponseView(body, rid, state.served_name)
-            body = responses_api.chat_body(body)
         parse = parse_completion if kind == "completion" else parse_chat
-        # a long token-id prompt or conversation is validated off the event loop, like its JSON
-        big = any(isinstance(v, list) and len(v) > 4096 for v in (body.get("prompt"), body.get("messages")))
-        req = await asyncio.to_thread(parse, body) if big else parse(body)
+
+        def parsed() -> GenerationRequest:
+            return parse(responses_api.chat_body(body) if kind == "responses" else body)
+        # a body parsed off the event loop is checked off it too: 125K Responses items or an
+        # 8 MiB tool schema took ~1 s of Python, and a long id list inside a short list (or a
+        # long conversation) seconds, during which every stream and /health/live stalled
+        big = request.state.body_bytes > OFF_LOOP_BYTES
+        req = await asyncio.to_thread(parsed) if big else parsed()
         _refuse_if_revoked(revoked)
         if req.model is not None and req.model != state.served_name:
             raise APIError(404, f"The model '{req.model}' does not exist.", code="model_not_found", param="model")
@@ -727,9 +732,8 @@ async def _encode_chat(tok, messages: list[dict], tools: ToolSpec | None, add_pr
     """A chat prompt's ids: generation's and /tokenize's one way to render messages and tools.
     `room`: the most prompt tokens that can fit; a rendered text surely longer is refused
     before it is tokenized (_refuse_surely_too_long)."""
-    rendered, template_tools = render_tools(messages, tools, tok.template_has_tools, tok.template_has_developer)
-
-    def encode() -> list[int]:
+    def encode() -> list[int]:   # rendering the tools too: their schemas may be large
+        rendered, template_tools = render_tools(messages, tools, tok.template_has_tools, tok.template_has_developer)
         text = tok.apply_chat_template(rendered, add_prompt, template_tools)
         _refuse_surely_too_long(tok, text, room, "messages", max_param, cap)
         return tok.encode_rendered(text)

@@ -91,6 +91,7 @@ async def read_json_body(request, limit: int, before_parse: Callable[[], None] |
     """The request body as a JSON object, or a 400/413 that says what is wrong with it.
     `before_parse` runs once the bytes are in, before any parsing (it may raise)."""
     raw = await read_body_bytes(request, limit)
+    request.state.body_bytes = len(raw)   # what the route's own checks of it may cost (app.py)
     if before_parse is not None:
         before_parse()
     if len(raw) > OFF_LOOP_BYTES:

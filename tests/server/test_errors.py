@@ -373,3 +373,26 @@ def test_client_shapes_that_were_500s_are_400s(server, route, body, param):
                    headers={"Authorization": "Bearer sk-alice-0001", "Content-Type": "application/json"})
     assert_openai_error(r, 400, param=param)
     assert server.client("alice").completions.create(model=MODEL, prompt="Hi", max_tokens=1).choices
+
+
+def test_a_large_body_is_checked_and_rendered_off_the_event_loop(server, monkeypatch):
+    """Found in review: the big-body rule looked at the top-level lengths of prompt and
+    messages only, so 125K Responses items (8 MiB) or a megabyte of tool schema were checked
+    and rendered on the event loop, about a second each with every stream stalled. Now the
+    body's size decides, as it does for parsing the JSON."""
+    import kvfence.server.app as app_mod
+
+    where: dict[str, list] = {"parse": [], "render": []}
+    parse_chat, render = app_mod.parse_chat, app_mod.render_tools
+    monkeypatch.setattr(app_mod, "parse_chat", lambda b: where["parse"].append(threading.current_thread()) or
+                        parse_chat(b))
+    monkeypatch.setattr(app_mod, "render_tools", lambda *a: where["render"].append(threading.current_thread()) or
+                        render(*a))
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object", "description": "d" * 70_000}}
+    for big in (False, True):
+        body = {"model": MODEL, "input": "hi", "max_output_tokens": 1, "tools": [tool] if big else []}
+        r = httpx.post(server.url + "/v1/responses", json=body, headers={"Authorization": "Bearer sk-alice-0001"},
+                       timeout=60)
+        assert r.status_code == (400 if big else 200), r.text   # the big schema is rendered: too long
+        loop_thread = server.thread
+        assert (where["parse"][-1] is loop_thread) is not big and (where["render"][-1] is loop_thread) is False
