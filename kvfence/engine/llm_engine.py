@@ -40,7 +40,7 @@ from kvfence.engine.kv_link import (
     ReleaseRequest,
     Reserve,
 )
-from kvfence.engine.logits_processors import History
+from kvfence.engine.logits_processors import History, TokenCounts
 from kvfence.engine.params import SamplingParams
 from kvfence.engine.request_states import Event, State
 from kvfence.engine.router_realms import RouterRealms
@@ -543,10 +543,17 @@ class LLMEngine:
         if not any(q.params.adjusts_logits for q in seqs):
             return None
         ends = frozenset(self.tokenizer.end_ids)
-        return [History(q.prompt_ids, q.output_ids,
-                        frozenset(q.params.stop_token_ids) | (frozenset() if q.params.ignore_eos else ends),
-                        q.grammar)
-                for q in seqs]
+        out = []
+        for q in seqs:
+            p = q.params
+            if q.token_counts is None and (p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty):
+                q.token_counts = TokenCounts()
+            # the held-back ids only while min_tokens holds them (up to 1,024 stop ids a row a step)
+            held = len(q.output_ids) < p.min_tokens
+            out.append(History(q.prompt_ids, q.output_ids,
+                               (frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else ends)) if held
+                               else frozenset(), q.grammar, q.token_counts))
+        return out
 
     def _append_contained(self, seq: Sequence, tok: int, lp, now: float, out: list[StepOutput]) -> None:
         """_append for one request, into `out`; a detokenizer or stop-string failure ends this

@@ -24,6 +24,36 @@ from kvfence.engine.params import SamplingParams
 from kvfence.kernels import cpu_kernels
 
 
+class TokenCounts:
+    """A request's output-token counts and which tokens its prompt or output holds, kept a
+    token at a time. Rebuilt from the whole history every step, they cost O(history) a row:
+    ~2.4 ms a step per row with an 8K-token history, which a tenant's n=16 put on every step."""
+
+    def __init__(self) -> None:
+        self.counts: torch.Tensor | None = None   # int32 [vocab]: times each token was generated
+        self.seen: torch.Tensor | None = None     # bool [vocab]: in the prompt or the output
+        self._taken = 0                            # output tokens counted so far
+
+    def update(self, prompt_ids: list[int], output_ids: list[int], vocab: int, device) -> None:
+        if self.counts is None or self.counts.numel() != vocab or len(output_ids) < self._taken:
+            self.counts = torch.zeros(vocab, dtype=torch.int32, device=device)
+            self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            self._mark(prompt_ids, count=False)
+            self._taken = 0
+        self._mark(output_ids[self._taken:], count=True)
+        self._taken = len(output_ids)
+
+    def _mark(self, ids: list[int], count: bool) -> None:
+        if not ids:
+            return
+        assert self.counts is not None and self.seen is not None
+        t = torch.tensor(ids, dtype=torch.long, device=self.counts.device)
+        t = t[(t >= 0) & (t < self.counts.numel())]
+        self.seen[t] = True
+        if count:
+            self.counts.index_add_(0, t, torch.ones_like(t, dtype=torch.int32))
+
+
 @dataclass(frozen=True)
 class History:
     """What a row's adjustments look at: the request's prompt and the tokens it generated,
@@ -33,6 +63,7 @@ class History:
     output_ids: list[int]
     end_ids: frozenset[int]
     grammar: Constraint | None = None
+    counts: TokenCounts | None = None   # the request's own, kept across steps (None: counted afresh)
 
 
 def adjust(logits: torch.Tensor, params: list[SamplingParams], histories: list[History]) -> torch.Tensor:
@@ -48,15 +79,17 @@ def adjust(logits: torch.Tensor, params: list[SamplingParams], histories: list[H
         if p.logit_bias:
             ids = [t for t in p.logit_bias if t < vocab]
             row[ids] += torch.tensor([p.logit_bias[t] for t in ids], dtype=row.dtype, device=row.device)
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(h.prompt_ids) | set(h.output_ids)), dtype=torch.long, device=row.device)
-            seen = seen[seen < vocab]
-            vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if (p.frequency_penalty or p.presence_penalty) and h.output_ids:
-            counts = torch.bincount(torch.tensor(h.output_ids, dtype=torch.long, device=row.device),
-                                    minlength=vocab)[:vocab]
-            row -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty * (counts > 0).to(row.dtype)
+        penalized = p.repetition_penalty != 1.0 or ((p.frequency_penalty or p.presence_penalty) and h.output_ids)
+        if penalized:
+            tc = h.counts if h.counts is not None else TokenCounts()
+            tc.update(h.prompt_ids, h.output_ids, vocab, row.device)
+            assert tc.counts is not None and tc.seen is not None
+            if p.repetition_penalty != 1.0:
+                scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                row.copy_(torch.where(tc.seen, scaled, row))
+            if (p.frequency_penalty or p.presence_penalty) and h.output_ids:
+                counts = tc.counts.to(row.dtype)
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
         if p.min_tokens and len(h.output_ids) < p.min_tokens:
             ends = [t for t in h.end_ids if t < vocab]
             row[ends] = float("-inf")

@@ -97,3 +97,22 @@ def test_the_fields_cross_the_pd_wire_unchanged():
                        logit_bias={42: -100.0, 7: 3.5}, max_tokens=8)
     back = WireParams.from_json(WireParams.of(p).dumps()).to_params()
     assert back == p
+
+
+def test_counts_kept_across_steps_give_what_counting_afresh_gives():
+    """Penalties read a request's TokenCounts, updated a token at a time (counting the whole
+    history every step cost O(history) a row, found in review); every step's adjusted logits
+    equal those of a fresh count, also when the output is cut back (counted again)."""
+    from kvfence.engine.logits_processors import TokenCounts
+
+    g = torch.Generator().manual_seed(1)
+    p = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.7, presence_penalty=0.4, max_tokens=50)
+    kept, prompt, output = TokenCounts(), [3, 1, 3, V + 5], []
+    for step in range(40):
+        logits = torch.randn(1, V, generator=g) * 3
+        with_kept = adjust(logits, [p], [History(prompt, list(output), frozenset(), counts=kept)])
+        afresh = adjust(logits, [p], [History(prompt, list(output), frozenset())])
+        assert torch.equal(with_kept, afresh), step
+        output.append(int(torch.randint(0, V, (1,), generator=g)))
+        if step == 25:
+            output = output[:10]
