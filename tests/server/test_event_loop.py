@@ -85,3 +85,26 @@ def test_an_answer_is_built_off_the_event_loop_and_encoded_in_slices(big_server,
     assert set(threads) == {"build", "encode"}
     # in the answers' own pool, not the default one that tokenizing and body parsing share
     assert threads["build"].name.startswith("kvfence-answer"), threads
+
+
+def test_a_streamed_echo_with_logprobs_is_built_off_the_event_loop(big_server, monkeypatch):
+    """The streamed form of the answer above: each choice's first chunk carries the prompt's
+    logprobs (~3K prompt tokens x 20 top entries held the loop ~90 ms a choice, n=16 a
+    request, found in review). It is built in the answers' pool and encoded in slices."""
+    import kvfence.server.app as app
+    from kvfence.server.openai_format import Formatter
+
+    threads: dict[str, threading.Thread] = {}
+    spy = _spy_on(threads)
+    monkeypatch.setattr(Formatter, "prompt_logprobs", spy("build", Formatter.prompt_logprobs))
+    monkeypatch.setattr(app, "encode_json", spy("encode", app.encode_json))
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": "Hello there", "max_tokens": 2, "echo": True, "logprobs": 2,
+            "n": 2, "stream": True}
+    with httpx.stream("POST", big_server.url + "/v1/completions", json=body, timeout=60) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200 and events[-1] == "data: [DONE]"
+    first = [json.loads(e[6:]) for e in events[:-1]]
+    echoed = [c for e in first for c in e["choices"] if c["text"].startswith("Hello there")]
+    assert len(echoed) == 2 and all(c["logprobs"]["tokens"] for c in echoed)
+    assert set(threads) == {"build", "encode"}
+    assert threads["build"].name.startswith("kvfence-answer"), threads
