@@ -359,11 +359,13 @@ def _nested(depth: int) -> str:
     ("/v1/responses", json.dumps({"input": "hi", "include": 5}), "include"),
     ("/v1/responses", json.dumps({"input": [{"type": "function_call", "call_id": "c1", "name": "f",
                                              "arguments": "[" * 100_000}]}), "input[0].arguments"),
-    # parsed off the loop (over 64 KB), where the stack is shallow; printed on the loop, where it
-    # is not: tool parameters rendered into the prompt
+    # parsed off the loop (over 64 KB), where the stack is shallow, then printed into the prompt:
+    # on the loop, where the stack is deeper, that was a RecursionError (the tools are rendered
+    # in the tokenizing thread now, and a RecursionError anywhere is a 400); now the prompt's
+    # length is what refuses it
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi ' + "x" * 70_000 + '"}], "max_tokens": 1, '
                              '"tools": [{"type": "function", "function": {"name": "f", "parameters": '
-                             + _nested(480) + "}}]}", None),
+                             + _nested(480) + "}}]}", "messages"),
 ], ids=["include-number", "deep-arguments", "deep-tool-parameters"])
 def test_client_shapes_that_were_500s_are_400s(server, route, body, param):
     """Found in review: each of these was an unhandled TypeError or RecursionError (500), and
