@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
+# what json.loads of text a client or the model wrote may raise: malformed, or nested deeper
+# than Python's parser recurses (a RecursionError, which was a 500 in three places)
+JSON_ERRORS = (ValueError, RecursionError)
+
 # status -> OpenAI error type
 _TYPES = {
     400: "invalid_request_error",

@@ -26,7 +26,7 @@ from kvfence.engine.params import (
     SamplingParams,
     canonical_schema,
 )
-from kvfence.server.errors import APIError, bad_request
+from kvfence.server.errors import JSON_ERRORS, APIError, bad_request
 from kvfence.server.tools import ToolSpec, call_or_answer_schema, call_schema, parse_tools
 
 MAX_STOP_STRINGS = 16
@@ -543,7 +543,7 @@ def _tool_calls(calls, where: str) -> list[dict]:
                               f"\"arguments\": JSON text}}}}.", param=w)
         try:
             args = json.loads(f["arguments"]) if f["arguments"].strip() else {}
-        except (ValueError, RecursionError):   # deep nesting raised RecursionError: was a 500
+        except JSON_ERRORS:
             raise bad_request(f"'{w}.function.arguments' is not valid JSON.", param=f"{w}.function.arguments") from None
         out.append({"id": str(c.get("id", "")), "name": f["name"], "arguments": args})
     return out

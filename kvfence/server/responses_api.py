@@ -19,7 +19,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from kvfence.server.errors import APIError, bad_request
+from kvfence.server.errors import JSON_ERRORS, APIError, bad_request
 from kvfence.server.protocol import refuse_unsupported_fields, text_of_parts, unwanted_field
 from kvfence.server.tools import MAX_TOOLS
 
@@ -157,7 +157,7 @@ def _input(items) -> list[dict]:
                 raise bad_request(f"'{where}' must have 'call_id', 'name' and 'arguments' (JSON text).", param=where)
             try:   # checked here so the 400 names this item (the chat path counts messages, not items)
                 json.loads(args or "{}")
-            except (ValueError, RecursionError):   # deep nesting: was a 500
+            except JSON_ERRORS:
                 raise bad_request(f"'{where}.arguments' is not valid JSON.", param=f"{where}.arguments") from None
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
             if out and out[-1]["role"] == "assistant":   # one assistant turn: its text and its calls

@@ -31,12 +31,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from kvfence.server.errors import bad_request
+from kvfence.server.errors import JSON_ERRORS, bad_request
 from kvfence.server.schema_parts import SchemaParts
-
-# what parsing the model's own text may raise: a grammar allows nesting deeper than Python's
-# parser recurses (a recursive $ref), and that answer was a 500 after its whole generation
-JSON_ERRORS = (ValueError, RecursionError)
 
 MAX_TOOLS = 64
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -294,7 +290,8 @@ def _cut_calls(text: str, spec: ToolSpec) -> list[dict]:
 
 
 def parse_answer(text: str, spec: ToolSpec) -> tuple[str | None, list[dict] | None]:
-    """(content, tool_calls) of a finished answer."""
+    """(content, tool_calls) of a finished answer. Text nested deeper than the JSON parser
+    recurses (a recursive $ref grammar allows it) is read as text, like any that does not parse."""
     if spec.enforced:   # the grammar held it to call_schema: it parses, unless max_tokens cut it
         try:
             obj = json.loads(text)
