@@ -546,7 +546,7 @@ class LLMEngine:
         out = []
         for q in seqs:
             p = q.params
-            if q.token_counts is None and (p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty):
+            if q.token_counts is None and p.penalizes:
                 q.token_counts = TokenCounts()
             # the held-back ids only while min_tokens holds them (up to 1,024 stop ids a row a step)
             held = len(q.output_ids) < p.min_tokens

@@ -79,8 +79,7 @@ def adjust(logits: torch.Tensor, params: list[SamplingParams], histories: list[H
         if p.logit_bias:
             ids = [t for t in p.logit_bias if t < vocab]
             row[ids] += torch.tensor([p.logit_bias[t] for t in ids], dtype=row.dtype, device=row.device)
-        penalized = p.repetition_penalty != 1.0 or ((p.frequency_penalty or p.presence_penalty) and h.output_ids)
-        if penalized:
+        if p.penalizes:
             tc = h.counts if h.counts is not None else TokenCounts()
             tc.update(h.prompt_ids, h.output_ids, vocab, row.device)
             assert tc.counts is not None and tc.seen is not None

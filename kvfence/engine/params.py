@@ -99,10 +99,14 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def penalizes(self) -> bool:
+        """Do repetition, frequency or presence penalties read this request's token counts?"""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
     def adjusts_logits(self) -> bool:
         """Does anything change this request's logits before it samples?"""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.min_tokens or self.logit_bias or self.json_schema is not None)
+        return self.penalizes or bool(self.min_tokens or self.logit_bias or self.json_schema is not None)
 
 
 def canonical_schema(schema: Any) -> str:
