@@ -158,7 +158,7 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
     secret = settings.cluster_secret
     assert secret is not None  # PDSettings refuses to exist without it
 
-    def _cluster_only(request: Request) -> None:
+    async def _cluster_only(request: Request) -> None:   # async: no worker-thread hop a request
         # I11, declared on the routes themselves: a middleware matching request.url.path let
         # through what a Host header made look like another path (Starlette before 1.0.1
         # built url.path from it while routing used the scope's path)
