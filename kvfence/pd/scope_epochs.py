@@ -13,15 +13,17 @@ taken when the request's key was checked. The node keeps the highest epoch it ha
 - newer: the node missed the router's forget message (it was unreachable, or the message is
   still on its way). It retires the scope first, queued ahead of the request, so the new party
   attaches none of the old party's pages.
-- the same: admitted.
+- the same: admitted, unless a retirement recorded for the pair failed (retire_again): then
+  it is retired first, as for a newer one.
 
-The forget message records its epoch the same way and retires only what is newer, so a late
-one does not drop the new party's pages again. A restarted router is a new router id with no
-history: the node keeps each router id's tenants in their own cache scopes (ledger.scope_name),
-so a new id starts with nothing, whatever the old one left unretired. The table is bounded:
-the pair least recently used is dropped first, and its router keeps the highest epoch it
-dropped as a floor; a pair unknown here from a router with a floor is retired before its
-first request, whatever its stamp (cache, never isolation).
+The forget message records its epoch the same way and retires only what is newer (or the
+same after a failed retirement), so a late one does not drop the new party's pages again. A
+restarted router is a new router id with no history: the node keeps each router id's tenants
+in their own cache scopes (ledger.scope_name), so a new id starts with nothing, whatever the
+old one left unretired. The table is bounded: the pair least recently used is dropped first,
+and its router keeps the highest epoch it dropped as a floor; a pair unknown here from a
+router with a floor is retired before its first request, whatever its stamp (cache, never
+isolation).
 """
 from __future__ import annotations
 

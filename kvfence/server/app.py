@@ -599,7 +599,7 @@ async def _generate(state: ServerState, request: Request, kind: str):
         if kind == "responses":
             e = responses_api.refused(e)
         _count_refusal(state, tenant, e)
-        # every tenant's refusal, so that "my requests get 400" can be looked up by request id;
+        # a tenant's refusals, so that "my requests get 400" can be looked up by request id;
         # the code and the parameter, never the message (it may quote what the client sent).
         # Anyone without a key is at debug: they could fill the log a line per request.
         # A tenant's lines are budgeted (log_budget.py): a client looping on a refusal adds a few.

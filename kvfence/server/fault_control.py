@@ -26,8 +26,9 @@ def enabled() -> bool:
 
 def mount(app: FastAPI, cluster_secret: bytes | None = None) -> None:
     """The route, when the variable is set. With a cluster secret (every PD role) it takes
-    only the cluster credential, like every /internal route (I11): a node's middleware
-    checks it already, the router has no such middleware, so it is checked here as well."""
+    only the cluster credential, like every /internal route (I11). A node's own internal
+    routes declare the check (pd/node.py); this one is mounted on the router's app too, so it
+    checks for itself."""
     if not enabled():
         return
     log.error("%s=1: this process lets tests switch fault points over HTTP (POST /internal/test/faults). "

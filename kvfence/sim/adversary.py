@@ -12,7 +12,7 @@ invariants run as after any other step; what this adds:
 - its writes and splices only ever make the affected request fail (kv_verification_failed
   is what explains it); the content oracle still catches any 200 over foreign bytes;
 - I11: a forged message is refused by the node's credential check (the same function the
-  HTTP middleware uses) and changes nothing.
+  nodes' internal routes use) and changes nothing.
 """
 from __future__ import annotations
 
