@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -50,7 +50,7 @@ from kvfence.pd.messages import (
     WireModel,
     event_line,
 )
-from kvfence.pd.scope_epochs import ScopeEpochs, ScopeRetired
+from kvfence.pd.scope_epochs import ScopeGate, ScopeRetired
 from kvfence.pd.seal import CONTROL_HEADER, check_control
 from kvfence.pd.settings import PDSettings
 from kvfence.pd.tls import TlsSettings, uvicorn_options
@@ -119,13 +119,6 @@ async def _read(request: Request, cls: type[M]) -> M:
         raise APIError(400, f"bad internal request: {e}", code="invalid_request") from None
 
 
-def _again_if_failed(done: asyncio.Future, scopes: ScopeEpochs, router: str, tenants: list[str]) -> None:
-    """A retirement the scope table recorded did not happen: its pairs retire again next time."""
-    if done.cancelled() or done.exception() is not None:
-        for t in tenants:
-            scopes.retire_again(router, t)
-
-
 def _refusal(e: Exception) -> RejectedEvent:
     if isinstance(e, ContextLengthExceeded):
         return RejectedEvent(code="context_length_exceeded", message=str(e), limit=e.limit,
@@ -184,7 +177,8 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
         started = drain.start("the router or an operator asked (POST /internal/drain)")
         return ControlReply(result="draining" if started else "already_draining").to_json()
 
-    scopes = ScopeEpochs()   # which generation of each tenant's scope each router retired here
+    # which generation of each tenant's scope each router retired here, and the retirements queued
+    scopes = ScopeGate(lambda tenants, router: loop.retire_soon(tenants, router))
 
     @internal.post("/forget_tenants")
     async def forget_tenants(request: Request):
@@ -192,16 +186,12 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
         body = await _read(request, ForgetTenantsBody)
         if body.router is None or body.epoch is None:   # a router from before scope stamps
             return ForgetTenantsReply(pages=await loop.forget_tenants(list(body.tenants))).to_json()
-        router = body.router
-        due = scopes.forget(router, body.epoch, list(body.tenants))
-        if not due:
+        retiring = scopes.forget(body.router, body.epoch, list(body.tenants))
+        if retiring is None:
             return ForgetTenantsReply(pages=0).to_json()
-        retiring = loop.retire_soon(due, router)
-        # not retired after all (the retirement raised): the next stamped request or forget
-        # message of those pairs retires again. Shielded: a router hanging up cancels this wait, not the queued
-        # retirement, which still runs and must stay recorded
-        retiring.add_done_callback(lambda f: _again_if_failed(f, scopes, router, due))
-        return ForgetTenantsReply(pages=await asyncio.shield(retiring)).to_json()
+        # shielded: a router hanging up cancels this wait, not the queued retirement, which
+        # still runs (and, should it fail, marks its pairs to retire again: ScopeGate)
+        return ForgetTenantsReply(pages=await asyncio.shield(cast(asyncio.Future, retiring))).to_json()
 
     def _refuse_if_draining() -> None:
         if drain.active:
@@ -231,17 +221,17 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
             # one event-loop step from the scope check to the submission's command: no forget
             # message or other request can retire the scope in between (pd/scope_epochs.py)
             router = body.scope.router if body.scope is not None else None
-            retiring = loop.retire_soon([body.tenant], router) if scopes.admit(body.scope, body.tenant) else None
-            if retiring is not None and router is not None:
-                retiring.add_done_callback(lambda f: _again_if_failed(f, scopes, router, [body.tenant]))
+            behind = scopes.admit(body.scope, body.tenant)   # its own retirement or an earlier one
             # the cache scope is the stamping router's (ledger.scope_name): a name another router
             # (or this one restarted) gave to another party shares no page with it
             handle = await loop.submit(body.prompt_ids, params, body.tenant, rid, body.public_prefix_scope,
                                        router=router, **extra)
-            # the engine ran the retirement before the submission, so its outcome is known now
-            if retiring is not None and retiring.done() and not retiring.cancelled() and retiring.exception():
+            # the engine ran that retirement before the submission, so its outcome is known now:
+            # failed, the scope still holds the old party's prompts, and this request leaves it
+            if scopes.unretired(behind):
                 loop.abort(rid, "the tenant's retired cache scope could not be retired here")
-                raise EngineFailed(f"retiring tenant {body.tenant!r}'s cache scope failed: {retiring.exception()}")
+                raise EngineFailed(f"retiring tenant {body.tenant!r}'s cache scope failed here; the request was "
+                                   f"not run")
             return handle
 
         async def gen():

@@ -28,6 +28,8 @@ isolation).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from kvfence.pd.messages import ScopeStamp
 
@@ -66,12 +68,14 @@ class ScopeEpochs:
         self._remember(pair, stamp.epoch)
         return True
 
-    def retire_again(self, router: str, tenant: str) -> None:
-        """A retirement recorded for this pair did not happen: the pair's next request or
-        forget message retires again. Its epoch stays: stamps older than it are still refused,
-        their keys were revoked whichever retirement failed (going back to the epoch before
-        the failed one let a stale stamp in when a later retirement of the pair went through)."""
-        if (router, tenant) in self._known:
+    def retire_again(self, router: str, tenant: str, epoch: int) -> None:
+        """The retirement recorded for this pair at `epoch` did not happen: the pair's next
+        request or forget message retires again, unless a newer one has been recorded since
+        (queued after the failed one, it retires the scope itself). The epoch stays: stamps
+        older than it are still refused, their keys were revoked whichever retirement failed
+        (going back to the epoch before the failed one let a stale stamp in when a later
+        retirement of the pair went through)."""
+        if self._known.get((router, tenant)) == epoch:
             self._again.add((router, tenant))
 
     def forget(self, router: str, epoch: int, tenants: list[str]) -> list[str]:
@@ -94,3 +98,69 @@ class ScopeEpochs:
             dropped, epoch = self._known.popitem(last=False)
             self._again.discard(dropped)   # unknown pairs of a router with a floor retire anyway
             self._floor[dropped[0]] = max(self._floor.get(dropped[0], 0), epoch)
+
+
+class Outcome(Protocol):
+    """A queued retirement's result: an asyncio future on a node, a concurrent one in the
+    simulation (kvfence/sim/cluster.py), which runs this same gate."""
+    def done(self) -> bool: ...
+    def cancelled(self) -> bool: ...
+    def exception(self) -> BaseException | None: ...
+    def add_done_callback(self, fn: Callable[[Any], object], /) -> object: ...
+
+
+class ScopeGate:
+    """The node's side of the scope table: it queues the retirements the table asks for, in
+    the engine's one command queue (`retire(tenants, router)`), and remembers the last one
+    queued per pair until it is done. A request admitted behind a retirement that then fails
+    would run in the scope it was meant to leave, with the old party's cached prompts (found
+    in review: a request of the new party, stamped the same epoch as the forget message, was
+    admitted while that message's retirement was still queued). So admit() returns the
+    retirement the request queues behind, and the caller refuses the request when
+    unretired(that) after its submission: the engine ran the retirement first."""
+
+    def __init__(self, retire: Callable[[list[str], str], Outcome], max_pairs: int = MAX_PAIRS):
+        self.table = ScopeEpochs(max_pairs)
+        self._retire = retire
+        self._queued: dict[tuple[str, str], Outcome] = {}   # pair -> its last retirement, until done
+
+    def admit(self, stamp: ScopeStamp | None, tenant: str) -> Outcome | None:
+        """Before the request's submission, in the same event-loop step: ScopeRetired for a
+        stale stamp, else the retirement its submission queues behind (its own when its epoch
+        is new here), or None."""
+        if stamp is None:
+            return None
+        if self.table.admit(stamp, tenant):
+            self._queue(stamp.router, [tenant], stamp.epoch)
+        return self._queued.get((stamp.router, tenant))
+
+    def forget(self, router: str, epoch: int, tenants: list[str]) -> Outcome | None:
+        """The router's forget message: the retirement queued for the names new here, or None."""
+        due = self.table.forget(router, epoch, tenants)
+        return self._queue(router, due, epoch) if due else None
+
+    @staticmethod
+    def unretired(behind: Outcome | None) -> bool:
+        """After the submission: whether the scope it was admitted to still holds what a
+        retirement ahead of it was to remove."""
+        return behind is not None and (not behind.done() or behind.cancelled() or behind.exception() is not None)
+
+    def _queue(self, router: str, tenants: list[str], epoch: int) -> Outcome:
+        try:
+            outcome = self._retire(tenants, router)
+        except BaseException:   # not even queued (the engine stopped): recorded, so retire again
+            for t in tenants:
+                self.table.retire_again(router, t, epoch)
+            raise
+        for t in tenants:
+            self._queued[(router, t)] = outcome
+        outcome.add_done_callback(lambda o: self._settled(o, router, tenants, epoch))
+        return outcome
+
+    def _settled(self, outcome: Outcome, router: str, tenants: list[str], epoch: int) -> None:
+        failed = outcome.cancelled() or outcome.exception() is not None
+        for t in tenants:
+            if self._queued.get((router, t)) is outcome:
+                del self._queued[(router, t)]
+            if failed:   # the pair's next request or forget message retires again
+                self.table.retire_again(router, t, epoch)

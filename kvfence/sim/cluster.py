@@ -29,6 +29,7 @@ import logging
 import random
 import time
 from collections import Counter, deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,7 +52,7 @@ from kvfence.pd.messages import NodeInfo, ScopeStamp
 from kvfence.pd.node import unchecked_boot
 from kvfence.pd.prefill import KvExporter
 from kvfence.pd.router import may_retry_decode, may_retry_prefill
-from kvfence.pd.scope_epochs import ScopeEpochs, ScopeRetired
+from kvfence.pd.scope_epochs import ScopeGate, ScopeRetired
 from kvfence.pd.settings import PDSettings
 from kvfence.pd.transfer import InProcessTransport
 from kvfence.server.engine_loop import engine_facts
@@ -80,6 +81,7 @@ EXPLAINED_BY = {
     "not_ready": {"crash", "fleet"},
     "draining": {"fleet"},
     "scope_retired": {"rekey"},   # its key was revoked by a reload a node had already carried out
+    "engine_unavailable": {"retire_fail"},   # queued behind a retirement of its scope that failed
     "kv_pool_exhausted": {"known_bug_pool_held_outside_scheduler"},
 }
 
@@ -166,6 +168,7 @@ class SimConfig:
     w_rekey: float = 0.0            # the tenants file gives a name to another party
     w_router_restart: float = 0.0
     forget_drop: float = 0.0        # share of forget messages a node never gets
+    retire_fail: float = 0.0        # share of a node's queued scope retirements that raise
     router_idle_s: float = 600.0
 
     @classmethod
@@ -212,6 +215,7 @@ class SimConfig:
             kw.update(routers=g.randint(1, 3), w_rekey=g.choice([0.01, 0.03, 0.1]),
                       w_router_restart=g.choice([0.0, 0.005, 0.02]), forget_drop=g.choice([0.0, 0.3, 0.7]),
                       router_idle_s=g.choice([30.0, 120.0, 600.0]), tenants=g.randint(1, 3))
+            kw.update(retire_fail=g.choice([0.0, 0.1, 0.3]))   # drawn last: the draws above stay
         kw.update(overrides)
         return cls(**kw)
 
@@ -326,7 +330,19 @@ class Node:
         self.stalled = False   # its last step changed nothing: stepping again is pointless until something else happens
         self.reused_memory = False   # restarted on its old, un-zeroed transfer-buffer memory
         self.poked = False     # a message or notice reached it: the server's loop runs a step after each one
-        self.scopes = ScopeEpochs()   # its process's scope table (kvfence/pd/node.py)
+        self.new_scope_gate()
+
+    def new_scope_gate(self) -> None:
+        """Its process's scope table (kvfence/pd/node.py), and the retirements it queued that
+        the engine has not run yet: a new process starts with neither."""
+        self.retirements: list[tuple[Future, list[str], str]] = []
+        self.scopes = ScopeGate(self._queue_retirement)
+
+    def _queue_retirement(self, tenants: list[str], router: str) -> Future:
+        """EngineLoop.retire_soon: a command the engine runs before anything queued after it."""
+        outcome: Future = Future()
+        self.retirements.append((outcome, tenants, router))
+        return outcome
 
     @property
     def up(self) -> bool:
@@ -468,7 +484,7 @@ class Simulation:
         eng.clock = node.clock
         eng.steady_clock = node.clock   # router idleness on the virtual clock too
         eng.realms.idle_s = c.router_idle_s
-        node.scopes = ScopeEpochs()   # a new process: its table starts empty
+        node.new_scope_gate()   # a new process: its table starts empty
         name = old[0].session_id if old else f"sim{self.uid}:{node.name}:{node.boot}"
         tr = InProcessTransport(name)
         st = PDSettings(node.role, transfer_buffer_pages=c.prefill_rows if node.role == "prefill" else c.decode_rows,
@@ -756,6 +772,7 @@ class Simulation:
             acts.append((3.0, self._deliver_msg, ()))
         if self.forgets:
             acts.append((3.0, self._deliver_forget, ()))
+        acts += [(3.0, self._run_retirements, (node,)) for node in self.nodes.values() if node.up and node.retirements]
         return acts
 
     def _has_work(self, node: Node) -> bool:
@@ -874,9 +891,12 @@ class Simulation:
             self._log(f"  {p.name} refuses {life.rid}: {refused[1]}")
             return self._prefill_failed(life, *refused)
         n, max_tokens = len(life.ids), life.params.max_tokens
-        if not self._admit_scope(life, p):
+        refused = self._admit_scope(life, p)
+        if refused == "scope_retired":
             self._unroute(life, "p")
             return self._answer(life, "error", "scope_retired", where=p.name)
+        if refused is not None:   # in the stream, as the router sees it: its rule for a retry
+            return self._prefill_failed(life, refused, "its cache scope could not be retired")
         granted = p.engine.ledger.counters["pages_allocated"]
         try:
             seq = p.engine.add_request(life.ids, life.params, tenant=life.tenant, request_id=life.rid, hold_kv=True,
@@ -967,9 +987,10 @@ class Simulation:
                 return self._route_decode(life, source)
             return self._answer(life, "error", code, where=d.name)
         kw = {"kv_source": {"manifest": dict(life.manifest), "source": source}} if life.manifest is not None else {}
-        if not self._admit_scope(life, d):
+        refused = self._admit_scope(life, d)
+        if refused is not None:
             life.reader_stopped = True   # refused: it never pulls
-            return self._answer(life, "error", "scope_retired", where=d.name)
+            return self._answer(life, "error", refused, where=d.name)
         granted = (d.engine.ledger.counters["pages_allocated"], d.link.staging.ledger.counters["pages_allocated"])
         try:
             seq = d.engine.add_request(life.ids, life.params, tenant=life.tenant, request_id=life.rid,
@@ -999,13 +1020,16 @@ class Simulation:
         self._log(f"  {life.rid} -> {d.name}")
 
     # -- cache scopes across router processes (SimConfig.routers) ---------------------------------
-    def _admit_scope(self, life: Life, node: Node) -> bool:
-        """kvfence/pd/node.py's admission of a stamped request: a stale stamp is refused, a newer
-        one retires the name's scope first (the node missed the forget message). False: refused."""
+    def _admit_scope(self, life: Life, node: Node) -> str | None:
+        """kvfence/pd/node.py's admission of a stamped request, on the same ScopeGate: a stale
+        stamp is refused, a newer one queues the name's retirement first (the node missed the
+        forget message), and a request queued behind a retirement that fails is refused after
+        its submission. The code it is refused with, or None."""
         if not life.router:
-            return True
+            return None
+        queued = len(node.retirements)
         try:
-            due = node.scopes.admit(ScopeStamp(router=life.router, epoch=life.epoch), life.tenant)
+            behind = node.scopes.admit(ScopeStamp(router=life.router, epoch=life.epoch), life.tenant)
         except ScopeRetired:
             rt = next(r for r in self.routers if r.id == life.router)
             self._check(rt.epochs.get(life.tenant, 0) > life.epoch, "I9",
@@ -1014,12 +1038,29 @@ class Simulation:
             life.excuses.add("rekey")
             self.stats["scope_stale_stamp_refused"] += 1
             self._log(f"  {node.name} refuses {life.rid}: stamped {life.epoch} by {life.router}, a retired scope")
-            return False
-        if due:
-            pages = node.engine.forget_tenant(life.tenant, life.router)
+            return "scope_retired"
+        if len(node.retirements) > queued:   # its stamp is new here: its own retirement first
             self.stats["scope_retired_on_stamp"] += 1
-            self._log(f"  {node.name} retires {life.tenant}@{life.router} before {life.rid} ({pages} pages)")
-        return True
+        self._run_retirements(node)   # the submission is queued behind them: the engine runs them first
+        if node.scopes.unretired(behind):
+            life.excuses.add("retire_fail")
+            self.stats["scope_refused_unretired"] += 1
+            self._log(f"  {node.name} refuses {life.rid}: queued behind a failed retirement of its scope")
+            return "engine_unavailable"
+        return None
+
+    def _run_retirements(self, node: Node) -> None:
+        """The engine gets to the node's queued retirements (in order); a share of them raise."""
+        queued, node.retirements = node.retirements, []
+        for outcome, tenants, router in queued:
+            if self.cfg.retire_fail and self.srng.random() < self.cfg.retire_fail:
+                self.stats["scope_retire_failed"] += 1
+                self._log(f"  {node.name}: retiring {','.join(tenants)}@{router} fails (injected)")
+                outcome.set_exception(RuntimeError("injected: the retirement raised"))
+                continue
+            pages = sum(node.engine.forget_tenant(t, router) for t in tenants)
+            self._log(f"  {node.name} retires {','.join(tenants)}@{router} ({pages} pages)")
+            outcome.set_result(pages)
 
     def _check_party(self, life: Life, node: Node, seq) -> None:
         """I9 by who sent what, not by the engine's own scope ids: a cache scope (the pages a
@@ -1077,11 +1118,11 @@ class Simulation:
         if not node.up or node.boot != f.boot:
             self._log(f"forget {f.router}:{f.epoch} -> {f.node}: lost (node gone)")
             return
-        due = node.scopes.forget(f.router, f.epoch, list(f.tenants))
-        pages = sum(node.engine.forget_tenant(t, f.router) for t in due)
+        queued = node.scopes.forget(f.router, f.epoch, list(f.tenants))
         node.poked = True
         self.stats["scope_forget_delivered"] += 1
-        self._log(f"forget {f.router}:{f.epoch} {','.join(f.tenants)} -> {f.node}: retired {due} ({pages} pages)")
+        self._log(f"forget {f.router}:{f.epoch} {','.join(f.tenants)} -> {f.node}: "
+                  f"{'retirement queued' if queued else 'nothing new here'}")
 
     def _client_abort(self) -> None:
         life = self.rng.choice(self.open)
@@ -1166,6 +1207,7 @@ class Simulation:
         before = self._signature(node)
         node.poked = False
         self._staged_plain.clear()
+        self._run_retirements(node)   # the engine runs the commands queued before its step
         routers = len(node.engine.realms)
         outs = node.engine.step()
         self.stats["scope_idle_routers_retired"] += routers - len(node.engine.realms)   # silent past router_idle_s

@@ -1,7 +1,7 @@
 """The simulation with router processes (SimConfig.draw(scopes=True)): 1-3 routers stamp
 requests, the tenants file gives names to new parties, each router reloads in its own time
-with forget messages nodes may miss, routers restart under new ids and nodes retire the
-scopes of routers gone silent. The checker holds I9 by who sent what: one cache scope
+with forget messages nodes may miss, routers restart under new ids, nodes retire the
+scopes of routers gone silent, and some queued retirements raise. The checker holds I9 by who sent what: one cache scope
 serves one party, ever. Each defense has a mutant the checker catches."""
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import functools
 import pytest
 
 import kvfence.engine.llm_engine as engine_mod
-from kvfence.pd.scope_epochs import ScopeEpochs, ScopeRetired
+from kvfence.pd.scope_epochs import ScopeEpochs, ScopeGate, ScopeRetired
 from kvfence.sim.cluster import SimFailure, simulate
 
-SCOPE_SEEDS = (0, 4, 6)   # between them: 1 and 2 routers, restarts, lost forgets, stale stamps, idle routers
+SCOPE_SEEDS = (0, 4, 6)   # between them: 1 and 2 routers, restarts, lost forgets, stale stamps, idle routers,
+#                           failed retirements and requests queued behind them
 LIVES = 400
 
 
@@ -32,7 +33,7 @@ def test_router_processes_and_new_parties_hold_every_invariant(seed):
 def test_the_scope_runs_cover_every_path():
     stats = sum((clean(s).stats for s in SCOPE_SEEDS), start=type(clean(0).stats)())
     for path in ("scope_retired_on_stamp", "scope_stale_stamp_refused", "scope_forget_delivered",
-                 "scope_idle_routers_retired", "router_restarts"):
+                 "scope_idle_routers_retired", "router_restarts", "scope_retire_failed", "scope_refused_unretired"):
         assert stats[path] > 0, path
 
 
@@ -80,3 +81,17 @@ def test_scopes_not_kept_apart_per_router_process_are_caught_as_I9(monkeypatch):
     monkeypatch.setattr(engine_mod, "scope_name", lambda tenant, public=None, router=None: name(tenant, public))
     e = caught()
     assert e.invariant == "I9"
+
+
+def test_a_node_that_runs_requests_queued_behind_a_failed_retirement_is_caught_as_I9(monkeypatch):
+    """The retirement ahead of a request raised: run anyway, the request joins the old party's scope."""
+    monkeypatch.setattr(ScopeGate, "unretired", staticmethod(lambda behind: False))
+    e = caught()
+    assert e.invariant == "I9" and "which served party" in e.message
+
+
+def test_a_node_that_forgets_a_failed_retirement_is_caught_as_I9(monkeypatch):
+    """Not marked to retire again, the pair's next request of the same epoch is admitted as retired."""
+    monkeypatch.setattr(ScopeEpochs, "retire_again", lambda self, router, tenant, epoch: None)
+    e = caught()
+    assert e.invariant == "I9" and "which served party" in e.message

@@ -3,11 +3,12 @@ reload numbering it is fed from (TenantRegistry.succeed)."""
 from __future__ import annotations
 
 import tomllib
+from concurrent.futures import Future
 
 import pytest
 
 from kvfence.pd.messages import ForgetTenantsBody, MessageError, PrefillBody, ScopeStamp
-from kvfence.pd.scope_epochs import ScopeEpochs, ScopeRetired
+from kvfence.pd.scope_epochs import ScopeEpochs, ScopeGate, ScopeRetired
 from kvfence.server.tenants import TenantRegistry, registry_change
 
 
@@ -59,17 +60,29 @@ def test_a_dropped_pair_errs_toward_retiring_again():
 def test_a_retirement_that_did_not_happen_is_tried_again():
     s = ScopeEpochs()
     assert s.admit(stamp(1), "bob") is True
-    s.retire_again("r1", "bob")
+    s.retire_again("r1", "bob", 1)
     assert s.admit(stamp(1), "bob") is True
     assert s.admit(stamp(1), "bob") is False         # retired this time: once is enough
     # found in review: undo forgot the pair, and a stale stamp then went into the current scope
     assert s.forget("r1", 3, ["bob"]) == ["bob"]
-    s.retire_again("r1", "bob")                      # reload 3's retirement failed
+    s.retire_again("r1", "bob", 3)                   # reload 3's retirement failed
     with pytest.raises(ScopeRetired):
         s.admit(stamp(0), "bob")
     assert s.admit(stamp(3), "bob") is True          # and reload 3's first request retires
-    s.retire_again("r1", "bob")
+    s.retire_again("r1", "bob", 3)
     assert s.forget("r1", 3, ["bob"]) == ["bob"]     # or its forget message, sent again
+
+
+def test_a_failure_older_than_the_last_recorded_retirement_marks_nothing():
+    """The newer retirement was queued after the failed one and retires the scope itself:
+    marking the pair again cost every party of the name its cache once more."""
+    s = ScopeEpochs()
+    assert s.forget("r1", 1, ["bob"]) == ["bob"]
+    assert s.forget("r1", 2, ["bob"]) == ["bob"]
+    s.retire_again("r1", "bob", 1)                   # reload 1's retirement failed; 2's is queued after it
+    assert s.admit(stamp(2), "bob") is False
+    s.retire_again("r1", "alice", 0)                 # a pair never recorded: nothing to mark
+    assert s.admit(stamp(0), "alice") is False
 
 
 def test_an_earlier_failed_retirement_lets_no_stale_stamp_in_after_a_later_one():
@@ -79,10 +92,74 @@ def test_an_earlier_failed_retirement_lets_no_stale_stamp_in_after_a_later_one()
     s = ScopeEpochs()
     assert s.forget("r1", 1, ["bob"]) == ["bob"]
     assert s.forget("r1", 2, ["bob"]) == ["bob"]
-    s.retire_again("r1", "bob")                      # reload 1's retirement failed, 2's ran
+    s.retire_again("r1", "bob", 2)                   # reload 2's retirement failed, 1's ran
     with pytest.raises(ScopeRetired):
         s.admit(stamp(1), "bob")
-    assert s.admit(stamp(2), "bob") is True          # retired once more: cache only
+    assert s.admit(stamp(2), "bob") is True          # retired once more
+
+
+class Engine:
+    """The engine's command queue as the gate sees it: retirements run (or raise) in order."""
+    def __init__(self):
+        self.queue: list[tuple[Future, list[str], str]] = []
+        self.retired: list[tuple[str, str]] = []
+
+    def retire(self, tenants: list[str], router: str) -> Future:
+        f: Future = Future()
+        self.queue.append((f, tenants, router))
+        return f
+
+    def run(self, fail: bool = False) -> None:
+        for f, tenants, router in self.queue:
+            if fail:
+                f.set_exception(RuntimeError("the retirement raised"))
+            else:
+                self.retired += [(router, t) for t in tenants]
+                f.set_result(len(tenants))
+        self.queue.clear()
+
+
+def test_a_request_queued_behind_a_failed_retirement_learns_it():
+    """Found in review: a request stamped with the forget message's own epoch was admitted
+    while that message's retirement was queued; the retirement then failed, and the request
+    ran in the scope it was to leave (the old party's cached prompts)."""
+    eng = Engine()
+    g = ScopeGate(eng.retire)
+    assert g.forget("r1", 1, ["bob"]) is not None
+    behind = g.admit(stamp(1), "bob")               # the same epoch: no retirement of its own
+    assert behind is not None and len(eng.queue) == 1
+    assert g.admit(stamp(0), "alice") is None      # another name retired nowhere: behind nothing
+    eng.run(fail=True)
+    assert g.unretired(behind)                      # so the node refuses it after its submission
+    own = g.admit(stamp(1), "bob")                  # the next one retires again, and is told how it went
+    assert own is not None and own is not behind and len(eng.queue) == 1
+    eng.run()
+    assert not g.unretired(own) and eng.retired == [("r1", "bob")]
+    assert g.admit(stamp(1), "bob") is None         # retired: nothing pending, nothing to do
+
+
+def test_a_request_admitted_behind_an_earlier_retirement_sees_its_own_last():
+    eng = Engine()
+    g = ScopeGate(eng.retire)
+    first = g.forget("r1", 1, ["bob"])
+    own = g.admit(stamp(2), "bob")                  # newer: its own retirement, queued after the first
+    assert own is not first and len(eng.queue) == 2
+    eng.queue[0][0].set_exception(RuntimeError("the first raised"))
+    eng.queue.pop(0)
+    eng.run()                                       # the second went through: the scope is retired
+    assert not g.unretired(own)
+    assert g.admit(stamp(2), "bob") is None         # and the first's failure marked nothing (reload 2 ran)
+
+
+def test_a_retirement_that_cannot_even_be_queued_is_retried():
+    def stopped(tenants, router):
+        raise RuntimeError("the engine is failed")
+    g = ScopeGate(stopped)
+    with pytest.raises(RuntimeError):
+        g.forget("r1", 1, ["bob"])
+    eng = Engine()
+    g._retire = eng.retire                          # the engine is back (a test's shortcut)
+    assert g.admit(stamp(1), "bob") is not None     # recorded but never run: retired now
 
 
 def test_the_stamp_and_the_forget_message_are_typed():
