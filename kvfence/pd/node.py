@@ -50,7 +50,7 @@ from kvfence.pd.messages import (
     WireModel,
     event_line,
 )
-from kvfence.pd.scope_epochs import ScopeGate, ScopeRetired
+from kvfence.pd.scope_epochs import Outcome, ScopeGate, ScopeRetired
 from kvfence.pd.seal import CONTROL_HEADER, check_control
 from kvfence.pd.settings import PDSettings
 from kvfence.pd.tls import TlsSettings, uvicorn_options
@@ -184,9 +184,11 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
     async def forget_tenants(request: Request):
         # both roles: prefill's cached prefixes, and on either the grammars kept under the scope
         body = await _read(request, ForgetTenantsBody)
+        retiring: Outcome | None
         if body.router is None or body.epoch is None:   # a router from before scope stamps
-            return ForgetTenantsReply(pages=await loop.forget_tenants(list(body.tenants))).to_json()
-        retiring = scopes.forget(body.router, body.epoch, list(body.tenants))
+            retiring = scopes.forget_unstamped(list(body.tenants))
+        else:
+            retiring = scopes.forget(body.router, body.epoch, list(body.tenants))
         if retiring is None:
             return ForgetTenantsReply(pages=0).to_json()
         # shielded: a router hanging up cancels this wait, not the queued retirement, which

@@ -119,17 +119,18 @@ class ScopeGate:
     retirement the request queues behind, and the caller refuses the request when
     unretired(that) after its submission: the engine ran the retirement first."""
 
-    def __init__(self, retire: Callable[[list[str], str], Outcome], max_pairs: int = MAX_PAIRS):
+    def __init__(self, retire: Callable[[list[str], str | None], Outcome], max_pairs: int = MAX_PAIRS):
         self.table = ScopeEpochs(max_pairs)
         self._retire = retire
-        self._queued: dict[tuple[str, str], Outcome] = {}   # pair -> its last retirement, until done
+        # pair -> its last retirement, until done; router None: unstamped (a router from before stamps)
+        self._queued: dict[tuple[str | None, str], Outcome] = {}
 
     def admit(self, stamp: ScopeStamp | None, tenant: str) -> Outcome | None:
         """Before the request's submission, in the same event-loop step: ScopeRetired for a
         stale stamp, else the retirement its submission queues behind (its own when its epoch
         is new here), or None."""
-        if stamp is None:
-            return None
+        if stamp is None:   # no epochs to compare; still refused behind a failed retirement
+            return self._queued.get((None, tenant))
         if self.table.admit(stamp, tenant):
             self._queue(stamp.router, [tenant], stamp.epoch)
         return self._queued.get((stamp.router, tenant))
@@ -139,28 +140,34 @@ class ScopeGate:
         due = self.table.forget(router, epoch, tenants)
         return self._queue(router, due, epoch) if due else None
 
+    def forget_unstamped(self, tenants: list[str]) -> Outcome:
+        """A forget message without router and epoch (a router from before stamps): retire the
+        names' plain scopes. No table to mark: such a router sends the message again."""
+        return self._queue(None, tenants, 0)
+
     @staticmethod
     def unretired(behind: Outcome | None) -> bool:
         """After the submission: whether the scope it was admitted to still holds what a
         retirement ahead of it was to remove."""
         return behind is not None and (not behind.done() or behind.cancelled() or behind.exception() is not None)
 
-    def _queue(self, router: str, tenants: list[str], epoch: int) -> Outcome:
+    def _queue(self, router: str | None, tenants: list[str], epoch: int) -> Outcome:
         try:
             outcome = self._retire(tenants, router)
         except BaseException:   # not even queued (the engine stopped): recorded, so retire again
-            for t in tenants:
-                self.table.retire_again(router, t, epoch)
+            if router is not None:
+                for t in tenants:
+                    self.table.retire_again(router, t, epoch)
             raise
         for t in tenants:
             self._queued[(router, t)] = outcome
         outcome.add_done_callback(lambda o: self._settled(o, router, tenants, epoch))
         return outcome
 
-    def _settled(self, outcome: Outcome, router: str, tenants: list[str], epoch: int) -> None:
+    def _settled(self, outcome: Outcome, router: str | None, tenants: list[str], epoch: int) -> None:
         failed = outcome.cancelled() or outcome.exception() is not None
         for t in tenants:
             if self._queued.get((router, t)) is outcome:
                 del self._queued[(router, t)]
-            if failed:   # the pair's next request or forget message retires again
+            if failed and router is not None:   # the pair's next request or forget message retires again
                 self.table.retire_again(router, t, epoch)

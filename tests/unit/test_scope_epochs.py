@@ -229,3 +229,14 @@ def test_a_node_from_before_stamps_gets_messages_it_can_read():
     assert _stamps(SimpleNamespace(info=SimpleNamespace(scope_stamps=True)))           # type: ignore[arg-type]
     assert not _stamps(SimpleNamespace(info=SimpleNamespace(scope_stamps=False)))      # type: ignore[arg-type]
     assert not _stamps(SimpleNamespace(info=None))                                     # type: ignore[arg-type]
+
+
+def test_an_unstamped_request_behind_a_failed_unstamped_retirement_is_told_too():
+    """A router from before stamps (a rolling upgrade): no epochs, but the same queue."""
+    eng = Engine()
+    g = ScopeGate(eng.retire)
+    assert g.admit(None, "bob") is None
+    forget = g.forget_unstamped(["bob"])
+    assert g.admit(None, "bob") is forget and g.admit(stamp(0), "bob") is None   # stamped: another scope
+    eng.run(fail=True)
+    assert g.unretired(forget) and g.admit(None, "bob") is None
