@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import TypeVar, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -61,6 +61,10 @@ from kvfence.server.errors import APIError, error_body
 from kvfence.server.http_limits import HttpLimits, uvicorn_server
 from kvfence.server.protocol import read_body_bytes
 from kvfence.server.streaming import StreamWithCleanup
+
+if TYPE_CHECKING:
+    from kvfence.server.app import ServerState
+    from kvfence.server.tenants import TenantRegistry
 
 log = logging.getLogger("kvfence.pd.node")
 
@@ -312,10 +316,28 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
     return internal
 
 
-def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int, tls: TlsSettings,
-               tenants_file: str | None = None, log_level: str = "info", limits: HttpLimits | None = None) -> int:
+def node_app(loop: EngineLoop, settings: PDSettings, tenants: TenantRegistry,
+             drain: Drain) -> tuple[FastAPI, ServerState]:
+    """A node's whole HTTP app: the status routes of the server (no public generation API),
+    the internal routes, and the test-only fault switch where enabled. One function, so that
+    a test can hold every /internal route of it to the cluster credential (I11)."""
     from kvfence.server import fault_control
     from kvfence.server.app import ServerState, create_app
+
+    # no public generation API on a node: requests come through the router, its admission, its
+    # tenant limits and its scope stamps (pd/scope_epochs.py). A tenant calling a node's /v1
+    # directly went around all three: its requests shared the name's cache scope unstamped, so
+    # an old party's prompt could land in a scope the router had retired. The tenants file here
+    # keys the status routes (/metrics, /health's detail, the console) and the isolation statement.
+    state = ServerState(loop, tenants, public_api=False)
+    app = create_app(state)
+    add_internal_routes(app, loop, settings, drain)
+    fault_control.mount(app, settings.cluster_secret)
+    return app, state
+
+
+def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int, tls: TlsSettings,
+               tenants_file: str | None = None, log_level: str = "info", limits: HttpLimits | None = None) -> int:
     from kvfence.server.isolation import run_startup_checks
     from kvfence.server.serve import load_tenants, refuse_unusable_port, run_until_engine_fails
 
@@ -333,18 +355,10 @@ def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int,
         return 2
     assert loop.facts is not None
     loop.facts = {**loop.facts, "pd_security": tls.describe()}   # for /internal/info and the statement
-    # no public generation API on a node: requests come through the router, its admission, its
-    # tenant limits and its scope stamps (pd/scope_epochs.py). A tenant calling a node's /v1
-    # directly went around all three: its requests shared the name's cache scope unstamped, so
-    # an old party's prompt could land in a scope the router had retired. The tenants file here
-    # keys the status routes (/metrics, /health's detail, the console) and the isolation statement.
-    state = ServerState(loop, tenants, public_api=False)
-    app = create_app(state)
     exit_now: list = []
     drain = Drain(lambda: loop.snapshot, lambda: exit_now[0]())
-    add_internal_routes(app, loop, settings, drain)
+    app, state = node_app(loop, settings, tenants, drain)
     faults.announce(log)
-    fault_control.mount(app, settings.cluster_secret)
     scheme = "https" if tls.serving else "http"
     log.info("%s node serving its internal API on %s://%s:%d/internal%s", settings.role, scheme, host, port,
              " (client certificates required)" if tls.serving and tls.ca else "")

@@ -8,11 +8,12 @@ from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
 from kvfence.pd.drain import Drain
-from kvfence.pd.node import INTERNAL_PREFIX, add_internal_routes
+from kvfence.pd.node import INTERNAL_PREFIX, add_internal_routes, node_app
 from kvfence.pd.seal import control_headers
 from kvfence.pd.settings import PDSettings
 from kvfence.server.backend import EngineFailed
 from kvfence.server.errors import APIError
+from kvfence.server.tenants import TenantRegistry
 
 SECRET = b"s" * 32
 
@@ -65,3 +66,34 @@ def test_a_control_message_to_a_stopped_engine_is_a_503_not_a_500():
     client = TestClient(_node_app("prefill")[0], raise_server_exceptions=False)
     r = client.post(INTERNAL_PREFIX + "/release", json={"request_id": "r1"}, headers=control_headers(SECRET))
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable", r.text
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_every_internal_route_of_the_whole_node_app_takes_only_the_credential(role, monkeypatch):
+    """The node's app as serve_node builds it (the server's status routes, the internal routes,
+    the test fault switch where enabled): whoever adds an /internal route anywhere in it, not
+    only on the internal router, is held to I11 here."""
+    monkeypatch.setenv("KVFENCE_TEST_FAULT_CONTROL", "1")
+    loop = SimpleNamespace(state="starting", facts=None, error="test", snapshot={}, call=_engine_stopped)
+    app, _ = node_app(loop, PDSettings(role, cluster_secret=SECRET), TenantRegistry.single(),
+                      Drain(lambda: {}, lambda: None))
+    internal = [(path, r) for path, r in _every_route(app.routes) if path.startswith(INTERNAL_PREFIX)]
+    assert {path for path, _ in internal} >= {INTERNAL_PREFIX + "/info", INTERNAL_PREFIX + "/drain",
+                                              INTERNAL_PREFIX + "/forget_tenants", INTERNAL_PREFIX + "/test/faults"}
+    client = TestClient(app, raise_server_exceptions=False)
+    for path, route in internal:
+        for host in (None, "x/y?", "a#b"):
+            for method in sorted(getattr(route, "methods", None) or {"GET"}):
+                r = client.request(method, path, headers={} if host is None else {"host": host},
+                                   json={"spec": "skip_row_auth"})
+                assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized", (path, host, r.text)
+
+
+def _every_route(routes, prefix: str = ""):
+    """(path, route) for every route, into included routers (FastAPI keeps an included router
+    as one entry that routes to its own list)."""
+    for r in routes:
+        if hasattr(r, "original_router"):
+            yield from _every_route(r.original_router.routes, prefix + r.include_context.prefix)
+        else:
+            yield prefix + getattr(r, "path", ""), r
