@@ -512,9 +512,9 @@ async def _generate(state: ServerState, request: Request, kind: str):
         prompts = []
         for text, pids in req.prompts:
             prompts.append(await _tokenize(state, req, text, pids, cap))
+            _refuse_if_revoked(revoked)   # revoked while tokenizing: its 401, not what the prompt gets
             # each as soon as it is tokenized: a list of long texts was all tokenized first
             _refuse_if_too_long(prompts[-1], req, facts["usable_context"])
-        _refuse_if_revoked(revoked)
         _limit_implicit_max_tokens(req, tenant, prompts, facts["usable_context"])
         if view is not None:   # the Response says the limit that applied, the tenant's own included
             view.max_output_tokens = req.params.max_tokens

@@ -184,6 +184,28 @@ def test_a_body_completed_after_its_key_was_revoked_is_told_so_before_it_is_judg
         _revoked_while_arriving(srv, tenants_path, body)
 
 
+def test_a_key_revoked_while_its_prompts_are_tokenized_gets_its_401_not_the_prompts_400(srv, tenants_path,
+                                                                                        monkeypatch):
+    """Found in review: each prompt of a list is checked for length as soon as it is tokenized,
+    and a key revoked meanwhile got that 400 (the body judged after the key was taken)."""
+    import kvfence.server.app as app_mod
+
+    tokenize = app_mod._tokenize
+
+    async def revoked_meanwhile(state, *a, **kw):
+        ids = await tokenize(state, *a, **kw)
+        tenants_path.write_text(WITHOUT_BOB)
+        await state.reload_tenants("the test's reload, while tokenizing")
+        return ids
+
+    monkeypatch.setattr(app_mod, "_tokenize", revoked_meanwhile)
+    too_long = [5] * (srv.state.facts["usable_context"] + 8)
+    r = httpx.post(srv.base_url + "/completions", json={"model": MODEL, "prompt": [too_long, [5, 6]], "max_tokens": 2},
+                   headers={"Authorization": f"Bearer {BOB}"}, timeout=60)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "api_key_revoked", r.text
+    assert srv.state.limiter.in_flight("bob") == 0
+
+
 def test_a_node_refusing_a_stale_scope_stamp_is_a_revoked_key_to_the_client(srv, monkeypatch):
     """Behind the PD router a node refuses a request stamped before a retirement it carried out
     (pd/scope_epochs.py): the request's key was revoked by that reload, and the client is told
