@@ -294,7 +294,11 @@ def create_app(state: ServerState) -> FastAPI:
     async def _too_deep(request: Request, e: RecursionError):
         # the body is parsed off the event loop, where the stack is shallower: JSON nested just
         # short of the parser's limit parses there, then fails to print (tool parameters into
-        # the prompt, a Responses echo) on the loop. A client's doing, not a server error
+        # the prompt, a Responses echo) on the loop. A client's doing, not a server error; the
+        # known places convert it themselves, so one reaching here is logged: it may be ours
+        log.warning("RecursionError on %s %s (request %s) answered as a too deeply nested body (400); if the body "
+                    "was not deeply nested, this is a server bug", request.method, request.url.path,
+                    getattr(request.state, "request_id", "-"))
         return _with_request_id(request, bad_request("The request body is nested too deeply.").response())
 
     @app.exception_handler(Exception)

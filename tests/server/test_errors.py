@@ -377,6 +377,24 @@ def test_client_shapes_that_were_500s_are_400s(server, route, body, param):
     assert server.client("alice").completions.create(model=MODEL, prompt="Hi", max_tokens=1).choices
 
 
+def test_a_recursion_error_nothing_converted_is_a_logged_400_and_the_server_serves_on(server, monkeypatch, caplog):
+    """The last resort for a body nested deeper than some printer recurses: the client gets a
+    400 that says so, the operator a log line naming the route (it may be a bug of ours)."""
+    import kvfence.server.app as app_mod
+
+    def too_deep(body):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(app_mod, "parse_completion", too_deep)
+    with caplog.at_level("WARNING", logger="kvfence.server"), server.http("alice") as http:
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    assert_openai_error(r, 400)
+    assert "nested too deeply" in r.json()["error"]["message"] and r.headers.get("x-request-id")
+    assert any("RecursionError on POST /v1/completions" in m for m in caplog.messages), caplog.messages
+    monkeypatch.undo()
+    assert server.client("alice").completions.create(model=MODEL, prompt="Hi", max_tokens=1).choices
+
+
 def test_a_large_body_is_checked_and_rendered_off_the_event_loop(server, monkeypatch):
     """Found in review: the big-body rule looked at the top-level lengths of prompt and
     messages only, so 125K Responses items (8 MiB) or a megabyte of tool schema were checked
