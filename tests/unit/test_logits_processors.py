@@ -113,6 +113,29 @@ def test_counts_kept_across_steps_give_what_counting_afresh_gives():
         with_kept = adjust(logits, [p], [History(prompt, list(output), frozenset(), counts=kept)])
         afresh = adjust(logits, [p], [History(prompt, list(output), frozenset())])
         assert torch.equal(with_kept, afresh), step
+        assert torch.allclose(with_kept, _penalized_by_hand(logits, p, prompt, output), atol=1e-5), step
         output.append(int(torch.randint(0, V, (1,), generator=g)))
         if step == 25:
             output = output[:10]
+
+
+def _penalized_by_hand(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """The penalties written out token by token from their definitions, with no TokenCounts:
+    repetition (vLLM's, over prompt and output), then OpenAI's frequency and presence (output)."""
+    from collections import Counter
+
+    row = [float(x) for x in logits[0]]
+    for t in {t for t in prompt + output if 0 <= t < V}:
+        row[t] = row[t] / p.repetition_penalty if row[t] > 0 else row[t] * p.repetition_penalty
+    for t, n in Counter(t for t in output if 0 <= t < V).items():
+        row[t] -= p.frequency_penalty * n + p.presence_penalty
+    return torch.tensor([row], dtype=torch.float32)
+
+
+def test_the_hand_reference_sees_a_wrong_count():
+    """The reference above can fail: one token counted twice too many is seen."""
+    p = SamplingParams(frequency_penalty=0.7, max_tokens=5)
+    logits = torch.zeros(1, V)
+    good = adjust(logits, [p], [History([1], [4, 4, 9], frozenset())])
+    assert torch.allclose(good, _penalized_by_hand(logits, p, [1], [4, 4, 9]))
+    assert not torch.allclose(good, _penalized_by_hand(logits, p, [1], [4, 4, 4, 4, 9]))
