@@ -240,21 +240,25 @@ def _reload_on_sighup(state: ServerState) -> bool:
     return True
 
 
-def may_scrape(state: ServerState, request: Request, route: str, public_part: bool = False) -> bool:
+def may_scrape(state: ServerState, request: Request, route: str, public_part: bool = False,
+               tenant_part: bool = False) -> bool:
     """Whether the request carries a key that reads what the operator sees (/metrics, the
     router's per-node state): always without a tenants file. Wrong keys are bounded per address
     as the console's are (429 once too many); no key at all, or a tenant's own, teaches nothing
     and is not counted. `public_part`: the route has an answer for everyone (/health, the
     cluster's readiness), which a throttled address still gets: else anyone sharing the probe's
-    address (a NAT, the ingress) could turn readiness probes into 429s with wrong keys."""
+    address (a NAT, the ingress) could turn readiness probes into 429s with wrong keys.
+    `tenant_part`: it has one for each tenant (the isolation statement), which a throttled
+    address still gets with a tenant's key; any other key there is the 429, not a 401 that
+    tells the operator its right key is wrong."""
     address = request.client.host if request.client else "unknown"
+    authorization = request.headers.get("authorization")
     wait = state.scrape_throttle.retry_after(address)
     if wait is not None:
-        if public_part:
+        if public_part or (tenant_part and state.tenants.is_tenant_key(authorization)):
             return False
         raise APIError(429, f"Too many wrong keys for {route} from this address; try again later.",
                        code="rate_limit_exceeded", headers={"Retry-After": str(wait)})
-    authorization = request.headers.get("authorization")
     if state.tenants.may_scrape(authorization):
         return True
     if authorization and not state.tenants.is_tenant_key(authorization):
@@ -361,8 +365,8 @@ def create_app(state: ServerState) -> FastAPI:
         # the operator's and the scraper's key (it reads every tenant's series anyway) get the
         # whole statement, as one tenant's server does; a tenant sees its own part. Wrong keys
         # count against the address as on /metrics (200 against 401 told a guesser which key
-        # opens the console); a throttled address still gets a tenant's own view
-        whole = may_scrape(state, request, "/v1/kvfence/isolation", public_part=True)
+        # opens the console); a throttled address still gets a tenant's own view, any other key 429
+        whole = may_scrape(state, request, "/v1/kvfence/isolation", tenant_part=True)
         tenant = None if whole else state.tenants.authenticate(request.headers.get("authorization"))
         state.ensure_ready()
         return state.statement() if tenant is None else tenant_view(state.statement(), tenant)
