@@ -1,0 +1,59 @@
+"""The bound on JSON objects and arrays in a request body (server/protocol.py): counted outside
+strings, exactly, up to the bound; only what the parser would build counts."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from kvfence.server.errors import APIError
+from kvfence.server.protocol import MAX_JSON_CONTAINERS, json_containers, parse_json_body
+
+
+def _exact(value) -> int:
+    """The reference: the containers of the parsed value, walked."""
+    count, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            count += 1
+            stack += v.values()
+        elif isinstance(v, list):
+            count += 1
+            stack += v
+    return count
+
+
+def _random_value(r: random.Random, depth: int = 0):
+    kind = r.random()
+    if depth > 4 or kind < 0.35:
+        return r.choice(['{"', '[', 'a\\"{', '\\\\', '"', '\\', "plain", "x\\\\\"[", ""]) * r.randint(0, 3)
+    if kind < 0.45:
+        return r.randint(-5, 5)
+    if kind < 0.7:
+        return [_random_value(r, depth + 1) for _ in range(r.randint(0, 4))]
+    return {r.choice(["a", "{", "[\\\"", "k"]) + str(i): _random_value(r, depth + 1) for i in range(r.randint(0, 4))}
+
+
+def test_the_count_is_the_parsers_for_bodies_with_brackets_and_escapes_in_strings():
+    for seed in range(300):
+        value = {"v": _random_value(random.Random(seed))}
+        raw = json.dumps(value, ensure_ascii=bool(seed % 2), indent=None if seed % 3 else 1).encode()
+        assert json_containers(raw, 1 << 30) == _exact(value), raw
+
+
+def test_the_count_stops_past_the_bound():
+    raw = b'{"a":[' + b",".join([b"[1]"] * 100) + b"]}"
+    assert json_containers(raw, 10) == 11 and json_containers(raw, 1000) == 102
+
+
+def test_a_body_of_many_small_arrays_is_refused_before_parsing_and_braces_in_text_are_not():
+    many = b'{"prompt":"hi","x":[' + b",".join([b"[1]"] * (MAX_JSON_CONTAINERS + 1)) + b"]}"
+    with pytest.raises(APIError) as e:
+        parse_json_body(many)
+    assert e.value.status == 400 and "objects and arrays" in str(e.value)
+    text = json.dumps({"prompt": "{[" * (MAX_JSON_CONTAINERS + 5) + '\\"'}).encode()   # in a string: fine
+    assert parse_json_body(text)["prompt"].startswith("{[")
+    at_bound = b'{"x":[' + b",".join([b"[]"] * (MAX_JSON_CONTAINERS - 2)) + b"]}"
+    assert len(parse_json_body(at_bound)["x"]) == MAX_JSON_CONTAINERS - 2
