@@ -56,7 +56,7 @@ from kvfence.pd.settings import PDSettings
 from kvfence.pd.tls import TlsSettings, uvicorn_options
 from kvfence.server.backend import EngineFailed, Update
 from kvfence.server.disconnect import watch_disconnect
-from kvfence.server.engine_loop import EngineLoop
+from kvfence.server.engine_loop import EngineLoop, Retirement
 from kvfence.server.errors import APIError, error_body
 from kvfence.server.http_limits import HttpLimits, uvicorn_server
 from kvfence.server.protocol import read_body_bytes
@@ -197,7 +197,7 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
             return ForgetTenantsReply(pages=0).to_json()
         # shielded: a router hanging up cancels this wait, not the queued retirement, which
         # still runs (and, should it fail, marks its pairs to retire again: ScopeGate)
-        return ForgetTenantsReply(pages=await asyncio.shield(cast(asyncio.Future, retiring))).to_json()
+        return ForgetTenantsReply(pages=await asyncio.shield(cast(Retirement, retiring).future)).to_json()
 
     def _refuse_if_draining() -> None:
         if drain.active:
@@ -227,18 +227,14 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
             # one event-loop step from the scope check to the submission's command: no forget
             # message or other request can retire the scope in between (pd/scope_epochs.py)
             router = body.scope.router if body.scope is not None else None
-            behind = scopes.admit(body.scope, body.tenant)   # its own retirement or an earlier one
+            # its own retirement or an earlier one: the engine runs it first and, should it have
+            # failed, refuses the request before admitting it (ScopeNotRetired: the scope still
+            # holds the old party's prompts)
+            behind = cast(Retirement | None, scopes.admit(body.scope, body.tenant))
             # the cache scope is the stamping router's (ledger.scope_name): a name another router
             # (or this one restarted) gave to another party shares no page with it
-            handle = await loop.submit(body.prompt_ids, params, body.tenant, rid, body.public_prefix_scope,
-                                       router=router, **extra)
-            # the engine ran that retirement before the submission, so its outcome is known now:
-            # failed, the scope still holds the old party's prompts, and this request leaves it
-            if scopes.unretired(behind):
-                loop.abort(rid, "the tenant's retired cache scope could not be retired here")
-                raise EngineFailed(f"retiring tenant {body.tenant!r}'s cache scope failed here; the request was "
-                                   f"not run")
-            return handle
+            return await loop.submit(body.prompt_ids, params, body.tenant, rid, body.public_prefix_scope,
+                                     router=router, behind=behind, **extra)
 
         async def gen():
             sub = asyncio.ensure_future(admit())

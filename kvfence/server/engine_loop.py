@@ -61,6 +61,37 @@ class _Submit:
     admitted: asyncio.Future
     updates: asyncio.Queue
     extra: dict | None = None     # further add_request arguments (PD: hold_kv, kv_source)
+    behind: Retirement | None = None   # a retirement of its scope queued ahead of it (PD)
+
+
+class ScopeNotRetired(EngineFailed):
+    """A submission queued behind a retirement of its cache scope that did not happen: refused
+    in the engine thread before add_request, so it never attaches the old party's pages."""
+
+
+class Retirement:
+    """A scope retirement queued in the engine's command order (EngineLoop.retire_soon). The
+    event loop awaits `future`; `ran` is set in the engine thread when the command has run
+    (True: it did, False: it raised), where a submission queued behind it reads it before it
+    is admitted (found in review: checked after the submission came back, the request had
+    already attached the old party's pages and run a step over them). Also the Outcome a
+    PD node's ScopeGate keeps (pd/scope_epochs.py)."""
+
+    def __init__(self) -> None:
+        self.ran: bool | None = None
+        self.future: asyncio.Future
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def cancelled(self) -> bool:
+        return self.future.cancelled()
+
+    def exception(self) -> BaseException | None:
+        return self.future.exception()
+
+    def add_done_callback(self, fn: Callable[[Retirement], object]) -> None:
+        self.future.add_done_callback(lambda _: fn(self))
 
 
 @dataclass
@@ -137,12 +168,14 @@ class EngineLoop:
     # -- requests (asyncio side) ----------------------------------------------------------
     async def submit(self, prompt_ids: list[int], params: SamplingParams, tenant: str,
                      request_id: str | None = None, public_prefix_scope: str | None = None,
-                     scope_epoch: int = 0, **extra) -> RequestHandle:
+                     scope_epoch: int = 0, behind: Retirement | None = None, **extra) -> RequestHandle:
         """Admit a request in the engine thread. Raises what add_request raises
         (ContextLengthExceeded, ValueError) or EngineFailed. `public_prefix_scope` only for a
         tenant whose tenants-file entry opts into that scope (I9). `scope_epoch` is for the PD
         wire (pd/scope_epochs.py): here a reload's retirement is ordered with every submission
-        by this engine's one command queue. The command is queued before the first await."""
+        by this engine's one command queue. `behind`: a retirement of the request's scope
+        queued before it; if it did not run, ScopeNotRetired, and the engine never sees the
+        request. The command is queued before the first await."""
         if self.state != "ready":
             raise EngineFailed(self.error or f"the engine is {self.state}")
         loop = asyncio.get_running_loop()
@@ -150,7 +183,7 @@ class EngineLoop:
         fut = loop.create_future()
         updates: asyncio.Queue = asyncio.Queue()
         self._commands.put(_Submit(rid, list(prompt_ids), params, tenant, public_prefix_scope, loop, fut, updates,
-                                   extra or None))
+                                   extra or None, behind))
         handle = RequestHandle(rid, updates)
         try:
             handle.admitted = await fut
@@ -169,13 +202,24 @@ class EngineLoop:
         for submit."""
         if not tenants or self.state != "ready":
             return 0
-        return await self.retire_soon(tenants)
+        return await self.retire_soon(tenants).future
 
-    def retire_soon(self, tenants: list[str], router: str | None = None) -> asyncio.Future:
+    def retire_soon(self, tenants: list[str], router: str | None = None) -> Retirement:
         """forget_tenants' command queued now, ahead of any submission queued after this call
         (a PD node retiring a scope before the request that showed it stale here; `router`:
         the scopes of that router's tenants, LLMEngine.add_request)."""
-        return self.call_soon(lambda engine: sum(engine.forget_tenant(t, router) for t in tenants))
+        retirement = Retirement()
+
+        def retire(engine) -> int:   # in the engine thread
+            try:
+                pages = sum(engine.forget_tenant(t, router) for t in tenants)
+            except BaseException:
+                retirement.ran = False
+                raise
+            retirement.ran = True
+            return pages
+        retirement.future = self.call_soon(retire)
+        return retirement
 
     async def call(self, fn: Callable):
         """Run fn(engine) in the engine thread and return its result (PD control messages)."""
@@ -254,6 +298,10 @@ class EngineLoop:
             self._publish(engine)
 
     def _admit(self, engine, c: _Submit) -> None:
+        if c.behind is not None and c.behind.ran is not True:   # it ran before this, in this thread
+            c.loop.call_soon_threadsafe(_set_exception, c.admitted, ScopeNotRetired(
+                f"tenant {c.tenant!r}'s cache scope could not be retired here; the request was not run"))
+            return
         try:
             extra = {"public_prefix_scope": c.public_prefix_scope} if c.public_prefix_scope else {}
             extra.update(c.extra or {})

@@ -28,7 +28,7 @@ SECRET = b"node retirement test cluster secret, 32+ bytes"
 PROMPT = list(range(300, 364))   # 64 tokens: several full pages the prefix cache keeps
 
 
-def _node(loaded, fail: dict) -> tuple[FastAPI, EngineLoop]:
+def _node(loaded, fail: dict, admitted: list[str]) -> tuple[FastAPI, EngineLoop]:
     settings = PDSettings("prefill", cluster_secret=SECRET)
 
     def factory() -> LLMEngine:
@@ -42,6 +42,12 @@ def _node(loaded, fail: dict) -> tuple[FastAPI, EngineLoop]:
                 raise RuntimeError("injected: the retirement raised")
             return forget(tenant, router)
         eng.forget_tenant = forget_tenant
+        add = eng.add_request
+
+        def add_request(prompt_ids, params, **kw):   # what the engine was given at all
+            admitted.append(kw["request_id"])
+            return add(prompt_ids, params, **kw)
+        eng.add_request = add_request
         return eng
 
     loop = EngineLoop(factory).start()
@@ -80,7 +86,8 @@ async def _until(cond, what: str) -> None:
 
 def test_a_request_behind_a_failed_retirement_is_refused_and_the_next_retires_again(loaded_fp32):
     fail: dict = {}
-    app, loop = _node(loaded_fp32, fail)
+    admitted: list[str] = []
+    app, loop = _node(loaded_fp32, fail, admitted)
 
     async def run() -> None:
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
@@ -106,7 +113,11 @@ def test_a_request_behind_a_failed_retirement_is_refused_and_the_next_retires_ag
             reply, events = await forget, await new
             assert reply.status_code == 500                      # the retirement raised
             assert events[0]["event"] == "rejected" and events[0]["code"] == "engine_unavailable", events
-            assert "could not be retired" in events[0]["message"] or "failed" in events[0]["message"]
+            assert "could not be retired" in events[0]["message"]
+            # refused before the engine admitted it: it attached no page of the old party's prompt
+            # and ran no step over one (found in review: refused after its submission came back,
+            # it had attached 48 cached tokens, prefilled and held transfer rows)
+            assert "new-party" not in admitted, admitted
 
             fail["retire"] = False                               # the next request of the pair retires first
             after = await _events(client, "new-party-2", 1)
