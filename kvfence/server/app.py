@@ -300,7 +300,7 @@ def create_app(state: ServerState) -> FastAPI:
         # short of the parser's limit parses there, then fails to print (tool parameters into
         # the prompt, a Responses echo) on the loop. A client's doing, not a server error; the
         # known places convert it themselves, so one reaching here is logged: it may be ours
-        log.warning("RecursionError on %s %s (request %s) answered as a too deeply nested body (400); if the body "
+        log.warning("RecursionError on %s %r (request %s) answered as a too deeply nested body (400); if the body "
                     "was not deeply nested, this is a server bug", request.method, request.url.path,
                     getattr(request.state, "request_id", "-"))
         return _with_request_id(request, bad_request("The request body is nested too deeply.").response())
@@ -519,8 +519,12 @@ async def _generate(state: ServerState, request: Request, kind: str):
         facts = state.facts
         prompts = []
         for text, pids in req.prompts:
-            prompts.append(await _tokenize(state, req, text, pids, cap))
-            _refuse_if_revoked(revoked)   # revoked while tokenizing: its 401, not what the prompt gets
+            try:
+                prompts.append(await _tokenize(state, req, text, pids, cap))
+            except APIError:   # revoked while tokenizing: its 401, not what the prompt got (empty, ...)
+                _refuse_if_revoked(revoked)
+                raise
+            _refuse_if_revoked(revoked)
             # each as soon as it is tokenized: a list of long texts was all tokenized first
             _refuse_if_too_long(prompts[-1], req, facts["usable_context"])
         _limit_implicit_max_tokens(req, tenant, prompts, facts["usable_context"])
@@ -627,7 +631,8 @@ async def _generate(state: ServerState, request: Request, kind: str):
         if req.stream:
             return _with_request_id(request, event_stream(view.events(run.chunks()), run.close))
         done = await run.result()
-        return _with_request_id(request, await json_answer(await build_answer(lambda: view.response(done))))
+        return _with_request_id(request, await json_answer(await build_answer(lambda: view.response(done),
+                                                                              run.logprob_entries())))
     if req.stream:
         return _with_request_id(request, event_stream(run.events(), run.close))
     return _with_request_id(request, await run.collect())
@@ -850,12 +855,18 @@ def _count_refusal(state: ServerState, tenant: Tenant | None, e: APIError) -> No
         state.metrics.rejections.labels(reason).inc()
 
 
-# answers are built here, not in the default pool that tokenizing and body parsing share: a
-# tenant whose answers are large (echo and logprobs) then queues behind its own builds only
+# large answers are built here, not in the default pool that tokenizing and body parsing
+# share, and small ones on the loop: a tenant whose answers are large (echo and logprobs)
+# queues behind large builds only (found in review: every answer went through these two
+# threads, so another tenant's 16 echo answers of ~0.6 s each held up a one-line answer)
 _ANSWER_BUILDERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvfence-answer")
+INLINE_ANSWER_ENTRIES = 4096   # logprob entries an answer built on the loop may hold (~2 ms)
 
 
-async def build_answer(build: Callable[[], dict]) -> dict:
+async def build_answer(build: Callable[[], dict], entries: int) -> dict:
+    """`entries`: the logprob entries the answer will hold, what its building costs."""
+    if entries <= INLINE_ANSWER_ENTRIES:
+        return build()
     return await asyncio.get_running_loop().run_in_executor(_ANSWER_BUILDERS, build)
 
 
@@ -1134,7 +1145,13 @@ class _Run:
             self.close()
             raise self._failure()
         self.close()
-        return await build_answer(self._body)   # see json_answer
+        return await build_answer(self._body, self.logprob_entries())   # see json_answer
+
+    def logprob_entries(self) -> int:
+        """The logprob entries of the whole answer: what building it costs."""
+        p = self.req.params
+        top = max(p.logprobs or 0, p.prompt_logprobs or 0) + 1
+        return top * sum(len(c.logprobs) + (len(c.prompt_ids) if self._scores_prompt else 0) for c in self.choices)
 
     def _body(self) -> dict:
         want = self.req.logprobs is not None
@@ -1216,7 +1233,7 @@ class _Run:
                         echoed.add(c.index)
                         # built and encoded as the unstreamed answer is: ~3K prompt tokens with 20
                         # top logprobs each held the loop ~90 ms a choice, 16 choices a request
-                        echo = await build_answer(functools.partial(self._echo_chunk, c, inc))
+                        echo = await build_answer(functools.partial(self._echo_chunk, c, inc), self.logprob_entries())
                         yield (await encode_json(echo)).decode()
                     if enforced:   # logprobs go with the call deltas their tokens made, or wait for the next
                         c.text.append(u.text)

@@ -407,8 +407,32 @@ def test_a_recursion_error_nothing_converted_is_a_logged_400_and_the_server_serv
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
     assert_openai_error(r, 400)
     assert "nested too deeply" in r.json()["error"]["message"] and r.headers.get("x-request-id")
-    assert any("RecursionError on POST /v1/completions" in m for m in caplog.messages), caplog.messages
+    assert any("RecursionError on POST '/v1/completions'" in m for m in caplog.messages), caplog.messages
     monkeypatch.undo()
+    assert server.client("alice").completions.create(model=MODEL, prompt="Hi", max_tokens=1).choices
+
+
+def test_small_answers_do_not_wait_for_the_large_answers_builders(server):
+    """Found in review: every answer was built in one two-thread pool, so a tenant's large echo
+    and logprobs answers held up every other tenant's one-line answer. Both builders held here:
+    a plain answer and one with a few logprobs still come back; a large one waits for them."""
+    import kvfence.server.app as app_mod
+
+    gate = threading.Event()
+    held = [app_mod._ANSWER_BUILDERS.submit(gate.wait, 60) for _ in range(2)]
+    try:
+        plain = server.client("alice", timeout=30).completions.create(model=MODEL, prompt="Hi", max_tokens=4)
+        assert plain.choices[0].text is not None
+        few = server.client("alice", timeout=30).completions.create(model=MODEL, prompt="Hi", max_tokens=4, logprobs=5)
+        assert len(few.choices[0].logprobs.tokens) == 4
+        big = app_mod.INLINE_ANSWER_ENTRIES   # echo, 20 top logprobs: past the bound, so built in the pool
+        with pytest.raises(openai.APITimeoutError):
+            server.client("alice", timeout=3).completions.create(model=MODEL, prompt="Hi " * (big // 20), max_tokens=1,
+                                                                  echo=True, logprobs=20)
+    finally:
+        gate.set()
+        for f in held:
+            f.result(timeout=30)
     assert server.client("alice").completions.create(model=MODEL, prompt="Hi", max_tokens=1).choices
 
 
