@@ -116,20 +116,25 @@ class ScopeGate:
     would run in the scope it was meant to leave, with the old party's cached prompts (found
     in review: a request of the new party, stamped the same epoch as the forget message, was
     admitted while that message's retirement was still queued). So admit() returns the
-    retirement the request queues behind, and the caller refuses the request when
-    unretired(that) after its submission: the engine ran the retirement first."""
+    retirement the request queues behind, and the engine, which runs that retirement first,
+    refuses the request before admitting it when it did not happen (EngineLoop.submit's
+    `behind`; the simulation, unretired()). A failed retirement marks its pairs to retire
+    again: the next request or forget message of the pair queues one first."""
 
     def __init__(self, retire: Callable[[list[str], str | None], Outcome], max_pairs: int = MAX_PAIRS):
         self.table = ScopeEpochs(max_pairs)
         self._retire = retire
         # pair -> its last retirement, until done; router None: unstamped (a router from before stamps)
         self._queued: dict[tuple[str | None, str], Outcome] = {}
+        self._unstamped_again: set[str] = set()   # plain scopes whose retirement failed (no table for them)
 
     def admit(self, stamp: ScopeStamp | None, tenant: str) -> Outcome | None:
         """Before the request's submission, in the same event-loop step: ScopeRetired for a
         stale stamp, else the retirement its submission queues behind (its own when its epoch
         is new here), or None."""
-        if stamp is None:   # no epochs to compare; still refused behind a failed retirement
+        if stamp is None:   # no epochs to compare; a failed retirement is retried first all the same
+            if tenant in self._unstamped_again:
+                self._queue(None, [tenant], 0)
             return self._queued.get((None, tenant))
         if self.table.admit(stamp, tenant):
             self._queue(stamp.router, [tenant], stamp.epoch)
@@ -142,7 +147,7 @@ class ScopeGate:
 
     def forget_unstamped(self, tenants: list[str]) -> Outcome:
         """A forget message without router and epoch (a router from before stamps): retire the
-        names' plain scopes. No table to mark: such a router sends the message again."""
+        names' plain scopes (should it fail, each name's next unstamped request retires first)."""
         return self._queue(None, tenants, 0)
 
     @staticmethod
@@ -155,19 +160,27 @@ class ScopeGate:
         try:
             outcome = self._retire(tenants, router)
         except BaseException:   # not even queued (the engine stopped): recorded, so retire again
-            if router is not None:
-                for t in tenants:
-                    self.table.retire_again(router, t, epoch)
+            self._again(router, tenants, epoch)
             raise
         for t in tenants:
             self._queued[(router, t)] = outcome
+            if router is None:
+                self._unstamped_again.discard(t)
         outcome.add_done_callback(lambda o: self._settled(o, router, tenants, epoch))
         return outcome
 
     def _settled(self, outcome: Outcome, router: str | None, tenants: list[str], epoch: int) -> None:
-        failed = outcome.cancelled() or outcome.exception() is not None
         for t in tenants:
             if self._queued.get((router, t)) is outcome:
                 del self._queued[(router, t)]
-            if failed and router is not None:   # the pair's next request or forget message retires again
+        if outcome.cancelled() or outcome.exception() is not None:
+            self._again(router, tenants, epoch)
+
+    def _again(self, router: str | None, tenants: list[str], epoch: int) -> None:
+        """The pairs' next request or forget message retires again."""
+        for t in tenants:
+            if router is None:
+                if len(self._unstamped_again) < MAX_PAIRS:   # bounded; past it, as before stamps
+                    self._unstamped_again.add(t)
+            else:
                 self.table.retire_again(router, t, epoch)

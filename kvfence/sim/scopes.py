@@ -45,8 +45,8 @@ class ScopeModel:
     def _admit_scope(self, life: Life, node: Node) -> str | None:
         """kvfence/pd/node.py's admission of a stamped request, on the same ScopeGate: a stale
         stamp is refused, a newer one queues the name's retirement first (the node missed the
-        forget message), and a request queued behind a retirement that fails is refused after
-        its submission. The code it is refused with, or None."""
+        forget message), and a request queued behind a retirement that fails is refused before
+        the engine admits it (as EngineLoop._admit does). The code it is refused with, or None."""
         if not life.router:
             return None
         queued = len(node.retirements)

@@ -239,4 +239,9 @@ def test_an_unstamped_request_behind_a_failed_unstamped_retirement_is_told_too()
     forget = g.forget_unstamped(["bob"])
     assert g.admit(None, "bob") is forget and g.admit(stamp(0), "bob") is None   # stamped: another scope
     eng.run(fail=True)
-    assert g.unretired(forget) and g.admit(None, "bob") is None
+    assert g.unretired(forget)
+    again = g.admit(None, "bob")                    # found in review: it ran in the unretired scope
+    assert again is not None and again is not forget and len(eng.queue) == 1
+    eng.run()
+    assert not g.unretired(again) and eng.retired == [(None, "bob")]
+    assert g.admit(None, "bob") is None             # retired now: once is enough
