@@ -205,6 +205,20 @@ def test_a_key_revoked_while_its_prompts_are_tokenized_gets_its_401_not_the_prom
     assert r.status_code == 401 and r.json()["error"]["code"] == "api_key_revoked", r.text
     assert srv.state.limiter.in_flight("bob") == 0
 
+    # and a 400 raised by tokenizing itself, once the key was revoked (an empty prompt, a template error)
+    from kvfence.server.errors import bad_request
+
+    async def revoked_then_refused(state, *a, **kw):
+        await revoked_meanwhile(state, *a, **kw)
+        raise bad_request("The prompt is empty after tokenization.", param="prompt")
+
+    tenants_path.write_text(FILE)
+    assert reload(srv).status_code == 200
+    monkeypatch.setattr(app_mod, "_tokenize", revoked_then_refused)
+    r = httpx.post(srv.base_url + "/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                   headers={"Authorization": f"Bearer {BOB}"}, timeout=60)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "api_key_revoked", r.text
+
 
 def test_a_node_refusing_a_stale_scope_stamp_is_a_revoked_key_to_the_client(srv, monkeypatch):
     """Behind the PD router a node refuses a request stamped before a retirement it carried out
