@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 from starlette.requests import ClientDisconnect
 
 from kvfence.engine.params import (
@@ -104,43 +105,26 @@ async def read_json_body(request, limit: int, before_parse: Callable[[], None] |
 # for ~0.6 s per request (its garbage collector passes two thirds of that). No request of ours
 # needs more than a few thousand objects and arrays; this bound keeps one parse under ~0.1 s
 MAX_JSON_CONTAINERS = 1 << 18
-_NEXT_TOKEN = re.compile(rb'["{\[]')
 
 
-def json_containers(raw: bytes, most: int) -> int:
-    """How many objects and arrays the JSON text opens outside its strings, counted up to
-    most + 1. A Python loop of short C calls (the GIL passes between them), so it stalls
-    nothing; only bodies whose byte count of '{' and '[' is past `most` need it."""
-    count, pos = 0, 0
-    while count <= most:
-        m = _NEXT_TOKEN.search(raw, pos)
-        if m is None:
-            break
-        at = m.start()
-        if raw[at] != 0x22:   # '{' or '['
-            count += 1
-            pos = at + 1
-            continue
-        end = at + 1          # a string: to its closing quote, past escaped ones
-        while True:
-            end = raw.find(b'"', end)
-            if end < 0:
-                return count   # unterminated: the parser says so
-            slashes = 0
-            while raw[end - 1 - slashes] == 0x5C:
-                slashes += 1
-            if slashes % 2 == 0:
-                break
-            end += 1
-        pos = end + 1
-    return count
+def json_containers(raw: bytes) -> int:
+    """How many objects and arrays the JSON text opens outside its strings. A few vectorised
+    passes (~50 ms for 8 MiB): a Python loop over the strings cost ~1 s of CPU for a body of
+    millions of short strings holding brackets. Exact for valid JSON; invalid JSON is the
+    parser's to refuse, whatever this returns."""
+    # Drop escape pairs left to right, as the JSON reader pairs them: each remaining '"'
+    # then opens or closes a string, and a bracket is outside when an even number precede it
+    plain = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    byte = np.frombuffer(plain, np.uint8)
+    inside = np.bitwise_xor.accumulate(byte == 0x22)
+    opens = (byte | 0x20) == 0x7B    # '[' (0x5B) and '{' (0x7B), the only bytes that map there
+    return int(np.count_nonzero(opens & ~inside))
 
 
 def parse_json_body(raw: bytes) -> dict:
     if not raw.strip():
         raise bad_request("The request body is empty; send a JSON object.")
-    if raw.count(b"{") + raw.count(b"[") > MAX_JSON_CONTAINERS and \
-            json_containers(raw, MAX_JSON_CONTAINERS) > MAX_JSON_CONTAINERS:
+    if raw.count(b"{") + raw.count(b"[") > MAX_JSON_CONTAINERS and json_containers(raw) > MAX_JSON_CONTAINERS:
         raise bad_request(f"The request body holds more than {MAX_JSON_CONTAINERS} JSON objects and arrays; no "
                           "request needs that many.")
     try:
