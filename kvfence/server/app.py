@@ -631,8 +631,8 @@ async def _generate(state: ServerState, request: Request, kind: str):
         if req.stream:
             return _with_request_id(request, event_stream(view.events(run.chunks()), run.close))
         done = await run.result()
-        return _with_request_id(request, await json_answer(await build_answer(lambda: view.response(done),
-                                                                              run.logprob_entries())))
+        # the chat answer was built already (run.result); rewrapping it refers to its lists
+        return _with_request_id(request, await json_answer(view.response(done)))
     if req.stream:
         return _with_request_id(request, event_stream(run.events(), run.close))
     return _with_request_id(request, await run.collect())
@@ -863,9 +863,9 @@ _ANSWER_BUILDERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvfence
 INLINE_ANSWER_ENTRIES = 4096   # logprob entries an answer built on the loop may hold (~2 ms)
 
 
-async def build_answer(build: Callable[[], dict], entries: int) -> dict:
-    """`entries`: the logprob entries the answer will hold, what its building costs."""
-    if entries <= INLINE_ANSWER_ENTRIES:
+async def build_answer(build: Callable[[], dict], cost: int) -> dict:
+    """`cost`: what building the answer costs, in logprob entries (~0.5 us each)."""
+    if cost <= INLINE_ANSWER_ENTRIES:
         return build()
     return await asyncio.get_running_loop().run_in_executor(_ANSWER_BUILDERS, build)
 
@@ -1145,13 +1145,22 @@ class _Run:
             self.close()
             raise self._failure()
         self.close()
-        return await build_answer(self._body, self.logprob_entries())   # see json_answer
+        return await build_answer(self._body, self._build_cost())   # see json_answer
 
-    def logprob_entries(self) -> int:
-        """The logprob entries of the whole answer: what building it costs."""
+    def _top(self) -> int:
         p = self.req.params
-        top = max(p.logprobs or 0, p.prompt_logprobs or 0) + 1
-        return top * sum(len(c.logprobs) + (len(c.prompt_ids) if self._scores_prompt else 0) for c in self.choices)
+        return max(p.logprobs or 0, p.prompt_logprobs or 0) + 1
+
+    def _build_cost(self) -> int:
+        """What building the whole answer costs, in logprob entries: those it holds, and with
+        tools its text, which the calls are parsed from (~0.2 us a character, and _cut_calls
+        scans a cut call in Python: found in review, an answer of 16 choices of 8K tokens
+        would have been parsed on the loop for ~100 ms)."""
+        entries = self._top() * sum(len(c.logprobs) + (len(c.prompt_ids) if self._scores_prompt else 0)
+                                    for c in self.choices)
+        if self.req.tools is not None and self.req.tools.active:
+            entries += sum(len(c.echo) + sum(map(len, c.text)) for c in self.choices) // 2
+        return entries
 
     def _body(self) -> dict:
         want = self.req.logprobs is not None
@@ -1233,7 +1242,8 @@ class _Run:
                         echoed.add(c.index)
                         # built and encoded as the unstreamed answer is: ~3K prompt tokens with 20
                         # top logprobs each held the loop ~90 ms a choice, 16 choices a request
-                        echo = await build_answer(functools.partial(self._echo_chunk, c, inc), self.logprob_entries())
+                        echo = await build_answer(functools.partial(self._echo_chunk, c, inc),
+                                                  self._top() * len(c.prompt_ids))   # this choice's
                         yield (await encode_json(echo)).decode()
                     if enforced:   # logprobs go with the call deltas their tokens made, or wait for the next
                         c.text.append(u.text)

@@ -110,3 +110,28 @@ def test_a_streamed_echo_with_logprobs_is_built_off_the_event_loop(big_server, m
     assert len(echoed) == 2 and all(c["logprobs"]["tokens"] for c in echoed)
     assert set(threads) == {"build", "encode"}
     assert threads["build"].name.startswith("kvfence-answer"), threads
+
+
+def test_a_long_tool_answer_is_parsed_off_the_event_loop(big_server, monkeypatch):
+    """Found in review: an answer without logprobs counted as free to build, so a tool answer
+    was parsed for calls on the loop however long its text (~0.2 us a character, 16 choices
+    of 8K tokens ~100 ms). Its text now counts: with the inline bound lowered to stand for a
+    long answer, the tool answer is parsed in the answers' pool and the same answer without
+    tools is still built on the loop."""
+    import kvfence.server.app as app
+
+    threads: dict[str, threading.Thread] = {}
+    spy = _spy_on(threads)
+    monkeypatch.setattr(app, "parse_answer", spy("parse", app.parse_answer))
+    monkeypatch.setattr(app.Formatter, "response", spy("build", app.Formatter.response))
+    monkeypatch.setattr(app, "INLINE_ANSWER_ENTRIES", 8)   # 16 characters of text
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+    body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Tell me a story."}],
+            "max_tokens": 24, "temperature": 0}
+    plain = httpx.post(big_server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert plain.status_code == 200 and len(plain.json()["choices"][0]["message"]["content"]) > 16, plain.text
+    assert threads["build"] is big_server.thread   # no logprobs, no tools: cheap, built inline
+    threads.clear()
+    r = httpx.post(big_server.url + "/v1/chat/completions", json={**body, "tools": [tool]}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert threads["parse"].name.startswith("kvfence-answer"), threads
