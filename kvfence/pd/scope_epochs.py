@@ -27,11 +27,14 @@ isolation).
 """
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from kvfence.pd.messages import ScopeStamp
+
+log = logging.getLogger(__name__)
 
 MAX_PAIRS = 1 << 16   # (router, tenant) pairs remembered
 
@@ -127,13 +130,17 @@ class ScopeGate:
         # pair -> its last retirement, until done; router None: unstamped (a router from before stamps)
         self._queued: dict[tuple[str | None, str], Outcome] = {}
         self._unstamped_again: set[str] = set()   # plain scopes whose retirement failed (no table for them)
+        # past max_pairs such names: every unstamped request retires its plain scope first, until
+        # the node restarts (fails closed: no cache for unstamped traffic, rather than a dropped failure)
+        self._unstamped_overflow = False
+        self._max_pairs = max_pairs
 
     def admit(self, stamp: ScopeStamp | None, tenant: str) -> Outcome | None:
         """Before the request's submission, in the same event-loop step: ScopeRetired for a
         stale stamp, else the retirement its submission queues behind (its own when its epoch
         is new here), or None."""
         if stamp is None:   # no epochs to compare; a failed retirement is retried first all the same
-            if tenant in self._unstamped_again:
+            if self._unstamped_overflow or tenant in self._unstamped_again:
                 self._queue(None, [tenant], 0)
             return self._queued.get((None, tenant))
         if self.table.admit(stamp, tenant):
@@ -170,17 +177,23 @@ class ScopeGate:
         return outcome
 
     def _settled(self, outcome: Outcome, router: str | None, tenants: list[str], epoch: int) -> None:
-        for t in tenants:
-            if self._queued.get((router, t)) is outcome:
-                del self._queued[(router, t)]
+        latest = [t for t in tenants if self._queued.get((router, t)) is outcome]
+        for t in latest:
+            del self._queued[(router, t)]
         if outcome.cancelled() or outcome.exception() is not None:
-            self._again(router, tenants, epoch)
+            # a plain scope with a later retirement queued is retired by that one (the engine runs
+            # them in order); a stamped pair's table already tells by its epoch (retire_again)
+            self._again(router, latest if router is None else tenants, epoch)
 
     def _again(self, router: str | None, tenants: list[str], epoch: int) -> None:
         """The pairs' next request or forget message retires again."""
         for t in tenants:
             if router is None:
-                if len(self._unstamped_again) < MAX_PAIRS:   # bounded; past it, as before stamps
+                if len(self._unstamped_again) < self._max_pairs:
                     self._unstamped_again.add(t)
+                elif t not in self._unstamped_again and not self._unstamped_overflow:
+                    self._unstamped_overflow = True
+                    log.warning("over %d names' unstamped retirements failed: every unstamped request now "
+                                "retires its scope first (no prefix cache for them until restart)", self._max_pairs)
             else:
                 self.table.retire_again(router, t, epoch)
