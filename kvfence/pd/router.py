@@ -101,9 +101,12 @@ class NodeError(RuntimeError):
 
 
 # failures after which a request that has sent nothing to its client is tried once more
-RETRY_CODES = frozenset({"node_unavailable", "node_failed", "server_overloaded", "not_ready", "draining"})
-# a node that refuses for these took nothing: another node of its role may take the request
-REFUSED_FOR_LOAD_OR_STATE = frozenset({"server_overloaded", "not_ready", "draining"})
+RETRY_CODES = frozenset({"node_unavailable", "node_failed", "server_overloaded", "not_ready", "draining",
+                         "engine_unavailable"})
+# a node that refuses for these took nothing: another node of its role may take the request.
+# engine_unavailable: its engine stopped, or a scope retirement the request queued behind
+# failed; either way the node refused it before admitting it (EngineLoop.submit)
+REFUSED_FOR_LOAD_OR_STATE = frozenset({"server_overloaded", "not_ready", "draining", "engine_unavailable"})
 
 
 def may_retry_prefill(code: str, holds_kv: bool, tried: int) -> bool:

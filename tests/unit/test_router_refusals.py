@@ -59,6 +59,7 @@ def test_what_a_single_node_accepts_the_wire_carries():
 
 
 @pytest.mark.parametrize("code,retryable", [("server_overloaded", True), ("not_ready", True), ("draining", True),
+                                            ("engine_unavailable", True),
                                             ("context_length_exceeded", False), ("invalid_request", False)])
 def test_a_refusal_in_the_stream_is_retryable_as_one_in_the_status(code, retryable):
     """Found in review: nodes refuse inside a 200 stream, and that refusal never said
