@@ -115,10 +115,19 @@ def json_containers(raw: bytes) -> int:
     # Drop escape pairs left to right, as the JSON reader pairs them: each remaining '"'
     # then opens or closes a string, and a bracket is outside when an even number precede it
     plain = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
-    byte = np.frombuffer(plain, np.uint8)
-    inside = np.bitwise_xor.accumulate(byte == 0x22)
-    opens = (byte | 0x20) == 0x7B    # '[' (0x5B) and '{' (0x7B), the only bytes that map there
-    return int(np.count_nonzero(opens & ~inside))
+    count, carry = 0, False
+    for at in range(0, len(plain), _SCAN_CHUNK):   # a chunk at a time: ~7 bytes of arrays per byte
+        byte = np.frombuffer(plain, np.uint8, count=min(_SCAN_CHUNK, len(plain) - at), offset=at)
+        inside = np.bitwise_xor.accumulate(byte == 0x22)
+        if carry:
+            inside = ~inside
+        opens = (byte | 0x20) == 0x7B    # '[' (0x5B) and '{' (0x7B), the only bytes that map there
+        count += int(np.count_nonzero(opens & ~inside))
+        carry = bool(inside[-1])
+    return count
+
+
+_SCAN_CHUNK = 1 << 20
 
 
 def parse_json_body(raw: bytes) -> dict:

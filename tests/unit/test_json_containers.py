@@ -36,7 +36,10 @@ def _random_value(r: random.Random, depth: int = 0):
     return {r.choice(["a", "{", "[\\\"", "k"]) + str(i): _random_value(r, depth + 1) for i in range(r.randint(0, 4))}
 
 
-def test_the_count_is_the_parsers_for_bodies_with_brackets_and_escapes_in_strings():
+@pytest.mark.parametrize("chunk", [5, 1 << 20])   # strings that span the scan's chunks, and not
+def test_the_count_is_the_parsers_for_bodies_with_brackets_and_escapes_in_strings(chunk, monkeypatch):
+    import kvfence.server.protocol as protocol
+    monkeypatch.setattr(protocol, "_SCAN_CHUNK", chunk)
     for seed in range(300):
         value = {"v": _random_value(random.Random(seed))}
         raw = json.dumps(value, ensure_ascii=bool(seed % 2), indent=None if seed % 3 else 1).encode()
