@@ -619,7 +619,7 @@ async def _generate(state: ServerState, request: Request, kind: str):
         left_out = state.refusal_lines.take(who) if tenant is not None else 0
         if left_out is not None:
             log.log(logging.INFO if tenant is not None else logging.DEBUG, "%s tenant=%s refused: %s %s%s%s", rid,
-                    who, e.status, e.code, f" param={e.param}" if e.param else "",
+                    who, e.status, e.code, f" param={e.param[:64]!r}" if e.param else "",   # quoted: never a line break
                     f" ({left_out} earlier refusal(s) of this tenant not logged)" if left_out else "")
         return _with_request_id(request, e.response())
     except BaseException:   # a bug, or the task cancelled while it read the body: the slot still goes back

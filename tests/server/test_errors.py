@@ -324,11 +324,30 @@ def test_every_answer_and_refusal_carries_a_request_id_the_log_names(server, cap
                              headers={"Authorization": "Bearer sk-nobody-0000"}, timeout=30)
     assert bad_key.status_code == 401 and bad_key.headers["x-request-id"].startswith("cmpl-")
     lines = [rec.getMessage() for rec in caplog.records if rec.name == "kvfence.server"]
-    assert f"{rid} tenant=alice refused: 400 " in "\n".join(lines) and "param=max_tokens" in "\n".join(lines), lines
+    assert f"{rid} tenant=alice refused: 400 " in "\n".join(lines) and "param='max_tokens'" in "\n".join(lines), lines
     keyless = next(rec for rec in caplog.records if bad_key.headers["x-request-id"] in rec.getMessage())
     assert "tenant=unauthenticated refused: 401 invalid_api_key" in keyless.getMessage()
     assert keyless.levelno == logging.DEBUG   # anyone without a key could fill the log at INFO
     assert "secret-words-here" not in "\n".join(lines)
+
+
+@pytest.mark.parametrize("raw,param", [
+    ('{"prompt": "hi", "x\\n2026-01-01 ERROR forged-line": "\\ud800"}', None),        # a key that is no field
+    ('{"prompt": "hi", "max_tokens": 2, "metadata": {"k\\nforged-line": 5}}', "metadata"),
+])
+def test_a_refusal_names_no_field_that_is_the_clients_own_text(server, caplog, raw, param):
+    """Found in review: a top-level key holding a lone surrogate, or a metadata key, became the
+    error's param, in the answer and in the refusal's log line, whole: newlines forged log
+    lines and a 4 MiB key made a 4 MiB line. Only plain field names are named now."""
+    server.state.refusal_lines = LogBudget()
+    with caplog.at_level(logging.DEBUG, logger="kvfence.server"):
+        r = httpx.post(server.base_url + "/completions", content=raw.encode(), timeout=30,
+                       headers={"Authorization": "Bearer sk-alice-0001", "Content-Type": "application/json"})
+    assert_openai_error(r, 400, param=param)
+    assert "forged-line" not in r.text
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "kvfence.server"]
+    assert any(r.headers["x-request-id"] in line for line in lines), lines
+    assert not any("forged-line" in line or "\n" in line for line in lines), lines
 
 
 def test_a_tenant_looping_on_a_refusal_adds_a_bounded_number_of_log_lines(server, caplog):
