@@ -280,3 +280,16 @@ def test_a_log_written_before_scopes_were_named_reports_the_scope_by_its_name(tm
     assert set(rep["tenants"]) == {"alice", "bob", "public:docs"}, rep["tenants"]
     assert rep["tenants"]["public:docs"]["kind"] == "public_prefix_scope"
     assert rep["cross_tenant"][0]["data_of"] == ["bob", "public:docs"]
+
+
+def test_the_tail_read_for_the_last_hash_is_bounded(tmp_path):
+    """Found in review: the tail was rebuilt by prepending each 4 KiB (quadratic); a 16 MB log
+    without a newline took 11 s to open. A record is a few KB: at most MAX_TAIL is read back."""
+    from kvfence.incidents import MAX_TAIL, _last_line
+
+    path = tmp_path / "incidents.jsonl"
+    path.write_bytes(b'{"a": 1}\n' + b"x" * (3 * MAX_TAIL))
+    last = _last_line(path)
+    assert last is not None and set(last[:-1]) == {ord("x")} and len(last) <= MAX_TAIL + 4096 + 1
+    path.write_bytes(b'{"a": 1}\n{"b": 2}\n')
+    assert _last_line(path) == b'{"b": 2}\n'
