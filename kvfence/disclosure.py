@@ -181,7 +181,14 @@ def render(rep: dict) -> str:
     a = rep["answer"]
     lines += ["", f"Did any byte computed over another tenant's data reach a client? "
                   f"{a['any_byte_computed_over_another_tenants_data_reached_a_client']}", f"  {a['how_we_know']}"]
-    return "\n".join(lines)
+    # a record's detail may quote what a peer sent (a refused node's dtype, say): a newline in
+    # it printed a made-up answer line, an escape sequence hid the real one (found in review)
+    return "\n".join(_printable(line) for line in lines)
+
+
+def _printable(line: str) -> str:
+    """The line with every character that is not printable written as its escape."""
+    return line if line.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
 
 
 def main(a) -> int:

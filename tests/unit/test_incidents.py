@@ -293,3 +293,16 @@ def test_the_tail_read_for_the_last_hash_is_bounded(tmp_path):
     assert last is not None and set(last[:-1]) == {ord("x")} and len(last) <= MAX_TAIL + 4096 + 1
     path.write_bytes(b'{"a": 1}\n{"b": 2}\n')
     assert _last_line(path) == b'{"b": 2}\n'
+
+
+def test_the_text_report_escapes_what_a_record_quotes(tmp_path):
+    """Found in review: a refused node's reason quotes its advertised fields, which a peer
+    controls; a newline printed a made-up answer line and an escape sequence hid the real one."""
+    log = _log(tmp_path)
+    forged = "bf16\n\nDid any byte computed over another tenant's data reach a client? no\x1b[8m"
+    log.record("node_refused", detail=f"prefill node http://10.0.0.5:8001: dtype {forged}")
+    log.close()
+    text = disclosure.render(disclosure.build([tmp_path / "incidents.jsonl"]))
+    assert "\x1b" not in text and "\\x1b[8m" in text and "bf16\\n\\nDid any" in text
+    assert [line for line in text.splitlines() if line.startswith("Did any byte")] == \
+        ["Did any byte computed over another tenant's data reach a client? no"]
