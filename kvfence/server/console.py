@@ -137,6 +137,12 @@ class OperatorAuth:
             found |= hmac.compare_digest(mac.encode(), self._mac(d, int(exp)).encode())
         return found
 
+    def end_sessions(self) -> None:
+        """Sign every console session out: the cookie is stateless, so its signing key changes
+        (found in review: signing out cleared the browser's cookie, and a copy of it kept
+        working for the rest of its 12 hours)."""
+        self._secret = secrets.token_bytes(32)
+
     def allows(self, request: Request, cookie: bool = True) -> bool:
         """The operator's key in the header, or (`cookie`) a console cookie made from it."""
         return self.tenants.is_operator(request.headers.get("authorization")) or \
@@ -269,7 +275,11 @@ def mount(app: FastAPI, state: ServerState) -> None:
         return _secure(resp)
 
     @app.post("/console/logout")
-    async def logout():
+    async def logout(request: Request):
+        if not _same_origin(request):   # another site's form signed the operator out
+            return _json_error(403, "Cross-origin sign-out refused.", "cross_origin")
+        if auth.allows(request):   # a signed-in session's own request (never another site's: SameSite)
+            auth.end_sessions()
         resp = RedirectResponse("/console", status_code=303)
         resp.delete_cookie(COOKIE, path="/", httponly=True, samesite="strict")
         return _secure(resp)

@@ -115,6 +115,24 @@ def test_a_browser_signs_in_once_with_a_form_and_gets_an_httponly_strict_cookie(
     assert r.status_code == 400 and "set-cookie" not in r.headers and "fields" in r.json()["error"]["message"]
 
 
+def test_signing_out_ends_the_session_and_only_this_origin_may_ask(console_server):
+    """Found in review: sign-out had no origin check, and it only cleared the browser's cookie;
+    a copy of the cookie kept working for the rest of its 12 hours."""
+    srv = console_server
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    value = httpx.post(srv.url + "/console/login", content=f"key={OPERATOR_KEY}", headers=form,
+                       timeout=30).cookies["kvfence_console"]
+    jar = {"kvfence_console": value}
+    r = httpx.post(srv.url + "/console/logout", cookies=jar, headers={"origin": "https://evil.example"}, timeout=30)
+    assert r.status_code == 403 and _get(srv, "/v1/kvfence/console", cookies=jar).status_code == 200
+    r = httpx.post(srv.url + "/console/logout", timeout=30)   # no session: clears the cookie, ends nothing
+    assert r.status_code == 303 and _get(srv, "/v1/kvfence/console", cookies=jar).status_code == 200
+    r = httpx.post(srv.url + "/console/logout", cookies=jar, timeout=30)
+    assert r.status_code == 303 and r.headers["location"] == "/console"
+    assert _get(srv, "/v1/kvfence/console", cookies=jar).status_code == 401
+    assert _get(srv, "/v1/kvfence/console", OPERATOR_KEY).status_code == 200   # the key itself still works
+
+
 def _hold_engine(srv) -> tuple[threading.Event, threading.Event]:
     """Block the engine thread in a call of its own: no step runs, so the snapshot that
     /metrics and the console both read stays exactly as it is until `release` is set."""
