@@ -149,8 +149,7 @@ def _prefix_cache_terms(enabled: bool, tenants) -> dict:
         return {"enabled": False,
                 "scope": "disabled: no KV page is ever shared between requests; each request computes its own "
                          "prompt into pages only it owns"}
-    public = sorted({t.public_prefix_scope for t in tenants.tenants.values() if t.public_prefix_scope})
-    opted = sum(1 for t in tenants.tenants.values() if t.public_prefix_scope)
+    public, opted, _ = tenants.sharing
     return {
         "enabled": True,
         "scope": "per tenant: every cache key is a hash chain seeded with the tenant, so a request can only "
@@ -294,9 +293,7 @@ def isolation_statement(facts: dict, checks: list[dict], tenants, snapshot: dict
                 f"a request whose prompt plus max_tokens exceeds {usable} tokens is rejected with HTTP 400 "
                 "(code context_length_exceeded, naming the limit and the request's token count) before any KV "
                 "page is allocated or any computation runs; a rejected request never runs"),
-            "per_tenant_prompt_caps": None if tenants.single_tenant else sorted(
-                {t.limits.max_prompt_tokens for t in tenants.tenants.values()
-                 if t.limits.max_prompt_tokens is not None}),
+            "per_tenant_prompt_caps": None if tenants.single_tenant else tenants.sharing[2],
         },
         "data_handling": {
             "prompt_text_logged": False, "prompt_text_stored": False,

@@ -27,6 +27,7 @@ request belongs to tenant "default" and no key is checked.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import math
@@ -109,6 +110,17 @@ class TenantRegistry:
             self.tenants[tenant.name] = tenant
             self._entries += [(d, tenant) for d in digests]
         self._owner_of = {d: t.name for d, t in self._entries}   # for accepts (no caller times it)
+
+    @functools.cached_property
+    def sharing(self) -> tuple[list[str], int, list[int]]:
+        """(declared public prefix scopes, tenants opted into one, distinct prompt caps): for the
+        isolation statement, which any tenant may read. Walked once per registry (a reload makes
+        a new one): walking 100K tenants a call took ~50 ms of the event loop (found in review)."""
+        public = sorted({t.public_prefix_scope for t in self.tenants.values() if t.public_prefix_scope})
+        opted = sum(1 for t in self.tenants.values() if t.public_prefix_scope)
+        caps = sorted({t.limits.max_prompt_tokens for t in self.tenants.values()
+                       if t.limits.max_prompt_tokens is not None})
+        return public, opted, caps
 
     @classmethod
     def single(cls) -> TenantRegistry:
