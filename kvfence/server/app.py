@@ -79,7 +79,7 @@ class ServerState:
         self.tenants = tenants
         self.limiter = TenantLimiter()
         self.metrics = ServerMetrics(engine)
-        self.scrape_throttle = FailedAuthThrottle()   # wrong /metrics keys, per address
+        self.key_throttle = FailedAuthThrottle()   # wrong operator or scraper keys, per address (console too)
         self.refusal_lines = LogBudget()   # log lines for tenants' refused requests
         self.max_body_bytes = max_body_bytes
         self.owns_engine = owns_engine
@@ -253,7 +253,7 @@ def may_scrape(state: ServerState, request: Request, route: str, public_part: bo
     tells the operator its right key is wrong."""
     address = request.client.host if request.client else "unknown"
     authorization = request.headers.get("authorization")
-    wait = state.scrape_throttle.retry_after(address)
+    wait = state.key_throttle.retry_after(address)
     if wait is not None:
         if public_part or (tenant_part and state.tenants.is_tenant_key(authorization)):
             return False
@@ -262,7 +262,7 @@ def may_scrape(state: ServerState, request: Request, route: str, public_part: bo
     if state.tenants.may_scrape(authorization):
         return True
     if authorization and not state.tenants.is_tenant_key(authorization):
-        state.scrape_throttle.failed(address)   # a guess (a tenant's own key is not one)
+        state.key_throttle.failed(address)   # a guess (a tenant's own key is not one)
     return False
 
 

@@ -8,12 +8,18 @@ sends is not even checked (a right guess then looks like a wrong one). Tenant ro
 throttled here: behind a shared proxy address one guesser would lock every tenant out of
 inference, where here it locks out only sign-ins through that proxy.
 
+One table counts every check of the operator's and the scraper's keys (the console, /metrics,
+/health's detail, the isolation statement): with one table each, a guesser got each route's
+limit. An IPv6 client counts by its /64, the block one host is usually given: per exact address
+one host could guess without bound.
+
 The table is bounded (MAX_ADDRESSES, oldest window dropped first), so many addresses cost
 memory that is bounded too. Called from the event loop only (no lock): the console's handlers
 check and count without awaiting in between.
 """
 from __future__ import annotations
 
+import ipaddress
 import math
 import time
 from collections import OrderedDict
@@ -24,6 +30,20 @@ WINDOW_S = 60.0
 MAX_ADDRESSES = 4096
 
 
+def address_group(host: str) -> str:
+    """What failures count against: an IPv4 address (an IPv4-mapped IPv6 one too), an IPv6
+    address's /64, or the host string as given when it is no address."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
+
+
 class FailedAuthThrottle:
     def __init__(self, limit: int = LIMIT, window_s: float = WINDOW_S, max_addresses: int = MAX_ADDRESSES,
                  clock: Callable[[], float] = time.monotonic):
@@ -31,6 +51,7 @@ class FailedAuthThrottle:
         self._windows: OrderedDict[str, tuple[float, int]] = OrderedDict()   # address -> (start, failures)
 
     def _current(self, address: str) -> tuple[float, int] | None:
+        address = address_group(address)
         window = self._windows.get(address)
         if window is not None and self.clock() - window[0] >= self.window_s:
             del self._windows[address]
@@ -46,6 +67,7 @@ class FailedAuthThrottle:
 
     def failed(self, address: str) -> None:
         window = self._current(address)
+        address = address_group(address)
         start, count = window if window is not None else (self.clock(), 0)
         self._windows[address] = (start, count + 1)
         self._windows.move_to_end(address)

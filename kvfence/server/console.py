@@ -32,7 +32,6 @@ from urllib.parse import parse_qs
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
-from kvfence.server.auth_throttle import FailedAuthThrottle
 from kvfence.server.console_view import console_view, incidents_view
 from kvfence.server.errors import error_body
 from kvfence.server.tenants import TenantsFileError
@@ -103,7 +102,7 @@ class OperatorAuth:
     def __init__(self, state: ServerState):
         self._state = state
         self._secret = secrets.token_bytes(32)
-        self.throttle = FailedAuthThrottle()
+        self.throttle = state.key_throttle   # one count with /metrics' and the statement's key checks
 
     @property
     def tenants(self) -> TenantRegistry:

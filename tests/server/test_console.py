@@ -133,6 +133,18 @@ def test_signing_out_ends_the_session_and_only_this_origin_may_ask(console_serve
     assert _get(srv, "/v1/kvfence/console", OPERATOR_KEY).status_code == 200   # the key itself still works
 
 
+def test_wrong_keys_on_metrics_and_on_the_console_count_together(make_server):
+    """Found in review: the console and /metrics each had a table, so one address got each
+    route's limit of guesses of the operator's key."""
+    from kvfence.server.auth_throttle import LIMIT
+
+    srv = make_server(tenants=OPERATOR_TOML)
+    for i in range(LIMIT):
+        assert _get(srv, "/metrics", f"sk-guess-{i:05d}").status_code == 401
+    r = _get(srv, "/v1/kvfence/console", OPERATOR_KEY)
+    assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+
+
 def _hold_engine(srv) -> tuple[threading.Event, threading.Event]:
     """Block the engine thread in a call of its own: no step runs, so the snapshot that
     /metrics and the console both read stays exactly as it is until `release` is set."""

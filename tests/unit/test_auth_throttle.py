@@ -34,3 +34,19 @@ def test_the_table_keeps_at_most_max_addresses():
         t.failed(f"10.0.0.{i}")
     assert len(t._windows) == 4
     assert t.retry_after("10.0.0.9") is not None and t.retry_after("10.0.0.0") is None
+
+
+def test_an_ipv6_client_counts_by_its_64_and_a_mapped_ipv4_one_as_ipv4():
+    """Found in review: counted per exact address, one host's /64 gave it 2^64 addresses to
+    guess from; 200 of them made 6,000 guesses a minute past a limit of 30."""
+    from kvfence.server.auth_throttle import address_group
+
+    t = FailedAuthThrottle(limit=3, window_s=60, clock=Clock())
+    for i in range(3):
+        t.failed(f"2001:db8:1:2::{i + 1:x}")
+    assert t.retry_after("2001:db8:1:2:ffff::9") == 60      # the same /64
+    assert t.retry_after("2001:db8:1:3::1") is None          # the next /64 is another client
+    for _ in range(3):
+        t.failed("::ffff:10.0.0.7")
+    assert t.retry_after("10.0.0.7") == 60
+    assert address_group("10.0.0.7") == "10.0.0.7" and address_group("unknown") == "unknown"
