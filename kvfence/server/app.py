@@ -29,7 +29,7 @@ from kvfence.engine.grammar import GrammarError, check_schema, ll_tokenizer
 from kvfence.engine.params import SamplingParams, canonical_schema
 from kvfence.model.tokenizer import ChatTemplateError
 from kvfence.server import responses_api
-from kvfence.server.auth_throttle import FailedAuthThrottle
+from kvfence.server.auth_throttle import FailedAuthThrottle, client_address
 from kvfence.server.backend import EngineBackend, EngineFailed, RequestHandle, Update
 from kvfence.server.disconnect import watch_disconnect
 from kvfence.server.errors import ABORT_STATUS, OWN_DETAIL_CODES, APIError, bad_request, error_body
@@ -251,7 +251,7 @@ def may_scrape(state: ServerState, request: Request, route: str, public_part: bo
     `tenant_part`: it has one for each tenant (the isolation statement), which a throttled
     address still gets with a tenant's key; any other key there is the 429, not a 401 that
     tells the operator its right key is wrong."""
-    address = request.client.host if request.client else "unknown"
+    address = client_address(request)   # as the console counts it: one table (auth_throttle.py)
     authorization = request.headers.get("authorization")
     wait = state.key_throttle.retry_after(address)
     if wait is not None:

@@ -24,10 +24,19 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
 
 LIMIT = 30          # failures per address and window: a person mistyping never reaches it
 WINDOW_S = 60.0
 MAX_ADDRESSES = 4096
+
+
+def client_address(request: Request) -> str:
+    """The peer's address as the socket gives it (proxy headers are off: http_limits.py)."""
+    return request.client.host if request.client else "unknown"
 
 
 def address_group(host: str) -> str:
@@ -50,26 +59,25 @@ class FailedAuthThrottle:
         self.limit, self.window_s, self.max_addresses, self.clock = limit, window_s, max_addresses, clock
         self._windows: OrderedDict[str, tuple[float, int]] = OrderedDict()   # address -> (start, failures)
 
-    def _current(self, address: str) -> tuple[float, int] | None:
-        address = address_group(address)
-        window = self._windows.get(address)
+    def _current(self, group: str) -> tuple[float, int] | None:
+        window = self._windows.get(group)
         if window is not None and self.clock() - window[0] >= self.window_s:
-            del self._windows[address]
+            del self._windows[group]
             return None
         return window
 
     def retry_after(self, address: str) -> int | None:
         """Whole seconds until `address` may try again, or None if it may now."""
-        window = self._current(address)
+        window = self._current(address_group(address))
         if window is None or window[1] < self.limit:
             return None
         return max(1, math.ceil(window[0] + self.window_s - self.clock()))
 
     def failed(self, address: str) -> None:
-        window = self._current(address)
-        address = address_group(address)
+        group = address_group(address)
+        window = self._current(group)
         start, count = window if window is not None else (self.clock(), 0)
-        self._windows[address] = (start, count + 1)
-        self._windows.move_to_end(address)
+        self._windows[group] = (start, count + 1)
+        self._windows.move_to_end(group)
         while len(self._windows) > self.max_addresses:
             self._windows.popitem(last=False)

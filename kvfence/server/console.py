@@ -32,6 +32,7 @@ from urllib.parse import parse_qs
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
+from kvfence.server.auth_throttle import client_address
 from kvfence.server.console_view import console_view, incidents_view
 from kvfence.server.errors import error_body
 from kvfence.server.tenants import TenantsFileError
@@ -166,12 +167,8 @@ def _json_error(status: int, message: str, code: str, headers: dict[str, str] | 
     return _secure(JSONResponse(error_body(message, type_, None, code), status_code=status, headers=headers))
 
 
-def _address(request: Request) -> str:
-    return request.client.host if request.client else "unknown"
-
-
 def _throttled(auth: OperatorAuth, request: Request) -> Response | None:
-    wait = auth.throttle.retry_after(_address(request))
+    wait = auth.throttle.retry_after(client_address(request))
     if wait is None:
         return None
     return _json_error(429, f"Too many failed operator sign-ins from this address; try again in {wait} s.",
@@ -185,7 +182,7 @@ def _refused_guess(auth: OperatorAuth, request: Request, cookie: bool = True) ->
     if auth.allows(request, cookie):
         return False
     if "authorization" in request.headers:
-        auth.throttle.failed(_address(request))
+        auth.throttle.failed(client_address(request))
     return True
 
 
@@ -266,7 +263,7 @@ def mount(app: FastAPI, state: ServerState) -> None:
             return slow   # again: many connections may have passed the first check before any body came
         value = auth.cookie_for(key) if key else None
         if value is None:
-            auth.throttle.failed(_address(request))
+            auth.throttle.failed(client_address(request))
             return _login_page(401, "wrong")
         resp = RedirectResponse("/console", status_code=303)
         resp.set_cookie(COOKIE, value, max_age=SESSION_S, path="/", httponly=True, samesite="strict",
