@@ -149,7 +149,7 @@ def _prefix_cache_terms(enabled: bool, tenants) -> dict:
         return {"enabled": False,
                 "scope": "disabled: no KV page is ever shared between requests; each request computes its own "
                          "prompt into pages only it owns"}
-    public, opted, _ = tenants.sharing
+    public, opted = tenants.facts.public_scopes, tenants.facts.opted_in
     return {
         "enabled": True,
         "scope": "per tenant: every cache key is a hash chain seeded with the tenant, so a request can only "
@@ -293,7 +293,7 @@ def isolation_statement(facts: dict, checks: list[dict], tenants, snapshot: dict
                 f"a request whose prompt plus max_tokens exceeds {usable} tokens is rejected with HTTP 400 "
                 "(code context_length_exceeded, naming the limit and the request's token count) before any KV "
                 "page is allocated or any computation runs; a rejected request never runs"),
-            "per_tenant_prompt_caps": None if tenants.single_tenant else tenants.sharing[2],
+            "per_tenant_prompt_caps": None if tenants.single_tenant else tenants.facts.prompt_caps,
         },
         "data_handling": {
             "prompt_text_logged": False, "prompt_text_stored": False,

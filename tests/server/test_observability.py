@@ -148,7 +148,7 @@ def test_the_isolation_statement_walks_the_tenants_once_per_registry(server, mon
 
     reg = server.state.tenants
     monkeypatch.setattr(reg, "tenants", Counted(reg.tenants))
-    reg.__dict__.pop("sharing", None)   # as a registry a reload just made
+    reg.__dict__.pop("facts", None)   # as a registry a reload just made
     for _ in range(3):
         st = server.client("alice").get("/kvfence/isolation", cast_to=object)
         assert "your_prompt_cap" in st["capacity"]
