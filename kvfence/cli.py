@@ -180,8 +180,12 @@ def cmd_serve(a) -> int:
         per_address = a.max_connections_per_address
         if per_address is None and a.role in ("prefill", "decode"):
             per_address = a.max_connections   # a node's clients are its routers, each with its pool of connections
+        if a.trusted_proxy and a.role in ("prefill", "decode"):
+            raise ValueError("--trusted-proxy is for the single node and the router: a prefill or decode node "
+                             "is reached by routers only, each counted by its own address")
         limits = HttpLimits(a.header_timeout, a.body_timeout, a.max_connections,
-                            max_connections_per_address=per_address)
+                            max_connections_per_address=per_address,
+                            trusted_proxies=tuple(p for v in a.trusted_proxy or () for p in v.split(",") if p.strip()))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -446,7 +450,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-connections-per-address", type=int, default=None, metavar="N",
                    help="open connections one client address may hold, beyond it 503 at once (default: half "
                         "of --max-connections, all of them on a prefill or decode node, whose clients are "
-                        "routers; behind a proxy every client has its address: set it to --max-connections)")
+                        "routers). A --trusted-proxy is not held to it")
+    s.add_argument("--trusted-proxy", action="append", default=None, metavar="ADDRESS[/BITS]",
+                   help="single node or router behind a reverse proxy or load balancer: its address or network "
+                        "(repeat it for several). Requests from there are counted by the client address in "
+                        "X-Forwarded-For (wrong-key throttle) and X-Forwarded-Proto sets https (the console's "
+                        "Secure cookie); the proxy's own connections are bound only by --max-connections. "
+                        "Default: no proxy is trusted and these headers are ignored")
     s.add_argument("--role", default="single", choices=["single", "prefill", "decode", "router"],
                    help="single node (default), or one part of a prefill/decode deployment")
     s.add_argument("--prefill-url", action="append", default=None,

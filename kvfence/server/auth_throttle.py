@@ -35,7 +35,8 @@ MAX_ADDRESSES = 4096
 
 
 def client_address(request: Request) -> str:
-    """The peer's address as the socket gives it (proxy headers are off: http_limits.py)."""
+    """The peer's address as the socket gives it, or, from a --trusted-proxy, the client's that
+    the proxy forwarded (http_limits.py: without one, X-Forwarded-For is ignored)."""
     return request.client.host if request.client else "unknown"
 
 

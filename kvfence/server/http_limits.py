@@ -16,8 +16,13 @@ generates.
 
 One client address may hold at most `max_connections_per_address` of the connections (half of
 them by default): past it, a new connection from that address is answered 503 and closed
-before it is read, so one client cannot take every connection and lock the others out. Behind a
-proxy every client has the proxy's address: raise it to max_connections there.
+before it is read, so one client cannot take every connection and lock the others out.
+
+Behind a reverse proxy every client has the proxy's address. The operator names the proxy
+(`trusted_proxies`, `--trusted-proxy`): uvicorn then takes the client's address from
+X-Forwarded-For (the rightmost one not itself a trusted proxy) and the scheme from
+X-Forwarded-Proto, and the proxy's own connections are bound by max_connections alone. No proxy
+is trusted by default: anyone could otherwise name any address and dodge every per-address count.
 
 Every connection closed for one of these reasons is counted (`ConnectionRefusals`, on /metrics as
 kvfence_http_connections_refused_total) and logged at most once per reason and address every
@@ -27,12 +32,14 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import ipaddress
 import json
 import logging
 import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import h11
@@ -71,6 +78,7 @@ class HttpLimits:
     max_connections: int = 2048        # beyond this uvicorn answers 503 at once
     max_header_bytes: int = 64 << 10   # request line + headers; larger gets 400
     max_connections_per_address: int | None = None   # None: half of max_connections
+    trusted_proxies: tuple[str, ...] = ()   # networks whose X-Forwarded-For/-Proto are believed
 
     def __post_init__(self) -> None:
         if not (self.header_timeout_s > 0 and self.body_timeout_s > 0):
@@ -79,12 +87,41 @@ class HttpLimits:
             raise ValueError("max_connections must be >= 1 and max_header_bytes >= 1024")
         if self.max_connections_per_address is not None and self.max_connections_per_address < 1:
             raise ValueError("max_connections_per_address must be >= 1")
+        self.proxy_networks   # noqa: B018 - a wrong --trusted-proxy is refused here, at start
 
     @property
     def per_address(self) -> int:
         if self.max_connections_per_address is not None:
             return self.max_connections_per_address
         return max(1, self.max_connections // 2)
+
+    @cached_property
+    def proxy_networks(self) -> tuple[IPNetwork, ...]:
+        return tuple(_proxy_network(p) for p in self.trusted_proxies)
+
+    def is_trusted_proxy(self, address: str) -> bool:
+        networks = self.proxy_networks
+        if not networks:
+            return False
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return False
+        return any(ip in n for n in networks)
+
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def _proxy_network(text: str) -> IPNetwork:
+    """One --trusted-proxy value as a network. No wildcard and no host names: whoever sits in a
+    trusted network may name any client address, so the operator lists the proxy's own."""
+    try:
+        return ipaddress.ip_network(text.strip(), strict=False)
+    except ValueError:
+        raise ValueError(f"trusted proxy {text!r} is not an IP address or network (e.g. 10.0.0.7 or "
+                         "10.0.0.0/24): name the proxy's own addresses; '*' and host names are not "
+                         "accepted") from None
 
 
 REFUSAL_REASONS = ("per_address_cap", "header_timeout", "body_timeout")
@@ -125,8 +162,10 @@ def uvicorn_kwargs(limits: HttpLimits, refusals: ConnectionRefusals | None = Non
     return {"http": _protocol_for(limits, refusals or ConnectionRefusals()),
             "limit_concurrency": limits.max_connections, "h11_max_incomplete_event_size": limits.max_header_bytes,
             # uvicorn would take X-Forwarded-For from a loopback peer as the client's address;
-            # every per-address bound (wrong keys, connections) must count the real peer
-            "proxy_headers": False}
+            # every per-address bound (wrong keys, connections) must count the real peer, unless
+            # the operator named the proxy in front (its clients all share its address)
+            **({"proxy_headers": True, "forwarded_allow_ips": [str(n) for n in limits.proxy_networks]}
+               if limits.trusted_proxies else {"proxy_headers": False})}
 
 
 def _protocol_for(limits: HttpLimits, refusals: ConnectionRefusals) -> type[H11Protocol]:
@@ -156,7 +195,8 @@ class GuardedH11Protocol(H11Protocol):
         if self._address is not None:
             held = self.by_address.get(self._address, 0) + 1
             self.by_address[self._address] = held
-            if held > self.limits.per_address:
+            # a trusted proxy carries many clients' connections: only the server's total binds it
+            if held > self.limits.per_address and not self.limits.is_trusted_proxy(self._address):
                 self.refusals.note("per_address_cap", self._address,
                                    "refusing a connection from %s: it holds %d (at most %d per address)",
                                    self._address, held - 1, self.limits.per_address)
