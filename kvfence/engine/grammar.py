@@ -71,22 +71,28 @@ def schema_digest(schema_json: str) -> str:
     return hashlib.sha256(schema_json.encode()).hexdigest()
 
 
-def _grammar(schema_json: str) -> str:
+def grammar_for(schema_json: str) -> str:
+    """llguidance's grammar text for a schema (cheap: nothing is compiled yet); GrammarError if
+    the schema is too large or not one llguidance takes."""
     import llguidance
 
-    return llguidance.LLMatcher.grammar_from_json_schema(close_objects(schema_json), defaults=_COMPILE_OPTIONS)
+    if len(schema_json.encode()) > MAX_JSON_SCHEMA_BYTES:
+        raise GrammarError(f"the schema is larger than {MAX_JSON_SCHEMA_BYTES} bytes of JSON")
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(close_objects(schema_json), defaults=_COMPILE_OPTIONS)
+    except ValueError as e:
+        raise GrammarError(str(e)) from None
 
 
 def check_schema(tok: llguidance.LLTokenizer, schema_json: str) -> str | None:
     """llguidance's own message for a schema it cannot compile (an unsupported keyword, a bad
-    $ref, a regex with look-around, ...), or None. Compiles from scratch: no cache to time."""
+    $ref, a regex with look-around, ...), or None. Compiles from scratch: no cache to time.
+    Its cost has no bound: the server runs it in schema_check.py's worker, under a deadline."""
     import llguidance
 
-    if len(schema_json.encode()) > MAX_JSON_SCHEMA_BYTES:
-        return f"the schema is larger than {MAX_JSON_SCHEMA_BYTES} bytes of JSON"
     try:
-        err = llguidance.LLMatcher.validate_grammar(_grammar(schema_json), tok)
-    except ValueError as e:
+        err = llguidance.LLMatcher.validate_grammar(grammar_for(schema_json), tok)
+    except ValueError as e:   # GrammarError included
         return str(e)
     return err or None
 
@@ -127,11 +133,9 @@ class GrammarCache:
         self.misses += 1
         import llguidance
 
-        if len(schema_json.encode()) > MAX_JSON_SCHEMA_BYTES:
-            raise GrammarError(f"the schema is larger than {MAX_JSON_SCHEMA_BYTES} bytes of JSON")
         try:
-            grammar = _grammar(schema_json)
-        except ValueError as e:
+            grammar = grammar_for(schema_json)
+        except GrammarError as e:
             raise GrammarError(f"the schema cannot be compiled: {e}") from None
         base = llguidance.LLMatcher(self.tok, grammar, log_level=0, limits=_limits())
         if base.is_error():

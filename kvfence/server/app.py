@@ -25,8 +25,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvfence import faults
 from kvfence.engine.admission import ContextLengthExceeded, Overloaded, check_fits, completion_tokens
-from kvfence.engine.grammar import GrammarError, check_schema, ll_tokenizer
+from kvfence.engine.grammar import GrammarError, ll_tokenizer
 from kvfence.engine.params import SamplingParams, canonical_schema
+from kvfence.engine.schema_check import SchemaChecker, SchemaTooCostly
 from kvfence.model.tokenizer import ChatTemplateError
 from kvfence.server import responses_api
 from kvfence.server.auth_throttle import FailedAuthThrottle, client_address
@@ -87,6 +88,22 @@ class ServerState:
         self._reloading = asyncio.Lock()
         self.last_reload: dict | None = None   # the operator console shows it
         self._paused: frozenset[str] = frozenset()   # names whose scope a reload is retiring now
+        self._schema_checker: SchemaChecker | None = None
+        self._schema_checker_lock = threading.Lock()
+
+    @property
+    def schema_checker(self) -> SchemaChecker:
+        """Compiles clients' schemas under a deadline in a worker process (built on first use:
+        the engine's tokenizer exists once it is ready)."""
+        with self._schema_checker_lock:
+            if self._schema_checker is None:
+                self._schema_checker = SchemaChecker(self.engine.tokenizer, self.facts["vocab_size"])
+            return self._schema_checker
+
+    def close(self) -> None:
+        with self._schema_checker_lock:
+            if self._schema_checker is not None:
+                self._schema_checker.close()
 
     def refuse_if_paused(self, tenant: Tenant) -> None:
         if tenant.name in self._paused:
@@ -277,6 +294,7 @@ def create_app(state: ServerState) -> FastAPI:
             if hup:
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
                 hold_sighup()
+            state.close()
             if state.owns_engine:
                 await asyncio.to_thread(state.engine.stop)
 
@@ -651,22 +669,33 @@ async def _check_schema(state: ServerState, req: GenerationRequest) -> None:
     """A 400 that names what llguidance cannot compile, before anything reaches an engine (on
     every role: in PD mode decode compiles it again only after prefill has run), and where the
     client wrote it: an enforced tool call's schema is built from the tools' parameters, so the
-    first tool whose parameters fail is named. Off the event loop: a large schema takes
-    milliseconds."""
+    first tool whose parameters fail is named. Compiled in the schema checker's worker under a
+    deadline (engine/schema_check.py): one that takes longer is refused, since the engine would
+    compile it again on its own thread, between every tenant's forward passes."""
     spec = req.tools if req.tools is not None and (req.tools.enforced or req.tools.answer_schema is not None) else None
+    where = "response_format" if spec is None or not spec.enforced else "tools"
 
     def check() -> tuple[str, str] | None:
-        ll = ll_tokenizer(state.engine.tokenizer, state.facts["vocab_size"])
-        err = check_schema(ll, str(req.params.json_schema))
+        checker = state.schema_checker
+        try:
+            err = checker.check(str(req.params.json_schema))
+        except SchemaTooCostly as e:
+            return where, str(e)
         if err is None or spec is None:
             return None if err is None else ("response_format", err)
-        if spec.answer_schema is not None and (own := check_schema(ll, spec.answer_schema)) is not None:
-            return "response_format", own
+        # which part fails, each compiled alone, all of them within one more deadline
+        parts = [("response_format", spec.answer_schema)] if spec.answer_schema is not None else []
         allowed = {t["name"] for t in spec.allowed()}
-        for i, t in enumerate(spec.tools):
-            if t["name"] in allowed and (own := check_schema(ll, canonical_schema(t["parameters"]))) is not None:
-                return f"tools[{i}].function.parameters", own
-        return "tools", err     # each compiles alone; together they do not
+        parts += [(f"tools[{i}].function.parameters", canonical_schema(t["parameters"]))
+                  for i, t in enumerate(spec.tools) if t["name"] in allowed]
+        until = time.monotonic() + checker.deadline_s
+        try:
+            for param, part in parts:
+                if (own := checker.check(part, until - time.monotonic())) is not None:
+                    return param, own
+        except SchemaTooCostly:
+            pass
+        return "tools", err     # each compiles alone (or took too long to tell); together they do not
 
     found = await asyncio.to_thread(check)
     if found is not None:

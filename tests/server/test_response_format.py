@@ -142,3 +142,26 @@ def test_a_number_out_of_range_in_a_schema_is_named_as_such(server):
         r = c.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
     assert "out of range" in r.json()["error"]["message"] and "larger" not in r.json()["error"]["message"], r.text
+
+
+COSTLY = {"type": "integer", "multipleOf": 999983}   # 30 bytes; llguidance builds its matcher in ~6 s
+
+
+def test_a_schema_too_costly_to_compile_is_refused_and_the_engine_never_compiles_it(server):
+    """A tiny schema whose matcher takes seconds to build (it took the engine thread 5.6 s, every
+    tenant's generation with it; 9999991 took 140 s) is a 400 after the checker's deadline, in
+    response_format and in an enforced tool call alike; the engine saw neither request."""
+    before = server.engine.snapshot.get("grammar_cache", {}).get("misses", 0)
+    c = server.client("alice")
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": COSTLY}}
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(c, response_format=fmt, max_tokens=1)
+    assert e.value.body["param"] == "response_format" and "longer than" in e.value.body["message"], e.value.body
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"n": COSTLY}, "required": ["n"]}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(c, tools=[tool], tool_choice="required", max_tokens=1)
+    assert e.value.body["param"] == "tools" and "longer than" in e.value.body["message"], e.value.body
+    assert server.engine.snapshot.get("grammar_cache", {}).get("misses", 0) == before
+    # and the next schema is served (the checker's worker was stopped and starts again)
+    assert json.loads(_chat(c, response_format=STRICT).choices[0].message.content)["city"]

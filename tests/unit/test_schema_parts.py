@@ -9,7 +9,7 @@ import json
 import llguidance
 import pytest
 
-from kvfence.engine.grammar import _grammar, check_schema, ll_tokenizer
+from kvfence.engine.grammar import check_schema, grammar_for, ll_tokenizer
 from kvfence.engine.params import canonical_schema
 from kvfence.pd.router import load_router_tokenizer
 from kvfence.server.schema_parts import SchemaParts
@@ -41,7 +41,7 @@ def accepts(tok, schema: dict, text: str) -> bool:
     llt = ll_tokenizer(tok)
     text_schema = canonical_schema(schema)
     assert check_schema(llt, text_schema) is None
-    m = llguidance.LLMatcher(llt, _grammar(text_schema))
+    m = llguidance.LLMatcher(llt, grammar_for(text_schema))
     return m.consume_tokens(tok.encode(text, add_special=False)) and m.is_accepting()
 
 

@@ -1,0 +1,187 @@
+"""A client's JSON schema compiled once in a separate process, under a deadline, before any
+engine sees it.
+
+Compiling a schema costs llguidance anywhere from microseconds to hours, and nothing short of
+compiling tells which: `{"type": "integer", "multipleOf": 999983}` (30 bytes) took 5.6 s to
+build its matcher, one of 9999991 took 140 s, and 20 `pattern`s under one `allOf` took 22 s to
+validate. None of llguidance's limits bound that work, and a thread that runs it cannot be
+stopped. The engine builds the matcher on its own thread, between forward passes: one such
+schema stopped every tenant's generation for as long as it took.
+
+So the server sends each schema to `SchemaChecker`'s worker process first. The worker
+validates it, builds the matcher and computes its first token mask, exactly what the engine
+will do; past `deadline_s` the worker is killed (and started again for the next schema) and
+the request gets a 400. A schema that passes costs the engine at most about the deadline, once
+per cache scope (grammar.py keeps compiled matchers).
+
+The worker is a plain child process (this file, run by python) speaking JSON
+lines on its stdin and stdout; multiprocessing's spawn would import the server's main module
+again. One worker, one schema at a time: schemas wait for each other, never for more than the
+deadline each, and the worker takes at most one core from the forward pass.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import select
+import subprocess
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvfence.model.tokenizer import KvTokenizer
+
+log = logging.getLogger("kvfence.schema_check")
+
+DEADLINE_S = 1.0      # the largest schemas of the test suite's tools compile in ~30 ms
+START_TIMEOUT_S = 120.0
+WORKER_MEMORY_BYTES = 4 << 30   # address space; the worker itself uses ~0.3 GiB of it
+
+
+class SchemaTooCostly(ValueError):
+    """The schema's compilation ran past the deadline (the client's 400)."""
+
+
+def _worker() -> None:
+    """The worker process: one llguidance tokenizer, then a grammar in, a verdict out, until EOF.
+    It imports llguidance alone (kvfence would bring torch: a second more at each restart)."""
+    import llguidance
+    from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+    _die_with_parent()
+    # a schema may ask for memory as well as time: past this the worker dies, which is the same verdict
+    resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY_BYTES, WORKER_MEMORY_BYTES))
+    setup = json.loads(sys.stdin.readline())
+    ll = llguidance.LLTokenizer(setup["tokenizer"], n_vocab=setup["n_vocab"], eos_token=setup["eos"])
+    _say("ready")
+    for line in sys.stdin:
+        grammar = json.loads(line)
+        err = llguidance.LLMatcher.validate_grammar(grammar, ll) or None   # check_schema's verdict
+        if err is None:   # what the engine does next: build the matcher, then its first mask
+            matcher = llguidance.LLMatcher(ll, grammar, log_level=0,   # grammar.py's limits
+                                           limits=llguidance.LLParserLimits(verbose_errors=False))
+            if not matcher.is_error():
+                fill_next_token_bitmask(matcher, allocate_token_bitmask(1, ll.vocab_size), 0)
+            if matcher.is_error():
+                err = matcher.get_error()
+        _say(err)
+
+
+def _die_with_parent() -> None:
+    """Linux: killed when the server is (a server killed mid-compile would leave it compiling
+    for hours). Elsewhere it ends at its next read, when the pipe is closed."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, 9)   # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        pass
+
+
+def _say(value: str | None) -> None:
+    sys.stdout.write(json.dumps(value) + "\n")
+    sys.stdout.flush()
+
+
+class SchemaChecker:
+    """`check(schema_json)`: llguidance's message for a schema it cannot compile, None when it
+    compiles, SchemaTooCostly past the deadline. Thread-safe; the worker starts on first use."""
+
+    def __init__(self, tok: KvTokenizer, n_vocab: int | None = None, deadline_s: float = DEADLINE_S):
+        self.deadline_s = deadline_s
+        self._setup = json.dumps({"tokenizer": tok.hf.to_str(), "n_vocab": max(tok.vocab_size, n_vocab or 0),
+                                  "eos": sorted(tok.end_ids)}) + "\n"
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._buffer = b""
+        self.killed = 0     # schemas that ran past the deadline (for the tests and the log)
+
+    def check(self, schema_json: str, deadline_s: float | None = None) -> str | None:
+        """`deadline_s`: this call's own, when shorter than the checker's."""
+        from kvfence.engine.grammar import GrammarError, grammar_for
+
+        deadline = self.deadline_s if deadline_s is None else min(self.deadline_s, deadline_s)
+        if deadline <= 0:
+            raise SchemaTooCostly("no time was left to compile it")
+
+        try:
+            grammar = grammar_for(schema_json)
+        except GrammarError as e:
+            return str(e)
+        with self._lock:
+            proc = self._ready()
+            began = time.monotonic()
+            try:
+                self._send(proc, json.dumps(grammar) + "\n")
+                line = self._read_line(proc, began + deadline)
+            except OSError:   # the worker died on it (e.g. out of memory): the same verdict
+                line = None
+            if line is not None:
+                verdict: str | None = json.loads(line)
+                return verdict
+            self._stop()
+            self.killed += 1
+            log.warning("a schema's compilation ran past %.1f s (stopped after %.1f s); refused",
+                        deadline, time.monotonic() - began)
+            raise SchemaTooCostly(f"compiling it takes longer than {deadline:.3g} s (e.g. a large "
+                                  "multipleOf, or many patterns under one allOf); simplify the schema")
+
+    def _ready(self) -> subprocess.Popen[bytes]:
+        if self._proc is not None and self._proc.poll() is None:
+            return self._proc
+        self._stop()
+        # run as a file, -P: its folder (kvfence/engine: config.py, ...) must not shadow any module
+        proc = subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=None, close_fds=True)
+        self._proc = proc
+        try:
+            self._send(proc, self._setup)
+            started = self._read_line(proc, time.monotonic() + START_TIMEOUT_S) == b'"ready"'
+        except OSError:
+            started = False
+        if not started:
+            self._stop()
+            raise RuntimeError("the schema-check worker did not start")
+        return proc
+
+    @staticmethod
+    def _send(proc: subprocess.Popen[bytes], text: str) -> None:
+        assert proc.stdin is not None
+        proc.stdin.write(text.encode())
+        proc.stdin.flush()
+
+    def _read_line(self, proc: subprocess.Popen[bytes], until: float) -> bytes | None:
+        """One line from the worker, or None at `until` or if it ended first."""
+        assert proc.stdout is not None
+        fd = proc.stdout.fileno()
+        while b"\n" not in self._buffer:
+            left = until - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return None
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line
+
+    def _stop(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait(5)
+            for pipe in (self._proc.stdin, self._proc.stdout):
+                if pipe is not None:
+                    pipe.close()
+        self._proc, self._buffer = None, b""
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop()
+
+
+if __name__ == "__main__":
+    _worker()
