@@ -7,7 +7,9 @@ tokens, so a token that straddles JSON syntax is allowed exactly when its bytes 
 
 - `ll_tokenizer`: one llguidance tokenizer per kvfence tokenizer (a quarter of a second to build).
 - objects the schema does not say are open are closed first (engine/closed_schema.py).
-- `check_schema`: why a schema cannot be compiled (the server's 400), or None.
+- `check_schema`: why a schema cannot be compiled (the server's 400), or None; its cost has no
+  bound, so the server runs it in schema_check.py's worker, under a deadline.
+- `build_matcher`: a schema's matcher, built by the server off the engine thread.
 - `GrammarCache`: compiled matchers, keyed on (cache scope, schema digest) and reused only
   within that scope (I9's rule for the prefix cache, applied here): copies of one matcher
   share its lazily built lexer states, so a cache shared across tenants would let one tenant
@@ -97,6 +99,22 @@ def check_schema(tok: llguidance.LLTokenizer, schema_json: str) -> str | None:
     return err or None
 
 
+def build_matcher(tok: llguidance.LLTokenizer, schema_json: str) -> llguidance.LLMatcher:
+    """A matcher at the grammar's start: what GrammarCache keeps and copies. Its cost has no bound
+    of its own (schema_check.py's deadline is the bound): the server builds it in a thread and
+    hands it to the engine (`built`), whose thread must not spend seconds on it."""
+    import llguidance
+
+    try:
+        grammar = grammar_for(schema_json)
+    except GrammarError as e:
+        raise GrammarError(f"the schema cannot be compiled: {e}") from None
+    matcher = llguidance.LLMatcher(tok, grammar, log_level=0, limits=_limits())
+    if matcher.is_error():
+        raise GrammarError(f"the schema cannot be compiled: {matcher.get_error()}")
+    return matcher
+
+
 def _limits():
     import llguidance
 
@@ -121,9 +139,10 @@ class GrammarCache:
     def stats(self) -> dict[str, int]:
         return {"entries": len(self._lru), "scopes": len(self._per), "hits": self.hits, "misses": self.misses}
 
-    def constraint(self, scope: str, schema_json: str) -> Constraint:
+    def constraint(self, scope: str, schema_json: str, built: llguidance.LLMatcher | None = None) -> Constraint:
         """A fresh matcher (at the grammar's start) for one request in `scope`; GrammarError
-        if the schema does not compile."""
+        if the schema does not compile. `built`: build_matcher's for this schema, made off the
+        engine thread, kept when the scope has none yet (else only the cached one is used)."""
         key = (scope, schema_digest(schema_json))
         base = self._lru.get(key)
         if base is not None:
@@ -131,15 +150,7 @@ class GrammarCache:
             self._lru.move_to_end(key)
             return Constraint(base.deep_copy(), self.tok.vocab_size)
         self.misses += 1
-        import llguidance
-
-        try:
-            grammar = grammar_for(schema_json)
-        except GrammarError as e:
-            raise GrammarError(f"the schema cannot be compiled: {e}") from None
-        base = llguidance.LLMatcher(self.tok, grammar, log_level=0, limits=_limits())
-        if base.is_error():
-            raise GrammarError(f"the schema cannot be compiled: {base.get_error()}")
+        base = built if built is not None else build_matcher(self.tok, schema_json)
         self._lru[key] = base
         self._per[scope] = self._per.get(scope, 0) + 1
         if self._per[scope] > self.per_scope:

@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -55,6 +55,9 @@ from kvfence.kv.prefix_cache import PrefixCache
 from kvfence.model.llama import LlamaModel
 from kvfence.model.loader import load_model
 from kvfence.model.tokenizer import KvTokenizer
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 log = logging.getLogger("kvfence.engine")
 
@@ -185,7 +188,7 @@ class LLMEngine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, tenant: str = "default",
                     request_id: str | None = None, prompt: str | None = None,
                     public_prefix_scope: str | None = None, hold_kv: bool = False,
-                    kv_source=None, router: str | None = None) -> Sequence:
+                    kv_source=None, router: str | None = None, grammar: LLMatcher | None = None) -> Sequence:
         """Admit a request (I4) or raise ContextLengthExceeded before anything is allocated.
 
         The prefix cache is scoped to the tenant; `public_prefix_scope` (which the caller must
@@ -196,7 +199,10 @@ class LLMEngine:
         PD: `hold_kv` (prefill node) computes all prompt tokens but the last and hands the
         KV to the attached KvExporter; `kv_source` (decode node) is the handoff (manifest + source),
         and the attached KvImporter reserves, pulls and verifies before the request runs.
-        Either way the request is admitted against its whole prompt + max_tokens."""
+        Either way the request is admitted against its whole prompt + max_tokens.
+
+        `grammar`: params.json_schema's matcher (grammar.build_matcher), built by the caller off
+        this thread; without it a schema the scope has not compiled yet is compiled here."""
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -231,7 +237,8 @@ class LLMEngine:
                 # GrammarError: a schema llguidance cannot compile (the server checked it first)
                 # keyed by the scope's ledger id, not its name: a name retired by a tenants-file
                 # reload comes back under a new id, which reuses (and times) none of its grammars
-                seq.grammar = self.grammars.constraint(str(seq.owner.cache_scope), str(params.json_schema))
+                seq.grammar = self.grammars.constraint(str(seq.owner.cache_scope), str(params.json_schema),
+                                                       built=grammar)
             if kv_source is not None:
                 # ManifestError: a handoff this node must not take
                 seq.kv_source = self.kv_link.check(seq, kv_source)

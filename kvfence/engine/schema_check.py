@@ -11,8 +11,9 @@ schema stopped every tenant's generation for as long as it took.
 So the server sends each schema to `SchemaChecker`'s worker process first. The worker
 validates it, builds the matcher and computes its first token mask, exactly what the engine
 will do; past `deadline_s` the worker is killed (and started again for the next schema) and
-the request gets a 400. A schema that passes costs the engine at most about the deadline, once
-per cache scope (grammar.py keeps compiled matchers).
+the request gets a 400. A schema that passes is built again in the server's thread
+(grammar.build_matcher, at most about the deadline) and handed to the engine with the request:
+the engine thread compiles nothing (a PD decode node builds it in its own thread: pd/node.py).
 
 The worker is a plain child process (this file, run by python) speaking JSON
 lines on its stdin and stdout; multiprocessing's spawn would import the server's main module

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse
 from kvfence import faults
 from kvfence.engine.admission import ContextLengthExceeded, Overloaded
 from kvfence.engine.config import EngineConfig
+from kvfence.engine.grammar import build_matcher, ll_tokenizer
 from kvfence.engine.router_realms import RouterRealms
 from kvfence.pd.drain import Drain
 from kvfence.pd.manifest import ManifestError
@@ -224,6 +225,12 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
         drain.streams += 1
 
         async def admit():
+            if params.json_schema is not None and not extra.get("hold_kv"):   # decode samples, prefill not
+                # built here, in a thread: on the engine's thread it would stop every request's
+                # steps for as long as it takes (the router's check bounds that: app.py)
+                vocab = (loop.facts or {}).get("vocab_size")
+                extra["grammar"] = await asyncio.to_thread(
+                    lambda: build_matcher(ll_tokenizer(loop.tokenizer, vocab), str(params.json_schema)))
             # one event-loop step from the scope check to the submission's command: no forget
             # message or other request can retire the scope in between (pd/scope_epochs.py)
             router = body.scope.router if body.scope is not None else None

@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from fastapi import Request
@@ -71,6 +71,9 @@ from kvfence.pd.tls import TlsSettings, client_context, uvicorn_options
 from kvfence.pd.wire import cluster_headers
 from kvfence.server.backend import Admitted, EngineFailed, Logprob, RequestHandle, Update
 from kvfence.server.http_limits import HttpLimits, uvicorn_server
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 log = logging.getLogger("kvfence.pd.router")
 
@@ -137,6 +140,8 @@ class _Flight:
 
 class RouterBackend:
     """The PD fleet as an EngineBackend (server/backend.py) for server/app.py."""
+
+    builds_grammars = False
 
     def __init__(self, prefill_urls: str | list[str], decode_urls: str | list[str], secret: bytes,
                  tls: TlsSettings | None = None, model: str | None = None,
@@ -366,7 +371,8 @@ class RouterBackend:
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, tenant: str,
                      request_id: str | None = None, public_prefix_scope: str | None = None,
-                     scope_epoch: int = 0) -> RequestHandle:
+                     scope_epoch: int = 0, *, grammar: LLMatcher | None = None) -> RequestHandle:
+        """`grammar` is not used (builds_grammars): the decode node builds its own matcher."""
         if not self._serving or self.facts is None:
             raise EngineFailed(self.error or f"the cluster is {self.state}")
         if params.prompt_logprobs is not None or params.max_tokens == 0:

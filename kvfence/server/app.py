@@ -18,6 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
@@ -25,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvfence import faults
 from kvfence.engine.admission import ContextLengthExceeded, Overloaded, check_fits, completion_tokens
-from kvfence.engine.grammar import GrammarError, ll_tokenizer
+from kvfence.engine.grammar import GrammarError, build_matcher, ll_tokenizer
 from kvfence.engine.params import SamplingParams, canonical_schema
 from kvfence.engine.schema_check import SchemaChecker, SchemaTooCostly
 from kvfence.model.tokenizer import ChatTemplateError
@@ -62,6 +63,9 @@ from kvfence.server.tenants import (
 )
 from kvfence.server.tools import CallStream, ToolSpec, parse_answer
 from kvfence.server.tools import render as render_tools
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 log = logging.getLogger("kvfence.server")
 
@@ -579,8 +583,7 @@ async def _generate(state: ServerState, request: Request, kind: str):
         if bad_stop:   # the model can never write it: the stop would silently never apply
             raise bad_request(f"'stop_token_ids' names token {bad_stop[0]}, outside the vocabulary "
                               f"[0, {facts['vocab_size']}).", param="stop_token_ids")
-        if req.params.json_schema is not None:
-            await _check_schema(state, req)
+        grammar = await _check_schema(state, req) if req.params.json_schema is not None else None
         if req.logprobs is not None:   # logprobs' bytes come from llguidance's view of the vocabulary:
             # built once (~0.2 s), off the event loop
             await asyncio.to_thread(ll_tokenizer, state.engine.tokenizer, facts["vocab_size"])
@@ -588,12 +591,12 @@ async def _generate(state: ServerState, request: Request, kind: str):
         # tokens_per_minute reserves prompt + the most it can generate; what it did not use is refunded
         state.limiter.charge(lease, sum(len(ids) for ids in prompts), most, param=req.max_tokens_param,
                              prompt_param=req.prompt_param)
-        choices = _choices(state, req, prompts, rid)
+        choices = _choices(state, req, prompts, rid, grammar)
         try:
             for c in choices:   # the first choice of each prompt now, the others once it has run its prefill
                 if c.lead:
                     c.handle = await _submit_unless_gone(state, request, c.prompt_ids, c.params, tenant, c.rid,
-                                                         revoked)
+                                                         revoked, c.grammar)
         except KeyRevoked as e:
             _abort_all(state, choices, "API key revoked")
             raise e.api_error() from None
@@ -665,13 +668,15 @@ def _with_request_id(request: Request, response: Response) -> Response:
     return response
 
 
-async def _check_schema(state: ServerState, req: GenerationRequest) -> None:
+async def _check_schema(state: ServerState, req: GenerationRequest) -> LLMatcher | None:
     """A 400 that names what llguidance cannot compile, before anything reaches an engine (on
     every role: in PD mode decode compiles it again only after prefill has run), and where the
     client wrote it: an enforced tool call's schema is built from the tools' parameters, so the
     first tool whose parameters fail is named. Compiled in the schema checker's worker under a
     deadline (engine/schema_check.py): one that takes longer is refused, since the engine would
-    compile it again on its own thread, between every tenant's forward passes."""
+    compile it again on its own thread, between every tenant's forward passes. Returns the
+    schema's matcher, built in this thread for an engine that runs here (builds_grammars): the
+    engine thread then compiles nothing (a schema that passed still costs up to the deadline)."""
     spec = req.tools if req.tools is not None and (req.tools.enforced or req.tools.answer_schema is not None) else None
     where = "response_format" if spec is None or not spec.enforced else "tools"
 
@@ -681,8 +686,10 @@ async def _check_schema(state: ServerState, req: GenerationRequest) -> None:
             err = checker.check(str(req.params.json_schema))
         except SchemaTooCostly as e:
             return where, str(e)
-        if err is None or spec is None:
-            return None if err is None else ("response_format", err)
+        if err is None:
+            return None
+        if spec is None:
+            return "response_format", err
         # which part fails, each compiled alone, all of them within one more deadline
         parts = [("response_format", spec.answer_schema)] if spec.answer_schema is not None else []
         allowed = {t["name"] for t in spec.allowed()}
@@ -697,10 +704,20 @@ async def _check_schema(state: ServerState, req: GenerationRequest) -> None:
             pass
         return "tools", err     # each compiles alone (or took too long to tell); together they do not
 
-    found = await asyncio.to_thread(check)
-    if found is not None:
-        param, err = found
+    def check_and_build() -> tuple[str, str] | LLMatcher | None:
+        if (found := check()) is not None or not state.engine.builds_grammars:
+            return found
+        ll = ll_tokenizer(state.engine.tokenizer, state.facts["vocab_size"])
+        try:
+            return build_matcher(ll, str(req.params.json_schema))
+        except GrammarError as e:   # the worker built it a moment ago: not expected
+            return where, str(e)
+
+    got = await asyncio.to_thread(check_and_build)
+    if isinstance(got, tuple):
+        param, err = got
         raise bad_request(f"'{param}' has a schema this server cannot enforce: {err}", param=param)
+    return got
 
 
 def _public_detail(state: ServerState, rid: str, tenant: Tenant, code: str | None, detail: str) -> str:
@@ -741,14 +758,14 @@ def _refuse_if_revoked(revoked: asyncio.Event) -> None:
 
 
 async def _submit_unless_gone(state: ServerState, request: Request, ids, params: SamplingParams, tenant: Tenant,
-                              rid: str, revoked: asyncio.Event) -> RequestHandle:
+                              rid: str, revoked: asyncio.Event, grammar: LLMatcher | None = None) -> RequestHandle:
     """engine.submit, abandoned (and so aborted) if the client leaves or its key is revoked
     while it waits (_ClientGone, KeyRevoked). On a single node submit is only admission;
     behind the PD router it lasts the whole prefill."""
     if revoked.is_set():
         raise KeyRevoked()
     sub = asyncio.ensure_future(state.engine.submit(ids, params, tenant.name, rid, tenant.public_prefix_scope,
-                                                    scope_epoch=tenant.scope_epoch))
+                                                    scope_epoch=tenant.scope_epoch, grammar=grammar))
     gone = asyncio.Event()
     watcher = asyncio.create_task(watch_disconnect(request, gone.set))
     waiters = {asyncio.create_task(gone.wait()), asyncio.create_task(revoked.wait())}
@@ -920,6 +937,7 @@ class _Choice:
     params: SamplingParams
     lead: bool                         # the first choice of its prompt
     echo: str = ""                     # completions with echo: the prompt's text
+    grammar: LLMatcher | None = None   # the request's schema's matcher, built off the engine thread
     siblings: list[_Choice] = field(default_factory=list)   # a lead's: started after its first update
     # echo with logprobs: the prompt's logprobs, computed by the lead alone (its siblings
     # attach its cached pages instead, and read these)
@@ -946,7 +964,8 @@ class _Choice:
         return self.last is not None and self.last.finished
 
 
-def _choices(state: ServerState, req: GenerationRequest, prompts: list[list[int]], rid: str) -> list[_Choice]:
+def _choices(state: ServerState, req: GenerationRequest, prompts: list[list[int]], rid: str,
+             grammar: LLMatcher | None = None) -> list[_Choice]:
     """prompts x n choices, index p * n + j; choice j's seed is seed + j (each its own stream)."""
     out: list[_Choice] = []
     tok = state.engine.tokenizer
@@ -960,7 +979,7 @@ def _choices(state: ServerState, req: GenerationRequest, prompts: list[list[int]
             if j > 0 and params.prompt_logprobs is not None:
                 params = dataclasses.replace(params, prompt_logprobs=None)   # the lead's are the same
             index = p * req.n + j
-            c = _Choice(index, rid if index == 0 else f"{rid}-{index}", ids, params, j == 0, echo)
+            c = _Choice(index, rid if index == 0 else f"{rid}-{index}", ids, params, j == 0, echo, grammar)
             if lead is None:
                 lead = c
             else:
@@ -1072,7 +1091,8 @@ class _Run:
                     for s in siblings:
                         s.handle = await self.state.engine.submit(s.prompt_ids, s.params, self.tenant.name, s.rid,
                                                                   self.tenant.public_prefix_scope,
-                                                                  scope_epoch=self.tenant.scope_epoch)
+                                                                  scope_epoch=self.tenant.scope_epoch,
+                                                                  grammar=s.grammar)
                         self._pumps.append(asyncio.create_task(self._pump(s)))
                 await self._queue.put((c, u))
         except asyncio.CancelledError:

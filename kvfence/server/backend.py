@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvfence.engine.params import SamplingParams
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,9 @@ class EngineBackend(Protocol):
     snapshot: dict[str, Any]            # live counts, refreshed by the backend
     startup_checks: list[dict[str, Any]]
     tokenizer: Any                      # kvfence.model.tokenizer.KvTokenizer, once loaded
+    # whether submit's `grammar` (a schema's matcher, built off the engine thread) is used here;
+    # the PD router's decode nodes build their own (pd/node.py)
+    builds_grammars: bool
 
     @property
     def state(self) -> str: ...         # loading | ready | not_ready | failed | stopped
@@ -104,7 +110,8 @@ class EngineBackend(Protocol):
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, tenant: str,
                      request_id: str | None = None, public_prefix_scope: str | None = None,
-                     scope_epoch: int = 0) -> RequestHandle: ...   # scope_epoch: Tenant.scope_epoch
+                     scope_epoch: int = 0, *,                  # Tenant.scope_epoch
+                     grammar: LLMatcher | None = None) -> RequestHandle: ...
 
     def abort(self, request_id: str, reason: str = "client disconnected") -> None: ...
 

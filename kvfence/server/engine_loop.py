@@ -29,6 +29,8 @@ from kvfence.engine.params import SamplingParams
 from kvfence.server.backend import Admitted, EngineFailed, Logprob, RequestHandle, Update
 
 if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
     from kvfence.engine.llm_engine import LLMEngine
     from kvfence.engine.sequence import Sequence
 
@@ -114,6 +116,8 @@ _WAKE = object()   # something happened off the engine thread (a PD transfer not
 class EngineLoop:
     """The single-node EngineBackend (server/backend.py)."""
 
+    builds_grammars = True   # submit(grammar=...) reaches add_request: the engine thread compiles nothing
+
     def __init__(self, factory: Callable[[], LLMEngine], startup: Callable[[LLMEngine], list] | None = None,
                  name: str = "kvfence-engine"):
         """factory builds the engine inside the engine thread; startup(engine) runs the
@@ -168,19 +172,23 @@ class EngineLoop:
     # -- requests (asyncio side) ----------------------------------------------------------
     async def submit(self, prompt_ids: list[int], params: SamplingParams, tenant: str,
                      request_id: str | None = None, public_prefix_scope: str | None = None,
-                     scope_epoch: int = 0, behind: Retirement | None = None, **extra) -> RequestHandle:
+                     scope_epoch: int = 0, behind: Retirement | None = None, grammar: LLMatcher | None = None,
+                     **extra) -> RequestHandle:
         """Admit a request in the engine thread. Raises what add_request raises
         (ContextLengthExceeded, ValueError) or EngineFailed. `public_prefix_scope` only for a
         tenant whose tenants-file entry opts into that scope (I9). `scope_epoch` is for the PD
         wire (pd/scope_epochs.py): here a reload's retirement is ordered with every submission
         by this engine's one command queue. `behind`: a retirement of the request's scope
         queued before it; if it did not run, ScopeNotRetired, and the engine never sees the
-        request. The command is queued before the first await."""
+        request. `grammar`: the schema's matcher (grammar.build_matcher), built by the caller off
+        this loop and the engine thread. The command is queued before the first await."""
         if self.state != "ready":
             raise EngineFailed(self.error or f"the engine is {self.state}")
         loop = asyncio.get_running_loop()
         rid = request_id or uuid.uuid4().hex
         fut = loop.create_future()
+        if grammar is not None:
+            extra["grammar"] = grammar
         updates: asyncio.Queue = asyncio.Queue()
         self._commands.put(_Submit(rid, list(prompt_ids), params, tenant, public_prefix_scope, loop, fut, updates,
                                    extra or None, behind))

@@ -165,3 +165,30 @@ def test_a_schema_too_costly_to_compile_is_refused_and_the_engine_never_compiles
     assert server.engine.snapshot.get("grammar_cache", {}).get("misses", 0) == before
     # and the next schema is served (the checker's worker was stopped and starts again)
     assert json.loads(_chat(c, response_format=STRICT).choices[0].message.content)["city"]
+
+
+def test_the_engine_thread_never_compiles_a_schema(make_server, monkeypatch):
+    """The server builds each schema's matcher in a thread and hands it to the engine, once per
+    cache scope and for every choice of n: the engine thread, whose time is every tenant's
+    steps, builds none (it built every new schema, for up to the check's deadline)."""
+    import threading
+
+    from kvfence.engine import grammar
+    from kvfence.server import app
+
+    srv = make_server()    # its own engine and grammar cache
+    where: list[str] = []
+    real = grammar.build_matcher
+
+    def spy(tok, schema_json):
+        where.append(threading.current_thread().name)
+        return real(tok, schema_json)
+    monkeypatch.setattr(grammar, "build_matcher", spy)     # where the engine's cache calls it
+    monkeypatch.setattr(app, "build_matcher", spy)         # where the server does
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": {**PERSON, "title": "off-thread"}}}
+    r = _chat(srv.client("alice"), response_format=fmt, n=3, max_tokens=4)
+    assert len(r.choices) == 3
+    _chat(srv.client("bob"), response_format=fmt, max_tokens=4)    # another scope: a new matcher
+    srv.wait_idle()
+    assert len(where) == 2 and "kvfence-engine" not in where, where
+    assert srv.engine.snapshot["grammar_cache"]["misses"] == 2

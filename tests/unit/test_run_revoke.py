@@ -25,7 +25,9 @@ class _Engine:
         self.submits: list[str] = []
         self.aborts: list[tuple[str, str]] = []
 
-    async def submit(self, ids, params, tenant, rid, scope=None, scope_epoch=0) -> RequestHandle:
+    builds_grammars = True
+
+    async def submit(self, ids, params, tenant, rid, scope=None, scope_epoch=0, *, grammar=None) -> RequestHandle:
         self.submits.append(rid)
         await asyncio.sleep(0)
         h = RequestHandle(rid, asyncio.Queue())
