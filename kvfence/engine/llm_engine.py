@@ -40,7 +40,7 @@ from kvfence.engine.kv_link import (
     ReleaseRequest,
     Reserve,
 )
-from kvfence.engine.logits_processors import History, TokenCounts
+from kvfence.engine.logits_processors import FixedAdjustments, History, TokenCounts
 from kvfence.engine.params import SamplingParams
 from kvfence.engine.request_states import Event, State
 from kvfence.engine.router_realms import RouterRealms
@@ -555,11 +555,13 @@ class LLMEngine:
             p = q.params
             if q.token_counts is None and p.penalizes:
                 q.token_counts = TokenCounts()
-            # the held-back ids only while min_tokens holds them (up to 1,024 stop ids a row a step)
-            held = len(q.output_ids) < p.min_tokens
-            out.append(History(q.prompt_ids, q.output_ids,
-                               (frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else ends)) if held
-                               else frozenset(), q.grammar, q.token_counts))
+            if q.fixed_adjustments is None and (p.logit_bias or p.min_tokens):   # built once a request
+                q.fixed_adjustments = FixedAdjustments(
+                    frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else ends) if p.min_tokens
+                    else frozenset())
+            fixed = q.fixed_adjustments
+            out.append(History(q.prompt_ids, q.output_ids, fixed.held_back if fixed else frozenset(), q.grammar,
+                               q.token_counts, fixed))
         return out
 
     def _append_contained(self, seq: Sequence, tok: int, lp, now: float, out: list[StepOutput]) -> None:

@@ -15,7 +15,7 @@ from kvfence.kv.ledger import PUBLIC_SCOPE, BlockTable, Owner
 if TYPE_CHECKING:
     from kvfence.engine.detokenizer import IncrementalDetokenizer
     from kvfence.engine.grammar import Constraint
-    from kvfence.engine.logits_processors import TokenCounts
+    from kvfence.engine.logits_processors import FixedAdjustments, TokenCounts
     from kvfence.pd.messages import Handoff
 
 _numbers = itertools.count(1)
@@ -58,6 +58,7 @@ class Sequence:
     cached_tokens: int = 0                   # prompt tokens served from the prefix cache
     grammar: Constraint | None = None        # structured output: where its grammar is (engine/grammar.py)
     token_counts: TokenCounts | None = None  # penalties' counts, kept a token at a time (logits_processors.py)
+    fixed_adjustments: FixedAdjustments | None = None   # logit_bias and min_tokens' ids as tensors (same file)
     # PD (kvfence/pd): a prefill node computes the prompt but its last token and holds the
     # KV for decode (hold_kv); a decode node gets the prompt's pages at RESERVE and fills
     # them from kv_source (reserved: until it runs; preempted later, it recomputes its KV).

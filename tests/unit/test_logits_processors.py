@@ -139,3 +139,30 @@ def test_the_hand_reference_sees_a_wrong_count():
     good = adjust(logits, [p], [History([1], [4, 4, 9], frozenset())])
     assert torch.allclose(good, _penalized_by_hand(logits, p, [1], [4, 4, 9]))
     assert not torch.allclose(good, _penalized_by_hand(logits, p, [1], [4, 4, 4, 4, 9]))
+
+
+def test_bias_and_held_ids_kept_across_steps_give_what_building_afresh_gives():
+    """logit_bias and min_tokens' held-back ids are index tensors built at a request's first step
+    and kept (rebuilt from Python every step they cost 8.4 ms a step at n=16 with 1,024 of
+    each); every step equals the definitions, the hold ends at min_tokens, and ids past the
+    vocabulary are left out."""
+    from kvfence.engine.logits_processors import FixedAdjustments
+
+    g = torch.Generator().manual_seed(2)
+    bias = {t: float(t % 7) - 3.0 for t in range(0, V, 3)}
+    p = SamplingParams(logit_bias={**bias, V + 4: 1.0}, min_tokens=6, max_tokens=20, stop_token_ids=[4, V + 2])
+    held = frozenset({0, 4, V + 2})
+    kept, output = FixedAdjustments(held), []
+    for step in range(10):
+        logits = torch.randn(1, V, generator=g) * 3
+        got = adjust(logits, [p], [History([1], list(output), held, fixed=kept)])
+        want = _reference(logits[0].tolist(), SamplingParams(logit_bias=bias), History([1], list(output), frozenset()))
+        if len(output) < 6:
+            want = [-math.inf if t in (0, 4) else w for t, w in enumerate(want)]
+        assert got[0].tolist() == pytest.approx(want, rel=1e-6, abs=1e-6), step
+        assert torch.isinf(got[0, 4]) == (step < 6)
+        output.append(5)
+        if step == 0:
+            built = (kept.bias_ids, kept.held_ids)
+    assert kept.bias_ids is built[0] and kept.held_ids is built[1]   # the same tensors at every step: built once
+    assert kept.bias_ids.numel() == len(bias) and kept.held_ids.tolist() == [0, 4]
