@@ -93,6 +93,7 @@ class ServerState:
         self.last_reload: dict | None = None   # the operator console shows it
         self._paused: frozenset[str] = frozenset()   # names whose scope a reload is retiring now
         self._schema_checker: SchemaChecker | None = None
+        self.schema_checks_queued = 0   # waiting or running (app.py's _check_schema; the event loop's only)
         self._schema_checker_lock = threading.Lock()
 
     @property
@@ -713,7 +714,14 @@ async def _check_schema(state: ServerState, req: GenerationRequest) -> LLMatcher
         except GrammarError as e:   # the worker built it a moment ago: not expected
             return where, str(e)
 
-    got = await asyncio.to_thread(check_and_build)
+    if state.schema_checks_queued >= MAX_QUEUED_SCHEMA_CHECKS:
+        raise APIError(503, f"{MAX_QUEUED_SCHEMA_CHECKS} structured-output schemas are waiting to be checked; retry "
+                       "shortly.", code="server_overloaded", headers={"Retry-After": "1"}, outcome="overloaded")
+    state.schema_checks_queued += 1
+    try:
+        got = await asyncio.get_running_loop().run_in_executor(_SCHEMA_CHECKS, check_and_build)
+    finally:
+        state.schema_checks_queued -= 1
     if isinstance(got, tuple):
         param, err = got
         raise bad_request(f"'{param}' has a schema this server cannot enforce: {err}", param=param)
@@ -899,6 +907,13 @@ def _count_refusal(state: ServerState, tenant: Tenant | None, e: APIError) -> No
         reason = "invalid_request"
     if reason is not None:
         state.metrics.rejections.labels(reason).inc()
+
+
+# schemas are checked (one at a time: schema_check.py's worker) and built on this thread, not
+# in the default pool that tokenizing and body parsing share: checks queued behind a tenant's
+# costly schemas, a second each, held every pool thread (found in review). At most this many wait
+_SCHEMA_CHECKS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfence-schema")
+MAX_QUEUED_SCHEMA_CHECKS = 64   # per server (ServerState.schema_checks_queued)
 
 
 # large answers are built here, not in the default pool that tokenizing and body parsing

@@ -192,3 +192,38 @@ def test_the_engine_thread_never_compiles_a_schema(make_server, monkeypatch):
     srv.wait_idle()
     assert len(where) == 2 and "kvfence-engine" not in where, where
     assert srv.engine.snapshot["grammar_cache"]["misses"] == 2
+
+
+def test_schema_checks_wait_in_a_bounded_queue_of_their_own(make_server, monkeypatch):
+    """Checks run one at a time on their own thread (not the pool tokenizing shares); past the
+    queue's bound a request gets 503 server_overloaded with Retry-After, and nothing is lost:
+    the check ahead of it still answers."""
+    import threading
+    import time
+
+    from kvfence.server import app
+
+    srv = make_server()
+    monkeypatch.setattr(app, "MAX_QUEUED_SCHEMA_CHECKS", 1)
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": COSTLY}}
+    first: list[BaseException] = []
+
+    def costly():
+        try:
+            _chat(srv.client("alice"), response_format=fmt, max_tokens=1)
+        except BaseException as e:  # noqa: BLE001 - checked below
+            first.append(e)
+    t = threading.Thread(target=costly)
+    t.start()
+    deadline = time.monotonic() + 30
+    while srv.state.schema_checks_queued == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with srv.http("bob") as c:
+        r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 2,
+                                                 "response_format": STRICT})
+    t.join(60)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_overloaded", r.text
+    assert r.headers["retry-after"] == "1"
+    assert len(first) == 1 and isinstance(first[0], openai.BadRequestError), first    # the costly one's 400
+    assert srv.state.schema_checks_queued == 0
+    assert _chat(srv.client("bob"), response_format=STRICT, max_tokens=4).choices[0].finish_reason
