@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import resource
 import select
 import subprocess
 import sys
@@ -54,11 +53,14 @@ def _worker() -> None:
     from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
     _die_with_parent()
-    # a schema may ask for memory as well as time: past this the worker dies, which is the same verdict
-    resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY_BYTES, WORKER_MEMORY_BYTES))
+    _cap_memory()
+    # answers go out on a copy of stdout; stdout itself goes to stderr, so that nothing else
+    # printed (a library's warning) can be read as an answer to the wrong schema
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     setup = json.loads(sys.stdin.readline())
     ll = llguidance.LLTokenizer(setup["tokenizer"], n_vocab=setup["n_vocab"], eos_token=setup["eos"])
-    _say("ready")
+    _say(answers, "ready")
     for line in sys.stdin:
         grammar = json.loads(line)
         err = llguidance.LLMatcher.validate_grammar(grammar, ll) or None   # check_schema's verdict
@@ -69,7 +71,7 @@ def _worker() -> None:
                 fill_next_token_bitmask(matcher, allocate_token_bitmask(1, ll.vocab_size), 0)
             if matcher.is_error():
                 err = matcher.get_error()
-        _say(err)
+        _say(answers, err)
 
 
 def _die_with_parent() -> None:
@@ -83,9 +85,20 @@ def _die_with_parent() -> None:
         pass
 
 
-def _say(value: str | None) -> None:
-    sys.stdout.write(json.dumps(value) + "\n")
-    sys.stdout.flush()
+def _cap_memory() -> None:
+    """A schema may ask for memory as well as time: past this the worker dies (the caller's
+    verdict then says so). Where the limit cannot be set, time alone bounds it."""
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY_BYTES, WORKER_MEMORY_BYTES))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
+def _say(answers, value: str | None) -> None:
+    answers.write(json.dumps(value) + "\n")
+    answers.flush()
 
 
 class SchemaChecker:
@@ -99,6 +112,7 @@ class SchemaChecker:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._buffer = b""
+        self._closed = False
         self.killed = 0     # schemas that ran past the deadline (for the tests and the log)
 
     def check(self, schema_json: str, deadline_s: float | None = None) -> str | None:
@@ -119,25 +133,34 @@ class SchemaChecker:
             try:
                 self._send(proc, json.dumps(grammar) + "\n")
                 line = self._read_line(proc, began + deadline)
-            except OSError:   # the worker died on it (e.g. out of memory): the same verdict
-                line = None
-            if line is not None:
-                verdict: str | None = json.loads(line)
-                return verdict
+                if line is not None:
+                    verdict = json.loads(line)
+                    if verdict is None or isinstance(verdict, str):
+                        return verdict
+            except (OSError, ValueError):   # the worker died on it, or said something else
+                pass
+            died = proc.poll() is not None   # by itself (e.g. past its memory), not by our kill
             self._stop()
             self.killed += 1
-            log.warning("a schema's compilation ran past %.1f s (stopped after %.1f s); refused",
-                        deadline, time.monotonic() - began)
+            log.warning("a schema's compilation %s; refused", "ended its worker process" if died else
+                        f"ran past {deadline:.1f} s (stopped after {time.monotonic() - began:.1f} s)")
+            if died:
+                raise SchemaTooCostly("compiling it ended the compiler's process (e.g. more memory than "
+                                      f"{WORKER_MEMORY_BYTES >> 30} GiB); simplify the schema")
             raise SchemaTooCostly(f"compiling it takes longer than {deadline:.3g} s (e.g. a large "
                                   "multipleOf, or many patterns under one allOf); simplify the schema")
 
     def _ready(self) -> subprocess.Popen[bytes]:
+        if self._closed:
+            raise RuntimeError("the schema checker is closed (the server is stopping)")
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
         self._stop()
         # run as a file, -P: its folder (kvfence/engine: config.py, ...) must not shadow any module
+        # its own session: a Ctrl+C to the server's process group would kill it mid-check while
+        # the server shuts down gracefully (the server's death still ends it: _die_with_parent)
         proc = subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=None, close_fds=True)
+                                stdout=subprocess.PIPE, stderr=None, close_fds=True, start_new_session=True)
         self._proc = proc
         try:
             self._send(proc, self._setup)
@@ -181,6 +204,7 @@ class SchemaChecker:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._stop()
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar, cast
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -68,6 +69,10 @@ if TYPE_CHECKING:
     from kvfence.server.tenants import TenantRegistry
 
 log = logging.getLogger("kvfence.pd.node")
+
+# decode builds schemas' matchers here, one at a time: not on the engine thread, and not in the
+# default pool that body parsing shares (the router's check bounds each build: server/app.py)
+_GRAMMAR_BUILDS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfence-grammar")
 
 HEARTBEAT_S = 1.0
 # the largest internal body: a prompt of MAX_PROMPT_IDS ids with its manifest fits
@@ -228,9 +233,9 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
             if params.json_schema is not None and not extra.get("hold_kv"):   # decode samples, prefill not
                 # built here, in a thread: on the engine's thread it would stop every request's
                 # steps for as long as it takes (the router's check bounds that: app.py)
-                vocab = (loop.facts or {}).get("vocab_size")
-                extra["grammar"] = await asyncio.to_thread(
-                    lambda: build_matcher(ll_tokenizer(loop.tokenizer, vocab), str(params.json_schema)))
+                vocab, schema = (loop.facts or {}).get("vocab_size"), str(params.json_schema)
+                extra["grammar"] = await asyncio.get_running_loop().run_in_executor(
+                    _GRAMMAR_BUILDS, lambda: build_matcher(ll_tokenizer(loop.tokenizer, vocab), schema))
             # one event-loop step from the scope check to the submission's command: no forget
             # message or other request can retire the scope in between (pd/scope_epochs.py)
             router = body.scope.router if body.scope is not None else None

@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -26,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvfence import faults
 from kvfence.engine.admission import ContextLengthExceeded, Overloaded, check_fits, completion_tokens
-from kvfence.engine.grammar import GrammarError, build_matcher, ll_tokenizer
+from kvfence.engine.grammar import GrammarError, build_matcher, ll_tokenizer, schema_digest
 from kvfence.engine.params import SamplingParams, canonical_schema
 from kvfence.engine.schema_check import SchemaChecker, SchemaTooCostly
 from kvfence.model.tokenizer import ChatTemplateError
@@ -94,6 +95,9 @@ class ServerState:
         self._paused: frozenset[str] = frozenset()   # names whose scope a reload is retiring now
         self._schema_checker: SchemaChecker | None = None
         self.schema_checks_queued = 0   # waiting or running (app.py's _check_schema; the event loop's only)
+        self.schema_checks_by_tenant: dict[str, int] = {}   # the same, by tenant name
+        # (tenant, scope epoch, schema digest) -> the check's verdict; the schema thread's only
+        self.schema_verdicts: OrderedDict[tuple[str, int, str], tuple[str, str] | None] = OrderedDict()
         self._schema_checker_lock = threading.Lock()
 
     @property
@@ -299,7 +303,7 @@ def create_app(state: ServerState) -> FastAPI:
             if hup:
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
                 hold_sighup()
-            state.close()
+            await asyncio.to_thread(state.close)   # it may wait for a check in progress
             if state.owns_engine:
                 await asyncio.to_thread(state.engine.stop)
 
@@ -584,7 +588,7 @@ async def _generate(state: ServerState, request: Request, kind: str):
         if bad_stop:   # the model can never write it: the stop would silently never apply
             raise bad_request(f"'stop_token_ids' names token {bad_stop[0]}, outside the vocabulary "
                               f"[0, {facts['vocab_size']}).", param="stop_token_ids")
-        grammar = await _check_schema(state, req) if req.params.json_schema is not None else None
+        grammar = await _check_schema(state, req, tenant) if req.params.json_schema is not None else None
         if req.logprobs is not None:   # logprobs' bytes come from llguidance's view of the vocabulary:
             # built once (~0.2 s), off the event loop
             await asyncio.to_thread(ll_tokenizer, state.engine.tokenizer, facts["vocab_size"])
@@ -669,7 +673,7 @@ def _with_request_id(request: Request, response: Response) -> Response:
     return response
 
 
-async def _check_schema(state: ServerState, req: GenerationRequest) -> LLMatcher | None:
+async def _check_schema(state: ServerState, req: GenerationRequest, tenant: Tenant) -> LLMatcher | None:
     """A 400 that names what llguidance cannot compile, before anything reaches an engine (on
     every role: in PD mode decode compiles it again only after prefill has run), and where the
     client wrote it: an enforced tool call's schema is built from the tools' parameters, so the
@@ -681,7 +685,20 @@ async def _check_schema(state: ServerState, req: GenerationRequest) -> LLMatcher
     spec = req.tools if req.tools is not None and (req.tools.enforced or req.tools.answer_schema is not None) else None
     where = "response_format" if spec is None or not spec.enforced else "tools"
 
+    key = (tenant.name, tenant.scope_epoch, schema_digest(str(req.params.json_schema)))
+
     def check() -> tuple[str, str] | None:
+        # a verdict is kept per tenant (its own timing only): a schema sent again skips the worker
+        if key in state.schema_verdicts:
+            state.schema_verdicts.move_to_end(key)
+            return state.schema_verdicts[key]
+        found = check_anew()
+        state.schema_verdicts[key] = found
+        while len(state.schema_verdicts) > SCHEMA_VERDICTS_KEPT:
+            state.schema_verdicts.popitem(last=False)
+        return found
+
+    def check_anew() -> tuple[str, str] | None:
         checker = state.schema_checker
         try:
             err = checker.check(str(req.params.json_schema))
@@ -717,11 +734,24 @@ async def _check_schema(state: ServerState, req: GenerationRequest) -> LLMatcher
     if state.schema_checks_queued >= MAX_QUEUED_SCHEMA_CHECKS:
         raise APIError(503, f"{MAX_QUEUED_SCHEMA_CHECKS} structured-output schemas are waiting to be checked; retry "
                        "shortly.", code="server_overloaded", headers={"Retry-After": "1"}, outcome="overloaded")
+    mine = state.schema_checks_by_tenant.get(tenant.name, 0)
+    if mine >= MAX_QUEUED_SCHEMA_CHECKS_PER_TENANT:   # one tenant cannot fill the queue for all
+        raise APIError(429, f"This API key has {mine} structured-output schemas waiting to be checked; at most "
+                       f"{MAX_QUEUED_SCHEMA_CHECKS_PER_TENANT} may wait at once.",
+                       code="tenant_max_concurrent_requests", headers={"Retry-After": "1"})
     state.schema_checks_queued += 1
+    state.schema_checks_by_tenant[tenant.name] = mine + 1
     try:
         got = await asyncio.get_running_loop().run_in_executor(_SCHEMA_CHECKS, check_and_build)
+    except RuntimeError as e:   # the checker's worker would not start, or the server is stopping
+        raise APIError(503, f"Structured output cannot be checked right now ({e}); retry shortly.",
+                       code="server_overloaded", headers={"Retry-After": "1"}) from None
     finally:
         state.schema_checks_queued -= 1
+        if state.schema_checks_by_tenant[tenant.name] <= 1:
+            del state.schema_checks_by_tenant[tenant.name]
+        else:
+            state.schema_checks_by_tenant[tenant.name] -= 1
     if isinstance(got, tuple):
         param, err = got
         raise bad_request(f"'{param}' has a schema this server cannot enforce: {err}", param=param)
@@ -914,6 +944,8 @@ def _count_refusal(state: ServerState, tenant: Tenant | None, e: APIError) -> No
 # costly schemas, a second each, held every pool thread (found in review). At most this many wait
 _SCHEMA_CHECKS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfence-schema")
 MAX_QUEUED_SCHEMA_CHECKS = 64   # per server (ServerState.schema_checks_queued)
+MAX_QUEUED_SCHEMA_CHECKS_PER_TENANT = 4
+SCHEMA_VERDICTS_KEPT = 1024     # (tenant, schema) verdicts, so a schema sent again skips the worker
 
 
 # large answers are built here, not in the default pool that tokenizing and body parsing

@@ -107,7 +107,19 @@ class HttpLimits:
             ip = ipaddress.ip_address(address)
         except ValueError:
             return False
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped     # an IPv4 proxy reaching a server that listens on "::"
         return any(ip in n for n in networks)
+
+    def forwarded_allow_ips(self) -> list[str]:
+        """The networks as uvicorn compares them, an IPv4 one also in its IPv4-mapped IPv6 form
+        (how an IPv4 peer of a server on "::" appears)."""
+        out = []
+        for n in self.proxy_networks:
+            out.append(str(n))
+            if isinstance(n, ipaddress.IPv4Network):
+                out.append(f"::ffff:{n.network_address}/{96 + n.prefixlen}")
+        return out
 
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -117,11 +129,14 @@ def _proxy_network(text: str) -> IPNetwork:
     """One --trusted-proxy value as a network. No wildcard and no host names: whoever sits in a
     trusted network may name any client address, so the operator lists the proxy's own."""
     try:
-        return ipaddress.ip_network(text.strip(), strict=False)
+        network = ipaddress.ip_network(text.strip())   # strict: 10.0.0.7/8 is a typo, not 10.0.0.0/8
     except ValueError:
         raise ValueError(f"trusted proxy {text!r} is not an IP address or network (e.g. 10.0.0.7 or "
-                         "10.0.0.0/24): name the proxy's own addresses; '*' and host names are not "
-                         "accepted") from None
+                         "10.0.0.0/24, host bits zero): name the proxy's own addresses; '*' and host names "
+                         "are not accepted") from None
+    if network.prefixlen == 0:
+        raise ValueError(f"trusted proxy {text!r} is every address: name the proxy's own addresses")
+    return network
 
 
 REFUSAL_REASONS = ("per_address_cap", "header_timeout", "body_timeout")
@@ -164,7 +179,7 @@ def uvicorn_kwargs(limits: HttpLimits, refusals: ConnectionRefusals | None = Non
             # uvicorn would take X-Forwarded-For from a loopback peer as the client's address;
             # every per-address bound (wrong keys, connections) must count the real peer, unless
             # the operator named the proxy in front (its clients all share its address)
-            **({"proxy_headers": True, "forwarded_allow_ips": [str(n) for n in limits.proxy_networks]}
+            **({"proxy_headers": True, "forwarded_allow_ips": limits.forwarded_allow_ips()}
                if limits.trusted_proxies else {"proxy_headers": False})}
 
 
@@ -293,6 +308,9 @@ def uvicorn_server(app: Any, host: str, port: int, limits: HttpLimits, log_level
     """The one way kvfence builds its uvicorn servers, so that no role runs without the limits."""
     import uvicorn
 
+    if limits.trusted_proxies:
+        log.info("X-Forwarded-For and X-Forwarded-Proto are believed from %s only",
+                 ", ".join(str(n) for n in limits.proxy_networks))
     return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                                          **uvicorn_kwargs(limits, refusals), **options))
 

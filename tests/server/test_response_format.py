@@ -227,3 +227,43 @@ def test_schema_checks_wait_in_a_bounded_queue_of_their_own(make_server, monkeyp
     assert len(first) == 1 and isinstance(first[0], openai.BadRequestError), first    # the costly one's 400
     assert srv.state.schema_checks_queued == 0
     assert _chat(srv.client("bob"), response_format=STRICT, max_tokens=4).choices[0].finish_reason
+
+
+def test_one_tenant_cannot_fill_the_schema_queue_and_a_verdict_is_kept_per_tenant(make_server, monkeypatch):
+    """Past its own bound of waiting checks a tenant gets 429 while another tenant's schema is
+    checked; a schema refused once is refused again without the worker (it would be killed and
+    restarted each time), and only for the tenant that sent it."""
+    import threading
+    import time
+
+    from kvfence.server import app
+
+    srv = make_server()
+    monkeypatch.setattr(app, "MAX_QUEUED_SCHEMA_CHECKS_PER_TENANT", 1)
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {**COSTLY, "title": "per-tenant"}}}
+    first: list[BaseException] = []
+
+    def costly():
+        try:
+            _chat(srv.client("alice"), response_format=fmt, max_tokens=1)
+        except BaseException as e:  # noqa: BLE001 - checked below
+            first.append(e)
+    t = threading.Thread(target=costly)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not srv.state.schema_checks_by_tenant and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(openai.RateLimitError) as e:
+        srv.client("alice").with_options(max_retries=0).chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=1, response_format=STRICT)
+    assert e.value.body["code"] == "tenant_max_concurrent_requests", e.value.body
+    assert _chat(srv.client("bob"), response_format=STRICT, max_tokens=4).choices[0].finish_reason   # served
+    t.join(60)
+    assert len(first) == 1 and isinstance(first[0], openai.BadRequestError), first
+    killed = srv.state.schema_checker.killed
+    with pytest.raises(openai.BadRequestError, match="longer than"):
+        _chat(srv.client("alice"), response_format=fmt, max_tokens=1)      # the kept verdict
+    assert srv.state.schema_checker.killed == killed
+    with pytest.raises(openai.BadRequestError, match="longer than"):
+        _chat(srv.client("bob"), response_format=fmt, max_tokens=1)        # bob's own check
+    assert srv.state.schema_checker.killed == killed + 1

@@ -101,7 +101,7 @@ def test_the_proxy_is_bound_by_the_total_only(make_server):
             s.close()
 
 
-@pytest.mark.parametrize("bad", ["*", "proxy.internal", "10.0.0.0/33", ""])
+@pytest.mark.parametrize("bad", ["*", "proxy.internal", "10.0.0.0/33", "", "10.0.0.7/8", "0.0.0.0/0", "::/0"])
 def test_a_trusted_proxy_must_be_an_address_or_network(bad):
     with pytest.raises(ValueError, match="name the proxy's own addresses"):
         HttpLimits(trusted_proxies=(bad,))
@@ -122,3 +122,16 @@ def test_the_cli_passes_trusted_proxies_and_refuses_them_on_nodes(monkeypatch, t
     assert "name the proxy's own addresses" in capsys.readouterr().err
     assert cli.main(["serve", "--role", "decode", "--trusted-proxy", "10.0.0.7"]) == 2
     assert "routers only" in capsys.readouterr().err
+
+
+def test_an_ipv4_proxy_is_known_on_a_server_listening_on_ipv6():
+    """With --host ::, an IPv4 proxy's connections come from ::ffff:a.b.c.d: the cap's check
+    and uvicorn's (which reads X-Forwarded-For) both know it by that form too."""
+    from uvicorn.middleware.proxy_headers import _TrustedHosts
+
+    limits = HttpLimits(trusted_proxies=("10.0.0.7", "10.1.0.0/16"))
+    assert limits.is_trusted_proxy("::ffff:10.0.0.7") and limits.is_trusted_proxy("::ffff:10.1.2.3")
+    assert not limits.is_trusted_proxy("::ffff:10.0.0.8")
+    trusted = _TrustedHosts(limits.forwarded_allow_ips())
+    assert "::ffff:10.0.0.7" in trusted and "::ffff:10.1.2.3" in trusted and "10.0.0.7" in trusted
+    assert "::ffff:10.0.0.8" not in trusted and "10.2.0.1" not in trusted
