@@ -54,6 +54,13 @@ _tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
+def ll_tokenizer_args(tok: KvTokenizer, n_vocab: int | None = None) -> tuple[str, int, list[int]]:
+    """What llguidance's tokenizer is built from: the tokenizer's JSON, the vocabulary width
+    (the model's logits width when wider) and the end-of-generation ids (its EOS). Here and in
+    schema_check.py's worker, which builds its own from them."""
+    return tok.hf.to_str(), max(tok.vocab_size, n_vocab or 0), sorted(tok.end_ids)
+
+
 def ll_tokenizer(tok: KvTokenizer, n_vocab: int | None = None) -> llguidance.LLTokenizer:
     """llguidance's view of `tok` (built once per tokenizer; the server validates with the same
     one the engine constrains with). End-of-generation ids are its EOS: allowed only once the
@@ -63,8 +70,8 @@ def ll_tokenizer(tok: KvTokenizer, n_vocab: int | None = None) -> llguidance.LLT
     with _lock:
         got = _tokenizers.get(tok)
         if got is None:
-            n = max(tok.vocab_size, n_vocab or 0)
-            got = llguidance.LLTokenizer(tok.hf.to_str(), n_vocab=n, eos_token=sorted(tok.end_ids))
+            text, n, eos = ll_tokenizer_args(tok, n_vocab)
+            got = llguidance.LLTokenizer(text, n_vocab=n, eos_token=eos)
             _tokenizers[tok] = got
         return got
 

@@ -106,9 +106,11 @@ class SchemaChecker:
     compiles, SchemaTooCostly past the deadline. Thread-safe; the worker starts on first use."""
 
     def __init__(self, tok: KvTokenizer, n_vocab: int | None = None, deadline_s: float = DEADLINE_S):
+        from kvfence.engine.grammar import ll_tokenizer_args
+
         self.deadline_s = deadline_s
-        self._setup = json.dumps({"tokenizer": tok.hf.to_str(), "n_vocab": max(tok.vocab_size, n_vocab or 0),
-                                  "eos": sorted(tok.end_ids)}) + "\n"
+        text, n, eos = ll_tokenizer_args(tok, n_vocab)   # as the server's and the engine's own
+        self._setup = json.dumps({"tokenizer": text, "n_vocab": n, "eos": eos}) + "\n"
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._buffer = b""

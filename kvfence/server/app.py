@@ -94,11 +94,15 @@ class ServerState:
         self.last_reload: dict | None = None   # the operator console shows it
         self._paused: frozenset[str] = frozenset()   # names whose scope a reload is retiring now
         self._schema_checker: SchemaChecker | None = None
-        self.schema_checks_queued = 0   # waiting or running (app.py's _check_schema; the event loop's only)
-        self.schema_checks_by_tenant: dict[str, int] = {}   # the same, by tenant name
+        # schema checks waiting or running, by tenant name (app.py's _check_schema; the event loop's only)
+        self.schema_checks_by_tenant: dict[str, int] = {}
         # (tenant, scope epoch, schema digest) -> the check's verdict; the schema thread's only
         self.schema_verdicts: OrderedDict[tuple[str, int, str], tuple[str, str] | None] = OrderedDict()
         self._schema_checker_lock = threading.Lock()
+
+    @property
+    def schema_checks_queued(self) -> int:
+        return sum(self.schema_checks_by_tenant.values())
 
     @property
     def schema_checker(self) -> SchemaChecker:
@@ -739,7 +743,6 @@ async def _check_schema(state: ServerState, req: GenerationRequest, tenant: Tena
         raise APIError(429, f"This API key has {mine} structured-output schemas waiting to be checked; at most "
                        f"{MAX_QUEUED_SCHEMA_CHECKS_PER_TENANT} may wait at once.",
                        code="tenant_max_concurrent_requests", headers={"Retry-After": "1"})
-    state.schema_checks_queued += 1
     state.schema_checks_by_tenant[tenant.name] = mine + 1
     try:
         got = await asyncio.get_running_loop().run_in_executor(_SCHEMA_CHECKS, check_and_build)
@@ -747,7 +750,6 @@ async def _check_schema(state: ServerState, req: GenerationRequest, tenant: Tena
         raise APIError(503, f"Structured output cannot be checked right now ({e}); retry shortly.",
                        code="server_overloaded", headers={"Retry-After": "1"}) from None
     finally:
-        state.schema_checks_queued -= 1
         if state.schema_checks_by_tenant[tenant.name] <= 1:
             del state.schema_checks_by_tenant[tenant.name]
         else:
@@ -943,7 +945,7 @@ def _count_refusal(state: ServerState, tenant: Tenant | None, e: APIError) -> No
 # in the default pool that tokenizing and body parsing share: checks queued behind a tenant's
 # costly schemas, a second each, held every pool thread (found in review). At most this many wait
 _SCHEMA_CHECKS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfence-schema")
-MAX_QUEUED_SCHEMA_CHECKS = 64   # per server (ServerState.schema_checks_queued)
+MAX_QUEUED_SCHEMA_CHECKS = 64   # per server (ServerState.schema_checks_by_tenant, all tenants)
 MAX_QUEUED_SCHEMA_CHECKS_PER_TENANT = 4
 SCHEMA_VERDICTS_KEPT = 1024     # (tenant, schema) verdicts, so a schema sent again skips the worker
 

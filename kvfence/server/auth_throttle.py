@@ -26,6 +26,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvfence.server.http_limits import peer_ip
+
 if TYPE_CHECKING:
     from starlette.requests import Request
 
@@ -43,13 +45,10 @@ def client_address(request: Request) -> str:
 def address_group(host: str) -> str:
     """What failures count against: an IPv4 address (an IPv4-mapped IPv6 one too), an IPv6
     address's /64, or the host string as given when it is no address."""
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
+    ip = peer_ip(host)
+    if ip is None:
         return host
     if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
         return str(ipaddress.IPv6Network((ip, 64), strict=False))
     return str(ip)
 

@@ -103,13 +103,8 @@ class HttpLimits:
         networks = self.proxy_networks
         if not networks:
             return False
-        try:
-            ip = ipaddress.ip_address(address)
-        except ValueError:
-            return False
-        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped     # an IPv4 proxy reaching a server that listens on "::"
-        return any(ip in n for n in networks)
+        ip = peer_ip(address)
+        return ip is not None and any(ip in n for n in networks)
 
     def forwarded_allow_ips(self) -> list[str]:
         """The networks as uvicorn compares them, an IPv4 one also in its IPv4-mapped IPv6 form
@@ -123,6 +118,18 @@ class HttpLimits:
 
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def peer_ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """A peer's address as an IP, an IPv4-mapped IPv6 one as its IPv4 address (how an IPv4
+    client of a server listening on "::" appears), or None when it is no IP."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
 
 
 def _proxy_network(text: str) -> IPNetwork:

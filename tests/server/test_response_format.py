@@ -194,30 +194,37 @@ def test_the_engine_thread_never_compiles_a_schema(make_server, monkeypatch):
     assert srv.engine.snapshot["grammar_cache"]["misses"] == 2
 
 
-def test_schema_checks_wait_in_a_bounded_queue_of_their_own(make_server, monkeypatch):
-    """Checks run one at a time on their own thread (not the pool tokenizing shares); past the
-    queue's bound a request gets 503 server_overloaded with Retry-After, and nothing is lost:
-    the check ahead of it still answers."""
+def _costly_check_in_flight(srv, fmt: dict) -> tuple:
+    """alice's request with a costly schema, sent from a thread, once its check is in flight:
+    the thread, and the list its error lands in."""
     import threading
     import time
 
-    from kvfence.server import app
-
-    srv = make_server()
-    monkeypatch.setattr(app, "MAX_QUEUED_SCHEMA_CHECKS", 1)
-    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": COSTLY}}
     first: list[BaseException] = []
 
     def costly():
         try:
             _chat(srv.client("alice"), response_format=fmt, max_tokens=1)
-        except BaseException as e:  # noqa: BLE001 - checked below
+        except BaseException as e:  # noqa: BLE001 - the caller checks it
             first.append(e)
     t = threading.Thread(target=costly)
     t.start()
     deadline = time.monotonic() + 30
     while srv.state.schema_checks_queued == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
+    return t, first
+
+
+def test_schema_checks_wait_in_a_bounded_queue_of_their_own(make_server, monkeypatch):
+    """Checks run one at a time on their own thread (not the pool tokenizing shares); past the
+    queue's bound a request gets 503 server_overloaded with Retry-After, and nothing is lost:
+    the check ahead of it still answers."""
+
+    from kvfence.server import app
+
+    srv = make_server()
+    monkeypatch.setattr(app, "MAX_QUEUED_SCHEMA_CHECKS", 1)
+    t, first = _costly_check_in_flight(srv, {"type": "json_schema", "json_schema": {"name": "n", "schema": COSTLY}})
     with srv.http("bob") as c:
         r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 2,
                                                  "response_format": STRICT})
@@ -233,26 +240,13 @@ def test_one_tenant_cannot_fill_the_schema_queue_and_a_verdict_is_kept_per_tenan
     """Past its own bound of waiting checks a tenant gets 429 while another tenant's schema is
     checked; a schema refused once is refused again without the worker (it would be killed and
     restarted each time), and only for the tenant that sent it."""
-    import threading
-    import time
 
     from kvfence.server import app
 
     srv = make_server()
     monkeypatch.setattr(app, "MAX_QUEUED_SCHEMA_CHECKS_PER_TENANT", 1)
     fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {**COSTLY, "title": "per-tenant"}}}
-    first: list[BaseException] = []
-
-    def costly():
-        try:
-            _chat(srv.client("alice"), response_format=fmt, max_tokens=1)
-        except BaseException as e:  # noqa: BLE001 - checked below
-            first.append(e)
-    t = threading.Thread(target=costly)
-    t.start()
-    deadline = time.monotonic() + 30
-    while not srv.state.schema_checks_by_tenant and time.monotonic() < deadline:
-        time.sleep(0.01)
+    t, first = _costly_check_in_flight(srv, fmt)
     with pytest.raises(openai.RateLimitError) as e:
         srv.client("alice").with_options(max_retries=0).chat.completions.create(
             model=MODEL, messages=ASK, max_tokens=1, response_format=STRICT)
