@@ -99,6 +99,7 @@ class ServerState:
         # (tenant, scope epoch, schema digest) -> the check's verdict; the schema thread's only
         self.schema_verdicts: OrderedDict[tuple[str, int, str], tuple[str, str] | None] = OrderedDict()
         self._schema_checker_lock = threading.Lock()
+        self._closed = False   # after close() no checker is built again (its worker would outlive the server)
 
     @property
     def schema_checks_queued(self) -> int:
@@ -109,12 +110,15 @@ class ServerState:
         """Compiles clients' schemas under a deadline in a worker process (built on first use:
         the engine's tokenizer exists once it is ready)."""
         with self._schema_checker_lock:
+            if self._closed:
+                raise RuntimeError("the server is stopping")
             if self._schema_checker is None:
                 self._schema_checker = SchemaChecker(self.engine.tokenizer, self.facts["vocab_size"])
             return self._schema_checker
 
     def close(self) -> None:
         with self._schema_checker_lock:
+            self._closed = True
             if self._schema_checker is not None:
                 self._schema_checker.close()
 

@@ -28,6 +28,7 @@ def test_a_schema_that_compiles_passes_and_one_that_cannot_is_named(checker):
     {"allOf": [{"type": "string", "pattern": f"(.*{c}.*){{5}}"} for c in "abcdefghijklmnopqrst"]},   # validation
 ])
 def test_past_the_deadline_the_worker_is_stopped_and_the_next_schema_served(checker, costly):
+    assert checker.check(json.dumps({"type": "string"})) is None   # a worker runs (even when run alone)
     killed = checker.killed
     first = checker._proc
     with pytest.raises(SchemaTooCostly, match="longer than 0.5 s"):
@@ -44,3 +45,26 @@ def test_a_call_may_have_a_shorter_deadline_but_never_a_longer_one(checker):
         checker.check(json.dumps({"type": "string"}), deadline_s=0)
     with pytest.raises(SchemaTooCostly, match="longer than 0.5 s"):
         checker.check(json.dumps({"type": "integer", "multipleOf": 999983}), deadline_s=60)
+
+
+def test_a_stopped_server_builds_no_checker_again():
+    """A check still queued when the server stops must not start a worker that outlives it."""
+    from kvfence.server.app import ServerState
+    from kvfence.server.tenants import TenantRegistry
+
+    class Backend:   # the checker needs only the tokenizer and the vocabulary size
+        tokenizer = load_router_tokenizer(None)
+        facts = {"vocab_size": None}
+
+    used = ServerState(Backend(), TenantRegistry.single())  # type: ignore[arg-type]
+    first = used.schema_checker
+    assert first.check(json.dumps({"type": "string"})) is None
+    used.close()
+    assert first._proc is None or first._proc.poll() is not None
+    with pytest.raises(RuntimeError):
+        used.schema_checker.check(json.dumps({"type": "string"}))
+    unused = ServerState(Backend(), TenantRegistry.single())  # type: ignore[arg-type]
+    unused.close()   # before any schema came: the lazy property must not start a worker now
+    with pytest.raises(RuntimeError, match="stopping"):
+        _ = unused.schema_checker
+    assert unused._schema_checker is None
