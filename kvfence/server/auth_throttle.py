@@ -13,9 +13,11 @@ One table counts every check of the operator's and the scraper's keys (the conso
 limit. An IPv6 client counts by its /64, the block one host is usually given: per exact address
 one host could guess without bound.
 
-The table is bounded (MAX_ADDRESSES, oldest window dropped first), so many addresses cost
-memory that is bounded too. Called from the event loop only (no lock): the console's handlers
-check and count without awaiting in between.
+The table is bounded (MAX_ADDRESSES), so many addresses cost memory that is bounded too. When
+it is full, an ended window goes first, then the oldest still under the limit, and a held-back
+address only when every other one is held back too: else a guesser could lift its own hold by
+failing once from each of MAX_ADDRESSES other addresses. Called from the event loop only (no
+lock): the console's handlers check and count without awaiting in between.
 """
 from __future__ import annotations
 
@@ -79,5 +81,15 @@ class FailedAuthThrottle:
         start, count = window if window is not None else (self.clock(), 0)
         self._windows[group] = (start, count + 1)
         self._windows.move_to_end(group)
+        if len(self._windows) > self.max_addresses:
+            self._make_room(keep=group)
+
+    def _make_room(self, keep: str) -> None:
+        now = self.clock()
+        for g in [g for g, (start, _) in self._windows.items() if now - start >= self.window_s]:
+            del self._windows[g]
         while len(self._windows) > self.max_addresses:
-            self._windows.popitem(last=False)
+            victim = next((g for g, (_, n) in self._windows.items() if n < self.limit and g != keep), None)
+            if victim is None:    # every other address is held back: the one held longest goes
+                victim = next(g for g in self._windows if g != keep)
+            del self._windows[victim]

@@ -50,3 +50,29 @@ def test_an_ipv6_client_counts_by_its_64_and_a_mapped_ipv4_one_as_ipv4():
         t.failed("::ffff:10.0.0.7")
     assert t.retry_after("10.0.0.7") == 60
     assert address_group("10.0.0.7") == "10.0.0.7" and address_group("unknown") == "unknown"
+
+
+def test_a_full_table_keeps_held_back_addresses_over_new_ones():
+    """Dropping the oldest window first let a guesser lift its own hold: one failure from each
+    of MAX_ADDRESSES other addresses pushed its window out of the table."""
+    clock = Clock()
+    t = FailedAuthThrottle(limit=3, window_s=60, max_addresses=4, clock=clock)
+    for _ in range(3):
+        t.failed("10.0.0.1")
+    for i in range(2, 40):   # one failure each: under the limit, so these go first
+        t.failed(f"10.0.1.{i}")
+        assert t.retry_after("10.0.0.1") == 60
+    assert len(t._windows) == 4 and "10.0.1.39" in t._windows
+    clock.now += 61           # an ended window makes room before any live one goes
+    for _ in range(3):
+        t.failed("10.0.0.2")
+    assert t.retry_after("10.0.0.2") == 60 and len(t._windows) == 1
+
+
+def test_when_every_window_is_held_back_the_oldest_hold_goes():
+    """A new address is still counted (else it could guess without bound)."""
+    t = FailedAuthThrottle(limit=1, max_addresses=2, clock=Clock())
+    for a in ("10.0.0.1", "10.0.0.2", "10.0.0.3"):
+        t.failed(a)
+    assert t.retry_after("10.0.0.1") is None
+    assert t.retry_after("10.0.0.2") is not None and t.retry_after("10.0.0.3") is not None
