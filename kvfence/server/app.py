@@ -315,8 +315,10 @@ def create_app(state: ServerState) -> FastAPI:
             if state.owns_engine:
                 await asyncio.to_thread(state.engine.stop)
 
+    # the route list (console, test faults) is nobody's business; no trailing-slash redirects:
+    # Starlette builds their Location from the client's Host header (the 404 names the route)
     app = FastAPI(title="kvfence", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)   # the route list (console, test faults) is nobody's business
+                  openapi_url=None, redirect_slashes=False)
     app.state.kvfence = state
 
     @app.exception_handler(APIError)
@@ -327,6 +329,9 @@ def create_app(state: ServerState) -> FastAPI:
     async def _http_error(request: Request, e: StarletteHTTPException):
         type_ = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
         msg = f"No route {request.method} {request.url.path}." if e.status_code in (404, 405) else str(e.detail)
+        path = request.url.path
+        if e.status_code == 404 and path.endswith("/") and path.rstrip("/") in _plain_paths(app):
+            msg += f" Did you mean {path.rstrip('/')}?"
         return JSONResponse(error_body(msg, type_, None, None), status_code=e.status_code)
 
     @app.exception_handler(RecursionError)
@@ -679,6 +684,11 @@ def _with_request_id(request: Request, response: Response) -> Response:
     if rid is not None:
         response.headers["x-request-id"] = rid
     return response
+
+
+def _plain_paths(app: FastAPI) -> set[str]:
+    """The routes without path parameters, for a 404's hint."""
+    return {p for r in app.routes if "{" not in (p := getattr(r, "path", "{"))}
 
 
 async def _check_schema(state: ServerState, req: GenerationRequest, tenant: Tenant) -> LLMatcher | None:

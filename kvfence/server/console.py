@@ -227,6 +227,11 @@ def mount(app: FastAPI, state: ServerState) -> None:
             return _login_page(401)
         return _secure(HTMLResponse(_PAGE))
 
+    @app.get("/console/")
+    async def console_slash():
+        # what people type; a relative Location (not one built from the Host header)
+        return _secure(RedirectResponse("/console", status_code=308))
+
     @app.get("/console/login.css")
     async def login_css():
         kind, text = assets["login.css"]    # the sign-in form's style: public, like the form

@@ -51,6 +51,27 @@ def test_the_bare_address_says_what_answers_there(server, console_server):
     assert r.status_code == 303 and r.headers["location"] == "/console"
 
 
+def test_a_trailing_slash_is_never_redirected_to_the_host_a_client_named(server, console_server):
+    """Starlette's slash redirects built their Location from the Host header (a 307 to
+    http://evil.example/console for a request that named that host). /console/ is what people
+    type: it goes to /console by a relative Location; another route's slash is a 404 that
+    names the route."""
+    evil = {"host": "evil.example"}
+
+    def get(srv, path: str) -> httpx.Response:
+        return httpx.get(srv.url + path, headers=evil | {"authorization": f"Bearer {KEYS['alice']}"}, timeout=30,
+                         follow_redirects=False)
+
+    r = get(console_server, "/console/")
+    assert r.status_code == 308 and r.headers["location"] == "/console"
+    assert r.headers["cache-control"] == "no-store"
+    for path in ("/health/", "/health/live/", "/metrics/"):
+        r = get(server, path)
+        assert r.status_code == 404 and "location" not in r.headers, path
+        assert r.json()["error"]["message"].endswith(f"Did you mean {path[:-1]}?"), r.text
+    assert "Did you mean" not in get(server, "/nothing/").text
+
+
 def test_without_an_operator_key_the_console_is_off_and_says_how_to_turn_it_on(server):
     for path in ROUTES:
         r = _get(server, path, KEYS["alice"])
