@@ -22,7 +22,7 @@ import hashlib
 import threading
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -48,6 +48,13 @@ class GrammarError(ValueError):
 
 class GrammarFailed(RuntimeError):
     """A matcher refused a token or failed while computing a mask: that request ends alone."""
+
+
+class GrammarLimit(GrammarFailed):
+    """The matcher failed while computing the next mask, or its mask allows nothing: the
+    client's schema took llguidance past one of its limits (a large multipleOf with a large
+    maximum builds too many lexer expressions) or into a dead end. A refused token, by contrast,
+    means a mask was not applied: our fault, not the schema's."""
 
 
 _tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -178,12 +185,22 @@ class Constraint:
     """One request's grammar: its matcher, and the width of llguidance's masks for it."""
     matcher: llguidance.LLMatcher
     vocab: int
+    # the mask fill_bitmask computed for the next token (int32 words), until it is consumed
+    allowed: np.ndarray | None = field(default=None, repr=False)
+    limit: GrammarLimit | None = None   # the mask that failed: the same error when its row is asked alone
 
     def consume(self, token: int) -> bool:
-        """Advance by the sampled token; True when the grammar is done (the request stops)."""
-        if not self.matcher.consume_token(token):
-            raise GrammarFailed(f"the output grammar refused token {token}: {self.matcher.get_error()}")
-        return self.matcher.is_stopped()
+        """Advance by the sampled token; True when the grammar is done (the request stops).
+        GrammarLimit if the matcher fails on a token its own mask allowed (the schema's limits),
+        GrammarFailed if it refuses one no mask allowed (the server's fault)."""
+        mask, self.allowed = self.allowed, None   # each mask is for one token
+        ok = self.matcher.consume_token(token)
+        if ok and not self.matcher.is_error():
+            return self.matcher.is_stopped()
+        why = self.matcher.get_error()
+        if ok or (mask is not None and (int(mask[token >> 5]) >> (token & 31)) & 1):
+            raise GrammarLimit(f"the schema took the grammar engine past its limits while generating ({why})")
+        raise GrammarFailed(f"the output grammar refused token {token}: {why}")
 
 
 _executor: llguidance.LLExecutor | None = None
@@ -196,8 +213,9 @@ _BYTE_BIAS = torch.from_numpy(np.where(
 
 def fill_bitmask(rows: list[Constraint]) -> np.ndarray:
     """int32 [len(rows), words]: llguidance's allowed-token bits for each row, all rows in one
-    call. GrammarFailed if a matcher is in error or allows nothing (the sampler then samples
-    each row alone, so only that request fails)."""
+    call. GrammarFailed if a matcher was in error before; GrammarLimit if computing its mask
+    failed or it allows nothing (the sampler then samples each row alone, so only that request
+    fails)."""
     global _executor
     import llguidance
     from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
@@ -209,13 +227,23 @@ def fill_bitmask(rows: list[Constraint]) -> np.ndarray:
     vocab = rows[0].vocab
     if any(r.vocab != vocab for r in rows):
         raise ValueError("grammar rows of one batch must share a tokenizer")
+    for r in rows:
+        if r.limit is not None:   # its mask failed in the batch: the sampler asks for its row alone
+            raise r.limit
+        if r.matcher.is_error():   # in error before this mask: not the schema's limits
+            raise GrammarFailed(f"the output grammar failed: {r.matcher.get_error()}")
     bitmask = allocate_token_bitmask(len(rows), vocab)
     fill_next_token_bitmask_par(_executor, [(r.matcher, i) for i, r in enumerate(rows)], bitmask)
-    for r in rows:
+    for i, r in enumerate(rows):
         if r.matcher.is_error():
-            raise GrammarFailed(f"the output grammar failed: {r.matcher.get_error()}")
-    if not bitmask.any(axis=1).all():
-        raise GrammarFailed("the output grammar allows no next token")
+            r.limit = GrammarLimit(f"the schema took the grammar engine past its limits while generating "
+                                   f"({r.matcher.get_error()})")
+        elif not bitmask[i].any():
+            r.limit = GrammarLimit("the schema's grammar allows no next token")
+        r.allowed = bitmask[i]
+    for r in rows:
+        if r.limit is not None:
+            raise r.limit
     return bitmask
 
 

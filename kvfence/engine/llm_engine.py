@@ -27,7 +27,7 @@ from kvfence.engine.admission import (
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.containment import FAIL_CLOSED, MAX_FAILED_STEPS
 from kvfence.engine.detokenizer import IncrementalDetokenizer
-from kvfence.engine.grammar import GrammarCache, GrammarFailed, ll_tokenizer
+from kvfence.engine.grammar import GrammarCache, GrammarFailed, GrammarLimit, ll_tokenizer
 from kvfence.engine.kv_link import (
     Decision,
     EndRequest,
@@ -430,12 +430,17 @@ class LLMEngine:
     def _fail(self, seq: Sequence, e: BaseException) -> StepOutput:
         """End a request whose processing raised (500 engine_error); its pages go back through
         the ledger as on any abort, and a PD link frees or fences its rows."""
-        log.error("request %s failed inside the engine step, aborting it alone: %s: %s", seq.request_id,
-                  type(e).__name__, e, exc_info=e)
-        if isinstance(e, GrammarFailed):   # its structured output cannot go on; no traceback to log
-            self.outcomes["grammar_error"] += 1
+        if isinstance(e, GrammarLimit):   # the client's schema: no server fault, no traceback
+            log.warning("request %s aborted alone: its schema failed while generating: %s", seq.request_id, e)
+        else:
+            log.error("request %s failed inside the engine step, aborting it alone: %s: %s", seq.request_id,
+                      type(e).__name__, e, exc_info=e)
+        if isinstance(e, GrammarFailed):   # its structured output cannot go on
+            # the client's schema (a 400), or a token its mask did not allow (ours, a 500)
+            code = "grammar_limit_exceeded" if isinstance(e, GrammarLimit) else "grammar_error"
+            self.outcomes[code] += 1
             if not seq.finished:
-                self.end(seq, Event.ABORT, "aborted", str(e), code="grammar_error")
+                self.end(seq, Event.ABORT, "aborted", str(e), code=code)
             return StepOutput(seq, [], "", True)
         self.outcomes["engine_error"] += 1
         if not seq.finished:

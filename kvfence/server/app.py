@@ -1197,8 +1197,12 @@ class _Run:
             outcome = "key_revoked"
         elif outcome is None:
             reason = next((c.reason for c in self.choices if c.reason), None)
-            outcome = ("client_disconnected" if self.disconnected and not self._ok() else
-                       reason or "error" if self._ok() else "error")
+            if self._ok():
+                outcome = reason or "error"
+            elif self.disconnected:
+                outcome = "client_disconnected"
+            else:   # an abort the client caused (its schema's limits) is no server error
+                outcome = "invalid" if self._failure().status == 400 else "error"
         generated = self._tokens_generated()
         self.lease.release(generated)
         firsts = [c.first_token_at for c in self.choices if c.first_token_at is not None]
@@ -1224,7 +1228,11 @@ class _Run:
             detail = f"{detail.split(':', 1)[0]} (details in the server's incident log)"
         else:
             detail = _public_detail(self.state, self.choices[0].rid, self.tenant, u.abort_code, detail)
-        return APIError(status, f"{what}: {detail}.", code=u.abort_code or "request_aborted")
+        param = None
+        if u.abort_code == "grammar_limit_exceeded":   # the client's schema: where it wrote it
+            tools = self.req.tools
+            param = "tools" if tools is not None and tools.enforced else "response_format"
+        return APIError(status, f"{what}: {detail}.", code=u.abort_code or "request_aborted", param=param)
 
     def _fail_on(self, e: BaseException) -> APIError:
         if isinstance(e, KeyRevoked):

@@ -59,6 +59,10 @@ ABORT_STATUS = {
     "engine_error": (500, "The server hit an internal error on this request (other requests were not affected)"),
     "grammar_error": (500, "The response_format constraint failed during generation (other requests were not "
                            "affected)"),
+    # the client's schema went past llguidance's limits only while generating (schema_check.py
+    # builds the matcher and its first mask under a deadline, not every later one)
+    "grammar_limit_exceeded": (400, "The schema could not be enforced past the tokens generated so far; simplify "
+                                    "it (e.g. a smaller multipleOf, maximum or pattern)"),
     "context_length_exceeded": (400, "A serving node refused the request"),        # PD: a node's own I4
     "kv_manifest_invalid": (500, "The KV handoff was refused"),
     "kv_transfer_failed": (503, "The KV transfer between prefill and decode failed"),
@@ -78,4 +82,4 @@ ABORT_STATUS = {
 # abort codes whose detail is about the client's own request (its lengths, its schema); any
 # other detail may name a node, a transfer address, the pool's state or an exception, so with
 # tenants it goes to the log and the client gets the fixed text (app.py, _public_detail)
-OWN_DETAIL_CODES = frozenset({"grammar_error", "context_length_exceeded", "invalid_request"})
+OWN_DETAIL_CODES = frozenset({"grammar_error", "grammar_limit_exceeded", "context_length_exceeded", "invalid_request"})

@@ -66,3 +66,26 @@ def test_a_grammar_failing_mid_generation_ends_only_its_request(llm):
     jsonschema.validate(_json(fine.text), PERSON)
     assert other.finish_reason == "length" and len(other.output_ids) == 8
     assert eng.ledger.num_owned == 0
+
+
+def test_a_schema_past_llguidance_limits_is_the_clients_and_a_refused_token_is_ours(llm, monkeypatch):
+    """This schema compiles (and passes the server's check) but a few tokens in llguidance
+    gives up on the next mask: the schema's fault (grammar_limit_exceeded, a 400). A sampled
+    token the mask would not have allowed is the server's (grammar_error, a 500)."""
+    eng = llm.engine
+    ids = llm.tokenizer.encode_chat([{"role": "user", "content": "Pick a large number."}])
+    costly = SamplingParams(temperature=0, max_tokens=32,
+                            json_schema={"type": "integer", "multipleOf": 99991, "maximum": 1e12})
+    limited = eng.add_request(ids, costly)
+    other = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=8))
+    while eng.has_unfinished():
+        eng.step()
+    assert limited.abort_code == "grammar_limit_exceeded" and "too many expressions" in limited.error, limited.error
+    assert other.finish_reason == "length" and eng.ledger.num_owned == 0
+
+    monkeypatch.setattr(logits_processors, "apply_grammar", lambda *a: None)   # sampled without the mask
+    refused = eng.add_request(llm.tokenizer.encode_chat(ASK), SamplingParams(temperature=0, max_tokens=48,
+                                                                          json_schema=PERSON))
+    while eng.has_unfinished():
+        eng.step()
+    assert refused.abort_code == "grammar_error" and "refused token" in refused.error, refused.error

@@ -167,6 +167,36 @@ def test_a_schema_too_costly_to_compile_is_refused_and_the_engine_never_compiles
     assert json.loads(_chat(c, response_format=STRICT).choices[0].message.content)["city"]
 
 
+def test_a_schema_that_fails_mid_generation_is_the_clients_400_and_others_go_on(server):
+    """This one passes the check (85 ms) and a few tokens in llguidance gives up ("too many
+    expressions constructed"): the client's schema, so a 400 naming where it wrote it, counted
+    as invalid, not a server error; streamed, the error event; other requests go on."""
+    limited = {"type": "integer", "multipleOf": 99991, "maximum": 1e12}
+    c = server.client("alice")
+    ask = [{"role": "user", "content": "Pick a large number."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": limited}}
+    errors = server.metric("kvfence_requests_total", tenant="alice", outcome="error")
+    invalid = server.metric("kvfence_requests_total", tenant="alice", outcome="invalid")
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=ask, temperature=0, max_tokens=32, response_format=fmt)
+    body = e.value.body
+    assert body["code"] == "grammar_limit_exceeded" and body["param"] == "response_format", body
+    assert "too many expressions" in body["message"], body
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"n": limited}, "required": ["n"]}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=ask, temperature=0, max_tokens=32, tools=[tool],
+                                  tool_choice="required")
+    assert e.value.body["code"] == "grammar_limit_exceeded" and e.value.body["param"] == "tools", e.value.body
+    with pytest.raises(openai.APIError, match="grammar engine past its limits"):
+        for _ in c.chat.completions.create(model=MODEL, messages=ask, temperature=0, max_tokens=32,
+                                           response_format=fmt, stream=True):
+            pass
+    assert server.metric("kvfence_requests_total", tenant="alice", outcome="error") == errors
+    assert server.metric("kvfence_requests_total", tenant="alice", outcome="invalid") == invalid + 3
+    assert json.loads(_chat(server.client("bob"), response_format=STRICT).choices[0].message.content)["city"]
+
+
 def test_the_engine_thread_never_compiles_a_schema(make_server, monkeypatch):
     """The server builds each schema's matcher in a thread and hands it to the engine, once per
     cache scope and for every choice of n: the engine thread, whose time is every tenant's
