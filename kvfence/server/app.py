@@ -62,7 +62,7 @@ from kvfence.server.tenants import (
     prompt_cap_refusal,
     registry_change,
 )
-from kvfence.server.tools import CallStream, ToolSpec, parse_answer
+from kvfence.server.tools import CallStream, ToolSpec, call_cut_before_its_name, parse_answer
 from kvfence.server.tools import render as render_tools
 
 if TYPE_CHECKING:
@@ -1379,14 +1379,14 @@ class _Run:
                         yield self.fmt.chunk(u.text, None, list(u.logprobs) if want_lps else None, inc,
                                              index=c.index)
                     if u.finished and c.ok and enforced:
-                        if calls[c.index].calls:   # cut short by max_tokens: its last call is unfinished
-                            reason = finish_reason(c.reason, True, True)
-                        else:                      # cut short before a call began: text, as unstreamed
-                            reason = c.reason
-                            yield self.fmt.chunk("".join(c.text), None, self._take_logprobs(c, want_lps), inc,
-                                                 index=c.index)
-                        yield self.fmt.chunk("", reason, self._take_logprobs(c, want_lps) or None, inc,
-                                             index=c.index)
+                        named = bool(calls[c.index].calls)   # else cut before a name closed: as unstreamed
+                        spec = self.req.tools
+                        if not named and spec is not None and (only := call_cut_before_its_name(spec)) is not None:
+                            named = True
+                            yield self.fmt.chunk("", None, self._take_logprobs(c, want_lps), inc,
+                                                 index=c.index, call_deltas=[{"index": 0, **only}])
+                        yield self.fmt.chunk("", finish_reason(c.reason, named, True),
+                                             self._take_logprobs(c, want_lps) or None, inc, index=c.index)
                     elif u.finished and c.ok and tools:
                         content, whole = self._answer(c, "".join(c.text))
                         yield self.fmt.chunk(content or "", None, self._take_logprobs(c, want_lps), inc,

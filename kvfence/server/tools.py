@@ -289,15 +289,27 @@ def _cut_calls(text: str, spec: ToolSpec) -> list[dict]:
     return [c for c in calls if c["function"]["name"] in allowed]   # the grammar admits no other
 
 
+def call_cut_before_its_name(spec: ToolSpec) -> dict | None:
+    """An enforced answer cut by max_tokens before its first call's name closed ('[{"name":"get_'):
+    that wrapper is the server's grammar, never the assistant's content. With one tool allowed
+    the call is known (OpenAI names a forced call whatever cut it): that call, no arguments yet.
+    With several, no call can be named: None (no content and no call, finish_reason length)."""
+    allowed = spec.allowed()
+    if len(allowed) != 1:
+        return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": allowed[0]["name"], "arguments": ""}}
+
+
 def parse_answer(text: str, spec: ToolSpec) -> tuple[str | None, list[dict] | None]:
     """(content, tool_calls) of a finished answer. Text nested deeper than the JSON parser
     recurses (a recursive $ref grammar allows it) is read as text, like any that does not parse."""
     if spec.enforced:   # the grammar held it to call_schema: it parses, unless max_tokens cut it
         try:
             obj = json.loads(text)
-        except JSON_ERRORS:   # cut short: the calls begun, as streamed; before a name closed, text
-            cut = _cut_calls(text, spec)
-            return (None, cut) if cut else (text, None)
+        except JSON_ERRORS:   # cut short: the calls begun, as streamed
+            cut = _cut_calls(text, spec) or [c for c in [call_cut_before_its_name(spec)] if c is not None]
+            return None, cut or None
         calls = [c for c in (_call(o, spec) for o in (obj if isinstance(obj, list) else [obj])) if c]
         return (None, calls) if calls else (text, None)
     if spec.answer_schema is not None:   # the grammar held it to the format's answer or one bare call

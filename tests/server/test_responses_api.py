@@ -117,6 +117,21 @@ def test_a_function_call_and_its_output_round_trip(server):
     assert answered.usage.input_tokens > bare.usage.input_tokens    # the call and its result reached the model
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_cut_before_its_name_is_an_incomplete_call_not_text(server, stream):
+    """Cut by max_output_tokens inside '[{"name":"get_', the grammar's wrapper used to be the
+    answer's output_text (found by a probe): the one function allowed is the call, incomplete."""
+    c = server.client("alice")
+    kw = dict(model=MODEL, input="What is the weather in Paris?", tools=[WEATHER], max_output_tokens=3,
+              temperature=0, tool_choice="required")
+    if stream:
+        r = [e for e in c.responses.create(stream=True, **kw) if e.type == "response.incomplete"][0].response
+    else:
+        r = c.responses.create(**kw)
+    assert r.status == "incomplete" and [(o.type, o.name, o.status) for o in r.output] == [
+        ("function_call", "get_weather", "incomplete")], r.output
+
+
 def test_a_streamed_function_call_arrives_as_argument_deltas(server):
     c = server.client("alice")
     kw = dict(model=MODEL, input="What is the weather in Paris?", tools=[WEATHER], max_output_tokens=48,
