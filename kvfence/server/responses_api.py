@@ -419,7 +419,9 @@ class _Items:
         k = d.get("index", 0)
         fn = d.get("function") or {}
         c = self._calls.get(k)
-        if c is None:
+        if c is None:   # a call begins: the one before it is whole (each item ends before the next, as OpenAI's)
+            for before in sorted(self._calls):
+                ev += self._close_call(before, "completed")
             c = self._calls[k] = {"id": "fc_" + uuid.uuid4().hex, "index": self._next_index(),
                                   "call_id": d.get("id") or "", "name": fn.get("name") or "", "arguments": ""}
             ev.append(self.v._event("response.output_item.added", output_index=c["index"],
@@ -444,13 +446,16 @@ class _Items:
         ev += self._close_text("incomplete" if cut and not self._calls else "completed")
         last = max(self._calls, default=None)
         for k in sorted(self._calls):
-            c = self._calls.pop(k)
-            item = self._item(c, "incomplete" if cut and k == last else "completed", c["arguments"])
-            self.output.append(item)
-            ev += [self.v._event("response.function_call_arguments.done", item_id=c["id"], output_index=c["index"],
-                                 name=c["name"], arguments=c["arguments"]),
-                   self.v._event("response.output_item.done", output_index=c["index"], item=item)]
+            ev += self._close_call(k, "incomplete" if cut and k == last else "completed")
         return ev
+
+    def _close_call(self, k: int, status: str) -> list[bytes]:
+        c = self._calls.pop(k)
+        item = self._item(c, status, c["arguments"])
+        self.output.append(item)
+        return [self.v._event("response.function_call_arguments.done", item_id=c["id"], output_index=c["index"],
+                              name=c["name"], arguments=c["arguments"]),
+                self.v._event("response.output_item.done", output_index=c["index"], item=item)]
 
 
 def refused(e: APIError) -> APIError:

@@ -117,6 +117,22 @@ def test_a_function_call_and_its_output_round_trip(server):
     assert answered.usage.input_tokens > bare.usage.input_tokens    # the call and its result reached the model
 
 
+def test_streamed_parallel_calls_end_one_before_the_next_begins(server):
+    """Each item is added, filled and done before the next is added, as OpenAI streams them: a
+    client that runs a call at its output_item.done used to get every call only at the end
+    (found by a probe)."""
+    c = server.client("alice")
+    kw = dict(model=MODEL, input="Weather in Paris?", tools=[WEATHER], max_output_tokens=160, temperature=0,
+              tool_choice="required")
+    every = list(c.responses.create(stream=True, **kw))
+    order = [(e.type, e.output_index) for e in every if hasattr(e, "output_index")]
+    assert len({i for _, i in order}) >= 2, order          # this prompt makes several calls
+    assert [i for _, i in order] == sorted(i for _, i in order), order
+    done = [i for t, i in order if t == "response.output_item.done"]
+    assert done == sorted(set(done)) == sorted({i for _, i in order}), order
+    assert [o.type for o in every[-1].response.output] == ["function_call"] * len(done)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_forced_call_cut_before_its_name_is_an_incomplete_call_not_text(server, stream):
     """Cut by max_output_tokens inside '[{"name":"get_', the grammar's wrapper used to be the
