@@ -62,7 +62,7 @@ from kvfence.server.tenants import (
     prompt_cap_refusal,
     registry_change,
 )
-from kvfence.server.tools import CallStream, ToolSpec, call_cut_before_its_name, parse_answer
+from kvfence.server.tools import CallStream, TextBeforeCalls, ToolSpec, call_cut_before_its_name, parse_answer
 from kvfence.server.tools import render as render_tools
 
 if TYPE_CHECKING:
@@ -1339,23 +1339,26 @@ class _Run:
         """The stream's bodies in order: chunks, an error body if it fails, then "[DONE]"."""
         want_lps = self.req.logprobs is not None
         inc = self.req.include_usage
-        # with tools the answer is a call or text only once it is whole: it is sent at its end,
-        # except an enforced one (required, a named function), a call by construction: its
-        # calls are streamed as they are generated
+        # an enforced answer (required, a named function) is calls by construction: they are
+        # streamed as generated. An auto one streams its text until a <tool_call> tag begins
+        # (TextBeforeCalls), the rest once it is whole; one that may be a bare JSON call (with
+        # a response_format) is sent whole at its end
         tools = self.req.tools is not None and self.req.tools.active
         enforced = tools and self._enforced
+        streams_text = tools and not enforced and self.req.tools is not None and self.req.tools.answer_schema is None
         watcher = asyncio.create_task(watch_disconnect(self.request, self._client_gone))
         try:
             for c in self.choices:
                 if self.req.kind == "chat":   # the role; no token yet, so logprobs null (as OpenAI's)
                     # with tools the answer may be calls: no content yet, as OpenAI's first delta of
                     # a tool-call answer says, so a client assembles null for calls, not "" (text,
-                    # sent whole at the end, then fills it)
+                    # when it comes, fills it)
                     yield self.fmt.chunk(None if tools else "", None, None, inc, first=True, index=c.index)
                 elif c.echo and not self._scores_prompt:   # else once its logprobs are known
                     yield self.fmt.chunk(c.echo, None, None, inc, index=c.index)
             echoed: set[int] = set()
             calls: dict[int, CallStream] = {}
+            texts: dict[int, TextBeforeCalls] = {}
             try:
                 async for c, u in self._updates():
                     if self._scores_prompt and c.index not in echoed and (c.ok or not u.finished):
@@ -1375,13 +1378,16 @@ class _Run:
                     elif tools:
                         c.text.append(u.text)
                         c.logprobs.extend(u.logprobs)
+                        if streams_text and (piece := texts.setdefault(c.index, TextBeforeCalls()).feed(u.text)):
+                            yield self.fmt.chunk(piece, None, self._take_logprobs(c, want_lps), inc, index=c.index)
                     elif u.text or (want_lps and u.logprobs):
                         yield self.fmt.chunk(u.text, None, list(u.logprobs) if want_lps else None, inc,
                                              index=c.index)
                     if u.finished and c.ok and enforced:
                         named = bool(calls[c.index].calls)   # else cut before a name closed: as unstreamed
                         spec = self.req.tools
-                        if not named and spec is not None and (only := call_cut_before_its_name(spec)) is not None:
+                        if not named and spec is not None and \
+                                (only := call_cut_before_its_name("".join(c.text), spec)) is not None:
                             named = True
                             yield self.fmt.chunk("", None, self._take_logprobs(c, want_lps), inc,
                                                  index=c.index, call_deltas=[{"index": 0, **only}])
@@ -1389,7 +1395,8 @@ class _Run:
                                              self._take_logprobs(c, want_lps) or None, inc, index=c.index)
                     elif u.finished and c.ok and tools:
                         content, whole = self._answer(c, "".join(c.text))
-                        yield self.fmt.chunk(content or "", None, self._take_logprobs(c, want_lps), inc,
+                        left = texts[c.index].rest(content) if c.index in texts else content or ""
+                        yield self.fmt.chunk(left, None, self._take_logprobs(c, want_lps), inc,
                                              index=c.index, tool_calls=whole)
                         yield self.fmt.chunk("", finish_reason(c.reason, bool(whole), False), None, inc,
                                              index=c.index)

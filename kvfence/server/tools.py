@@ -289,16 +289,22 @@ def _cut_calls(text: str, spec: ToolSpec) -> list[dict]:
     return [c for c in calls if c["function"]["name"] in allowed]   # the grammar admits no other
 
 
-def call_cut_before_its_name(spec: ToolSpec) -> dict | None:
-    """An enforced answer cut by max_tokens before its first call's name closed ('[{"name":"get_'):
-    that wrapper is the server's grammar, never the assistant's content. With one tool allowed
-    the call is known (OpenAI names a forced call whatever cut it): that call, no arguments yet.
-    With several, no call can be named: None (no content and no call, finish_reason length)."""
-    allowed = spec.allowed()
-    if len(allowed) != 1:
+def _named_by_start(text: str, spec: ToolSpec) -> list[str]:
+    """The allowed functions whose call the enforced grammar may be writing, when `text` is
+    all it wrote before its first name closed ('[{"name":"get_')."""
+    return [t["name"] for t in spec.allowed()
+            if any(head.startswith(text) for head in (f'[{{"name":"{t["name"]}"', f'{{"name":"{t["name"]}"'))]
+
+
+def call_cut_before_its_name(text: str, spec: ToolSpec) -> dict | None:
+    """An enforced answer cut by max_tokens before its first call's name closed: that text is
+    the server's grammar, never the assistant's content. When one allowed function fits what
+    was written, it is the call (OpenAI names a forced call whatever cut it), no arguments yet;
+    else there is no call to name (None: no content and no call, finish_reason length)."""
+    names = _named_by_start(text, spec)
+    if len(names) != 1:
         return None
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": allowed[0]["name"], "arguments": ""}}
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": names[0], "arguments": ""}}
 
 
 def parse_answer(text: str, spec: ToolSpec) -> tuple[str | None, list[dict] | None]:
@@ -308,8 +314,12 @@ def parse_answer(text: str, spec: ToolSpec) -> tuple[str | None, list[dict] | No
         try:
             obj = json.loads(text)
         except JSON_ERRORS:   # cut short: the calls begun, as streamed
-            cut = _cut_calls(text, spec) or [c for c in [call_cut_before_its_name(spec)] if c is not None]
-            return None, cut or None
+            if cut := _cut_calls(text, spec):
+                return None, cut
+            if not _named_by_start(text, spec):   # not the grammar's start: text (not expected)
+                return text, None
+            named = call_cut_before_its_name(text, spec)
+            return None, None if named is None else [named]
         calls = [c for c in (_call(o, spec) for o in (obj if isinstance(obj, list) else [obj])) if c]
         return (None, calls) if calls else (text, None)
     if spec.answer_schema is not None:   # the grammar held it to the format's answer or one bare call
@@ -347,7 +357,52 @@ def parse_answer(text: str, spec: ToolSpec) -> tuple[str | None, list[dict] | No
         return text, None
     if not spec.parallel:
         found = found[:1]
-    return (rest.strip() or None), found
+    # the text before the first tag is content as generated (TextBeforeCalls streams it), less
+    # the whitespace before the call; only whitespace there, and the content is what follows
+    before = text[:text.find(_TAG)]
+    content = rest.rstrip() if before.strip() else rest.strip()
+    return content or None, found
+
+
+_TAG = "<tool_call>"
+
+
+class TextBeforeCalls:
+    """An auto answer's content streamed as it is generated, until a <tool_call> tag begins:
+    from there the answer is read whole at its end (parse_answer), and what it adds to the
+    content is sent then (rest). Held back meanwhile: a piece that may be the start of a tag,
+    and trailing whitespace (parse_answer drops it before a call)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.sent = 0
+        self.tagged = False
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        if self.tagged:
+            return ""
+        end = self.text.find(_TAG, self.sent)
+        if end >= 0:
+            self.tagged = True
+        else:
+            end = len(self.text)
+            for k in range(min(len(_TAG) - 1, end - self.sent), 0, -1):
+                if self.text.endswith(_TAG[:k]):
+                    end -= k
+                    break
+        while end > self.sent and self.text[end - 1].isspace():
+            end -= 1
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def rest(self, content: str | None) -> str:
+        """What is left to send of the whole answer's content (parse_answer's)."""
+        sent = self.text[:self.sent]
+        content = content or ""
+        if not content.startswith(sent):   # not expected: parse_answer keeps the text before the first tag
+            raise ValueError("the streamed content is not the start of the answer's content")
+        return content[len(sent):]
 
 
 # an enforced call's name: compact JSON (grammar.py), name before arguments (llguidance keeps

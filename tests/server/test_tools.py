@@ -141,6 +141,20 @@ def test_a_forced_call_cut_short_by_max_tokens_is_the_same_call_streamed_or_not(
         json.loads(args)
 
 
+def test_an_auto_answer_streams_its_text_as_generated(server):
+    """With tools declared (auto), a text answer used to arrive in one chunk at its end (found
+    by a probe); it streams as generated, and adds up to the unstreamed answer. Only a
+    <tool_call> tag (and what follows) waits for the answer's end."""
+    c = server.client("alice")
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Write a short poem about the sea."}],
+              tools=[WEATHER], max_tokens=40, temperature=0)
+    whole = c.chat.completions.create(**kw).choices[0]
+    assert whole.message.tool_calls is None and whole.message.content, whole
+    pieces = [ch.delta.content for chunk in c.chat.completions.create(stream=True, **kw)
+              for ch in chunk.choices if ch.delta.content]
+    assert len(pieces) > 5 and "".join(pieces) == whole.message.content, pieces
+
+
 def test_a_required_call_cut_before_its_name_among_several_tools_is_no_text_and_no_call(server):
     """Which of two tools it would have called is unknown when the cut came inside the name:
     no call, and not the grammar's wrapper as content either; streamed the same."""
