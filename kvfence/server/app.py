@@ -327,12 +327,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
-        type_ = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
         msg = f"No route {request.method} {request.url.path}." if e.status_code in (404, 405) else str(e.detail)
         path = request.url.path
         if e.status_code == 404 and path.endswith("/") and path.rstrip("/") in _plain_paths(app):
             msg += f" Did you mean {path.rstrip('/')}?"
-        return JSONResponse(error_body(msg, type_, None, None), status_code=e.status_code)
+        return JSONResponse(error_body(msg, "invalid_request_error", None, None), status_code=e.status_code)
 
     @app.exception_handler(RecursionError)
     async def _too_deep(request: Request, e: RecursionError):

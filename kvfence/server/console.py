@@ -162,7 +162,7 @@ def _json_error(status: int, message: str, code: str, headers: dict[str, str] | 
     headers = dict(headers or {})
     if status == 401:
         headers["WWW-Authenticate"] = 'Bearer realm="kvfence operator"'
-    type_ = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+    type_ = {401: "authentication_error", 429: "rate_limit_error"}.get(
         status, "invalid_request_error")
     return _secure(JSONResponse(error_body(message, type_, None, code), status_code=status, headers=headers))
 

@@ -15,7 +15,7 @@ JSON_ERRORS = (ValueError, RecursionError)
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
-    404: "not_found_error",
+    404: "invalid_request_error",   # as OpenAI types a missing model or route
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",

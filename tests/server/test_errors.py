@@ -79,6 +79,7 @@ def test_unknown_model_is_404(server):
     with pytest.raises(openai.NotFoundError) as e:
         server.client().chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
     assert e.value.status_code == 404 and e.value.code == "model_not_found" and "gpt-9" in e.value.message
+    assert e.value.type == "invalid_request_error"    # OpenAI's type for it (and for a missing route)
     with pytest.raises(openai.NotFoundError):
         server.client().models.retrieve("gpt-9")
     with server.http() as h:
