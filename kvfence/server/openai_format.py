@@ -12,7 +12,8 @@ from kvfence.server.backend import Logprob
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": 0}}   # as OpenAI's: this model does not reason apart
 
 
 class Formatter:
@@ -48,7 +49,8 @@ class Formatter:
                  use: dict) -> dict:
         """choices: (text, finish reason, logprobs, tool calls) by index."""
         if self.kind == "chat":
-            out = [{"index": i, "message": {"role": "assistant", "content": text, **(
+            # refusal null: the fields OpenAI's message always has (clients in other languages read them)
+            out = [{"index": i, "message": {"role": "assistant", "content": text, "refusal": None, **(
                         {"tool_calls": calls} if calls else {})},
                     "logprobs": self._chat_logprobs(lps), "finish_reason": reason}
                    for i, (text, reason, lps, calls) in enumerate(choices)]
@@ -62,7 +64,8 @@ class Formatter:
               first: bool = False, index: int = 0, tool_calls: list[dict] | None = None,
               call_deltas: list[dict] | None = None) -> dict:
         if self.kind == "chat":
-            delta: dict = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            delta: dict = ({"role": "assistant", "content": text, "refusal": None} if first else
+                           {"content": text} if text else {})
             if tool_calls:   # whole calls in one delta, each with its position
                 delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(tool_calls)]
             elif call_deltas:   # pieces of calls, each naming its call's index (tools.CallStream)

@@ -3,6 +3,7 @@ real uvicorn server: completions, chat, streaming, usage, sampling options, logp
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 
 import pytest
@@ -83,6 +84,20 @@ def test_chat_streaming_equals_non_streaming_and_usage_only_when_asked(server):
     assert text == full.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
     assert all(ch.usage is None for ch in chunks)     # include_usage not asked for
+
+
+def test_a_chat_answer_has_the_fields_openais_always_has(server):
+    """Read as raw JSON, as clients outside Python read it: refusal null on the message and on
+    the first delta, and usage's completion_tokens_details (found by a client probe)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    with server.http() as h:
+        r = h.post("/v1/chat/completions", json=body).json()
+        first = next(line for line in h.post("/v1/chat/completions", json=body | {"stream": True}).text.splitlines()
+                     if line.startswith("data: {"))
+    assert r["choices"][0]["message"]["refusal"] is None and "refusal" in r["choices"][0]["message"]
+    assert r["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
+    delta = json.loads(first[len("data: "):])["choices"][0]["delta"]
+    assert delta["role"] == "assistant" and "refusal" in delta and delta["refusal"] is None
 
 
 def test_stop_string_ends_the_completion(server):

@@ -110,16 +110,21 @@ def _streamed(text: str) -> list[tuple[str, str]]:
 @pytest.mark.parametrize("text", [ONE, TWO, THREE])
 def test_a_cut_answer_is_what_its_stream_sent(text):
     """Cut short anywhere, the unstreamed answer is the streamed one: the calls begun (a name
-    closed) with their arguments as generated, content null; before the first name closes it is
-    the text, as the stream then sends it (max_tokens 8 gave '{"name":"get_weather","arguments'
-    as content streamed, and max_tokens 11 the text unstreamed but a call streamed)."""
+    closed) with their arguments as generated, content null (max_tokens 8 gave
+    '{"name":"get_weather","arguments' as content streamed, and max_tokens 11 the text
+    unstreamed but a call streamed). Before the first name closes the text is never content:
+    the one function whose name fits the part written is the call, none when both fit."""
     from kvfence.server.tools import parse_answer
 
-    head = text.index('"', text.index('"name":"') + 8) + 1      # the first name's closing quote
+    start = text.index('"name":"') + 8
+    head = text.index('"', start) + 1      # the first name's closing quote
     for cut in range(1, len(text)):
         content, calls = parse_answer(text[:cut], _spec("required"))
         if cut < head:
-            assert (content, calls) == (text[:cut], None) and _streamed(text[:cut]) == [], cut
+            fits = [n for n in ("get_weather", "get_time") if n.startswith(text[start:cut])] if cut > start else [1, 2]
+            assert content is None and _streamed(text[:cut]) == [], cut
+            want = [{"name": n, "arguments": ""} for n in fits if len(fits) == 1]
+            assert [c["function"] for c in calls or []] == want, cut
         else:
             assert content is None and calls, cut
             assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == _streamed(text[:cut])
