@@ -264,8 +264,6 @@ class ResponseView:
         self.body, self.model = body, model
         self.id = "resp_" + request_id.split("-", 1)[-1]
         self.created = int(time.time())
-        include = body.get("include")   # built before chat_body checks it: a number here was a 500
-        self.want_logprobs = isinstance(include, list) and LOGPROBS_INCLUDE in include
         # what was sent, or the tenant's default_max_tokens where it set none (app.py); None:
         # the rest of the context
         self.max_output_tokens: int | None = body.get("max_output_tokens")
@@ -283,7 +281,8 @@ class ResponseView:
                 "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
                 "store": False, "background": False, "temperature": b.get("temperature", 1.0),
                 "text": {"format": fmt}, "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
-                "top_p": b.get("top_p", 1.0), "truncation": "disabled", "usage": use,
+                "top_p": b.get("top_p", 1.0), "top_logprobs": b.get("top_logprobs"), "truncation": "disabled",
+                "usage": use, "completed_at": int(time.time()) if status == "completed" else None,
                 "user": b.get("user"), "metadata": b.get("metadata") or {}}
 
     @staticmethod
@@ -291,8 +290,7 @@ class ResponseView:
         return ("incomplete", "max_output_tokens") if finish == "length" else ("completed", None)
 
     def _message(self, text: str, logprobs: list | None, status: str = "completed", item_id: str | None = None) -> dict:
-        part = {"type": "output_text", "text": text, "annotations": [],
-                **({"logprobs": logprobs or []} if self.want_logprobs else {})}
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
         return {"type": "message", "id": item_id or "msg_" + uuid.uuid4().hex, "status": status, "role": "assistant",
                 "content": [part]}
 

@@ -38,6 +38,11 @@ def test_a_response_is_the_chat_answer_in_the_responses_shape(server):
     assert r.output_text == want.choices[0].message.content and "Paris" in r.output_text
     assert (r.usage.input_tokens, r.usage.output_tokens) == (want.usage.prompt_tokens, want.usage.completion_tokens)
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    # the fields OpenAI's object always has (found by a client probe)
+    assert r.completed_at >= r.created_at and r.output[0].content[0].logprobs == [] and r.top_logprobs is None
+    asked = c.responses.create(model=MODEL, input=ASK, max_output_tokens=2, top_logprobs=2,
+                               include=["message.output_text.logprobs"])
+    assert asked.top_logprobs == 2 and asked.completed_at is None and asked.status == "incomplete"
 
 
 def test_an_answer_fed_back_reads_as_the_assistant_turn(server):
