@@ -27,12 +27,15 @@ call; only those can be called (the grammar under "required", parsing under "aut
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 from dataclasses import dataclass
 
 from kvfence.server.errors import JSON_ERRORS, bad_request
 from kvfence.server.schema_parts import SchemaParts
+
+log = logging.getLogger("kvfence.server")
 
 MAX_TOOLS = 64
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -371,37 +374,44 @@ class TextBeforeCalls:
     """An auto answer's content streamed as it is generated, until a <tool_call> tag begins:
     from there the answer is read whole at its end (parse_answer), and what it adds to the
     content is sent then (rest). Held back meanwhile: a piece that may be the start of a tag,
-    and trailing whitespace (parse_answer drops it before a call)."""
+    and trailing whitespace (parse_answer drops it before a call). Each delta costs its own
+    length: a run of whitespace tokens (a model stuck on newlines, or pushed there by
+    logit_bias) is held as a list, never scanned again (it held the event loop for minutes)."""
 
     def __init__(self) -> None:
-        self.text = ""
-        self.sent = 0
+        self._sent: list[str] = []
+        self._ws: list[str] = []   # whitespace held back: sent when text follows it
+        self._tail = ""            # held back: may be the start of a tag (shorter than one)
         self.tagged = False
 
     def feed(self, delta: str) -> str:
-        self.text += delta
-        if self.tagged:
+        if self.tagged or not delta:
             return ""
-        end = self.text.find(_TAG, self.sent)
-        if end >= 0:
+        new = self._tail + delta   # a tag cannot begin in held whitespace or in text sent
+        at = new.find(_TAG)
+        if at >= 0:
             self.tagged = True
+            body, self._tail = new[:at], ""
         else:
-            end = len(self.text)
-            for k in range(min(len(_TAG) - 1, end - self.sent), 0, -1):
-                if self.text.endswith(_TAG[:k]):
-                    end -= k
-                    break
-        while end > self.sent and self.text[end - 1].isspace():
-            end -= 1
-        out, self.sent = self.text[self.sent:end], end
+            k = next((k for k in range(min(len(_TAG) - 1, len(new)), 0, -1) if new.endswith(_TAG[:k])), 0)
+            body, self._tail = new[:len(new) - k], new[len(new) - k:]
+        text = body.rstrip()
+        if not text:
+            if body:
+                self._ws.append(body)
+            return ""
+        out = "".join(self._ws) + text
+        self._ws = [body[len(text):]] if len(body) > len(text) else []
+        self._sent.append(out)
         return out
 
     def rest(self, content: str | None) -> str:
         """What is left to send of the whole answer's content (parse_answer's)."""
-        sent = self.text[:self.sent]
+        sent = "".join(self._sent)
         content = content or ""
         if not content.startswith(sent):   # not expected: parse_answer keeps the text before the first tag
-            raise ValueError("the streamed content is not the start of the answer's content")
+            log.error("an auto tool answer's streamed text is not the start of its content; the rest is not sent")
+            return ""
         return content[len(sent):]
 
 
