@@ -146,32 +146,46 @@ class GrammarCache:
         self._per: dict[str, int] = {}
         self.hits = 0
         self.misses = 0
+        self.built = 0   # requests that brought their own matcher (the server's, each built for it)
 
     def __len__(self) -> int:
         return len(self._lru)
 
     def stats(self) -> dict[str, int]:
-        return {"entries": len(self._lru), "scopes": len(self._per), "hits": self.hits, "misses": self.misses}
+        return {"entries": len(self._lru), "scopes": len(self._per), "hits": self.hits, "misses": self.misses,
+                "built": self.built}
 
     def constraint(self, scope: str, schema_json: str, built: llguidance.LLMatcher | None = None) -> Constraint:
         """A fresh matcher (at the grammar's start) for one request in `scope`; GrammarError
-        if the schema does not compile. `built`: build_matcher's for this schema, made off the
-        engine thread, kept when the scope has none yet (else only the cached one is used)."""
+        if the schema does not compile. `built`: build_matcher's for this request, made off the
+        engine thread: it is the request's own, and the cache is not used. llguidance's copies of
+        one matcher share its lexer's budget: once one request spends it ("too many expressions
+        constructed") every copy fails, those running and those to come, so a cached matcher
+        would let one request (or a public scope's member) fail another's (found in review)."""
+        if built is not None:   # a copy each: one request's n choices share only their own budget
+            self.built += 1
+            return Constraint(built.deep_copy(), self.tok.vocab_size)
         key = (scope, schema_digest(schema_json))
         base = self._lru.get(key)
         if base is not None:
             self.hits += 1
             self._lru.move_to_end(key)
-            return Constraint(base.deep_copy(), self.tok.vocab_size)
+            return Constraint(base.deep_copy(), self.tok.vocab_size, cache_key=key)
         self.misses += 1
-        base = built if built is not None else build_matcher(self.tok, schema_json)
+        base = build_matcher(self.tok, schema_json)
         self._lru[key] = base
         self._per[scope] = self._per.get(scope, 0) + 1
         if self._per[scope] > self.per_scope:
             self._evict(next(k for k in self._lru if k[0] == scope))
         while len(self._lru) > self.total:
             self._evict(next(iter(self._lru)))
-        return Constraint(base.deep_copy(), self.tok.vocab_size)
+        return Constraint(base.deep_copy(), self.tok.vocab_size, cache_key=key)
+
+    def forget(self, key: tuple[str, str]) -> None:
+        """A copy of this entry spent the budget its copies share (GrammarLimit): the next
+        request builds anew rather than fail at once."""
+        if key in self._lru:
+            self._evict(key)
 
     def _evict(self, key: tuple[str, str]) -> None:
         del self._lru[key]
@@ -188,6 +202,7 @@ class Constraint:
     # the mask fill_bitmask computed for the next token (int32 words), until it is consumed
     allowed: np.ndarray | None = field(default=None, repr=False)
     limit: GrammarLimit | None = None   # the mask that failed: the same error when its row is asked alone
+    cache_key: tuple[str, str] | None = None   # the GrammarCache entry it copies, if any
 
     def consume(self, token: int) -> bool:
         """Advance by the sampled token; True when the grammar is done (the request stops).

@@ -432,6 +432,8 @@ class LLMEngine:
         the ledger as on any abort, and a PD link frees or fences its rows."""
         if isinstance(e, GrammarLimit):   # the client's schema: no server fault, no traceback
             log.warning("request %s aborted alone: its schema failed while generating: %s", seq.request_id, e)
+            if seq.grammar is not None and seq.grammar.cache_key is not None:
+                self.grammars.forget(seq.grammar.cache_key)
         else:
             log.error("request %s failed inside the engine step, aborting it alone: %s: %s", seq.request_id,
                       type(e).__name__, e, exc_info=e)

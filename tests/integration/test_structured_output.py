@@ -82,6 +82,12 @@ def test_a_schema_past_llguidance_limits_is_the_clients_and_a_refused_token_is_o
         eng.step()
     assert limited.abort_code == "grammar_limit_exceeded" and "too many expressions" in limited.error, limited.error
     assert other.finish_reason == "length" and eng.ledger.num_owned == 0
+    # the cached matcher's copies shared the budget it spent: its entry is dropped, so the
+    # next request with the schema is built anew instead of failing at its first mask
+    again = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=1, json_schema=costly.json_schema))
+    while eng.has_unfinished():
+        eng.step()
+    assert again.finish_reason == "length", again.error
 
     monkeypatch.setattr(logits_processors, "apply_grammar", lambda *a: None)   # sampled without the mask
     refused = eng.add_request(llm.tokenizer.encode_chat(ASK), SamplingParams(temperature=0, max_tokens=48,

@@ -306,28 +306,6 @@ def test_a_name_whose_keys_are_all_new_starts_with_an_empty_cache(srv, tenants_p
     assert client(srv, new_bob).completions.create(**kw).usage.prompt_tokens_details.cached_tokens >= 32
 
 
-def test_a_retired_names_new_party_reuses_none_of_its_compiled_grammars(srv, tenants_path):
-    """Compiled structured-output grammars are kept per cache scope (I9): a hit is faster, so
-    the new party under a retired name must not hit the old party's schemas."""
-    schema = {"type": "object", "properties": {"reload_probe": {"type": "integer"}}, "required": ["reload_probe"]}
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": "A number."}], max_tokens=8, temperature=0,
-              response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
-
-    def grammars() -> dict:
-        return srv.engine.snapshot["grammar_cache"]
-
-    client(srv, BOB).chat.completions.create(**kw)
-    hits = grammars()["hits"]
-    client(srv, BOB).chat.completions.create(**kw)
-    assert wait_for(lambda: grammars()["hits"] == hits + 1)   # the same party: compiled once
-    new_bob = "sk-grammar-bob-01"
-    tenants_path.write_text(FILE.replace(BOB, new_bob))
-    assert reload(srv).json()["retired"] == ["bob"]
-    misses = grammars()["misses"]
-    client(srv, new_bob).chat.completions.create(**kw)
-    assert wait_for(lambda: grammars()["misses"] == misses + 1) and grammars()["hits"] == hits + 1
-
-
 def test_a_reload_that_drops_the_scrapers_key_says_so_in_the_log(srv, tenants_path, caplog):
     """Found by an operator's walkthrough: a file without [metrics] turned every scrape into a
     401 and the log said "changed none"."""
