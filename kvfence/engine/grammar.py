@@ -214,7 +214,8 @@ class Constraint:
             return self.matcher.is_stopped()
         why = self.matcher.get_error()
         if ok or (mask is not None and (int(mask[token >> 5]) >> (token & 31)) & 1):
-            raise GrammarLimit(f"the schema took the grammar engine past its limits while generating ({why})")
+            raise GrammarLimit(f"the schema took the grammar engine past its limits while generating ({why}); a "
+                               "simpler one (a smaller multipleOf, maximum or pattern) avoids it")
         raise GrammarFailed(f"the output grammar refused token {token}: {why}")
 
 
@@ -252,7 +253,8 @@ def fill_bitmask(rows: list[Constraint]) -> np.ndarray:
     for i, r in enumerate(rows):
         if r.matcher.is_error():
             r.limit = GrammarLimit(f"the schema took the grammar engine past its limits while generating "
-                                   f"({r.matcher.get_error()})")
+                                   f"({r.matcher.get_error()}); a simpler one (a smaller multipleOf, maximum or "
+                                   "pattern) avoids it")
         elif not bitmask[i].any():
             r.limit = GrammarLimit("the schema's grammar allows no next token")
         r.allowed = bitmask[i]

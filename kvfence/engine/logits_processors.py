@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfence.engine.grammar import Constraint, fill_bitmask, mask_bias
+from kvfence.engine.grammar import Constraint, GrammarLimit, fill_bitmask, mask_bias
 from kvfence.engine.params import SamplingParams
 from kvfence.kernels import cpu_kernels
 
@@ -96,9 +96,12 @@ def adjust(logits: torch.Tensor, params: list[SamplingParams], histories: list[H
         return logits
     out = logits.to(torch.float32, copy=True)
     vocab = out.shape[1]
+    held_rows = []
     for i in rows:
         p, h, row = params[i], histories[i], out[i]
         held = bool(p.min_tokens) and len(h.output_ids) < p.min_tokens
+        if held:
+            held_rows.append(i)
         fixed = None
         if p.logit_bias or held:
             fixed = (h.fixed or FixedAdjustments(h.end_ids)).tensors(p, vocab, row.device)
@@ -121,6 +124,10 @@ def adjust(logits: torch.Tensor, params: list[SamplingParams], histories: list[H
     constrained = [i for i in rows if histories[i].grammar is not None]
     if constrained:
         apply_grammar(out, constrained, [histories[i].grammar for i in constrained])
+        for i in held_rows:   # the client's two constraints leave no token (found in review: a 500)
+            if histories[i].grammar is not None and bool(torch.isneginf(out[i]).all()):
+                raise GrammarLimit("the schema allows no next token but end-of-sequence or 'stop_token_ids' ones, "
+                                   "which 'min_tokens' holds back")
     return out
 
 

@@ -61,8 +61,8 @@ ABORT_STATUS = {
                            "affected)"),
     # the client's schema went past llguidance's limits only while generating (schema_check.py
     # builds the matcher and its first mask under a deadline, not every later one)
-    "grammar_limit_exceeded": (400, "The schema could not be enforced past the tokens generated so far; simplify "
-                                    "it (e.g. a smaller multipleOf, maximum or pattern)"),
+    "grammar_limit_exceeded": (400, "The structured output's schema could not be followed past the tokens "
+                                    "generated so far"),
     "context_length_exceeded": (400, "A serving node refused the request"),        # PD: a node's own I4
     "kv_manifest_invalid": (500, "The KV handoff was refused"),
     "kv_transfer_failed": (503, "The KV transfer between prefill and decode failed"),

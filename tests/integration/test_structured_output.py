@@ -95,3 +95,28 @@ def test_a_schema_past_llguidance_limits_is_the_clients_and_a_refused_token_is_o
     while eng.has_unfinished():
         eng.step()
     assert refused.abort_code == "grammar_error" and "refused token" in refused.error, refused.error
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_schema_and_min_tokens_that_leave_no_token_are_the_clients_400(llm, temperature):
+    """min_tokens holds back the stop_token_ids; naming every token the schema allows first
+    left a row of -inf: greedy sampled token 0 (a 500 grammar_error), multinomial raised (a 500
+    engine_error). Found in review: it is the client's pair of settings, so its 400."""
+    import numpy as np
+
+    from kvfence.engine.grammar import fill_bitmask
+
+    eng = llm.engine
+    schema = {"type": "boolean"}
+    first = eng.grammars.constraint("probe", json.dumps(schema))
+    bits = np.unpackbits(fill_bitmask([first])[0].view(np.uint8), bitorder="little")
+    allowed = [int(t) for t in np.nonzero(bits)[0] if t < first.vocab]
+    assert 0 < len(allowed) < 64
+    ids = llm.tokenizer.encode_chat(ASK)
+    stuck = eng.add_request(ids, SamplingParams(temperature=temperature, max_tokens=4, min_tokens=1,
+                                                stop_token_ids=allowed, json_schema=schema))
+    other = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=4))
+    while eng.has_unfinished():
+        eng.step()
+    assert stuck.abort_code == "grammar_limit_exceeded" and "min_tokens" in stuck.error, stuck.error
+    assert other.finish_reason == "length" and eng.ledger.num_owned == 0
