@@ -638,7 +638,7 @@ async def _generate(state: ServerState, request: Request, kind: str):
             raise bad_request(str(e), param="response_format") from None
         except ValueError as e:
             raise bad_request(str(e), param=req.prompt_param) from None
-        run = _Run(state, request, choices, tenant, lease, arrival, req)   # from here run.close() frees the slot
+        run = _Run(state, request, choices, tenant, lease, arrival, req, kind)   # from here run.close() frees the slot
         lease.on_revoke = run.revoke
         if lease.revoked:   # a reload took the key while it was parsed or submitted
             run.revoke()
@@ -1064,9 +1064,9 @@ class _Run:
     records metrics exactly once."""
 
     def __init__(self, state: ServerState, request: Request, choices: list[_Choice], tenant: Tenant,
-                 lease: Lease, arrival: float, req: GenerationRequest):
+                 lease: Lease, arrival: float, req: GenerationRequest, kind: str = "chat"):
         self.state, self.request, self.choices, self.tenant, self.lease = state, request, choices, tenant, lease
-        self.arrival, self.req = arrival, req
+        self.arrival, self.req, self.kind = arrival, req, kind   # kind: the route's ("responses": a view of chat)
         tok = state.engine.tokenizer
         ll = ll_tokenizer(tok, state.facts["vocab_size"]) if req.logprobs is not None else None
         self.fmt = Formatter(req.kind, choices[0].rid, state.served_name, state.facts["fingerprint"],
@@ -1231,7 +1231,8 @@ class _Run:
         if u.abort_code == "grammar_limit_exceeded":   # the client's schema: where it wrote it
             tools = self.req.tools
             param = "tools" if tools is not None and tools.enforced else "response_format"
-        return APIError(status, f"{what}: {detail}.", code=u.abort_code or "request_aborted", param=param)
+        err = APIError(status, f"{what}: {detail}.", code=u.abort_code or "request_aborted", param=param)
+        return responses_api.refused(err) if self.kind == "responses" else err   # its own field names
 
     def _fail_on(self, e: BaseException) -> APIError:
         if isinstance(e, KeyRevoked):

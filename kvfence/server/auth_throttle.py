@@ -90,6 +90,6 @@ class FailedAuthThrottle:
             del self._windows[g]
         while len(self._windows) > self.max_addresses:
             victim = next((g for g, (_, n) in self._windows.items() if n < self.limit and g != keep), None)
-            if victim is None:    # every other address is held back: the one held longest goes
+            if victim is None:    # every other address is held back: the one that failed least recently goes
                 victim = next(g for g in self._windows if g != keep)
             del self._windows[victim]

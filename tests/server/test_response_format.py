@@ -187,12 +187,16 @@ def test_a_schema_that_fails_mid_generation_is_the_clients_400_and_others_go_on(
         c.chat.completions.create(model=MODEL, messages=ask, temperature=0, max_tokens=32, tools=[tool],
                                   tool_choice="required")
     assert e.value.body["code"] == "grammar_limit_exceeded" and e.value.body["param"] == "tools", e.value.body
+    with pytest.raises(openai.BadRequestError) as e:   # the Responses API names its own field
+        c.responses.create(model=MODEL, input="Pick a large number.", temperature=0, max_output_tokens=32,
+                           text={"format": {"type": "json_schema", "name": "n", "schema": limited}})
+    assert e.value.body["code"] == "grammar_limit_exceeded" and e.value.body["param"] == "text.format", e.value.body
     with pytest.raises(openai.APIError, match="grammar engine past its limits"):
         for _ in c.chat.completions.create(model=MODEL, messages=ask, temperature=0, max_tokens=32,
                                            response_format=fmt, stream=True):
             pass
     assert server.metric("kvfence_requests_total", tenant="alice", outcome="error") == errors
-    assert server.metric("kvfence_requests_total", tenant="alice", outcome="invalid") == invalid + 3
+    assert server.metric("kvfence_requests_total", tenant="alice", outcome="invalid") == invalid + 4
     # the spent budget was that request's own: the same schema serves the next one (a cached
     # matcher's copies shared it, and failed at once; found in review)
     again = c.chat.completions.create(model=MODEL, messages=ask, temperature=0, max_tokens=1, response_format=fmt)
