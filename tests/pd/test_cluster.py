@@ -737,7 +737,7 @@ def test_a_node_refuses_a_request_sent_before_a_retirement_and_retires_for_one_s
     assert _forget(cluster, "prefill", None, None, "scope-bob") >= 3   # such a router's forget: that scope
     assert _cached(prefill(10, None)) == 0
     assert _cached(prefill(11, 2)) >= 48                      # the stamping router's scope stays
-    # decode keeps compiled grammars per scope: the same rule
+    # decode retires the scope by the same rule
     assert _forget(cluster, "decode", "router-under-test", 1, "scope-bob") == 0
     late = _node_request(cluster, "decode", "scope-d1", "scope-bob", stamp(0))
     assert [e["event"] for e in late] == ["rejected"] and late[0]["code"] == "scope_retired", late
