@@ -62,7 +62,14 @@ from kvfence.server.tenants import (
     prompt_cap_refusal,
     registry_change,
 )
-from kvfence.server.tools import CallStream, TextBeforeCalls, ToolSpec, call_cut_before_its_name, parse_answer
+from kvfence.server.tools import (
+    CallStream,
+    TextBeforeCalls,
+    ToolSpec,
+    call_cut_before_its_name,
+    enforced_answer_whole,
+    parse_answer,
+)
 from kvfence.server.tools import render as render_tools
 
 if TYPE_CHECKING:
@@ -789,12 +796,13 @@ def _too_long(e: ContextLengthExceeded, req: GenerationRequest) -> APIError:
                     code="context_length_exceeded", param=req.prompt_param, outcome="rejected")
 
 
-def finish_reason(reason: str | None, calls: bool, enforced: bool) -> str:
+def finish_reason(reason: str | None, calls: bool, cut: bool) -> str:
     """A choice's finish_reason: tool_calls when its answer is calls, except an enforced answer
-    (tool_choice required or named) cut short by max_tokens, which keeps length as its stream
-    ends (its last call is unfinished). An auto answer's calls are whole once found, whatever
-    cut the text after them (vLLM reports tool_calls there too)."""
-    if calls and not (enforced and reason == "length"):
+    (tool_choice required or named) that something cut before its grammar ended (`cut`):
+    max_tokens (length), or a stop string or stop token (stop), its last call unfinished. An
+    auto answer's calls are whole once found, whatever cut the text after them (vLLM reports
+    tool_calls there too)."""
+    if calls and not cut:
         return "tool_calls"
     return reason or "stop"
 
@@ -1288,8 +1296,8 @@ class _Run:
         for c in self.choices:
             self._prompt_logprobs(c)
             content, calls = self._answer(c, c.echo + "".join(c.text))
-            out.append((content, finish_reason(c.reason, bool(calls), self._enforced), c.logprobs if want else None,
-                        calls))
+            cut = self._enforced and not enforced_answer_whole("".join(c.text))
+            out.append((content, finish_reason(c.reason, bool(calls), cut), c.logprobs if want else None, calls))
         return self.fmt.response(out, self._usage())
 
     @property
@@ -1384,14 +1392,15 @@ class _Run:
                         yield self.fmt.chunk(u.text, None, list(u.logprobs) if want_lps else None, inc,
                                              index=c.index)
                     if u.finished and c.ok and enforced:
+                        text = "".join(c.text)
                         named = bool(calls[c.index].calls)   # else cut before a name closed: as unstreamed
                         spec = self.req.tools
                         if not named and spec is not None and \
-                                (only := call_cut_before_its_name("".join(c.text), spec)) is not None:
+                                (only := call_cut_before_its_name(text, spec)) is not None:
                             named = True
                             yield self.fmt.chunk("", None, self._take_logprobs(c, want_lps), inc,
                                                  index=c.index, call_deltas=[{"index": 0, **only}])
-                        yield self.fmt.chunk("", finish_reason(c.reason, named, True),
+                        yield self.fmt.chunk("", finish_reason(c.reason, named, not enforced_answer_whole(text)),
                                              self._take_logprobs(c, want_lps) or None, inc, index=c.index)
                     elif u.finished and c.ok and tools:
                         content, whole = self._answer(c, "".join(c.text))

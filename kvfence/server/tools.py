@@ -310,6 +310,16 @@ def call_cut_before_its_name(text: str, spec: ToolSpec) -> dict | None:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": names[0], "arguments": ""}}
 
 
+def enforced_answer_whole(text: str) -> bool:
+    """Whether an enforced answer is all its grammar asked for (it parses) or was cut (by
+    max_tokens, a stop string or a stop token): only a whole one says finish_reason tool_calls."""
+    try:
+        json.loads(text)
+    except JSON_ERRORS:
+        return False
+    return True
+
+
 def parse_answer(text: str, spec: ToolSpec) -> tuple[str | None, list[dict] | None]:
     """(content, tool_calls) of a finished answer. Text nested deeper than the JSON parser
     recurses (a recursive $ref grammar allows it) is read as text, like any that does not parse."""

@@ -155,6 +155,23 @@ def test_an_auto_answer_streams_its_text_as_generated(server):
     assert len(pieces) > 5 and "".join(pieces) == whole.message.content, pieces
 
 
+def test_a_forced_call_cut_by_a_stop_string_says_stop_not_tool_calls(server):
+    """A stop string cut the call's arguments: finish_reason tool_calls told the client they
+    were whole (json.loads then failed on them; found in review). As max_tokens says length,
+    the stop says stop, streamed or not."""
+    c = server.client("alice")
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=48, temperature=0, stop=['"city'],
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = c.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "stop" and [t.function.name for t in whole.message.tool_calls] == ["get_weather"]
+    with pytest.raises(ValueError):
+        json.loads(whole.message.tool_calls[0].function.arguments)
+    calls = [(t.function.name, t.function.arguments) for t in whole.message.tool_calls]
+    assert _streamed_answer(c, **kw) == (None, calls, "stop")
+    done = c.chat.completions.create(**{**kw, "stop": None}).choices[0]   # uncut: whole calls
+    assert done.finish_reason == "tool_calls" and json.loads(done.message.tool_calls[0].function.arguments)
+
+
 def test_a_required_call_cut_before_its_name_among_several_tools_is_no_text_and_no_call(server):
     """Which of two tools it would have called is unknown when the cut came inside the name:
     no call, and not the grammar's wrapper as content either; streamed the same."""

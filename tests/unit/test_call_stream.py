@@ -163,16 +163,16 @@ def test_tools_nested_too_deeply_are_a_400_not_a_crash():
     assert e.value.status == 400 and e.value.param == "tools"
 
 
-@pytest.mark.parametrize("reason,calls,enforced,want", [
-    ("stop", True, True, "tool_calls"),
+@pytest.mark.parametrize("reason,calls,cut,want", [
+    ("stop", True, False, "tool_calls"),   # a whole forced answer, or an auto one's calls
     ("length", True, True, "length"),      # parallel calls cut short: the last one is unfinished
-    ("stop", True, False, "tool_calls"),
+    ("stop", True, True, "stop"),          # a forced call cut by a stop string
     ("length", True, False, "tool_calls"),  # auto: a whole call, then text cut short (found in review)
     ("length", False, False, "length"),
     ("stop", False, True, "stop"),
     (None, False, False, "stop"),
 ])
-def test_finish_reason(reason, calls, enforced, want):
+def test_finish_reason(reason, calls, cut, want):
     from kvfence.server.app import finish_reason
 
-    assert finish_reason(reason, calls, enforced) == want
+    assert finish_reason(reason, calls, cut) == want
