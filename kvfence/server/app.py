@@ -1208,8 +1208,11 @@ class _Run:
                 outcome = reason or "error"
             elif self.disconnected:
                 outcome = "client_disconnected"
-            else:   # an abort the client caused (its schema's limits) is no server error
-                outcome = "invalid" if self._failure().status == 400 else "error"
+            else:   # an abort the client caused (its schema's limits) is no server error; the
+                # status alone (_failure would log a node's detail a second time)
+                u = self._failed_update()
+                client_caused = u is not None and ABORT_STATUS.get(u.abort_code or "", (500, ""))[0] == 400
+                outcome = "invalid" if client_caused else "error"
         generated = self._tokens_generated()
         self.lease.release(generated)
         firsts = [c.first_token_at for c in self.choices if c.first_token_at is not None]
@@ -1222,9 +1225,14 @@ class _Run:
                  "ttft_ms=%s", self.choices[0].rid, self.tenant.name, len(self.choices), self.prompt_tokens,
                  self.completion_tokens, self.cached_tokens, outcome, ttft)
 
-    def _failure(self) -> APIError:
+    def _failed_update(self) -> Update | None:
+        """The last update of the first choice that ended without its answer (None: the engine
+        stopped before any choice ended)."""
         bad = next((c for c in self.choices if c.last is not None and c.last.finished and not c.ok), None)
-        u = bad.last if bad is not None else None
+        return bad.last if bad is not None else None
+
+    def _failure(self) -> APIError:
+        u = self._failed_update()
         if u is None:
             return APIError(503, "The engine stopped before the request finished.", code="engine_unavailable")
         status, what = ABORT_STATUS.get(u.abort_code or "", (500, "The request was aborted"))
