@@ -57,6 +57,11 @@ class GrammarLimit(GrammarFailed):
     means a mask was not applied: our fault, not the schema's."""
 
 
+def _past_limits(why: str) -> GrammarLimit:
+    return GrammarLimit(f"the schema took the grammar engine past its limits while generating ({why}); a simpler "
+                        "one (a smaller multipleOf, maximum or pattern) avoids it")
+
+
 _tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
@@ -214,8 +219,7 @@ class Constraint:
             return self.matcher.is_stopped()
         why = self.matcher.get_error()
         if ok or (mask is not None and (int(mask[token >> 5]) >> (token & 31)) & 1):
-            raise GrammarLimit(f"the schema took the grammar engine past its limits while generating ({why}); a "
-                               "simpler one (a smaller multipleOf, maximum or pattern) avoids it")
+            raise _past_limits(why)
         raise GrammarFailed(f"the output grammar refused token {token}: {why}")
 
 
@@ -252,9 +256,7 @@ def fill_bitmask(rows: list[Constraint]) -> np.ndarray:
     fill_next_token_bitmask_par(_executor, [(r.matcher, i) for i, r in enumerate(rows)], bitmask)
     for i, r in enumerate(rows):
         if r.matcher.is_error():
-            r.limit = GrammarLimit(f"the schema took the grammar engine past its limits while generating "
-                                   f"({r.matcher.get_error()}); a simpler one (a smaller multipleOf, maximum or "
-                                   "pattern) avoids it")
+            r.limit = _past_limits(r.matcher.get_error())
         elif not bitmask[i].any():
             r.limit = GrammarLimit("the schema's grammar allows no next token")
         r.allowed = bitmask[i]

@@ -39,6 +39,7 @@ log = logging.getLogger("kvfence.server")
 
 MAX_TOOLS = 64
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_TAG = "<tool_call>"   # an auto answer's call begins with it (the generic prompt asks for it)
 _CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 
 
@@ -357,7 +358,7 @@ def parse_answer(text: str, spec: ToolSpec) -> tuple[str | None, list[dict] | No
             at = m.end()
     rest = "".join(kept) + text[at:]
     # a last call whose closing tag never came (the model stopped right after its JSON)
-    head, tag, tail = rest.rpartition("<tool_call>")
+    head, tag, tail = rest.rpartition(_TAG)
     if tag:
         try:
             last = _call(json.loads(tail), spec)
@@ -375,9 +376,6 @@ def parse_answer(text: str, spec: ToolSpec) -> tuple[str | None, list[dict] | No
     before = text[:text.find(_TAG)]
     content = rest.rstrip() if before.strip() else rest.strip()
     return content or None, found
-
-
-_TAG = "<tool_call>"
 
 
 class TextBeforeCalls:
