@@ -34,7 +34,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 
 from kvfence.server.auth_throttle import client_address
 from kvfence.server.console_view import console_view, incidents_view
-from kvfence.server.errors import error_body
+from kvfence.server.errors import error_body, error_type
 from kvfence.server.tenants import TenantsFileError
 
 if TYPE_CHECKING:
@@ -162,9 +162,8 @@ def _json_error(status: int, message: str, code: str, headers: dict[str, str] | 
     headers = dict(headers or {})
     if status == 401:
         headers["WWW-Authenticate"] = 'Bearer realm="kvfence operator"'
-    type_ = {401: "authentication_error", 429: "rate_limit_error"}.get(
-        status, "invalid_request_error")
-    return _secure(JSONResponse(error_body(message, type_, None, code), status_code=status, headers=headers))
+    return _secure(JSONResponse(error_body(message, error_type(status), None, code), status_code=status,
+                                headers=headers))
 
 
 def _throttled(auth: OperatorAuth, request: Request) -> Response | None:

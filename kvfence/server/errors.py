@@ -15,12 +15,18 @@ JSON_ERRORS = (ValueError, RecursionError)
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "invalid_request_error",   # the console's cross-origin sign-in
     404: "invalid_request_error",   # as OpenAI types a missing model or route
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
 }
+
+
+def error_type(status: int) -> str:
+    """The OpenAI error type for an HTTP status (the API's and the console's answers alike)."""
+    return _TYPES.get(status, "server_error")
 
 
 class APIError(Exception):
@@ -32,7 +38,7 @@ class APIError(Exception):
         self.outcome = outcome or _default_outcome(status)
 
     def body(self) -> dict:
-        return error_body(self.message, _TYPES.get(self.status, "server_error"), self.param, self.code)
+        return error_body(self.message, error_type(self.status), self.param, self.code)
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
