@@ -41,6 +41,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "Retry-After); one tenant at most half of them")
     p.add_argument("--scrub", default="zero", choices=["none", "zero", "poison"],
                    help="what freed pages are overwritten with")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="keep no prompt-prefix pages for reuse: every request (and every n choice) computes its "
+                        "whole prompt (the cache is per tenant or opted-in scope either way, I9)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--audit-reads", action="store_true",
                    help="record and check every page and slot each forward pass touches (a test oracle; costs time)")
@@ -54,7 +57,7 @@ def _config(a):
                         kv_cache_memory=a.kv_cache_memory, kv_memory_fraction=a.kv_memory_fraction,
                         max_model_len=a.max_model_len, clamp_context=a.clamp_context, max_num_seqs=a.max_num_seqs,
                         max_num_batched_tokens=a.max_num_batched_tokens, max_waiting=a.max_waiting,
-                        scrub=a.scrub, num_threads=a.threads,
+                        scrub=a.scrub, num_threads=a.threads, enable_prefix_cache=not a.no_prefix_cache,
                         audit_reads=a.audit_reads, prefill_tokens_while_decoding=a.prefill_tokens_while_decoding,
                         decode_step_target_ms=a.decode_step_target_ms)
 

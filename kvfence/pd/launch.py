@@ -24,7 +24,8 @@ from kvfence.procs import start_child, stop_processes
 # (every one of cli._engine_args but --threads, which launch-pd splits between the nodes)
 ENGINE_FLAGS = ("model", "dtype", "device", "weights", "matmul", "kv_cache_memory", "kv_memory_fraction",
                 "page_size", "max_model_len", "clamp_context", "max_num_seqs", "max_num_batched_tokens",
-                "max_waiting", "prefill_tokens_while_decoding", "decode_step_target_ms", "scrub", "audit_reads")
+                "max_waiting", "prefill_tokens_while_decoding", "decode_step_target_ms", "scrub", "no_prefix_cache",
+                "audit_reads")
 PD_FLAGS = ("transfer_host", "transfer_buffer_pages", "lease", "transfer_timeout", "max_pull", "clock_skew",
             "decode_reserve_tokens", "router_scope_idle")
 

@@ -113,3 +113,22 @@ def test_fields_that_change_nothing_are_accepted_and_ignored(server):
     same = c.chat.completions.create(**kw, user="user-1234", metadata={"k": "v"}, store=False,
                                      service_tier="auto", parallel_tool_calls=True).choices[0].message.content
     assert same == plain
+
+
+def test_without_the_prefix_cache_every_choice_computes_its_prompt(make_server):
+    # `--no-prefix-cache` (docs/openai-api.md named the flag before it existed) reaches the engine
+    from kvfence.cli import _config, build_parser
+
+    a = build_parser().parse_args(["serve", "--no-prefix-cache"])
+    assert _config(a).enable_prefix_cache is False
+    assert _config(build_parser().parse_args(["serve"])).enable_prefix_cache is True
+    s = make_server(tenants=None, enable_prefix_cache=False)
+    c = s.client()
+    kw = dict(model=MODEL, prompt=LONG, max_tokens=8, temperature=1.0, seed=99)
+    r = c.completions.create(n=2, **kw)
+    r2 = c.completions.create(n=2, **kw)   # the same prompt again: nothing kept from the first
+    for j in range(2):
+        assert c.completions.create(**{**kw, "seed": 99 + j}).choices[0].text == r.choices[j].text
+    assert [ch.text for ch in r2.choices] == [ch.text for ch in r.choices]
+    assert r2.usage.prompt_tokens_details is None or not r2.usage.prompt_tokens_details.cached_tokens
+    assert s.metric("kvfence_prefix_cache_hit_tokens_total") == 0
