@@ -206,4 +206,7 @@ def main(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(asdict(report), f, indent=2)
+        from kvfence.bench.plot import write_next_to
+
+        write_next_to(args.json, asdict(report), f"kvfence bench --url {args.url}")
     return 0 if report.ok == report.num_requests else 1

@@ -69,6 +69,9 @@ def main(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
+        from kvfence.bench.plot import write_next_to
+
+        write_next_to(args.json, doc, f"kvfence bench --native, {base.threads()} threads")
     return 0
 
 

@@ -339,15 +339,18 @@ def main(a) -> int:
     print()
     print(format_table(single, pd, r, kv, idle, raw, seal, a))
     if a.json:
+        doc = {"workload": {"num_requests": a.num_requests, "prompt_words": a.prompt_tokens,
+                            "output_tokens": a.output_tokens, "concurrency": a.concurrency or a.num_requests,
+                            "dtype": a.dtype, "kv_cache_memory": a.kv_cache_memory,
+                            "cores": len(os.sched_getaffinity(0))},
+               "single": asdict(single), "pd": asdict(pd), "ratios": r,
+               "transfer": {"kvfence_under_load": kv, "kvfence_one_at_a_time": idle, "raw_mooncake": raw},
+               "sealing": seal}
         with open(a.json, "w") as f:
-            json.dump({"workload": {"num_requests": a.num_requests, "prompt_words": a.prompt_tokens,
-                                    "output_tokens": a.output_tokens, "concurrency": a.concurrency or a.num_requests,
-                                    "dtype": a.dtype, "kv_cache_memory": a.kv_cache_memory,
-                                    "cores": len(os.sched_getaffinity(0))},
-                       "single": asdict(single), "pd": asdict(pd), "ratios": r,
-                       "transfer": {"kvfence_under_load": kv, "kvfence_one_at_a_time": idle, "raw_mooncake": raw},
-                       "sealing": seal},
-                      f, indent=2)
+            json.dump(doc, f, indent=2)
+        from kvfence.bench.plot import write_next_to
+
+        write_next_to(a.json, doc, "kvfence bench --pd: one node against prefill + decode")
     ok = single.ok == single.num_requests and pd.ok == pd.num_requests and kv["pulls"] > 0
     return 0 if ok else 1
 

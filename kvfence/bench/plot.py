@@ -1,7 +1,8 @@
 """The bench's JSON as one PNG: throughput and latency per contender, and the fidelity table.
 
-`kvfence bench --json X.json` (and `--fidelity --json`) write X.png next to it; to put a
-bench run and a fidelity run in one picture (the README's):
+`kvfence bench --json X.json` writes X.png next to it (the fixed workload, `--fidelity`,
+`--native`, `--structured`, `--url`, `--pd`); to put a bench run and a fidelity run in one
+picture (the README's):
 
     python -m kvfence.bench.plot bench.json fidelity.json -o docs/bench.png --title "..."
 
@@ -62,10 +63,43 @@ def _fidelity(ax, fid: dict) -> None:
                  f"{fid.get('positions', '?')} positions", fontsize=9)
 
 
+def _what(w: dict, concurrency: int | None = None, words: bool = False) -> str:
+    at_once = concurrency is None or concurrency >= w["num_requests"]
+    return (f"{w['num_requests']} x {w['prompt_tokens']}{' words' if words else ''} -> {w['output_tokens']}, "
+            + ("all at once" if at_once else f"{concurrency} at a time"))
+
+
+def _http_row(r: dict, name: str) -> dict:
+    """A `kvfence bench --url` report as a contender's row (its errors in the name)."""
+    failed = r["num_requests"] - r["ok"]
+    return {"name": name + (f", {failed} failed" if failed else ""), "seconds": r["seconds"],
+            "output_tokens": r["output_tokens"], "ttft_ms": r["ttft_ms"], "itl_ms": r["itl_ms"]}
+
+
+def _workloads(d: dict) -> list[tuple[str, list[dict]]]:
+    """(what was run, contender rows) of each timed workload in a bench's JSON, whichever
+    bench wrote it: the fixed workload and --structured ({"workload", "results"}), --native
+    (rows of several "workloads"), --url (one report) and --pd (single node and PD)."""
+    if "url" in d and "itl_ms" in d:   # --url
+        w = {"num_requests": d["num_requests"], "prompt_tokens": d["prompt_words"], "output_tokens": d["max_tokens"]}
+        return [(_what(w, d["concurrency"], words=True), [_http_row(d, f"{d['model']} at {d['url']}")])]
+    if "single" in d and "pd" in d:    # --pd
+        w = {**d["workload"], "prompt_tokens": d["workload"]["prompt_words"]}
+        return [(_what(w, d["workload"]["concurrency"], words=True),
+                 [_http_row(d["single"], "single node"), _http_row(d["pd"], "prefill + decode")])]
+    rows = d.get("results") or []
+    if "workloads" in d:               # --native
+        return [(f"{name}: {_what(w)}", [r for r in rows if r.get("workload") == name])
+                for name, w in d["workloads"].items() if any(r.get("workload") == name for r in rows)]
+    if rows and isinstance(rows[0], dict) and "seconds" in rows[0]:
+        return [(_what(d["workload"]) if d.get("workload") else "fixed workload", rows)]
+    return []
+
+
 def render(docs: list[dict], path: str | Path, title: str = "") -> Path:
-    """One PNG from bench JSON documents: each {"results": [...]} (the fixed workload) adds a
-    throughput panel and TTFT/ITL panels, a "one_request" part its inter-token latencies, an
-    "arrivals" part its latency panels, and a
+    """One PNG from bench JSON documents: each timed workload (the fixed one, --native's,
+    --structured's, --url's, --pd's) adds a throughput panel and TTFT/ITL panels, a
+    "one_request" part its inter-token latencies, an "arrivals" part its latency panels, and a
     fidelity document ({"scores": [...]}) adds the table."""
     import matplotlib
 
@@ -74,18 +108,14 @@ def render(docs: list[dict], path: str | Path, title: str = "") -> Path:
 
     panels: list = []   # (height in rows, draw)
     for d in docs:
-        if d.get("results"):
-            rows = d["results"]
-            w = d.get("workload", {})
-            what = (f"{w['num_requests']} x {w['prompt_tokens']} -> {w['output_tokens']}, all at once"
-                    if w else "fixed workload")
+        for what, rows in _workloads(d):
             panels.append((len(rows), lambda ax, rows=rows, what=what: _throughput(ax, rows, f"throughput ({what})")))
             timed = [r for r in rows if r.get("itl_ms")]
             if timed:
-                panels.append((2 * len(timed), lambda ax, rows=timed: _latency(
-                    ax, rows, "ttft_ms", "time to first token (fixed workload)")))
-                panels.append((2 * len(timed), lambda ax, rows=timed: _latency(
-                    ax, rows, "itl_ms", "inter-token latency (fixed workload)")))
+                panels.append((2 * len(timed), lambda ax, rows=timed, what=what: _latency(
+                    ax, rows, "ttft_ms", f"time to first token ({what})")))
+                panels.append((2 * len(timed), lambda ax, rows=timed, what=what: _latency(
+                    ax, rows, "itl_ms", f"inter-token latency ({what})")))
         one = d.get("one_request")
         if one and one.get("results"):
             rows = one["results"]
@@ -104,7 +134,7 @@ def render(docs: list[dict], path: str | Path, title: str = "") -> Path:
         if d.get("scores"):
             panels.append((len(d["scores"]) + 1, lambda ax, d=d: _fidelity(ax, d)))
     if not panels:
-        raise ValueError("nothing to draw: no results, arrivals or fidelity scores in the JSON")
+        raise ValueError("nothing to draw: no timed workload or fidelity scores in the JSON")
     heights = [1.0 + 0.28 * n for n, _ in panels]
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, sum(heights) + 0.4), squeeze=False,
                              gridspec_kw={"height_ratios": heights})

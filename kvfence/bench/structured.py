@@ -53,6 +53,10 @@ def main(args) -> int:
         print(f"  decode step (median inter-token latency at batch {wl.num_requests}): plain {a.itl_ms['p50']:.1f} ms, "
               f"with a schema {b.itl_ms['p50']:.1f} ms: {b.itl_ms['p50'] / a.itl_ms['p50']:.3f}x")
     if args.json:
+        doc = {"workload": asdict(wl), "schema": SCHEMA, "results": [asdict(a), asdict(b)]}
         with open(args.json, "w") as f:
-            json.dump({"workload": asdict(wl), "schema": SCHEMA, "results": [asdict(a), asdict(b)]}, f, indent=2)
+            json.dump(doc, f, indent=2)
+        from kvfence.bench.plot import write_next_to
+
+        write_next_to(args.json, doc, "kvfence bench --structured: plain against a JSON schema")
     return 0

@@ -44,3 +44,4 @@ def test_bench_structured_compares_plain_and_schema_runs(tmp_path):
     # the same tokens either way (the schema cannot close early), and the masks were applied
     assert plain["output_tokens"] == constrained["output_tokens"] == 8
     assert "logit adjustments" in constrained["note"] and "logit adjustments" not in plain["note"]
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

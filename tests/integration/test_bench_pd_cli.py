@@ -30,3 +30,4 @@ def test_bench_pd_tiny_workload_writes_results(tmp_path):
     assert raw["mib_per_s"] > 0 and kv["vs_raw"] is not None
     seal = data["sealing"]   # AES-GCM on rows of the same size, measured in the same run
     assert seal["row_bytes"] == kv["row_bytes"] and seal["seal_mib_per_s"] > 0 and seal["open_mib_per_s"] > 0
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -244,6 +244,7 @@ def test_http_bench_against_the_server(single, tmp_path, capsys):
     assert 0 < report["ttft_ms"]["p50"] <= report["ttft_ms"]["p99"]
     assert report["itl_ms"]["p50"] > 0 and report["output_tps"] > 0
     assert "TTFT" in capsys.readouterr().out
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"   # README: every timed bench draws one
 
 
 def _scrape(srv, key: str | None, forwarded_for: str | None = None) -> httpx.Response:

@@ -59,3 +59,27 @@ def test_nothing_to_draw_is_an_error_not_an_empty_png(tmp_path):
     with pytest.raises(ValueError, match="nothing to draw"):
         render([{"workload": {}, "results": []}], tmp_path / "x.png")
     assert not (tmp_path / "x.png").exists()
+
+
+def test_each_timed_bench_json_draws_its_workloads(tmp_path):
+    # the README says every timed bench's --json draws a PNG; --url, --pd and --native wrote none
+    from kvfence.bench.http_load import Report
+    from kvfence.bench.plot import _workloads
+
+    lat = {"p50": 30.0, "p90": 40.0, "p99": 50.0, "mean": 33.0}
+    rep = asdict(Report("http://127.0.0.1:8000", "m", "completions", 8, 2, 64, 16, 4.0, 7, {"HTTP 429": 1}, 112,
+                        None, 28.0, 1.75, lat, lat, lat, lat))
+    [(what, rows)] = _workloads(rep)
+    assert what == "8 x 64 words -> 16, 2 at a time" and rows[0]["name"] == "m at http://127.0.0.1:8000, 1 failed"
+    pd = {"workload": {"num_requests": 8, "prompt_words": 64, "output_tokens": 16, "concurrency": 8},
+          "single": rep, "pd": rep}
+    assert [r["name"] for r in _workloads(pd)[0][1]] == ["single node, 1 failed", "prefill + decode, 1 failed"]
+    one = {"num_requests": 1, "prompt_tokens": 256, "output_tokens": 128}
+    native = {"workloads": {"batch 1": one, "batch 32": {**one, "num_requests": 32}},
+              "results": [{**asdict(Result(n, 2.0, 128, 384, lat, lat)), "workload": w}
+                          for w in ("batch 1", "batch 32") for n in ("bf16", "native")]}
+    assert [(w, [r["name"] for r in rows]) for w, rows in _workloads(native)] == [
+        ("batch 1: 1 x 256 -> 128, all at once", ["bf16", "native"]),
+        ("batch 32: 32 x 256 -> 128, all at once", ["bf16", "native"])]
+    heights = [_read(render([d], tmp_path / f"{i}.png")).shape[0] for i, d in enumerate((rep, pd, native))]
+    assert heights[2] > heights[1] > heights[0] > 0   # a panel set per workload, a row per contender
