@@ -620,9 +620,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - a CLI reports, it does not dump a traceback by default
         if a.verbose:
             raise
-        from kvfence.engine.admission import CapacityError
+        from kvfence.engine.admission import STARTUP_REFUSALS
 
-        if isinstance(e, (CapacityError, FileNotFoundError, ValueError, OSError)):
+        if isinstance(e, STARTUP_REFUSALS):
             print(f"error: {e}", file=sys.stderr)
             return 2
         raise

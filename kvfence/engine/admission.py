@@ -47,6 +47,12 @@ class CapacityError(RuntimeError):
     """The advertised context does not fit the KV pool (the incident's misconfiguration)."""
 
 
+# what a configuration that cannot start raises (a context past the pool, a size or setting
+# that does not parse, a model path or file that is not there): the message says what to
+# change, so the commands say it in one line, and the traceback only under -v
+STARTUP_REFUSALS = (CapacityError, FileNotFoundError, ValueError, OSError)
+
+
 @dataclass(frozen=True)
 class ContextPlan:
     usable: int            # the limit every request is admitted against

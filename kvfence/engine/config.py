@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvfence.kv.pool import parse_bytes
 from kvfence.model.linear import MATMULS
 
 SCRUBS = ("none", "zero", "poison")
@@ -64,6 +65,8 @@ class EngineConfig:
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be at least 1",
              self.max_model_len)
         need(self.num_threads is None or self.num_threads >= 1, "threads must be at least 1", self.num_threads)
+        if self.kv_cache_memory is not None:
+            parse_bytes(self.kv_cache_memory)   # a size that does not parse fails now, not after the model loads
         need(self.kv_cache_memory is not None or 0.0 < self.kv_memory_fraction <= 0.95,
              "kv_memory_fraction must be in (0, 0.95]", self.kv_memory_fraction)
         need(self.scrub in SCRUBS, f"scrub must be one of {', '.join(SCRUBS)}", self.scrub)

@@ -17,6 +17,7 @@ import torch
 
 from kvfence import faults, incidents
 from kvfence.engine.admission import (
+    CapacityError,
     ContextLengthExceeded,
     ContextPlan,
     Overloaded,
@@ -173,7 +174,14 @@ class LLMEngine:
 
     def _kv_budget(self, cfg: EngineConfig, dtype: torch.dtype) -> int:
         if cfg.kv_cache_memory is not None:
-            return parse_bytes(cfg.kv_cache_memory)
+            want = parse_bytes(cfg.kv_cache_memory)
+            have = available_memory(self.device)
+            if want > have:   # the allocation would fail with the allocator's message, or swap
+                raise CapacityError(f"--kv-cache-memory {cfg.kv_cache_memory} is {want / (1 << 30):.1f} GiB, more "
+                                    f"than the {have / (1 << 30):.1f} GiB of memory "
+                                    f"{'this machine' if self.device == 'cpu' else self.device} has available now; "
+                                    "give the pool less")
+            return want
         budget = int(available_memory(self.device) * cfg.kv_memory_fraction)
         # no point in a pool much larger than a full batch of full contexts
         cap = (cfg.max_num_seqs * self.model_config.max_context + cfg.page_size) * page_bytes(

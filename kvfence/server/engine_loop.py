@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvfence.engine.admission import STARTUP_REFUSALS
 from kvfence.engine.containment import FAIL_CLOSED
 from kvfence.engine.params import SamplingParams
 from kvfence.server.backend import Admitted, EngineFailed, Logprob, RequestHandle, Update
@@ -258,7 +259,11 @@ class EngineLoop:
             self._serve(engine)
         except BaseException as e:  # noqa: BLE001 - whatever it was, fail closed and say why
             self.error = f"{type(e).__name__}: {e}"
-            log.error("engine thread failed: %s\n%s", self.error, traceback.format_exc())
+            if not self.ready.is_set() and isinstance(e, STARTUP_REFUSALS):
+                # the configuration cannot start: whoever waits for ready says why in one line
+                log.debug("engine not started: %s\n%s", self.error, traceback.format_exc())
+            else:
+                log.error("engine thread failed: %s\n%s", self.error, traceback.format_exc())
             self._fail_all(EngineFailed(f"the engine failed: {self.error}"))
             self._drain_failed()
             if self.on_failure is not None and self.ready.is_set():

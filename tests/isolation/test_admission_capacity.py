@@ -105,3 +105,40 @@ def test_request_the_pool_cannot_hold_is_aborted_with_a_capacity_code(make_llm):
     other = eng.add_request([100] * 10, SamplingParams(max_tokens=4))
     eng.abort(other.request_id)
     assert other.abort_code == "client" and led.num_owned == 0
+
+
+def test_a_pool_larger_than_the_machine_is_refused_before_it_is_allocated(loaded_fp32, monkeypatch):
+    # 900GiB on a 24 GiB machine used to end in the allocator's "can't allocate memory" traceback
+    from kvfence import LLM
+    from kvfence.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "available_memory", lambda device: 1 << 30)
+    with pytest.raises(CapacityError, match=r"2GiB is 2.0 GiB, more than the 1.0 GiB of memory this machine has"):
+        LLM(dtype="float32", loaded=loaded_fp32, kv_cache_memory="2GiB", progress=False)
+    LLM(dtype="float32", loaded=loaded_fp32, kv_cache_memory="16MiB", clamp_context=True, progress=False)
+
+
+def test_a_size_that_does_not_parse_fails_before_anything_loads():
+    from kvfence.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="cannot read '64XB' as a size"):
+        EngineConfig(kv_cache_memory="64XB")
+
+
+def test_a_refused_start_is_one_line_and_a_crash_keeps_its_traceback(caplog):
+    # the operator's `kvfence serve` says "not serving: <why>"; a traceback above it read as a crash
+    from kvfence.server.engine_loop import EngineLoop
+
+    def refuse():
+        raise CapacityError("advertised context 8192 tokens exceeds the KV pool capacity of 2896 tokens")
+
+    def crash():
+        raise RuntimeError("a bug")
+
+    for factory, traced in ((refuse, False), (crash, True)):
+        caplog.clear()
+        loop = EngineLoop(factory, None).start()
+        assert not loop.wait_ready(30) and loop.error.split(":")[0] in ("CapacityError", "RuntimeError")
+        assert loop.finished.wait(30)   # the error is set before it is logged
+        errors = [r for r in caplog.records if r.levelname == "ERROR"]
+        assert bool(errors) == traced and all("Traceback" in r.getMessage() for r in errors)
