@@ -36,6 +36,7 @@ from kvfence.server.auth_throttle import FailedAuthThrottle, client_address
 from kvfence.server.backend import EngineBackend, EngineFailed, RequestHandle, Update
 from kvfence.server.disconnect import watch_disconnect
 from kvfence.server.errors import ABORT_STATUS, OWN_DETAIL_CODES, APIError, bad_request, error_body
+from kvfence.server.fair_queue import FairWorker
 from kvfence.server.isolation import isolation_statement, tenant_view
 from kvfence.server.json_slices import encode as encode_json
 from kvfence.server.log_budget import LogBudget
@@ -759,13 +760,13 @@ async def _check_schema(state: ServerState, req: GenerationRequest, tenant: Tena
         raise APIError(503, f"{MAX_QUEUED_SCHEMA_CHECKS} structured-output schemas are waiting to be checked; retry "
                        "shortly.", code="server_overloaded", headers={"Retry-After": "1"}, outcome="overloaded")
     mine = state.schema_checks_by_tenant.get(tenant.name, 0)
-    if mine >= MAX_QUEUED_SCHEMA_CHECKS_PER_TENANT:   # one tenant cannot fill the queue for all
-        raise APIError(429, f"This API key has {mine} structured-output schemas waiting to be checked; at most "
-                       f"{MAX_QUEUED_SCHEMA_CHECKS_PER_TENANT} may wait at once.",
+    if mine >= MAX_QUEUED_SCHEMA_CHECKS_PER_TENANT and not state.tenants.single_tenant:   # one cannot fill it
+        raise APIError(429, f"This API key's tenant has {mine} structured-output schemas waiting to be checked; "
+                       f"at most {MAX_QUEUED_SCHEMA_CHECKS_PER_TENANT} may wait at once.",
                        code="tenant_max_concurrent_requests", headers={"Retry-After": "1"})
     state.schema_checks_by_tenant[tenant.name] = mine + 1
     try:
-        got = await asyncio.get_running_loop().run_in_executor(_SCHEMA_CHECKS, check_and_build)
+        got = await asyncio.wrap_future(_SCHEMA_CHECKS.submit(tenant.name, check_and_build))
     except RuntimeError as e:   # the checker's worker would not start, or the server is stopping
         raise APIError(503, f"Structured output cannot be checked right now ({e}); retry shortly.",
                        code="server_overloaded", headers={"Retry-After": "1"}) from None
@@ -964,10 +965,14 @@ def _count_refusal(state: ServerState, tenant: Tenant | None, e: APIError) -> No
 
 # schemas are checked (one at a time: schema_check.py's worker) and built on this thread, not
 # in the default pool that tokenizing and body parsing share: checks queued behind a tenant's
-# costly schemas, a second each, held every pool thread (found in review). At most this many wait
-_SCHEMA_CHECKS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfence-schema")
+# costly schemas, a second each, held every pool thread (found in review). Tenants take turns
+# on it: in arrival order, another tenant's schema waited for all of one tenant's costly ones
+_SCHEMA_CHECKS = FairWorker("kvfence-schema")
 MAX_QUEUED_SCHEMA_CHECKS = 64   # per server (ServerState.schema_checks_by_tenant, all tenants)
-MAX_QUEUED_SCHEMA_CHECKS_PER_TENANT = 4
+# one tenant may hold half of them (the scheduler's rule for waiting places): the others are
+# never refused for want of room. A single-tenant server's one tenant may hold them all (4 each
+# refused most of a burst of 16 structured requests whose schema was checked long before)
+MAX_QUEUED_SCHEMA_CHECKS_PER_TENANT = MAX_QUEUED_SCHEMA_CHECKS // 2
 SCHEMA_VERDICTS_KEPT = 1024     # (tenant, schema) verdicts, so a schema sent again skips the worker
 
 

@@ -298,3 +298,51 @@ def test_one_tenant_cannot_fill_the_schema_queue_and_a_verdict_is_kept_per_tenan
     with pytest.raises(openai.BadRequestError, match="longer than"):
         _chat(srv.client("bob"), response_format=fmt, max_tokens=1)        # bob's own check
     assert srv.state.schema_checker.killed == killed + 1
+
+
+def test_a_burst_of_structured_requests_is_served_whole(make_server):
+    """16 structured requests at once, one schema: a single-tenant server refused 12 of them
+    with 429 (4 schema checks per tenant), though the schema's verdict was long kept. Now a
+    single-tenant server's one tenant may use the whole queue, and with tenants one may use
+    half of it."""
+    import asyncio
+
+    async def burst(srv, who, n):
+        c = srv.async_client(who)
+        return await asyncio.gather(*(c.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=3, response_format=STRICT) for _ in range(n)))
+
+    for srv, who, n in ((make_server(tenants=None), None, 40), (make_server(), "alice", 16)):
+        answers = asyncio.run(burst(srv, who, n))
+        assert len(answers) == n and all(a.choices[0].finish_reason == "length" for a in answers)
+        assert srv.state.schema_checks_queued == 0
+
+
+def test_tenants_take_turns_at_the_schema_checker(make_server):
+    """alice's three costly schemas (a deadline each) and then bob's: bob's is checked after
+    alice's first, not after all three, as it was in arrival order."""
+    import threading
+    import time
+
+    srv = make_server()
+    done: list[str] = []
+
+    def send(who, fmt, name):
+        try:
+            _chat(srv.client(who), response_format=fmt, max_tokens=1)
+        except openai.BadRequestError:
+            pass
+        done.append(name)
+
+    costly = [{"type": "json_schema", "json_schema": {"name": "n", "schema": {**COSTLY, "title": f"turns {i}"}}}
+              for i in range(3)]
+    threads = [threading.Thread(target=send, args=("alice", f, f"alice-{i}")) for i, f in enumerate(costly)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while srv.state.schema_checks_queued < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    send("bob", STRICT, "bob")   # sent once all three of alice's wait or run
+    for t in threads:
+        t.join(60)
+    assert done.index("bob") <= 1, done   # at most alice's first came back before it
