@@ -38,7 +38,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "0: keep the fixed token cap")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests admitted but not yet running, at most (beyond: 503 server_overloaded with "
-                        "Retry-After); one tenant at most half of them")
+                        "Retry-After); one tenant at most half of them (with a tenants file)")
     p.add_argument("--scrub", default="zero", choices=["none", "zero", "poison"],
                    help="what freed pages are overwritten with")
     p.add_argument("--no-prefix-cache", action="store_true",

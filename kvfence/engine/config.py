@@ -36,6 +36,10 @@ class EngineConfig:
     # fits, learned from the steps run (engine/step_target.py); 0: the fixed token cap
     decode_step_target_ms: float = 200.0
     max_waiting: int = 1024                   # admitted but not running; beyond it: Overloaded (503)
+    # how much of max_waiting one tenant may hold: half, so that others always find room; all
+    # of it on a server with one tenant (`kvfence serve` without a tenants file), where half
+    # would only refuse the one client sooner than --max-waiting says
+    tenant_waiting_share: float = 0.5
     scrub: str = "zero"                       # none | zero | poison (I7)
     verify_reads: bool = True                 # I2/I3 check before every pass; off only to measure its cost
     enable_prefix_cache: bool = True          # tenant-scoped reuse of prompt-prefix pages (I9)
@@ -65,10 +69,15 @@ class EngineConfig:
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be at least 1",
              self.max_model_len)
         need(self.num_threads is None or self.num_threads >= 1, "threads must be at least 1", self.num_threads)
-        if self.kv_cache_memory is not None:
-            parse_bytes(self.kv_cache_memory)   # a size that does not parse fails now, not after the model loads
+        if self.kv_cache_memory is not None:   # a size that does not parse fails now, not after the model loads
+            try:
+                parse_bytes(self.kv_cache_memory)
+            except ValueError as e:
+                raise ValueError(f"kv_cache_memory: {e}") from None
         need(self.kv_cache_memory is not None or 0.0 < self.kv_memory_fraction <= 0.95,
              "kv_memory_fraction must be in (0, 0.95]", self.kv_memory_fraction)
+        need(0.0 < self.tenant_waiting_share <= 1.0, "tenant_waiting_share must be in (0, 1]",
+             self.tenant_waiting_share)
         need(self.scrub in SCRUBS, f"scrub must be one of {', '.join(SCRUBS)}", self.scrub)
         need(self.matmul in MATMULS, f"matmul must be one of {', '.join(MATMULS)}", self.matmul)
 

@@ -275,7 +275,7 @@ class LLMEngine:
 
     def _check_load(self, tenant: str) -> None:
         """Load shedding before anything is allocated: at most max_waiting requests wait, and one
-        tenant at most half of them, so the other half is always there for other tenants."""
+        tenant at most its share of them (half: the other half is always there for others)."""
         limit = self.config.max_waiting
         queued = list(self.scheduler.waiting) + self.kv_link.queued()
         if len(queued) >= limit:
@@ -284,7 +284,7 @@ class LLMEngine:
             log.info("overloaded: %d requests waiting (max_waiting %d); refused one of tenant %s",
                      len(queued), limit, tenant)
             raise Overloaded("The server is overloaded: its queue is full; retry shortly.")
-        share = max(1, limit // 2)
+        share = max(1, int(limit * self.config.tenant_waiting_share))
         mine = sum(1 for s in queued if s.tenant == tenant)
         if mine >= share:
             self.outcomes["overloaded"] += 1

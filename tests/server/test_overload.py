@@ -99,3 +99,41 @@ def test_a_tenant_that_queues_many_does_not_make_the_next_tenant_wait_for_all(lo
         finished += [o.seq.request_id for o in eng.step() if o.finished]
     assert finished == [ids[0], ids[3], ids[1], ids[2]]
     assert eng.ledger.num_owned == 0
+
+
+def test_a_single_tenant_server_gives_its_tenant_every_waiting_place(loaded_fp32, monkeypatch, tmp_path):
+    """Half the queue is kept for other tenants; `kvfence serve` without a tenants file has
+    none, and refused its one client at half of --max-waiting."""
+    import types
+
+    from kvfence.engine.admission import Overloaded
+    from kvfence.engine.config import EngineConfig
+    from kvfence.engine.llm_engine import LLMEngine
+    from kvfence.engine.params import SamplingParams
+    from kvfence.server import serve
+
+    started: list[EngineConfig] = []
+
+    def start_engine(config):   # what serve() would run, without loading a model
+        started.append(config)
+        return types.SimpleNamespace(wait_ready=lambda: False, error="stopped by the test")
+
+    monkeypatch.setattr(serve, "start_engine", start_engine)
+    tenants = tmp_path / "t.toml"
+    tenants.write_text("[tenants.a]\napi_keys = ['sk-aaaaaaaa']\n")
+    base = EngineConfig(dtype="float32", max_waiting=4)
+    assert serve.serve(base, port=0, tenants_file=None) == 2
+    assert serve.serve(base, port=0, tenants_file=str(tenants)) == 2
+    assert [c.tenant_waiting_share for c in started] == [1.0, 0.5]
+
+    eng = LLMEngine(EngineConfig(dtype="float32", kv_cache_memory="16MiB", max_model_len=256, max_num_seqs=1,
+                                 max_waiting=4, tenant_waiting_share=1.0, progress=False), loaded_fp32)
+    p = SamplingParams(max_tokens=4)
+    eng.add_request([1, 2, 3], p)
+    eng.step()                                   # the first one runs
+    for _ in range(4):
+        eng.add_request([1, 2, 3], p)
+    with pytest.raises(Overloaded, match="queue is full"):
+        eng.add_request([1, 2, 3], p)
+    while eng.has_unfinished():
+        eng.step()

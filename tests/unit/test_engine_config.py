@@ -21,6 +21,8 @@ from kvfence.engine.config import EngineConfig
     ("kv_memory_fraction", 0.0), ("kv_memory_fraction", float("nan")),
     ("scrub", "random"),
     ("dtype", "int4"),
+    ("tenant_waiting_share", 0.0), ("tenant_waiting_share", 1.5), ("tenant_waiting_share", float("nan")),
+    ("kv_cache_memory", "64XB"),
 ])
 def test_bad_settings_are_refused_by_name(field, value):
     with pytest.raises(ValueError, match=field.replace("num_threads", "threads")):
@@ -31,7 +33,7 @@ def test_defaults_and_edge_values_are_accepted():
     base = EngineConfig()
     for change in ({"max_num_batched_tokens": 7}, {"prefill_tokens_while_decoding": 0},
                    {"decode_step_target_ms": 0.0}, {"kv_cache_memory": "64MiB", "kv_memory_fraction": 0.0},
-                   {"page_size": 2}, {"scrub": "poison"}):
+                   {"page_size": 2}, {"scrub": "poison"}, {"tenant_waiting_share": 1.0}):
         assert dataclasses.replace(base, **change)
     with pytest.raises(ValueError, match="max_num_seqs"):
         dataclasses.replace(base, max_num_seqs=0)     # replace() checks too
