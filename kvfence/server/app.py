@@ -968,7 +968,10 @@ def _count_refusal(state: ServerState, tenant: Tenant | None, e: APIError) -> No
 # costly schemas, a second each, held every pool thread (found in review). Tenants take turns
 # on it: in arrival order, another tenant's schema waited for all of one tenant's costly ones
 _SCHEMA_CHECKS = FairWorker("kvfence-schema")
-MAX_QUEUED_SCHEMA_CHECKS = 64   # per server (ServerState.schema_checks_by_tenant, all tenants)
+# per server (ServerState.schema_checks_by_tenant, all tenants): as many as the engine lets wait
+# by default. Most are a kept verdict and a build of milliseconds, and with tenants taking turns
+# a long queue delays only the tenant that made it (64 refused a burst of 100 structured requests)
+MAX_QUEUED_SCHEMA_CHECKS = 1024
 # one tenant may hold half of them (the scheduler's rule for waiting places): the others are
 # never refused for want of room. A single-tenant server's one tenant may hold them all (4 each
 # refused most of a burst of 16 structured requests whose schema was checked long before)
