@@ -192,7 +192,9 @@ def _printable(line: str) -> str:
 
 
 def main(a) -> int:
-    """`kvfence incidents`: exit 0 when every chain is intact and nothing reached a client."""
+    """`kvfence incidents`: exit 0 when every chain is intact and nothing reached a client; 1
+    when something did, or a chain is broken; 3 when the logs cannot tell (lines cut short
+    while being written: what they recorded is lost)."""
     paths = [Path(p) for p in a.logs] or default_logs()
     if not paths:
         print(f"no incident logs given and none under {incidents.default_path('x').parent}")
@@ -215,5 +217,5 @@ def main(a) -> int:
                 a.tenant, disclosure, a.expect_last_hash)
     print(json.dumps(rep, indent=2) if a.json else render(rep))
     broken = not all(c["intact"] for c in rep["logs"])
-    return 1 if broken or rep["answer"]["any_byte_computed_over_another_tenants_data_reached_a_client"] == "yes" \
-        else 0
+    answer = rep["answer"]["any_byte_computed_over_another_tenants_data_reached_a_client"]
+    return 1 if broken or answer == "yes" else 3 if answer == "cannot tell" else 0

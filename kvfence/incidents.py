@@ -207,6 +207,26 @@ def _record(line: bytes) -> dict | None:
     return rec if isinstance(rec, dict) else None
 
 
+# every record's line begins so (its keys are sorted): a line cut short while being written
+# begins so too, or is a piece of it; any other line that is not a record was put there
+RECORD_START = b'{"boot_id":"'
+# what the report reads of each record (a JSON object without them is no record of ours)
+RECORD_FIELDS: dict[str, type | tuple[type, ...]] = {"unix": (int, float), "kind": str, "prev": str, "boot_id": str}
+
+
+def _cut_short(line: bytes) -> bool:
+    t = line.rstrip(b"\n")
+    return bool(t) and (RECORD_START.startswith(t) or t.startswith(RECORD_START))
+
+
+def _not_ours(rec: dict) -> str | None:
+    """Which field a JSON object lacks to be an incident record, or None."""
+    for name, kind in RECORD_FIELDS.items():
+        if not isinstance(rec.get(name), kind) or isinstance(rec.get(name), bool):
+            return name
+    return None
+
+
 def read(path: str | Path, lines: int | None = None) -> Iterator[dict]:
     """The records of the first `lines` lines (all by default); a line that is not a record
     (a torn write, garbage) is skipped here: verify() is what judges the file."""
@@ -245,6 +265,10 @@ def verify(path: str | Path, expect_last_hash: str | None = None) -> Verificatio
         if rec is None:
             end = n                 # lines[n:end] are not records
             while end < len(lines) and _record(lines[end]) is None:
+                if not _cut_short(lines[end]):
+                    return Verification(False, records, end + 1, f"line {end + 1}: neither a JSON record nor one "
+                                        "cut short while being written: it was put there (or this is not an "
+                                        "incident log)", prev, tuple(torn))
                 end += 1
             last = _line_hash(whole(lines[end - 1]))
             following = _record(lines[end]) if end < len(lines) else None
@@ -258,6 +282,9 @@ def verify(path: str | Path, expect_last_hash: str | None = None) -> Verificatio
                 reached[_line_hash(whole(lines[k]))] = k + 1
             prev, n = last, end
             continue
+        if (missing := _not_ours(rec)) is not None:
+            return Verification(False, records, n + 1, f"line {n + 1}: a JSON object but not an incident record (no "
+                                                       f"valid '{missing}'): it was put there", prev, tuple(torn))
         if rec.get("prev") != prev:
             return Verification(False, records, n + 1, f"line {n + 1}: the chain breaks here (its prev does not match "
                                                        f"the hash of line {n}): a line was changed, inserted or "
@@ -277,7 +304,8 @@ def verify(path: str | Path, expect_last_hash: str | None = None) -> Verificatio
         at = reached[want]
         anchor = ("; the anchored hash is the end" if at == len(lines)
                   else f"; the anchored hash is that of line {at}, and {len(lines) - at} line(s) came after it")
-    note = (f"; line(s) {', '.join(map(str, torn))} cut short while being written (a crash or a full disk): "
+    shown = ", ".join(map(str, torn[:10])) + (f" and {len(torn) - 10} more" if len(torn) > 10 else "")
+    note = (f"; line(s) {shown} cut short while being written (a crash or a full disk): "
             "what they recorded is lost") if torn else ""
     return Verification(True, records, None, f"{records} records, chain intact; last hash {prev}{anchor}{note}",
                         prev, tuple(torn))

@@ -267,7 +267,7 @@ def test_a_crash_loop_leaves_several_torn_lines_and_that_is_not_tampering(tmp_pa
     lines = path.read_bytes().splitlines(keepends=True)
     path.write_bytes(b"".join(lines[:3]) + b"{inserted\n" + lines[3])
     v = incidents.verify(path)
-    assert not v.ok and v.broken_at == 2, v.message
+    assert not v.ok and v.broken_at == 4, v.message     # no record's beginning: named itself
 
 
 def test_a_log_written_before_scopes_were_named_reports_the_scope_by_its_name(tmp_path):
@@ -306,3 +306,48 @@ def test_the_text_report_escapes_what_a_record_quotes(tmp_path):
     assert "\x1b" not in text and "\\x1b[8m" in text and "bf16\\n\\nDid any" in text
     assert [line for line in text.splitlines() if line.startswith("Did any byte")] == \
         ["Did any byte computed over another tenant's data reach a client? no"]
+
+
+def test_a_file_that_is_not_an_incident_log_does_not_pass(tmp_path):
+    # found by a CLI probe: /etc/passwd, random bytes and "[1,2]" passed --verify as "0 records,
+    # chain intact" with every line "cut short", and a chained object without "unix" crashed
+    # the report. A line cut short is a piece of a record's beginning; anything else was put there
+    import json
+    import random
+
+    path = tmp_path / "x.jsonl"
+    for data in (b"root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1::/:/usr/sbin/nologin\n",
+                 bytes(random.Random(1).randrange(256) for _ in range(2000)), b"[1,2]\n", b"\n\n"):
+        path.write_bytes(data)
+        v = incidents.verify(path)
+        assert not v.ok and v.broken_at == 1 and v.records == 0, (data[:20], v.message)
+    forged = {"prev": incidents.GENESIS, "kind": "ledger_refusal", "boot_id": "b"}   # no "unix"
+    path.write_text(json.dumps(forged, sort_keys=True) + "\n")
+    v = incidents.verify(path)
+    assert not v.ok and "'unix'" in v.message
+    assert disclosure.build([path])["logs"][0]["intact"] is False      # and the report does not crash
+    path.write_bytes(b"")
+    assert incidents.verify(path).ok      # a server that never refused anything: an empty log
+    log = incidents.IncidentLog(path, "single", boot_id="b1")
+    log.record("ledger_refusal", request_id="r1", tenant="a", involved=["b"], pages=[1])
+    log.close()
+    path.write_bytes(path.read_bytes() + b'{"boot_id":"b2","cli')   # cut short: still torn
+    v = incidents.verify(path)
+    assert v.ok and v.torn == (2,), v.message
+
+
+def test_the_command_exits_3_when_the_logs_cannot_tell_and_refuses_a_malformed_anchor(tmp_path, capsys):
+    from kvfence.cli import main
+
+    log = _log(tmp_path)
+    log.record("ledger_refusal", request_id="r1", tenant="alice", involved=["bob"], pages=[7])
+    log.close()
+    path = tmp_path / "incidents.jsonl"
+    assert main(["incidents", str(path)]) == 0
+    path.write_bytes(path.read_bytes() + b'{"boot_id":"b2","cli')     # a record lost mid-write
+    assert main(["incidents", "--verify", str(path)]) == 0             # the chain itself is intact
+    assert main(["incidents", str(path)]) == 3                          # but the report cannot say no
+    assert "cannot tell" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:                                 # a typo is not a hash never reached
+        main(["incidents", "--verify", "--expect-last-hash", "zzz", str(path)])
+    assert e.value.code == 2 and "not a SHA-256 hash" in capsys.readouterr().err
