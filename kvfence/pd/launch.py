@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 
-from kvfence.pd.seal import new_secret
+from kvfence.pd.seal import load_secret, new_secret
 from kvfence.procs import start_child, stop_processes
 
 # the engine options a node takes from launch-pd's (and the PD bench's) command line
@@ -55,6 +55,9 @@ def node_commands(a, secret_file: str) -> dict[str, list[str]]:
     it, then decode nodes); each reads the cluster secret from secret_file."""
     names = node_names(a)
     nodes = [(role, name) for role in ("prefill", "decode") for name in names[role]]
+    if a.port + len(nodes) > 65535:
+        raise ValueError(f"the nodes take the {len(nodes)} ports after --port {a.port}, past 65535; "
+                         "choose a lower --port")
     cores = len(os.sched_getaffinity(0))
     base = [sys.executable, "-m", "kvfence.cli"] + (["-v"] if getattr(a, "verbose", False) else [])
     engine = flags(a, ENGINE_FLAGS)
@@ -89,6 +92,19 @@ def write_secret_file(directory: str | None = None) -> str:
 
 def launch_pd(a) -> int:
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    node_names(a)   # what each child would refuse, refused once here, before anything starts
+    if a.tenants:
+        from kvfence.server.tenants import TenantRegistry
+
+        TenantRegistry.from_file(a.tenants)
+    if a.cluster_secret_file is not None:
+        load_secret(a.cluster_secret_file)
+    from kvfence.server.http_limits import port_unavailable
+
+    for port in range(a.port, a.port + 1 + sum(len(n) for n in node_names(a).values())):
+        if port <= 65535 and (why := port_unavailable(a.host, port)) is not None:
+            raise OSError(f"port {port} of this cluster's (router {a.port}, nodes after it): {why}; choose "
+                          "another --port, or stop what listens there")
     secret_file = a.cluster_secret_file
     if secret_file is None:
         secret_file = write_secret_file()
@@ -105,6 +121,9 @@ def launch_pd(a) -> int:
 # a node that exits is started again this many times (the router re-checks it, I8, before
 # it serves again); past that, or when the router exits, launch-pd stops everything
 MAX_RESTARTS = 3
+# exit codes of a process that refused to start (its configuration, a port it cannot listen
+# on): started again, it would refuse again (serve.py's EXIT_CANNOT_LISTEN is 3)
+REFUSED_TO_START = (2, 3)
 
 
 def _run(a, env: dict[str, str], secret_file: str) -> int:
@@ -119,10 +138,10 @@ def _run(a, env: dict[str, str], secret_file: str) -> int:
     print(f"kvfence launch-pd: the OpenAI API will be at http://{a.host}:{a.port}/v1 once the router reports "
           f"ready; cluster check at http://{a.host}:{a.port}/v1/kvfence/cluster", file=sys.stderr)
 
-    stopping = []
+    stopping: list[int] = []
 
-    def stop(*_):
-        stopping.append(True)
+    def stop(signum, _frame):
+        stopping.append(signum)
 
     def reload_tenants(*_):
         # every process read the tenants file (the nodes serve /v1 with it too): each reloads it
@@ -138,7 +157,8 @@ def _run(a, env: dict[str, str], secret_file: str) -> int:
     try:
         while not stopping:
             dead = {r: p.returncode for r, p in procs.items() if p.poll() is not None}
-            fatal = {r: c for r, c in dead.items() if r == "router" or restarts[r] >= MAX_RESTARTS}
+            fatal = {r: c for r, c in dead.items()
+                     if r == "router" or restarts[r] >= MAX_RESTARTS or c in REFUSED_TO_START}
             if fatal:
                 role, code = next(iter(fatal.items()))
                 print(f"kvfence launch-pd: {role} exited with code {code}; stopping the others", file=sys.stderr)
@@ -153,4 +173,6 @@ def _run(a, env: dict[str, str], secret_file: str) -> int:
             time.sleep(0.5)
     finally:
         stop_processes(procs.values(), grace_s=20)
+    if stopping and stopping[0] == signal.SIGINT:
+        return 130   # Ctrl-C, as a shell reports it (SIGTERM is a requested stop: 0)
     return code
