@@ -53,7 +53,10 @@ class Procs:
     def __init__(self, logdir: Path):
         self.logdir = logdir
         self.procs: dict[str, subprocess.Popen] = {}
-        self.env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
+        # their incident logs stay with their other logs: under ~/.local/state, `kvfence
+        # incidents` reported a bench's or soak's faults as the host's own
+        self.env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1",
+                        XDG_STATE_HOME=str(logdir / "state"))
         self.secret_file = write_secret_file(str(logdir))  # PD processes started here share it
 
     @property
@@ -89,6 +92,7 @@ class Procs:
 
     def stop(self) -> None:
         stop_processes(self.procs.values(), grace_s=30)
+        Path(self.secret_file).unlink(missing_ok=True)   # the logs stay; the cluster's secret does not
 
 
 def single_node_command(a, port: int) -> list[str]:
