@@ -31,6 +31,7 @@ or /v1/kvfence/isolation and /metrics on a single-node server.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
@@ -47,6 +48,7 @@ from pathlib import Path
 
 import httpx
 
+from kvfence.arg_types import at_least_one, fraction, output_file, seconds
 from kvfence.bench.http_load import sse_messages
 from kvfence.pd.wire import cluster_headers
 
@@ -938,28 +940,48 @@ def run_canary(url: str, tenants: dict[str, str] | str | Path, options: CanaryOp
 
 def add_arguments(p) -> None:
     p.add_argument("--url", required=True, help="the router (PD) or a single-node server, e.g. http://127.0.0.1:8000")
-    p.add_argument("--nodes", default=None,
+    p.add_argument("--nodes", default=None, type=_nodes_arg,
                    help="PD: prefill=URL,decode=URL (default: the nodes the router's /v1/kvfence/cluster names)")
     p.add_argument("--tenants-file", required=True, help="the server's tenants TOML (plain api_keys are used; "
                                                           "a single node's /metrics is read with its [metrics] key)")
-    p.add_argument("--requests", type=int, default=24, help="requests in the main phase")
-    p.add_argument("--concurrency", type=int, default=6)
+    p.add_argument("--requests", type=at_least_one, default=24, help="requests in the main phase")
+    p.add_argument("--concurrency", type=at_least_one, default=6)
     p.add_argument("--warmup", type=int, default=None, help="long canary prompts sent first (default: one a tenant)")
-    p.add_argument("--over-length", type=float, default=0.25,
+    p.add_argument("--over-length", type=fraction, default=0.25,
                    help="fraction of over-length requests (1: only those, a check of admission alone: it finds "
                         "an over-length request answered 200, but reads nothing back, so it never says CLEAN)")
-    p.add_argument("--aborts", type=float, default=0.15, help="fraction of requests the client abandons")
+    p.add_argument("--aborts", type=fraction, default=0.15, help="fraction of requests the client abandons")
     p.add_argument("--max-tokens", default="2,12", help="MIN,MAX completion tokens of ordinary requests")
-    p.add_argument("--kill", action="append", default=[], metavar="ROLE@SECONDS[:POINT]",
+    p.add_argument("--kill", action="append", default=[], metavar="ROLE@SECONDS[:POINT]", type=_kill_arg,
                    help="arm the kill_node_at fault on a node (needs KVFENCE_TEST_FAULT_CONTROL=1 there; "
                         "something else must restart it)")
-    p.add_argument("--restart-wait", type=float, default=180.0, help="after a kill: how long to wait for the node "
+    p.add_argument("--restart-wait", type=seconds, default=180.0, help="after a kill: how long to wait for the node "
                                                                        "to rejoin the cluster")
-    p.add_argument("--timeout", type=float, default=120.0, help="per request: longer counts as hung")
-    p.add_argument("--settle", type=float, default=30.0, help="bounded wait for pages and rows at the end")
+    p.add_argument("--timeout", type=seconds, default=120.0, help="per request: longer counts as hung")
+    p.add_argument("--settle", type=seconds, default=30.0, help="bounded wait for pages and rows at the end")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="GGUF file or HF folder whose tokenizer the server uses")
-    p.add_argument("--json", default=None, help="also write the report here")
+    p.add_argument("--json", default=None, type=output_file, help="also write the report here")
+
+
+def _nodes_arg(text: str) -> dict[str, str]:
+    out = {}
+    for part in text.split(","):
+        role, sep, url = part.partition("=")
+        if not sep or role.strip() not in ("prefill", "decode") or not url.strip():
+            raise argparse.ArgumentTypeError(f"expected prefill=URL,decode=URL, got {part!r}")
+        out[role.strip()] = url.strip()
+    return out
+
+
+def _kill_arg(text: str) -> NodeKill:
+    try:
+        kill = NodeKill.parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ROLE@SECONDS[:POINT] such as decode@3, got {text!r}") from None
+    if kill.role not in ("prefill", "decode") or not 0 <= kill.at_s < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected ROLE@SECONDS[:POINT] such as decode@3, got {text!r}")
+    return kill
 
 
 def main(a) -> int:
@@ -970,8 +992,7 @@ def main(a) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    nodes = dict(kv.split("=", 1) for kv in a.nodes.split(",")) if a.nodes else None
-    report = run_canary(a.url, keys, opts, nodes=nodes, kills=[NodeKill.parse(s) for s in a.kill], model=a.model,
+    report = run_canary(a.url, keys, opts, nodes=a.nodes, kills=a.kill, model=a.model,
                         on_phase=lambda ph: log.info("canary: %s phase", ph),
                         scrape_key=load_scrape_key(a.tenants_file))
     print(report.text())

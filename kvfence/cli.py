@@ -6,6 +6,8 @@ import functools
 import logging
 import sys
 
+from kvfence.arg_types import at_least_one, output_file, port, seconds
+
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
@@ -120,15 +122,24 @@ def cmd_info(a) -> int:
     return 0
 
 
+BENCH_MODES = ("fleet", "pd", "native", "fidelity", "structured")
+BENCH_PEERS = ("transformers", "llama.cpp", "vllm")
+
+
 def cmd_bench(a) -> int:
+    modes = [m for m in BENCH_MODES if getattr(a, m)] + (["url"] if a.url else [])
+    if len(modes) > 1:   # one was silently dropped before
+        print(f"error: --{' and --'.join(modes)} are separate benches; run them one at a time", file=sys.stderr)
+        return 2
+    unknown = [p for p in a.peers.split(",") if p and p not in BENCH_PEERS]
+    if unknown:
+        print(f"error: unknown --peers {', '.join(unknown)}; known: {', '.join(BENCH_PEERS)}", file=sys.stderr)
+        return 2
     if a.fleet:
         from kvfence.bench.fleet import main as fleet_main
 
         return fleet_main(a)
     if a.pd:
-        if a.url:
-            print("error: --pd starts its own servers; it does not take --url", file=sys.stderr)
-            return 2
         from kvfence.bench.pd import main as pd_main
 
         return pd_main(a)
@@ -141,9 +152,6 @@ def cmd_bench(a) -> int:
         a.peers = [p for p in a.peers.split(",") if p]
         return native_main(a)
     if a.fidelity:
-        if a.url:
-            print("error: --fidelity runs the models here; it does not take --url", file=sys.stderr)
-            return 2
         from kvfence.bench.fidelity import main as fidelity_main
 
         a.peers = [p for p in a.peers.split(",") if p]
@@ -152,9 +160,6 @@ def cmd_bench(a) -> int:
         if getattr(a, k) is None:
             setattr(a, k, v)
     if a.structured:
-        if a.url:
-            print("error: --structured runs the offline workload; it does not take --url", file=sys.stderr)
-            return 2
         from kvfence.bench.structured import main as structured_main
 
         return structured_main(a)
@@ -412,13 +417,6 @@ def _tls(a):
                        a.allow_plaintext_network)
 
 
-def _at_least_one(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
-
-
 class _ShowDefaults(argparse.HelpFormatter):
     """--help names each option's default unless its text already speaks of it (an operator
     could not tell --max-waiting's or --max-connections' default without reading the code)."""
@@ -445,8 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get HTTP 413")
+    s.add_argument("--port", type=port, default=8000)
+    s.add_argument("--max-body-bytes", type=at_least_one, default=8 << 20, help="larger request bodies get HTTP 413")
     s.add_argument("--prefill-routing", default="affinity", choices=["affinity", "round-robin"],
                    help="router: prefill nodes by tenant-scoped prefix affinity (bounded by load), or in turn")
     s.add_argument("--incident-log", default=None, metavar="PATH",
@@ -474,8 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="router: a prefill node, e.g. http://10.0.0.2:8001; repeat it or give a comma-separated list")
     s.add_argument("--decode-url", action="append", default=None,
                    help="router: a decode node, e.g. http://10.0.0.3:8002; repeat it or give a comma-separated list")
-    s.add_argument("--node-wait", type=float, default=300.0, help="router: seconds to wait for the nodes at start")
-    s.add_argument("--node-stall", type=float, default=10.0,
+    s.add_argument("--node-wait", type=seconds, default=300.0, help="router: seconds to wait for the nodes at start")
+    s.add_argument("--node-stall", type=seconds, default=10.0,
                    help="router: a node silent this long (no heartbeat) fails the request")
     _server_args(s)
     _engine_args(s)
@@ -494,10 +492,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     lp = sub.add_parser("launch-pd", help="start N prefill + M decode nodes and a router on this machine")
     lp.add_argument("--host", default="127.0.0.1")
-    lp.add_argument("--port", type=int, default=8000,
+    lp.add_argument("--port", type=port, default=8000,
                     help="the router's port; prefill nodes take the ports after it, then decode nodes")
-    lp.add_argument("--prefill", type=_at_least_one, default=1, metavar="N", help="prefill nodes (default 1)")
-    lp.add_argument("--decode", type=_at_least_one, default=1, metavar="M", help="decode nodes (default 1)")
+    lp.add_argument("--prefill", type=at_least_one, default=1, metavar="N", help="prefill nodes (default 1)")
+    lp.add_argument("--decode", type=at_least_one, default=1, metavar="M", help="decode nodes (default 1)")
     _server_args(lp)
     _engine_args(lp)
     _pd_args(lp)
@@ -506,8 +504,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("probe", help="exit 0 if the kvfence process on this host's --port is alive or ready")
     pr.add_argument("what", nargs="?", choices=["live", "ready"], default="ready",
                     help="live: the process answers; ready: it serves (the model loaded, a router's nodes checked)")
-    pr.add_argument("--port", type=int, default=8000)
-    pr.add_argument("--timeout", type=float, default=3.0)
+    pr.add_argument("--port", type=port, default=8000)
+    pr.add_argument("--timeout", type=seconds, default=3.0)
     pr.add_argument("--tls-ca", default=None, metavar="FILE", help="verify the process's certificate chain with it")
     pr.add_argument("--tls-client-cert", default=None, metavar="FILE", help="present this certificate (PD nodes)")
     pr.add_argument("--tls-client-key", default=None, metavar="FILE")
@@ -553,9 +551,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="fixed offline workload against this engine and peers; with --url, "
                                      "concurrent streaming requests against any OpenAI-compatible server; with "
                                      "--pd, single node vs a local PD cluster and KV transfer vs raw Mooncake")
-    b.add_argument("--num-requests", type=int, default=None, help="default 32 (--pd: 16)")
-    b.add_argument("--prompt-tokens", type=int, default=256)
-    b.add_argument("--output-tokens", type=int, default=None, help="default 128 (--pd: 64)")
+    b.add_argument("--num-requests", type=at_least_one, default=None, help="default 32 (--pd: 16)")
+    b.add_argument("--prompt-tokens", type=at_least_one, default=256)
+    b.add_argument("--output-tokens", type=at_least_one, default=None, help="default 128 (--pd: 64)")
     b.add_argument("--peers", default="transformers,llama.cpp,vllm",
                    help="comma-separated: transformers, llama.cpp (if llama-cpp-python is installed), "
                         "vllm (with --vllm-python/--vllm-model); empty for none")
@@ -564,15 +562,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true",
                    help="no scrub variants, matmul floor or arrivals (checks on/off, no prefill cap, fused kernels "
                         "off, the other matmul)")
-    b.add_argument("--repeat", type=int, default=3, help="interleaved rounds per variant; medians are reported")
-    b.add_argument("--json", default=None, help="also write results to this file")
+    b.add_argument("--repeat", type=at_least_one, default=3,
+                   help="interleaved rounds per variant; medians are reported")
+    b.add_argument("--json", default=None, type=output_file, help="also write results to this file")
     b.add_argument("--url", default=None, help="load-test this OpenAI-compatible server (e.g. http://127.0.0.1:8000)")
     b.add_argument("--fleet", action="store_true",
                    help="a PD fleet (--prefill, --decode nodes) with prefix-affinity routing against round robin: "
                         "prefix hit rate and TTFT for tenants with shared system prompts")
-    b.add_argument("--prefill", type=_at_least_one, default=None, metavar="N",
+    b.add_argument("--prefill", type=at_least_one, default=None, metavar="N",
                    help="--fleet: prefill nodes (default 2)")
-    b.add_argument("--decode", type=_at_least_one, default=None, metavar="M", help="--fleet: decode nodes (default 2)")
+    b.add_argument("--decode", type=at_least_one, default=None, metavar="M", help="--fleet: decode nodes (default 2)")
     b.add_argument("--pd", action="store_true",
                    help="start a single-node server, then a PD cluster (as launch-pd), run the --url workload "
                         "through each and compare; then KV transfer bandwidth vs raw Mooncake "
@@ -587,11 +586,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--native", action="store_true",
                    help="--weights native against the dequantized bf16 default and llama.cpp on the same GGUF: one "
                         "request (TTFT, ITL, decode tok/s) and the fixed workload")
-    b.add_argument("--concurrency", type=int, default=None, help="--url, --pd: requests in flight (default: all)")
+    b.add_argument("--concurrency", type=at_least_one, default=None,
+                   help="--url, --pd: requests in flight (default: all)")
     b.add_argument("--api-key", default=None, help="--url: API key (default: $OPENAI_API_KEY or none)")
     b.add_argument("--model-name", default=None, help="--url: model to ask for (default: the server's first)")
     b.add_argument("--endpoint", default="completions", choices=["completions", "chat"], help="--url: which API")
-    b.add_argument("--timeout", type=float, default=600.0, help="--url, --pd: per-request timeout in seconds")
+    b.add_argument("--timeout", type=seconds, default=600.0, help="--url, --pd: per-request timeout in seconds")
     _engine_args(b)
     b.set_defaults(func=cmd_bench)  # --kv-cache-memory's default depends on the mode: see cmd_bench
 
@@ -613,6 +613,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _has_request(e) -> bool:
+    try:
+        return e.request is not None
+    except RuntimeError:   # httpx raises when an error was made without one
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["sim"]:
@@ -625,11 +632,24 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return a.func(a)
+    except KeyboardInterrupt:   # Ctrl-C: what was running has stopped; no traceback to read
+        if a.verbose:
+            raise
+        print("\ninterrupted", file=sys.stderr)
+        return 130
     except Exception as e:  # noqa: BLE001 - a CLI reports, it does not dump a traceback by default
         if a.verbose:
             raise
+        import httpx
+
         from kvfence.engine.admission import STARTUP_REFUSALS
 
+        if isinstance(e, httpx.HTTPError):   # --url: nothing there, not HTTP(S), a certificate, a 4xx
+            where = f" ({e.request.method} {e.request.url})" if _has_request(e) else ""
+            print(f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no answer'}{where}"
+                  + ("; for a private CA set SSL_CERT_FILE=ca.crt" if "CERTIFICATE_VERIFY_FAILED" in str(e) else ""),
+                  file=sys.stderr)
+            return 2
         if isinstance(e, STARTUP_REFUSALS):
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -199,8 +199,8 @@ def main(args) -> int:
     try:
         report = asyncio.run(run_load(args.url, args.num_requests, conc, args.prompt_tokens, args.output_tokens,
                                       args.model_name, key, args.endpoint, args.timeout))
-    except (LoadError, httpx.ConnectError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (LoadError, httpx.HTTPError) as e:
+        print(f"error: {args.url}: {e or type(e).__name__}", file=sys.stderr)
         return 2
     print(format_report(report))
     if args.json:

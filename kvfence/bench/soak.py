@@ -28,6 +28,7 @@ from pathlib import Path
 
 import httpx
 
+from kvfence.arg_types import at_least_one, folder, output_file, seconds
 from kvfence.bench.http_load import make_prompt
 from kvfence.bench.pd import Procs, free_ports, pd_commands
 from kvfence.bench.stats import percentiles
@@ -233,6 +234,16 @@ def parse_duration(text: str) -> float:
     return float(text)
 
 
+def _duration_arg(text: str) -> float:
+    try:
+        v = parse_duration(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (examples: 90s, 30m, 1h)") from None
+    if not (0 < v < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be longer than 0, got {text!r}")
+    return v
+
+
 def main(a) -> int:
     a.duration = parse_duration(a.duration)
     logging.getLogger("httpx").setLevel(logging.WARNING)   # one line per request drowned the samples
@@ -264,16 +275,16 @@ def main(a) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--duration", default="30m", help="how long to load the cluster: 90s, 30m, 1h")
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--duration", default="30m", type=_duration_arg, help="how long to load the cluster: 90s, 30m, 1h")
+    p.add_argument("--concurrency", type=at_least_one, default=8)
     p.add_argument("--faults", action=argparse.BooleanOptionalAction, default=True,
                    help="switch survivable fault points on and off while loading")
-    p.add_argument("--fault-every", type=float, default=20.0, help="seconds between faults")
-    p.add_argument("--fault-length", type=float, default=4.0, help="seconds a fault stays on")
-    p.add_argument("--sample-every", type=float, default=10.0)
-    p.add_argument("--request-timeout", type=float, default=120.0, help="a request slower than this counts as hung")
-    p.add_argument("--settle", type=float, default=60.0, help="seconds allowed at the end for fences to lift")
+    p.add_argument("--fault-every", type=seconds, default=20.0, help="seconds between faults")
+    p.add_argument("--fault-length", type=seconds, default=4.0, help="seconds a fault stays on")
+    p.add_argument("--sample-every", type=seconds, default=10.0)
+    p.add_argument("--request-timeout", type=seconds, default=120.0, help="a request slower than this counts as hung")
+    p.add_argument("--settle", type=seconds, default=60.0, help="seconds allowed at the end for fences to lift")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, help="write the summary (with every sample) to this file")
-    p.add_argument("--logdir", default=None, help="process logs (default: a temporary folder)")
+    p.add_argument("--json", default=None, type=output_file, help="write the summary (with every sample) to this file")
+    p.add_argument("--logdir", default=None, type=folder, help="process logs (default: a temporary folder)")
     p.add_argument("--verbose-samples", action="store_true", help="print each sample as a JSON line")

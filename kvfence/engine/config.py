@@ -69,6 +69,10 @@ class EngineConfig:
         need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be at least 1",
              self.max_model_len)
         need(self.num_threads is None or self.num_threads >= 1, "threads must be at least 1", self.num_threads)
+        cores = len(os.sched_getaffinity(0))
+        # more threads than cores only makes them wait for each other (10,000 took minutes to start)
+        need(self.num_threads is None or self.num_threads <= 4 * cores,
+             f"threads must be at most 4 x the {cores} core(s) this process may run on", self.num_threads)
         if self.kv_cache_memory is not None:   # a size that does not parse fails now, not after the model loads
             try:
                 parse_bytes(self.kv_cache_memory)
@@ -90,6 +94,13 @@ class EngineConfig:
     def resolved_device(self) -> str:
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r}: this torch has no CUDA, or sees no GPU "
+                             f"(torch {torch.__version__}); use --device cpu")
+        try:
+            torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(f"device must be cpu, cuda, cuda:N or auto; got {self.device!r}") from None
         return self.device
 
     def threads(self) -> int:

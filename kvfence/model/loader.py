@@ -1,7 +1,9 @@
 """Find and load a model: a GGUF file, a Hugging Face folder, or the bundled default."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import struct
 from pathlib import Path
 
 import torch
@@ -40,10 +42,24 @@ def load_model(path: str | Path | None, dtype: torch.dtype, device: str,
         if not (p / "config.json").exists():
             raise FileNotFoundError(f"{p} is a folder without config.json; expected a Hugging Face model folder")
         from kvfence.model.hf_loader import load_hf_folder
-        w, tok = load_hf_folder(p, dtype, device, progress)
-    elif p.suffix == ".gguf" and p.exists():
+        with _unreadable(p, "a Hugging Face model folder"):
+            w, tok = load_hf_folder(p, dtype, device, progress)
+    elif p.suffix == ".gguf" and p.is_file():
         from kvfence.model.gguf_loader import load_gguf
-        w, tok = load_gguf(p, dtype, device, progress, native=weights == "native")
+        with _unreadable(p, "a GGUF model (is the file complete?)"):
+            w, tok = load_gguf(p, dtype, device, progress, native=weights == "native")
+    elif p.exists():
+        raise ValueError(f"{p} is not a model: give a .gguf file or a Hugging Face folder")
     else:
         raise FileNotFoundError(f"no model at {p}: give a .gguf file or a Hugging Face folder")
     return w, tok, p
+
+
+@contextlib.contextmanager
+def _unreadable(path: Path, what: str):
+    """A file cut short or not what its name says fails deep in a reader (an IndexError, a
+    reshape): say which file, and what it was read as."""
+    try:
+        yield
+    except (IndexError, KeyError, ValueError, EOFError, struct.error, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {path} as {what}: {type(e).__name__}: {e}") from e

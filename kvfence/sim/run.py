@@ -19,6 +19,8 @@ import sys
 import time
 from collections import Counter
 
+from kvfence.arg_types import at_least_one
+
 
 def _one(job: dict) -> dict:
     """Run one seed (in this process or a worker); never raises."""
@@ -45,8 +47,9 @@ def _one(job: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvfence.sim", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lives", type=int, default=1000, help="request lives in all (split evenly over the seeds)")
-    ap.add_argument("--seeds", type=int, default=1, help="how many seeds, starting at --first-seed")
+    ap.add_argument("--lives", type=at_least_one, default=1000,
+                    help="request lives in all (split evenly over the seeds)")
+    ap.add_argument("--seeds", type=at_least_one, default=1, help="how many seeds, starting at --first-seed")
     ap.add_argument("--first-seed", type=int, default=0)
     ap.add_argument("--seed", type=int, default=None, help="run exactly this one seed (with --lives lives)")
     ap.add_argument("--fleet", action="store_true",
@@ -61,11 +64,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--known-bugs", default="",
                     help="comma-separated names from kvfence.sim.cluster.KNOWN_BUGS whose symptom to excuse")
     ap.add_argument("--trace", action="store_true", help="print every simulation step as it happens")
-    ap.add_argument("--jobs", type=int, default=1, help="worker processes")
+    ap.add_argument("--jobs", type=at_least_one, default=1, help="worker processes")
     ap.add_argument("--keep-going", action="store_true", help="run every seed even after a failure")
     a = ap.parse_args(argv)
 
+    from kvfence.faults import FAULTS
     from kvfence.sim.cluster import KNOWN_BUGS
+
+    for f in a.fault:
+        if f.partition(":")[0].strip() not in FAULTS:
+            ap.error(f"unknown --fault {f!r}; known: {', '.join(sorted(FAULTS))}")
 
     known = [k for k in a.known_bugs.split(",") if k]
     for k in known:

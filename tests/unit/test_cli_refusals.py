@@ -1,0 +1,138 @@
+"""What an operator gets wrong on the command line is refused at once, in one line, naming the
+option (found by a CLI probe: a negative request count hung the bench, a soak of 0 s passed,
+--port 70000 failed after the model loaded, a truncated GGUF ended in an IndexError, launch-pd
+restarted a node that refused its configuration, and Ctrl-C printed a traceback)."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from kvfence.cli import build_parser, main
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["bench", "--num-requests", "-3"], "--num-requests: must be at least 1"),
+    (["bench", "--url", "http://x", "--concurrency", "-2"], "--concurrency: must be at least 1"),
+    (["bench", "--repeat", "0"], "--repeat: must be at least 1"),
+    (["bench", "--url", "http://x", "--timeout", "0"], "--timeout: must be a finite number of seconds"),
+    (["bench", "--json", "/nonexistent/x.json"], "no folder /nonexistent"),
+    (["serve", "--port", "70000"], "a TCP port is 1-65535"),
+    (["serve", "--max-body-bytes", "0"], "--max-body-bytes: must be at least 1"),
+    (["serve", "--role", "router", "--node-wait", "nan"], "--node-wait: must be a finite number"),
+    (["launch-pd", "--port", "0"], "a TCP port is 1-65535"),
+    (["probe", "--timeout", "0"], "--timeout"),
+    (["soak", "--duration", "0"], "--duration: must be longer than 0"),
+    (["soak", "--duration", "abc"], "not a duration: 'abc'"),
+    (["soak", "--concurrency", "0"], "--concurrency: must be at least 1"),
+    (["soak", "--json", "/nonexistent/x.json"], "no folder /nonexistent"),
+    (["soak", "--logdir", "/etc/passwd"], "exists and is not a folder"),
+    (["canary", "--url", "u", "--tenants-file", "t", "--nodes", "garbage"], "expected prefill=URL,decode=URL"),
+    (["canary", "--url", "u", "--tenants-file", "t", "--kill", "garbage"], "expected ROLE@SECONDS"),
+    (["canary", "--url", "u", "--tenants-file", "t", "--aborts", "2"], "must be between 0 and 1"),
+    (["incidents", "--expect-last-hash", "zzz"], "not a SHA-256 hash"),
+])
+def test_a_value_that_cannot_work_is_refused_by_name(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--seeds", "0"], "--seeds: must be at least 1"),
+    (["--lives", "-5"], "--lives: must be at least 1"),
+    (["--fault", "nosuch"], "unknown --fault 'nosuch'"),
+])
+def test_the_simulation_refuses_what_would_run_nothing(argv, says, capsys):
+    from kvfence.sim.run import main as sim_main
+
+    with pytest.raises(SystemExit) as e:
+        sim_main(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_bench_modes_one_at_a_time_and_known_peers(capsys):
+    assert main(["bench", "--pd", "--structured"]) == 2
+    assert "--pd and --structured are separate benches" in capsys.readouterr().err
+    assert main(["bench", "--fleet", "--url", "http://127.0.0.1:1"]) == 2
+    assert main(["bench", "--quick", "--peers", "transformers,nosuch"]) == 2
+    assert "unknown --peers nosuch" in capsys.readouterr().err
+
+
+def test_a_server_that_is_not_there_is_one_line_with_its_url(capsys):
+    assert main(["isolation", "--url", "http://127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert "http://127.0.0.1:1/v1/kvfence/isolation" in err and "Traceback" not in err
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys):
+    from kvfence import cli
+
+    def interrupted(a):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_info", interrupted)
+    assert main(["info"]) == 130
+    assert capsys.readouterr().err.strip() == "interrupted"
+
+
+def test_a_model_file_cut_short_or_not_a_model_says_so(tmp_path):
+    import torch
+
+    from kvfence.model.loader import default_model_path, load_model
+
+    cut = tmp_path / "cut.gguf"
+    with open(default_model_path(), "rb") as f:
+        cut.write_bytes(f.read(1 << 20))
+    with pytest.raises(ValueError, match=f"cannot read {cut} as a GGUF model \\(is the file complete\\?\\)"):
+        load_model(cut, torch.float32, "cpu", progress=False)
+    other = tmp_path / "passwd"
+    other.write_text("root:x:0:0::/root:/bin/sh\n")
+    with pytest.raises(ValueError, match="is not a model"):
+        load_model(other, torch.float32, "cpu", progress=False)
+
+
+def test_engine_settings_a_machine_cannot_run():
+    from kvfence.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="device must be cpu, cuda, cuda:N or auto"):
+        EngineConfig(device="tpu").resolved_device()
+    with pytest.raises(ValueError, match="threads must be at most 4 x"):
+        EngineConfig(num_threads=100000)
+
+
+def test_launch_pd_refuses_before_starting_and_never_restarts_a_refusal(tmp_path, monkeypatch):
+    from kvfence.pd import launch
+
+    a = build_parser().parse_args(["launch-pd", "--port", "65534"])
+    with pytest.raises(ValueError, match="past 65535"):
+        launch.node_commands(a, "/s")
+    bad = tmp_path / "t.toml"
+    bad.write_text("[tenants.a]\napi_keys = ['short']\n")
+    from kvfence.server.tenants import TenantsFileError
+
+    with pytest.raises(TenantsFileError):
+        launch.launch_pd(build_parser().parse_args(["launch-pd", "--port", "18150", "--tenants", str(bad)]))
+    # a node that refuses its configuration (exit 2) stops the cluster at once: started again, it
+    # would refuse again (a probe saw three restarts of each node on a bad tenants file)
+    started: list[str] = []
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)", "--port", "1"]
+    refuser = [sys.executable, "-c", "import sys; sys.exit(2)", "--port", "2"]
+    monkeypatch.setattr(launch, "node_commands", lambda a, s: {"prefill": sleeper, "decode": refuser,
+                                                              "router": sleeper})
+    real_start = launch.start_child
+
+    def start(cmd, **kw):
+        started.append("refuser" if cmd is refuser else "sleeper")
+        return real_start(cmd, **kw)
+
+    monkeypatch.setattr(launch, "start_child", start)
+    import signal
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        assert launch._run(build_parser().parse_args(["launch-pd"]), {}, "/s") == 2
+    finally:
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+    assert started.count("refuser") == 1
