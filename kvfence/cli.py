@@ -301,10 +301,15 @@ def cmd_probe(a) -> int:
     scheme = "http"
     if a.tls_ca or a.tls_client_cert:
         scheme = "https"
-        ctx = ssl.create_default_context(cafile=a.tls_ca)
-        ctx.check_hostname = False
-        if a.tls_client_cert:
-            ctx.load_cert_chain(a.tls_client_cert, a.tls_client_key)
+        try:
+            ctx = ssl.create_default_context(cafile=a.tls_ca)
+            ctx.check_hostname = False
+            if a.tls_client_cert:
+                ctx.load_cert_chain(a.tls_client_cert, a.tls_client_key)
+        except (OSError, ssl.SSLError) as e:
+            print(f"probe {a.what}: cannot use --tls-ca {a.tls_ca} / --tls-client-cert {a.tls_client_cert}: {e}",
+                  file=sys.stderr)
+            return 1
         verify = ctx
     try:
         r = httpx.get(f"{scheme}://127.0.0.1:{a.port}{path}", verify=verify, timeout=a.timeout)
@@ -335,7 +340,7 @@ def cmd_isolation(a) -> int:
         headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
         r = httpx.get(a.url.rstrip("/") + "/v1/kvfence/isolation", headers=headers, timeout=30)
         if r.status_code != 200:
-            print(f"error: HTTP {r.status_code}: {r.text}", file=sys.stderr)
+            print(f"error: HTTP {r.status_code} from {a.url}: {r.text[:300]}", file=sys.stderr)
             return 1
         print(json.dumps(r.json(), indent=2))
         _print_warnings(r.json())

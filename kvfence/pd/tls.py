@@ -64,6 +64,9 @@ def check_listen(role: str, host: str, tls: TlsSettings) -> None:
 
 def check_node_url(url: str, tls: TlsSettings) -> None:
     parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"node URL {url!r} is not an http:// or https:// URL with a host "
+                         "(e.g. http://127.0.0.1:8001)")
     if parts.scheme == "https" or tls.allow_plaintext or is_loopback(parts.hostname or ""):
         return
     raise PlaintextNetworkError(

@@ -136,3 +136,15 @@ def test_launch_pd_refuses_before_starting_and_never_restarts_a_refusal(tmp_path
         for sig, h in handlers.items():
             signal.signal(sig, h)
     assert started.count("refuser") == 1
+
+
+def test_messages_that_name_what_is_wrong(tmp_path, capsys):
+    from kvfence.kv.pool import parse_bytes
+    from kvfence.pd.tls import TlsSettings, check_node_url
+
+    with pytest.raises(ValueError, match="'garbage' is not an http:// or https:// URL"):
+        check_node_url("garbage", TlsSettings())
+    assert parse_bytes("1TiB") == 1 << 40
+    missing = tmp_path / "ca.crt"
+    assert main(["probe", "--port", "1", "--tls-ca", str(missing)]) == 1
+    assert f"cannot use --tls-ca {missing}" in capsys.readouterr().err
