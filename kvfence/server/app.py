@@ -756,10 +756,12 @@ async def _check_schema(state: ServerState, req: GenerationRequest, tenant: Tena
         except GrammarError as e:   # the worker built it a moment ago: not expected
             return where, str(e)
 
-    if state.schema_checks_queued >= MAX_QUEUED_SCHEMA_CHECKS:
+    mine = state.schema_checks_by_tenant.get(tenant.name, 0)
+    # a tenant with nothing waiting always gets a place: the total bounds what tenants pile up,
+    # it must not let a few of them lock the rest out (found in review)
+    if state.schema_checks_queued >= MAX_QUEUED_SCHEMA_CHECKS and mine:
         raise APIError(503, f"{MAX_QUEUED_SCHEMA_CHECKS} structured-output schemas are waiting to be checked; retry "
                        "shortly.", code="server_overloaded", headers={"Retry-After": "1"}, outcome="overloaded")
-    mine = state.schema_checks_by_tenant.get(tenant.name, 0)
     if mine >= MAX_QUEUED_SCHEMA_CHECKS_PER_TENANT and not state.tenants.single_tenant:   # one cannot fill it
         raise APIError(429, f"This API key's tenant has {mine} structured-output schemas waiting to be checked; "
                        f"at most {MAX_QUEUED_SCHEMA_CHECKS_PER_TENANT} may wait at once.",
@@ -972,10 +974,10 @@ _SCHEMA_CHECKS = FairWorker("kvfence-schema")
 # by default. Most are a kept verdict and a build of milliseconds, and with tenants taking turns
 # a long queue delays only the tenant that made it (64 refused a burst of 100 structured requests)
 MAX_QUEUED_SCHEMA_CHECKS = 1024
-# one tenant may hold half of them (the scheduler's rule for waiting places): the others are
-# never refused for want of room. A single-tenant server's one tenant may hold them all (4 each
-# refused most of a burst of 16 structured requests whose schema was checked long before)
-MAX_QUEUED_SCHEMA_CHECKS_PER_TENANT = MAX_QUEUED_SCHEMA_CHECKS // 2
+# one tenant may hold this many (4 refused most of a burst of 16 structured requests whose schema
+# was checked long before); a single-tenant server's one tenant may hold them all. A tenant with
+# none waiting is let in even past the total, so no set of tenants can shut the others out
+MAX_QUEUED_SCHEMA_CHECKS_PER_TENANT = 64
 SCHEMA_VERDICTS_KEPT = 1024     # (tenant, schema) verdicts, so a schema sent again skips the worker
 
 

@@ -30,13 +30,16 @@ class FairWorker:
         """fn() run on the worker in key's turn; a future cancelled before its turn is skipped."""
         fut: Future = Future()
         with self._cv:
+            if self._thread is None:
+                # kept only once it runs: a start that failed (no threads left) is tried again
+                # by the next call, not taken as a worker that never takes anything
+                thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                thread.start()
+                self._thread = thread
             if key == self._running:
                 self._held.append((fn, fut))
             else:
                 self._queues.setdefault(key, deque()).append((fn, fut))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-                self._thread.start()
             self._cv.notify()
         return fut
 

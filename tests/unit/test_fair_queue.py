@@ -48,3 +48,14 @@ def test_results_errors_and_cancelled_calls():
     with pytest.raises(ZeroDivisionError):
         failing.result(10)
     assert order == ["alice-0"] and w.waiting() == {}
+
+
+def test_a_worker_that_could_not_start_is_started_by_the_next_call(monkeypatch):
+    # found in review: the thread was kept before start(); one failed start hung every later call
+    w, real = FairWorker("test-fair-3"), threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda self: (_ for _ in ()).throw(RuntimeError("no threads")))
+    with pytest.raises(RuntimeError, match="no threads"):
+        w.submit("alice", lambda: 1)
+    assert w.waiting() == {}          # the failed call was not left queued
+    monkeypatch.setattr(threading.Thread, "start", real)
+    assert w.submit("alice", lambda: 2).result(10) == 2
