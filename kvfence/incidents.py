@@ -202,7 +202,7 @@ def client_outcome(code: str | None, tokens_streamed: int) -> dict:
 def _record(line: bytes) -> dict | None:
     try:
         rec = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):   # RecursionError: a line of 100,000 '['
         return None
     return rec if isinstance(rec, dict) else None
 
@@ -210,8 +210,14 @@ def _record(line: bytes) -> dict | None:
 # every record's line begins so (its keys are sorted): a line cut short while being written
 # begins so too, or is a piece of it; any other line that is not a record was put there
 RECORD_START = b'{"boot_id":"'
-# what the report reads of each record (a JSON object without them is no record of ours)
-RECORD_FIELDS: dict[str, type | tuple[type, ...]] = {"unix": (int, float), "kind": str, "prev": str, "boot_id": str}
+# every field the report reads, and what it must hold (a JSON object that differs is no record
+# of ours: a chained line without "time", or with a number for a tenant, crashed the report)
+_STR, _OPT_STR, _NUM = (str,), (str, type(None)), (int, float)
+RECORD_FIELDS: dict[str, tuple[type, ...]] = {
+    "unix": _NUM, "time": _STR, "kind": _STR, "invariant": _STR, "role": _STR, "boot_id": _STR, "prev": _STR,
+    "tenant": _OPT_STR, "request_id": _OPT_STR, "detail": _STR, "client": (dict, type(None)),
+    "involved_tenants": (list,), "pages": (list,), "rows": (list,)}
+_ITEMS = {"involved_tenants": str, "pages": int, "rows": int}
 
 
 def _cut_short(line: bytes) -> bool:
@@ -220,10 +226,15 @@ def _cut_short(line: bytes) -> bool:
 
 
 def _not_ours(rec: dict) -> str | None:
-    """Which field a JSON object lacks to be an incident record, or None."""
-    for name, kind in RECORD_FIELDS.items():
-        if not isinstance(rec.get(name), kind) or isinstance(rec.get(name), bool):
+    """Which field of a JSON object is missing or not what an incident record holds, or None."""
+    for name, kinds in RECORD_FIELDS.items():
+        v = rec.get(name)
+        if name not in rec or not isinstance(v, kinds) or isinstance(v, bool):
             return name
+        if isinstance(v, list) and not all(isinstance(x, _ITEMS[name]) and not isinstance(x, bool) for x in v):
+            return name
+    if not isinstance(rec.get("other_party", False), bool):
+        return "other_party"
     return None
 
 

@@ -321,11 +321,25 @@ def test_a_file_that_is_not_an_incident_log_does_not_pass(tmp_path):
         path.write_bytes(data)
         v = incidents.verify(path)
         assert not v.ok and v.broken_at == 1 and v.records == 0, (data[:20], v.message)
-    forged = {"prev": incidents.GENESIS, "kind": "ledger_refusal", "boot_id": "b"}   # no "unix"
-    path.write_text(json.dumps(forged, sort_keys=True) + "\n")
-    v = incidents.verify(path)
-    assert not v.ok and "'unix'" in v.message
-    assert disclosure.build([path])["logs"][0]["intact"] is False      # and the report does not crash
+    log = incidents.IncidentLog(tmp_path / "real.jsonl", "single", boot_id="b0")
+    real = log.record("ledger_refusal", request_id="r0", tenant="a", involved=["b"], pages=[1])
+    log.close()
+    real["prev"] = incidents.GENESIS
+    # each field the report reads, missing or of another type (found in review: a chained line
+    # without "time", or with a number for a tenant or a string for the client, crashed it)
+    for field, bad in (("unix", None), ("time", None), ("invariant", None), ("role", None), ("tenant", 5),
+                       ("client", "x"), ("involved_tenants", [1]), ("pages", ["1"]), ("other_party", "yes")):
+        forged = {k: v for k, v in real.items() if k != field}
+        if bad is not None:
+            forged[field] = bad
+        path.write_text(json.dumps(forged, sort_keys=True) + "\n")
+        v = incidents.verify(path)
+        assert not v.ok and f"'{field}'" in v.message, (field, v.message)
+        assert disclosure.build([path])["logs"][0]["intact"] is False      # and the report does not crash
+    path.write_text(json.dumps(real, sort_keys=True) + "\n")
+    assert incidents.verify(path).ok
+    path.write_bytes(b"[" * 100_000 + b"\n")                             # deeper than the parser goes
+    assert not incidents.verify(path).ok
     path.write_bytes(b"")
     assert incidents.verify(path).ok      # a server that never refused anything: an empty log
     log = incidents.IncidentLog(path, "single", boot_id="b1")
