@@ -23,6 +23,11 @@ def port(text: str) -> int:
     return n
 
 
+def listen_port(text: str) -> int:
+    """A port to listen on: 0 lets the system choose one."""
+    return 0 if _int(text) == 0 else port(text)
+
+
 def seconds(text: str) -> float:
     """A finite number of seconds above 0."""
     try:

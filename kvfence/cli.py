@@ -6,7 +6,7 @@ import functools
 import logging
 import sys
 
-from kvfence.arg_types import at_least_one, output_file, port, seconds
+from kvfence.arg_types import at_least_one, listen_port, output_file, port, seconds
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -40,7 +40,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "0: keep the fixed token cap")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests admitted but not yet running, at most (beyond: 503 server_overloaded with "
-                        "Retry-After); one tenant at most half of them (with a tenants file)")
+                        "Retry-After); one tenant at most half of them (all of them on a single node without a tenants "
+                        "file)")
     p.add_argument("--scrub", default="zero", choices=["none", "zero", "poison"],
                    help="what freed pages are overwritten with")
     p.add_argument("--no-prefix-cache", action="store_true",
@@ -448,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=port, default=8000)
+    s.add_argument("--port", type=listen_port, default=8000)
     s.add_argument("--max-body-bytes", type=at_least_one, default=8 << 20, help="larger request bodies get HTTP 413")
     s.add_argument("--prefill-routing", default="affinity", choices=["affinity", "round-robin"],
                    help="router: prefill nodes by tenant-scoped prefix affinity (bounded by load), or in turn")

@@ -200,7 +200,7 @@ def main(args) -> int:
         report = asyncio.run(run_load(args.url, args.num_requests, conc, args.prompt_tokens, args.output_tokens,
                                       args.model_name, key, args.endpoint, args.timeout))
     except (LoadError, httpx.HTTPError) as e:
-        print(f"error: {args.url}: {e or type(e).__name__}", file=sys.stderr)
+        print(f"error: {args.url}: {str(e) or type(e).__name__}", file=sys.stderr)
         return 2
     print(format_report(report))
     if args.json:

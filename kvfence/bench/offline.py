@@ -163,6 +163,7 @@ def base_config(args) -> EngineConfig:
                         max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
                         prefill_tokens_while_decoding=args.prefill_tokens_while_decoding,
                         decode_step_target_ms=args.decode_step_target_ms,
+                        enable_prefix_cache=not getattr(args, "no_prefix_cache", False),
                         clamp_context=True, progress=False)
 
 

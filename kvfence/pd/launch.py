@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -122,8 +123,17 @@ def launch_pd(a) -> int:
 # it serves again); past that, or when the router exits, launch-pd stops everything
 MAX_RESTARTS = 3
 # exit codes of a process that refused to start (its configuration, a port it cannot listen
-# on): started again, it would refuse again (serve.py's EXIT_CANNOT_LISTEN is 3)
+# on): started again, it would refuse again (serve.py's EXIT_CANNOT_LISTEN is 3). Only before
+# it first listened: a node that served and then failed is restarted whatever its code
 REFUSED_TO_START = (2, 3)
+
+
+def _listening(host: str, port: str) -> bool:
+    try:
+        socket.create_connection((host, int(port)), timeout=0.2).close()
+        return True
+    except OSError:
+        return False
 
 
 def _run(a, env: dict[str, str], secret_file: str) -> int:
@@ -154,11 +164,14 @@ def _run(a, env: dict[str, str], secret_file: str) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGHUP, reload_tenants)
     code = 0
+    listened: set[str] = set()   # processes seen listening since their last start
     try:
         while not stopping:
+            listened |= {r for r in procs if r not in listened and procs[r].poll() is None
+                         and _listening(a.host, cmds[r][cmds[r].index("--port") + 1])}
             dead = {r: p.returncode for r, p in procs.items() if p.poll() is not None}
-            fatal = {r: c for r, c in dead.items()
-                     if r == "router" or restarts[r] >= MAX_RESTARTS or c in REFUSED_TO_START}
+            fatal = {r: c for r, c in dead.items() if r == "router" or restarts[r] >= MAX_RESTARTS
+                     or (c in REFUSED_TO_START and r not in listened)}
             if fatal:
                 role, code = next(iter(fatal.items()))
                 print(f"kvfence launch-pd: {role} exited with code {code}; stopping the others", file=sys.stderr)
@@ -166,6 +179,7 @@ def _run(a, env: dict[str, str], secret_file: str) -> int:
                 break
             for role, rc in dead.items():
                 restarts[role] += 1
+                listened.discard(role)
                 procs[role] = start_child(cmds[role], hold_hangup=True, env=env)
                 print(f"kvfence launch-pd: {role} exited with code {rc}; restarted it (pid {procs[role].pid}, "
                       f"restart {restarts[role]} of {MAX_RESTARTS}); the router checks it again before it serves",

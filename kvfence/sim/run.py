@@ -68,12 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-going", action="store_true", help="run every seed even after a failure")
     a = ap.parse_args(argv)
 
-    from kvfence.faults import FAULTS
+    from kvfence.faults import FaultConfigError
+    from kvfence.faults import parse as parse_faults
     from kvfence.sim.cluster import KNOWN_BUGS
 
-    for f in a.fault:
-        if f.partition(":")[0].strip() not in FAULTS:
-            ap.error(f"unknown --fault {f!r}; known: {', '.join(sorted(FAULTS))}")
+    for f in a.fault:   # a point, point:ARG, or a comma list of them
+        try:
+            parse_faults(f)
+        except FaultConfigError as e:
+            ap.error(f"--fault {f!r}: {str(e).replace(' in KVFENCE_TEST_FAULTS', '')}")
 
     known = [k for k in a.known_bugs.split(",") if k]
     for k in known:

@@ -21,6 +21,7 @@ from kvfence.cli import build_parser, main
     (["serve", "--max-body-bytes", "0"], "--max-body-bytes: must be at least 1"),
     (["serve", "--role", "router", "--node-wait", "nan"], "--node-wait: must be a finite number"),
     (["launch-pd", "--port", "0"], "a TCP port is 1-65535"),
+    (["serve", "--port", "-1"], "a TCP port is 1-65535"),
     (["probe", "--timeout", "0"], "--timeout"),
     (["soak", "--duration", "0"], "--duration: must be longer than 0"),
     (["soak", "--duration", "abc"], "not a duration: 'abc'"),
@@ -41,7 +42,8 @@ def test_a_value_that_cannot_work_is_refused_by_name(argv, says, capsys):
 @pytest.mark.parametrize("argv,says", [
     (["--seeds", "0"], "--seeds: must be at least 1"),
     (["--lives", "-5"], "--lives: must be at least 1"),
-    (["--fault", "nosuch"], "unknown --fault 'nosuch'"),
+    (["--fault", "nosuch"], "--fault 'nosuch': unknown fault 'nosuch'"),
+    (["--fault", "skip_ledger_check,nosuch"], "unknown fault 'nosuch'"),   # a comma list, as before
 ])
 def test_the_simulation_refuses_what_would_run_nothing(argv, says, capsys):
     from kvfence.sim.run import main as sim_main
@@ -136,6 +138,25 @@ def test_launch_pd_refuses_before_starting_and_never_restarts_a_refusal(tmp_path
         for sig, h in handlers.items():
             signal.signal(sig, h)
     assert started.count("refuser") == 1
+    # one that listened first and then exited 2 failed while serving: restarted, as any crash is
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+    server = [sys.executable, "-c", "import socket, sys, time; s = socket.socket(); "
+              f"s.bind(('127.0.0.1', {free})); s.listen(); time.sleep(1.2); sys.exit(2)", "--port", str(free)]
+    started.clear()
+    monkeypatch.setattr(launch, "node_commands", lambda a, s: {"prefill": sleeper, "decode": server,
+                                                              "router": sleeper})
+    monkeypatch.setattr(launch, "start_child", lambda cmd, **kw: (
+        started.append("server" if cmd is server else "sleeper"), real_start(cmd, **kw))[1])
+    try:
+        assert launch._run(build_parser().parse_args(["launch-pd"]), {}, "/s") == 2
+    finally:
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+    assert started.count("server") == 1 + launch.MAX_RESTARTS
 
 
 def test_messages_that_name_what_is_wrong(tmp_path, capsys):
