@@ -69,7 +69,7 @@ from kvfence.pd.messages import (
 from kvfence.pd.settings import ROLES
 from kvfence.pd.tls import TlsSettings, client_context, uvicorn_options
 from kvfence.pd.wire import cluster_headers
-from kvfence.server.backend import Admitted, EngineFailed, Logprob, RequestHandle, Update
+from kvfence.server.backend import Admitted, EngineFailed, Logprob, NotServedHere, RequestHandle, Update
 from kvfence.server.http_limits import HttpLimits, uvicorn_server
 
 if TYPE_CHECKING:
@@ -377,8 +377,8 @@ class RouterBackend:
             raise EngineFailed(self.error or f"the cluster is {self.state}")
         if params.prompt_logprobs is not None or params.max_tokens == 0:
             # prefill samples nothing and decode never computes the prompt: neither could score it
-            raise ValueError("echo with logprobs, and max_tokens 0, are not supported behind the PD router; "
-                             "send them to a single-node server")
+            raise NotServedHere("echo with logprobs, and max_tokens 0, are not supported behind the PD router; "
+                                "send them to a single-node server")
         max_tokens = completion_tokens(params.max_tokens, len(prompt_ids), self.facts["usable_context"])
         if max_tokens != params.max_tokens:
             params = dataclasses.replace(params, max_tokens=max_tokens)

@@ -644,8 +644,8 @@ async def _generate(state: ServerState, request: Request, kind: str):
                            headers=headers) from None
         except GrammarError as e:
             raise bad_request(str(e), param="response_format") from None
-        except ValueError as e:
-            raise bad_request(str(e), param=req.prompt_param) from None
+        except ValueError as e:   # NotServedHere has a code of its own
+            raise bad_request(str(e), param=req.prompt_param, code=getattr(e, "code", None)) from None
         run = _Run(state, request, choices, tenant, lease, arrival, req, kind)   # from here run.close() frees the slot
         lease.on_revoke = run.revoke
         if lease.revoked:   # a reload took the key while it was parsed or submitted

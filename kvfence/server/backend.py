@@ -64,6 +64,11 @@ class EngineFailed(RuntimeError):
         self.code = code
 
 
+class NotServedHere(ValueError):
+    """A well-formed request this backend cannot serve (prompt scoring behind the PD router):
+    the client's 400, with a code a client can act on (send it to a single node)."""
+    code = "unsupported_behind_router"
+
 
 @dataclass
 class RequestHandle:

@@ -162,8 +162,9 @@ def test_prompt_scoring_is_a_400_through_the_router(cluster, client):
     (prefill samples nothing, decode never runs the prompt): a 400 that says so, nothing held."""
     m = model_name(client)
     for kw in (dict(logprobs=1, max_tokens=1), dict(max_tokens=0)):
-        with pytest.raises(openai.BadRequestError, match="not supported behind the PD router"):
+        with pytest.raises(openai.BadRequestError, match="not supported behind the PD router") as e:
             client.completions.create(model=m, prompt="The capital of France is", echo=True, temperature=0, **kw)
+        assert e.value.code == "unsupported_behind_router"   # a code a client can act on (it was null)
     echoed = client.completions.create(model=m, prompt="The capital of France is", echo=True, max_tokens=2,
                                        temperature=0)
     assert echoed.choices[0].text.startswith("The capital of France is")
