@@ -193,8 +193,8 @@ def record(kind: str, **fields) -> dict | None:
 
 def client_outcome(code: str | None, tokens_streamed: int) -> dict:
     """What the client of a refused request gets: the status the server maps `code` to."""
-    from kvfence.server.errors import ABORT_STATUS  # the server's one table of codes -> HTTP status
-    status = ABORT_STATUS.get(code or "", (500, ""))[0]
+    from kvfence.server.errors import abort_status  # the server's one table of codes -> HTTP status
+    status = abort_status(code)[0]
     return {"status": status, "code": code, "tokens_streamed": tokens_streamed}
 
 

@@ -35,7 +35,14 @@ from kvfence.server import responses_api
 from kvfence.server.auth_throttle import FailedAuthThrottle, client_address
 from kvfence.server.backend import EngineBackend, EngineFailed, RequestHandle, Update
 from kvfence.server.disconnect import watch_disconnect
-from kvfence.server.errors import ABORT_STATUS, OWN_DETAIL_CODES, APIError, bad_request, error_body
+from kvfence.server.errors import (
+    ABORT_STATUS,
+    OWN_DETAIL_CODES,
+    APIError,
+    abort_status,
+    bad_request,
+    error_body,
+)
 from kvfence.server.fair_queue import FairWorker
 from kvfence.server.isolation import isolation_statement, tenant_view
 from kvfence.server.json_slices import encode as encode_json
@@ -1221,7 +1228,7 @@ class _Run:
             else:   # an abort the client caused (its schema's limits) is no server error; the
                 # status alone (_failure would log a node's detail a second time)
                 u = self._failed_update()
-                client_caused = u is not None and ABORT_STATUS.get(u.abort_code or "", (500, ""))[0] == 400
+                client_caused = u is not None and abort_status(u.abort_code)[0] == 400
                 outcome = "invalid" if client_caused else "error"
         generated = self._tokens_generated()
         self.lease.release(generated)
@@ -1245,7 +1252,7 @@ class _Run:
         u = self._failed_update()
         if u is None:
             return APIError(503, "The engine stopped before the request finished.", code="engine_unavailable")
-        status, what = ABORT_STATUS.get(u.abort_code or "", (500, "The request was aborted"))
+        status, what = abort_status(u.abort_code)
         detail = str(u.error or u.finish_reason)
         if u.abort_code == "isolation_violation":
             # which check failed, not its detail: that names another owner's request, scope and

@@ -85,6 +85,11 @@ ABORT_STATUS = {
     "scope_retired": (401, "The API key of this request was revoked while it ran"),
 }
 
+def abort_status(code: str | None) -> tuple[int, str]:
+    """(HTTP status, what the client is told) for an abort code; an unknown one is a 500."""
+    return ABORT_STATUS.get(code or "", (500, "The request was aborted"))
+
+
 # abort codes whose detail is about the client's own request (its lengths, its schema); any
 # other detail may name a node, a transfer address, the pool's state or an exception, so with
 # tenants it goes to the log and the client gets the fixed text (app.py, _public_detail)
