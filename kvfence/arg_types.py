@@ -71,6 +71,14 @@ def folder(text: str) -> str:
     return text
 
 
+def sha256_hex(text: str) -> str:
+    """A SHA-256 as 64 hex digits (a typo read as a hash the chain never reaches: tampering)."""
+    t = text.strip().lower()
+    if len(t) != 64 or any(c not in "0123456789abcdef" for c in t):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a SHA-256 hash (64 hex digits)")
+    return t
+
+
 def _int(text: str) -> int:
     try:
         return int(text)

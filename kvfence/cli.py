@@ -6,7 +6,7 @@ import functools
 import logging
 import sys
 
-from kvfence.arg_types import at_least_one, listen_port, output_file, port, seconds
+from kvfence.arg_types import at_least_one, listen_port, output_file, port, seconds, sha256_hex
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -50,14 +50,6 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--audit-reads", action="store_true",
                    help="record and check every page and slot each forward pass touches (a test oracle; costs time)")
-
-
-def _sha256_hex(text: str) -> str:
-    """A SHA-256 as 64 hex digits (a typo read as a hash the chain never reaches: tampering)."""
-    t = text.strip().lower()
-    if len(t) != 64 or any(c not in "0123456789abcdef" for c in t):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a SHA-256 hash (64 hex digits)")
-    return t
 
 
 def _config(a):
@@ -524,7 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
     inc.add_argument("--tenant", default=None, metavar="NAME", help="only what involves this tenant")
     inc.add_argument("--json", action="store_true")
     inc.add_argument("--verify", action="store_true", help="only check the hash chains; exit 1 if one is broken")
-    inc.add_argument("--expect-last-hash", default=None, metavar="HEX", type=_sha256_hex,
+    inc.add_argument("--expect-last-hash", default=None, metavar="HEX", type=sha256_hex,
                      help="a last_hash of the log anchored elsewhere (the isolation statement showed it): "
                           "the chain must pass through it; one that never does was cut off or rewritten")
     inc.add_argument("--tenants", default=None, metavar="FILE",

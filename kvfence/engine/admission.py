@@ -50,7 +50,7 @@ class CapacityError(RuntimeError):
 # what a configuration that cannot start raises (a context past the pool, a size or setting
 # that does not parse, a model path or file that is not there): the message says what to
 # change, so the commands say it in one line, and the traceback only under -v
-STARTUP_REFUSALS = (CapacityError, FileNotFoundError, ValueError, OSError)
+STARTUP_REFUSALS = (CapacityError, ValueError, OSError)   # OSError: FileNotFoundError among them
 
 
 @dataclass(frozen=True)

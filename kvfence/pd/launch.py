@@ -93,7 +93,7 @@ def write_secret_file(directory: str | None = None) -> str:
 
 def launch_pd(a) -> int:
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
-    node_names(a)   # what each child would refuse, refused once here, before anything starts
+    nodes = sum(len(n) for n in node_names(a).values())   # what each child would refuse, refused here first
     if a.tenants:
         from kvfence.server.tenants import TenantRegistry
 
@@ -102,7 +102,7 @@ def launch_pd(a) -> int:
         load_secret(a.cluster_secret_file)
     from kvfence.server.http_limits import port_unavailable
 
-    for port in range(a.port, a.port + 1 + sum(len(n) for n in node_names(a).values())):
+    for port in range(a.port, a.port + 1 + nodes):
         if port <= 65535 and (why := port_unavailable(a.host, port)) is not None:
             raise OSError(f"port {port} of this cluster's (router {a.port}, nodes after it): {why}; choose "
                           "another --port, or stop what listens there")
