@@ -245,7 +245,6 @@ def _duration_arg(text: str) -> float:
 
 
 def main(a) -> int:
-    a.duration = parse_duration(a.duration)
     logging.getLogger("httpx").setLevel(logging.WARNING)   # one line per request drowned the samples
     logdir = Path(a.logdir or tempfile.mkdtemp(prefix="kvfence-soak-"))
     logdir.mkdir(parents=True, exist_ok=True)
