@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import ssl
 from pathlib import Path
 
 
@@ -77,6 +78,16 @@ def sha256_hex(text: str) -> str:
     if len(t) != 64 or any(c not in "0123456789abcdef" for c in t):
         raise argparse.ArgumentTypeError(f"{text!r} is not a SHA-256 hash (64 hex digits)")
     return t
+
+
+def ca_bundle(text: str) -> ssl.SSLContext:
+    """--tls-ca of a command that reaches a server by --url: a PEM file of the CA(s) that signed the
+    server's certificate, as a context that verifies the chain and the host name against it (a
+    private CA otherwise fails mid-run with CERTIFICATE_VERIFY_FAILED)."""
+    try:
+        return ssl.create_default_context(cafile=text)
+    except (OSError, ssl.SSLError) as e:
+        raise argparse.ArgumentTypeError(f"cannot read CA certificates from {text}: {e}") from None
 
 
 def _int(text: str) -> int:

@@ -37,6 +37,7 @@ import json
 import logging
 import random
 import re
+import ssl
 import string
 import sys
 import time
@@ -48,7 +49,7 @@ from pathlib import Path
 
 import httpx
 
-from kvfence.arg_types import at_least_one, fraction, output_file, seconds
+from kvfence.arg_types import at_least_one, ca_bundle, fraction, output_file, seconds
 from kvfence.bench.http_load import sse_messages
 from kvfence.pd.wire import cluster_headers
 
@@ -489,8 +490,10 @@ class Canary:
                  nodes: dict[str, str] | None = None, kills: list[NodeKill] | None = None,
                  procs: dict | None = None, restart: Callable[[str], None] | None = None,
                  node_faults: dict[str, str] | None = None, model: str | None = None,
-                 on_phase: Callable[[str], None] | None = None, scrape_key: str | None = None):
+                 on_phase: Callable[[str], None] | None = None, scrape_key: str | None = None,
+                 verify: ssl.SSLContext | bool = True):
         self.url = url.rstrip("/").removesuffix("/v1")
+        self.verify = verify   # https:// URLs: the CA that signed the server's (and nodes') certificates
         self.scrape_key = scrape_key   # /metrics, the router's nodes: the [metrics] or [operator] key
         self.opts = options or CanaryOptions()
         self.rng = random.Random(self.opts.seed)
@@ -860,7 +863,7 @@ class Canary:
         t_start = time.monotonic()
         timeout = httpx.Timeout(self.opts.timeout_s, connect=10.0)
         limits = httpx.Limits(max_connections=self.opts.concurrency + 8, max_keepalive_connections=0)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as c:
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, verify=self.verify) as c:
             await self._discover(c)
             report = CanaryReport(self.url, self.mode, self.opts.seed, self.usable, self.smallest_pool,
                                   len(self.tenants))
@@ -940,6 +943,8 @@ def run_canary(url: str, tenants: dict[str, str] | str | Path, options: CanaryOp
 
 def add_arguments(p) -> None:
     p.add_argument("--url", required=True, help="the router (PD) or a single-node server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--tls-ca", default=None, metavar="FILE", type=ca_bundle,
+                   help="https:// URLs: verify the certificates against this CA (PEM) instead of the system's")
     p.add_argument("--nodes", default=None, type=_nodes_arg,
                    help="PD: prefill=URL,decode=URL (default: the nodes the router's /v1/kvfence/cluster names)")
     p.add_argument("--tenants-file", required=True, help="the server's tenants TOML (plain api_keys are used; "
@@ -994,7 +999,7 @@ def main(a) -> int:
         return 2
     report = run_canary(a.url, keys, opts, nodes=a.nodes, kills=a.kill, model=a.model,
                         on_phase=lambda ph: log.info("canary: %s phase", ph),
-                        scrape_key=load_scrape_key(a.tenants_file))
+                        scrape_key=load_scrape_key(a.tenants_file), verify=a.tls_ca or True)
     print(report.text())
     if a.json:
         Path(a.json).write_text(json.dumps(report.to_json(), indent=2))

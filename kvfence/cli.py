@@ -6,7 +6,7 @@ import functools
 import logging
 import sys
 
-from kvfence.arg_types import at_least_one, listen_port, output_file, port, seconds, sha256_hex
+from kvfence.arg_types import at_least_one, ca_bundle, listen_port, output_file, port, seconds, sha256_hex
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -331,7 +331,8 @@ def cmd_isolation(a) -> int:
 
         logging.getLogger("httpx").setLevel(logging.WARNING)
         headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
-        r = httpx.get(a.url.rstrip("/") + "/v1/kvfence/isolation", headers=headers, timeout=30)
+        r = httpx.get(a.url.rstrip("/") + "/v1/kvfence/isolation", headers=headers, timeout=30,
+                      verify=a.tls_ca or True)
         if r.status_code != 200:
             print(f"error: HTTP {r.status_code} from {a.url}: {r.text[:300]}", file=sys.stderr)
             return 1
@@ -406,6 +407,12 @@ def _tls_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-client-key", default=None, metavar="FILE", help="router: that certificate's key")
     p.add_argument("--allow-plaintext-network", action="store_true",
                    help="PD roles: allow internal HTTP in the clear off loopback (the isolation statement warns)")
+
+
+def _url_tls_arg(p: argparse.ArgumentParser) -> None:
+    """--tls-ca of a command that reaches a server by --url (a private CA's https:// URL)."""
+    p.add_argument("--tls-ca", default=None, metavar="FILE", type=ca_bundle,
+                   help="--url: verify the server's certificate against this CA (PEM) instead of the system's")
 
 
 def _tls(a):
@@ -526,6 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
     iso = sub.add_parser("isolation", help="print the isolation statement (same as GET /v1/kvfence/isolation)")
     iso.add_argument("--url", default=None, help="ask a running server instead of building the engine here")
     iso.add_argument("--api-key", default=None, help="API key for --url (multi-tenant servers)")
+    _url_tls_arg(iso)
     _server_args(iso)
     _engine_args(iso)
     iso.set_defaults(func=cmd_isolation)
@@ -564,6 +572,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="interleaved rounds per variant; medians are reported")
     b.add_argument("--json", default=None, type=output_file, help="also write results to this file")
     b.add_argument("--url", default=None, help="load-test this OpenAI-compatible server (e.g. http://127.0.0.1:8000)")
+    _url_tls_arg(b)
     b.add_argument("--fleet", action="store_true",
                    help="a PD fleet (--prefill, --decode nodes) with prefix-affinity routing against round robin: "
                         "prefix hit rate and TTFT for tenants with shared system prompts")
@@ -645,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, httpx.HTTPError):   # --url: nothing there, not HTTP(S), a certificate, a 4xx
             where = f" ({e.request.method} {e.request.url})" if _has_request(e) else ""
             print(f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no answer'}{where}"
-                  + ("; for a private CA set SSL_CERT_FILE=ca.crt" if "CERTIFICATE_VERIFY_FAILED" in str(e) else ""),
+                  + ("; for a private CA pass --tls-ca ca.crt" if "CERTIFICATE_VERIFY_FAILED" in str(e) else ""),
                   file=sys.stderr)
             return 2
         if isinstance(e, STARTUP_REFUSALS):

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import random
+import ssl
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -118,13 +119,13 @@ class LoadError(RuntimeError):
 
 async def run_load(url: str, num_requests: int, concurrency: int, prompt_words: int, max_tokens: int,
                    model: str | None = None, api_key: str | None = None, endpoint: str = "completions",
-                   timeout: float = 600.0, seed: int = 0) -> Report:
+                   timeout: float = 600.0, seed: int = 0, verify: ssl.SSLContext | bool = True) -> Report:
     base = url.rstrip("/")
     if not base.endswith("/v1"):
         base += "/v1"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
-    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as client:
+    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout, verify=verify) as client:
         if model is None:
             r = await client.get(base + "/models")
             if r.status_code == 401:
@@ -198,8 +199,9 @@ def main(args) -> int:
     key = args.api_key or os.environ.get("OPENAI_API_KEY")
     try:
         report = asyncio.run(run_load(args.url, args.num_requests, conc, args.prompt_tokens, args.output_tokens,
-                                      args.model_name, key, args.endpoint, args.timeout))
-    except (LoadError, httpx.HTTPError) as e:
+                                      args.model_name, key, args.endpoint, args.timeout,
+                                      verify=args.tls_ca or True))
+    except LoadError as e:
         print(f"error: {args.url}: {str(e) or type(e).__name__}", file=sys.stderr)
         return 2
     print(format_report(report))

@@ -23,6 +23,11 @@ def serve(*args: str, secret: str | None = SECRET) -> subprocess.CompletedProces
                           capture_output=True, text=True, timeout=120)
 
 
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvfence.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
 @pytest.mark.parametrize("role", ["prefill", "decode", "router"])
 def test_pd_roles_refuse_to_start_without_the_cluster_secret(role):
     extra = ["--prefill-url", "http://127.0.0.1:1", "--decode-url", "http://127.0.0.1:2"] if role == "router" else []
@@ -93,6 +98,15 @@ def test_a_single_node_serves_https_with_tls_cert_and_key(tmp_path):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         with pytest.raises(httpx.TransportError):      # no plain HTTP on that port
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+        # the commands that reach a server by --url verify it against a private CA with --tls-ca
+        url = f"https://127.0.0.1:{port}"
+        ok = cli("isolation", "--url", url, "--tls-ca", pki["ca"])
+        assert ok.returncode == 0 and '"invariants"' in ok.stdout, ok.stderr
+        for ca in ([], ["--tls-ca", pki["other_ca"]]):      # the system's CAs, or another CA: refused
+            no = cli("isolation", "--url", url, *ca)
+            assert no.returncode == 2 and "CERTIFICATE_VERIFY_FAILED" in no.stderr and "--tls-ca" in no.stderr
+        load = cli("bench", "--url", url, "--tls-ca", pki["ca"], "--num-requests", "2", "--output-tokens", "2")
+        assert load.returncode == 0 and "2 ok, errors none" in load.stdout, load.stdout + load.stderr
     finally:
         proc.terminate()
         proc.wait(30)

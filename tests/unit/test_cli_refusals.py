@@ -32,6 +32,9 @@ from kvfence.cli import build_parser, main
     (["canary", "--url", "u", "--tenants-file", "t", "--kill", "garbage"], "expected ROLE@SECONDS"),
     (["canary", "--url", "u", "--tenants-file", "t", "--aborts", "2"], "must be between 0 and 1"),
     (["incidents", "--expect-last-hash", "zzz"], "not a SHA-256 hash"),
+    (["isolation", "--url", "https://x", "--tls-ca", "/nonexistent/ca.crt"], "cannot read CA certificates"),
+    (["bench", "--url", "https://x", "--tls-ca", "/etc/hostname"], "cannot read CA certificates"),
+    (["canary", "--url", "u", "--tenants-file", "t", "--tls-ca", "/nonexistent"], "cannot read CA certificates"),
 ])
 def test_a_value_that_cannot_work_is_refused_by_name(argv, says, capsys):
     with pytest.raises(SystemExit) as e:
