@@ -65,14 +65,15 @@ class SoakSummary:
     faults_injected: dict
     leaked: dict                   # node -> what was not back at the end (empty: nothing)
     samples: list = field(default_factory=list)
+    interrupted: bool = False      # Ctrl-C: what ran until then, the end-of-run leak check not made
 
     @property
     def ok(self) -> bool:
-        return not self.leaked and self.hung == 0 and self.unexplained_errors == 0
+        return not self.interrupted and not self.leaked and self.hung == 0 and self.unexplained_errors == 0
 
     def text(self) -> str:
-        lines = [f"soak: {self.seconds / 60:.1f} min, {self.requests} requests, "
-                 f"{'PASS' if self.ok else 'FAIL'}",
+        verdict = "INTERRUPTED (no verdict)" if self.interrupted else "PASS" if self.ok else "FAIL"
+        lines = [f"soak: {self.seconds / 60:.1f} min, {self.requests} requests, {verdict}",
                  "  outcomes: " + ", ".join(f"{k}={v}" for k, v in sorted(self.outcomes.items())),
                  f"  errors with no fault to blame: {self.unexplained_errors}; hung: {self.hung}",
                  f"  latency ms: {self.latency_ms}",
@@ -80,7 +81,8 @@ class SoakSummary:
                                           or "none")]
         for name, r in self.rss_mib.items():
             lines.append(f"  RSS {name}: start {r['start']:.0f} MiB, end {r['end']:.0f} MiB, max {r['max']:.0f} MiB")
-        lines.append("  leaked at the end: " + (json.dumps(self.leaked) if self.leaked else "nothing"))
+        lines.append("  leaked at the end: " + ("not checked (interrupted)" if self.interrupted
+                                                  else json.dumps(self.leaked) if self.leaked else "nothing"))
         return "\n".join(lines)
 
 
@@ -101,6 +103,7 @@ class Soak:
         self.faults: Counter[str] = Counter()
         self.samples: list[dict] = []
         self.rss = {n: [] for n in pids}
+        self.t0 = time.monotonic()
 
     def _request(self) -> tuple[dict, bool, bool]:
         r = self.rng.random()
@@ -212,18 +215,23 @@ class Soak:
             await asyncio.sleep(1.0)
 
     async def run(self) -> SoakSummary:
-        t0 = time.monotonic()
-        until = t0 + self.a.duration
+        self.t0 = time.monotonic()
+        until = self.t0 + self.a.duration
         timeout = httpx.Timeout(self.a.request_timeout, connect=10.0)
         async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=200)) as http:
             tasks = [self.client(http, until) for _ in range(self.a.concurrency)]
             await asyncio.gather(self.chaos(http, until), self.sampler(http, until), *tasks)
             # every fence lifts within lease + max pull + skew of its lease's end
             leaked = await self.leaks(http, self.a.settle)
+        return self.summary(leaked)
+
+    def summary(self, leaked: dict, interrupted: bool = False) -> SoakSummary:
+        """What was seen so far (Ctrl-C: an hour's soak still reports its outcomes and samples)."""
         rss = {n: {"start": v[0], "end": v[-1], "max": max(v)} for n, v in self.rss.items() if v}
-        return SoakSummary(time.monotonic() - t0, sum(self.outcomes.values()), dict(self.outcomes), self.unexplained,
-                           self.hung, {k: round(v, 1) for k, v in percentiles(self.latencies).items()}, rss,
-                           dict(self.faults), leaked, self.samples)
+        latency = {k: round(v, 1) for k, v in percentiles(self.latencies).items()}
+        return SoakSummary(time.monotonic() - self.t0, sum(self.outcomes.values()), dict(self.outcomes),
+                           self.unexplained, self.hung, latency, rss, dict(self.faults), leaked, self.samples,
+                           interrupted)
 
 
 def parse_duration(text: str) -> float:
@@ -263,14 +271,17 @@ def main(a) -> int:
         a.model_name = httpx.get(urls["router"] + "/v1/models").json()["data"][0]["id"]
         print(f"soak: cluster up (usable context {usable}), logs in {logdir}; {a.duration:.0f} s of load, "
               f"{a.concurrency} clients, faults {'on' if a.faults else 'off'}", flush=True)
-        summary = asyncio.run(Soak(a, urls, {r: p.pid for r, p in procs.procs.items()}, usable,
-                                   procs.internal_headers).run())
+        soak = Soak(a, urls, {r: p.pid for r, p in procs.procs.items()}, usable, procs.internal_headers)
+        try:
+            summary = asyncio.run(soak.run())
+        except KeyboardInterrupt:
+            summary = soak.summary({}, interrupted=True)
     finally:
         procs.stop()
-    print(summary.text())
+    print(summary.text(), flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(asdict(summary), indent=2))
-    return 0 if summary.ok else 1
+    return 130 if summary.interrupted else 0 if summary.ok else 1
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
