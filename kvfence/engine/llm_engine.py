@@ -291,10 +291,11 @@ class LLMEngine:
             raise Overloaded(f"The server is overloaded for this tenant: {mine} of its requests are waiting (a "
                              f"tenant's share is {share} of {limit}); retry shortly.")
 
-    def abort(self, request_id: str, reason: str = "aborted by client") -> None:
+    def abort(self, request_id: str, reason: str = "aborted by client", code: str = "client") -> None:
+        """`code`: why, for the client's answer (server/errors.ABORT_STATUS); "client": it left."""
         seq = self.requests.get(request_id)
         if seq is not None and not seq.finished:
-            self.end(seq, Event.ABORT, "aborted", reason, code="client")
+            self.end(seq, Event.ABORT, "aborted", reason, code=code)
 
     # -- PD control messages (prefill): the router relays decode's word -----------------------
     def release_kv(self, request_id: str) -> str:

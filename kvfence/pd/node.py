@@ -345,7 +345,8 @@ def node_app(loop: EngineLoop, settings: PDSettings, tenants: TenantRegistry,
 
 
 def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int, tls: TlsSettings,
-               tenants_file: str | None = None, log_level: str = "info", limits: HttpLimits | None = None) -> int:
+               tenants_file: str | None = None, log_level: str = "info", limits: HttpLimits | None = None,
+               drain_limit_s: float | None = None) -> int:
     from kvfence.server.isolation import run_startup_checks
     from kvfence.server.serve import load_tenants, refuse_unusable_port, run_until_engine_fails
 
@@ -364,7 +365,7 @@ def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int,
     assert loop.facts is not None
     loop.facts = {**loop.facts, "pd_security": tls.describe()}   # for /internal/info and the statement
     exit_now: list = []
-    drain = Drain(lambda: loop.snapshot, lambda: exit_now[0]())
+    drain = Drain(lambda: loop.snapshot, lambda: exit_now[0](), **({"limit_s": drain_limit_s} if drain_limit_s else {}))
     app, state = node_app(loop, settings, tenants, drain)
     faults.announce(log)
     scheme = "https" if tls.serving else "http"

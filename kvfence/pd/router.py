@@ -788,7 +788,8 @@ def serve_router(prefill_urls: list[str], decode_urls: list[str], model: str | N
                  max_model_len: int | None, clamp_context: bool, secret: bytes, tls: TlsSettings,
                  tenants_file: str | None = None,
                  served_model_name: str | None = None, log_level: str = "info", wait_s: float = 300.0,
-                 stall_s: float = 10.0, limits: HttpLimits | None = None, prefill_routing: str = "affinity") -> int:
+                 stall_s: float = 10.0, limits: HttpLimits | None = None, prefill_routing: str = "affinity",
+                 shutdown_timeout_s: float | None = None) -> int:
     from kvfence.server import fault_control
     from kvfence.server.app import ServerState, create_app, may_scrape
     from kvfence.server.serve import load_tenants, refuse_unusable_port
@@ -821,6 +822,8 @@ def serve_router(prefill_urls: list[str], decode_urls: list[str], model: str | N
 
     log.info("router serving model %r on http://%s:%d/v1 (prefill %s; decode %s)", state.served_name, host, port,
              ", ".join(backend.urls["prefill"]), ", ".join(backend.urls["decode"]))
+    # SIGTERM: what is in flight may finish for --shutdown-timeout; then its connections close
     uvicorn_server(app, host, port, limits or HttpLimits(), log_level, refusals=state.metrics.connections,
+                   timeout_graceful_shutdown=shutdown_timeout_s,
                    **uvicorn_options(tls, client_certificates=False)).run()
     return 0

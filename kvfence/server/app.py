@@ -38,6 +38,7 @@ from kvfence.server.disconnect import watch_disconnect
 from kvfence.server.errors import (
     ABORT_STATUS,
     OWN_DETAIL_CODES,
+    RETRY_SOON_CODES,
     APIError,
     abort_status,
     bad_request,
@@ -645,7 +646,7 @@ async def _generate(state: ServerState, request: Request, kind: str):
         except EngineFailed as e:  # the PD router's failures carry a machine-readable code
             if e.code == "scope_retired":   # a node had retired the scope by the reload that revoked the key
                 raise KeyRevoked.api_error() from None
-            headers = {"Retry-After": "1"} if e.code == "server_overloaded" else None
+            headers = {"Retry-After": "1"} if e.code in RETRY_SOON_CODES else None
             status, what = ABORT_STATUS.get(e.code, (503, "The engine is not available"))
             raise APIError(status, f"{what}: {_public_detail(state, rid, tenant, e.code, str(e))}.", code=e.code,
                            headers=headers) from None
@@ -1264,7 +1265,8 @@ class _Run:
         if u.abort_code == "grammar_limit_exceeded":   # the client's schema: where it wrote it
             tools = self.req.tools
             param = "tools" if tools is not None and tools.enforced else "response_format"
-        err = APIError(status, f"{what}: {detail}.", code=u.abort_code or "request_aborted", param=param)
+        err = APIError(status, f"{what}: {detail}.", code=u.abort_code or "request_aborted", param=param,
+                       headers={"Retry-After": "1"} if u.abort_code in RETRY_SOON_CODES else None)
         return responses_api.refused(err) if self.kind == "responses" else err   # its own field names
 
     def _fail_on(self, e: BaseException) -> APIError:
@@ -1272,6 +1274,9 @@ class _Run:
             return e.api_error()
         if isinstance(e, EngineFailed):
             detail = _public_detail(self.state, self.choices[0].rid, self.tenant, e.code, str(e))
+            if e.code == "server_shutting_down":   # another choice of it came after the deadline
+                return APIError(503, f"{ABORT_STATUS[e.code][1]}: {detail}.", code=e.code,
+                                headers={"Retry-After": "1"})
             return APIError(503, f"The engine stopped serving this request: {detail}.", code="engine_unavailable")
         if isinstance(e, Overloaded):
             return APIError(503, str(e), code="server_overloaded", headers={"Retry-After": str(e.retry_after_s)})

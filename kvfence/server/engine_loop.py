@@ -104,6 +104,12 @@ class _Abort:
 
 
 @dataclass
+class _EndAll:
+    code: str      # the abort code every request in the engine ends with
+    reason: str
+
+
+@dataclass
 class _Call:
     fn: Callable
     loop: asyncio.AbstractEventLoop
@@ -139,6 +145,8 @@ class EngineLoop:
         # called (from the engine thread) once the engine has failed and every caller was
         # answered: serve() uses it to stop the process, so that a supervisor restarts it
         self.on_failure: Callable[[], None] | None = None
+        # set by end_all: the abort code a submission gets from then on (a stopping server)
+        self.closing: str | None = None
 
     # -- lifecycle (any thread) -----------------------------------------------------------
     def start(self) -> EngineLoop:
@@ -158,6 +166,19 @@ class EngineLoop:
         if self.finished.is_set():
             return "stopped"
         return "ready" if self.ready.is_set() else "loading"
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not yet ended (any thread; a moment's count)."""
+        return len(self._sinks)
+
+    def end_all(self, code: str, reason: str) -> int:
+        """Take no more requests and end every one in the engine with abort code `code` (a
+        stopping server's deadline, server/shutdown.py); returns how many were in it."""
+        self.closing = code
+        n = self.in_flight
+        self._commands.put(_EndAll(code, reason))
+        return n
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         end = None if timeout is None else time.monotonic() + timeout
@@ -185,6 +206,8 @@ class EngineLoop:
         this loop and the engine thread. The command is queued before the first await."""
         if self.state != "ready":
             raise EngineFailed(self.error or f"the engine is {self.state}")
+        if self.closing is not None:
+            raise EngineFailed("it came after the stop had ended the requests in flight", code=self.closing)
         loop = asyncio.get_running_loop()
         rid = request_id or uuid.uuid4().hex
         fut = loop.create_future()
@@ -300,6 +323,10 @@ class EngineLoop:
                         self._admit(engine, c)
                     elif isinstance(c, _Abort):
                         self._abort(engine, c)
+                    elif isinstance(c, _EndAll):
+                        for rid in list(self._sinks):
+                            engine.abort(rid, c.reason, code=c.code)
+                            self._finish_aborted(rid)
                     elif isinstance(c, _Call):
                         self._call(engine, c)
                 except BaseException as e:
@@ -314,6 +341,10 @@ class EngineLoop:
         if c.behind is not None and c.behind.ran is not True:   # it ran before this, in this thread
             c.loop.call_soon_threadsafe(_set_exception, c.admitted, ScopeNotRetired(
                 f"tenant {c.tenant!r}'s cache scope could not be retired here; the request was not run"))
+            return
+        if self.closing is not None:   # submitted just before end_all: it would outlive the deadline
+            c.loop.call_soon_threadsafe(_set_exception, c.admitted, EngineFailed(
+                "it came after the stop had ended the requests in flight", code=self.closing))
             return
         try:
             extra = {"public_prefix_scope": c.public_prefix_scope} if c.public_prefix_scope else {}

@@ -80,6 +80,8 @@ ABORT_STATUS = {
     "node_unavailable": (503, "A PD node is unavailable"),
     "node_error": (502, "A PD node answered with an error"),
     "server_overloaded": (503, "The server is overloaded"),
+    # a single node stopping (SIGTERM) past its --shutdown-timeout: retry, elsewhere (server/shutdown.py)
+    "server_shutting_down": (503, "The server is shutting down; retry the request"),
     # PD: a node had retired the tenant's cache scope by a reload that revoked the request's key
     # (app.py answers it as api_key_revoked before it starts; this is for one that ends later)
     "scope_retired": (401, "The API key of this request was revoked while it ran"),
@@ -90,7 +92,12 @@ def abort_status(code: str | None) -> tuple[int, str]:
     return ABORT_STATUS.get(code or "", (500, "The request was aborted"))
 
 
-# abort codes whose detail is about the client's own request (its lengths, its schema); any
-# other detail may name a node, a transfer address, the pool's state or an exception, so with
-# tenants it goes to the log and the client gets the fixed text (app.py, _public_detail)
-OWN_DETAIL_CODES = frozenset({"grammar_error", "grammar_limit_exceeded", "context_length_exceeded", "invalid_request"})
+# codes whose refusal a client may retry at once (elsewhere): answered with Retry-After: 1
+RETRY_SOON_CODES = frozenset({"server_overloaded", "server_shutting_down"})
+
+# abort codes whose detail the client may read: about its own request (its lengths, its schema),
+# or the server's stop; any other detail may name a node, a transfer address, the pool's state or
+# an exception, so with tenants it goes to the log and the client gets the fixed text (app.py,
+# _public_detail)
+OWN_DETAIL_CODES = frozenset({"grammar_error", "grammar_limit_exceeded", "context_length_exceeded", "invalid_request",
+                              "server_shutting_down"})

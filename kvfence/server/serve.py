@@ -11,6 +11,7 @@ from kvfence.server.app import DEFAULT_MAX_BODY_BYTES, ServerState, create_app
 from kvfence.server.engine_loop import EngineLoop
 from kvfence.server.http_limits import HttpLimits, port_unavailable, uvicorn_server
 from kvfence.server.isolation import run_startup_checks
+from kvfence.server.shutdown import BACKSTOP_S, DEFAULT_SHUTDOWN_TIMEOUT_S, GracefulStop
 from kvfence.server.tenants import TenantRegistry
 
 log = logging.getLogger("kvfence.server")
@@ -43,7 +44,7 @@ def start_engine(config: EngineConfig, loaded=None) -> EngineLoop:
 def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, tenants_file: str | None = None,
           served_model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
           log_level: str = "info", limits: HttpLimits | None = None, tls_cert: str | None = None,
-          tls_key: str | None = None) -> int:
+          tls_key: str | None = None, shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> int:
     tenants = load_tenants(tenants_file)          # a bad tenants file fails before the model loads
     refused = refuse_unusable_port(host, port, "kvfence serve")   # so does a taken port
     if refused is not None:
@@ -68,7 +69,9 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, tenan
     state = ServerState(engine, tenants, served_model_name, max_body_bytes)
     log.info("serving model %r on %s://%s:%d/v1", state.served_name, "https" if tls else "http", host, port)
     server = uvicorn_server(create_app(state), host, port, limits or HttpLimits(), log_level, access_log=True,
-                            refusals=state.metrics.connections, **tls)
+                            refusals=state.metrics.connections,
+                            timeout_graceful_shutdown=shutdown_timeout_s + BACKSTOP_S, **tls)
+    GracefulStop(server, engine, shutdown_timeout_s).install()
     return run_until_engine_fails(server, engine)
 
 

@@ -1,0 +1,112 @@
+"""A single node stopped by SIGTERM takes no new connection, lets what is in flight run for
+--shutdown-timeout, then ends the rest with 503 server_shutting_down (a stream's error event,
+Retry-After on a plain answer) and exits. Before, it waited on every stream for as long as it
+ran, and a supervisor's SIGKILL then cut the clients off with no word."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from server_harness import wait_for
+
+from kvfence.engine.config import EngineConfig
+from kvfence.engine.llm_engine import LLMEngine
+from kvfence.engine.params import SamplingParams
+from kvfence.procs import free_ports
+from kvfence.server.backend import EngineFailed
+from kvfence.server.engine_loop import EngineLoop
+
+
+def _health(url: str) -> int:
+    try:
+        return httpx.get(url + "/health", timeout=5).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def test_sigterm_ends_what_outlives_the_shutdown_timeout_with_a_503_the_client_reads(tmp_path):
+    port = free_ports(1)
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "serve.log"
+    p = subprocess.Popen([sys.executable, "-m", "kvfence.cli", "serve", "--port", str(port), "--threads", "1",
+                          "--kv-cache-memory", "64MiB", "--max-model-len", "2048", "--shutdown-timeout", "2"],
+                         env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}, stdout=open(log_path, "wb"),
+                         stderr=subprocess.STDOUT)
+    got: dict = {}
+    # 1800 tokens take ~25 s here: far past the 2 s deadline
+    body = {"prompt": "Count to a thousand:", "max_tokens": 1800, "ignore_eos": True}
+
+    def stream() -> None:
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+        got["stream"] = events
+
+    def plain() -> None:
+        got["plain"] = httpx.post(url + "/v1/completions", json=body, timeout=120)
+
+    try:
+        assert wait_for(lambda: _health(url) == 200, timeout=240), log_path.read_text()[-3000:]
+        clients = [threading.Thread(target=stream), threading.Thread(target=plain)]
+        for c in clients:
+            c.start()
+        assert wait_for(lambda: b'"POST /v1/completions HTTP/1.1" 200' in log_path.read_bytes(), timeout=60)
+        time.sleep(1)
+        p.send_signal(signal.SIGTERM)
+        for c in clients:
+            c.join(60)
+        p.wait(60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    log = log_path.read_text()
+    # the stream had its tokens until the deadline, then the reason, then [DONE]
+    events = got["stream"]
+    assert events[-1] == "[DONE]" and len(events) > 3, events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "server_shutting_down" and "--shutdown-timeout" in error["message"], error
+    r = got["plain"]
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+    assert r.json()["error"]["code"] == "server_shutting_down"
+    assert "stopping (SIGTERM)" in log and "2 request(s) in the engine have 2 s to finish" in log, log[-3000:]
+    assert "ended with 503 server_shutting_down" in log
+    assert _health(url) == 0   # gone
+
+
+def test_end_all_ends_every_request_with_its_code_gives_pages_back_and_takes_no_more(loaded_fp32):
+    config = EngineConfig(dtype="float32", kv_cache_memory="16MiB", clamp_context=True, progress=False)
+    loop = EngineLoop(lambda: LLMEngine(config, loaded_fp32)).start()
+    assert loop.wait_ready(60), loop.error
+
+    async def run() -> list:
+        handles = [await loop.submit([1, 2, 3, 4 + i], SamplingParams(max_tokens=300, ignore_eos=True), tenant=t)
+                   for i, t in enumerate(("alice", "bob"))]
+        await handles[0].updates.get()        # running
+        assert loop.end_all("server_shutting_down", "the deadline passed") == 2
+        last = []
+        for h in handles:
+            while not (u := await h.updates.get()).finished:
+                pass
+            last.append(u)
+        with pytest.raises(EngineFailed) as refused:   # what comes after is refused, with the same code
+            await loop.submit([1, 2], SamplingParams(max_tokens=2), tenant="alice")
+        assert refused.value.code == "server_shutting_down"
+        return last
+
+    try:
+        last = asyncio.run(run())
+        assert [(u.abort_code, u.error) for u in last] == [("server_shutting_down", "the deadline passed")] * 2
+        assert wait_for(lambda: loop.snapshot.get("pages_owned") == 0 and loop.in_flight == 0, timeout=10), \
+            loop.snapshot
+    finally:
+        loop.stop()
