@@ -17,7 +17,9 @@ from typing import Any
 # name -> subschema (a property called "examples" is a name there, not the keyword)
 _DATA = frozenset({"const", "enum", "default", "examples"})
 _MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
-_ROOT_ONLY = ("$schema", "$id")   # meaningless below the root; a nested $id would move refs' base
+# meaningless below the root (a nested $id would move refs' base); x-guidance, llguidance's
+# options, is set on the combined root (protocol.enforced_as)
+_ROOT_ONLY = ("$schema", "$id", "x-guidance")
 
 
 class SchemaParts:

@@ -45,7 +45,7 @@ _CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 
 @dataclass
 class ToolSpec:
-    tools: list[dict]                 # [{"name", "description", "parameters"}]
+    tools: list[dict]                 # [{"name", "description", "parameters", "strict"}]
     choice: str                       # "none" | "auto" | "required" | "function"
     name: str | None = None           # tool_choice's function, when choice == "function"
     parallel: bool = True
@@ -119,7 +119,11 @@ def parse_tools(body: dict) -> ToolSpec | None:
         if not isinstance(params, dict):
             raise bad_request(f"'{where}.function.parameters' must be a JSON Schema object.",
                               param=f"{where}.function.parameters")
-        tools.append({"name": name, "description": desc, "parameters": params})
+        strict = f.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise bad_request(f"'{where}.function.strict' must be a boolean.", param=f"{where}.function.strict")
+        # strict: what the grammar cannot hold in its parameters is refused, not left unenforced
+        tools.append({"name": name, "description": desc, "parameters": params, "strict": strict is True})
     name, only = None, None
     if choice_raw is None:
         choice = "auto"

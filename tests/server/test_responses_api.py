@@ -278,7 +278,7 @@ def test_logprobs_are_the_chat_paths(server):
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": 5}}}, "text.format", "'text.format.schema'"),
     ({"temperature": 9}, "temperature", "temperature"),
     ({"tools": [{"type": "function", "name": "f", "parameters": 5}]}, "tools[0].parameters", "'tools[0].parameters'"),
-    ({"tool_choice": "required", "tools": [{"type": "function", "name": "f", "parameters": {
+    ({"tool_choice": "required", "tools": [{"type": "function", "name": "f", "strict": True, "parameters": {
         "type": "object", "properties": {"t": {"type": "array", "uniqueItems": True}}}}]},
      "tools[0].parameters", "cannot enforce"),
 ])

@@ -20,7 +20,7 @@ TIME = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}},
                    "required": ["zone"], "additionalProperties": False}}}
 TAGS = {"type": "function", "function": {   # a set[str] in pydantic: uniqueItems, which the grammar cannot hold
-    "name": "tag", "parameters": {"type": "object", "properties": {
+    "name": "tag", "strict": True, "parameters": {"type": "object", "properties": {
         "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
@@ -42,6 +42,17 @@ def test_required_returns_valid_calls_of_declared_functions(server):
     for call in ch.message.tool_calls:
         assert call.function.name in SCHEMAS
         _valid(call)
+
+
+def test_a_tool_not_declared_strict_is_called_with_what_the_grammar_can_hold(server):
+    tags = {"type": "function", "function": {**TAGS["function"], "strict": False}}
+    r = server.client("alice").chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tag this post about Python."}], tools=[tags],
+        tool_choice="required", max_tokens=64, temperature=0)
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and calls and calls[0].function.name == "tag"
+    args = json.loads(calls[0].function.arguments)
+    assert isinstance(args, dict) and all(isinstance(t, str) for t in args.get("tags", []))
 
 
 def test_a_named_function_is_the_one_called(server):
@@ -339,7 +350,7 @@ def test_allowed_tools_auto_keeps_every_tool_in_the_prompt_and_calls_only_allowe
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "xml"}}, "response_format"),
     # with "auto" the answer may be the format's: a format the grammar cannot hold is named as such
     ({"tools": [WEATHER], "response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "array", "uniqueItems": True}}}}, "response_format"),
+        "name": "x", "strict": True, "schema": {"type": "array", "uniqueItems": True}}}}, "response_format"),
     ({"tools": [TAGS], "response_format": {"type": "json_object"}}, "tools[0].function.parameters"),
     ({"messages": ASK + [{"role": "tool", "content": "x"}]}, "messages[1].tool_call_id"),
     # a schema the grammar cannot enforce is named where the client wrote it, not response_format
