@@ -881,10 +881,12 @@ def _refuse_max_tokens_beyond_context(req: GenerationRequest, usable: int) -> No
     say so under the name the client sent (clients default to 4096 or 8192)."""
     mt = req.params.max_tokens
     if mt is not None and mt >= usable and not faults.active("skip_router_admission"):
-        raise APIError(400, f"'{req.max_tokens_param}' is {mt}, but this model's context is {usable} tokens, "
-                            f"prompt included: set it below {usable}, or leave it out (the completion may then use "
-                            "whatever the prompt leaves).", code="context_length_exceeded",
-                       param=req.max_tokens_param, outcome="rejected")
+        # OpenAI's opening words: clients (LiteLLM) tell a context overflow by them
+        left_out = ("the completion may then use whatever the prompt leaves" if req.kind == "chat" else
+                    "a completion then has 16 tokens")
+        raise APIError(400, f"This model's maximum context length is {usable} tokens, prompt included, and "
+                            f"'{req.max_tokens_param}' is {mt}: set it below {usable}, or leave it out ({left_out}).",
+                       code="context_length_exceeded", param=req.max_tokens_param, outcome="rejected")
 
 
 def _limit_implicit_max_tokens(req: GenerationRequest, tenant: Tenant, prompts: list[list[int]], usable: int) -> None:
@@ -938,8 +940,8 @@ def _refuse_surely_too_long(tok, text: str, room: int, param: str, max_param: st
     if fewest > room and not faults.active("skip_router_admission"):
         fit = (f"at most {max(room, 0)} prompt tokens fit beside '{max_param}'. Please shorten '{param}' or lower "
                f"'{max_param}'." if max_param else f"this model's context is {room} tokens.")
-        raise APIError(400, f"The prompt is too long for this model's context: its {len(text)} characters are at "
-                            f"least {fewest} tokens, and {fit}",
+        raise APIError(400, f"This model's maximum context length is too small for this prompt: its {len(text)} "
+                            f"characters are at least {fewest} tokens, and {fit}",
                        code="context_length_exceeded", param=param, outcome="rejected")
 
 

@@ -85,7 +85,10 @@ def _digest(key: str) -> bytes:
 def prompt_cap_refusal(cap: int, has: str, param: str) -> APIError:
     """The tenant's max_prompt_tokens refusal. Not a rate limit: retrying cannot help, so 400
     (the client's retry logic stays out of it)."""
-    return APIError(400, f"This API key may send at most {cap} prompt tokens per request; {has}.",
+    # worded as a context overflow: it is this key's context, and clients (LiteLLM) tell one by
+    # OpenAI's opening words, to fall back to a model with a larger one
+    return APIError(400, f"This model's maximum context length is {cap} prompt tokens for this API key (its "
+                         f"max_prompt_tokens): it may send at most {cap} prompt tokens per request; {has}.",
                     code="tenant_max_prompt_tokens", param=param, outcome="rejected")
 
 

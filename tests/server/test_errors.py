@@ -54,7 +54,15 @@ def test_context_length_exceeded_names_limit_and_token_count(server, loaded_fp32
     assert e.value.param == "max_output_tokens" and "'max_output_tokens' is 1000000" in e.value.message
     with pytest.raises(openai.BadRequestError) as e:
         c.completions.create(model=MODEL, prompt="x", max_tokens=1440)
-    assert e.value.param == "max_tokens"
+    assert e.value.param == "max_tokens" and "a completion then has 16 tokens" in e.value.message
+    opening = [e.value.body["message"]]
+    with pytest.raises(openai.BadRequestError) as e:   # surely too long, by its characters alone
+        c.completions.create(model=MODEL, prompt="x" * 200_000, max_tokens=2)
+    assert e.value.code == "context_length_exceeded" and "characters are at least" in e.value.message
+    opening.append(e.value.body["message"])
+    # clients tell a context overflow by OpenAI's opening words (LiteLLM's ContextWindowExceededError,
+    # and with it context_window_fallbacks); found by a framework probe
+    assert all(m.lower().startswith("this model's maximum context length is") for m in opening), opening
     with pytest.raises(openai.BadRequestError) as e:   # one token less fits no prompt of two
         c.chat.completions.create(model=MODEL, messages=hi, max_tokens=1439)
     assert e.value.param == "messages" and "at most 1 prompt tokens fit" in e.value.message

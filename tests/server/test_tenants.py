@@ -122,6 +122,9 @@ def test_a_text_surely_over_the_tenants_cap_is_refused_by_that_cap_before_tokeni
             c.completions.create(model=MODEL, prompt="x" * 200_000, max_tokens=2)
     assert e.value.code == "tenant_max_prompt_tokens" and "at most 16 prompt tokens" in e.value.message
     assert "characters are at least" in e.value.message   # the rendered conversation's, for chat
+    # the key's own context, in the words clients tell a context overflow by (LiteLLM)
+    assert e.value.body["message"].startswith("This model's maximum context length is 16 prompt tokens for this API "
+                                              "key")
 
 
 def test_max_concurrent_requests_gives_429_and_others_keep_going(server):
