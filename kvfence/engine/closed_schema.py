@@ -17,7 +17,10 @@ turn an instance that matched two of them into one that matches one), in an obje
 also has `$ref`, `allOf`, `anyOf` or `oneOf` beside its properties, in the members of an
 `allOf` of two or more, nor in any `$defs` entry referred to from those places (the nested
 inheritance pattern, `{"allOf": [{"$ref": Base}], "properties": {...}}`, was emptied by a
-closed Base before review caught it). A schema that wants open objects says
+closed Base before review caught it). The one `oneOf` that is closed is a discriminated
+union, pydantic's tagged union (`Field(discriminator=...)`): no instance can match two of
+its members, so it means `anyOf` (see _discriminated); left open, the model wrote extra keys
+in the chosen member until max_tokens. A schema that wants open objects says
 `"additionalProperties": true` (or gives a schema for the extra values).
 """
 from __future__ import annotations
@@ -31,7 +34,8 @@ _LIST = ("prefixItems", "anyOf", "items")
 _MAP = ("properties", "patternProperties", "$defs", "definitions")
 # never walked, nor the definitions they refer to: narrowing under not, if/then/else or
 # dependent schemas could widen the result or send an instance down another branch; closing
-# oneOf members could make an instance that matched two of them (invalid) match one (valid)
+# oneOf members could make an instance that matched two of them (invalid) match one (valid),
+# unless the oneOf is a discriminated union (_discriminated)
 _GUARDED = ("not", "if", "then", "else", "dependentSchemas", "dependencies", "oneOf")
 _COMPOSED = ("$ref", "allOf", "anyOf", "oneOf")
 _OPEN_KEYS = ("additionalProperties", "unevaluatedProperties", "patternProperties")
@@ -74,6 +78,8 @@ def close_objects(schema_json: str) -> str:
         members = node.get("allOf")
         if isinstance(members, list) and len(members) == 1 and isinstance(members[0], dict):
             stack.append(members[0])   # one member is the member itself
+        if _discriminated(root, node):
+            stack.extend(s for s in node["oneOf"] if isinstance(s, dict))   # as anyOf: see _discriminated
         # _GUARDED and the members of a real intersection are left as the client wrote them
     return json.dumps(root, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
@@ -95,8 +101,9 @@ def _guarded_refs(root: dict) -> set[str]:
                     todo.append((target, True))
             members = node.get("allOf")
             mixed = "properties" in node and any(k in node for k in _COMPOSED)
+            union = _discriminated(root, node)
             for k, v in node.items():
-                guard = (mixed or k in _GUARDED or
+                guard = (mixed or (k in _GUARDED and not (k == "oneOf" and union)) or
                          (k == "allOf" and isinstance(members, list) and len(members) > 1))
                 todo.append((v, inside or guard))
         elif isinstance(node, list):
@@ -111,3 +118,50 @@ def _local_def(root: dict, ref: str) -> Any:
         if ref.startswith(prefix) and isinstance(root.get(key), dict):
             return root[key].get(ref[len(prefix):])
     return None
+
+
+def _discriminated(root: dict, node: dict) -> bool:
+    """Whether node's oneOf is a discriminated union that may be closed like an anyOf: every
+    member (or the local definition its $ref names) is `"type": "object"`, requires one same
+    property and pins it to its own constant (`const`, or `enum` of one value, as pydantic
+    writes `Literal` tags), and node has no $ref, allOf, anyOf or properties beside it.
+
+    Sound: a member accepts only objects whose tag is its constant (its other keywords can
+    only add constraints), so no instance matches two members and oneOf means anyOf. Closing
+    a member only removes instances from it, so the members stay exclusive and each accepts
+    a subset of what it did: whatever the closed union accepts, the client's accepted. With
+    a sibling beside the oneOf, closing both could empty their intersection; with the tag
+    optional in a member, or constants that JSON calls equal (1, 1.0), two members could
+    share an instance, and closing one could make that instance valid. Those stay open."""
+    members = node.get("oneOf")
+    if not isinstance(members, list) or not members or any(k in node for k in ("$ref", "allOf", "anyOf", "properties")):
+        return False
+    shapes = []
+    for m in members:
+        if isinstance(m, dict) and "$ref" in m:
+            m = _local_def(root, m["$ref"]) if isinstance(m["$ref"], str) else None
+        if not (isinstance(m, dict) and m.get("type") == "object"
+                and isinstance(m.get("properties"), dict) and isinstance(m.get("required"), list)):
+            return False   # `required` and `properties` say nothing of a string or an array
+        shapes.append(m)
+    for name in shapes[0]["required"]:
+        tags = [t[0] for t in (_tag(s, name) for s in shapes) if t is not None]
+        if len(tags) == len(shapes) and all(a != b for i, a in enumerate(tags) for b in tags[i + 1:]):
+            return True
+    return False
+
+
+def _tag(member: dict, name: Any) -> tuple[Any] | None:
+    """(value,) where member requires `name` and pins it to one scalar value, else None.
+    Python's == is never stricter than JSON's equality on scalars (1 == 1.0, and True == 1 only
+    makes two tags look equal), so tags it calls different are different."""
+    prop = member["properties"].get(name) if isinstance(name, str) else None
+    if name not in member["required"] or not isinstance(prop, dict):
+        return None
+    if "const" in prop:
+        value = prop["const"]
+    elif isinstance(prop.get("enum"), list) and len(prop["enum"]) == 1:
+        value = prop["enum"][0]
+    else:
+        return None
+    return (value,) if value is None or isinstance(value, (str, int, float)) else None
