@@ -282,6 +282,27 @@ _UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "modalities": ((["text"],), "this model writes text only."),
     "audio": ((), "this model writes text only."),
     "web_search_options": ((), "kvfence has no web search; put what the model should know in the messages."),
+    # llama.cpp's server fields: ignored, each would change the answer without a word
+    "grammar": ((), f"GBNF grammars are not supported; {_STRUCTURED}."),
+    "json_schema": ((), f"llama.cpp's top-level 'json_schema' is not a kvfence field; {_STRUCTURED}."),
+    "n_predict": ((), "llama.cpp's 'n_predict' is not a kvfence field; send 'max_tokens'."),
+    "repeat_penalty": ((1, 1.0), "llama.cpp's 'repeat_penalty' is not a kvfence field; send 'repetition_penalty'."),
+    "typical_p": ((1, 1.0), "typical sampling is not supported; 'top_p', 'top_k' or 'min_p' narrow the choice."),
+    "tfs_z": ((1, 1.0), "tail-free sampling is not supported; 'top_p', 'top_k' or 'min_p' narrow the choice."),
+    "mirostat": ((0,), "mirostat sampling is not supported; 'temperature' with 'top_p' or 'min_p' instead."),
+    "dry_multiplier": ((0, 0.0), "DRY repetition sampling is not supported; 'repetition_penalty' or "
+                                 "'frequency_penalty' instead."),
+    "xtc_probability": ((0, 0.0), "XTC sampling is not supported."),
+    # vLLM's
+    "logits_processors": ((), "per-request logits processors are not supported; 'logit_bias' favours or bans "
+                              "tokens."),
+    "return_tokens_as_token_ids": ((False,), "logprobs name their tokens as text here; /tokenize gives the ids."),
+}
+
+# chat only (a completion takes echo and best_of, see parse_completion)
+_CHAT_UNSUPPORTED: dict[str, tuple[tuple, str]] = {
+    "echo": ((False,), "chat answers do not repeat the prompt; send the text to /v1/completions with 'echo'."),
+    "documents": ((), "chat template documents are not supported; put them in the messages."),
 }
 
 
@@ -488,11 +509,7 @@ def parse_completion(body: dict) -> GenerationRequest:
     echo = _bool(body, "echo", False)
     if _field(body, "suffix", (str,), None):
         raise bad_request("'suffix' is not supported: this model has no fill-in-the-middle mode.", param="suffix")
-    best_of = _int(body, "best_of", None, 1, MAX_CHOICES)
-    if best_of is not None and best_of != c["n"]:
-        # vLLM dropped best_of too: ranking hidden candidates costs best_of sequences for n answers
-        raise bad_request(f"'best_of' other than n is not supported (got best_of={best_of}, n={c['n']}); ask for "
-                          f"n={best_of} choices and pick by their logprobs.", param="best_of")
+    _refuse_best_of(body, c["n"])
     # max_tokens 0 with echo scores or returns the prompt alone (OpenAI's legacy behaviour,
     # which evaluation harnesses use); without echo there would be nothing to answer
     max_tokens = _int(body, "max_tokens", 16, 0, MAX_TOKENS_CAP)
@@ -539,8 +556,20 @@ def _prompt(p, where: str) -> tuple[str | None, list[int] | None]:
 
 # -- /v1/chat/completions ----------------------------------------------------------------
 
+def _refuse_best_of(body: dict, n: int) -> None:
+    best_of = _int(body, "best_of", None, 1, MAX_CHOICES)
+    if best_of is not None and best_of != n:
+        # vLLM dropped best_of too: ranking hidden candidates costs best_of sequences for n answers
+        raise bad_request(f"'best_of' other than n is not supported (got best_of={best_of}, n={n}); ask for "
+                          f"n={best_of} choices and pick by their logprobs.", param="best_of")
+
+
 def parse_chat(body: dict) -> GenerationRequest:
+    found = unwanted_field(body, _CHAT_UNSUPPORTED)
+    if found is not None:
+        raise bad_request(f"'{found[0]}' is not supported: {found[1]}", param=found[0])
     c = _common(body, "chat")
+    _refuse_best_of(body, c["n"])
     tools = parse_tools(body)
     c["json_schema"] = _held_to(tools, c["json_schema"])
     max_tokens = _int(body, "max_tokens", None, 1, MAX_TOKENS_CAP)
@@ -573,6 +602,9 @@ def _messages(ms) -> list[dict]:
         role = m.get("role")
         if role not in _ROLES:
             raise bad_request(f"'{where}.role' must be one of {', '.join(_ROLES)}.", param=f"{where}.role")
+        if m.get("prefix") not in (None, False):   # DeepSeek's, Mistral's: ignored, a new turn began instead
+            raise bad_request(f"'{where}.prefix' is not supported: continuing an assistant message is not; send the "
+                              "text as a /v1/completions prompt.", param=f"{where}.prefix")
         msg: dict = {"role": role, "content": _content(m.get("content"), role, f"{where}.content")}
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")

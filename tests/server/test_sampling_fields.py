@@ -135,6 +135,9 @@ def test_include_stop_str_in_output_keeps_the_stop_string(server):
     ("bad_words", ["x"]), ("chat_template", "{{ messages }}"), ("continue_final_message", True),
     ("prompt_logprobs", 1), ("truncate_prompt_tokens", 10), ("modalities", ["text", "audio"]),
     ("audio", {"voice": "alloy", "format": "wav"}), ("web_search_options", {}),
+    # llama.cpp's and vLLM's, found by a framework probe answering 200 as if they were not there
+    ("grammar", 'root ::= "yes"'), ("json_schema", {"type": "object"}), ("n_predict", 5), ("repeat_penalty", 1.3),
+    ("typical_p", 0.5), ("mirostat", 2), ("logits_processors", ["x"]), ("return_tokens_as_token_ids", True),
 ])
 def test_another_servers_field_that_would_change_the_answer_is_a_400_saying_what_to_send(server, field, value):
     """A client moved from vLLM or SGLang sending guided_json got free text, silently: such
@@ -154,9 +157,30 @@ def test_another_servers_field_that_would_change_the_answer_is_a_400_saying_what
     if field == "guided_json":
         assert "'response_format' of type json_schema" in said[0] and "'text.format' of type json_schema" in said[2]
     harmless = {"use_beam_search": False, "add_generation_prompt": True, "length_penalty": 1.0, "bad_words": [],
-                "chat_template_kwargs": {}, "modalities": ["text"], field: None}
+                "chat_template_kwargs": {}, "modalities": ["text"], "repeat_penalty": 1.0, "typical_p": 1,
+                "mirostat": 0, "return_tokens_as_token_ids": False, field: None}
     r = c.chat.completions.create(model=MODEL, messages=ask, max_tokens=2, temperature=0, extra_body=harmless)
     assert r.choices[0].message.content
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"echo": True}, "echo"), ({"best_of": 2}, "best_of"), ({"documents": [{"text": "x"}]}, "documents"),
+    ({"messages": [{"role": "user", "content": "Name a colour"}, {"role": "assistant", "content": "Blu",
+                                                                  "prefix": True}]}, "messages[1].prefix"),
+])
+def test_chat_refuses_what_other_servers_chat_does_that_would_change_the_answer(server, extra, param):
+    """vLLM's chat echo and documents, best_of beside n, DeepSeek's assistant prefix: each was
+    answered 200 as if not sent (a new turn, not the continuation asked for)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+    r = httpx.post(server.url + "/v1/chat/completions", headers={"authorization": "Bearer sk-alice-0001"}, json=body,
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert "not supported" in r.json()["error"]["message"]
+    harmless = {"echo": False, "best_of": 1, "messages": [{"role": "assistant", "content": "x", "prefix": False},
+                                                          {"role": "user", "content": "hi"}]}
+    ok = httpx.post(server.url + "/v1/chat/completions", headers={"authorization": "Bearer sk-alice-0001"},
+                    json={**body, **harmless, "documents": None}, timeout=60)
+    assert ok.status_code == 200, ok.text
 
 
 @pytest.mark.parametrize("extra,param", [
