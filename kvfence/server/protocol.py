@@ -79,7 +79,9 @@ async def read_body_bytes(request, limit: int) -> bytes:
             chunks.append(chunk)
     except ClientDisconnect:
         # the client hung up, or its body was too slow (the server closed it); nobody reads this
-        raise bad_request("The connection closed before the request body was complete.") from None
+        # not the client's malformed request: counted as it is, a client that left (nginx's 499)
+        raise APIError(499, "The connection closed before the request body was complete.", code="client_disconnected",
+                       outcome="client_disconnected") from None
     return b"".join(chunks)
 
 

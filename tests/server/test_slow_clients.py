@@ -14,6 +14,7 @@ import time
 
 import httpx
 import pytest
+from server_harness import wait_for
 
 from kvfence.server.http_limits import HttpLimits
 
@@ -112,6 +113,9 @@ def test_a_trickled_body_gets_408_and_holds_nothing(guarded):
     head = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
             b"authorization: Bearer sk-alice-0001\r\ncontent-length: %d\r\n\r\n" % len(body))
     sent = 0
+    counts = {k: guarded.metric("kvfence_requests_total", tenant="alice", outcome=k)
+              for k in ("invalid", "client_disconnected")}
+    invalid = guarded.metric("kvfence_admission_rejections_total", reason="invalid_request")
     with _connect(guarded) as s:
         s.sendall(head)
         s.settimeout(0.3)
@@ -138,6 +142,12 @@ def test_a_trickled_body_gets_408_and_holds_nothing(guarded):
     assert got.startswith(b"HTTP/1.1 408"), got[:200]
     assert b"request body not received in time" in got
     assert sent < len(body)
+    # a client that never finished its body: not the tenant's malformed request (it was counted
+    # as a 400 invalid_request nobody received; found by an operator's-view probe)
+    assert wait_for(lambda: guarded.metric("kvfence_requests_total", tenant="alice", outcome="client_disconnected")
+                    == counts["client_disconnected"] + 1, timeout=READ_BOUND_S)
+    assert guarded.metric("kvfence_requests_total", tenant="alice", outcome="invalid") == counts["invalid"]
+    assert guarded.metric("kvfence_admission_rejections_total", reason="invalid_request") == invalid
     _completion_ok(guarded)
     snap = guarded.wait_idle()
     assert snap["pages_owned"] == 0
