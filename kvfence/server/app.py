@@ -1234,11 +1234,15 @@ class _Run:
                 client_caused = u is not None and abort_status(u.abort_code)[0] == 400
                 outcome = "invalid" if client_caused else "error"
         generated = self._tokens_generated()
-        self.lease.release(generated)
+        self.lease.release(generated)   # the engine's work: what the tenant's minute paid for
         firsts = [c.first_token_at for c in self.choices if c.first_token_at is not None]
-        times = sorted(t for c in self.choices for t in c.token_times)
-        self.state.metrics.finished(self.tenant.name, outcome, self.prompt_tokens, generated,
-                                    self.arrival, min(firsts) if firsts else None, times)
+        # what the client saw: a failed unstreamed answer got it no token (a PD node lost after
+        # 21 tokens counted them, and its TTFT, for a client that got a 503)
+        if self._ok() or self.req.stream:
+            self.state.metrics.finished(self.tenant.name, outcome, self.prompt_tokens, generated, self.arrival,
+                                        min(firsts) if firsts else None, [c.token_times for c in self.choices])
+        else:
+            self.state.metrics.finished(self.tenant.name, outcome, self.prompt_tokens)
         ttft = round((min(firsts) - self.arrival) * 1e3, 1) if firsts else None
         # counts only: never prompt or completion text
         log.info("%s tenant=%s choices=%d prompt_tokens=%d completion_tokens=%d cached_tokens=%d outcome=%s "

@@ -8,6 +8,8 @@ live in one process, as in the tests).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -35,7 +37,9 @@ class ServerMetrics:
         for result in ("ok", "error"):
             self.tenant_reloads.labels(result)
         self.prompt_tokens = Counter("kvfence_prompt_tokens", "Prompt tokens admitted", ["tenant"], registry=r)
-        self.generation_tokens = Counter("kvfence_generation_tokens", "Tokens generated", ["tenant"], registry=r)
+        self.generation_tokens = Counter(
+            "kvfence_generation_tokens", "Tokens generated that reached the client (a failed unstreamed answer's "
+            "did not)", ["tenant"], registry=r)
         self.ttft = Histogram("kvfence_time_to_first_token_seconds", "From request arrival to the first token",
                               buckets=_LATENCY, registry=r)
         self.itl = Histogram("kvfence_inter_token_latency_seconds", "Between consecutive tokens of a request",
@@ -55,7 +59,10 @@ class ServerMetrics:
 
     def finished(self, tenant: str, outcome: str, prompt_tokens: int = 0, completion_tokens: int = 0,
                  arrival: float | None = None, first_token_at: float | None = None,
-                 token_times: list[float] | tuple = ()) -> None:
+                 token_times: Sequence[Sequence[float]] = ()) -> None:
+        """One request's end. `completion_tokens`, `first_token_at` and `token_times` (each
+        choice's own) only for tokens that reached the client: _Run.close passes none for an
+        unstreamed answer that failed."""
         self.requests.labels(tenant, outcome).inc()
         if prompt_tokens:
             self.prompt_tokens.labels(tenant).inc(prompt_tokens)
@@ -63,10 +70,12 @@ class ServerMetrics:
             self.generation_tokens.labels(tenant).inc(completion_tokens)
         if arrival is not None and first_token_at is not None:
             self.ttft.observe(max(0.0, first_token_at - arrival))
-        for a, b in zip(token_times, token_times[1:]):
-            self.itl.observe(b - a)
-        if arrival is not None and token_times:
-            self.duration.observe(max(0.0, token_times[-1] - arrival))
+        for times in token_times:   # per choice: n=2's merged times halved every gap
+            for a, b in zip(times, times[1:]):
+                self.itl.observe(b - a)
+        last = max((times[-1] for times in token_times if times), default=None)
+        if arrival is not None and last is not None:
+            self.duration.observe(max(0.0, last - arrival))
 
 
 class _RefusalCollector:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 import openai
 import pytest
 import torch
-from server_harness import KEYS, MODEL, SCRAPER_KEY, TENANTS_TOML
+from server_harness import KEYS, MODEL, SCRAPER_KEY, TENANTS_TOML, wait_for
 
 from kvfence.cli import main as cli_main
 from kvfence.kv.pool import page_bytes
@@ -336,3 +337,46 @@ def test_a_forwarded_for_header_does_not_move_the_count_to_another_address(make_
         assert _scrape(srv, "sk-guess-00000", forwarded_for=f"10.8.0.{i}").status_code == 401
     assert _scrape(srv, SCRAPER_KEY).status_code == 429            # counted against the real address
     assert _scrape(srv, SCRAPER_KEY, forwarded_for="10.9.9.9").status_code == 429
+
+
+def test_tokens_and_latency_count_what_reached_the_client(make_server):
+    """Found by an operator's-view probe: a PD node lost after 21 tokens of an unstreamed answer
+    counted them (and its TTFT) for a client that got a 503. Here the answers are ended by the
+    engine (end_all, as a stopping server ends them): the stream's tokens reached its client and
+    count; the unstreamed answer's did not. Mutant: count every answer's tokens."""
+    srv = make_server(tenants=None)
+    tokens_before = srv.metric("kvfence_generation_tokens_total", tenant="default")
+    ttft_before = srv.metric("kvfence_time_to_first_token_seconds_count")
+    got: dict = {}
+    body = {"prompt": "Count:", "max_tokens": 300, "ignore_eos": True, "temperature": 0}
+
+    def plain():
+        with srv.http(None) as c:
+            got["plain"] = c.post("/v1/completions", json=body)
+
+    def stream():
+        with srv.http(None) as c, c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            got["chunks"] = sum(1 for line in r.iter_lines() if line.startswith('data: {"id"'))
+
+    threads = [threading.Thread(target=plain), threading.Thread(target=stream)]
+    for t in threads:
+        t.start()
+    assert wait_for(lambda: srv.engine.snapshot.get("running") == 2 and srv.engine.in_flight == 2, timeout=60)
+    time.sleep(0.5)   # some tokens each
+    srv.engine.end_all("server_shutting_down", "ended by the test")
+    for t in threads:
+        t.join(60)
+    assert got["plain"].status_code == 503 and got["chunks"] >= 2, got
+    counted = srv.metric("kvfence_generation_tokens_total", tenant="default") - tokens_before
+    assert counted == got["chunks"], (counted, got["chunks"])   # the stream's tokens, not the 503's
+    assert srv.metric("kvfence_time_to_first_token_seconds_count") == ttft_before + 1
+
+
+def test_inter_token_gaps_are_each_choices_own():
+    from kvfence.server.metrics import ServerMetrics
+
+    m = ServerMetrics(None)
+    m.finished("t", "stop", 1, 6, 0.0, 0.1, [[0.1, 1.1, 2.1], [0.6, 1.6, 2.6]])   # n=2, a token a second each
+    samples = {s.name: s.value for metric in m.itl.collect() for s in metric.samples}
+    assert samples["kvfence_inter_token_latency_seconds_count"] == 4   # merged: 5 gaps of 0.5 s
+    assert samples["kvfence_inter_token_latency_seconds_sum"] == pytest.approx(4.0)
