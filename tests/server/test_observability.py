@@ -380,3 +380,12 @@ def test_inter_token_gaps_are_each_choices_own():
     samples = {s.name: s.value for metric in m.itl.collect() for s in metric.samples}
     assert samples["kvfence_inter_token_latency_seconds_count"] == 4   # merged: 5 gaps of 0.5 s
     assert samples["kvfence_inter_token_latency_seconds_sum"] == pytest.approx(4.0)
+
+
+def test_an_n2_answer_adds_each_choices_own_gaps(make_server):
+    srv = make_server(tenants=None)
+    before = srv.metric("kvfence_inter_token_latency_seconds_count")
+    with srv.http(None) as c:
+        r = c.post("/v1/completions", json={"prompt": "Count:", "max_tokens": 5, "n": 2, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 10
+    assert srv.metric("kvfence_inter_token_latency_seconds_count") == before + 8   # 2 x (5 - 1); merged: 9
