@@ -107,7 +107,8 @@ class ServerState:
         self.owns_engine = owns_engine
         self._served = served_model_name
         self._reloading = asyncio.Lock()
-        self.last_reload: dict | None = None   # the operator console shows it
+        self.last_reload: dict | None = None   # the operator console shows it, and
+        self.last_good_reload: dict | None = None   # the last that worked (a failed one hid it)
         self._paused: frozenset[str] = frozenset()   # names whose scope a reload is retiring now
         self._schema_checker: SchemaChecker | None = None
         # schema checks waiting or running, by tenant name (app.py's _check_schema; the event loop's only)
@@ -215,7 +216,7 @@ class ServerState:
             finally:
                 self._paused = frozenset()
         self.metrics.tenant_reloads.labels("ok").inc()
-        self.last_reload = {"at": time.time(), "trigger": why, "result": "ok", **change}
+        self.last_reload = self.last_good_reload = {"at": time.time(), "trigger": why, "result": "ok", **change}
         for section, changed, had, has, lost in (
                 ("[operator]", change["operator_keys_changed"], old_operator, bool(new.operator_digests),
                  "the console and the reload route are off (SIGHUP still reloads)"),

@@ -48,7 +48,8 @@ def console_view(state: ServerState) -> dict[str, Any]:
 def tenants_view(state: ServerState) -> dict[str, Any]:
     """The tenants file in force and its last reload (names and counts, never a key)."""
     reg = state.tenants
-    return {"file": reg.source, "configured": len(reg.tenants), "last_reload": state.last_reload}
+    return {"file": reg.source, "configured": len(reg.tenants), "last_reload": state.last_reload,
+            "last_good_reload": state.last_good_reload}
 
 
 def _fleet(state: ServerState) -> Fleet | None:

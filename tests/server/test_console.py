@@ -226,6 +226,12 @@ def _browser_run(srv, exe: str, tmp_path: Path, log_path: Path) -> None:
     r = httpx.post(srv.url + "/v1/kvfence/tenants/reload", headers={"Authorization": f"Bearer {OPERATOR_KEY}"},
                    timeout=30)
     assert r.status_code == 200 and r.json()["changed"] == [], r.text    # the same file: the page shows it
+    source = Path(srv.state.tenants.source)
+    good_file = source.read_text()
+    source.write_text("[tenants")    # then one that fails: the page shows both
+    assert httpx.post(srv.url + "/v1/kvfence/tenants/reload", headers={"Authorization": f"Bearer {OPERATOR_KEY}"},
+                      timeout=30).status_code == 400
+    source.write_text(good_file)
     _, release = _hold_engine(srv)
     try:
         snap = srv.engine.snapshot
@@ -265,6 +271,8 @@ def _browser_run(srv, exe: str, tmp_path: Path, log_path: Path) -> None:
     assert "Tenants: 7, from " in dom["tenants_text"] and "tenants.toml" in dom["tenants_text"]
     assert "Last reload" in dom["tenants_text"] and "(POST /v1/kvfence/tenants/reload)" in dom["tenants_text"]
     assert "0 key(s) revoked, 0 request(s) in flight ended" in dom["tenants_text"]
+    assert "FAILED, the previous file stays in force" in dom["tenants_text"]
+    assert "The last that worked:" in dom["tenants_text"]
     # nothing a tenant sent or holds: no prompt text, no key; the cookie is out of the page's reach
     assert canary not in dom["html"] and all(k not in dom["html"] for k in KEYS.values())
     assert OPERATOR_KEY not in dom["html"] and dom["document_cookie"] == ""

@@ -319,6 +319,8 @@ def test_a_reload_that_drops_the_scrapers_key_says_so_in_the_log(srv, tenants_pa
 
 
 def test_a_file_that_does_not_load_changes_nothing(srv, tenants_path):
+    tenants_path.write_text(FILE)
+    assert reload(srv).status_code == 200   # one that works, then two that do not
     errors = metric(srv, "kvfence_tenants_reloads_total", result="error")
     tenants_path.write_text(FILE.replace("[tenants.bob]", "[tenants.bob]\nmax_prompt_tokens = -3"))
     r = reload(srv)
@@ -331,6 +333,9 @@ def test_a_file_that_does_not_load_changes_nothing(srv, tenants_path):
                       timeout=30).json()["tenants"]             # the operator console says so
     assert shown["configured"] == 2 and shown["last_reload"]["result"] == "error"
     assert "not valid TOML" in shown["last_reload"]["error"]
+    # what the last one that worked did stays in view (a failed reload hid it; found by a probe)
+    good = shown["last_good_reload"]
+    assert good["result"] == "ok" and good["at"] < shown["last_reload"]["at"] and "keys_revoked" in good
     for key in (ALICE, BOB):     # still served by the previous file
         assert client(srv, key).models.list().data
 

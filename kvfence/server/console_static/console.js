@@ -195,16 +195,21 @@ function renderTenants(t) {
   const where = t.file ? `from ${t.file} (edit it, then SIGHUP or POST /v1/kvfence/tenants/reload)` : "not from a file";
   const out = el("p", {class: "note", id: "tenants-line"}, `Tenants: ${t.configured}, ${where}. `);
   const r = t.last_reload;
+  const when = (x) => new Date(x.at * 1000).toLocaleTimeString();
+  const names = (label, list) => list && list.length ? `${label} ${list.join(", ")}; ` : "";
+  const good = (x, label) => `${label} ${when(x)} (${x.trigger}): ${names("added", x.added)}` +
+    `${names("removed", x.removed)}${names("changed", x.changed)}${x.keys_revoked} key(s) revoked, ` +
+    `${x.requests_revoked ?? "?"} request(s) in flight ended, ${x.prefix_pages_retired ?? "?"} cached page(s) retired.`;
   if (!r) {
     out.append("Not reloaded since start.");
+  } else if (r.result === "ok") {
+    out.append(el("span", {"data-result": "ok"}, good(r, "Last reload")));
   } else {
-    const when = new Date(r.at * 1000).toLocaleTimeString();
-    const names = (label, list) => list && list.length ? `${label} ${list.join(", ")}; ` : "";
-    out.append(el("span", {"data-result": r.result}, r.result === "ok"
-      ? `Last reload ${when} (${r.trigger}): ${names("added", r.added)}${names("removed", r.removed)}` +
-        `${names("changed", r.changed)}${r.keys_revoked} key(s) revoked, ${r.requests_revoked ?? "?"} request(s) ` +
-        `in flight ended, ${r.prefix_pages_retired ?? "?"} cached page(s) retired.`
-      : `Last reload ${when} (${r.trigger}) FAILED, the previous file stays in force: ${r.error}`));
+    out.append(el("span", {"data-result": r.result},
+                  `Last reload ${when(r)} (${r.trigger}) FAILED, the previous file stays in force: ${r.error} `));
+    // what the last reload that worked changed stays in view (a failed one hid it)
+    const g = t.last_good_reload;
+    out.append(el("span", {"data-result": "ok"}, g ? good(g, "The last that worked:") : "None has worked since start."));
   }
   return out;
 }
