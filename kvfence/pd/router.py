@@ -711,17 +711,21 @@ def _url_list(urls: str | list[str]) -> list[str]:
 
 
 # engine counts that add up across nodes (the router's snapshot sums them)
-_DECODE_SUMS = ("running", "pages_total", "pages_free", "pages_owned", "pages_shared", "pages_quarantined",
-                "capacity_tokens", "preemptions")
+_DECODE_SUMS = ("running", "capacity_tokens", "preemptions")
+# every ready node's pool, prefill's too: its prefix cache and fenced rows were missing from the
+# router's kvfence_kv_pages (found by an operator's-view probe)
+_POOL_SUMS = ("pages_total", "pages_free", "pages_owned", "pages_shared", "pages_quarantined")
 
 
 def _merge_snapshots(fleet: Fleet) -> dict:
-    """The fleet's counts as one engine snapshot: decode pools summed over ready decode
-    nodes, prefix-cache hits over prefill nodes, queues over every ready node, violations
+    """The fleet's counts as one engine snapshot: KV pages by state summed over every ready
+    node, requests running, pool capacity and preemptions over decode nodes (where requests
+    generate), prefix-cache hits over prefill nodes, queues over every ready node, violations
     over all; the usable context is the fleet's; each node's own under nodes."""
     snaps = {n.url: n.info.snapshot for n in fleet.nodes if n.info is not None}
     ready = [(n.role, snaps[n.url]) for n in fleet.nodes if n.state == "ready" and n.url in snaps]
     out: dict[str, Any] = {k: sum(int(s.get(k, 0)) for r, s in ready if r == "decode") for k in _DECODE_SUMS}
+    out.update({k: sum(int(s.get(k, 0)) for _, s in ready) for k in _POOL_SUMS})
     out["prefix_cache_hit_tokens"] = sum(int(s.get("prefix_cache_hit_tokens", 0)) for r, s in ready
                                          if r == "prefill")
     out["waiting"] = sum(int(s.get("waiting", 0)) for _, s in ready)

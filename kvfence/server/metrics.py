@@ -123,13 +123,15 @@ class _EngineCollector:
             g.add_metric([], float(s.get(key, 0)))
             yield g
         pages = GaugeMetricFamily("kvfence_kv_pages", "KV pages by state (used: owned by a running request; "
-                                  "shared: tenant-scoped prefix cache, read-only)", labels=["state"])
+                                  "shared: tenant-scoped prefix cache, read-only); on a PD router, summed over "
+                                  "every ready node, prefill and decode", labels=["state"])
         pages.add_metric(["used"], float(s.get("pages_owned", 0)))
         pages.add_metric(["free"], float(s.get("pages_free", 0)))
         pages.add_metric(["shared"], float(s.get("pages_shared", 0)))
         pages.add_metric(["quarantined"], float(s.get("pages_quarantined", 0)))
         yield pages
-        total = GaugeMetricFamily("kvfence_kv_pages_total", "Usable KV pages in the pool")
+        total = GaugeMetricFamily("kvfence_kv_pages_total", "Usable KV pages in the pool (a PD router: in every "
+                                  "ready node's)")
         total.add_metric([], float(s.get("pages_total", 0)))
         yield total
         cap = GaugeMetricFamily("kvfence_kv_capacity_tokens", "Tokens the KV pool holds")

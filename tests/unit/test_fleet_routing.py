@@ -113,7 +113,8 @@ def test_the_merged_snapshot_sums_pools_but_not_the_context():
     f = fleet()
     snap = _merge_snapshots(f)
     assert snap["usable_context"] == 1024                  # the fleet's, not 2 x 1024
-    assert snap["pages_total"] == 180 and snap["pages_free"] == 160 and snap["running"] == 2
+    # every ready node's pool (prefill's prefix cache was missing); running where requests generate
+    assert snap["pages_total"] == 5 * 90 and snap["pages_free"] == 5 * 80 and snap["running"] == 2
     assert snap["waiting"] == 10                           # every ready node's queue
     assert snap["tokens_computed"] == 500                  # prefill's and decode's work
     assert snap["fleet"]["prefill"]["ready"] == 3 and snap["fleet"]["decode"]["refused"] == 0
