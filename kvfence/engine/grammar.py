@@ -58,6 +58,7 @@ class GrammarLimit(GrammarFailed):
 
 
 def _past_limits(why: str) -> GrammarLimit:
+    why = why.replace("<non-verbose/>", "").strip()   # llguidance's marker, not part of its message
     return GrammarLimit(f"the schema took the grammar engine past its limits while generating ({why}); a simpler "
                         "one (a smaller multipleOf, maximum or pattern) avoids it")
 

@@ -389,3 +389,11 @@ def test_an_n2_answer_adds_each_choices_own_gaps(make_server):
         r = c.post("/v1/completions", json={"prompt": "Count:", "max_tokens": 5, "n": 2, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 10
     assert srv.metric("kvfence_inter_token_latency_seconds_count") == before + 8   # 2 x (5 - 1); merged: 9
+
+
+def test_every_rejection_reason_is_a_series_from_the_start():
+    """server_overloaded appeared only after the first overload: a rate() over it had no past."""
+    from kvfence.server.app import _REJECTION_REASON
+    from kvfence.server.metrics import REJECTION_REASONS
+
+    assert set(_REJECTION_REASON.values()) <= set(REJECTION_REASONS)
