@@ -13,8 +13,8 @@ items (xgrammar's strict mode, the default where vLLM and SGLang use it, reads s
 same way). Closing only narrows: every output valid under the closed schema is valid under
 the client's. To keep that true, nothing is closed where narrowing could widen or empty the
 result: under `not`, `if`/`then`/`else`, dependent schemas and `oneOf` (closed members could
-turn an instance that matched two of them into one that matches one), in an object that
-also has `$ref`, `allOf`, `anyOf` or `oneOf` beside its properties, in the members of an
+turn an instance that matched two of them into one that matches one), in a schema that
+has two or more of `properties`, `$ref`, `allOf`, `anyOf` and `oneOf` side by side, in the members of an
 `allOf` of two or more, nor in any `$defs` entry referred to from those places (the nested
 inheritance pattern, `{"allOf": [{"$ref": Base}], "properties": {...}}`, was emptied by a
 closed Base before review caught it). The one `oneOf` that is closed is a discriminated
@@ -55,10 +55,9 @@ def close_objects(schema_json: str) -> str:
     stack: list[dict] = [root]
     while stack:
         node = stack.pop()
-        if any(k in node for k in _COMPOSED):
-            if "properties" in node:
-                continue   # its properties meet the branches' or the target's: closing could empty them
-        else:
+        if _intersection(node):
+            continue   # its parts meet (properties, the target's, the branches'): closing could empty them
+        if not any(k in node for k in _COMPOSED):
             if isinstance(node.get("properties"), dict) and not any(k in node for k in _OPEN_KEYS):
                 node["additionalProperties"] = False
             if isinstance(node.get("prefixItems"), list) and "items" not in node and "unevaluatedItems" not in node:
@@ -100,7 +99,7 @@ def _guarded_refs(root: dict) -> set[str]:
                 if target is not None:
                     todo.append((target, True))
             members = node.get("allOf")
-            mixed = "properties" in node and any(k in node for k in _COMPOSED)
+            mixed = _intersection(node)
             union = _discriminated(root, node)
             for k, v in node.items():
                 guard = (mixed or (k in _GUARDED and not (k == "oneOf" and union)) or
@@ -109,6 +108,13 @@ def _guarded_refs(root: dict) -> set[str]:
         elif isinstance(node, list):
             todo.extend((v, inside) for v in node)
     return refs
+
+
+def _intersection(node: dict) -> bool:
+    """Two or more of properties, $ref, allOf, anyOf and oneOf side by side: an instance must
+    meet each, so closing each could leave nothing that meets all. `{"$ref": A, "anyOf": [...]}`
+    had its branches and A closed, and refused an instance with A's keys and a branch's."""
+    return sum(k in node for k in ("properties", *_COMPOSED)) >= 2
 
 
 def _local_def(root: dict, ref: str) -> Any:

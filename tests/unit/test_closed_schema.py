@@ -60,6 +60,10 @@ def test_open_objects_and_tuples_are_closed_at_every_depth():
     {"oneOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]},        # closing would widen
     {"not": {"$ref": "#/$defs/A"}, "$defs": {"A": {"properties": {"a": {}}}}},
     {"properties": {"self": {"not": {"$ref": "#"}}}},                          # the root itself is guarded
+    # found in review: a branch beside a $ref meets it; closing both refused {"a": 1, "b": 1}
+    {"$ref": "#/$defs/A", "anyOf": [{"properties": {"b": {}}}],
+     "$defs": {"A": {"properties": {"a": {}}, "required": ["a"]}}},
+    {"allOf": [{"properties": {"a": {}}}], "anyOf": [{"properties": {"b": {}}}]},
     [1, 2],
 ])
 def test_what_is_left_as_the_client_wrote_it(schema):
@@ -88,6 +92,8 @@ NARROWING_CASES = [
     {"prefixItems": [{}, {"properties": {"d": {}}}]},
     {"oneOf": [{"properties": {"a": {}}, "required": ["a"]}, {"properties": {"b": {}}, "required": ["b"]}]},
     {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}], "required": ["a", "b"]},
+    {"$ref": "#/$defs/A", "anyOf": [{"properties": {"b": {}}}],
+     "$defs": {"A": {"properties": {"a": {}}, "required": ["a"]}}},
 ]
 
 
