@@ -348,6 +348,10 @@ def create_app(state: ServerState) -> FastAPI:
         path = request.url.path
         if e.status_code == 404 and path.endswith("/") and path.rstrip("/") in _plain_paths(app):
             msg += f" Did you mean {path.rstrip('/')}?"
+        elif e.status_code in (404, 405) and (path in _STORED_APIS or path.startswith(_STORED_ITEMS)):
+            # a client that sent store: true looks its answer up (OpenAI's stored completions)
+            msg += (" kvfence stores no chat completion or response ('store' is accepted and ignored; text lives "
+                    "only in memory for the life of its request): there is nothing to list or retrieve.")
         return JSONResponse(error_body(msg, "invalid_request_error", None, None), status_code=e.status_code)
 
     @app.exception_handler(RecursionError)
@@ -700,6 +704,10 @@ def _with_request_id(request: Request, response: Response) -> Response:
     if rid is not None:
         response.headers["x-request-id"] = rid
     return response
+
+
+_STORED_APIS = ("/v1/chat/completions", "/v1/responses")
+_STORED_ITEMS = tuple(p + "/" for p in _STORED_APIS)
 
 
 def _plain_paths(app: FastAPI) -> set[str]:

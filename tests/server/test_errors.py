@@ -485,3 +485,13 @@ def test_a_large_body_is_checked_and_rendered_off_the_event_loop(server, monkeyp
         assert r.status_code == (400 if big else 200), r.text   # the big schema is rendered: too long
         loop_thread = server.thread
         assert (where["parse"][-1] is loop_thread) is not big and (where["render"][-1] is loop_thread) is False
+
+
+@pytest.mark.parametrize("method,path", [("GET", "/v1/chat/completions/chatcmpl-123"), ("GET", "/v1/chat/completions"),
+                                         ("DELETE", "/v1/chat/completions/chatcmpl-123"),
+                                         ("GET", "/v1/chat/completions/chatcmpl-123/messages"),
+                                         ("GET", "/v1/responses/resp_123"), ("GET", "/v1/responses")])
+def test_looking_up_a_stored_answer_says_nothing_is_stored(server, method, path):
+    """A client that sent store: true and looked its answer up got "No route" (a framework probe)."""
+    r = httpx.request(method, server.url + path, headers={"authorization": "Bearer sk-alice-0001"}, timeout=30)
+    assert r.status_code in (404, 405) and "stores no chat completion or response" in r.json()["error"]["message"]
