@@ -222,6 +222,8 @@ def cmd_serve(a) -> int:
         if tls.allow_plaintext and not tls.serving:
             _print_warnings({"warnings": ["WARNING: --allow-plaintext-network: this process's internal HTTP may "
                                           "cross the network in the clear"]})
+    from kvfence.server.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S
+
     if a.role == "router":
         from kvfence.pd.router import serve_router
 
@@ -230,14 +232,14 @@ def cmd_serve(a) -> int:
             return 2
         return serve_router(a.prefill_url, a.decode_url, a.model, a.host, a.port, a.max_model_len,
                             a.clamp_context, secret, tls, a.tenants, a.served_model_name, level, a.node_wait,
-                            a.node_stall, limits, a.prefill_routing, a.shutdown_timeout)
+                            a.node_stall, limits, a.prefill_routing,
+                            a.shutdown_timeout or DEFAULT_SHUTDOWN_TIMEOUT_S)
     if a.role in ("prefill", "decode"):
         from kvfence.pd.node import serve_node
 
         return serve_node(_config(a), _pd_settings(a, a.role, secret), a.host, a.port, tls, a.tenants, level, limits,
                           a.shutdown_timeout)
     from kvfence.server.serve import serve
-    from kvfence.server.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S
 
     # a single node has no cluster: flags of the PD plane would be silently ignored, so refuse
     # every one that is not at its default
@@ -454,9 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=listen_port, default=8000)
     s.add_argument("--max-body-bytes", type=at_least_one, default=8 << 20, help="larger request bodies get HTTP 413")
     s.add_argument("--shutdown-timeout", type=seconds, default=None, metavar="S",
-                   help="after SIGTERM or Ctrl-C, how long requests in flight may run: a single node then ends them "
-                        "with 503 server_shutting_down (default 25, inside Kubernetes' 30 s grace period); the "
-                        "router closes their connections (default: waits); a PD node exits draining (default 600)")
+                   help="after SIGTERM or Ctrl-C, how long requests in flight may run: a single node or a router "
+                        "then ends them with 503 server_shutting_down (default 25, inside Kubernetes' 30 s grace "
+                        "period); a PD node's drain exits then (default 600)")
     s.add_argument("--prefill-routing", default="affinity", choices=["affinity", "round-robin"],
                    help="router: prefill nodes by tenant-scoped prefix affinity (bounded by load), or in turn")
     s.add_argument("--incident-log", default=None, metavar="PATH",

@@ -71,6 +71,7 @@ from kvfence.pd.tls import TlsSettings, client_context, uvicorn_options
 from kvfence.pd.wire import cluster_headers
 from kvfence.server.backend import Admitted, EngineFailed, Logprob, NotServedHere, RequestHandle, Update
 from kvfence.server.http_limits import HttpLimits, uvicorn_server
+from kvfence.server.shutdown import BACKSTOP_S, DEFAULT_SHUTDOWN_TIMEOUT_S, GracefulStop
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -176,6 +177,10 @@ class RouterBackend:
         self._stopped = False
         self._tasks: dict[str, asyncio.Task] = {}
         self._cancelled: set[str] = set()   # aborts already under way (see abort)
+        # end_all: the abort code a submission gets from then on, and each ended request's (code, why)
+        self.closing: str | None = None
+        self._ending: dict[str, tuple[str, str]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None   # the server's, where requests run
         self._background: set[asyncio.Task] = set()
         self._client: httpx.AsyncClient | None = None
         self.ready = threading.Event()
@@ -382,8 +387,10 @@ class RouterBackend:
         max_tokens = completion_tokens(params.max_tokens, len(prompt_ids), self.facts["usable_context"])
         if max_tokens != params.max_tokens:
             params = dataclasses.replace(params, max_tokens=max_tokens)
+        if self.closing is not None:
+            raise EngineFailed("it came after the stop had ended the requests in flight", code=self.closing)
         rid = request_id or f"pd-{time.time_ns()}"
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         admitted: asyncio.Future = loop.create_future()
         handle = RequestHandle(rid, asyncio.Queue())
         stamp = ScopeStamp(router=self.router_id, epoch=scope_epoch)
@@ -407,6 +414,24 @@ class RouterBackend:
             self._cancelled.add(request_id)
             task.add_done_callback(lambda _t: self._cancelled.discard(request_id))
             task.cancel()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    def end_all(self, code: str, reason: str) -> int:
+        """Take no more requests and end every one in flight with abort code `code` (thread-safe;
+        their node streams close, which aborts them on the nodes, as a client's abort does)."""
+        self.closing = code
+        n = len(self._tasks)
+        if self._loop is not None and n:
+            self._loop.call_soon_threadsafe(self._end_all_now, code, reason)
+        return n
+
+    def _end_all_now(self, code: str, reason: str) -> None:
+        for rid in list(self._tasks):
+            self._ending[rid] = (code, reason)
+            self.abort(rid, reason)
 
     def _later(self, coro) -> None:
         t = asyncio.create_task(coro)
@@ -450,9 +475,13 @@ class RouterBackend:
         except asyncio.CancelledError:
             # abort(): the server side still waits on this handle for the request's last update
             # (without it a hung-up non-streaming request never ends: its tenant slot and its
-            # handler stay taken). Code "client", as a single node's engine reports an abort.
+            # handler stay taken). Code "client", as a single node's engine reports an abort;
+            # end_all's own code for a request a stopping router ended
+            code, why = self._ending.pop(rid, ("client", "client disconnected"))
             if admitted.done():
-                last_update("client disconnected", "client", flight.completion)
+                last_update(why, code, flight.completion)
+            elif code != "client":   # still in prefill: submit() waits on it
+                admitted.set_exception(EngineFailed(why, code=code))
             raise
         except NodeError as e:
             fail(str(e), e.code, e.rejection)
@@ -793,7 +822,7 @@ def serve_router(prefill_urls: list[str], decode_urls: list[str], model: str | N
                  tenants_file: str | None = None,
                  served_model_name: str | None = None, log_level: str = "info", wait_s: float = 300.0,
                  stall_s: float = 10.0, limits: HttpLimits | None = None, prefill_routing: str = "affinity",
-                 shutdown_timeout_s: float | None = None) -> int:
+                 shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> int:
     from kvfence.server import fault_control
     from kvfence.server.app import ServerState, create_app, may_scrape
     from kvfence.server.serve import load_tenants, refuse_unusable_port
@@ -826,8 +855,11 @@ def serve_router(prefill_urls: list[str], decode_urls: list[str], model: str | N
 
     log.info("router serving model %r on http://%s:%d/v1 (prefill %s; decode %s)", state.served_name, host, port,
              ", ".join(backend.urls["prefill"]), ", ".join(backend.urls["decode"]))
-    # SIGTERM: what is in flight may finish for --shutdown-timeout; then its connections close
-    uvicorn_server(app, host, port, limits or HttpLimits(), log_level, refusals=state.metrics.connections,
-                   timeout_graceful_shutdown=shutdown_timeout_s,
-                   **uvicorn_options(tls, client_certificates=False)).run()
+    # SIGTERM: what is in flight may finish for --shutdown-timeout, then ends with 503
+    # server_shutting_down (server/shutdown.py)
+    server = uvicorn_server(app, host, port, limits or HttpLimits(), log_level, refusals=state.metrics.connections,
+                            timeout_graceful_shutdown=shutdown_timeout_s + BACKSTOP_S,
+                            **uvicorn_options(tls, client_certificates=False))
+    GracefulStop(server, backend, shutdown_timeout_s).install()
+    server.run()
     return 0

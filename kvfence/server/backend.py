@@ -120,5 +120,12 @@ class EngineBackend(Protocol):
 
     def abort(self, request_id: str, reason: str = "client disconnected") -> None: ...
 
+    @property
+    def in_flight(self) -> int: ...     # requests submitted and not yet ended (a moment's count)
+
+    # a stopping server's deadline (server/shutdown.py), from any thread: take no more requests and
+    # end every one in flight with abort code `code`; returns how many there were
+    def end_all(self, code: str, reason: str) -> int: ...
+
     # retire names' cache scopes (pages retired); epoch: the reload's number (TenantRegistry.reloads)
     async def forget_tenants(self, tenants: list[str], epoch: int) -> int: ...

@@ -1,4 +1,4 @@
-"""A single node's stop on SIGTERM (or Ctrl-C): take no new connection, give the requests in
+"""A single node's or a PD router's stop on SIGTERM (or Ctrl-C): take no new connection, give the requests in
 flight --shutdown-timeout seconds to finish, then end the rest with 503 server_shutting_down
 (a stream's error event), so that each client reads why and may retry elsewhere, instead of a
 cut connection or a process that waits on a long stream until the supervisor kills it.
@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from kvfence.server.engine_loop import EngineLoop
+from kvfence.server.backend import EngineBackend
 
 log = logging.getLogger("kvfence.server")
 
@@ -25,7 +25,7 @@ BACKSTOP_S = 5.0   # uvicorn cancels what is left this long after the deadline
 
 
 class GracefulStop:
-    def __init__(self, server: Any, engine: EngineLoop, timeout_s: float):
+    def __init__(self, server: Any, engine: EngineBackend, timeout_s: float):
         self.server, self.engine, self.timeout_s = server, engine, timeout_s
         self.since: float | None = None
         self._ended = threading.Event()
