@@ -20,6 +20,7 @@ import time
 
 from kvfence.pd.seal import load_secret, new_secret
 from kvfence.procs import start_child, stop_processes
+from kvfence.server.shutdown import BACKSTOP_S, DEFAULT_SHUTDOWN_TIMEOUT_S
 
 # the engine options a node takes from launch-pd's (and the PD bench's) command line
 # (every one of cli._engine_args but --threads, which launch-pd splits between the nodes)
@@ -122,6 +123,8 @@ def launch_pd(a) -> int:
 # a node that exits is started again this many times (the router re-checks it, I8, before
 # it serves again); past that, or when the router exits, launch-pd stops everything
 MAX_RESTARTS = 3
+# how long the router may take to stop: its default --shutdown-timeout, the backstop, and a margin
+ROUTER_STOP_S = DEFAULT_SHUTDOWN_TIMEOUT_S + BACKSTOP_S + 5.0
 # exit codes of a process that refused to start (its configuration, a port it cannot listen
 # on): started again, it would refuse again (serve.py's EXIT_CANNOT_LISTEN is 3). Only before
 # it first listened: a node that served and then failed is restarted whatever its code
@@ -186,7 +189,10 @@ def _run(a, env: dict[str, str], secret_file: str) -> int:
                       file=sys.stderr)
             time.sleep(0.5)
     finally:
-        stop_processes(procs.values(), grace_s=20)
+        # the router first: it ends what is in flight with a 503 by its --shutdown-timeout
+        # (SIGKILL at 20 s, with the nodes, cut its clients off with no word), then the nodes
+        stop_processes([p for r, p in procs.items() if r == "router"], grace_s=ROUTER_STOP_S)
+        stop_processes([p for r, p in procs.items() if r != "router"], grace_s=20)
     if stopping and stopping[0] == signal.SIGINT:
         return 130   # Ctrl-C, as a shell reports it (SIGTERM is a requested stop: 0)
     return code

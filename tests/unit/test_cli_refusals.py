@@ -172,3 +172,35 @@ def test_messages_that_name_what_is_wrong(tmp_path, capsys):
     missing = tmp_path / "ca.crt"
     assert main(["probe", "--port", "1", "--tls-ca", str(missing)]) == 1
     assert f"cannot use --tls-ca {missing}" in capsys.readouterr().err
+
+
+def test_launch_pd_stops_the_router_before_the_nodes(tmp_path, monkeypatch):
+    """The router ends its requests in flight with a 503 by its --shutdown-timeout; stopped with
+    the nodes and killed at their grace, it cut its clients off with no word."""
+    import signal
+
+    from kvfence.pd import launch
+
+    log = tmp_path / "stops.log"
+
+    def child(name: str, exit_code: int | None = None, linger: float = 0.0) -> list[str]:
+        code = (f"import signal, sys, time\n"
+                f"def stop(*_):\n"
+                f"    open({str(log)!r}, 'a').write(f'{name} %f\\n' % time.time()); time.sleep({linger}); sys.exit(0)\n"
+                f"signal.signal(signal.SIGTERM, stop)\n"
+                # the refusal comes once every child has its handler
+                + (f"time.sleep(1.5); sys.exit({exit_code})\n" if exit_code is not None else "time.sleep(60)\n"))
+        return [sys.executable, "-c", code, "--port", "1"]
+
+    router = child("router", linger=1.0)   # takes a second to end its requests
+    monkeypatch.setattr(launch, "node_commands", lambda a, s: {"prefill": child("prefill"),
+                                                              "decode": child("decode", exit_code=2),
+                                                              "router": router})
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        assert launch._run(build_parser().parse_args(["launch-pd"]), {}, "/s") == 2
+    finally:
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+    stops = dict(line.split() for line in log.read_text().splitlines())
+    assert float(stops["prefill"]) >= float(stops["router"]) + 1.0, stops   # after the router had exited
