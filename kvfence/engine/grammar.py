@@ -40,6 +40,11 @@ if TYPE_CHECKING:
 # compact JSON, no whitespace between tokens: a small model given the choice emits newlines
 # and spaces until max_tokens (llguidance's default allows any whitespace)
 _COMPILE_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
+# and whatever a schema's own x-guidance says (schema_leniency drops a client's; this holds if
+# one gets through): compact JSON with JSON's separators; a client's options turned "x = y" into
+# an accepted answer
+_OVERRIDES: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":",
+                                  "whitespace_pattern": None, "coerce_one_of": False, "lenient": False}
 
 
 class GrammarError(ValueError):
@@ -101,7 +106,8 @@ def grammar_for(schema_json: str) -> str:
     if len(schema_json.encode()) > MAX_JSON_SCHEMA_BYTES:
         raise GrammarError(f"the schema is larger than {MAX_JSON_SCHEMA_BYTES} bytes of JSON")
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(close_objects(schema_json), defaults=_COMPILE_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(close_objects(schema_json), defaults=_COMPILE_OPTIONS,
+                                                             overrides=_OVERRIDES)
     except ValueError as e:
         raise GrammarError(str(e)) from None
 

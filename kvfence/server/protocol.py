@@ -27,6 +27,7 @@ from kvfence.engine.params import (
     SamplingParams,
     canonical_schema,
 )
+from kvfence.engine.schema_leniency import held_as
 from kvfence.server.errors import JSON_ERRORS, APIError, bad_request
 from kvfence.server.tools import ToolSpec, call_or_answer_schema, call_schema, parse_tools
 
@@ -436,29 +437,10 @@ def _response_format(body: dict) -> str | None:
         raise bad_request(f"'response_format.json_schema.schema' must be a JSON Schema object, got "
                           f"{_type_name(schema)}.", param="response_format")
     try:
-        return canonical_schema(enforced_as(schema, strict=spec.get("strict") is True))
+        return canonical_schema(held_as(schema, strict=spec.get("strict") is True))
     except ValueError as e:   # too large, or a number out of range: the reason names which
         raise bad_request(f"'response_format.json_schema.schema' {str(e).removeprefix('json_schema ')}.",
                           param="response_format") from None
-
-
-def enforced_as(schema: dict, strict: bool) -> dict:
-    """The schema with how the grammar treats what it cannot hold (llguidance's x-guidance
-    `lenient`, at the root). Without strict, such keywords (uniqueItems, a format it does not
-    know, such as pydantic's "password" or "binary", dependentSchemas) go unenforced while the
-    rest of the schema holds, as JSON Schema reads an unknown format as a note: a pydantic set[str]
-    or SecretStr got a 400. With strict: true they are refused, as OpenAI's strict mode refuses
-    what it cannot guarantee. A client's own x-guidance keeps its other options."""
-    guidance = schema.get("x-guidance")
-    if guidance is not None and not isinstance(guidance, dict):
-        return schema   # llguidance refuses it, by name
-    return {**schema, "x-guidance": {**(guidance or {}), "lenient": not strict}}
-
-
-def _is_strict(schema_json: str) -> bool:
-    """Was this response_format schema (enforced_as's) declared strict?"""
-    guidance = json.loads(schema_json).get("x-guidance")
-    return isinstance(guidance, dict) and guidance.get("lenient") is False
 
 
 MAX_LOGIT_BIAS = 1024
@@ -671,12 +653,11 @@ def _held_to(tools: ToolSpec | None, fmt: str | None) -> str | None:
     the prompt then asks for the bare call form), else the format. A response_format governs
     text, as at OpenAI: a forced call has none, so the format (checked already) holds nothing."""
     try:
-        strict_tools = tools is not None and any(t["strict"] for t in tools.allowed())
         if tools is not None and tools.enforced:
-            return canonical_schema(enforced_as(call_schema(tools), strict_tools))
+            return canonical_schema(call_schema(tools))
         if tools is not None and tools.active and fmt is not None:
             tools.answer_schema = fmt
-            return canonical_schema(enforced_as(call_or_answer_schema(tools, fmt), strict_tools or _is_strict(fmt)))
+            return canonical_schema(call_or_answer_schema(tools, fmt))
         return fmt
     except RecursionError:
         raise bad_request("The tools' parameter schemas are nested too deeply.", param="tools") from None

@@ -18,7 +18,7 @@ from typing import Any
 _DATA = frozenset({"const", "enum", "default", "examples"})
 _MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 # meaningless below the root (a nested $id would move refs' base); x-guidance, llguidance's
-# options, is set on the combined root (protocol.enforced_as)
+# options, is the server's to set (schema_leniency.held_as drops a client's)
 _ROOT_ONLY = ("$schema", "$id", "x-guidance")
 
 

@@ -32,6 +32,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from kvfence.engine.schema_leniency import held_as
 from kvfence.server.errors import JSON_ERRORS, bad_request
 from kvfence.server.schema_parts import SchemaParts
 
@@ -190,7 +191,8 @@ def call_or_answer_schema(spec: ToolSpec, answer_schema: str) -> dict:
 
 def _calls(spec: ToolSpec, parts: SchemaParts, array: bool) -> dict:
     calls = [{"type": "object", "properties": {"name": {"const": t["name"]},
-                                               "arguments": parts.add(t["parameters"], f"tool{k}")},
+                                               "arguments": parts.add(held_as(t["parameters"], t.get("strict") is True),
+                                                                      f"tool{k}")},
               "required": ["name", "arguments"], "additionalProperties": False}
              for k, t in enumerate(spec.allowed())]
     one = calls[0] if len(calls) == 1 else {"anyOf": calls}

@@ -130,6 +130,13 @@ def test_what_the_grammar_cannot_hold_is_left_unenforced_unless_strict(server):
             _chat(server.client("alice"), response_format={"type": "json_schema", "json_schema": {
                 **fmt["json_schema"], **strict}})
         assert "cannot enforce" in e.value.body["message"] and e.value.body["param"] == "response_format"
+    # what else the grammar cannot hold stays a 400 without strict too: dropping it would let
+    # through an answer the schema forbids (llguidance's lenient mode did; found in review)
+    forbids = {"type": "object", "properties": {"v": {"type": "string", "not": {"const": "forbidden"}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(server.client("alice"), response_format={"type": "json_schema", "json_schema": {
+            "name": "v", "schema": forbids}})
+    assert "not" in e.value.body["message"] and e.value.body["param"] == "response_format"
 
 
 def test_response_format_text_is_plain_output(server):
