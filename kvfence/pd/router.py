@@ -398,6 +398,12 @@ class RouterBackend:
                                              handle, admitted))
         self._tasks[rid] = task
         task.add_done_callback(lambda _t: self._tasks.pop(rid, None))
+
+        def never_ran(_t) -> None:   # cancelled before its first step (end_all): _run never set it
+            if not admitted.done():
+                admitted.set_exception(EngineFailed("the router stopped it before it started",
+                                                    code=self.closing or "client"))
+        task.add_done_callback(never_ran)
         try:
             await admitted
         except BaseException:
@@ -424,7 +430,7 @@ class RouterBackend:
         their node streams close, which aborts them on the nodes, as a client's abort does)."""
         self.closing = code
         n = len(self._tasks)
-        if self._loop is not None and n:
+        if self._loop is not None:   # even at 0: one may be between submit's check and its task
             self._loop.call_soon_threadsafe(self._end_all_now, code, reason)
         return n
 
