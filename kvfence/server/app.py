@@ -1248,8 +1248,9 @@ class _Run:
         # what the client saw: a failed unstreamed answer got it no token (a PD node lost after
         # 21 tokens counted them, and its TTFT, for a client that got a 503)
         if self._ok() or self.req.stream:
-            self.state.metrics.finished(self.tenant.name, outcome, self.prompt_tokens, generated, self.arrival,
-                                        min(firsts) if firsts else None, [c.token_times for c in self.choices])
+            self.state.metrics.finished(self.tenant.name, outcome, self.prompt_tokens, self.completion_tokens,
+                                        self.arrival, min(firsts) if firsts else None,
+                                        [c.token_times for c in self.choices])   # the updates it read
         else:
             self.state.metrics.finished(self.tenant.name, outcome, self.prompt_tokens)
         ttft = round((min(firsts) - self.arrival) * 1e3, 1) if firsts else None

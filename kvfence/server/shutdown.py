@@ -1,11 +1,13 @@
-"""A single node's or a PD router's stop on SIGTERM (or Ctrl-C): take no new connection, give the requests in
-flight --shutdown-timeout seconds to finish, then end the rest with 503 server_shutting_down
-(a stream's error event), so that each client reads why and may retry elsewhere, instead of a
-cut connection or a process that waits on a long stream until the supervisor kills it.
+"""A single node's or a PD router's stop on SIGTERM (or Ctrl-C): take no new connection, give
+the requests in flight --shutdown-timeout seconds to finish, then end the rest with 503
+server_shutting_down (a stream's error event), so that each client reads why and may retry
+elsewhere, instead of a cut connection or a process that waits on a long stream until the
+supervisor kills it.
 
-A second signal ends them at once. uvicorn's own graceful-shutdown timeout is set a little past
-the deadline as a backstop: it cancels what is still open then (a request still being read or
-checked when the engine stopped taking requests ends with the same 503 on its way in).
+A second signal ends them at once (their 503s still written); a third stops without waiting.
+uvicorn's own graceful-shutdown timeout is set a little past the deadline as a backstop: it
+cancels what is still open then (a request still being read or checked when the engine
+stopped taking requests ends with the same 503 on its way in).
 """
 from __future__ import annotations
 
@@ -28,23 +30,30 @@ class GracefulStop:
     def __init__(self, server: Any, engine: EngineBackend, timeout_s: float):
         self.server, self.engine, self.timeout_s = server, engine, timeout_s
         self.since: float | None = None
+        self.signals = 0
         self._ended = threading.Event()
-        self._lock = threading.Lock()
+        # re-entrant: the handler runs on the main thread, and a signal may come while it holds it
+        self._lock = threading.RLock()
 
     def install(self) -> None:
         """Take the uvicorn server's signal handler (it reads server.handle_exit when it starts)."""
         stop_listening = self.server.handle_exit
 
         def handle_exit(sig: int, frame: Any) -> None:
-            stop_listening(sig, frame)   # uvicorn: close the listeners, wait for the connections
+            # uvicorn: close the listeners and wait for the connections; a second SIGINT there
+            # would skip the wait, and the 503s would not be written: it gets the third
+            if self.signals != 1:
+                stop_listening(sig, frame)
             self.signalled(signal.Signals(sig).name)
         self.server.handle_exit = handle_exit
 
     def signalled(self, name: str) -> None:
         with self._lock:
+            self.signals += 1
             first, self.since = self.since is None, self.since or time.monotonic()
         if not first:
-            log.warning("%s again: ending the requests in flight now", name)
+            log.warning("%s again: ending the requests in flight now%s", name,
+                        " (a third signal stops without waiting for them)" if self.signals == 2 else "")
             self.end_in_flight(f"a second {name} ended it")
             return
         n = self.engine.in_flight
