@@ -134,7 +134,8 @@ class _EngineCollector:
                                   "ready node's)")
         total.add_metric([], float(s.get("pages_total", 0)))
         yield total
-        cap = GaugeMetricFamily("kvfence_kv_capacity_tokens", "Tokens the KV pool holds")
+        cap = GaugeMetricFamily("kvfence_kv_capacity_tokens", "Tokens the KV pool holds (a PD router: its decode "
+                                "nodes', where requests generate)")
         cap.add_metric([], float(s.get("capacity_tokens", 0)))
         yield cap
         ctx = GaugeMetricFamily("kvfence_context_tokens", "Advertised (usable) context length")
