@@ -55,3 +55,26 @@ def test_a_request_submitted_as_the_deadline_passes_ends_with_the_shutdown_code(
             await b.submit([1, 2, 3], SamplingParams(max_tokens=5), "alice", "C")
 
     asyncio.run(main())
+
+
+def test_a_request_still_in_prefill_ends_with_the_shutdown_code(monkeypatch):
+    """Ended before decode admitted it, submit() itself raises (it waits on admission)."""
+    b = _backend()
+
+    async def prefilling(self, body, flight, scope):
+        await asyncio.sleep(3600)
+
+    monkeypatch.setattr(router.RouterBackend, "_prefill_on_some_node", prefilling)
+    monkeypatch.setattr(router.RouterBackend, "_settle_prefill", lambda *a: asyncio.sleep(0), raising=False)
+
+    async def main():
+        b._loop = asyncio.get_running_loop()
+        sub = asyncio.create_task(b.submit([1, 2, 3], SamplingParams(max_tokens=5), "alice", "P"))
+        await asyncio.sleep(0.05)
+        assert b.in_flight == 1 and not sub.done()
+        threading.Thread(target=b.end_all, args=("server_shutting_down", "the deadline passed")).start()
+        with pytest.raises(EngineFailed) as e:
+            await asyncio.wait_for(sub, 10)
+        assert e.value.code == "server_shutting_down" and "the deadline passed" in str(e.value)
+
+    asyncio.run(main())
