@@ -1108,7 +1108,7 @@ class _Run:
         ll = ll_tokenizer(tok, state.facts["vocab_size"]) if req.logprobs is not None else None
         self.fmt = Formatter(req.kind, choices[0].rid, state.served_name, state.facts["fingerprint"],
                              lambda tid: tok.decode([tid], skip_special_tokens=False),
-                             None if ll is None else lambda tid: ll.decode_bytes([tid]))
+                             None if ll is None else lambda tid: ll.decode_bytes([tid]), req.legacy_functions)
         for c in choices:
             if c.echo:
                 self.fmt.start_offset(c.index, len(c.echo))

@@ -20,8 +20,10 @@ class Formatter:
     """Builds the bodies for one request: same id, model and creation time in every chunk."""
 
     def __init__(self, kind: str, request_id: str, model: str, fingerprint: str, token_text: Callable[[int], str],
-                 token_bytes: Callable[[int], bytes] | None = None):
+                 token_bytes: Callable[[int], bytes] | None = None, legacy_functions: bool = False):
         self.kind, self.id, self.model, self.fingerprint = kind, request_id, model, fingerprint
+        # the request sent `functions`: its one call comes back as `function_call` (legacy_functions.py)
+        self.legacy_functions = legacy_functions
         self.created = int(time.time())
         self._token_text = token_text   # token id -> its text, for logprobs
         # token id -> its own bytes: a token holding part of a character has no text of its own
@@ -50,9 +52,9 @@ class Formatter:
         """choices: (text, finish reason, logprobs, tool calls) by index."""
         if self.kind == "chat":
             # refusal null: the fields OpenAI's message always has (clients in other languages read them)
-            out = [{"index": i, "message": {"role": "assistant", "content": text, "refusal": None, **(
-                        {"tool_calls": calls} if calls else {})},
-                    "logprobs": self._chat_logprobs(lps), "finish_reason": reason}
+            out = [{"index": i, "message": {"role": "assistant", "content": text, "refusal": None,
+                                            **self._calls(calls)},
+                    "logprobs": self._chat_logprobs(lps), "finish_reason": self._reason(reason)}
                    for i, (text, reason, lps, calls) in enumerate(choices)]
             return {**self._head("chat.completion"), "choices": out, "usage": use}
         out = [{"index": i, "text": text, "logprobs": self._completion_logprobs(lps, i), "finish_reason": reason}
@@ -67,11 +69,11 @@ class Formatter:
             delta: dict = ({"role": "assistant", "content": text, "refusal": None} if first else
                            {"content": text} if text else {})
             if tool_calls:   # whole calls in one delta, each with its position
-                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(tool_calls)]
+                delta.update(self._calls([{"index": k, **call} for k, call in enumerate(tool_calls)]))
             elif call_deltas:   # pieces of calls, each naming its call's index (tools.CallStream)
-                delta["tool_calls"] = call_deltas
+                delta.update(self._calls(call_deltas))
             choice = {"index": index, "delta": delta, "logprobs": self._chat_logprobs(lps),
-                      "finish_reason": finish_reason}
+                      "finish_reason": self._reason(finish_reason)}
             body = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
             choice = {"index": index, "text": text, "logprobs": self._completion_logprobs(lps, index),
@@ -80,6 +82,18 @@ class Formatter:
         if with_usage:
             body["usage"] = None
         return body
+
+    def _calls(self, calls: list[dict] | None) -> dict:
+        """A message's or delta's calls: `tool_calls`, or the legacy form's one `function_call`
+        (its name and arguments, or their pieces; the call is the only one: parallel is off)."""
+        if not calls:
+            return {}
+        if self.legacy_functions:
+            return {"function_call": dict(calls[0].get("function") or {})}
+        return {"tool_calls": calls}
+
+    def _reason(self, reason: str | None) -> str | None:
+        return "function_call" if self.legacy_functions and reason == "tool_calls" else reason
 
     def usage_chunk(self, use: dict) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"

@@ -28,6 +28,7 @@ from kvfence.engine.params import (
     canonical_schema,
 )
 from kvfence.engine.schema_leniency import held_as
+from kvfence.server import legacy_functions
 from kvfence.server.errors import JSON_ERRORS, APIError, bad_request
 from kvfence.server.tools import ToolSpec, call_or_answer_schema, call_schema, parse_tools
 
@@ -54,6 +55,7 @@ class GenerationRequest:
     more_prompts: list[tuple[str | None, list[int] | None]] | None = None   # completions: prompts after the first
     echo: bool = False                # completions: the prompt's text before each choice's
     tools: ToolSpec | None = None     # chat: tools, tool_choice, parallel_tool_calls
+    legacy_functions: bool = False    # chat: sent as `functions`; answered as `function_call`
 
     @property
     def prompts(self) -> list[tuple[str | None, list[int] | None]]:
@@ -549,6 +551,16 @@ def _refuse_best_of(body: dict, n: int) -> None:
 
 
 def parse_chat(body: dict) -> GenerationRequest:
+    body, legacy = legacy_functions.as_tools(body)
+    if not legacy:
+        return _parse_chat(body)
+    try:
+        return dataclasses.replace(_parse_chat(body), legacy_functions=True)
+    except APIError as e:   # named as the client sent them: functions[0].name, not tools[0].function.name
+        raise legacy_functions.named_as_sent(e) from None
+
+
+def _parse_chat(body: dict) -> GenerationRequest:
     found = unwanted_field(body, _CHAT_UNSUPPORTED)
     if found is not None:
         raise bad_request(f"'{found[0]}' is not supported: {found[1]}", param=found[0])
@@ -677,6 +689,7 @@ def parse_tokenize(body: dict) -> tuple[str | list[dict], bool, ToolSpec | None]
     reads them: a prompt that declares tools counts the tokens generation would send, tool
     descriptions included."""
     _field(body, "model", (str,), None, "a string")
+    body, _ = legacy_functions.as_tools(body)
     if "messages" in body and body["messages"] is not None:
         if body.get("prompt") is not None:
             raise bad_request("Give 'prompt' or 'messages', not both.", param="prompt")

@@ -57,6 +57,40 @@ def test_a_tool_not_declared_strict_is_called_with_what_the_grammar_can_hold(ser
     assert isinstance(args, dict) and all(isinstance(t, str) for t in args.get("tags", []))
 
 
+def test_the_deprecated_functions_form_is_answered_in_its_own_form(server):
+    """functions / function_call / function messages (LiteLLM passes them through; older
+    LangChain chains and instructor's FUNCTIONS mode send them) were a 400; the answer's one
+    call comes back as message.function_call with finish_reason function_call."""
+    c = server.client("alice")
+    fn, force = WEATHER["function"], {"name": "get_weather"}
+    r = c.chat.completions.create(model=MODEL, messages=ASK, functions=[fn], function_call=force, max_tokens=64,
+                                  temperature=0)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "function_call" and msg.tool_calls is None, r
+    jsonschema.validate(json.loads(msg.function_call.arguments), SCHEMAS["get_weather"])
+    assert msg.function_call.name == "get_weather"
+    name, args, finish = "", "", None   # streamed: its pieces, in delta.function_call
+    for chunk in c.chat.completions.create(model=MODEL, messages=ASK, functions=[fn], function_call=force,
+                                           max_tokens=64, temperature=0, stream=True):
+        d = chunk.choices[0].delta
+        assert not d.tool_calls
+        if d.function_call:
+            name, args = name + (d.function_call.name or ""), args + (d.function_call.arguments or "")
+        finish = chunk.choices[0].finish_reason or finish
+    assert (name, args, finish) == ("get_weather", msg.function_call.arguments, "function_call")
+    # the call and its result go back in the same form: the answer reads the result
+    turn = ASK + [{"role": "assistant", "content": None, "function_call": {"name": "get_weather",
+                                                                           "arguments": '{"city":"Paris"}'}},
+                  {"role": "function", "name": "get_weather", "content": "18 degrees and sunny"}]
+    prompt = c.chat.completions.create(model=MODEL, messages=turn, functions=[fn], max_tokens=1).usage.prompt_tokens
+    as_tools = c.chat.completions.create(model=MODEL, max_tokens=1, tools=[WEATHER], parallel_tool_calls=False,
+                                         messages=ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_fn1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_fn1", "content": "18 degrees and sunny"}]).usage.prompt_tokens
+    assert prompt == as_tools   # the same conversation, rendered the same
+
+
 def test_a_named_function_is_the_one_called(server):
     c = server.client("bob")
     r = c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=64, temperature=0.7,
@@ -347,7 +381,10 @@ def test_allowed_tools_auto_keeps_every_tool_in_the_prompt_and_calls_only_allowe
         {"type": "function", "function": {"name": "nope"}}]}}}, "tool_choice.allowed_tools.tools[1].function.name"),
     ({"tool_choice": {"type": "allowed_tools", "allowed_tools": {
         "mode": "auto", "tools": [{"type": "function", "function": {"name": "get_weather"}}]}}}, "tool_choice"),
-    ({"functions": [WEATHER["function"]]}, "functions"),
+    ({"functions": [WEATHER["function"]], "tools": [WEATHER]}, "functions"),       # both forms at once
+    ({"functions": [{"name": "bad name!"}]}, "functions[0].name"),                   # named as sent
+    ({"function_call": "auto"}, "function_call"),
+    ({"messages": ASK + [{"role": "function", "name": "f", "content": "x"}]}, "messages[1]"),   # answers no call
     ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "xml"}}, "response_format"),
     # with "auto" the answer may be the format's: a format the grammar cannot hold is named as such
