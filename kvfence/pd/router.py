@@ -387,10 +387,11 @@ class RouterBackend:
         max_tokens = completion_tokens(params.max_tokens, len(prompt_ids), self.facts["usable_context"])
         if max_tokens != params.max_tokens:
             params = dataclasses.replace(params, max_tokens=max_tokens)
+        # the loop first: end_all sets closing, then reads it (a first request racing the deadline)
+        loop = self._loop = asyncio.get_running_loop()
         if self.closing is not None:
             raise EngineFailed("it came after the stop had ended the requests in flight", code=self.closing)
         rid = request_id or f"pd-{time.time_ns()}"
-        loop = self._loop = asyncio.get_running_loop()
         admitted: asyncio.Future = loop.create_future()
         handle = RequestHandle(rid, asyncio.Queue())
         stamp = ScopeStamp(router=self.router_id, epoch=scope_epoch)
@@ -400,9 +401,9 @@ class RouterBackend:
         task.add_done_callback(lambda _t: self._tasks.pop(rid, None))
 
         def never_ran(_t) -> None:   # cancelled before its first step (end_all): _run never set it
+            code, why = self._ending.pop(rid, (self.closing or "client", "the router stopped it before it started"))
             if not admitted.done():
-                admitted.set_exception(EngineFailed("the router stopped it before it started",
-                                                    code=self.closing or "client"))
+                admitted.set_exception(EngineFailed(why, code=code))
         task.add_done_callback(never_ran)
         try:
             await admitted
@@ -430,8 +431,12 @@ class RouterBackend:
         their node streams close, which aborts them on the nodes, as a client's abort does)."""
         self.closing = code
         n = len(self._tasks)
-        if self._loop is not None:   # even at 0: one may be between submit's check and its task
-            self._loop.call_soon_threadsafe(self._end_all_now, code, reason)
+        loop = self._loop
+        if loop is not None and not loop.is_closed():   # even at 0: one may be between submit's check and its task
+            try:
+                loop.call_soon_threadsafe(self._end_all_now, code, reason)
+            except RuntimeError:   # closed in the meantime: the server has stopped, nothing runs
+                pass
         return n
 
     def _end_all_now(self, code: str, reason: str) -> None:

@@ -30,8 +30,9 @@ from kvfence.engine.admission import ContextLengthExceeded, Overloaded, check_fi
 from kvfence.engine.grammar import GrammarError, build_matcher, ll_tokenizer, schema_digest
 from kvfence.engine.params import SamplingParams, canonical_schema
 from kvfence.engine.schema_check import SchemaChecker, SchemaTooCostly
+from kvfence.engine.schema_leniency import held_as
 from kvfence.model.tokenizer import ChatTemplateError
-from kvfence.server import responses_api
+from kvfence.server import legacy_functions, responses_api
 from kvfence.server.auth_throttle import FailedAuthThrottle, client_address
 from kvfence.server.backend import EngineBackend, EngineFailed, RequestHandle, Update
 from kvfence.server.disconnect import watch_disconnect
@@ -753,7 +754,8 @@ async def _check_schema(state: ServerState, req: GenerationRequest, tenant: Tena
         # which part fails, each compiled alone, all of them within one more deadline
         parts = [("response_format", spec.answer_schema)] if spec.answer_schema is not None else []
         allowed = {t["name"] for t in spec.allowed()}
-        parts += [(f"tools[{i}].function.parameters", canonical_schema(t["parameters"]))
+        # each as the combined schema holds it (a tool not strict loses what held_as drops)
+        parts += [(f"tools[{i}].function.parameters", canonical_schema(held_as(t["parameters"], t["strict"])))
                   for i, t in enumerate(spec.tools) if t["name"] in allowed]
         until = time.monotonic() + checker.deadline_s
         try:
@@ -796,7 +798,8 @@ async def _check_schema(state: ServerState, req: GenerationRequest, tenant: Tena
             state.schema_checks_by_tenant[tenant.name] -= 1
     if isinstance(got, tuple):
         param, err = got
-        raise bad_request(f"'{param}' has a schema this server cannot enforce: {err}", param=param)
+        refused = bad_request(f"'{param}' has a schema this server cannot enforce: {err}", param=param)
+        raise legacy_functions.named_as_sent(refused) if req.legacy_functions else refused
     return got
 
 

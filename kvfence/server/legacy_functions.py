@@ -52,6 +52,10 @@ def _messages(msgs: list) -> list:
     out, last_id = [], None
     for i, m in enumerate(msgs):
         if isinstance(m, dict) and m.get("role") == "assistant" and m.get("function_call") is not None:
+            fc = m["function_call"]
+            if not (isinstance(fc, dict) and isinstance(fc.get("name"), str) and isinstance(fc.get("arguments"), str)):
+                raise bad_request(f"'messages[{i}].function_call' must be {{\"name\": ..., \"arguments\": \"...\"}}.",
+                                  param=f"messages[{i}].function_call")
             if m.get("tool_calls"):
                 raise bad_request(f"'messages[{i}]' has both 'function_call' and 'tool_calls'; send one.",
                                   param=f"messages[{i}].function_call")
@@ -67,16 +71,25 @@ def _messages(msgs: list) -> list:
     return out
 
 
-_NAMES = ((re.compile(r"tools\[(\d+)\]\.function\."), r"functions[\1]."), (re.compile(r"tools\[(\d+)\]"),
-                                                                             r"functions[\1]"),
-          (re.compile(r"'tools'"), "'functions'"), (re.compile(r"tool_choice"), "function_call"))
+# the rewritten fields, as quoted in messages and as params: tools[i].function.x is functions[i].x
+_QUOTED = ((re.compile(r"'tools\[(\d+)\]\.function\.([^']*)'"), r"'functions[\1].\2'"),
+           (re.compile(r"'tools\[(\d+)\]([^']*)'"), r"'functions[\1]\2'"),
+           (re.compile(r"'tools'"), "'functions'"),
+           (re.compile(r"^'tool_choice'"), "'function_call'"))   # a function may be called tool_choice
+
+
+def _param(param: str | None) -> str | None:
+    if param is None:
+        return None
+    for pattern, repl in _QUOTED:
+        param = pattern.sub(repl, f"'{param}'")[1:-1] if pattern.fullmatch(f"'{param}'") else param
+    return param
 
 
 def named_as_sent(e: APIError) -> APIError:
-    """A refusal of the rewritten tools, naming the fields the client sent."""
-    def rename(text: str) -> str:
-        for pattern, repl in _NAMES:
-            text = pattern.sub(repl, text)
-        return text
-    return APIError(e.status, rename(e.message), code=e.code, param=e.param and rename(e.param), headers=e.headers,
-                    outcome=e.outcome)
+    """A refusal of the rewritten tools, naming the fields the client sent (only quoted field
+    paths are renamed: a function may be called tool_choice)."""
+    message = e.message
+    for pattern, repl in _QUOTED:
+        message = pattern.sub(repl, message)
+    return APIError(e.status, message, code=e.code, param=_param(e.param), headers=e.headers, outcome=e.outcome)

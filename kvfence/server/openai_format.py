@@ -88,8 +88,15 @@ class Formatter:
         (its name and arguments, or their pieces; the call is the only one: parallel is off)."""
         if not calls:
             return {}
-        if self.legacy_functions:
-            return {"function_call": dict(calls[0].get("function") or {})}
+        if self.legacy_functions:   # every piece of it in this delta, joined: a head and its first arguments
+            fn: dict = {}
+            for call in calls:
+                part = call.get("function") or {}
+                if "name" in part:
+                    fn["name"] = part["name"]
+                if "arguments" in part:
+                    fn["arguments"] = fn.get("arguments", "") + part["arguments"]
+            return {"function_call": fn}
         return {"tool_calls": calls}
 
     def _reason(self, reason: str | None) -> str | None:

@@ -689,7 +689,14 @@ def parse_tokenize(body: dict) -> tuple[str | list[dict], bool, ToolSpec | None]
     reads them: a prompt that declares tools counts the tokens generation would send, tool
     descriptions included."""
     _field(body, "model", (str,), None, "a string")
-    body, _ = legacy_functions.as_tools(body)
+    body, legacy = legacy_functions.as_tools(body)
+    try:
+        return _parse_tokenize(body)
+    except APIError as e:
+        raise (legacy_functions.named_as_sent(e) if legacy else e) from None
+
+
+def _parse_tokenize(body: dict) -> tuple[str | list[dict], bool, ToolSpec | None]:
     if "messages" in body and body["messages"] is not None:
         if body.get("prompt") is not None:
             raise bad_request("Give 'prompt' or 'messages', not both.", param="prompt")

@@ -4,7 +4,8 @@ server_shutting_down (a stream's error event), so that each client reads why and
 elsewhere, instead of a cut connection or a process that waits on a long stream until the
 supervisor kills it.
 
-A second signal ends them at once (their 503s still written); a third stops without waiting.
+A second signal ends them at once (their 503s still written); a third Ctrl-C stops without
+waiting.
 uvicorn's own graceful-shutdown timeout is set a little past the deadline as a backstop: it
 cancels what is still open then (a request still being read or checked when the engine
 stopped taking requests ends with the same 503 on its way in).
@@ -42,18 +43,20 @@ class GracefulStop:
         def handle_exit(sig: int, frame: Any) -> None:
             # uvicorn: close the listeners and wait for the connections; a second SIGINT there
             # would skip the wait, and the 503s would not be written: it gets the third
-            if self.signals != 1:
+            with self._lock:
+                self.signals += 1
+                nth = self.signals
+            if nth != 2:
                 stop_listening(sig, frame)
             self.signalled(signal.Signals(sig).name)
         self.server.handle_exit = handle_exit
 
     def signalled(self, name: str) -> None:
         with self._lock:
-            self.signals += 1
             first, self.since = self.since is None, self.since or time.monotonic()
         if not first:
             log.warning("%s again: ending the requests in flight now%s", name,
-                        " (a third signal stops without waiting for them)" if self.signals == 2 else "")
+                        " (a third Ctrl-C stops without waiting for them)" if self.signals == 2 else "")
             self.end_in_flight(f"a second {name} ended it")
             return
         n = self.engine.in_flight

@@ -22,6 +22,8 @@ TIME = {"type": "function", "function": {
 TAGS = {"type": "function", "function": {   # a set[str] in pydantic: uniqueItems, which the grammar cannot hold
     "name": "tag", "strict": True, "parameters": {"type": "object", "properties": {
         "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}}}
+NOT_TOOL = {"type": "function", "function": {"name": "pick", "strict": True, "parameters": {
+    "type": "object", "properties": {"v": {"type": "string", "not": {"const": "x"}}}}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 
@@ -381,6 +383,12 @@ def test_allowed_tools_auto_keeps_every_tool_in_the_prompt_and_calls_only_allowe
         {"type": "function", "function": {"name": "nope"}}]}}}, "tool_choice.allowed_tools.tools[1].function.name"),
     ({"tool_choice": {"type": "allowed_tools", "allowed_tools": {
         "mode": "auto", "tools": [{"type": "function", "function": {"name": "get_weather"}}]}}}, "tool_choice"),
+    # each tool judged as the combined schema holds it: a set[str] in a tool not strict is no
+    # fault, the strict one's `not` is (the raw parameters blamed tools[0]; found in review)
+    ({"tools": [{"type": "function", "function": {**TAGS["function"], "strict": False}}, NOT_TOOL],
+      "tool_choice": "required"}, "tools[1].function.parameters"),
+    ({"functions": [{**TAGS["function"], "strict": False}, NOT_TOOL["function"]], "function_call": "auto",
+      "response_format": {"type": "json_object"}}, "functions[1].parameters"),
     ({"functions": [WEATHER["function"]], "tools": [WEATHER]}, "functions"),       # both forms at once
     ({"functions": [{"name": "bad name!"}]}, "functions[0].name"),                   # named as sent
     ({"function_call": "auto"}, "function_call"),

@@ -41,8 +41,7 @@ def test_a_request_submitted_as_the_deadline_passes_ends_with_the_shutdown_code(
         monkeypatch.setattr(router, "ScopeStamp", real_stamp)
         return real_stamp(**kw)
 
-    async def main():
-        b._loop = asyncio.get_running_loop()
+    async def main():   # the router's loop is known from the first submit on, before its check
         if another_in_flight:
             monkeypatch.setattr(b, "_run", decoding.__get__(b))
             await b.submit([1, 2, 3], SamplingParams(max_tokens=5), "alice", "A")
