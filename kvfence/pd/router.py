@@ -69,7 +69,7 @@ from kvfence.pd.messages import (
 from kvfence.pd.settings import ROLES
 from kvfence.pd.tls import TlsSettings, client_context, uvicorn_options
 from kvfence.pd.wire import cluster_headers
-from kvfence.server.backend import Admitted, EngineFailed, Logprob, NotServedHere, RequestHandle, Update
+from kvfence.server.backend import Admitted, EngineFailed, Logprob, NotServedHere, RequestHandle, Update, shut_out
 from kvfence.server.http_limits import HttpLimits, uvicorn_server
 from kvfence.server.shutdown import BACKSTOP_S, DEFAULT_SHUTDOWN_TIMEOUT_S, GracefulStop
 
@@ -390,7 +390,7 @@ class RouterBackend:
         # the loop first: end_all sets closing, then reads it (a first request racing the deadline)
         loop = self._loop = asyncio.get_running_loop()
         if self.closing is not None:
-            raise EngineFailed("it came after the stop had ended the requests in flight", code=self.closing)
+            raise shut_out(self.closing)
         rid = request_id or f"pd-{time.time_ns()}"
         admitted: asyncio.Future = loop.create_future()
         handle = RequestHandle(rid, asyncio.Queue())

@@ -64,6 +64,12 @@ class EngineFailed(RuntimeError):
         self.code = code
 
 
+def shut_out(code: str) -> EngineFailed:
+    """What a submission gets once a stopping server has ended the requests in flight
+    (EngineBackend.end_all): the stop's abort code."""
+    return EngineFailed("it came after the stop had ended the requests in flight", code=code)
+
+
 class NotServedHere(ValueError):
     """A well-formed request this backend cannot serve (prompt scoring behind the PD router):
     the client's 400, with a code a client can act on (send it to a single node)."""

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from kvfence.engine.admission import STARTUP_REFUSALS
 from kvfence.engine.containment import FAIL_CLOSED
 from kvfence.engine.params import SamplingParams
-from kvfence.server.backend import Admitted, EngineFailed, Logprob, RequestHandle, Update
+from kvfence.server.backend import Admitted, EngineFailed, Logprob, RequestHandle, Update, shut_out
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -207,7 +207,7 @@ class EngineLoop:
         if self.state != "ready":
             raise EngineFailed(self.error or f"the engine is {self.state}")
         if self.closing is not None:
-            raise EngineFailed("it came after the stop had ended the requests in flight", code=self.closing)
+            raise shut_out(self.closing)
         loop = asyncio.get_running_loop()
         rid = request_id or uuid.uuid4().hex
         fut = loop.create_future()
@@ -312,9 +312,7 @@ class EngineLoop:
                 pass
             for i, c in enumerate(cmds):
                 if c is _STOP:
-                    for rid in list(self._sinks):
-                        engine.abort(rid, "server shutting down")
-                        self._finish_aborted(rid)
+                    self._end_every(engine, "server shutting down")
                     self._publish(engine)
                     _refuse(cmds[i + 1:], EngineFailed("the engine is shutting down"))
                     return
@@ -324,9 +322,7 @@ class EngineLoop:
                     elif isinstance(c, _Abort):
                         self._abort(engine, c)
                     elif isinstance(c, _EndAll):
-                        for rid in list(self._sinks):
-                            engine.abort(rid, c.reason, code=c.code)
-                            self._finish_aborted(rid)
+                        self._end_every(engine, c.reason, c.code)
                     elif isinstance(c, _Call):
                         self._call(engine, c)
                 except BaseException as e:
@@ -343,8 +339,7 @@ class EngineLoop:
                 f"tenant {c.tenant!r}'s cache scope could not be retired here; the request was not run"))
             return
         if self.closing is not None:   # submitted just before end_all: it would outlive the deadline
-            c.loop.call_soon_threadsafe(_set_exception, c.admitted, EngineFailed(
-                "it came after the stop had ended the requests in flight", code=self.closing))
+            c.loop.call_soon_threadsafe(_set_exception, c.admitted, shut_out(self.closing))
             return
         try:
             extra = {"public_prefix_scope": c.public_prefix_scope} if c.public_prefix_scope else {}
@@ -376,6 +371,12 @@ class EngineLoop:
         if c.request_id in self._sinks:
             engine.abort(c.request_id, c.reason)
             self._finish_aborted(c.request_id)
+
+    def _end_every(self, engine, reason: str, code: str = "client") -> None:
+        """Every request in the engine ends, aborted with `code`, and its caller gets its last update."""
+        for rid in list(self._sinks):
+            engine.abort(rid, reason, code=code)
+            self._finish_aborted(rid)
 
     def _finish_aborted(self, rid: str) -> None:
         sink = self._sinks.pop(rid)
