@@ -21,6 +21,7 @@ log = logging.getLogger("kvfence.pd.drain")
 # a node's PD counts that mean a request still depends on it
 BUSY_PD_COUNTS = ("held", "pending", "awaiting_kv", "waiting_for_pages")
 SNAPSHOT_LAG_S = 1.0
+DEFAULT_LIMIT_S = 600.0   # a drain still busy this long exits anyway (--shutdown-timeout sets it)
 
 
 def idle(snapshot: dict) -> bool:
@@ -32,7 +33,7 @@ def idle(snapshot: dict) -> bool:
 
 class Drain:
     def __init__(self, snapshot: Callable[[], dict], exit_now: Callable[[], None], poll_s: float = 0.2,
-                 limit_s: float = 600.0):
+                 limit_s: float = DEFAULT_LIMIT_S):
         self._snapshot, self._exit, self.poll_s, self.limit_s = snapshot, exit_now, poll_s, limit_s
         self.since: float | None = None
         self.reason = ""

@@ -28,7 +28,7 @@ from kvfence.engine.admission import ContextLengthExceeded, Overloaded
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.grammar import build_matcher, ll_tokenizer
 from kvfence.engine.router_realms import RouterRealms
-from kvfence.pd.drain import Drain
+from kvfence.pd.drain import DEFAULT_LIMIT_S, Drain
 from kvfence.pd.manifest import ManifestError
 from kvfence.pd.messages import (
     AbortBody,
@@ -365,7 +365,7 @@ def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int,
     assert loop.facts is not None
     loop.facts = {**loop.facts, "pd_security": tls.describe()}   # for /internal/info and the statement
     exit_now: list = []
-    drain = Drain(lambda: loop.snapshot, lambda: exit_now[0](), **({"limit_s": drain_limit_s} if drain_limit_s else {}))
+    drain = Drain(lambda: loop.snapshot, lambda: exit_now[0](), limit_s=drain_limit_s or DEFAULT_LIMIT_S)
     app, state = node_app(loop, settings, tenants, drain)
     faults.announce(log)
     scheme = "https" if tls.serving else "http"

@@ -30,7 +30,6 @@ from kvfence.engine.admission import ContextLengthExceeded, Overloaded, check_fi
 from kvfence.engine.grammar import GrammarError, build_matcher, ll_tokenizer, schema_digest
 from kvfence.engine.params import SamplingParams, canonical_schema
 from kvfence.engine.schema_check import SchemaChecker, SchemaTooCostly
-from kvfence.engine.schema_leniency import held_as
 from kvfence.model.tokenizer import ChatTemplateError
 from kvfence.server import legacy_functions, responses_api
 from kvfence.server.auth_throttle import FailedAuthThrottle, client_address
@@ -78,6 +77,7 @@ from kvfence.server.tools import (
     ToolSpec,
     call_cut_before_its_name,
     enforced_answer_whole,
+    enforced_parameters,
     parse_answer,
 )
 from kvfence.server.tools import render as render_tools
@@ -755,7 +755,7 @@ async def _check_schema(state: ServerState, req: GenerationRequest, tenant: Tena
         parts = [("response_format", spec.answer_schema)] if spec.answer_schema is not None else []
         allowed = {t["name"] for t in spec.allowed()}
         # each as the combined schema holds it (a tool not strict loses what held_as drops)
-        parts += [(f"tools[{i}].function.parameters", canonical_schema(held_as(t["parameters"], t["strict"])))
+        parts += [(f"tools[{i}].function.parameters", canonical_schema(enforced_parameters(t)))
                   for i, t in enumerate(spec.tools) if t["name"] in allowed]
         until = time.monotonic() + checker.deadline_s
         try:

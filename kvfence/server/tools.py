@@ -189,10 +189,15 @@ def call_or_answer_schema(spec: ToolSpec, answer_schema: str) -> dict:
     return parts.root({"anyOf": [parts.add(json.loads(answer_schema), "answer"), _calls(spec, parts, array=False)]})
 
 
+def enforced_parameters(tool: dict) -> dict:
+    """A tool's parameters as the grammar holds them: without what a tool that is not strict
+    goes without (schema_leniency.held_as)."""
+    return held_as(tool["parameters"], tool.get("strict") is True)
+
+
 def _calls(spec: ToolSpec, parts: SchemaParts, array: bool) -> dict:
     calls = [{"type": "object", "properties": {"name": {"const": t["name"]},
-                                               "arguments": parts.add(held_as(t["parameters"], t.get("strict") is True),
-                                                                      f"tool{k}")},
+                                               "arguments": parts.add(enforced_parameters(t), f"tool{k}")},
               "required": ["name", "arguments"], "additionalProperties": False}
              for k, t in enumerate(spec.allowed())]
     one = calls[0] if len(calls) == 1 else {"anyOf": calls}
