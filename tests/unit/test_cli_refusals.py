@@ -106,6 +106,20 @@ def test_engine_settings_a_machine_cannot_run():
         EngineConfig(num_threads=100000)
 
 
+def _launch_pd_run() -> int:
+    """launch-pd's supervising loop, with the signal handlers it installs put back after."""
+    import signal
+
+    from kvfence.pd import launch
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return launch._run(build_parser().parse_args(["launch-pd"]), {}, "/s")
+    finally:
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+
+
 def test_launch_pd_refuses_before_starting_and_never_restarts_a_refusal(tmp_path, monkeypatch):
     from kvfence.pd import launch
 
@@ -132,14 +146,8 @@ def test_launch_pd_refuses_before_starting_and_never_restarts_a_refusal(tmp_path
         return real_start(cmd, **kw)
 
     monkeypatch.setattr(launch, "start_child", start)
-    import signal
 
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    try:
-        assert launch._run(build_parser().parse_args(["launch-pd"]), {}, "/s") == 2
-    finally:
-        for sig, h in handlers.items():
-            signal.signal(sig, h)
+    assert _launch_pd_run() == 2
     assert started.count("refuser") == 1
     # one that listened first and then exited 2 failed while serving: restarted, as any crash is
     import socket
@@ -154,11 +162,7 @@ def test_launch_pd_refuses_before_starting_and_never_restarts_a_refusal(tmp_path
                                                               "router": sleeper})
     monkeypatch.setattr(launch, "start_child", lambda cmd, **kw: (
         started.append("server" if cmd is server else "sleeper"), real_start(cmd, **kw))[1])
-    try:
-        assert launch._run(build_parser().parse_args(["launch-pd"]), {}, "/s") == 2
-    finally:
-        for sig, h in handlers.items():
-            signal.signal(sig, h)
+    assert _launch_pd_run() == 2
     assert started.count("server") == 1 + launch.MAX_RESTARTS
 
 
@@ -177,7 +181,6 @@ def test_messages_that_name_what_is_wrong(tmp_path, capsys):
 def test_launch_pd_stops_the_router_before_the_nodes(tmp_path, monkeypatch):
     """The router ends its requests in flight with a 503 by its --shutdown-timeout; stopped with
     the nodes and killed at their grace, it cut its clients off with no word."""
-    import signal
 
     from kvfence.pd import launch
 
@@ -196,11 +199,6 @@ def test_launch_pd_stops_the_router_before_the_nodes(tmp_path, monkeypatch):
     monkeypatch.setattr(launch, "node_commands", lambda a, s: {"prefill": child("prefill"),
                                                               "decode": child("decode", exit_code=2),
                                                               "router": router})
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    try:
-        assert launch._run(build_parser().parse_args(["launch-pd"]), {}, "/s") == 2
-    finally:
-        for sig, h in handlers.items():
-            signal.signal(sig, h)
+    assert _launch_pd_run() == 2
     stops = dict(line.split() for line in log.read_text().splitlines())
     assert float(stops["prefill"]) >= float(stops["router"]) + 1.0, stops   # after the router had exited
