@@ -80,7 +80,8 @@ ABORT_STATUS = {
     "node_unavailable": (503, "A PD node is unavailable"),
     "node_error": (502, "A PD node answered with an error"),
     "server_overloaded": (503, "The server is overloaded"),
-    # a single node stopping (SIGTERM) past its --shutdown-timeout: retry, elsewhere (server/shutdown.py)
+    # a single node or a router stopping (SIGTERM) past its --shutdown-timeout: retry, elsewhere
+    # (server/shutdown.py)
     "server_shutting_down": (503, "The server is shutting down; retry the request"),
     # PD: a node had retired the tenant's cache scope by a reload that revoked the request's key
     # (app.py answers it as api_key_revoked before it starts; this is for one that ends later)

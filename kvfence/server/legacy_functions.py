@@ -8,8 +8,22 @@ them. One call per answer, as that form holds one.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from typing import TypeVar
 
 from kvfence.server.errors import APIError, bad_request
+
+T = TypeVar("T")
+
+
+def parsed(body: dict, parse: Callable[[dict], T]) -> tuple[T, bool]:
+    """(`parse` of the body read as tools, whether it was sent in the legacy form); a refusal
+    names the fields as sent: functions[0].name, not tools[0].function.name."""
+    body, legacy = as_tools(body)
+    try:
+        return parse(body), legacy
+    except APIError as e:
+        raise (named_as_sent(e) if legacy else e) from None
 
 
 def as_tools(body: dict) -> tuple[dict, bool]:

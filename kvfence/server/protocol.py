@@ -551,13 +551,8 @@ def _refuse_best_of(body: dict, n: int) -> None:
 
 
 def parse_chat(body: dict) -> GenerationRequest:
-    body, legacy = legacy_functions.as_tools(body)
-    if not legacy:
-        return _parse_chat(body)
-    try:
-        return dataclasses.replace(_parse_chat(body), legacy_functions=True)
-    except APIError as e:   # named as the client sent them: functions[0].name, not tools[0].function.name
-        raise legacy_functions.named_as_sent(e) from None
+    req, legacy = legacy_functions.parsed(body, _parse_chat)
+    return dataclasses.replace(req, legacy_functions=True) if legacy else req
 
 
 def _parse_chat(body: dict) -> GenerationRequest:
@@ -689,11 +684,7 @@ def parse_tokenize(body: dict) -> tuple[str | list[dict], bool, ToolSpec | None]
     reads them: a prompt that declares tools counts the tokens generation would send, tool
     descriptions included."""
     _field(body, "model", (str,), None, "a string")
-    body, legacy = legacy_functions.as_tools(body)
-    try:
-        return _parse_tokenize(body)
-    except APIError as e:
-        raise (legacy_functions.named_as_sent(e) if legacy else e) from None
+    return legacy_functions.parsed(body, _parse_tokenize)[0]
 
 
 def _parse_tokenize(body: dict) -> tuple[str | list[dict], bool, ToolSpec | None]:
