@@ -5,21 +5,12 @@ as long as it ran (Kubernetes' grace period then cut the clients off with no wor
 router on the shared cluster's nodes is the one stopped."""
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
-import threading
 import time
 
-import httpx
 from pd_cluster import ROOT, free_port
-
-
-def _up(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
+from shutdown_clients import LongClients, status
 
 
 def test_sigterm_ends_what_outlives_the_routers_shutdown_timeout_with_a_503(shared_cluster, tmp_path):
@@ -28,46 +19,25 @@ def test_sigterm_ends_what_outlives_the_routers_shutdown_timeout_with_a_503(shar
     log_path = tmp_path / "router2.log"
     p = subprocess.Popen(shared_cluster.command("router", ["--port", str(port), "--shutdown-timeout", "2"]), cwd=ROOT,
                          env=shared_cluster.env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
-    got: dict = {}
-    body = {"prompt": "Count to a thousand:", "max_tokens": 900, "ignore_eos": True}   # ~15 s here
-
-    def stream() -> None:
-        events = []
-        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-        got["stream"] = events
-
-    def plain() -> None:
-        got["plain"] = httpx.post(url + "/v1/completions", json=body, timeout=120)
-
+    clients = LongClients(url, {"prompt": "Count to a thousand:", "max_tokens": 900, "ignore_eos": True})  # ~15 s
     try:
         deadline = time.monotonic() + 180
-        while not _up(url):
+        while status(url) != 200:
             assert p.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
             time.sleep(0.5)
-        clients = [threading.Thread(target=stream), threading.Thread(target=plain)]
-        for c in clients:
-            c.start()
+        clients.start()
         deadline = time.monotonic() + 60
         while shared_cluster.info("decode")["snapshot"]["running"] < 2:   # both decoding
             assert time.monotonic() < deadline, log_path.read_text()[-3000:]
             time.sleep(0.2)
         time.sleep(1)
         p.send_signal(signal.SIGTERM)
-        for c in clients:
-            c.join(60)
+        clients.join(60)
         p.wait(60)
     finally:
         if p.poll() is None:
             p.kill()
     log = log_path.read_text()
-    events = got["stream"]
-    assert events[-1] == "[DONE]" and len(events) > 3, events[-3:]
-    error = json.loads(events[-2])["error"]
-    assert error["code"] == "server_shutting_down" and "--shutdown-timeout" in error["message"], error
-    r = got["plain"]
-    assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down", r.text
+    clients.assert_ended_by_shutdown("--shutdown-timeout")
     assert "stopping (SIGTERM)" in log and "ended with 503 server_shutting_down" in log, log[-3000:]
     shared_cluster.wait_quiet(60)   # the nodes freed what the ended requests held

@@ -5,17 +5,15 @@ ran, and a supervisor's SIGKILL then cut the clients off with no word."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
-import httpx
 import pytest
 from server_harness import wait_for
+from shutdown_clients import LongClients, status
 
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.llm_engine import LLMEngine
@@ -23,13 +21,6 @@ from kvfence.engine.params import SamplingParams
 from kvfence.procs import free_ports
 from kvfence.server.backend import EngineFailed
 from kvfence.server.engine_loop import EngineLoop
-
-
-def _health(url: str) -> int:
-    try:
-        return httpx.get(url + "/health", timeout=5).status_code
-    except httpx.HTTPError:
-        return 0
 
 
 @pytest.mark.parametrize("signals", [[signal.SIGTERM], [signal.SIGINT, signal.SIGINT]])
@@ -44,51 +35,27 @@ def test_sigterm_ends_what_outlives_the_shutdown_timeout_with_a_503_the_client_r
                           "--kv-cache-memory", "64MiB", "--max-model-len", "2048", "--shutdown-timeout", timeout],
                          env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}, stdout=open(log_path, "wb"),
                          stderr=subprocess.STDOUT)
-    got: dict = {}
     # 1800 tokens take ~25 s here: far past the 2 s deadline
-    body = {"prompt": "Count to a thousand:", "max_tokens": 1800, "ignore_eos": True}
-
-    def stream() -> None:
-        events = []
-        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-        got["stream"] = events
-
-    def plain() -> None:
-        got["plain"] = httpx.post(url + "/v1/completions", json=body, timeout=120)
-
+    clients = LongClients(url, {"prompt": "Count to a thousand:", "max_tokens": 1800, "ignore_eos": True})
     try:
-        assert wait_for(lambda: _health(url) == 200, timeout=240), log_path.read_text()[-3000:]
-        clients = [threading.Thread(target=stream), threading.Thread(target=plain)]
-        for c in clients:
-            c.start()
+        assert wait_for(lambda: status(url) == 200, timeout=240), log_path.read_text()[-3000:]
+        clients.start()
         assert wait_for(lambda: b'"POST /v1/completions HTTP/1.1" 200' in log_path.read_bytes(), timeout=60)
         time.sleep(1)
         for sig in signals:
             p.send_signal(sig)
             time.sleep(1)
-        for c in clients:
-            c.join(60)
+        clients.join(60)
         p.wait(60)
     finally:
         if p.poll() is None:
             p.kill()
     log = log_path.read_text()
-    # the stream had its tokens until the deadline, then the reason, then [DONE]
-    events = got["stream"]
-    assert events[-1] == "[DONE]" and len(events) > 3, events[-3:]
-    error = json.loads(events[-2])["error"]
-    why = "--shutdown-timeout" if len(signals) == 1 else "a second SIGINT ended it"
-    assert error["code"] == "server_shutting_down" and why in error["message"], error
-    r = got["plain"]
-    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
-    assert r.json()["error"]["code"] == "server_shutting_down"
+    clients.assert_ended_by_shutdown("--shutdown-timeout" if len(signals) == 1 else "a second SIGINT ended it")
     name = signals[0].name
     assert f"stopping ({name})" in log and f"2 request(s) in the engine have {timeout} s to finish" in log, log[-3000:]
     assert "ended with 503 server_shutting_down" in log
-    assert _health(url) == 0   # gone
+    assert status(url) == 0   # gone
 
 
 def test_end_all_ends_every_request_with_its_code_gives_pages_back_and_takes_no_more(loaded_fp32):
