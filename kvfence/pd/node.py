@@ -368,10 +368,11 @@ def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int,
     drain = Drain(lambda: loop.snapshot, lambda: exit_now[0](), limit_s=drain_limit_s or DEFAULT_LIMIT_S)
     app, state = node_app(loop, settings, tenants, drain)
     faults.announce(log)
-    scheme = "https" if tls.serving else "http"
-    log.info("%s node serving its internal API on %s://%s:%d/internal%s", settings.role, scheme, host, port,
-             " (client certificates required)" if tls.serving and tls.ca else "")
+    certificates = " (client certificates required)" if tls.serving and tls.ca else ""
     server = uvicorn_server(app, host, port, limits or HttpLimits(), log_level, refusals=state.metrics.connections,
+                            listening=lambda scheme, bound: log.info(
+                                "%s node serving its internal API on %s://%s:%d/internal%s", settings.role, scheme,
+                                host, bound, certificates),
                             **uvicorn_options(tls, client_certificates=True))
     exit_now.append(lambda: setattr(server, "should_exit", True))
     stop_at_once = server.handle_exit

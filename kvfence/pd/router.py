@@ -864,11 +864,12 @@ def serve_router(prefill_urls: list[str], decode_urls: list[str], model: str | N
         return {**body, "error": backend.error, "check": backend.check.to_json() if backend.check else None,
                 "nodes": backend.fleet.to_json() if backend.fleet else []}
 
-    log.info("router serving model %r on http://%s:%d/v1 (prefill %s; decode %s)", state.served_name, host, port,
-             ", ".join(backend.urls["prefill"]), ", ".join(backend.urls["decode"]))
     # SIGTERM: what is in flight may finish for --shutdown-timeout, then ends with 503
     # server_shutting_down (server/shutdown.py)
+    nodes = f'prefill {", ".join(backend.urls["prefill"])}; decode {", ".join(backend.urls["decode"])}'
     server = uvicorn_server(app, host, port, limits or HttpLimits(), log_level, refusals=state.metrics.connections,
+                            listening=lambda scheme, bound: log.info("router serving model %r on %s://%s:%d/v1 (%s)",
+                                                                     state.served_name, scheme, host, bound, nodes),
                             timeout_graceful_shutdown=shutdown_timeout_s + BACKSTOP_S,
                             **uvicorn_options(tls, client_certificates=False))
     GracefulStop(server, backend, shutdown_timeout_s).install()

@@ -311,15 +311,25 @@ class GuardedH11Protocol(H11Protocol):
 
 
 def uvicorn_server(app: Any, host: str, port: int, limits: HttpLimits, log_level: str = "info",
-                   access_log: bool = False, refusals: ConnectionRefusals | None = None, **options: Any):
-    """The one way kvfence builds its uvicorn servers, so that no role runs without the limits."""
+                   access_log: bool = False, refusals: ConnectionRefusals | None = None,
+                   listening: Callable[[str, int], None] | None = None, **options: Any):
+    """The one way kvfence builds its uvicorn servers, so that no role runs without the limits.
+    listening(scheme, port) is called once the socket is bound, with the port the system chose
+    for --port 0, so that a role's "serving on" line names the address a client can use."""
     import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if listening is not None and self.started and self.servers:
+                bound = self.servers[0].sockets[0].getsockname()[1]
+                listening("https" if self.config.is_ssl else "http", bound)
 
     if limits.trusted_proxies:
         log.info("X-Forwarded-For and X-Forwarded-Proto are believed from %s only",
                  ", ".join(str(n) for n in limits.proxy_networks))
-    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
-                                         **uvicorn_kwargs(limits, refusals), **options))
+    return Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
+                                 **uvicorn_kwargs(limits, refusals), **options))
 
 
 def port_unavailable(host: str, port: int) -> str | None:

@@ -67,9 +67,10 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, tenan
         log.log(logging.ERROR if c["status"] == "failed" else logging.INFO, "start-up check %s (%s): %s - %s",
                 c["name"], c["invariant"], c["status"], c["detail"])
     state = ServerState(engine, tenants, served_model_name, max_body_bytes)
-    log.info("serving model %r on %s://%s:%d/v1", state.served_name, "https" if tls else "http", host, port)
     server = uvicorn_server(create_app(state), host, port, limits or HttpLimits(), log_level, access_log=True,
                             refusals=state.metrics.connections,
+                            listening=lambda scheme, bound: log.info("serving model %r on %s://%s:%d/v1",
+                                                                     state.served_name, scheme, host, bound),
                             timeout_graceful_shutdown=shutdown_timeout_s + BACKSTOP_S, **tls)
     GracefulStop(server, engine, shutdown_timeout_s).install()
     return run_until_engine_fails(server, engine)

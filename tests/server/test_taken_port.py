@@ -56,3 +56,36 @@ def test_nodes_and_the_router_refuse_a_taken_port_before_starting(taken, monkeyp
     monkeypatch.setattr(router, "RouterBackend", _never)
     assert router.serve_router(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], None, "127.0.0.1", taken, None, False,
                                b"s" * 32, TlsSettings()) == EXIT_CANNOT_LISTEN
+
+
+def test_the_serving_line_names_the_port_the_system_chose_for_port_0():
+    """`--port 0` logged "serving on ...:0" (found by an operator walkthrough): the roles now
+    say where they serve once the socket is bound, with its real port and scheme."""
+    import threading
+    import time
+
+    from kvfence.server.http_limits import HttpLimits, uvicorn_server
+
+    async def app(scope, receive, send):   # nothing is asked of it
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+
+    heard: list[tuple[str, int]] = []
+    server = uvicorn_server(app, "127.0.0.1", 0, HttpLimits(), log_config=None,
+                            listening=lambda scheme, port: heard.append((scheme, port)))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        assert server.started
+        (scheme, port), = heard
+        assert scheme == "http" and port == server.servers[0].sockets[0].getsockname()[1] and port != 0
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass   # it is the address a client can use
+    finally:
+        server.should_exit = True
+        thread.join(10)
