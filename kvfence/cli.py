@@ -510,6 +510,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the router's port; prefill nodes take the ports after it, then decode nodes")
     lp.add_argument("--prefill", type=at_least_one, default=1, metavar="N", help="prefill nodes (default 1)")
     lp.add_argument("--decode", type=at_least_one, default=1, metavar="M", help="decode nodes (default 1)")
+    lp.add_argument("--shutdown-timeout", type=seconds, default=None, metavar="S",
+                    help="passed to every process: on SIGTERM or Ctrl-C, how long the router lets requests in "
+                         "flight run before it ends them with 503 server_shutting_down (default 25), and a "
+                         "node's drain limit (default 600)")
     _server_args(lp)
     _engine_args(lp)
     _pd_args(lp)

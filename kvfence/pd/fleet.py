@@ -34,6 +34,7 @@ from kvfence import incidents
 from kvfence.pd.addresses import NodeAddress
 from kvfence.pd.capacity import node_problems
 from kvfence.pd.messages import NodeInfo
+from kvfence.pd.settings import ROLES
 
 log = logging.getLogger("kvfence.pd.fleet")
 
@@ -90,6 +91,11 @@ class Fleet:
                 self.nodes.append(Node(role, a.url, a, since=time.time()))
         self.prefill_routing = prefill_routing
         self._turn = 0
+        # since the router started: how often nodes of each role entered each state, and came
+        # back with a new boot (a restart). The state gauge alone missed a node down for a few
+        # seconds between two scrapes (found by a fleet probe)
+        self.entered: dict[tuple[str, str], int] = {(role, st): 0 for role in ROLES for st in STATES}
+        self.restarts: dict[str, int] = dict.fromkeys(ROLES, 0)
 
     def by_url(self, url: str) -> Node | None:
         return next((n for n in self.nodes if n.url == url), None)
@@ -122,7 +128,12 @@ class Fleet:
     def counts(self) -> dict[str, dict[str, int]]:
         """role -> state -> nodes, every state listed (for the metrics)."""
         return {role: {s: sum(1 for n in self.nodes if n.role == role and n.state == s) for s in STATES}
-                for role in ("prefill", "decode")}
+                for role in ROLES}
+
+    def changes(self) -> dict[str, dict[str, int]]:
+        """role -> {state: times a node entered it, "restarts": new boots seen} (for the metrics)."""
+        return {role: {**{st: self.entered[role, st] for st in STATES}, "restarts": self.restarts[role]}
+                for role in ROLES}
 
     # -- what the monitor saw -------------------------------------------------------------------
     def observe(self, node: Node, info: NodeInfo | None, error: str | None = None) -> None:
@@ -131,6 +142,8 @@ class Fleet:
             self._move(node, "down", error or "no answer")
             return
         new_boot = info.pd.boot_id != node.boot_id
+        if new_boot and node.boot_id is not None:
+            self.restarts[node.role] += 1
         node.info = info
         if info.snapshot.get("draining"):
             self._move(node, "draining", "the node is draining")
@@ -153,6 +166,8 @@ class Fleet:
             return
         before = node.state
         node.state, node.reason, node.since = state, reason, time.time()
+        if state != before:
+            self.entered[node.role, state] += 1
         if state == "ready":
             log.info("%s node %s is ready (boot %s, passed the capacity check, I8)%s", node.role, node.url,
                      node.boot_id, " after a restart" if rejoined and before != "checking" else "")

@@ -4,9 +4,10 @@ Three processes, as in production (where they are three machines), on loopback: 
 router on --port, prefill on --port+1, decode on --port+2. The CPU cores are split between
 the two nodes so their thread pools do not fight (OMP_WAIT_POLICY=PASSIVE as well: a
 spinning OpenMP pool next to another process was measured ~40x slower). A node that exits
-(a crash, or a broken engine's exit code 70) is started again, up to MAX_RESTARTS times; the
-router checks the new boot (I8) before routing to it. If the router exits, or a node keeps
-dying, the others are stopped and the exit code says which.
+(a drain, a crash, or a broken engine's exit code 70) is started again (RestartPolicy); the
+router checks the new boot (I8) before routing to it. A node that keeps failing is left
+stopped while others of its role serve; if the router exits, or the last node of a role keeps
+failing, the others are stopped and the exit code says which.
 """
 from __future__ import annotations
 
@@ -65,6 +66,8 @@ def node_commands(a, secret_file: str) -> dict[str, list[str]]:
     engine = flags(a, ENGINE_FLAGS)
     tenants = ["--tenants", a.tenants] if a.tenants else []
     secret = ["--cluster-secret-file", secret_file]
+    # the router's deadline for what is in flight when it stops; a node's drain limit
+    stop = ["--shutdown-timeout", str(a.shutdown_timeout)] if getattr(a, "shutdown_timeout", None) else []
     cmds: dict[str, list[str]] = {}
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
     for i, (role, name) in enumerate(nodes, start=1):
@@ -72,11 +75,11 @@ def node_commands(a, secret_file: str) -> dict[str, list[str]]:
         share = cores // len(nodes) + (1 if len(nodes) == 2 and role == "decode" and cores % 2 else 0)
         cmds[name] = base + ["serve", "--role", role, "--host", a.host, "--port", str(a.port + i),
                              "--threads", str(a.threads or max(1, share))] + engine + flags(a, PD_FLAGS) + \
-            tenants + secret
+            tenants + secret + stop
         urls[role].append(f"http://{a.host}:{a.port + i}")
     cmds["router"] = base + ["serve", "--role", "router", "--host", a.host, "--port", str(a.port),
                              "--prefill-url", ",".join(urls["prefill"]),
-                             "--decode-url", ",".join(urls["decode"])] + tenants + secret + (
+                             "--decode-url", ",".join(urls["decode"])] + tenants + secret + stop + (
         ["--model", a.model] if a.model else []) + (
         ["--max-model-len", str(a.max_model_len)] if a.max_model_len else []) + (
         ["--clamp-context"] if a.clamp_context else []) + (
@@ -120,15 +123,62 @@ def launch_pd(a) -> int:
             os.unlink(secret_file)
 
 
-# a node that exits is started again this many times (the router re-checks it, I8, before
-# it serves again); past that, or when the router exits, launch-pd stops everything
+# A node that exits is started again: at once after a clean exit (code 0: a drain, or a
+# SIGTERM of a rolling restart), and after a failure unless it failed MAX_RESTARTS times in a
+# row, each before it had served for HEALTHY_S. Such a node is left stopped while another node
+# of its role serves (the router routes around it); the last of its role, or the router's own
+# exit, stops everything, and the exit code says which. Before, any node's 4th exit in the
+# cluster's life, drains included, stopped every process (found by a fleet probe).
 MAX_RESTARTS = 3
-# how long the router may take to stop: its default --shutdown-timeout, the backstop, and a margin
-ROUTER_STOP_S = DEFAULT_SHUTDOWN_TIMEOUT_S + BACKSTOP_S + 5.0
+HEALTHY_S = 60.0   # served this long since its start: its failures so far are forgiven
 # exit codes of a process that refused to start (its configuration, a port it cannot listen
 # on): started again, it would refuse again (serve.py's EXIT_CANNOT_LISTEN is 3). Only before
 # it first listened: a node that served and then failed is restarted whatever its code
 REFUSED_TO_START = (2, 3)
+
+
+def router_stop_s(a) -> float:
+    """How long the router may take to stop: its --shutdown-timeout, the backstop, and a margin."""
+    return (getattr(a, "shutdown_timeout", None) or DEFAULT_SHUTDOWN_TIMEOUT_S) + BACKSTOP_S + 5.0
+
+
+def role_of(name: str) -> str:
+    """prefill-2 -> prefill; router -> router."""
+    return name.split("-", 1)[0]
+
+
+class RestartPolicy:
+    """What launch-pd does when one of its processes exits: "restart", "leave" (stopped; others
+    of its role serve) or "stop" (every process). Times are passed in, for the tests."""
+
+    def __init__(self, names: list[str]):
+        self.names = names
+        self.failures = dict.fromkeys(names, 0)   # in a row, since it last served HEALTHY_S
+        self.started: dict[str, float] = {}
+        self.left: set[str] = set()
+
+    def start(self, name: str, now: float) -> None:
+        self.started[name] = now
+
+    def served(self, name: str, now: float) -> None:
+        """Called while the process listens: long enough, and its failures are forgiven."""
+        if now - self.started.get(name, now) >= HEALTHY_S:
+            self.failures[name] = 0
+
+    def on_exit(self, name: str, code: int, listened: bool) -> str:
+        if name == "router":
+            return "stop"
+        refused = code in REFUSED_TO_START and not listened
+        if code == 0 and listened:
+            return "restart"   # a drain or a requested stop: not a failure
+        self.failures[name] += 1
+        if not refused and self.failures[name] <= MAX_RESTARTS:
+            return "restart"
+        others = [n for n in self.names if n != name and role_of(n) == role_of(name) and n not in self.left]
+        if not others:
+            return "stop"
+        self.left.add(name)
+        return "leave"
 
 
 def _listening(host: str, port: str) -> bool:
@@ -142,9 +192,10 @@ def _listening(host: str, port: str) -> bool:
 def _run(a, env: dict[str, str], secret_file: str) -> int:
     procs: dict[str, subprocess.Popen] = {}
     cmds = node_commands(a, secret_file)
-    restarts = dict.fromkeys(cmds, 0)
+    policy = RestartPolicy(list(cmds))
     for role, cmd in cmds.items():
         procs[role] = start_child(cmd, hold_hangup=True, env=env)
+        policy.start(role, time.monotonic())
         port = cmd[cmd.index("--port") + 1]
         print(f"kvfence launch-pd: started {role} on port {port} (pid {procs[role].pid}): {' '.join(cmd[2:])}",
               file=sys.stderr)
@@ -170,28 +221,43 @@ def _run(a, env: dict[str, str], secret_file: str) -> int:
     listened: set[str] = set()   # processes seen listening since their last start
     try:
         while not stopping:
+            now = time.monotonic()
             listened |= {r for r in procs if r not in listened and procs[r].poll() is None
                          and _listening(a.host, cmds[r][cmds[r].index("--port") + 1])}
+            for r in listened:
+                policy.served(r, now)
             dead = {r: p.returncode for r, p in procs.items() if p.poll() is not None}
-            fatal = {r: c for r, c in dead.items() if r == "router" or restarts[r] >= MAX_RESTARTS
-                     or (c in REFUSED_TO_START and r not in listened)}
-            if fatal:
-                role, code = next(iter(fatal.items()))
-                print(f"kvfence launch-pd: {role} exited with code {code}; stopping the others", file=sys.stderr)
+            fatal = None
+            for role, rc in dead.items():
+                what = policy.on_exit(role, rc, role in listened)
+                listened.discard(role)
+                if what == "stop":
+                    fatal = (role, rc)
+                    break
+                if what == "leave":
+                    del procs[role]
+                    print(f"kvfence launch-pd: {role} exited with code {rc}, its failure "
+                          f"{policy.failures[role]} in a row; left stopped while the other {role_of(role)} "
+                          "nodes serve (restart launch-pd to bring it back)", file=sys.stderr)
+                    continue
+                procs[role] = start_child(cmds[role], hold_hangup=True, env=env)
+                policy.start(role, now)
+                why = "a clean exit (a drain?)" if rc == 0 else \
+                    f"failure {policy.failures[role]} of at most {MAX_RESTARTS} in a row"
+                print(f"kvfence launch-pd: {role} exited with code {rc}; restarted it (pid {procs[role].pid}; "
+                      f"{why}); the router checks it again before it serves", file=sys.stderr)
+            if fatal is not None:
+                role, code = fatal
+                print(f"kvfence launch-pd: {role} exited with code {code}"
+                      f"{'' if role == 'router' else ', and no other ' + role_of(role) + ' node serves'}; "
+                      "stopping the others", file=sys.stderr)
                 code = code or 1
                 break
-            for role, rc in dead.items():
-                restarts[role] += 1
-                listened.discard(role)
-                procs[role] = start_child(cmds[role], hold_hangup=True, env=env)
-                print(f"kvfence launch-pd: {role} exited with code {rc}; restarted it (pid {procs[role].pid}, "
-                      f"restart {restarts[role]} of {MAX_RESTARTS}); the router checks it again before it serves",
-                      file=sys.stderr)
             time.sleep(0.5)
     finally:
         # the router first: it ends what is in flight with a 503 by its --shutdown-timeout
         # (SIGKILL at 20 s, with the nodes, cut its clients off with no word), then the nodes
-        stop_processes([p for r, p in procs.items() if r == "router"], grace_s=ROUTER_STOP_S)
+        stop_processes([p for r, p in procs.items() if r == "router"], grace_s=router_stop_s(a))
         stop_processes([p for r, p in procs.items() if r != "router"], grace_s=20)
     if stopping and stopping[0] == signal.SIGINT:
         return 130   # Ctrl-C, as a shell reports it (SIGTERM is a requested stop: 0)

@@ -97,11 +97,15 @@ class NodeError(RuntimeError):
     `retryable`: the node took nothing of it (never reached, or refused for load), so
     another node of the role may be tried."""
 
-    def __init__(self, message: str, code: str, rejection: RejectedEvent | None = None, retryable: bool = False):
+    def __init__(self, message: str, code: str, rejection: RejectedEvent | None = None, retryable: bool = False,
+                 maybe_taken: bool = False):
         super().__init__(message)
         self.code = code
         self.rejection = rejection
         self.retryable = retryable
+        # the connection broke after the request went out: the node may have taken it (a decode
+        # node may be pulling its rows), so nothing of it is known to have stopped
+        self.maybe_taken = maybe_taken
 
 
 # failures after which a request that has sent nothing to its client is tried once more
@@ -111,6 +115,11 @@ RETRY_CODES = frozenset({"node_unavailable", "node_failed", "server_overloaded",
 # engine_unavailable: its engine stopped, or a scope retirement the request queued behind
 # failed; either way the node refused it before admitting it (EngineLoop.submit)
 REFUSED_FOR_LOAD_OR_STATE = frozenset({"server_overloaded", "not_ready", "draining", "engine_unavailable"})
+
+
+def _described(e: BaseException) -> str:
+    """An error for a message: its kind, and its text where it has one (httpx's reset has none)."""
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
 def may_retry_prefill(code: str, holds_kv: bool, tried: int) -> bool:
@@ -497,7 +506,7 @@ class RouterBackend:
         except NodeError as e:
             fail(str(e), e.code, e.rejection)
         except Exception as e:  # noqa: BLE001 - whatever a node did, this request fails with a code
-            fail(f"a PD node failed mid-request: {type(e).__name__}: {e}", "node_failed")
+            fail(f"a PD node failed mid-request: {_described(e)}", "node_failed")
         finally:
             if flight.manifest is not None and not flight.released:
                 self._later(self._settle_prefill(rid, flight))
@@ -634,10 +643,11 @@ class RouterBackend:
             r = await stack.enter_async_context(self._http().stream("POST", node.url + path,
                                                                     **_options(node, **_json(body, _stamps(node)))))
         except httpx.ConnectError as e:    # the node never got the request: another may take it
-            raise NodeError(f"the {role} node is unreachable: {type(e).__name__}: {e}", "node_unavailable",
+            raise NodeError(f"the {role} node is unreachable: {_described(e)}", "node_unavailable",
                             retryable=True) from None
-        except httpx.HTTPError as e:
-            raise NodeError(f"the {role} node is unreachable: {type(e).__name__}: {e}", "node_unavailable") from None
+        except httpx.HTTPError as e:   # reached, then it died or hung before answering (killed, stopped)
+            raise NodeError(f"the {role} node failed before answering: {_described(e)}", "node_failed",
+                            maybe_taken=True) from None
         if r.status_code != 200:
             raw = await r.aread()
             err = _error_of(raw)
@@ -684,7 +694,7 @@ class RouterBackend:
                 events = self._events("decode", await self._open(node, "/internal/decode", body, stack))
                 await self._admitted("decode", events)
             except NodeError as e:
-                if e.code != "node_unavailable" or e.retryable:  # refused or never reached: it never pulls
+                if not e.maybe_taken:  # refused or never reached: it never pulls
                     flight.reader_stopped = True
                 raise
             if not admitted.done():
@@ -778,6 +788,7 @@ def _merge_snapshots(fleet: Fleet) -> dict:
     out["violations"] = violations
     out["nodes"] = snaps
     out["fleet"] = fleet.counts()
+    out["fleet_changes"] = fleet.changes()
     return out
 
 

@@ -33,7 +33,7 @@ from kvfence.engine.schema_check import SchemaChecker, SchemaTooCostly
 from kvfence.model.tokenizer import ChatTemplateError
 from kvfence.server import legacy_functions, responses_api
 from kvfence.server.auth_throttle import FailedAuthThrottle, client_address
-from kvfence.server.backend import EngineBackend, EngineFailed, RequestHandle, Update
+from kvfence.server.backend import DEAD_STATES, EngineBackend, EngineFailed, RequestHandle, Update
 from kvfence.server.disconnect import watch_disconnect
 from kvfence.server.errors import (
     ABORT_STATUS,
@@ -161,7 +161,10 @@ class ServerState:
         why = self.engine.error or "stopped"
         if not self.tenants.single_tenant:   # the reason names nodes and internals: the operator's
             why = "the operator's log and /health (with the [metrics] or [operator] key) say why"
-        raise APIError(503, f"The engine is not serving ({st}): {why}.", code="engine_unavailable")
+        # a router waits for a node to come back (seconds: a restart and its check), a failed
+        # single node for its supervisor to restart it
+        raise APIError(503, f"The engine is not serving ({st}): {why}.", code="engine_unavailable",
+                       headers={"Retry-After": "5"})
 
     @property
     def facts(self) -> dict:
@@ -392,12 +395,14 @@ def create_app(state: ServerState) -> FastAPI:
     async def health(request: Request):
         st = state.engine.state
         snap = state.engine.snapshot
-        body = {"status": "ok" if st == "ready" else st, "ready": st == "ready", "alive": st in ("ready", "loading")}
+        body = {"status": "ok" if st == "ready" else st, "ready": st == "ready", "alive": st not in DEAD_STATES}
         # the live counts follow every tenant's load, and why it failed names the router's nodes
         # (URLs, states) or the engine's internals: with a tenants file, for the [metrics] or
         # [operator] key only (probes need the status alone)
         if may_scrape(state, request, "/health", public_part=True):
             body |= {"running": snap.get("running"), "waiting": snap.get("waiting")}
+            if snap.get("fleet"):   # a router: ready with half its decode nodes down is worth a look
+                body["nodes"] = snap["fleet"]
             if state.engine.error:
                 body["error"] = state.engine.error
         return JSONResponse(body, status_code=200 if st == "ready" else 503)
@@ -405,7 +410,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.api_route("/health/live", methods=["GET", "HEAD"])
     async def live():
         st = state.engine.state
-        alive = st in ("ready", "loading")
+        alive = st not in DEAD_STATES
         return JSONResponse({"alive": alive, "status": st}, status_code=200 if alive else 503)
 
     @app.get("/metrics")
@@ -654,8 +659,10 @@ async def _generate(state: ServerState, request: Request, kind: str):
                 raise KeyRevoked.api_error() from None
             headers = {"Retry-After": "1"} if e.code in RETRY_SOON_CODES else None
             status, what = ABORT_STATUS.get(e.code, (503, "The engine is not available"))
+            if status >= 500:   # a node lost on the way in is the server's failure, not "not ready"
+                state.metrics.failures.labels(e.code or "unknown").inc()
             raise APIError(status, f"{what}: {_public_detail(state, rid, tenant, e.code, str(e))}.", code=e.code,
-                           headers=headers) from None
+                           headers=headers, outcome="error" if status >= 500 else None) from None
         except GrammarError as e:
             raise bad_request(str(e), param="response_format") from None
         except ValueError as e:   # NotServedHere has a code of its own
@@ -1245,6 +1252,8 @@ class _Run:
                 u = self._failed_update()
                 client_caused = u is not None and abort_status(u.abort_code)[0] == 400
                 outcome = "invalid" if client_caused else "error"
+                if not client_caused:
+                    self.state.metrics.failures.labels((u.abort_code if u is not None else None) or "unknown").inc()
         generated = self._tokens_generated()
         self.lease.release(generated)   # the engine's work: what the tenant's minute paid for
         firsts = [c.first_token_at for c in self.choices if c.first_token_at is not None]

@@ -100,6 +100,12 @@ class RequestHandle:
         return u
 
 
+# the states in which a backend's process cannot serve again by waiting: a liveness probe
+# fails only in these, so that a supervisor restarts it. A router whose nodes are down
+# (not_ready) is alive: restarting it would not bring them back and would cut what it serves
+DEAD_STATES = ("failed", "stopped")
+
+
 class EngineBackend(Protocol):
     facts: dict[str, Any] | None        # static facts (model, pool, context), once known
     snapshot: dict[str, Any]            # live counts, refreshed by the backend

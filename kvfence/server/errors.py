@@ -88,13 +88,17 @@ ABORT_STATUS = {
     "scope_retired": (401, "The API key of this request was revoked while it ran"),
 }
 
+# codes whose refusal a client may retry at once (elsewhere, or here once the fleet routes
+# around a failed node): answered with Retry-After: 1, which the openai client honours. Every
+# 503 above is the server's or the fleet's moment, not the request's fault
+RETRY_SOON_CODES = frozenset(code for code, (status, _) in ABORT_STATUS.items() if status == 503)
+
+
 def abort_status(code: str | None) -> tuple[int, str]:
     """(HTTP status, what the client is told) for an abort code; an unknown one is a 500."""
     return ABORT_STATUS.get(code or "", (500, "The request was aborted"))
 
 
-# codes whose refusal a client may retry at once (elsewhere): answered with Retry-After: 1
-RETRY_SOON_CODES = frozenset({"server_overloaded", "server_shutting_down"})
 
 # abort codes whose detail the client may read: about its own request (its lengths, its schema),
 # or the server's stop; any other detail may name a node, a transfer address, the pool's state or

@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvfence import faults
+from kvfence.server.errors import ABORT_STATUS
 from kvfence.server.http_limits import REFUSAL_REASONS, ConnectionRefusals
 
 REJECTION_REASONS = ("context_length_exceeded", "tenant_max_prompt_tokens", "tenant_max_concurrent_requests",
@@ -50,6 +51,13 @@ class ServerMetrics:
                                   "scheduler, by reason", ["reason"], registry=r)
         for reason in REJECTION_REASONS:
             self.rejections.labels(reason)
+        # outcome="error" says that the server failed a request, this says how (a PD node lost, a
+        # transfer that failed, ...): what an operator looks at when errors rise
+        self.failures = Counter("kvfence_request_failures", "Requests the server failed after taking them (the "
+                                "outcome error), by their error code", ["code"], registry=r)
+        for code, (status, _) in ABORT_STATUS.items():
+            if status >= 500:
+                self.failures.labels(code)
         r.register(_EngineCollector(engine_loop))
         self.connections = ConnectionRefusals()   # the HTTP server counts what it closes here (uvicorn_server)
         r.register(_RefusalCollector(self.connections))
@@ -178,6 +186,20 @@ class _EngineCollector:
                 for st, n in sorted(states.items()):
                     nodes.add_metric([role, st], float(n))
             yield nodes
+        changes = s.get("fleet_changes")
+        if changes:
+            entered = CounterMetricFamily("kvfence_pd_fleet_node_changes", "PD router: times a node entered each "
+                                          "state since the router started (down: it stopped answering), by role",
+                                          labels=["role", "state"])
+            restarts = CounterMetricFamily("kvfence_pd_fleet_node_restarts", "PD router: nodes seen back with a "
+                                           "new boot id (a restart), by role", labels=["role"])
+            for role, by_state in sorted(changes.items()):
+                restarts.add_metric([role], float(by_state["restarts"]))
+                for st, n in sorted(by_state.items()):
+                    if st != "restarts":
+                        entered.add_metric([role, st], float(n))
+            yield entered
+            yield restarts
         audit = s.get("audit")
         if audit is not None:
             a = CounterMetricFamily("kvfence_read_audit_violations", "Reads and writes the read audit (a test "

@@ -475,14 +475,24 @@ def test_decode_failing_mid_stream_counts_the_tokens_it_streamed(cluster, client
 def test_prefill_killed_after_holding_then_rejoins(cluster, client):
     m = model_name(client)
     cluster.set_faults("prefill", "kill_node_at:prefill_after_hold")
-    _expect_error(lambda: client.completions.create(model=m, prompt=LONG, max_tokens=4), 503, "node_failed")
+    e = _expect_error(lambda: client.completions.create(model=m, prompt=LONG, max_tokens=4), 503, "node_failed")
+    assert e.response.headers.get("retry-after") == "1"   # the client may retry once the fleet routes around it
+    assert _router_counter(cluster, "kvfence_request_failures_total", code="node_failed") >= 1   # how it failed
     cluster.procs["prefill"].wait(10)
     # the router stops serving while a node is gone ...
     for _ in range(20):
         if httpx.get(cluster.url("router") + "/health").status_code == 503:
             break
         time.sleep(0.5)
-    _expect_error(lambda: client.completions.create(model=m, prompt="Hi", max_tokens=2), 503)
+    e = _expect_error(lambda: client.completions.create(model=m, prompt="Hi", max_tokens=2), 503,
+                      "engine_unavailable")
+    assert e.response.headers.get("retry-after") == "5"   # a node's restart and check take seconds
+    # ... yet stays alive: a liveness probe that failed here had Kubernetes restart a router that
+    # nodes' absence had made unready, cutting what it served (found by a fleet probe)
+    live = httpx.get(cluster.url("router") + "/health/live")
+    assert live.status_code == 200 and live.json() == {"alive": True, "status": "not_ready"}, live.text
+    health = httpx.get(cluster.url("router") + "/health").json()   # which role is missing, for the operator
+    assert sum(health["nodes"]["prefill"].values()) == 1 and health["nodes"]["prefill"]["ready"] == 0, health
     # ... and checks the restarted node again (new boot id) before it serves
     old_boot = cluster.routed_node("prefill")["boot_id"]
     cluster.start("prefill")

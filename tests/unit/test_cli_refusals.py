@@ -202,3 +202,53 @@ def test_launch_pd_stops_the_router_before_the_nodes(tmp_path, monkeypatch):
     assert _launch_pd_run() == 2
     stops = dict(line.split() for line in log.read_text().splitlines())
     assert float(stops["prefill"]) >= float(stops["router"]) + 1.0, stops   # after the router had exited
+
+
+def test_launch_pd_restarts_drains_forgives_old_failures_and_leaves_one_failing_node_stopped():
+    """A fleet probe: the 4th exit of one node in the cluster's life, a clean drain included,
+    stopped the router and every healthy node. Now a drain (exit 0 after serving) is restarted
+    as often as it comes; failures count in a row and are forgiven once a node served
+    HEALTHY_S; a node past MAX_RESTARTS is left stopped while another of its role serves; the
+    last of its role, or the router, still stops everything."""
+    from kvfence.pd.launch import HEALTHY_S, MAX_RESTARTS, RestartPolicy
+
+    p = RestartPolicy(["prefill", "decode", "decode-2", "router"])
+    for name in p.names:
+        p.start(name, 0.0)
+    for _ in range(10):   # drains of a rolling restart
+        assert p.on_exit("decode", 0, listened=True) == "restart"
+    t = 0.0
+    for _ in range(MAX_RESTARTS):   # a node that fails again and again, each soon after its start
+        assert p.on_exit("decode", 70, listened=True) == "restart"
+        t += 5
+        p.start("decode", t)
+        p.served("decode", t + 4)
+    assert p.on_exit("decode", 70, listened=True) == "leave"        # decode-2 serves: only this one stops
+    assert p.on_exit("decode-2", 137, listened=True) == "restart"   # its own first failure
+    for _ in range(MAX_RESTARTS):
+        p.on_exit("decode-2", 137, listened=True)
+    assert p.on_exit("decode-2", 137, listened=True) == "stop"      # no decode node would be left
+    # a failure long after the last is a first failure again
+    q = RestartPolicy(["prefill", "decode", "router"])
+    q.start("prefill", 0.0)
+    for i in range(MAX_RESTARTS * 3):
+        assert q.on_exit("prefill", 137, listened=True) == "restart", i
+        q.start("prefill", i * 100.0)
+        q.served("prefill", i * 100.0 + HEALTHY_S)
+    # exit 0 before it ever listened is no drain; a refusal to start is not retried
+    assert q.on_exit("prefill", 0, listened=False) == "restart" and q.failures["prefill"] == 1
+    assert q.on_exit("prefill", 2, listened=False) == "stop"
+    assert q.on_exit("router", 0, listened=True) == "stop"
+
+
+def test_launch_pd_passes_its_shutdown_timeout_to_every_process():
+    """It refused the flag (a fleet probe): the router always had 25 s, the nodes' drain 600 s."""
+    from kvfence.pd import launch
+
+    a = build_parser().parse_args(["launch-pd", "--prefill", "2", "--shutdown-timeout", "7"])
+    for name, cmd in launch.node_commands(a, "/s").items():
+        i = cmd.index("--shutdown-timeout")
+        assert float(cmd[i + 1]) == 7, name
+        assert build_parser().parse_args(cmd[3:]).shutdown_timeout == 7   # serve takes it as given
+    assert launch.router_stop_s(a) == 7 + launch.BACKSTOP_S + 5
+    assert "--shutdown-timeout" not in launch.node_commands(build_parser().parse_args(["launch-pd"]), "/s")["router"]

@@ -336,3 +336,29 @@ def test_the_router_says_why_at_once_when_a_node_goes_down_between_rounds():
     assert router.state == "not_ready" and "monitor" in (router.error or "")
     router._refresh()
     assert router.state == "ready" and router.error is None
+
+
+def test_the_fleet_counts_every_node_that_went_down_or_restarted_however_briefly():
+    """The state gauge alone missed a node down for a few seconds between two scrapes (found by
+    a fleet probe): each entry into a state and each new boot is counted, and reach /metrics."""
+    f = fleet()
+    assert f.changes()["prefill"]["ready"] == 3 and f.changes()["decode"]["ready"] == 2   # the first checks
+    d1 = f.nodes[3]
+    f.observe(d1, None, "does not answer (ReadTimeout)")
+    f.observe(d1, None, "does not answer (ReadTimeout)")           # still down: one entry
+    f.observe(d1, info(role="decode", boot="d1-again"))            # back, a new boot
+    f.observe(d1, info(role="decode", boot="d1-again"))            # the same boot: no restart
+    assert f.changes()["decode"] == {"checking": 0, "ready": 3, "refused": 0, "down": 1, "draining": 0,
+                                     "restarts": 1}
+    assert f.changes()["prefill"]["restarts"] == 0
+    from kvfence.server.metrics import _EngineCollector
+
+    class Loop:
+        snapshot = {**_merge_snapshots(f), "ledger_counters": {}}
+        facts = None
+        startup_checks: list = []
+        state = "ready"
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for m in _EngineCollector(Loop()).collect() for s in m.samples}
+    assert samples[("kvfence_pd_fleet_node_changes_total", (("role", "decode"), ("state", "down")))] == 1
+    assert samples[("kvfence_pd_fleet_node_restarts_total", (("role", "decode"),))] == 1

@@ -103,3 +103,50 @@ def test_a_forget_message_goes_stamped_to_checked_nodes_only():
     assert asyncio.run(router.forget_tenants(["carol"], 2)) == 3
     assert sent == [("http://checked/internal/forget_tenants",
                      {"tenants": ["carol"], "router": router.router_id, "epoch": 2})]
+
+
+def test_a_node_that_took_the_connection_and_died_failed_it_is_not_unreachable():
+    """A decode node killed after the router's request went out was reported 'unreachable:
+    ReadError: .' with node_unavailable, which the docs promise for a node never reached (found
+    by a fleet probe). Now node_failed, with the kind of break, and marked as possibly taken (so
+    its rows are not taken as unread); a port nobody listens on stays node_unavailable, retryable."""
+    import socket
+    import threading
+    from contextlib import AsyncExitStack
+
+    from kvfence.pd.fleet import Node
+    from kvfence.pd.messages import ReleaseBody
+    from kvfence.pd.router import NodeError
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def take_and_drop() -> None:   # reads the request, then goes away without a word
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")   # RST
+        conn.close()
+
+    threading.Thread(target=take_and_drop, daemon=True).start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nobody = s.getsockname()[1]
+    router = RouterBackend(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{nobody}", b"k" * 32)
+
+    async def attempt(url: str) -> NodeError:
+        async with AsyncExitStack() as stack:
+            with pytest.raises(NodeError) as e:
+                await router._open(Node("decode", url), "/internal/release", ReleaseBody(request_id="r1"), stack)
+        return e.value
+
+    async def both() -> tuple[NodeError, NodeError]:
+        try:
+            return await attempt(f"http://127.0.0.1:{port}"), await attempt(f"http://127.0.0.1:{nobody}")
+        finally:
+            await router._http().aclose()
+
+    died, never = asyncio.run(both())
+    listener.close()
+    assert died.code == "node_failed" and died.maybe_taken and not died.retryable, died
+    assert str(died).startswith("the decode node failed before answering: ") and not str(died).endswith(": "), died
+    assert never.code == "node_unavailable" and never.retryable and not never.maybe_taken, never
