@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass
 
@@ -96,6 +97,7 @@ class Fleet:
         # seconds between two scrapes (found by a fleet probe)
         self.entered: dict[tuple[str, str], int] = {(role, st): 0 for role in ROLES for st in STATES}
         self.restarts: dict[str, int] = dict.fromkeys(ROLES, 0)
+        self._counting = threading.Lock()   # the monitor's thread and the request loop both move nodes
 
     def by_url(self, url: str) -> Node | None:
         return next((n for n in self.nodes if n.url == url), None)
@@ -143,7 +145,8 @@ class Fleet:
             return
         new_boot = info.pd.boot_id != node.boot_id
         if new_boot and node.boot_id is not None:
-            self.restarts[node.role] += 1
+            with self._counting:
+                self.restarts[node.role] += 1
         node.info = info
         if info.snapshot.get("draining"):
             self._move(node, "draining", "the node is draining")
@@ -167,7 +170,8 @@ class Fleet:
         before = node.state
         node.state, node.reason, node.since = state, reason, time.time()
         if state != before:
-            self.entered[node.role, state] += 1
+            with self._counting:
+                self.entered[node.role, state] += 1
         if state == "ready":
             log.info("%s node %s is ready (boot %s, passed the capacity check, I8)%s", node.role, node.url,
                      node.boot_id, " after a restart" if rejoined and before != "checking" else "")

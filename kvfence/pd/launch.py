@@ -123,14 +123,15 @@ def launch_pd(a) -> int:
             os.unlink(secret_file)
 
 
-# A node that exits is started again: at once after a clean exit (code 0: a drain, or a
-# SIGTERM of a rolling restart), and after a failure unless it failed MAX_RESTARTS times in a
-# row, each before it had served for HEALTHY_S. Such a node is left stopped while another node
-# of its role serves (the router routes around it); the last of its role, or the router's own
-# exit, stops everything, and the exit code says which. Before, any node's 4th exit in the
-# cluster's life, drains included, stopped every process (found by a fleet probe).
+# A node that exits is started again: at once after a clean exit (code 0 once it listened: a
+# drain, or the SIGTERM of a rolling restart), and after each of up to MAX_RESTARTS failures
+# in a row; a failure after it had listened for HEALTHY_S is a first one again. At the next
+# failure it is left stopped if another node of its role is up and listening (the router
+# routes around it); the last of its role, or the router's own exit, stops everything, and the
+# exit code says which. Before, any node's 4th exit in the cluster's life, drains included,
+# stopped every process (found by a fleet probe).
 MAX_RESTARTS = 3
-HEALTHY_S = 60.0   # served this long since its start: its failures so far are forgiven
+HEALTHY_S = 60.0   # listening this long (its model loaded): its failures so far are forgiven
 # exit codes of a process that refused to start (its configuration, a port it cannot listen
 # on): started again, it would refuse again (serve.py's EXIT_CANNOT_LISTEN is 3). Only before
 # it first listened: a node that served and then failed is restarted whatever its code
@@ -153,30 +154,33 @@ class RestartPolicy:
 
     def __init__(self, names: list[str]):
         self.names = names
-        self.failures = dict.fromkeys(names, 0)   # in a row, since it last served HEALTHY_S
-        self.started: dict[str, float] = {}
+        self.failures = dict.fromkeys(names, 0)    # in a row
+        self.listening_since: dict[str, float] = {}   # processes up and listening, since when
         self.left: set[str] = set()
 
-    def start(self, name: str, now: float) -> None:
-        self.started[name] = now
-
-    def served(self, name: str, now: float) -> None:
-        """Called while the process listens: long enough, and its failures are forgiven."""
-        if now - self.started.get(name, now) >= HEALTHY_S:
+    def listening(self, name: str, now: float) -> None:
+        """Its process was seen listening (loading its model does not count): after HEALTHY_S
+        of it, its failures so far are forgiven."""
+        since = self.listening_since.setdefault(name, now)
+        if now - since >= HEALTHY_S:
             self.failures[name] = 0
+
+    def exited(self, name: str) -> bool:
+        """Its process is gone (every one that exited, before on_exit decides for any): whether
+        it had listened."""
+        return self.listening_since.pop(name, None) is not None
 
     def on_exit(self, name: str, code: int, listened: bool) -> str:
         if name == "router":
             return "stop"
-        refused = code in REFUSED_TO_START and not listened
         if code == 0 and listened:
             return "restart"   # a drain or a requested stop: not a failure
         self.failures[name] += 1
+        refused = code in REFUSED_TO_START and not listened   # it would refuse again
         if not refused and self.failures[name] <= MAX_RESTARTS:
             return "restart"
-        others = [n for n in self.names if n != name and role_of(n) == role_of(name) and n not in self.left]
-        if not others:
-            return "stop"
+        if not any(role_of(n) == role_of(name) for n in self.listening_since):
+            return "stop"   # no other node of its role serves
         self.left.add(name)
         return "leave"
 
@@ -192,13 +196,12 @@ def _listening(host: str, port: str) -> bool:
 def _run(a, env: dict[str, str], secret_file: str) -> int:
     procs: dict[str, subprocess.Popen] = {}
     cmds = node_commands(a, secret_file)
+    ports = {name: cmd[cmd.index("--port") + 1] for name, cmd in cmds.items()}
     policy = RestartPolicy(list(cmds))
     for role, cmd in cmds.items():
         procs[role] = start_child(cmd, hold_hangup=True, env=env)
-        policy.start(role, time.monotonic())
-        port = cmd[cmd.index("--port") + 1]
-        print(f"kvfence launch-pd: started {role} on port {port} (pid {procs[role].pid}): {' '.join(cmd[2:])}",
-              file=sys.stderr)
+        print(f"kvfence launch-pd: started {role} on port {ports[role]} (pid {procs[role].pid}): "
+              f"{' '.join(cmd[2:])}", file=sys.stderr)
     print(f"kvfence launch-pd: the OpenAI API will be at http://{a.host}:{a.port}/v1 once the router reports "
           f"ready; cluster check at http://{a.host}:{a.port}/v1/kvfence/cluster", file=sys.stderr)
 
@@ -218,32 +221,29 @@ def _run(a, env: dict[str, str], secret_file: str) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGHUP, reload_tenants)
     code = 0
-    listened: set[str] = set()   # processes seen listening since their last start
     try:
         while not stopping:
             now = time.monotonic()
-            listened |= {r for r in procs if r not in listened and procs[r].poll() is None
-                         and _listening(a.host, cmds[r][cmds[r].index("--port") + 1])}
-            for r in listened:
-                policy.served(r, now)
             dead = {r: p.returncode for r, p in procs.items() if p.poll() is not None}
+            for r in procs:
+                if r not in dead and (r in policy.listening_since or _listening(a.host, ports[r])):
+                    policy.listening(r, now)
+            listened = {r: policy.exited(r) for r in dead}   # all of them gone before any decision
             fatal = None
             for role, rc in dead.items():
-                what = policy.on_exit(role, rc, role in listened)
-                listened.discard(role)
+                what = policy.on_exit(role, rc, listened[role])
                 if what == "stop":
                     fatal = (role, rc)
                     break
                 if what == "leave":
                     del procs[role]
-                    print(f"kvfence launch-pd: {role} exited with code {rc}, its failure "
-                          f"{policy.failures[role]} in a row; left stopped while the other {role_of(role)} "
-                          "nodes serve (restart launch-pd to bring it back)", file=sys.stderr)
+                    print(f"kvfence launch-pd: {role} exited with code {rc}, failing {policy.failures[role]} "
+                          f"times in a row; left stopped while the other {role_of(role)} nodes serve (restart "
+                          "launch-pd to bring it back)", file=sys.stderr)
                     continue
                 procs[role] = start_child(cmds[role], hold_hangup=True, env=env)
-                policy.start(role, now)
-                why = "a clean exit (a drain?)" if rc == 0 else \
-                    f"failure {policy.failures[role]} of at most {MAX_RESTARTS} in a row"
+                why = "a clean exit (a drain?)" if rc == 0 and listened[role] else \
+                    f"failure {policy.failures[role]} in a row; failure {MAX_RESTARTS + 1} is not restarted"
                 print(f"kvfence launch-pd: {role} exited with code {rc}; restarted it (pid {procs[role].pid}; "
                       f"{why}); the router checks it again before it serves", file=sys.stderr)
             if fatal is not None:

@@ -108,6 +108,8 @@ class NodeError(RuntimeError):
         self.maybe_taken = maybe_taken
 
 
+MAX_NODE_CONNECTIONS = 1000   # the router's to all its nodes together (httpx's pool)
+
 # failures after which a request that has sent nothing to its client is tried once more
 RETRY_CODES = frozenset({"node_unavailable", "node_failed", "server_overloaded", "not_ready", "draining",
                          "engine_unavailable"})
@@ -380,7 +382,8 @@ class RouterBackend:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.stall_s, connect=5.0), verify=self._verify,
                                              headers=self._headers,
-                                             limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
+                                             limits=httpx.Limits(max_connections=MAX_NODE_CONNECTIONS,
+                                                                 max_keepalive_connections=100))
         return self._client
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, tenant: str,
@@ -642,9 +645,12 @@ class RouterBackend:
         try:
             r = await stack.enter_async_context(self._http().stream("POST", node.url + path,
                                                                     **_options(node, **_json(body, _stamps(node)))))
-        except httpx.ConnectError as e:    # the node never got the request: another may take it
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:   # it never got the request: another may
             raise NodeError(f"the {role} node is unreachable: {_described(e)}", "node_unavailable",
                             retryable=True) from None
+        except httpx.PoolTimeout:   # the router's own connections are all taken: nothing was sent
+            raise NodeError(f"the router has no free connection to the {role} node (all "
+                            f"{MAX_NODE_CONNECTIONS} in use)", "server_overloaded") from None
         except httpx.HTTPError as e:   # reached, then it died or hung before answering (killed, stopped)
             raise NodeError(f"the {role} node failed before answering: {_described(e)}", "node_failed",
                             maybe_taken=True) from None

@@ -37,12 +37,13 @@ from kvfence.server.backend import DEAD_STATES, EngineBackend, EngineFailed, Req
 from kvfence.server.disconnect import watch_disconnect
 from kvfence.server.errors import (
     ABORT_STATUS,
+    NOT_TAKEN_CODES,
     OWN_DETAIL_CODES,
-    RETRY_SOON_CODES,
     APIError,
     abort_status,
     bad_request,
     error_body,
+    retry_after,
 )
 from kvfence.server.fair_queue import FairWorker
 from kvfence.server.isolation import isolation_statement, tenant_view
@@ -164,7 +165,7 @@ class ServerState:
         # a router waits for a node to come back (seconds: a restart and its check), a failed
         # single node for its supervisor to restart it
         raise APIError(503, f"The engine is not serving ({st}): {why}.", code="engine_unavailable",
-                       headers={"Retry-After": "5"})
+                       headers=retry_after("engine_unavailable"))
 
     @property
     def facts(self) -> dict:
@@ -657,12 +658,12 @@ async def _generate(state: ServerState, request: Request, kind: str):
         except EngineFailed as e:  # the PD router's failures carry a machine-readable code
             if e.code == "scope_retired":   # a node had retired the scope by the reload that revoked the key
                 raise KeyRevoked.api_error() from None
-            headers = {"Retry-After": "1"} if e.code in RETRY_SOON_CODES else None
             status, what = ABORT_STATUS.get(e.code, (503, "The engine is not available"))
-            if status >= 500:   # a node lost on the way in is the server's failure, not "not ready"
-                state.metrics.failures.labels(e.code or "unknown").inc()
+            failed = status >= 500 and e.code not in NOT_TAKEN_CODES   # taken, then lost: not "not ready"
+            if failed:
+                state.metrics.failures.labels(e.code or "engine_unavailable").inc()
             raise APIError(status, f"{what}: {_public_detail(state, rid, tenant, e.code, str(e))}.", code=e.code,
-                           headers=headers, outcome="error" if status >= 500 else None) from None
+                           headers=retry_after(e.code), outcome="error" if failed else None) from None
         except GrammarError as e:
             raise bad_request(str(e), param="response_format") from None
         except ValueError as e:   # NotServedHere has a code of its own
@@ -1252,8 +1253,9 @@ class _Run:
                 u = self._failed_update()
                 client_caused = u is not None and abort_status(u.abort_code)[0] == 400
                 outcome = "invalid" if client_caused else "error"
-                if not client_caused:
-                    self.state.metrics.failures.labels((u.abort_code if u is not None else None) or "unknown").inc()
+                if not client_caused:   # the code the client is told (_failure)
+                    code = "engine_unavailable" if u is None else u.abort_code or "request_aborted"
+                    self.state.metrics.failures.labels(code).inc()
         generated = self._tokens_generated()
         self.lease.release(generated)   # the engine's work: what the tenant's minute paid for
         firsts = [c.first_token_at for c in self.choices if c.first_token_at is not None]
@@ -1294,7 +1296,7 @@ class _Run:
             tools = self.req.tools
             param = "tools" if tools is not None and tools.enforced else "response_format"
         err = APIError(status, f"{what}: {detail}.", code=u.abort_code or "request_aborted", param=param,
-                       headers={"Retry-After": "1"} if u.abort_code in RETRY_SOON_CODES else None)
+                       headers=retry_after(u.abort_code))
         return responses_api.refused(err) if self.kind == "responses" else err   # its own field names
 
     def _fail_on(self, e: BaseException) -> APIError:
@@ -1304,7 +1306,7 @@ class _Run:
             detail = _public_detail(self.state, self.choices[0].rid, self.tenant, e.code, str(e))
             if e.code == "server_shutting_down":   # another choice of it came after the deadline
                 return APIError(503, f"{ABORT_STATUS[e.code][1]}: {detail}.", code=e.code,
-                                headers={"Retry-After": "1"})
+                                headers=retry_after(e.code))
             return APIError(503, f"The engine stopped serving this request: {detail}.", code="engine_unavailable")
         if isinstance(e, Overloaded):
             return APIError(503, str(e), code="server_overloaded", headers={"Retry-After": str(e.retry_after_s)})

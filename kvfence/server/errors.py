@@ -88,10 +88,28 @@ ABORT_STATUS = {
     "scope_retired": (401, "The API key of this request was revoked while it ran"),
 }
 
-# codes whose refusal a client may retry at once (elsewhere, or here once the fleet routes
-# around a failed node): answered with Retry-After: 1, which the openai client honours. Every
-# 503 above is the server's or the fleet's moment, not the request's fault
-RETRY_SOON_CODES = frozenset(code for code, (status, _) in ABORT_STATUS.items() if status == 503)
+# codes whose refusal a client may retry after a second: a node lost (the fleet routes around
+# it) or the server stopping (another replica takes it). Not the capacity codes
+# (kv_pool_exhausted, kv_transfer_timeout, lease_expired): a fixed second would bring every
+# client back into a full pool together, where without the header the openai client backs off
+# with jitter (found in review)
+RETRY_SOON_CODES = frozenset({"server_overloaded", "server_shutting_down", "node_failed", "node_unavailable",
+                              "aborted_by_peer", "kv_transfer_failed"})
+# the server or the fleet does not serve now (loading, no node of a role ready, a node's
+# drain): back in seconds, once a node has restarted and been checked
+NOT_SERVING_CODES = frozenset({"engine_unavailable", "not_ready", "draining"})
+# refused before any of the request ran: not a failure of the server's
+# (kvfence_request_failures_total counts what it took and then failed)
+NOT_TAKEN_CODES = NOT_SERVING_CODES | {"server_overloaded"}
+
+
+def retry_after(code: str | None) -> dict[str, str] | None:
+    """The Retry-After header a refusal with this code carries, if any."""
+    if code in RETRY_SOON_CODES:
+        return {"Retry-After": "1"}
+    if code in NOT_SERVING_CODES:
+        return {"Retry-After": "5"}
+    return None
 
 
 def abort_status(code: str | None) -> tuple[int, str]:

@@ -206,39 +206,50 @@ def test_launch_pd_stops_the_router_before_the_nodes(tmp_path, monkeypatch):
 
 def test_launch_pd_restarts_drains_forgives_old_failures_and_leaves_one_failing_node_stopped():
     """A fleet probe: the 4th exit of one node in the cluster's life, a clean drain included,
-    stopped the router and every healthy node. Now a drain (exit 0 after serving) is restarted
-    as often as it comes; failures count in a row and are forgiven once a node served
-    HEALTHY_S; a node past MAX_RESTARTS is left stopped while another of its role serves; the
-    last of its role, or the router, still stops everything."""
+    stopped the router and every healthy node. Now a drain (exit 0 after listening) is
+    restarted as often as it comes; failures count in a row and are forgiven once a node has
+    listened HEALTHY_S (loading does not count); a node past MAX_RESTARTS is left stopped while
+    another of its role listens; the last of its role, or the router, still stops everything."""
     from kvfence.pd.launch import HEALTHY_S, MAX_RESTARTS, RestartPolicy
 
     p = RestartPolicy(["prefill", "decode", "decode-2", "router"])
     for name in p.names:
-        p.start(name, 0.0)
-    for _ in range(10):   # drains of a rolling restart
-        assert p.on_exit("decode", 0, listened=True) == "restart"
-    t = 0.0
-    for _ in range(MAX_RESTARTS):   # a node that fails again and again, each soon after its start
-        assert p.on_exit("decode", 70, listened=True) == "restart"
-        t += 5
-        p.start("decode", t)
-        p.served("decode", t + 4)
-    assert p.on_exit("decode", 70, listened=True) == "leave"        # decode-2 serves: only this one stops
-    assert p.on_exit("decode-2", 137, listened=True) == "restart"   # its own first failure
-    for _ in range(MAX_RESTARTS):
-        p.on_exit("decode-2", 137, listened=True)
-    assert p.on_exit("decode-2", 137, listened=True) == "stop"      # no decode node would be left
-    # a failure long after the last is a first failure again
+        p.listening(name, 0.0)
+
+    def fails(name: str, code: int = 70) -> str:
+        return p.on_exit(name, code, p.exited(name))
+
+    for i in range(10):   # the drains of a rolling restart
+        assert p.on_exit("decode", 0, p.exited("decode")) == "restart"
+        p.listening("decode", 10.0 * i)
+    for i in range(MAX_RESTARTS):   # failing again and again, each soon after it listened
+        assert fails("decode") == "restart", i
+        p.listening("decode", 200.0 + i)
+    assert fails("decode") == "leave"                 # decode-2 listens: only this one stops
+    for _ in range(MAX_RESTARTS):                     # decode-2 fails while it loads, each time
+        assert fails("decode-2", 137) == "restart"
+    assert fails("decode-2", 137) == "stop"           # no decode node would be left
+    # a failure long after the last is a first failure again; a slow model load is not serving
     q = RestartPolicy(["prefill", "decode", "router"])
-    q.start("prefill", 0.0)
+    q.listening("decode", 0.0)
     for i in range(MAX_RESTARTS * 3):
-        assert q.on_exit("prefill", 137, listened=True) == "restart", i
-        q.start("prefill", i * 100.0)
-        q.served("prefill", i * 100.0 + HEALTHY_S)
+        assert q.on_exit("prefill", 137, q.exited("prefill")) == "restart", i
+        t = i * 1000.0
+        q.listening("prefill", t + 90)                # listening only after a 90 s load
+        q.listening("prefill", t + 90 + HEALTHY_S)
+    for _ in range(MAX_RESTARTS):                     # each time it listens, then fails within a second
+        q.listening("prefill", 5000.0)
+        q.listening("prefill", 5001.0)
+        assert q.on_exit("prefill", 70, q.exited("prefill")) == "restart"
+    q.listening("prefill", 6000.0)
+    assert q.on_exit("prefill", 70, q.exited("prefill")) == "stop"
     # exit 0 before it ever listened is no drain; a refusal to start is not retried
-    assert q.on_exit("prefill", 0, listened=False) == "restart" and q.failures["prefill"] == 1
-    assert q.on_exit("prefill", 2, listened=False) == "stop"
-    assert q.on_exit("router", 0, listened=True) == "stop"
+    r = RestartPolicy(["prefill", "prefill-2", "decode", "router"])
+    assert r.on_exit("prefill", 0, listened=False) == "restart" and r.failures["prefill"] == 1
+    assert r.on_exit("prefill", 2, listened=False) == "stop"         # prefill-2 is not listening yet
+    r.listening("prefill-2", 1.0)
+    assert r.on_exit("prefill", 2, listened=False) == "leave"        # now it serves
+    assert r.on_exit("router", 0, listened=True) == "stop"
 
 
 def test_launch_pd_passes_its_shutdown_timeout_to_every_process():
@@ -252,3 +263,36 @@ def test_launch_pd_passes_its_shutdown_timeout_to_every_process():
         assert build_parser().parse_args(cmd[3:]).shutdown_timeout == 7   # serve takes it as given
     assert launch.router_stop_s(a) == 7 + launch.BACKSTOP_S + 5
     assert "--shutdown-timeout" not in launch.node_commands(build_parser().parse_args(["launch-pd"]), "/s")["router"]
+
+
+def test_launch_pd_leaves_a_failing_node_stopped_and_serves_on(monkeypatch, capsys):
+    """The supervising loop itself: a decode node that keeps failing is started 1 + MAX_RESTARTS
+    times, then left stopped while the other decode node listens; the cluster runs on until
+    the router exits."""
+    import socket
+
+    from kvfence.pd import launch
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)", "--port", "1"]
+    server = [sys.executable, "-c", "import socket, time; s = socket.socket(); "
+              f"s.bind(('127.0.0.1', {free})); s.listen(); time.sleep(60)", "--port", str(free)]
+    failing = [sys.executable, "-c", "import sys; sys.exit(70)", "--port", "2"]
+    router = [sys.executable, "-c", "import time; time.sleep(8)", "--port", "3"]
+    cmds = {"prefill": sleeper, "decode": server, "decode-2": failing, "router": router}
+    monkeypatch.setattr(launch, "node_commands", lambda a, s: cmds)
+    started: list[str] = []
+    real_start = launch.start_child
+
+    def start(cmd, **kw):
+        started.append(next(n for n, c in cmds.items() if c is cmd))
+        return real_start(cmd, **kw)
+
+    monkeypatch.setattr(launch, "start_child", start)
+    assert _launch_pd_run() == 1   # the router's exit (code 0) stops it, as a failure
+    assert started.count("decode-2") == 1 + launch.MAX_RESTARTS and started.count("decode") == 1, started
+    err = capsys.readouterr().err
+    assert "decode-2 exited with code 70, failing 4 times in a row; left stopped" in err, err
+    assert "router exited with code 0; stopping the others" in err, err

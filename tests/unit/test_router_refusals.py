@@ -105,18 +105,19 @@ def test_a_forget_message_goes_stamped_to_checked_nodes_only():
                      {"tenants": ["carol"], "router": router.router_id, "epoch": 2})]
 
 
-def test_a_node_that_took_the_connection_and_died_failed_it_is_not_unreachable():
-    """A decode node killed after the router's request went out was reported 'unreachable:
-    ReadError: .' with node_unavailable, which the docs promise for a node never reached (found
-    by a fleet probe). Now node_failed, with the kind of break, and marked as possibly taken (so
-    its rows are not taken as unread); a port nobody listens on stays node_unavailable, retryable."""
+def test_a_decode_node_that_took_the_connection_and_died_may_still_pull():
+    """A decode node killed (or stopped) after the router's request went out was reported
+    'unreachable: ReadError: .' with node_unavailable, which the docs promise for a node never
+    reached (found by a fleet probe). Now node_failed, with the kind of break named. What I6
+    needs of it: such a node may have taken the handoff and be pulling, so the request's
+    prefill rows are not taken as unread (reader_stopped stays False: prefill fences them);
+    a port nobody listens on is node_unavailable, retryable, and surely never pulls."""
     import socket
     import threading
-    from contextlib import AsyncExitStack
 
     from kvfence.pd.fleet import Node
     from kvfence.pd.messages import ReleaseBody
-    from kvfence.pd.router import NodeError
+    from kvfence.pd.router import NodeError, _Flight
 
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
@@ -133,20 +134,23 @@ def test_a_node_that_took_the_connection_and_died_failed_it_is_not_unreachable()
         nobody = s.getsockname()[1]
     router = RouterBackend(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{nobody}", b"k" * 32)
 
-    async def attempt(url: str) -> NodeError:
-        async with AsyncExitStack() as stack:
-            with pytest.raises(NodeError) as e:
-                await router._open(Node("decode", url), "/internal/release", ReleaseBody(request_id="r1"), stack)
-        return e.value
+    async def attempt(url: str) -> tuple[NodeError, _Flight]:
+        flight = _Flight()
+        admitted = asyncio.get_running_loop().create_future()
+        with pytest.raises(NodeError) as e:   # any message body will do: it fails before one is read
+            await router._decode(ReleaseBody(request_id="r1"), flight, None, admitted, 4, Node("decode", url))
+        return e.value, flight
 
-    async def both() -> tuple[NodeError, NodeError]:
+    async def both():
         try:
             return await attempt(f"http://127.0.0.1:{port}"), await attempt(f"http://127.0.0.1:{nobody}")
         finally:
             await router._http().aclose()
 
-    died, never = asyncio.run(both())
+    (died, after_death), (never, after_refusal) = asyncio.run(both())
     listener.close()
-    assert died.code == "node_failed" and died.maybe_taken and not died.retryable, died
-    assert str(died).startswith("the decode node failed before answering: ") and not str(died).endswith(": "), died
-    assert never.code == "node_unavailable" and never.retryable and not never.maybe_taken, never
+    assert died.code == "node_failed" and not died.retryable, died
+    assert str(died).startswith("the decode node failed before answering: ReadError"), died
+    assert not after_death.reader_stopped and after_death.decode_contacted   # it may be pulling
+    assert never.code == "node_unavailable" and never.retryable, never
+    assert after_refusal.reader_stopped   # never reached: it never pulls
