@@ -334,7 +334,6 @@ def cmd_isolation(a) -> int:
     if a.url:
         import httpx
 
-        logging.getLogger("httpx").setLevel(logging.WARNING)
         headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
         r = httpx.get(a.url.rstrip("/") + "/v1/kvfence/isolation", headers=headers, timeout=30,
                       verify=a.tls_ca or True)
@@ -647,9 +646,13 @@ def main(argv: list[str] | None = None) -> int:
 
         return sim_main(args[1:])
     a = build_parser().parse_args(args)
-    # INFO by default: operators want the start-up summary (pool capacity, context, scrub)
+    # INFO by default: operators want the start-up summary (pool capacity, context, scrub).
+    # A PD process names itself: launch-pd merges three or more processes' lines into one log
+    who = f"[{a.role} :{a.port}] " if getattr(a, "role", "single") != "single" else ""
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format=f"%(asctime)s %(levelname)s {who}%(name)s: %(message)s")
+    if not a.verbose:   # httpx logs every request at INFO: a router's once-a-second poll of each
+        logging.getLogger("httpx").setLevel(logging.WARNING)   # node buried the log (a docs probe)
     try:
         return a.func(a)
     except KeyboardInterrupt:   # Ctrl-C: what was running has stopped; no traceback to read

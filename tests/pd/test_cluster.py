@@ -98,6 +98,10 @@ def test_concurrent_requests_and_streaming(cluster, client, make_llm):
                                           temperature=0)
     assert chat.choices[0].message.content
     cluster.wait_quiet()
+    # the router's log: each line names its process (launch-pd merges them), and its once-a-second
+    # poll of every node is not logged (httpx's INFO line per request buried it: a docs probe)
+    log = cluster.log("router")
+    assert "INFO [router :" in log and "/internal/info" not in log, log[-2000:]
 
 
 def test_n_choices_schemas_and_tools_through_the_router(cluster, client, make_llm):

@@ -154,3 +154,36 @@ def test_a_decode_node_that_took_the_connection_and_died_may_still_pull():
     assert not after_death.reader_stopped and after_death.decode_contacted   # it may be pulling
     assert never.code == "node_unavailable" and never.retryable, never
     assert after_refusal.reader_stopped   # never reached: it never pulls
+
+
+@pytest.mark.parametrize("raised, code, retryable, maybe_taken", [
+    ("ConnectTimeout", "node_unavailable", True, False),   # no byte of the request went out
+    ("PoolTimeout", "server_overloaded", False, False),    # the router's own connections are all taken
+    ("ReadTimeout", "node_failed", False, True),           # sent; the node hangs
+])
+def test_timeouts_are_told_apart_by_what_reached_the_node(raised, code, retryable, maybe_taken):
+    """Review: a connect timeout (a vanished pod) was taken for a node that died holding the
+    request, and the router's own full connection pool was blamed on the node."""
+    import httpx
+
+    from kvfence.pd.fleet import Node
+    from kvfence.pd.messages import ReleaseBody
+    from kvfence.pd.router import NodeError
+
+    def transport(request: httpx.Request) -> httpx.Response:
+        raise getattr(httpx, raised)("timed out", request=request)
+
+    router = RouterBackend("http://p", "http://d", b"k" * 32)
+    router._client = httpx.AsyncClient(transport=httpx.MockTransport(transport))
+
+    async def go() -> NodeError:
+        from contextlib import AsyncExitStack
+
+        async with AsyncExitStack() as stack:
+            with pytest.raises(NodeError) as e:
+                await router._open(Node("decode", "http://d"), "/internal/release", ReleaseBody(request_id="r"), stack)
+        await router._client.aclose()
+        return e.value
+
+    e = asyncio.run(go())
+    assert (e.code, e.retryable, e.maybe_taken) == (code, retryable, maybe_taken), e
