@@ -116,6 +116,8 @@ class _Call:
     result: asyncio.Future
 
 
+FAILED_THREAD_END_S = 10.0   # wait_ready's wait for a failed engine thread to end
+
 _STOP = object()
 _WAKE = object()   # something happened off the engine thread (a PD transfer notice)
 
@@ -184,6 +186,11 @@ class EngineLoop:
         end = None if timeout is None else time.monotonic() + timeout
         while not self.ready.is_set():
             if self.error is not None or self.finished.is_set():
+                # let the thread end first: a caller that returned at once exited the process
+                # while the thread still let go of the half-built engine, and C++ aborted it
+                # (SIGABRT, "terminate called without an active exception") where it should have
+                # exited 2, a refused configuration (found by a docs probe, 1 in 6 under load)
+                self.finished.wait(FAILED_THREAD_END_S)
                 return False
             left = None if end is None else end - time.monotonic()
             if left is not None and left <= 0:

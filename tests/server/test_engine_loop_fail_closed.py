@@ -122,3 +122,25 @@ def test_commands_taken_in_the_same_batch_as_the_refusal_are_answered_too(loaded
         assert loop.finished.wait(30) and "LedgerError" in (loop.error or "")
     finally:
         loop.stop()
+
+
+def test_a_refused_start_is_reported_only_once_the_engine_thread_has_let_go_of_it():
+    """`serve` returned 2 the moment the error was set and the process exited while the engine
+    thread still freed the half-built engine: C++ aborted it (SIGABRT, 1 in 6 starts under load;
+    a supervisor saw a crash, not a refused configuration). Here what the failed build holds
+    takes a while to let go of; wait_ready must not return before the thread has ended."""
+    import time as _time
+
+    from kvfence.engine.admission import CapacityError
+
+    class SlowToFree:
+        def __del__(self):
+            _time.sleep(0.5)
+
+    def factory():
+        held = SlowToFree()   # noqa: F841 - freed with the failing frame, after the error is set
+        raise CapacityError("the context does not fit the pool")
+
+    loop = EngineLoop(factory).start()
+    assert loop.wait_ready(30) is False and "CapacityError" in loop.error
+    assert loop.finished.is_set()
