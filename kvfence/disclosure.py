@@ -54,13 +54,15 @@ def _reached_client(rec: dict) -> tuple[bool, str]:
 
 def build(paths: Iterable[str | Path], since: float | None = None, until: float | None = None,
           tenant: str | None = None, disclosure: dict | None = None, expect_last_hash: str | None = None) -> dict:
-    chains, records = [], []
+    chains, records, unguarded = [], [], []
     for p in paths:
         v = incidents.verify(p, expect_last_hash)
         chains.append({"log": str(p), "intact": v.ok, "records": v.records, "broken_at_line": v.broken_at,
                        "torn_lines": list(v.torn), "last_hash": v.last_hash, "message": v.message})
         # a broken log: only the records before the break can be trusted
-        for rec in incidents.read(p, None if v.broken_at is None else v.broken_at - 1):
+        every = list(incidents.read(p, None if v.broken_at is None else v.broken_at - 1))
+        unguarded += _unguarded(p, every, since, until)
+        for rec in every:
             if (since is None or rec["unix"] >= since) and (until is None or rec["unix"] <= until):
                 # logs written before public scopes were named "public:NAME" hold the ledger's
                 # raw key ("\0public:NAME")
@@ -108,14 +110,21 @@ def build(paths: Iterable[str | Path], since: float | None = None, until: float 
     if tenant is not None:
         tenants = {k: v for k, v in tenants.items() if k == tenant}
         cross = [c for c in cross if tenant == c["requester"] or tenant in c["data_of"]]
+        records = [r for r in records if tenant == r.get("tenant") or tenant in r["involved_tenants"]]
     process = [{k: r.get(k) for k in ("time", "kind", "invariant", "role", "boot_id", "detail")}
                for r in records if not r.get("tenant") and not r.get("involved_tenants")]
     any_reached = any(c["reached_client"] for c in cross)
     intact = all(c["intact"] for c in chains)
     torn = sum(len(c["torn_lines"]) for c in chains)
-    # a broken chain or a torn line may have lost the very record that says yes: then the logs
+    # a broken chain or a torn line may have lost the very record that says yes, and a process
+    # with test fault points on may have skipped the very check that records it: then the logs
     # cannot say no
-    answer = "yes" if any_reached else "no" if intact and not torn else "cannot tell"
+    answer = "yes" if any_reached else "no" if intact and not torn and not unguarded else "cannot tell"
+    if answer == "yes":
+        how = "an event marked YES above gave its client a 200 for a request whose read or transfer was refused"
+    else:
+        how = ("every cross-tenant event above names what the client got and why the refused data was never "
+               "computed over")
     return {
         "disclosure": {"contact": (disclosure or {}).get("contact"),
                        "postmortems_published_at": (disclosure or {}).get("postmortems"),
@@ -128,14 +137,33 @@ def build(paths: Iterable[str | Path], since: float | None = None, until: float 
                     for k, v in sorted(tenants.items())},
         "cross_tenant": cross,
         "process_events": process if tenant is None else [],
+        "unguarded": unguarded,
         "answer": {"any_byte_computed_over_another_tenants_data_reached_a_client": answer,
-                   "how_we_know": ("every cross-tenant event above names what the client got and why the refused "
-                                   "data was never computed over; the logs' hash chains are "
+                   "how_we_know": (how + "; the logs' hash chains are "
                                    + ("intact" if intact else "BROKEN (see logs): records may be missing, so an "
                                       "answer of no cannot be given")
                                    + (f"; {torn} line(s) were cut short while being written, and what they "
-                                      "recorded is lost" if torn else ""))},
+                                      "recorded is lost" if torn else "")
+                                   + (f"; {len(unguarded)} process(es) ran in this window with test fault points "
+                                      "on, which may skip the checks that write these records (see unguarded)"
+                                      if unguarded else ""))},
     }
+
+
+def _unguarded(path: str | Path, every: list[dict], since: float | None, until: float | None) -> list[dict]:
+    """The processes of one log that ran in the window with test fault points on. A process is
+    taken to run from its faults_active record until the log's next record of another boot (or
+    on), which can only overstate it; its events may be missing, since a fault such as
+    skip_watermark skips the check that writes them (found by a docs probe: the report said no)."""
+    out = []
+    for i, rec in enumerate(every):
+        if rec["kind"] != "faults_active":
+            continue
+        end = next((r["unix"] for r in every[i + 1:] if r.get("boot_id") != rec.get("boot_id")), None)
+        if (until is None or rec["unix"] <= until) and (since is None or end is None or end >= since):
+            out.append({"log": str(path), "time": rec["time"], "role": rec.get("role"),
+                        "boot_id": rec.get("boot_id"), "detail": rec.get("detail")})
+    return out
 
 
 def render(rep: dict) -> str:
@@ -174,6 +202,10 @@ def render(rep: dict) -> str:
                          f"{' (another party under the same name)' if c.get('same_name_other_party') else ''}"
                          f" on {c['role']}: reached a client: "
                          f"{'YES' if c['reached_client'] else 'no'} ({c['how_we_know']})")
+    if rep["unguarded"]:
+        lines += ["", "processes with test fault points on in this window (their checks may not have run):"]
+        for u in rep["unguarded"]:
+            lines.append(f"  {u['time']} {u['role']} boot {u['boot_id']} ({u['log']}): {u['detail']}")
     if rep["process_events"]:
         lines += ["", "process events (no tenant involved):"]
         for p in rep["process_events"]:
@@ -212,10 +244,19 @@ def main(a) -> int:
     disclosure = {}
     if a.tenants:
         from kvfence.server.tenants import TenantRegistry
-        disclosure = TenantRegistry.from_file(a.tenants).disclosure
+        registry = TenantRegistry.from_file(a.tenants)
+        disclosure = registry.disclosure
+        known = set(registry.tenants) | {f"public:{t.public_prefix_scope}" for t in registry.tenants.values()}
     rep = build(paths, parse_time(a.since) if a.since else None, parse_time(a.until) if a.until else None,
                 a.tenant, disclosure, a.expect_last_hash)
+    if a.tenant is not None and a.tenants and a.tenant not in known and not rep["tenants"]:
+        print(f"--tenant {a.tenant}: no such tenant in {a.tenants} and in no record (a misspelt name would "
+              "report nothing)")
+        return 2
     print(json.dumps(rep, indent=2) if a.json else render(rep))
+    if a.tenant is not None and not rep["tenants"] and not a.json:
+        print(f"  ({a.tenant} appears in no record: nothing happened to it, or the name is misspelt; "
+              "--tenants FILE checks the name)")
     broken = not all(c["intact"] for c in rep["logs"])
     answer = rep["answer"]["any_byte_computed_over_another_tenants_data_reached_a_client"]
     return 1 if broken or answer == "yes" else 3 if answer == "cannot tell" else 0

@@ -365,3 +365,50 @@ def test_the_command_exits_3_when_the_logs_cannot_tell_and_refuses_a_malformed_a
     with pytest.raises(SystemExit) as e:                                 # a typo is not a hash never reached
         main(["incidents", "--verify", "--expect-last-hash", "zzz", str(path)])
     assert e.value.code == 2 and "not a SHA-256 hash" in capsys.readouterr().err
+
+
+def test_a_process_with_fault_points_on_makes_the_answer_cannot_tell(tmp_path, capsys):
+    """A docs probe: with skip_watermark on, a cross-tenant read is never refused, so never
+    recorded, and the report said "no" over a faults_active record. Now a window in which such a
+    process ran cannot be answered no: exit 3, naming the process and its faults. A window that
+    ends before it started, or begins after a later boot took over, still can."""
+    import time
+
+    from kvfence.cli import main
+
+    path = tmp_path / "incidents.jsonl"
+    old = incidents.IncidentLog(path, "single", boot_id="boot-old")
+    old.record("faults_active", detail="test fault points on: skip_watermark")
+    old.close()
+    time.sleep(0.05)
+    between = time.time()
+    time.sleep(0.05)
+    new = incidents.IncidentLog(path, "single", boot_id="boot-new")
+    new.record("node_refused", detail="a later boot, with no faults")
+    new.close()
+    rep = disclosure.build([path])
+    assert rep["answer"]["any_byte_computed_over_another_tenants_data_reached_a_client"] == "cannot tell"
+    assert [u["boot_id"] for u in rep["unguarded"]] == ["boot-old"]
+    assert main(["incidents", str(path)]) == 3
+    out = capsys.readouterr().out
+    assert "skip_watermark" in out and "reach a client? cannot tell" in out and "test fault points" in out, out
+    after = disclosure.build([path], since=time.time() + 1)    # after the later boot took over
+    assert after["answer"]["any_byte_computed_over_another_tenants_data_reached_a_client"] == "no"
+    before = disclosure.build([path], until=between - 10)     # before the faulty process started
+    assert before["answer"]["any_byte_computed_over_another_tenants_data_reached_a_client"] == "no"
+
+
+def test_a_tenant_filter_counts_its_own_events_and_refuses_a_name_the_file_does_not_have(tmp_path, capsys):
+    """A docs probe: --tenant nosuch said "no" with exit 0 and counted every event in the log."""
+    from kvfence.cli import main
+
+    path = _events(tmp_path)
+    assert main(["incidents", str(path), "--json", "--tenant", "bob"]) == 0
+    assert json.loads(capsys.readouterr().out)["events"] == 1
+    tenants = tmp_path / "t.toml"
+    tenants.write_text('[tenants.bob]\napi_keys = ["sk-bob-00000001"]\n')
+    assert main(["incidents", str(path), "--tenant", "bobb", "--tenants", str(tenants)]) == 2
+    assert "no such tenant" in capsys.readouterr().out
+    assert main(["incidents", str(path), "--tenant", "bob", "--tenants", str(tenants)]) == 0
+    assert main(["incidents", str(path), "--tenant", "dave"]) == 0   # without the file: said, not refused
+    assert "appears in no record" in capsys.readouterr().out
