@@ -285,38 +285,88 @@ def _print_warnings(statement: dict) -> None:
         print(f"{red}{w}{end}", file=sys.stderr)
 
 
-def cmd_probe(a) -> int:
-    """A liveness/readiness probe for a process on this host (Kubernetes exec probes): PD nodes
-    require client certificates, which the kubelet's own HTTPS probes cannot present. The
-    chain is verified against --tls-ca; the host name is not, since the probe reaches its own
-    pod over loopback, where the certificate's names (the pod's DNS names) do not apply."""
+def _local_tls(a, who: str):
+    """(scheme, httpx verify) for a call to a kvfence process of this host: https once --tls-ca
+    or a client certificate is given. The chain is verified against --tls-ca; the host name is
+    not, since the call reaches its own pod over loopback, where the certificate's names (the
+    pod's DNS names) do not apply. None after saying why the files cannot be used."""
     import ssl
 
+    if not (a.tls_ca or a.tls_client_cert):
+        return "http", False
+    try:
+        ctx = ssl.create_default_context(cafile=a.tls_ca)
+        ctx.check_hostname = False
+        if a.tls_client_cert:
+            ctx.load_cert_chain(a.tls_client_cert, a.tls_client_key)
+    except (OSError, ssl.SSLError) as e:
+        print(f"{who}: cannot use --tls-ca {a.tls_ca} / --tls-client-cert {a.tls_client_cert}: {e}", file=sys.stderr)
+        return None
+    return "https", ctx
+
+
+def _local_tls_args(p) -> None:
+    p.add_argument("--tls-ca", default=None, metavar="FILE",
+                   help="HTTPS, verifying the process's certificate chain with it (without it or a client "
+                        "certificate the call is plain HTTP)")
+    p.add_argument("--tls-client-cert", default=None, metavar="FILE", help="present this certificate (PD nodes)")
+    p.add_argument("--tls-client-key", default=None, metavar="FILE")
+
+
+def _no_answer(who: str, host: str, port: int, scheme: str, e: Exception) -> str:
+    """Why nothing usable answered; a plain-HTTP call to an HTTPS server reads as a hang-up."""
+    hint = ("; if the process serves HTTPS (--tls-cert), pass --tls-ca (and a PD node's client certificate)"
+            if scheme == "http" and "ConnectError" not in type(e).__name__ else "")
+    return f"{who}: no answer on {host}:{port}: {type(e).__name__}: {e}{hint}"
+
+
+def cmd_probe(a) -> int:
+    """A liveness/readiness probe for a process on this host (Kubernetes exec probes): PD nodes
+    require client certificates, which the kubelet's own HTTPS probes cannot present."""
     import httpx
 
     path = {"live": "/health/live", "ready": "/health"}[a.what]
-    verify: ssl.SSLContext | bool = False
-    scheme = "http"
-    if a.tls_ca or a.tls_client_cert:
-        scheme = "https"
-        try:
-            ctx = ssl.create_default_context(cafile=a.tls_ca)
-            ctx.check_hostname = False
-            if a.tls_client_cert:
-                ctx.load_cert_chain(a.tls_client_cert, a.tls_client_key)
-        except (OSError, ssl.SSLError) as e:
-            print(f"probe {a.what}: cannot use --tls-ca {a.tls_ca} / --tls-client-cert {a.tls_client_cert}: {e}",
-                  file=sys.stderr)
-            return 1
-        verify = ctx
+    tls = _local_tls(a, f"probe {a.what}")
+    if tls is None:
+        return 1
+    scheme, verify = tls
     try:
         r = httpx.get(f"{scheme}://127.0.0.1:{a.port}{path}", verify=verify, timeout=a.timeout)
     except httpx.HTTPError as e:
-        print(f"probe {a.what}: no answer on port {a.port}: {e}", file=sys.stderr)
+        print(_no_answer(f"probe {a.what}", "127.0.0.1", a.port, scheme, e), file=sys.stderr)
         return 1
     if r.status_code != 200:
         print(f"probe {a.what}: HTTP {r.status_code}: {r.text[:300]}", file=sys.stderr)
         return 1
+    return 0
+
+
+def cmd_drain(a) -> int:
+    """Ask a PD node to drain (POST /internal/drain with the cluster credential): it takes no
+    new request, finishes what it has, and exits 0, and its supervisor starts it again."""
+    import httpx
+
+    from kvfence.pd.seal import control_headers
+
+    secret = _cluster_secret(a)
+    if secret is None:
+        return 2
+    tls = _local_tls(a, "drain")
+    if tls is None:
+        return 1
+    scheme, verify = tls
+    try:
+        r = httpx.post(f"{scheme}://{a.host}:{a.port}/internal/drain", headers=control_headers(secret),
+                       verify=verify, timeout=a.timeout)
+    except httpx.HTTPError as e:
+        print(_no_answer("drain", a.host, a.port, scheme, e), file=sys.stderr)
+        return 1
+    if r.status_code != 200:
+        print(f"drain: HTTP {r.status_code} from {a.host}:{a.port}: {r.text[:300]}", file=sys.stderr)
+        return 1
+    result = r.json().get("result")
+    print(f"drain: the node on {a.host}:{a.port} is {str(result).replace('_', ' ')}: it takes no new request and "
+          "exits 0 once what it has is done (or its --shutdown-timeout passes)")
     return 0
 
 
@@ -523,10 +573,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="live: the process answers; ready: it serves (the model loaded, a router's nodes checked)")
     pr.add_argument("--port", type=port, default=8000)
     pr.add_argument("--timeout", type=seconds, default=3.0)
-    pr.add_argument("--tls-ca", default=None, metavar="FILE", help="verify the process's certificate chain with it")
-    pr.add_argument("--tls-client-cert", default=None, metavar="FILE", help="present this certificate (PD nodes)")
-    pr.add_argument("--tls-client-key", default=None, metavar="FILE")
+    _local_tls_args(pr)
     pr.set_defaults(func=cmd_probe)
+
+    dr = sub.add_parser("drain", help="ask a PD node to drain: take no new request, finish, exit 0 (its supervisor "
+                                      "starts it again: a rolling restart)")
+    dr.add_argument("--port", type=port, required=True, help="the node's port")
+    dr.add_argument("--host", default="127.0.0.1")
+    dr.add_argument("--cluster-secret-file", default=None, metavar="FILE",
+                    help="the cluster secret (default: $KVFENCE_CLUSTER_SECRET_FILE, launch-pd prints it)")
+    dr.add_argument("--timeout", type=seconds, default=10.0)
+    _local_tls_args(dr)
+    dr.set_defaults(func=cmd_drain)
 
     inc = sub.add_parser("incidents", help="the disclosure report from incident logs (or --verify their chains)")
     inc.add_argument("logs", nargs="*", help="incident logs (default: every one under the default directory)")
@@ -623,8 +681,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     # -- sim: the deterministic PD simulation's campaigns (kvfence/sim; same as python -m kvfence.sim)
     # (listed for --help; main() hands `kvfence sim ...` to kvfence.sim.run before parsing)
-    sub.add_parser("sim", help="deterministic PD simulation: seeds x request lives, I1-I11 after every step "
-                               "(kvfence sim --help)", add_help=False)
+    sub.add_parser("sim", help="deterministic PD simulation: seeds x request lives, I1-I6 and I9 after every "
+                               "step, I8 with --fleet, I10 and I11 against a network adversary (kvfence sim --help)",
+                   add_help=False)
     for command in sub.choices.values():   # an option without help text still shows its default
         for action in command._actions:
             if action.help is None and _ShowDefaults._shows(action):

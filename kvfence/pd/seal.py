@@ -3,8 +3,9 @@
 Every PD process of a cluster holds one secret (from a file or the environment, never the
 command line). Nothing derived from it in a way that reveals it crosses the network:
 
-- the control-plane credential, HKDF(secret, "control"), is what the router presents on
-  every /internal/* call (constant-time compared by the node);
+- the control-plane credential, HKDF(secret, "kvfence v1 control-plane credential"), is what
+  the router (or `kvfence drain`) presents on every /internal/* call (constant-time compared
+  by the node);
 - the key that seals one handoff's transfer rows, HKDF(secret, salt, "kv rows" | prefill
   boot id | request id | tenant), is computed by prefill and by decode on their own; the
   salt is random per hold and travels in the manifest (it is not secret).

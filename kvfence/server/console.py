@@ -288,6 +288,9 @@ def mount(app: FastAPI, state: ServerState) -> None:
     async def reload_tenants(request: Request):
         # the key in the header only, never the console's cookie: a cookie rides along on a
         # request another site makes the browser send
+        if state.tenants.single_tenant:   # the console's own 404 told how to add an operator key
+            return _json_error(404, "This server has no tenants file to reload: it was started without --tenants "
+                                    "(single-tenant mode); restart it with --tenants FILE.", "no_tenants_file")
         no = refused(request, cookie=False, need="Reloading the tenants file needs the operator key (never a "
                                                  "tenant's): send 'Authorization: Bearer <operator key>'.")
         if no is not None:

@@ -60,7 +60,7 @@ class GracefulStop:
             self.end_in_flight(f"a second {name} ended it")
             return
         n = self.engine.in_flight
-        log.warning("stopping (%s): no new connections; %d request(s) in the engine have %.0f s to finish, then "
+        log.warning("stopping (%s): no new connections; %d request(s) in the engine have %g s to finish, then "
                     "end with 503 %s (a second signal ends them now)", name, n, self.timeout_s, SHUTTING_DOWN)
         threading.Thread(target=self._deadline, name="kvfence-shutdown", daemon=True).start()
 

@@ -1,7 +1,7 @@
 """A deterministic simulation of a PD cluster: one seeded RNG drives a sim router, a prefill
 node and a decode node (the real LLMEngine, KvExporter and KvImporter), a simulated transfer
 engine (kvfence/sim/transport.py) and a virtual clock, and checks the isolation invariants
-(docs/DESIGN I1-I11) after every step.
+(docs/DESIGN: I1-I6 and I9; I8 with a fleet; I10 and I11 against the adversary) after every step.
 
 Each step is one action chosen by the RNG: a client request arrives, a node runs one engine
 step, the router hands a manifest to decode, a pull runs, a completion notice or a router

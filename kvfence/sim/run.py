@@ -46,7 +46,8 @@ def _one(job: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvfence.sim", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="kvfence sim", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--lives", type=at_least_one, default=1000,
                     help="request lives in all (split evenly over the seeds)")
     ap.add_argument("--seeds", type=at_least_one, default=1, help="how many seeds, starting at --first-seed")

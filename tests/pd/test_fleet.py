@@ -34,6 +34,7 @@ import pytest
 from pd_cluster import ROOT
 
 from kvfence.canary import CanaryOptions, run_canary
+from kvfence.cli import main
 from kvfence.engine.params import SamplingParams
 from kvfence.pd.seal import SECRET_FILE_ENV, control_headers, load_secret, new_secret
 from kvfence.procs import free_ports, stop_processes
@@ -327,10 +328,14 @@ def test_a_rolling_restart_under_load_loses_no_request(fleet):
     restarted = {"prefill": fleet.node_urls["prefill"][0], "decode-2": fleet.node_urls["decode"][1]}
     load = Load(fleet, limit=200, max_tokens=6)
     try:
-        for url in restarted.values():
+        for i, url in enumerate(restarted.values()):
             node = next(n for n in fleet.cluster()["nodes"] if n["url"] == url)
-            r = httpx.post(node["url"] + "/internal/drain", headers=fleet.headers, timeout=10)
-            assert r.status_code == 200 and r.json()["result"] == "draining", r.text
+            if i == 0:   # the operator's command (docs/pd.md), then the route itself
+                assert main(["drain", "--port", url.rsplit(":", 1)[1], "--cluster-secret-file",
+                             fleet.secret_file]) == 0
+            else:
+                r = httpx.post(node["url"] + "/internal/drain", headers=fleet.headers, timeout=10)
+                assert r.status_code == 200 and r.json()["result"] == "draining", r.text
             try:   # a second call: the same drain (unless the node is already gone)
                 again = httpx.post(node["url"] + "/internal/drain", headers=fleet.headers, timeout=10)
                 assert again.status_code != 200 or again.json()["result"] == "already_draining"

@@ -514,3 +514,11 @@ def test_kvfence_serve_reloads_its_tenants_file_on_sighup(tmp_path):
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait(10)
+
+
+def test_a_server_without_a_tenants_file_says_so_when_asked_to_reload_one(single):
+    """It answered the console's 404 (add an [operator] table to the tenants file ...), which
+    a server started without --tenants has none of (a docs probe)."""
+    r = httpx.post(single.url + "/v1/kvfence/tenants/reload", headers={"Authorization": "Bearer anything-at-all"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "no_tenants_file", r.text
+    assert "--tenants" in r.json()["error"]["message"]
