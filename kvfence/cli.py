@@ -233,7 +233,7 @@ def cmd_serve(a) -> int:
         return serve_router(a.prefill_url, a.decode_url, a.model, a.host, a.port, a.max_model_len,
                             a.clamp_context, secret, tls, a.tenants, a.served_model_name, level, a.node_wait,
                             a.node_stall, limits, a.prefill_routing,
-                            a.shutdown_timeout or DEFAULT_SHUTDOWN_TIMEOUT_S)
+                            a.shutdown_timeout or DEFAULT_SHUTDOWN_TIMEOUT_S, a.max_body_bytes)
     if a.role in ("prefill", "decode"):
         from kvfence.pd.node import serve_node
 
@@ -559,6 +559,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the router's port; prefill nodes take the ports after it, then decode nodes")
     lp.add_argument("--prefill", type=at_least_one, default=1, metavar="N", help="prefill nodes (default 1)")
     lp.add_argument("--decode", type=at_least_one, default=1, metavar="M", help="decode nodes (default 1)")
+    lp.add_argument("--prefill-routing", default=None, choices=["affinity", "round-robin"],
+                    help="passed to the router: prefill nodes by tenant-scoped prefix affinity (its default), or "
+                         "in turn")
+    lp.add_argument("--max-body-bytes", type=at_least_one, default=None,
+                    help="passed to the router: larger request bodies get HTTP 413 (default 8 MiB)")
     lp.add_argument("--shutdown-timeout", type=seconds, default=None, metavar="S",
                     help="passed to every process: on SIGTERM or Ctrl-C, how long the router lets requests in "
                          "flight run before it ends them with 503 server_shutting_down (default 25), and a "

@@ -83,7 +83,8 @@ def node_commands(a, secret_file: str) -> dict[str, list[str]]:
         ["--model", a.model] if a.model else []) + (
         ["--max-model-len", str(a.max_model_len)] if a.max_model_len else []) + (
         ["--clamp-context"] if a.clamp_context else []) + (
-        ["--served-model-name", a.served_model_name] if a.served_model_name else [])
+        ["--served-model-name", a.served_model_name] if a.served_model_name else []) + flags(
+        a, ("prefill_routing", "max_body_bytes"))
     return cmds
 
 

@@ -850,9 +850,9 @@ def serve_router(prefill_urls: list[str], decode_urls: list[str], model: str | N
                  tenants_file: str | None = None,
                  served_model_name: str | None = None, log_level: str = "info", wait_s: float = 300.0,
                  stall_s: float = 10.0, limits: HttpLimits | None = None, prefill_routing: str = "affinity",
-                 shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> int:
+                 shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S, max_body_bytes: int | None = None) -> int:
     from kvfence.server import fault_control
-    from kvfence.server.app import ServerState, create_app, may_scrape
+    from kvfence.server.app import DEFAULT_MAX_BODY_BYTES, ServerState, create_app, may_scrape
     from kvfence.server.serve import load_tenants, refuse_unusable_port
 
     tenants = load_tenants(tenants_file)
@@ -864,7 +864,7 @@ def serve_router(prefill_urls: list[str], decode_urls: list[str], model: str | N
     if backend.error is not None:
         log.error("router not serving: %s", backend.error)
         return 2
-    state = ServerState(backend, tenants, served_model_name)
+    state = ServerState(backend, tenants, served_model_name, max_body_bytes or DEFAULT_MAX_BODY_BYTES)
     app = create_app(state)
     faults.announce(log)
     fault_control.mount(app, secret)

@@ -262,6 +262,9 @@ def test_launch_pd_passes_its_shutdown_timeout_to_every_process():
         assert float(cmd[i + 1]) == 7, name
         assert build_parser().parse_args(cmd[3:]).shutdown_timeout == 7   # serve takes it as given
     assert launch.router_stop_s(a) == 7 + launch.BACKSTOP_S + 5
+    a = build_parser().parse_args(["launch-pd", "--prefill-routing", "round-robin", "--max-body-bytes", "4096"])
+    router = build_parser().parse_args(launch.node_commands(a, "/s")["router"][3:])
+    assert router.prefill_routing == "round-robin" and router.max_body_bytes == 4096
     assert "--shutdown-timeout" not in launch.node_commands(build_parser().parse_args(["launch-pd"]), "/s")["router"]
 
 
