@@ -193,8 +193,9 @@ def _pd_terms(facts: dict) -> dict:
                                          "or make a forged, replayed or foreign row reach attention",
             },
             "control_plane": {
-                "credential": "every /internal/* route requires HKDF(cluster secret, 'control'), compared in "
-                              "constant time (401 otherwise); PD processes refuse to start without the secret",
+                "credential": "every /internal/* route requires a credential derived from the cluster secret "
+                              "(HKDF-SHA256), compared in constant time (401 otherwise); PD processes refuse to "
+                              "start without the secret",
                 "transport": security,
                 "messages": "one strict definition per internal message (kvfence/pd/messages.py); a malformed "
                             "one is a 400 and the node keeps serving",
@@ -231,6 +232,8 @@ def tenant_view(statement: dict, tenant) -> dict:
             "explicit opt-in only: your tenant has not opted in, so none of its pages is shared")}
     out["kv_memory_isolation"] = iso
     cap = {k: v for k, v in out["capacity"].items() if k != "per_tenant_prompt_caps"}
+    # behind a router, where its nodes are and how each is doing are the operator's
+    cap["pools"] = [{k: v for k, v in p.items() if k not in ("node", "state")} for p in cap["pools"]]
     cap["your_prompt_cap"] = tenant.limits.max_prompt_tokens
     out["capacity"] = cap
     disc = dict(out["incident_disclosure"])
@@ -285,9 +288,11 @@ def isolation_statement(facts: dict, checks: list[dict], tenants, snapshot: dict
             "model_max_context_tokens": facts["model_max_context"],
             "configured_max_model_len": facts["configured_max_model_len"],
             "clamped_to_pool": facts["context_clamped"],
-            "pools": [{"node": "local", "pages": facts["pool_pages"], "page_size_tokens": facts["page_size"],
-                       "capacity_tokens": pool_tokens, "bytes": facts["pool_bytes"],
-                       "advertised_context_fits": usable <= pool_tokens}],
+            # a PD router's are its nodes', from their last report (pd/router.py, _merge_snapshots)
+            "pools": snapshot.get("pools") or [
+                {"node": "local", "pages": facts["pool_pages"], "page_size_tokens": facts["page_size"],
+                 "capacity_tokens": pool_tokens, "bytes": facts["pool_bytes"],
+                 "advertised_context_fits": usable <= pool_tokens}],
             "note": facts["context_note"],
             "request_that_does_not_fit": (
                 f"a request whose prompt plus max_tokens exceeds {usable} tokens is rejected with HTTP 400 "

@@ -75,6 +75,16 @@ def test_pd_output_equals_single_node(cluster, client, make_llm):
     assert 'kvfence_pd_transfer_buffer_rows{state="fenced"} 0.0' in httpx.get(cluster.url("prefill") + "/metrics").text
     st = httpx.get(cluster.url("router") + "/v1/kvfence/isolation", timeout=10).json()
     assert st["warnings"] == [] and "AES-256-GCM" in st["pd_network"]["transfer_plane"]["cipher"]
+    # the pools are the nodes', as they last reported (it listed one made-up "local" pool: a docs probe)
+    pools = {p["role"]: p for p in st["capacity"]["pools"]}
+    assert set(pools) == {"prefill", "decode"} and pools["decode"]["node"] == cluster.url("decode"), pools
+    assert all(p["advertised_context_fits"] and p["pages"] > 0 for p in pools.values())
+
+    class Tenant:
+        public_prefix_scope = None
+        limits = type("L", (), {"max_prompt_tokens": None})()
+    from kvfence.server.isolation import tenant_view
+    assert all("node" not in p and "state" not in p for p in tenant_view(st, Tenant())["capacity"]["pools"])
 
 
 def test_concurrent_requests_and_streaming(cluster, client, make_llm):
