@@ -513,6 +513,11 @@ class Canary:
         self.page_size = 0
         self.model_name: str | None = None
         self._audit: dict[str, dict] = {}     # role -> boot id, counts at the start, last seen, carried
+        # each key's own limits (/v1/models' tenant_limits): prompts and concurrency sized to fit
+        # them, since a refused canary never enters the pool and a refused probe reads nothing
+        # (a docs probe: CLEAN with most requests refused by the README's own tenants file)
+        self.limits: dict[str, dict] = {}
+        self.single_tenant = False
 
     # -- talking to the server --------------------------------------------------------------------
     def _headers(self, tenant: CanaryTenant | None = None) -> dict:
@@ -528,6 +533,11 @@ class Canary:
         r.raise_for_status()
         card = r.json()["data"][0]
         self.model_name, self.usable = card["id"], int(card["max_model_len"])
+        self.single_tenant = "tenant_limits" not in card   # a server without a tenants file
+        for t in self.tenants:
+            r = await c.get(self.url + "/v1/models", headers=self._headers(t))
+            r.raise_for_status()
+            self.limits[t.name] = r.json()["data"][0].get("tenant_limits") or {}
         r = await c.get(self.url + "/v1/kvfence/cluster", headers=self._scrape_headers())
         body = r.json() if r.status_code == 200 else {}
         if "ready" in body:                        # a router
@@ -705,17 +715,19 @@ class Canary:
         def build(i: int, kind: str, t: CanaryTenant, start_at: float) -> _Planned:
             chat = kind != "warm" and rng.random() < o.chat_fraction
             probe = rng.choice(PROBES) if kind in ("probe", "over_total", "over_prompt") else None
+            # within a tenant's own prompt cap, with room for the chat template's tokens
+            own = self.limits.get(t.name, {}).get("max_prompt_tokens") or usable
             if kind == "warm":   # as long as fits (1/warmup_concurrency of the smallest pool each): a
                 # request that later attends these pages by mistake finds a canary wherever it looks
                 size = min(usable - lo_mt - 8, pool // max(1, o.warmup_concurrency) - lo_mt - 24,
-                           o.warmup_tokens or usable)
+                           o.warmup_tokens or usable, own - 48)
                 target, mt = size, lo_mt
             elif kind == "over_prompt":
                 target, mt = rng.randint(usable + 8, over_cap), rng.randint(lo_mt, hi_mt)
             elif kind == "over_total":   # the prompt fits; prompt + max_tokens does not
                 target, mt = usable - rng.randint(*o.over_total_room), 0
             else:
-                target = int(min(cap, 16 + rng.expovariate(1 / max(1.0, cap / 4))))
+                target = int(min(cap, own - 48, 16 + rng.expovariate(1 / max(1.0, cap / 4))))
                 mt = rng.randint(lo_mt, hi_mt)
             text, n = _prompt(t, target, probe, rng, tokens, chat, repeat_secret=kind == "warm",
                               page_size=self.page_size)
@@ -872,12 +884,15 @@ class Canary:
             warm, main = await asyncio.to_thread(self._plan, tokens)
             gate = asyncio.Semaphore(self.opts.concurrency)
             warm_gate = asyncio.Semaphore(max(1, self.opts.warmup_concurrency))
+            # within each tenant's own concurrency limit: beyond it the server answers 429
+            own = {t.name: asyncio.Semaphore(self.limits.get(t.name, {}).get("max_concurrent_requests")
+                                             or self.opts.concurrency) for t in self.tenants}
 
             async def gated(p: _Planned, t0: float, gate=gate) -> None:
                 delay = p.start_at - (time.monotonic() - t0)
                 if delay > 0:
                     await asyncio.sleep(delay)
-                async with gate:
+                async with gate, own[p.result.tenant]:
                     p.start_at = 0.0
                     await self._send(c, p, t0)
 
@@ -902,6 +917,9 @@ class Canary:
             self.on_phase("settle")
             await self._settle(c, report)
         judge(report, [p.result for p in warm + main])
+        if self.single_tenant and len(self.tenants) > 1:
+            report.problems.append("the server has no tenants file: every key is tenant 'default', so no request "
+                                   "was another tenant's and cross-tenant isolation was not tested")
         report.seconds = round(time.monotonic() - t_start, 2)
         return report
 
@@ -925,6 +943,18 @@ def judge(report: CanaryReport, requests: list[RequestResult]) -> None:
     if not answered:
         report.problems.append("no ordinary or probe request was answered with text (200): nothing was read back, "
                                "so the absence of foreign canaries proves nothing")
+    # a canary refused on its way in never entered the KV pool: no other tenant could have read it
+    for r in requests:
+        if r.kind == "warm" and r.status != 200 and not r.client_aborted:
+            report.problems.append(f"warm-up request {r.index} of tenant {r.tenant} was refused ({r.status} "
+                                   f"{r.error_code}): its canary never entered the KV pool")
+    for name in sorted({r.tenant for r in requests}):
+        own = [r for r in requests if r.tenant == name and not r.over_length and not r.client_aborted]
+        if own and not any(r.status == 200 for r in own):
+            codes = Counter(f"{r.status} {r.error_code}" for r in own)
+            report.problems.append(f"no request of tenant {name} within the context was answered ("
+                                   + ", ".join(f"{c}: {n}" for c, n in sorted(codes.items()))
+                                   + "): its canaries never entered the pool and it read nothing back")
 
 
 def run_canary(url: str, tenants: dict[str, str] | str | Path, options: CanaryOptions | None = None,

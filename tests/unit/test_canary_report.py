@@ -69,8 +69,9 @@ def test_unknown_canary_shapes_are_reported_apart():
     assert unknown_canaries(text, owners, "a") == ["MM-1234-TOPAZ"]   # the mutation of a's own is not counted
 
 
-def _result(i: int, kind: str = "normal", status: int | None = 200, text: str = "fine words") -> RequestResult:
-    return RequestResult(i, "a", kind, "completions", False, 10, 4, kind.startswith("over"), None, status=status,
+def _result(i: int, kind: str = "normal", status: int | None = 200, text: str = "fine words",
+            tenant: str = "a") -> RequestResult:
+    return RequestResult(i, tenant, kind, "completions", False, 10, 4, kind.startswith("over"), None, status=status,
                          error_code=None if status == 200 else "x", finish_reason="length", text=text)
 
 
@@ -133,3 +134,23 @@ def test_discover_audits_every_node_of_a_fleet_not_the_first_of_each_role():
     # router's list was added to them), written as the router writes them
     assert asyncio.run(go({"prefill": "http://p2/", "decode": "http://d2"})) == {"prefill": "http://p2",
                                                                                   "decode": "http://d2"}
+
+
+def test_a_refused_warm_up_or_a_tenant_never_answered_is_inconclusive():
+    """A docs probe: CLEAN although one tenant's warm-up (its canary) was refused by its prompt
+    cap and another tenant's requests were all 429: their canaries never entered the pool."""
+    from kvfence.canary import judge
+
+    r = _report()
+    warm = _result(0, "warm", status=400)
+    warm.error_code = "tenant_max_prompt_tokens"
+    judge(r, [warm, _result(1)])
+    assert not r.clean and r.exit_code() == 2 and "warm-up request 0" in r.text(), r.text()
+    r = _report()
+    judge(r, [_result(0, tenant="a"), _result(1, tenant="b", status=429), _result(2, tenant="b", status=429)])
+    assert not r.clean and "no request of tenant b" in r.text(), r.text()
+    r = _report()   # a tenant whose only requests were over-length or abandoned by plan is no finding
+    aborted = _result(2, tenant="c", status=None)
+    aborted.client_aborted = True
+    judge(r, [_result(0, tenant="a"), _result(1, "over_prompt", tenant="b", status=400), aborted])
+    assert r.clean, r.text()
