@@ -313,7 +313,8 @@ def may_scrape(state: ServerState, request: Request, route: str, public_part: bo
     if wait is not None:
         if public_part or (tenant_part and state.tenants.is_tenant_key(authorization)):
             return False
-        raise APIError(429, f"Too many wrong keys for {route} from this address; try again later.",
+        raise APIError(429, f"Too many wrong keys from this address (for {route}, the console and the other "
+                            f"operator routes: one count); try again in {wait} s.",
                        code="rate_limit_exceeded", headers={"Retry-After": str(wait)})
     if state.tenants.may_scrape(authorization):
         return True
@@ -402,6 +403,11 @@ def create_app(state: ServerState) -> FastAPI:
         # [operator] key only (probes need the status alone)
         if may_scrape(state, request, "/health", public_part=True):
             body |= {"running": snap.get("running"), "waiting": snap.get("waiting")}
+        elif request.headers.get("authorization") and (
+                wait := state.key_throttle.retry_after(client_address(request))) is not None:
+            # the status still answers (a probe behind a shared address must not turn 429), but a
+            # scraper whose detail vanished is told why (a docs probe: it was dropped in silence)
+            body["detail_withheld"] = f"too many wrong keys from this address; try again in {wait} s"
             if snap.get("fleet"):   # a router: ready with half its decode nodes down is worth a look
                 body["nodes"] = snap["fleet"]
             if state.engine.error:

@@ -302,6 +302,12 @@ def test_guessing_the_metrics_key_is_bounded_per_address(make_server):
         assert _scrape(srv, "sk-guess-00000").status_code == 401
     r = _scrape(srv, SCRAPER_KEY)
     assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+    assert f"try again in {r.headers['Retry-After']} s" in r.json()["error"]["message"]
+    # /health still answers the probe, and says why the scraper's detail is missing (it vanished
+    # in silence: a docs probe)
+    h = httpx.get(srv.url + "/health", headers={"Authorization": f"Bearer {SCRAPER_KEY}"}, timeout=30)
+    assert h.status_code == 200 and "running" not in h.json(), h.text
+    assert "too many wrong keys" in h.json()["detail_withheld"], h.text
 
 
 def test_guessing_keys_on_the_isolation_statement_is_bounded_too(make_server):
