@@ -352,7 +352,7 @@ def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int,
 
     if settings.role == "decode":
         config.enable_prefix_cache = False  # decode's KV arrives by transfer; nothing to reuse
-    tenants = load_tenants(tenants_file)
+    tenants = load_tenants(tenants_file, node=True)
     refused = refuse_unusable_port(host, port, f"{settings.role} node")   # before the model loads
     if refused is not None:
         return refused

@@ -17,17 +17,25 @@ from kvfence.server.tenants import TenantRegistry
 log = logging.getLogger("kvfence.server")
 
 
-def load_tenants(path: str | None) -> TenantRegistry:
+def load_tenants(path: str | None, node: bool = False) -> TenantRegistry:
+    """The tenants file's registry, said in the log. `node`: a PD node, which serves no /v1 (the
+    router checks the keys): the file keys its status routes only."""
     if path is None:
         reg = TenantRegistry.single()
-        log.warning("no tenants file: SINGLE-TENANT mode; every request is tenant 'default' and API keys are "
-                    "not checked (pass --tenants FILE to serve several tenants)")
+        if node:
+            log.info("no tenants file: this node's status routes (/metrics, /health's detail) answer whoever "
+                     "reaches its port; its internal API needs the cluster credential")
+        else:
+            log.warning("no tenants file: SINGLE-TENANT mode; every request is tenant 'default' and API keys are "
+                        "not checked (pass --tenants FILE to serve several tenants)")
     else:
         reg = TenantRegistry.from_file(path)
         # what the operator keys open, said at start: without them the console and the reload
         # route are off and /metrics answers 401 to every scraper
-        log.info("multi-tenant mode: %d tenant(s) from %s; requests need 'Authorization: Bearer <key>'; "
-                 "operator console and reload route %s; /metrics %s", len(reg.tenants), path,
+        log.info("%s: %d tenant(s) from %s; %s; operator console and reload route %s; /metrics %s",
+                 "tenants file" if node else "multi-tenant mode", len(reg.tenants), path,
+                 "a node serves no /v1 (the router checks the keys): the file keys its status routes" if node else
+                 "requests need 'Authorization: Bearer <key>'",
                  "on ([operator] key)" if reg.operator_digests else "off (no [operator] key)",
                  "for the [metrics] or [operator] key" if reg.metrics_digests else
                  "for the [operator] key only" if reg.operator_digests else "closed (no [metrics] or [operator] key)")
