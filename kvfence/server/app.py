@@ -403,15 +403,15 @@ def create_app(state: ServerState) -> FastAPI:
         # [operator] key only (probes need the status alone)
         if may_scrape(state, request, "/health", public_part=True):
             body |= {"running": snap.get("running"), "waiting": snap.get("waiting")}
+            if snap.get("fleet"):   # a router: ready with half its decode nodes down is worth a look
+                body["nodes"] = snap["fleet"]
+            if state.engine.error:
+                body["error"] = state.engine.error
         elif request.headers.get("authorization") and (
                 wait := state.key_throttle.retry_after(client_address(request))) is not None:
             # the status still answers (a probe behind a shared address must not turn 429), but a
             # scraper whose detail vanished is told why (a docs probe: it was dropped in silence)
             body["detail_withheld"] = f"too many wrong keys from this address; try again in {wait} s"
-            if snap.get("fleet"):   # a router: ready with half its decode nodes down is worth a look
-                body["nodes"] = snap["fleet"]
-            if state.engine.error:
-                body["error"] = state.engine.error
         return JSONResponse(body, status_code=200 if st == "ready" else 503)
 
     @app.api_route("/health/live", methods=["GET", "HEAD"])

@@ -306,8 +306,10 @@ def test_guessing_the_metrics_key_is_bounded_per_address(make_server):
     # /health still answers the probe, and says why the scraper's detail is missing (it vanished
     # in silence: a docs probe)
     h = httpx.get(srv.url + "/health", headers={"Authorization": f"Bearer {SCRAPER_KEY}"}, timeout=30)
-    assert h.status_code == 200 and "running" not in h.json(), h.text
-    assert "too many wrong keys" in h.json()["detail_withheld"], h.text
+    assert h.status_code == 200 and "too many wrong keys" in h.json()["detail_withheld"], h.text
+    assert not {"running", "waiting", "nodes", "error"} & set(h.json()), h.text   # none of the detail
+    t = httpx.get(srv.url + "/health", headers={"Authorization": f"Bearer {KEYS['alice']}"}, timeout=30)
+    assert not {"running", "waiting", "nodes", "error"} & set(t.json()), t.text   # nor to a tenant's key
 
 
 def test_guessing_keys_on_the_isolation_statement_is_bounded_too(make_server):
