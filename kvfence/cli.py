@@ -285,18 +285,18 @@ def _print_warnings(statement: dict) -> None:
         print(f"{red}{w}{end}", file=sys.stderr)
 
 
-def _local_tls(a, who: str):
-    """(scheme, httpx verify) for a call to a kvfence process of this host: https once --tls-ca
-    or a client certificate is given. The chain is verified against --tls-ca; the host name is
-    not, since the call reaches its own pod over loopback, where the certificate's names (the
-    pod's DNS names) do not apply. None after saying why the files cannot be used."""
+def _local_tls(a, who: str, loopback: bool = True):
+    """(scheme, httpx verify) for a call to a kvfence process: https once --tls-ca or a client
+    certificate is given. The chain is verified against --tls-ca; on loopback the host name is
+    not, since the call reaches its own pod, where the certificate's names (the pod's DNS
+    names) do not apply. None after saying why the files cannot be used."""
     import ssl
 
     if not (a.tls_ca or a.tls_client_cert):
         return "http", False
     try:
         ctx = ssl.create_default_context(cafile=a.tls_ca)
-        ctx.check_hostname = False
+        ctx.check_hostname = not loopback
         if a.tls_client_cert:
             ctx.load_cert_chain(a.tls_client_cert, a.tls_client_key)
     except (OSError, ssl.SSLError) as e:
@@ -315,8 +315,11 @@ def _local_tls_args(p) -> None:
 
 def _no_answer(who: str, host: str, port: int, scheme: str, e: Exception) -> str:
     """Why nothing usable answered; a plain-HTTP call to an HTTPS server reads as a hang-up."""
+    import httpx
+
+    hung_up = isinstance(e, (httpx.RemoteProtocolError, httpx.ReadError))   # what a TLS port does to plain HTTP
     hint = ("; if the process serves HTTPS (--tls-cert), pass --tls-ca (and a PD node's client certificate)"
-            if scheme == "http" and "ConnectError" not in type(e).__name__ else "")
+            if scheme == "http" and hung_up else "")
     return f"{who}: no answer on {host}:{port}: {type(e).__name__}: {e}{hint}"
 
 
@@ -347,16 +350,23 @@ def cmd_drain(a) -> int:
     import httpx
 
     from kvfence.pd.seal import control_headers
+    from kvfence.pd.tls import is_loopback
 
     secret = _cluster_secret(a)
     if secret is None:
         return 2
-    tls = _local_tls(a, "drain")
+    loopback = is_loopback(a.host)
+    tls = _local_tls(a, "drain", loopback)
     if tls is None:
         return 1
     scheme, verify = tls
+    if scheme == "http" and not loopback:   # the credential opens every internal route (I11)
+        print(f"drain: not sending the cluster credential to {a.host} in the clear: pass --tls-ca (and the "
+              "node's client certificate) for a node off this host", file=sys.stderr)
+        return 2
+    host = f"[{a.host}]" if ":" in a.host else a.host
     try:
-        r = httpx.post(f"{scheme}://{a.host}:{a.port}/internal/drain", headers=control_headers(secret),
+        r = httpx.post(f"{scheme}://{host}:{a.port}/internal/drain", headers=control_headers(secret),
                        verify=verify, timeout=a.timeout)
     except httpx.HTTPError as e:
         print(_no_answer("drain", a.host, a.port, scheme, e), file=sys.stderr)

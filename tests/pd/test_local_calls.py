@@ -45,3 +45,13 @@ def test_drain_needs_the_cluster_secret(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("KVFENCE_CLUSTER_SECRET", raising=False)
     assert main(["drain", "--port", "9"]) == 2
     assert "secret" in capsys.readouterr().err
+
+
+def test_drain_never_sends_the_credential_off_this_host_in_the_clear(tmp_path, capsys):
+    """Review: `--host` took any address and posted the cluster credential, which opens every
+    internal route (I11), over plain HTTP. Refused before any connection is made."""
+    secret = tmp_path / "cluster.secret"
+    secret.write_text("s" * 40)
+    secret.chmod(0o600)
+    assert main(["drain", "--host", "192.0.2.1", "--port", "8002", "--cluster-secret-file", str(secret)]) == 2
+    assert "not sending the cluster credential to 192.0.2.1 in the clear" in capsys.readouterr().err
