@@ -181,7 +181,7 @@ def cmd_serve(a) -> int:
     from kvfence.server.app import hold_sighup
 
     hold_sighup()   # a SIGHUP while the model loads reloads the tenants file once serving, not exits
-    from kvfence import incidents
+    from kvfence import faults, incidents
     from kvfence.server.http_limits import HttpLimits
 
     level = "debug" if a.verbose else "info"
@@ -199,7 +199,8 @@ def cmd_serve(a) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     # before anything that can refuse: start-up checks and fault points are incidents too
-    incidents.open_log(a.incident_log or incidents.default_path(a.role, a.port), a.role)
+    incidents.open_log(a.incident_log or incidents.default_path(a.role, a.port), a.role,
+                       faults_on=bool(faults.describe()))
     if a.role in ("prefill", "decode", "router"):
         from kvfence.pd.tls import PlaintextNetworkError, check_listen, check_node_url
 

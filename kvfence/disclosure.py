@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -150,6 +151,14 @@ def build(paths: Iterable[str | Path], since: float | None = None, until: float 
     }
 
 
+def _skips_a_check(detail: str) -> bool:
+    """Whether a faults_active record names a fault that gets past a defense (faults.SKIPS_A_CHECK)."""
+    from kvfence.faults import SKIPS_A_CHECK
+
+    named = set(re.findall(r"[a-z_]+", detail))
+    return bool(named & SKIPS_A_CHECK)
+
+
 def _unguarded(path: str | Path, every: list[dict], since: float | None, until: float | None) -> list[dict]:
     """The processes of one log that ran in the window with test fault points on. A process is
     taken to run from its faults_active record until the log's next record of another boot (or
@@ -157,9 +166,10 @@ def _unguarded(path: str | Path, every: list[dict], since: float | None, until: 
     skip_watermark skips the check that writes them (found by a docs probe: the report said no)."""
     out = []
     for i, rec in enumerate(every):
-        if rec["kind"] != "faults_active":
+        if rec["kind"] != "faults_active" or not _skips_a_check(rec.get("detail") or ""):
             continue
-        end = next((r["unix"] for r in every[i + 1:] if r.get("boot_id") != rec.get("boot_id")), None)
+        end = next((r["unix"] for r in every[i + 1:]
+                    if r.get("boot_id") != rec.get("boot_id") or r["kind"] == "faults_cleared"), None)
         if (until is None or rec["unix"] <= until) and (since is None or end is None or end >= since):
             out.append({"log": str(path), "time": rec["time"], "role": rec.get("role"),
                         "boot_id": rec.get("boot_id"), "detail": rec.get("detail")})

@@ -167,6 +167,20 @@ def any_active() -> bool:
     return bool(_active)
 
 
+# the faults that switch off or get past a defense: with one on, a cross-tenant read or
+# transfer may happen without the refusal that would record it, so the incident log's silence
+# proves nothing for that process (disclosure.py). The others (lost, late or doubled notices,
+# kills, corruption that authentication catches, poisoned requests) leave every check running.
+SKIPS_A_CHECK = frozenset({
+    "skip_router_admission", "skip_node_admission", "handoff_placeholder", "skip_ledger_check", "skip_watermark",
+    "write_shared_page", "skip_row_auth", "skip_row_seal", "free_on_abort_during_transfer",
+    "fence_pull_from_submit", "lose_forget_tenants", "skip_boot_check", "skip_manifest_check",
+    "attend_reserved_length"})
+KEEPS_THE_CHECKS = frozenset({
+    "drop_transfer_completion", "delay_transfer_completion", "duplicate_transfer_completion", "kill_node_at",
+    "corrupt_staged_page", "delay_handoff", "poison_request", "poison_forward", "poison_link"})
+
+
 def describe() -> list[str]:
     return [n if a is None else f"{n}:{a}" for n, a in sorted(_active.items())]
 

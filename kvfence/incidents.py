@@ -52,6 +52,7 @@ KINDS: dict[str, tuple[str, str]] = {
                                    "freed, not read, and a late write lands in a freed row that is zeroed on grant"),
     "node_refused": ("I8", "a refused node gets no request"),
     "faults_active": ("all", "test fault points were on at start-up: the guarantees do not hold for this process"),
+    "faults_cleared": ("all", "the test fault points of the process before were off from here on"),
     "startup_check_failed": ("all", "the process did not start serving"),
 }
 
@@ -165,13 +166,40 @@ class IncidentLog:
 _log: IncidentLog | None = None
 
 
-def open_log(path: str | Path, role: str, boot_id: str | None = None) -> IncidentLog:
+def open_log(path: str | Path, role: str, boot_id: str | None = None, faults_on: bool = False) -> IncidentLog:
+    """This process's log. `faults_on`: whether it runs with test fault points; if not and
+    the log's last word on them is that they were on, the window that left open ends here
+    (faults_cleared), else a report would find no end to it (found in review)."""
     global _log
     if _log is not None:
         _log.close()
+    left_on = not faults_on and _faults_left_on(Path(path))
     _log = IncidentLog(path, role, boot_id)
     log.info("incident log: %s", _log.path)
+    if left_on:
+        _log.record("faults_cleared", detail="a process without test fault points opened this log")
     return _log
+
+
+MAX_FAULT_TAIL = 1 << 20   # how far back a start looks for the log's last fault record
+
+
+def _faults_left_on(path: Path) -> bool:
+    """Whether the last faults_active / faults_cleared record in the log's last MAX_FAULT_TAIL
+    bytes is faults_active. Further back, later boots' own records already end that window."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - MAX_FAULT_TAIL))
+            data = f.read()
+    except FileNotFoundError:
+        return False
+    on = False
+    for line in data.split(b"\n"):
+        rec = _record(line) if line.strip() else None
+        if rec is not None and rec["kind"] in ("faults_active", "faults_cleared"):
+            on = rec["kind"] == "faults_active"
+    return on
 
 
 def current() -> IncidentLog | None:

@@ -54,4 +54,6 @@ def mount(app: FastAPI, cluster_secret: bytes | None = None) -> None:
             faults.announce(log)
             incidents.record("faults_active", detail="test fault points switched on over HTTP: "
                                                      + ", ".join(faults.describe()))
+        else:   # the report's window of unchecked operation ends here
+            incidents.record("faults_cleared", detail="test fault points switched off over HTTP")
         return {"active": faults.describe()}

@@ -540,6 +540,10 @@ def test_transfer_from_a_dead_prefill_fails_cleanly(cluster, client):
     dec = cluster.info("decode")["snapshot"]
     assert dec["pages_owned"] == 0
     cluster.clear_faults()
+    # the router's log says when the fault points went on and off: a disclosure report bounds
+    # the window of unchecked operation by them
+    kinds = [r["kind"] for r in cluster.incident_log("router") if r["kind"].startswith("faults_")]
+    assert kinds[-2:] == ["faults_active", "faults_cleared"], kinds
     cluster.start("prefill")
     cluster.wait_ready(120)
     assert client.completions.create(model=m, prompt="Hi", max_tokens=2).choices[0].finish_reason

@@ -412,3 +412,42 @@ def test_a_tenant_filter_counts_its_own_events_and_refuses_a_name_the_file_does_
     assert main(["incidents", str(path), "--tenant", "bob", "--tenants", str(tenants)]) == 0
     assert main(["incidents", str(path), "--tenant", "dave"]) == 0   # without the file: said, not refused
     assert "appears in no record" in capsys.readouterr().out
+
+
+def test_a_faulty_window_ends_when_the_next_process_opens_the_log_and_only_check_skipping_faults_count(
+        tmp_path, monkeypatch):
+    """Review: a faulty boot's window ended only at the next boot's first record, which a healthy
+    boot may never write: every later report said "cannot tell". A process without faults that
+    opens the log now ends the window (faults_cleared); and a fault that keeps every check
+    running (kill_node_at, which the canary arms) leaves the answer alone."""
+    import time
+
+    from kvfence import faults
+
+    assert faults.SKIPS_A_CHECK.isdisjoint(faults.KEEPS_THE_CHECKS)
+    assert faults.SKIPS_A_CHECK | faults.KEEPS_THE_CHECKS == set(faults.FAULTS)   # a new fault must be placed
+
+    path = tmp_path / "incidents-single-8000.jsonl"
+    incidents.open_log(path, "single", boot_id="faulty", faults_on=True)
+    incidents.record("faults_active", detail="test fault points on: skip_watermark")
+    incidents.close_log()
+    incidents.open_log(path, "single", boot_id="faulty-again", faults_on=True)   # still faulty: nothing ends
+    incidents.close_log()
+    assert [r["kind"] for r in incidents.read(path)] == ["faults_active"]
+    time.sleep(0.05)
+    incidents.open_log(path, "single", boot_id="healthy")                        # ends the window
+    incidents.close_log()
+    incidents.open_log(path, "single", boot_id="healthy-again")                  # nothing more to end
+    incidents.close_log()
+    assert [r["kind"] for r in incidents.read(path)] == ["faults_active", "faults_cleared"]
+    assert incidents.verify(path).ok
+    later = disclosure.build([path], since=time.time())
+    assert later["answer"]["any_byte_computed_over_another_tenants_data_reached_a_client"] == "no", later
+    whole = disclosure.build([path])
+    assert whole["answer"]["any_byte_computed_over_another_tenants_data_reached_a_client"] == "cannot tell"
+
+    kill = tmp_path / "incidents-decode-8002.jsonl"
+    log = incidents.IncidentLog(kill, "decode", boot_id="armed")
+    log.record("faults_active", detail="test fault points switched on over HTTP: kill_node_at:decode_after_pull")
+    log.close()
+    assert disclosure.build([kill])["answer"]["any_byte_computed_over_another_tenants_data_reached_a_client"] == "no"
