@@ -720,14 +720,14 @@ class Canary:
             if kind == "warm":   # as long as fits (1/warmup_concurrency of the smallest pool each): a
                 # request that later attends these pages by mistake finds a canary wherever it looks
                 size = min(usable - lo_mt - 8, pool // max(1, o.warmup_concurrency) - lo_mt - 24,
-                           o.warmup_tokens or usable, own - 48)
+                           o.warmup_tokens or usable, max(16, own - 48))
                 target, mt = size, lo_mt
             elif kind == "over_prompt":
                 target, mt = rng.randint(usable + 8, over_cap), rng.randint(lo_mt, hi_mt)
             elif kind == "over_total":   # the prompt fits; prompt + max_tokens does not
                 target, mt = usable - rng.randint(*o.over_total_room), 0
             else:
-                target = int(min(cap, own - 48, 16 + rng.expovariate(1 / max(1.0, cap / 4))))
+                target = int(min(cap, max(16, own - 48), 16 + rng.expovariate(1 / max(1.0, cap / 4))))
                 mt = rng.randint(lo_mt, hi_mt)
             text, n = _prompt(t, target, probe, rng, tokens, chat, repeat_secret=kind == "warm",
                               page_size=self.page_size)
@@ -916,7 +916,7 @@ class Canary:
             await asyncio.gather(*(gated(p, t1) for p in after))
             self.on_phase("settle")
             await self._settle(c, report)
-        judge(report, [p.result for p in warm + main])
+        judge(report, [p.result for p in warm + main], tuple(t.name for t in self.tenants))
         if self.single_tenant and len(self.tenants) > 1:
             report.problems.append("the server has no tenants file: every key is tenant 'default', so no request "
                                    "was another tenant's and cross-tenant isolation was not tested")
@@ -924,9 +924,9 @@ class Canary:
         return report
 
 
-def judge(report: CanaryReport, requests: list[RequestResult]) -> None:
+def judge(report: CanaryReport, requests: list[RequestResult], tenants: tuple[str, ...] = ()) -> None:
     """The findings from the requests' results: foreign canaries, over-length 200s, hung
-    requests, and whether anything was read back at all."""
+    requests, and whether anything was read back at all (for each of `tenants`, too)."""
     report.requests = requests
     for r in requests:
         for owner, canary, match in r.foreign:
@@ -943,14 +943,27 @@ def judge(report: CanaryReport, requests: list[RequestResult]) -> None:
     if not answered:
         report.problems.append("no ordinary or probe request was answered with text (200): nothing was read back, "
                                "so the absence of foreign canaries proves nothing")
+    # the incident's path is the context check (I4): over-length requests that a tenant's prompt
+    # cap refused first never reached it
+    over = [r for r in requests if r.over_length and not r.client_aborted and r.status is not None]
+    if over and not any(r.error_code == "context_length_exceeded" or r.status == 200 for r in over):
+        report.problems.append("no over-length request reached the context check (I4): all were refused by "
+                               f"{sorted({str(r.error_code) for r in over})} first; include a tenant without a "
+                               "prompt cap")
     # a canary refused on its way in never entered the KV pool: no other tenant could have read it
+    # (a stream's 200 followed by an error event read nothing back either)
+    def served(r: RequestResult) -> bool:
+        return r.status == 200 and r.error_code is None
+
     for r in requests:
-        if r.kind == "warm" and r.status != 200 and not r.client_aborted:
+        if r.kind == "warm" and not served(r) and not r.client_aborted:
             report.problems.append(f"warm-up request {r.index} of tenant {r.tenant} was refused ({r.status} "
                                    f"{r.error_code}): its canary never entered the KV pool")
-    for name in sorted({r.tenant for r in requests}):
+    for name in sorted({r.tenant for r in requests} | set(tenants)):
         own = [r for r in requests if r.tenant == name and not r.over_length and not r.client_aborted]
-        if own and not any(r.status == 200 for r in own):
+        if not own and name in tenants and not any(r.tenant == name for r in requests):
+            report.problems.append(f"tenant {name} sent no request: raise --requests or --warmup")
+        elif own and not any(served(r) for r in own):
             codes = Counter(f"{r.status} {r.error_code}" for r in own)
             report.problems.append(f"no request of tenant {name} within the context was answered ("
                                    + ", ".join(f"{c}: {n}" for c, n in sorted(codes.items()))

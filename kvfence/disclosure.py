@@ -256,7 +256,8 @@ def main(a) -> int:
         from kvfence.server.tenants import TenantRegistry
         registry = TenantRegistry.from_file(a.tenants)
         disclosure = registry.disclosure
-        known = set(registry.tenants) | {f"public:{t.public_prefix_scope}" for t in registry.tenants.values()}
+        known = set(registry.tenants) | {f"public:{t.public_prefix_scope}" for t in registry.tenants.values()
+                                         if t.public_prefix_scope}
     rep = build(paths, parse_time(a.since) if a.since else None, parse_time(a.until) if a.until else None,
                 a.tenant, disclosure, a.expect_last_hash)
     if a.tenant is not None and a.tenants and a.tenant not in known and not rep["tenants"]:

@@ -212,7 +212,7 @@ def _run(a, env: dict[str, str], secret_file: str) -> int:
         stopping.append(signum)
 
     def reload_tenants(*_):
-        # every process read the tenants file (the nodes serve /v1 with it too): each reloads it
+        # every process read the tenants file (the nodes key their status routes with it): each reloads it
         for p in procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGHUP)

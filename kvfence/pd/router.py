@@ -798,7 +798,9 @@ def _merge_snapshots(fleet: Fleet) -> dict:
     # each node's pool as the isolation statement lists it (a router has none of its own)
     out["pools"] = [{"node": n.url, "role": n.role, "state": n.state, "pages": n.info.pool_pages,
                      "page_size_tokens": n.info.page_size, "capacity_tokens": n.info.pool_tokens,
-                     "bytes": n.info.pool_bytes, "advertised_context_fits": fleet.usable_context <= n.info.pool_tokens}
+                     "bytes": n.info.pool_bytes,
+                     # the node's own usable context, as the capacity check (I8) reads it
+                     "advertised_context_fits": fleet.usable_context <= n.info.usable_context}
                     for n in fleet.nodes if n.info is not None]
     return out
 

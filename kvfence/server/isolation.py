@@ -232,8 +232,10 @@ def tenant_view(statement: dict, tenant) -> dict:
             "explicit opt-in only: your tenant has not opted in, so none of its pages is shared")}
     out["kv_memory_isolation"] = iso
     cap = {k: v for k, v in out["capacity"].items() if k != "per_tenant_prompt_caps"}
-    # behind a router, where its nodes are and how each is doing are the operator's
-    cap["pools"] = [{k: v for k, v in p.items() if k not in ("node", "state")} for p in cap["pools"]]
+    # behind a router, where its nodes are and how each is doing are the operator's: a tenant
+    # sees the pools that serve it, without their addresses
+    cap["pools"] = [{k: v for k, v in p.items() if k not in ("node", "state")} for p in cap["pools"]
+                    if p.get("state", "ready") == "ready"]
     cap["your_prompt_cap"] = tenant.limits.max_prompt_tokens
     out["capacity"] = cap
     disc = dict(out["incident_disclosure"])

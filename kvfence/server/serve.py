@@ -23,8 +23,8 @@ def load_tenants(path: str | None, node: bool = False) -> TenantRegistry:
     if path is None:
         reg = TenantRegistry.single()
         if node:
-            log.info("no tenants file: this node's status routes (/metrics, /health's detail) answer whoever "
-                     "reaches its port; its internal API needs the cluster credential")
+            log.warning("no tenants file: this node's status routes (/metrics, /health's detail, the whole isolation "
+                     "statement) answer whoever reaches its port; its internal API needs the cluster credential")
         else:
             log.warning("no tenants file: SINGLE-TENANT mode; every request is tenant 'default' and API keys are "
                         "not checked (pass --tenants FILE to serve several tenants)")

@@ -72,7 +72,8 @@ def test_unknown_canary_shapes_are_reported_apart():
 def _result(i: int, kind: str = "normal", status: int | None = 200, text: str = "fine words",
             tenant: str = "a") -> RequestResult:
     return RequestResult(i, tenant, kind, "completions", False, 10, 4, kind.startswith("over"), None, status=status,
-                         error_code=None if status == 200 else "x", finish_reason="length", text=text)
+                         error_code=None if status == 200 else "context_length_exceeded" if kind.startswith("over")
+                         else "x", finish_reason="length", text=text)
 
 
 def test_a_run_where_nothing_was_answered_is_inconclusive_not_clean():
@@ -153,4 +154,27 @@ def test_a_refused_warm_up_or_a_tenant_never_answered_is_inconclusive():
     aborted = _result(2, tenant="c", status=None)
     aborted.client_aborted = True
     judge(r, [_result(0, tenant="a"), _result(1, "over_prompt", tenant="b", status=400), aborted])
+    assert r.clean, r.text()
+
+
+def test_a_stream_that_errored_a_tenant_that_sent_nothing_and_an_untested_context_check():
+    """Review: a 200 stream that ended in an error event read nothing back; a tenant with no
+    request was never mentioned; over-length requests all refused by a prompt cap never reached
+    the context check, the incident's path."""
+    from kvfence.canary import judge
+
+    errored = _result(1, tenant="b")
+    errored.error_code = "node_failed"
+    r = _report()
+    judge(r, [_result(0, tenant="a"), errored], ("a", "b", "c"))
+    assert "no request of tenant b" in r.text() and "tenant c sent no request" in r.text(), r.text()
+    capped = _result(1, "over_prompt", status=400)
+    capped.error_code = "tenant_max_prompt_tokens"
+    r = _report()
+    judge(r, [_result(0), capped], ("a",))
+    assert not r.clean and "reached the context check" in r.text(), r.text()
+    refused = _result(1, "over_prompt", status=400)
+    refused.error_code = "context_length_exceeded"
+    r = _report()
+    judge(r, [_result(0), refused], ("a",))
     assert r.clean, r.text()
