@@ -24,7 +24,7 @@ def load_tenants(path: str | None, node: bool = False) -> TenantRegistry:
         reg = TenantRegistry.single()
         if node:
             log.warning("no tenants file: this node's status routes (/metrics, /health's detail, the whole isolation "
-                     "statement) answer whoever reaches its port; its internal API needs the cluster credential")
+                        "statement) answer whoever reaches its port; its internal API needs the cluster credential")
         else:
             log.warning("no tenants file: SINGLE-TENANT mode; every request is tenant 'default' and API keys are "
                         "not checked (pass --tenants FILE to serve several tenants)")
