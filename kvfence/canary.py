@@ -536,7 +536,9 @@ class Canary:
         self.single_tenant = "tenant_limits" not in card   # a server without a tenants file
         for t in self.tenants:
             r = await c.get(self.url + "/v1/models", headers=self._headers(t))
-            r.raise_for_status()
+            if r.status_code != 200:
+                raise ValueError(f"the server refused tenant {t.name}'s key ({r.status_code}): is the tenants file "
+                                 "the one it serves?")
             self.limits[t.name] = r.json()["data"][0].get("tenant_limits") or {}
         r = await c.get(self.url + "/v1/kvfence/cluster", headers=self._scrape_headers())
         body = r.json() if r.status_code == 200 else {}
