@@ -157,24 +157,25 @@ def test_a_refused_warm_up_or_a_tenant_never_answered_is_inconclusive():
     assert r.clean, r.text()
 
 
-def test_a_stream_that_errored_a_tenant_that_sent_nothing_and_an_untested_context_check():
-    """Review: a 200 stream that ended in an error event read nothing back; a tenant with no
-    request was never mentioned; over-length requests all refused by a prompt cap never reached
-    the context check, the incident's path."""
+def test_a_stream_that_errored_and_an_untested_context_check_are_inconclusive():
+    """Review: a 200 stream that ended in an error event read nothing back; over-length requests
+    all refused by a prompt cap never reached the context check, the incident's path. One that
+    another defense refused did reach it (the canary's layer-off runs)."""
     from kvfence.canary import judge
 
     errored = _result(1, tenant="b")
     errored.error_code = "node_failed"
     r = _report()
-    judge(r, [_result(0, tenant="a"), errored], ("a", "b", "c"))
-    assert "no request of tenant b" in r.text() and "tenant c sent no request" in r.text(), r.text()
+    judge(r, [_result(0, tenant="a"), errored])
+    assert "no request of tenant b" in r.text(), r.text()
     capped = _result(1, "over_prompt", status=400)
     capped.error_code = "tenant_max_prompt_tokens"
     r = _report()
-    judge(r, [_result(0), capped], ("a",))
+    judge(r, [_result(0), capped])
     assert not r.clean and "reached the context check" in r.text(), r.text()
-    refused = _result(1, "over_prompt", status=400)
-    refused.error_code = "context_length_exceeded"
-    r = _report()
-    judge(r, [_result(0), refused], ("a",))
-    assert r.clean, r.text()
+    for code in ("context_length_exceeded", "kv_manifest_invalid"):
+        refused = _result(1, "over_prompt", status=400)
+        refused.error_code = code
+        r = _report()
+        judge(r, [_result(0), refused])
+        assert r.clean, r.text()
