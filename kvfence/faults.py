@@ -185,6 +185,14 @@ def describe() -> list[str]:
     return [n if a is None else f"{n}:{a}" for n, a in sorted(_active.items())]
 
 
+def record_active(how: str = "on") -> None:
+    """The incident log's faults_active record for the points on now: the one place its detail
+    is written, since the disclosure report reads the fault names out of it."""
+    from kvfence import incidents
+
+    incidents.record("faults_active", detail=f"test fault points {how}: " + ", ".join(describe()))
+
+
 def banner() -> str | None:
     """The start-up banner text when any fault is enabled, else None."""
     if not _active:

@@ -186,7 +186,8 @@ MAX_FAULT_TAIL = 1 << 20   # how far back a start looks for the log's last fault
 
 def _faults_left_on(path: Path) -> bool:
     """Whether the last faults_active / faults_cleared record in the log's last MAX_FAULT_TAIL
-    bytes is faults_active. Further back, later boots' own records already end that window."""
+    bytes is faults_active. One further back is not looked for: a report then keeps that window
+    open (cannot tell), the safe side. Only those lines are parsed: this runs at every start."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
@@ -196,7 +197,7 @@ def _faults_left_on(path: Path) -> bool:
         return False
     on = False
     for line in data.split(b"\n"):
-        rec = _record(line) if line.strip() else None
+        rec = _record(line) if b'"kind":"faults_' in line else None   # written with sort_keys, no spaces
         if rec is not None and rec["kind"] in ("faults_active", "faults_cleared"):
             on = rec["kind"] == "faults_active"
     return on

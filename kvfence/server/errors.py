@@ -117,7 +117,6 @@ def abort_status(code: str | None) -> tuple[int, str]:
     return ABORT_STATUS.get(code or "", (500, "The request was aborted"))
 
 
-
 # abort codes whose detail the client may read: about its own request (its lengths, its schema),
 # or the server's stop; any other detail may name a node, a transfer address, the pool's state or
 # an exception, so with tenants it goes to the log and the client gets the fixed text (app.py,

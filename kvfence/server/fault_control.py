@@ -52,8 +52,7 @@ def mount(app: FastAPI, cluster_secret: bytes | None = None) -> None:
             return JSONResponse({"error": str(e)}, status_code=400)
         if active:
             faults.announce(log)
-            incidents.record("faults_active", detail="test fault points switched on over HTTP: "
-                                                     + ", ".join(faults.describe()))
+            faults.record_active("switched on over HTTP")
         else:   # the report's window of unchecked operation ends here
             incidents.record("faults_cleared", detail="test fault points switched off over HTTP")
         return {"active": faults.describe()}

@@ -57,7 +57,7 @@ def fault_injection_check() -> dict:
     on = faults.describe()
     if on:
         faults.announce()  # the ERROR-level banner, once per server start
-        incidents.record("faults_active", detail="test fault points on: " + ", ".join(on))
+        faults.record_active()
         return _check("fault injection", "all", False,
                       f"ACTIVE ({', '.join(on)}): this server is deliberately broken for testing and must never "
                       f"serve real traffic ({faults.ENV_VAR})", fatal=False)
