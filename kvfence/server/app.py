@@ -43,7 +43,6 @@ from kvfence.server.errors import (
     abort_status,
     bad_request,
     error_body,
-    retry_after,
 )
 from kvfence.server.fair_queue import FairWorker
 from kvfence.server.isolation import isolation_statement, tenant_view
@@ -164,8 +163,7 @@ class ServerState:
             why = "the operator's log and /health (with the [metrics] or [operator] key) say why"
         # a router waits for a node to come back (seconds: a restart and its check), a failed
         # single node for its supervisor to restart it
-        raise APIError(503, f"The engine is not serving ({st}): {why}.", code="engine_unavailable",
-                       headers=retry_after("engine_unavailable"))
+        raise APIError(503, f"The engine is not serving ({st}): {why}.", code="engine_unavailable")
 
     @property
     def facts(self) -> dict:
@@ -669,7 +667,7 @@ async def _generate(state: ServerState, request: Request, kind: str):
             if failed:
                 state.metrics.failures.labels(e.code or "engine_unavailable").inc()
             raise APIError(status, f"{what}: {_public_detail(state, rid, tenant, e.code, str(e))}.", code=e.code,
-                           headers=retry_after(e.code), outcome="error" if failed else None) from None
+                           outcome="error" if failed else None) from None
         except GrammarError as e:
             raise bad_request(str(e), param="response_format") from None
         except ValueError as e:   # NotServedHere has a code of its own
@@ -1301,8 +1299,7 @@ class _Run:
         if u.abort_code == "grammar_limit_exceeded":   # the client's schema: where it wrote it
             tools = self.req.tools
             param = "tools" if tools is not None and tools.enforced else "response_format"
-        err = APIError(status, f"{what}: {detail}.", code=u.abort_code or "request_aborted", param=param,
-                       headers=retry_after(u.abort_code))
+        err = APIError(status, f"{what}: {detail}.", code=u.abort_code or "request_aborted", param=param)
         return responses_api.refused(err) if self.kind == "responses" else err   # its own field names
 
     def _fail_on(self, e: BaseException) -> APIError:
@@ -1311,8 +1308,7 @@ class _Run:
         if isinstance(e, EngineFailed):
             detail = _public_detail(self.state, self.choices[0].rid, self.tenant, e.code, str(e))
             if e.code == "server_shutting_down":   # another choice of it came after the deadline
-                return APIError(503, f"{ABORT_STATUS[e.code][1]}: {detail}.", code=e.code,
-                                headers=retry_after(e.code))
+                return APIError(503, f"{ABORT_STATUS[e.code][1]}: {detail}.", code=e.code)
             return APIError(503, f"The engine stopped serving this request: {detail}.", code="engine_unavailable")
         if isinstance(e, Overloaded):
             return APIError(503, str(e), code="server_overloaded", headers={"Retry-After": str(e.retry_after_s)})

@@ -34,7 +34,8 @@ class APIError(Exception):
                  headers: dict[str, str] | None = None, outcome: str | None = None):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
-        self.headers = headers or {}
+        # a code's Retry-After is one rule (retry_after); a caller passes headers to override it
+        self.headers = headers if headers is not None else retry_after(code) or {}
         self.outcome = outcome or _default_outcome(status)
 
     def body(self) -> dict:
