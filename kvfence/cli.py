@@ -198,6 +198,11 @@ def cmd_serve(a) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    ignored = ignored_flags(a)   # an option a role would silently ignore is an operator's mistake
+    if ignored:
+        print(f"error: --role {a.role} does not read {', '.join(ignored)}; {WHAT_ROLES_READ[a.role]}",
+              file=sys.stderr)
+        return 2
     # before anything that can refuse: start-up checks and fault points are incidents too
     incidents.open_log(a.incident_log or incidents.default_path(a.role, a.port), a.role,
                        faults_on=bool(faults.describe()))
@@ -242,14 +247,6 @@ def cmd_serve(a) -> int:
                           a.shutdown_timeout)
     from kvfence.server.serve import serve
 
-    # a single node has no cluster: flags of the PD plane would be silently ignored, so refuse
-    # every one that is not at its default
-    defaults = build_parser().parse_args(["serve"])
-    pd_only = ["--" + dest.replace("_", "-") for dest in PD_ONLY_FLAGS if getattr(a, dest) != getattr(defaults, dest)]
-    if pd_only:
-        print(f"error: {', '.join(pd_only)} apply to --role prefill, decode and router; a single node takes "
-              "--tls-cert and --tls-key (HTTPS for its API) and API keys from --tenants", file=sys.stderr)
-        return 2
     if (a.tls_cert is None) != (a.tls_key is None):
         print("error: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
@@ -434,6 +431,31 @@ PD_ONLY_FLAGS = ("cluster_secret_file", "transfer_host", "transfer_buffer_pages"
                  "tls_client_key",
                  "allow_plaintext_network", "prefill_url", "decode_url", "node_wait", "node_stall",
                  "prefill_routing")
+# what only a router reads
+ROUTER_ONLY_FLAGS = ("prefill_url", "decode_url", "node_wait", "node_stall", "prefill_routing", "served_model_name",
+                     "tls_client_cert", "tls_client_key", "max_body_bytes")
+# what only a prefill or decode node reads: the engine (the router needs the model's tokenizer
+# and the context it advertises), the transfer plane, the cache scopes
+NODE_ONLY_FLAGS = ("dtype", "device", "weights", "matmul", "kv_cache_memory", "kv_memory_fraction", "page_size",
+                   "max_num_seqs", "max_num_batched_tokens", "prefill_tokens_while_decoding",
+                   "decode_step_target_ms", "max_waiting", "scrub", "no_prefix_cache", "threads", "audit_reads",
+                   "transfer_host", "transfer_buffer_pages", "lease", "transfer_timeout", "max_pull", "clock_skew",
+                   "decode_reserve_tokens", "router_scope_idle")
+# what each --role would silently ignore: cmd_serve refuses any of them not at its default
+IGNORED_BY_ROLE = {"single": PD_ONLY_FLAGS, "router": NODE_ONLY_FLAGS,
+                   "prefill": ROUTER_ONLY_FLAGS, "decode": ROUTER_ONLY_FLAGS}
+WHAT_ROLES_READ = {"single": "a single node takes --tls-cert and --tls-key (HTTPS for its API) and API keys from "
+                             "--tenants",
+                   "router": "the nodes run the engine and the transfer plane: give engine options to "
+                             "them (the router reads --model, --max-model-len and --clamp-context)",
+                   "prefill": "those are the router's", "decode": "those are the router's"}
+
+
+def ignored_flags(a) -> list[str]:
+    """The options given to `serve` that its --role would not read."""
+    defaults = build_parser().parse_args(["serve"])
+    return ["--" + dest.replace("_", "-") for dest in IGNORED_BY_ROLE[a.role]
+            if getattr(a, dest) != getattr(defaults, dest)]
 
 
 def _pd_args(p: argparse.ArgumentParser) -> None:

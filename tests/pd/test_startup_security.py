@@ -64,7 +64,35 @@ def test_cert_without_key_is_refused():
                                   ("--decode-reserve-tokens", "64")])
 def test_a_single_node_refuses_flags_of_the_pd_plane_instead_of_ignoring_them(flag):
     r = serve("--role", "single", *flag)
-    assert r.returncode == 2 and flag[0] in r.stderr and "apply to --role prefill" in r.stderr, r.stderr
+    assert r.returncode == 2 and flag[0] in r.stderr and "--role single does not read" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("role,flag", [("router", ("--kv-cache-memory", "4GiB")), ("router", ("--threads", "4")),
+                                       ("router", ("--dtype", "float32")), ("router", ("--lease", "10")),
+                                       ("router", ("--transfer-host", "10.0.0.2")),
+                                       ("prefill", ("--node-stall", "3")), ("decode", ("--served-model-name", "m")),
+                                       ("decode", ("--max-body-bytes", "100")),
+                                       ("prefill", ("--prefill-url", "http://127.0.0.1:1"))])
+def test_a_pd_role_refuses_flags_it_would_ignore(role, flag, capsys):
+    """Found in the fleet probe: --kv-cache-memory on the router (where an operator sizing a
+    cluster may put it) started a router and changed nothing; the nodes kept their default
+    pool. Refused before anything starts, naming the flag and whose it is."""
+    from kvfence import cli as kvcli
+
+    extra = ["--prefill-url", "http://127.0.0.1:1", "--decode-url", "http://127.0.0.1:2"] if role == "router" else []
+    assert kvcli.main(["serve", "--role", role, *extra, *flag]) == 2
+    err = capsys.readouterr().err
+    assert f"--role {role} does not read {flag[0]}" in err, err
+
+
+@pytest.mark.parametrize("role,flag", [("router", ("--max-model-len", "1024")), ("router", ("--clamp-context",)),
+                                       ("router", ("--model", "/nonexistent")), ("prefill", ("--lease", "10")),
+                                       ("decode", ("--kv-cache-memory", "8MiB"))])
+def test_what_a_role_reads_is_not_refused_as_ignored(role, flag):
+    from kvfence import cli as kvcli
+
+    a = kvcli.build_parser().parse_args(["serve", "--role", role, *flag])
+    assert kvcli.ignored_flags(a) == []
 
 
 def test_a_single_node_serves_https_with_tls_cert_and_key(tmp_path):
