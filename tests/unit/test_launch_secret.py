@@ -71,3 +71,17 @@ def test_every_engine_option_is_one_launch_pd_passes_on():
     p = argparse.ArgumentParser()
     _engine_args(p)
     assert {a.dest for a in p._actions if a.dest != "help"} - {"threads"} == set(ENGINE_FLAGS)
+
+
+def test_every_launched_process_reads_every_option_it_is_given(tmp_path):
+    """serve --role refuses an option its role would ignore: launch-pd (and the PD bench, which
+    uses node_commands) must give each process only its own, with every option set."""
+    from kvfence.cli import build_parser, ignored_flags
+
+    a = _launch_args(argv=["--prefill", "2", "--kv-cache-memory", "64MiB", "--dtype", "float32", "--threads", "2",
+                           "--lease", "9", "--transfer-buffer-pages", "40", "--max-model-len", "1024",
+                           "--clamp-context", "--served-model-name", "m", "--prefill-routing", "round-robin",
+                           "--max-body-bytes", "1000", "--audit-reads", "--no-prefix-cache"])
+    for name, cmd in node_commands(a, str(tmp_path / "s")).items():
+        parsed = build_parser().parse_args(cmd[cmd.index("serve"):])
+        assert ignored_flags(parsed) == [], name
