@@ -529,14 +529,19 @@ def test_transfer_from_a_dead_prefill_fails_cleanly(cluster, client):
             client.completions.create(model=m, prompt=LONG, max_tokens=4)
             result["status"] = 200
         except openai.APIStatusError as e:
-            result["status"], result["code"] = e.status_code, e.code
+            result["status"], result["code"], result["m"] = e.status_code, e.code, e.message
 
     t = threading.Thread(target=go)
     t.start()
-    time.sleep(1.2)
+    # the kill must land in the handoff's delay, once prefill holds the KV: a fixed 1.2 s killed
+    # prefill mid-compute when LONG was not cached yet or the machine was busy (node_failed)
+    end = time.monotonic() + 60
+    while cluster.pd("prefill")["buffer_free"] == cluster.pd("prefill")["buffer_rows"] and time.monotonic() < end:
+        time.sleep(0.05)
     cluster.kill("prefill")
     t.join(60)
-    assert result["status"] == 503 and result["code"] in ("kv_transfer_failed", "kv_transfer_timeout", "lease_expired")
+    assert result["status"] == 503, result
+    assert result["code"] in ("kv_transfer_failed", "kv_transfer_timeout", "lease_expired"), result
     dec = cluster.info("decode")["snapshot"]
     assert dec["pages_owned"] == 0
     cluster.clear_faults()
