@@ -627,14 +627,27 @@ class RouterBackend:
             request_id=rid, reader_stopped=stopped, reason="the request ended before decode verified the transfer"))
 
     async def _events(self, role: str, response: httpx.Response) -> AsyncIterator[Any]:
-        """The node's NDJSON events, checked against their definitions; heartbeats dropped."""
-        async for text in response.aiter_lines():
+        """The node's NDJSON events, checked against their definitions; heartbeats dropped. A
+        stream that breaks or goes silent is the node's failure, named (the client was told
+        "a PD node failed mid-request: ReadTimeout"); it may have taken the request (I6)."""
+        lines = response.aiter_lines()
+        while True:
+            try:
+                text = await anext(lines, None)
+            except httpx.TimeoutException:   # the read timeout is --node-stall; nodes beat every second
+                raise NodeError(f"the {role} node sent nothing for {self.stall_s:g} s, not even its heartbeat",
+                                "node_failed", maybe_taken=True) from None
+            except httpx.HTTPError as e:     # killed or stopped mid-stream
+                raise NodeError(f"the {role} node's stream broke off: {_described(e)}", "node_failed",
+                                maybe_taken=True) from None
+            if text is None:
+                return
             if not text.strip():
                 continue
             try:
                 ev = parse_event(text)
             except MessageError as e:
-                raise NodeError(f"the {role} node sent {e}", "node_error") from None
+                raise NodeError(f"the {role} node sent {e}", "node_error", maybe_taken=True) from None
             if not isinstance(ev, WaitEvent):
                 yield ev
 
@@ -651,6 +664,9 @@ class RouterBackend:
         except httpx.PoolTimeout:   # the router's own connections are all taken: nothing was sent
             raise NodeError(f"the router has no free connection to the {role} node (all "
                             f"{MAX_NODE_CONNECTIONS} in use)", "server_overloaded") from None
+        except httpx.ReadTimeout:   # the read timeout is --node-stall
+            raise NodeError(f"the {role} node took the request and sent nothing for {self.stall_s:g} s",
+                            "node_failed", maybe_taken=True) from None
         except httpx.HTTPError as e:   # reached, then it died or hung before answering (killed, stopped)
             raise NodeError(f"the {role} node failed before answering: {_described(e)}", "node_failed",
                             maybe_taken=True) from None
@@ -673,7 +689,8 @@ class RouterBackend:
                             retryable=first.code in REFUSED_FOR_LOAD_OR_STATE)
         if not isinstance(first, AdmittedEvent):
             what = "nothing" if first is None else first.event
-            raise NodeError(f"{role} node: expected admitted, got {what}", "node_error")
+            # whatever it did with the request is unknown: a decode node may be pulling (I6)
+            raise NodeError(f"{role} node: expected admitted, got {what}", "node_error", maybe_taken=True)
         return first
 
     async def _prefill(self, body: PrefillBody, flight: _Flight, node: Node) -> None:

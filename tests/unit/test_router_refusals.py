@@ -187,3 +187,60 @@ def test_timeouts_are_told_apart_by_what_reached_the_node(raised, code, retryabl
 
     e = asyncio.run(go())
     assert (e.code, e.retryable, e.maybe_taken) == (code, retryable, maybe_taken), e
+
+
+@pytest.mark.parametrize("after, message", [
+    ("break", "the decode node's stream broke off: ReadError"),
+    ("silence", "the decode node sent nothing for 0.3 s, not even its heartbeat"),
+    ("garbage", "the decode node sent malformed node event"),
+])
+@pytest.mark.parametrize("admit", [True, False])
+def test_a_decode_stream_that_fails_is_named_and_may_still_pull(after, message, admit):
+    """A node killed mid-stream reached the client as "a PD node failed mid-request:
+    RemoteProtocolError: ..." and a stalled one as "...: ReadTimeout", naming neither the node's
+    role nor --node-stall. Before or after its admitted event, the decode node may be pulling
+    the prefill rows, so the request's rows are not taken as unread (I6): reader_stopped stays
+    False and prefill fences them."""
+    import httpx
+
+    from kvfence.pd.fleet import Node
+    from kvfence.pd.messages import AdmittedEvent, DecodeBody, event_line
+    from kvfence.pd.router import NodeError, _Flight
+
+    class Stream(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            if admit:
+                yield event_line(AdmittedEvent(prompt_tokens=4, max_tokens=4))
+            if after == "break":
+                raise httpx.ReadError("")
+            if after == "silence":   # what a real client raises after --node-stall without a byte
+                raise httpx.ReadTimeout("")
+            yield b'{"event": "kv_verified", "extra": 1}\n'
+
+    def transport(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, stream=Stream())
+
+    router = RouterBackend("http://p", "http://d", b"k" * 32, stall_s=0.3)
+    router._client = httpx.AsyncClient(transport=httpx.MockTransport(transport))
+
+    async def go():
+        flight = _Flight()
+        admitted = asyncio.get_running_loop().create_future()
+        handle = SimpleNamespace(updates=asyncio.Queue())
+        body = DecodeBody(request_id="r1", tenant="t", prompt_ids=[1, 2, 3, 4], params=WireParamsOf4(),
+                          handoff=None)
+        with pytest.raises(NodeError) as e:
+            await router._decode(body, flight, handle, admitted, 4, Node("decode", "http://d"))
+        await router._client.aclose()
+        return e.value, flight
+
+    e, flight = asyncio.run(go())
+    assert str(e).startswith(message), e
+    assert e.code in ("node_failed", "node_error") and e.maybe_taken, e
+    assert not flight.reader_stopped and flight.decode_contacted
+
+
+def WireParamsOf4():
+    from kvfence.pd.messages import WireParams
+
+    return WireParams.of(SamplingParams(max_tokens=4))
