@@ -128,15 +128,23 @@ class Formatter:
             for tid, x in [(first, None), *((p.token_id, p) for p in prompt)]:
                 tokens.append(self._token_text(tid))
                 values.append(None if x is None else x.logprob)
-                tops.append(None if x is None else {self._token_text(t): v for t, v in x.top})
+                tops.append(None if x is None else self._top_with_chosen(x))
                 offsets.append(at.take(self._token_bytes(tid)))
         at = self._offset.setdefault(index, _Offsets(0))
         for x in lps:
             tokens.append(self._token_text(x.token_id))
             values.append(x.logprob)
-            tops.append({self._token_text(t): v for t, v in x.top})
+            tops.append(self._top_with_chosen(x))
             offsets.append(at.take(self._token_bytes(x.token_id)))
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    def _top_with_chosen(self, x: Logprob) -> dict[str, float]:
+        """The completions API's top_logprobs entry: the `logprobs` likeliest tokens and always
+        the chosen one, so up to logprobs + 1 (as OpenAI's legacy API and vLLM answer; with
+        logprobs 0 each entry was {}, and a client taking its argmax failed)."""
+        top = {self._token_text(t): v for t, v in x.top}
+        top.setdefault(self._token_text(x.token_id), x.logprob)
+        return top
 
 
 def sse(obj: dict | str) -> bytes:

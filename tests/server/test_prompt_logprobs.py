@@ -25,6 +25,11 @@ def score(c, prompt, **kw):
                                 max_tokens=kw.pop("max_tokens", 0), temperature=0, **kw)
 
 
+def best_is(lp, i: int) -> bool:
+    """Whether the chosen token at i is the likeliest (its entry then has logprobs entries)."""
+    return max(lp.top_logprobs[i].values()) == lp.token_logprobs[i]
+
+
 def test_max_tokens_0_scores_every_prompt_token_as_teacher_forcing_does(server):
     c = server.client("alice")
     ids = token_ids(server, PROMPT)
@@ -44,9 +49,12 @@ def test_max_tokens_0_scores_every_prompt_token_as_teacher_forcing_does(server):
         f = forced.choices[0].logprobs
         assert forced.choices[0].text == lp.tokens[t]           # the bias did force the prompt's token
         assert abs(f.token_logprobs[0] - lp.token_logprobs[t]) < TOL, t
-        # the top alternative is the teacher-forced request's own top-1 (the argmax there)
-        (best, best_lp), = f.top_logprobs[0].items()
-        (top, top_lp), = lp.top_logprobs[t].items()
+        # the top alternative is the teacher-forced request's own top-1 (the argmax there); each
+        # entry also holds the chosen token (the forced one, the prompt's), so 1 or 2 of them
+        assert f.tokens[0] in f.top_logprobs[0] and lp.tokens[t] in lp.top_logprobs[t]
+        assert len(f.top_logprobs[0]) == len(lp.top_logprobs[t]) == (1 if best_is(f, 0) else 2), t
+        best, best_lp = max(f.top_logprobs[0].items(), key=lambda kv: kv[1])
+        top, top_lp = max(lp.top_logprobs[t].items(), key=lambda kv: kv[1])
         assert top == best and abs(top_lp - best_lp) < TOL, t
         if best == lp.tokens[t]:   # the prompt's token is the argmax: its logprob is the top value
             argmax_seen += 1
@@ -67,7 +75,9 @@ def test_generated_tokens_follow_the_prompts_and_are_unchanged(server):
     assert lp.token_logprobs[n_prompt:] == pytest.approx(p.logprobs.token_logprobs, abs=TOL)
     assert [set(d) for d in lp.top_logprobs[n_prompt:]] == [set(d) for d in p.logprobs.top_logprobs]
     assert lp.text_offset[n_prompt] == len(PROMPT)   # the generated text starts after the echoed prompt
-    assert all(len(d) == 2 for d in lp.top_logprobs[1:])
+    # the 2 likeliest, and the chosen token when it is not one of them
+    assert all(tok in d and (len(d) == 2 or len(d) == 3 and d[tok] == min(d.values()))
+               for tok, d in zip(lp.tokens[1:], lp.top_logprobs[1:]))
 
 
 def test_a_prompt_longer_than_one_step_and_a_cached_prefix_lose_nothing(server, make_server):

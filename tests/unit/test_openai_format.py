@@ -56,3 +56,17 @@ def test_text_offset_counts_the_characters_of_the_text(tok):
     for k, at in enumerate(offsets):
         before = tok.decode(everything[:k]) if k < len(ids) else prompt + tok.decode(gen[:k - len(ids)])
         assert at == len(before.rstrip("\ufffd")), (k, at)   # complete characters before the token
+
+
+@pytest.mark.parametrize("top", [(), ((5, -0.1),), ((5, -0.1), (9, -2.0))])
+def test_completions_top_logprobs_always_hold_the_chosen_token(tok, top):
+    """OpenAI's legacy API (and vLLM) answer up to logprobs + 1 entries: the likeliest and the
+    chosen token. With logprobs 0 each entry was {}, so a client taking its argmax failed."""
+    fmt = _formatter(tok, "completion")
+    fmt.start_offset(0, 0)
+    chosen = 7
+    got = fmt._completion_logprobs([Logprob(chosen, -3.0, top)], 0)["top_logprobs"][0]
+    text = lambda t: tok.decode([t], skip_special_tokens=False)   # noqa: E731
+    assert got == {**{text(t): v for t, v in top}, text(chosen): -3.0}
+    among = fmt._completion_logprobs([Logprob(5, -0.1, top)], 0)["top_logprobs"][0]
+    assert len(among) == max(len(top), 1)   # chosen among the likeliest: not twice
