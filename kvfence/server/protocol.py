@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -152,6 +153,9 @@ def parse_json_body(raw: bytes) -> dict:
     except RecursionError:
         raise bad_request("The request body is nested too deeply.") from None
     except ValueError as e:   # e.g. an integer literal past Python's 4300-digit limit (was a 500)
+        if "integer string conversion" in str(e):   # its text named sys.set_int_max_str_digits to the client
+            raise bad_request(f"The request body holds an integer of more than {sys.get_int_max_str_digits()} "
+                              "digits; no field takes one.") from None
         raise bad_request(f"The request body is not usable JSON: {str(e)[:200]}") from None
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.")
@@ -473,6 +477,9 @@ def _logit_bias(body: dict) -> dict[int, float]:
 
 
 def _params(c: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    if max_tokens is not None and c["min_tokens"] > max_tokens:   # in the API's words, not the engine's
+        raise bad_request(f"'min_tokens' is {c['min_tokens']}, more than the {max_tokens} tokens the request's "
+                          "max_tokens allows.", param="min_tokens")
     try:
         return SamplingParams(temperature=c["temperature"], top_p=c["top_p"], top_k=c["top_k"], seed=c["seed"],
                               max_tokens=max_tokens, stop=c["stop"], stop_token_ids=c["stop_token_ids"],

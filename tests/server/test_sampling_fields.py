@@ -83,6 +83,8 @@ def test_min_tokens_above_max_tokens_is_a_400(server):
     with pytest.raises(openai.BadRequestError, match="min_tokens") as e:
         server.client("alice").completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"min_tokens": 5})
     assert e.value.body["param"] == "min_tokens"     # found by a walkthrough: it was null
+    # in the API's words, the field quoted (it was the engine's "must be in [0, max_tokens], got 5")
+    assert "'min_tokens' is 5, more than the 2 tokens" in e.value.body["message"], e.value.body
 
 
 @pytest.mark.parametrize("extra,param", [

@@ -70,3 +70,17 @@ def test_a_body_of_many_small_arrays_is_refused_before_parsing_and_braces_in_tex
     assert parse_json_body(text)["prompt"].startswith("{[")
     at_bound = b'{"x":[' + b",".join([b"[]"] * (MAX_JSON_CONTAINERS - 2)) + b"]}"
     assert len(parse_json_body(at_bound)["x"]) == MAX_JSON_CONTAINERS - 2
+
+
+def test_an_integer_too_long_for_python_is_named_without_its_interpreter_advice():
+    """The 400 quoted Python's ValueError, which tells the client to call
+    sys.set_int_max_str_digits() (found by the parity probe)."""
+    import pytest
+
+    from kvfence.server.errors import APIError
+    from kvfence.server.protocol import parse_json_body
+
+    with pytest.raises(APIError) as e:
+        parse_json_body(b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}")
+    assert e.value.status == 400 and "integer of more than 4300 digits" in e.value.message
+    assert "sys." not in e.value.message
