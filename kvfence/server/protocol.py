@@ -613,8 +613,6 @@ def _messages(ms) -> list[dict]:
                                   param=f"{where}.tool_call_id")
             msg["tool_call_id"] = tid
         out.append(msg)
-    if all(m["content"] == "" and not m.get("tool_calls") for m in out):
-        raise bad_request("Every message is empty.", param="messages")
     return out
 
 

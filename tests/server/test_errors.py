@@ -178,7 +178,6 @@ BAD_BODIES = [
     ("chat/completions", {"messages": "hi"}, "messages", 400),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens", 400),
     ("chat/completions", {"messages": []}, "messages", 400),
-    ("chat/completions", {"messages": [{"role": "user", "content": ""}]}, "messages", 400),
     ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content", 400),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", 400),
     ("chat/completions", {"messages": [{"content": "x"}]}, "messages[0].role", 400),

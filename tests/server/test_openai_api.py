@@ -57,6 +57,14 @@ def test_chat_uses_the_chat_template(server, tok):
     assert 0 < n <= 12 and (n == 12) == (r.choices[0].finish_reason == "length")
 
 
+def test_an_empty_user_message_is_answered(server, tok):
+    """OpenAI and vLLM answer it (the chat template still makes a prompt); kvfence refused
+    "Every message is empty." (found by the parity probe)."""
+    msgs = [{"role": "user", "content": ""}]
+    r = server.client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0)
+    assert r.usage.prompt_tokens == len(tok.encode_chat(msgs)) > 0 and r.choices[0].finish_reason
+
+
 def test_streaming_equals_non_streaming_for_greedy(server):
     c = server.client()
     full = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
