@@ -220,6 +220,8 @@ class ServerState:
                 self._paused = frozenset()
         self.metrics.tenant_reloads.labels("ok").inc()
         self.last_reload = self.last_good_reload = {"at": time.time(), "trigger": why, "result": "ok", **change}
+        for note in new.notes() if self.public_api else ():
+            log.warning("%s", note)
         for section, changed, had, has, lost in (
                 ("[operator]", change["operator_keys_changed"], old_operator, bool(new.operator_digests),
                  "the console and the reload route are off (SIGHUP still reloads)"),

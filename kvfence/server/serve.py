@@ -39,6 +39,8 @@ def load_tenants(path: str | None, node: bool = False) -> TenantRegistry:
                  "on ([operator] key)" if reg.operator_digests else "off (no [operator] key)",
                  "for the [metrics] or [operator] key" if reg.metrics_digests else
                  "for the [operator] key only" if reg.operator_digests else "closed (no [metrics] or [operator] key)")
+        for note in () if node else reg.notes():   # a node applies no tenant limit
+            log.warning("%s", note)
     return reg
 
 

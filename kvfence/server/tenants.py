@@ -254,6 +254,19 @@ class TenantRegistry:
         self.tenants = {n: replace(t, scope_epoch=epoch[n]) for n, t in self.tenants.items()}
         self._entries = [(d, self.tenants[t.name]) for d, t in self._entries]
 
+    def notes(self) -> list[str]:
+        """Limits that are valid but likely to surprise, for the log at start and at reload."""
+        out = []
+        for t in self.tenants.values():
+            tpm = t.limits.tokens_per_minute
+            if tpm is not None and t.limits.default_max_tokens is None:
+                # found by a probe: at tpm 1000, requests of ~100 tokens got 429 for a minute
+                out.append(f"tenant {t.name!r} has tokens_per_minute {tpm} and no default_max_tokens: a chat or "
+                           f"Responses request that sets no max_tokens reserves up to all {tpm} (its unused "
+                           "tokens are refunded when it ends), so a second one waits; set default_max_tokens "
+                           "to what such an answer needs")
+        return out
+
     def reread(self) -> TenantRegistry:
         """The registry its file says now (TenantsFileError if the file is wrong: the caller
         keeps this one)."""

@@ -90,6 +90,26 @@ def test_multi_tenant_mode_says_what_the_operator_keys_open(caplog, tmp_path):
     assert "console and reload route on ([operator] key); /metrics for the [operator] key only" in caplog.text
 
 
+def test_a_minute_budget_without_a_default_answer_length_is_pointed_out(caplog, tmp_path):
+    """Found by a parity probe: at tokens_per_minute 1000, chat requests that set no
+    max_tokens (most clients) reserved the whole minute and got 429 for a minute after one of
+    ~100 tokens. Valid, and as documented; the start-up log now says so (not on a node, which
+    applies no tenant limit)."""
+    from kvfence.server.serve import load_tenants
+
+    path = tmp_path / "t.toml"
+    path.write_text("[tenants.a]\napi_keys = ['sk-aaaaaaaa']\ntokens_per_minute = 1000\n"
+                    "[tenants.b]\napi_keys = ['sk-bbbbbbbb']\ntokens_per_minute = 1000\ndefault_max_tokens = 200\n")
+    with caplog.at_level(logging.INFO):
+        load_tenants(str(path))
+    notes = [r.message for r in caplog.records if "no default_max_tokens" in r.message]
+    assert len(notes) == 1 and "tenant 'a' has tokens_per_minute 1000" in notes[0], caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        load_tenants(str(path), node=True)
+    assert "no default_max_tokens" not in caplog.text
+
+
 def test_max_prompt_tokens_per_tenant(server):
     ok = server.client("capped").completions.create(model=MODEL, prompt="Hi there", max_tokens=2)
     assert ok.usage.prompt_tokens <= 16
