@@ -326,13 +326,16 @@ def cmd_probe(a) -> int:
     require client certificates, which the kubelet's own HTTPS probes cannot present."""
     import httpx
 
+    from kvfence.pd.tls import FOLLOW_PROXY_ENV
+
     path = {"live": "/health/live", "ready": "/health"}[a.what]
     tls = _local_tls(a, f"probe {a.what}")
     if tls is None:
         return 1
     scheme, verify = tls
     try:
-        r = httpx.get(f"{scheme}://127.0.0.1:{a.port}{path}", verify=verify, timeout=a.timeout)
+        r = httpx.get(f"{scheme}://127.0.0.1:{a.port}{path}", verify=verify, timeout=a.timeout,
+                      trust_env=FOLLOW_PROXY_ENV)
     except httpx.HTTPError as e:
         print(_no_answer(f"probe {a.what}", "127.0.0.1", a.port, scheme, e), file=sys.stderr)
         return 1
@@ -348,7 +351,7 @@ def cmd_drain(a) -> int:
     import httpx
 
     from kvfence.pd.seal import control_headers
-    from kvfence.pd.tls import is_loopback
+    from kvfence.pd.tls import FOLLOW_PROXY_ENV, is_loopback
 
     secret = _cluster_secret(a)
     if secret is None:
@@ -365,7 +368,7 @@ def cmd_drain(a) -> int:
     host = f"[{a.host}]" if ":" in a.host else a.host
     try:
         r = httpx.post(f"{scheme}://{host}:{a.port}/internal/drain", headers=control_headers(secret),
-                       verify=verify, timeout=a.timeout)
+                       verify=verify, timeout=a.timeout, trust_env=FOLLOW_PROXY_ENV)
     except httpx.HTTPError as e:
         print(_no_answer("drain", a.host, a.port, scheme, e), file=sys.stderr)
         return 1

@@ -33,6 +33,7 @@ from kvfence.bench.http_load import make_prompt
 from kvfence.bench.pd import Procs, free_ports, pd_commands
 from kvfence.bench.stats import percentiles
 from kvfence.pd.messages import NodeInfo
+from kvfence.pd.tls import FOLLOW_PROXY_ENV
 
 # (node, fault) pairs a healthy cluster must ride out: each fails or slows a request, never leaks
 SURVIVABLE = [("prefill", "corrupt_staged_page"), ("decode", "duplicate_transfer_completion"),
@@ -218,7 +219,8 @@ class Soak:
         self.t0 = time.monotonic()
         until = self.t0 + self.a.duration
         timeout = httpx.Timeout(self.a.request_timeout, connect=10.0)
-        async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=200)) as http:
+        async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=200),
+                                     trust_env=FOLLOW_PROXY_ENV) as http:
             tasks = [self.client(http, until) for _ in range(self.a.concurrency)]
             await asyncio.gather(self.chaos(http, until), self.sampler(http, until), *tasks)
             # every fence lifts within lease + max pull + skew of its lease's end

@@ -67,7 +67,7 @@ from kvfence.pd.messages import (
     parse_event,
 )
 from kvfence.pd.settings import ROLES
-from kvfence.pd.tls import TlsSettings, client_context, uvicorn_options
+from kvfence.pd.tls import FOLLOW_PROXY_ENV, TlsSettings, client_context, uvicorn_options
 from kvfence.pd.wire import cluster_headers
 from kvfence.server.backend import Admitted, EngineFailed, Logprob, NotServedHere, RequestHandle, Update, shut_out
 from kvfence.server.http_limits import HttpLimits, uvicorn_server
@@ -262,7 +262,7 @@ class RouterBackend:
         found: dict[str, tuple[str, NodeInfo]] = {}
         why: dict[str, str] = {}
         grace_end: float | None = None
-        with httpx.Client(timeout=5.0, headers=self._headers, verify=self._verify) as c:
+        with httpx.Client(timeout=5.0, headers=self._headers, verify=self._verify, trust_env=FOLLOW_PROXY_ENV) as c:
             while True:
                 addrs = self._addresses(why)
                 every = [(role, a.url) for role in ROLES for a in addrs[role]]
@@ -348,7 +348,8 @@ class RouterBackend:
         fleet = self.fleet
         loop = asyncio.get_running_loop()
         resolved_at = time.monotonic()
-        async with httpx.AsyncClient(timeout=2.0, headers=self._headers, verify=self._verify) as c:
+        async with httpx.AsyncClient(timeout=2.0, headers=self._headers, verify=self._verify,
+                                     trust_env=FOLLOW_PROXY_ENV) as c:
             async def poll(node: Node) -> None:
                 try:
                     info, why = _info_of(await c.get(node.url + "/internal/info", **_options(node)))
@@ -383,7 +384,8 @@ class RouterBackend:
             self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.stall_s, connect=5.0), verify=self._verify,
                                              headers=self._headers,
                                              limits=httpx.Limits(max_connections=MAX_NODE_CONNECTIONS,
-                                                                 max_keepalive_connections=100))
+                                                                 max_keepalive_connections=100),
+                                             trust_env=FOLLOW_PROXY_ENV)
         return self._client
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, tenant: str,
