@@ -878,7 +878,7 @@ def serve_router(prefill_urls: list[str], decode_urls: list[str], model: str | N
                  stall_s: float = 10.0, limits: HttpLimits | None = None, prefill_routing: str = "affinity",
                  shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S, max_body_bytes: int | None = None) -> int:
     from kvfence.server import fault_control
-    from kvfence.server.app import DEFAULT_MAX_BODY_BYTES, ServerState, create_app, may_scrape
+    from kvfence.server.app import DEFAULT_MAX_BODY_BYTES, ServerState, create_app, detail_withheld, may_scrape
     from kvfence.server.serve import load_tenants, refuse_unusable_port
 
     tenants = load_tenants(tenants_file)
@@ -903,8 +903,10 @@ def serve_router(prefill_urls: list[str], decode_urls: list[str], model: str | N
         if not may_scrape(state, request, "/v1/kvfence/cluster", public_part=True):
             # with a tenants file, where the nodes are, how loaded each is and why one was
             # refused are the operator's: a tenant learns only whether the service is up
+            withheld = detail_withheld(state, request)   # the right key from a throttled address
             return {**body, "detail": "per-node state needs the tenants file's [metrics] or [operator] key "
-                                      "('Authorization: Bearer <key>')"}
+                                      "('Authorization: Bearer <key>')" if withheld is None else
+                    f"per-node state withheld: {withheld}"}
         return {**body, "error": backend.error, "check": backend.check.to_json() if backend.check else None,
                 "nodes": backend.fleet.to_json() if backend.fleet else []}
 

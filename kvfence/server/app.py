@@ -323,6 +323,17 @@ def may_scrape(state: ServerState, request: Request, route: str, public_part: bo
     return False
 
 
+def detail_withheld(state: ServerState, request: Request) -> str | None:
+    """Why a route with a public part (may_scrape's public_part) left out its detail for a
+    request that sent a key: its address is throttled for wrong keys. The status still answers
+    (a probe behind a shared address must not turn 429), but a scraper whose detail vanished is
+    told why (a docs probe: it was dropped in silence)."""
+    if not request.headers.get("authorization"):
+        return None
+    wait = state.key_throttle.retry_after(client_address(request))
+    return None if wait is None else f"too many wrong keys from this address; try again in {wait} s"
+
+
 def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -407,11 +418,8 @@ def create_app(state: ServerState) -> FastAPI:
                 body["nodes"] = snap["fleet"]
             if state.engine.error:
                 body["error"] = state.engine.error
-        elif request.headers.get("authorization") and (
-                wait := state.key_throttle.retry_after(client_address(request))) is not None:
-            # the status still answers (a probe behind a shared address must not turn 429), but a
-            # scraper whose detail vanished is told why (a docs probe: it was dropped in silence)
-            body["detail_withheld"] = f"too many wrong keys from this address; try again in {wait} s"
+        elif (why := detail_withheld(state, request)) is not None:
+            body["detail_withheld"] = why
         return JSONResponse(body, status_code=200 if st == "ready" else 503)
 
     @app.api_route("/health/live", methods=["GET", "HEAD"])

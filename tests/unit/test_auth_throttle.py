@@ -76,3 +76,25 @@ def test_when_every_window_is_held_back_the_oldest_hold_goes():
         t.failed(a)
     assert t.retry_after("10.0.0.1") is None
     assert t.retry_after("10.0.0.2") is not None and t.retry_after("10.0.0.3") is not None
+
+
+def test_a_throttled_address_is_told_why_its_detail_is_withheld():
+    """/health and the router's /v1/kvfence/cluster keep answering a throttled address (probes
+    share addresses) without the operator's detail; a request that sent a key is told why (the
+    cluster route told it to send the key it had sent: a security probe)."""
+    from types import SimpleNamespace
+
+    from starlette.requests import Request
+
+    from kvfence.server.app import detail_withheld
+
+    state = SimpleNamespace(key_throttle=FailedAuthThrottle(limit=1, window_s=60, clock=Clock()))
+
+    def request(key: str | None) -> Request:
+        headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
+        return Request({"type": "http", "headers": headers, "client": ("10.0.0.7", 5)})
+
+    assert detail_withheld(state, request("sk-right")) is None
+    state.key_throttle.failed("10.0.0.7")
+    assert "try again in 60 s" in detail_withheld(state, request("sk-right"))
+    assert detail_withheld(state, request(None)) is None   # no key sent: nothing to explain
