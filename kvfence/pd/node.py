@@ -320,6 +320,12 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
             _refuse_if_unchecked(body)
             return _stream(body, request, **({"kv_source": body.handoff} if body.handoff is not None else {}))
 
+    # last: any other path under the prefix is 401 without the credential and 404 with it, so
+    # no one without it tells a prefill node from a decode node by which paths exist (probe)
+    @internal.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    async def no_such_route(rest: str):
+        return _error(404, f"no internal route /{rest[:100]} on this {settings.role} node", "not_found")
+
     app.include_router(internal)
     return internal
 
@@ -339,8 +345,8 @@ def node_app(loop: EngineLoop, settings: PDSettings, tenants: TenantRegistry,
     # keys the status routes (/metrics, /health's detail, the console) and the isolation statement.
     state = ServerState(loop, tenants, public_api=False)
     app = create_app(state)
+    fault_control.mount(app, settings.cluster_secret)   # before the internal routes' catch-all
     add_internal_routes(app, loop, settings, drain)
-    fault_control.mount(app, settings.cluster_secret)
     return app, state
 
 

@@ -38,18 +38,20 @@ def mount(app: FastAPI, cluster_secret: bytes | None = None) -> None:
     async def set_faults(request: Request):
         if cluster_secret is not None and not check_control(cluster_secret, request.headers.get(CONTROL_HEADER)):
             return JSONResponse(error_body("internal API: missing or wrong cluster credential",
-                                           "invalid_request_error", None, "unauthorized"), status_code=401)
+                                           "authentication_error", None, "unauthorized"), status_code=401)
         try:
             body = await request.json()
         except ValueError:
             body = None
         if not isinstance(body, dict):
             return JSONResponse({"error": 'send {"spec": "point:action,..."}'}, status_code=400)
-        spec = str(body.get("spec", ""))
+        spec = body.get("spec", "")
+        if not isinstance(spec, str):   # null was read as the fault named 'None'
+            return JSONResponse({"error": '"spec" is a string: "point:action,..." ("" for none)'}, status_code=400)
         try:
             active = faults.load_env({faults.ENV_VAR: spec})
-        except faults.FaultConfigError as e:
-            return JSONResponse({"error": str(e)}, status_code=400)
+        except faults.FaultConfigError as e:   # it quotes the spec: a bound on what is echoed
+            return JSONResponse({"error": str(e)[:1000]}, status_code=400)
         if active:
             faults.announce(log)
             faults.record_active("switched on over HTTP")

@@ -97,3 +97,26 @@ def _every_route(routes, prefix: str = ""):
             yield from _every_route(r.original_router.routes, prefix + r.include_context.prefix)
         else:
             yield prefix + getattr(r, "path", ""), r
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_without_the_credential_a_node_does_not_say_its_role(role, monkeypatch):
+    """A security probe told prefill from decode by 401 against 404 on the other role's paths,
+    and saw the test fault switch by its 401. Every path under /internal is 401 without the
+    credential; with it, another role's path is 404, and the fault switch still works."""
+    monkeypatch.setenv("KVFENCE_TEST_FAULT_CONTROL", "1")
+    loop = SimpleNamespace(state="starting", facts=None, error="test", snapshot={}, call=_engine_stopped)
+    app, _ = node_app(loop, PDSettings(role, cluster_secret=SECRET), TenantRegistry.single(),
+                      Drain(lambda: {}, lambda: None))
+    client = TestClient(app, raise_server_exceptions=False)
+    paths = ["/prefill", "/release", "/abort", "/decode", "/stop_pull", "/nothing", "/test/faults"]
+    for path in paths:
+        r = client.post(INTERNAL_PREFIX + path, json={})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized", (path, r.text)
+    other = "/decode" if role == "prefill" else "/prefill"
+    r = client.post(INTERNAL_PREFIX + other, json={}, headers=control_headers(SECRET))
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
+    r = client.post(INTERNAL_PREFIX + "/test/faults", json={"spec": ""}, headers=control_headers(SECRET))
+    assert r.status_code == 200 and r.json() == {"active": []}, r.text
+    r = client.post(INTERNAL_PREFIX + "/test/faults", json={"spec": None}, headers=control_headers(SECRET))
+    assert r.status_code == 400 and "string" in r.json()["error"], r.text
