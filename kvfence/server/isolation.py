@@ -232,10 +232,7 @@ def tenant_view(statement: dict, tenant) -> dict:
             "explicit opt-in only: your tenant has not opted in, so none of its pages is shared")}
     out["kv_memory_isolation"] = iso
     cap = {k: v for k, v in out["capacity"].items() if k != "per_tenant_prompt_caps"}
-    # behind a router, where its nodes are and how each is doing are the operator's: a tenant
-    # sees the pools that serve it, without their addresses
-    cap["pools"] = [{k: v for k, v in p.items() if k not in ("node", "state")} for p in cap["pools"]
-                    if p.get("state", "ready") == "ready"]
+    cap["pools"] = _pools_for_a_tenant(cap["pools"])
     cap["your_prompt_cap"] = tenant.limits.max_prompt_tokens
     out["capacity"] = cap
     disc = dict(out["incident_disclosure"])
@@ -243,6 +240,20 @@ def tenant_view(statement: dict, tenant) -> dict:
         disc["incident_log"] = {k: v for k, v in disc["incident_log"].items() if k != "path"}
     out["incident_disclosure"] = disc
     out["live"] = {k: v for k, v in out["live"].items() if k in ("isolation_violations", "pages_quarantined")}
+    return out
+
+
+def _pools_for_a_tenant(pools: list[dict]) -> list[dict]:
+    """Behind a router, where its nodes are, how many there are and which is up now are the
+    operator's (a tenant listing the ready pools counted the fleet and, polling, saw a node
+    drop out: a security probe). A tenant gets one pool per role: the smallest of the nodes
+    that may serve it (those the capacity check passed, up or not), which bounds its requests.
+    A single node's one pool is shown as it is."""
+    fit = [p for p in pools if p.get("advertised_context_fits", True)] or pools
+    out = []
+    for role in dict.fromkeys(p.get("role") for p in fit):
+        least = min((p for p in fit if p.get("role") == role), key=lambda p: p["capacity_tokens"])
+        out.append({k: v for k, v in least.items() if k not in ("node", "state")})
     return out
 
 
