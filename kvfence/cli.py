@@ -490,8 +490,8 @@ def _tls_args(p: argparse.ArgumentParser) -> None:
                         "listen anywhere but loopback")
     p.add_argument("--tls-key", default=None, metavar="FILE", help="the certificate's private key (PEM)")
     p.add_argument("--tls-ca", default=None, metavar="FILE",
-                   help="nodes: require client certificates signed by this CA (mTLS); router: verify the nodes' "
-                        "certificates against it")
+                   help="nodes: require client certificates signed by this CA (mTLS; required to listen anywhere "
+                        "but loopback); router: verify the nodes' certificates against it")
     p.add_argument("--tls-client-cert", default=None, metavar="FILE",
                    help="router: the client certificate it presents to nodes that require one")
     p.add_argument("--tls-client-key", default=None, metavar="FILE", help="router: that certificate's key")

@@ -1,8 +1,9 @@
 """TLS between the PD router and its nodes (I11), and the rule that makes it the default.
 
-A PD process refuses to listen on an address other than loopback without TLS, and the
-router refuses to reach a node over plain HTTP anywhere but loopback, unless the operator
-passes --allow-plaintext-network (the isolation statement then says so in its warnings).
+A PD process refuses to listen on an address other than loopback without TLS (a prefill or
+decode node, without client certificates either), and the router refuses to reach a node
+over plain HTTP anywhere but loopback, unless the operator passes --allow-plaintext-network
+(the isolation statement then says so in its warnings).
 Nodes serve uvicorn's TLS; with a CA file they also require a client certificate signed by
 it (mTLS). The router verifies the nodes' certificates against its CA file and presents a
 client certificate when given one.
@@ -60,7 +61,18 @@ def is_loopback(host: str) -> bool:
 
 
 def check_listen(role: str, host: str, tls: TlsSettings) -> None:
-    if tls.serving or tls.allow_plaintext or is_loopback(host):
+    if tls.allow_plaintext or is_loopback(host):
+        return
+    if tls.serving and role in ("prefill", "decode") and tls.ca is None:
+        # its routes need the credential, but a connection takes one of --max-connections before
+        # any request is read: without client certificates one host that reaches the port held
+        # them all, and the routers got 503 (a security probe). With them, the TLS handshake
+        # comes before the connection counts
+        raise PlaintextNetworkError(
+            f"the {role} node would take connections from any host that reaches {host}: pass --tls-ca FILE to "
+            "require client certificates (the router's, from that CA), or listen on 127.0.0.1, or pass "
+            "--allow-plaintext-network to accept an open network (a service mesh's mTLS, say)")
+    if tls.serving:
         return
     raise PlaintextNetworkError(
         f"the {role} would serve its internal API in the clear on {host}, which is not loopback: give it a "

@@ -21,14 +21,13 @@ lock): the console's handlers check and count without awaiting in between.
 """
 from __future__ import annotations
 
-import ipaddress
 import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvfence.server.http_limits import peer_ip
+from kvfence.server.http_limits import address_group
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -42,17 +41,6 @@ def client_address(request: Request) -> str:
     """The peer's address as the socket gives it, or, from a --trusted-proxy, the client's that
     the proxy forwarded (http_limits.py: without one, X-Forwarded-For is ignored)."""
     return request.client.host if request.client else "unknown"
-
-
-def address_group(host: str) -> str:
-    """What failures count against: an IPv4 address (an IPv4-mapped IPv6 one too), an IPv6
-    address's /64, or the host string as given when it is no address."""
-    ip = peer_ip(host)
-    if ip is None:
-        return host
-    if isinstance(ip, ipaddress.IPv6Address):
-        return str(ipaddress.IPv6Network((ip, 64), strict=False))
-    return str(ip)
 
 
 class FailedAuthThrottle:

@@ -132,6 +132,18 @@ def peer_ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     return ip
 
 
+def address_group(host: str) -> str:
+    """What one client is counted as (wrong keys, open connections): an IPv4 address (an
+    IPv4-mapped IPv6 one too), an IPv6 address's /64 (one host commonly has all of it), or
+    the host string as given when it is no address."""
+    ip = peer_ip(host)
+    if ip is None:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address):
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
+
+
 def _proxy_network(text: str) -> IPNetwork:
     """One --trusted-proxy value as a network. No wildcard and no host names: whoever sits in a
     trusted network may name any client address, so the operator lists the proxy's own."""
@@ -213,12 +225,14 @@ class GuardedH11Protocol(H11Protocol):
         self._phase_since = self.loop.time()
         self._watchdog: asyncio.TimerHandle | None = None
         peer = transport.get_extra_info("peername")
-        self._address = peer[0] if isinstance(peer, tuple) and peer else None   # None: a Unix socket
+        address = peer[0] if isinstance(peer, tuple) and peer else None   # None: a Unix socket
+        # counted by address_group: an IPv6 host has a /64 of addresses to connect from (probe)
+        self._address = address_group(address) if address is not None else None
         if self._address is not None:
             held = self.by_address.get(self._address, 0) + 1
             self.by_address[self._address] = held
             # a trusted proxy carries many clients' connections: only the server's total binds it
-            if held > self.limits.per_address and not self.limits.is_trusted_proxy(self._address):
+            if held > self.limits.per_address and not self.limits.is_trusted_proxy(peer[0]):
                 self.refusals.note("per_address_cap", self._address,
                                    "refusing a connection from %s: it holds %d (at most %d per address)",
                                    self._address, held - 1, self.limits.per_address)

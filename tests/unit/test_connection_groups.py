@@ -1,0 +1,70 @@
+"""Open connections are counted per client as the wrong-key throttle counts it
+(http_limits.address_group): an IPv6 client's /64, which one host commonly holds whole. A
+security probe noted they were counted per exact address, so one IPv6 host could take every
+connection from addresses of its own /64."""
+from __future__ import annotations
+
+import asyncio
+
+from uvicorn.config import Config
+from uvicorn.server import ServerState
+
+from kvfence.server.http_limits import ConnectionRefusals, HttpLimits, _protocol_for
+
+
+class _Transport(asyncio.Transport):
+    def __init__(self, peer: tuple):
+        super().__init__()
+        self.peer, self.out, self.closed = peer, b"", False
+
+    def get_extra_info(self, name, default=None):
+        return {"peername": self.peer, "sockname": ("::1", 8000, 0, 0)}.get(name, default)
+
+    def write(self, data: bytes) -> None:
+        self.out += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def can_write_eof(self) -> bool:
+        return False
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def _refused(peers: list[str]) -> list[bool]:
+    """Connect from each peer in turn (2 per client allowed); which were refused at once."""
+    async def go() -> list[bool]:
+        async def app(scope, receive, send):
+            pass
+
+        cls = _protocol_for(HttpLimits(max_connections=100, max_connections_per_address=2), ConnectionRefusals())
+        config = Config(app, http=cls)
+        config.load()
+        state, out = ServerState(), []
+        for peer in peers:
+            t = _Transport((peer, 5000, 0, 0) if ":" in peer else (peer, 5000))
+            cls(config=config, server_state=state, app_state={}).connection_made(t)
+            out.append(t.out.startswith(b"HTTP/1.1 503"))
+        for t in state.connections.copy():
+            t.connection_lost(None)
+        return out
+
+    return asyncio.run(go())
+
+
+def test_one_ipv6_slash_64_is_one_client():
+    assert _refused(["2001:db8::1", "2001:db8::2", "2001:db8::3"]) == [False, False, True]
+    assert _refused(["2001:db8::1", "2001:db8::2", "2001:db8:0:1::3"]) == [False, False, False]   # another /64
+
+
+def test_ipv4_addresses_and_their_mapped_form_are_one_client():
+    assert _refused(["10.0.0.1", "::ffff:10.0.0.1", "10.0.0.1"]) == [False, False, True]
+    assert _refused(["10.0.0.1", "10.0.0.2", "10.0.0.3"]) == [False, False, False]
