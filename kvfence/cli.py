@@ -351,12 +351,13 @@ def cmd_drain(a) -> int:
     import httpx
 
     from kvfence.pd.seal import control_headers
-    from kvfence.pd.tls import FOLLOW_PROXY_ENV, is_loopback
+    from kvfence.pd.tls import FOLLOW_PROXY_ENV, loopback_address
 
     secret = _cluster_secret(a)
     if secret is None:
         return 2
-    loopback = is_loopback(a.host)
+    local = loopback_address(a.host)   # connect to it, not to the name resolved a second time
+    loopback = local is not None
     tls = _local_tls(a, "drain", loopback)
     if tls is None:
         return 1
@@ -365,7 +366,8 @@ def cmd_drain(a) -> int:
         print(f"drain: not sending the cluster credential to {a.host} in the clear: pass --tls-ca (and the "
               "node's client certificate) for a node off this host", file=sys.stderr)
         return 2
-    host = f"[{a.host}]" if ":" in a.host else a.host
+    target = local or a.host
+    host = f"[{target}]" if ":" in target else target
     try:
         r = httpx.post(f"{scheme}://{host}:{a.port}/internal/drain", headers=control_headers(secret),
                        verify=verify, timeout=a.timeout, trust_env=FOLLOW_PROXY_ENV)

@@ -67,7 +67,14 @@ from kvfence.pd.messages import (
     parse_event,
 )
 from kvfence.pd.settings import ROLES
-from kvfence.pd.tls import FOLLOW_PROXY_ENV, TlsSettings, client_context, uvicorn_options
+from kvfence.pd.tls import (
+    FOLLOW_PROXY_ENV,
+    PlaintextNetworkError,
+    TlsSettings,
+    check_node_url,
+    client_context,
+    uvicorn_options,
+)
 from kvfence.pd.wire import cluster_headers
 from kvfence.server.backend import Admitted, EngineFailed, Logprob, NotServedHere, RequestHandle, Update, shut_out
 from kvfence.server.http_limits import HttpLimits, uvicorn_server
@@ -235,6 +242,24 @@ class RouterBackend:
         except httpx.HTTPError as e:
             return None, f"does not answer ({type(e).__name__})"
 
+    def _expand(self, url: str) -> list[NodeAddress] | None:
+        """The addresses behind `url` now (None: its name does not resolve), without those a
+        plain-HTTP URL may not reach: the start checked the name (check_node_url), and a name
+        can come to mean another host, where the credential would cross the network in the clear."""
+        found = expand(url, self.resolve)
+        if found is None:
+            return None
+        kept = []
+        for a in found:
+            try:
+                check_node_url(a.url, self.tls)
+            except PlaintextNetworkError:
+                log.error("node URL %s now resolves to %s, off loopback: not reached over plain HTTP (use https://)",
+                          url, a.url)
+                continue
+            kept.append(a)
+        return kept
+
     def _addresses(self, why: dict[str, str]) -> dict[str, list[NodeAddress]]:
         """role -> every address behind the configured URLs now (names that do not resolve
         are noted in `why`)."""
@@ -242,9 +267,11 @@ class RouterBackend:
         for role in ROLES:
             seen: dict[str, NodeAddress] = {}
             for url in self.urls[role]:
-                found = expand(url, self.resolve)
+                found = self._expand(url)
                 if found is None:
                     why[url] = "its host name does not resolve"
+                elif not found:
+                    why[url] = "its host name resolves off loopback, where plain HTTP is refused (use https://)"
                 for a in found or ():
                     seen.setdefault(a.url, a)
             out[role] = list(seen.values())
@@ -363,7 +390,7 @@ class RouterBackend:
                         resolved_at = time.monotonic()
                         for role in ROLES:
                             for url in self.urls[role]:
-                                found = await loop.run_in_executor(None, expand, url, self.resolve)
+                                found = await loop.run_in_executor(None, self._expand, url)
                                 if found is not None:   # a name that fails to resolve keeps its nodes (a DNS blip)
                                     fleet.sync(role, url, found)
                     await asyncio.gather(*(poll(n) for n in fleet.nodes))

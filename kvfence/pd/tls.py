@@ -48,16 +48,23 @@ class PlaintextNetworkError(ValueError):
 
 def is_loopback(host: str) -> bool:
     """True for loopback addresses and names that resolve only to loopback."""
+    return loopback_address(host) is not None
+
+
+def loopback_address(host: str) -> str | None:
+    """`host` as a loopback IP address, if it is one or is a name that resolves only to
+    loopback; else None. A caller sending a secret connects to this address, not the name: a
+    name resolved again could mean another host by then."""
     host = host.strip("[]")
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return host if ipaddress.ip_address(host).is_loopback else None
     except ValueError:
         pass
     try:
-        addrs = {ai[4][0] for ai in socket.getaddrinfo(host, None)}
+        addrs = sorted({str(ai[4][0]).split("%")[0] for ai in socket.getaddrinfo(host, None)})
     except OSError:
-        return False
-    return bool(addrs) and all(ipaddress.ip_address(str(a).split("%")[0]).is_loopback for a in addrs)
+        return None
+    return addrs[0] if addrs and all(ipaddress.ip_address(a).is_loopback for a in addrs) else None
 
 
 def check_listen(role: str, host: str, tls: TlsSettings) -> None:

@@ -80,3 +80,43 @@ def test_the_router_reaches_its_nodes_straight(proxy):
 
     asyncio.run(post())
     assert proxy == [], proxy
+
+
+def test_a_plain_http_name_that_comes_to_mean_another_host_is_not_reached():
+    """The start checks a plain-HTTP node URL's name resolves to loopback only; the router
+    resolves names again every few seconds, and a name that came to mean another host got
+    the credential in the clear. Each address is checked as it is found."""
+    from kvfence.pd.router import RouterBackend
+
+    answers = {"now": ["127.0.0.1"]}
+    router = RouterBackend("http://nodes.example:8001", "http://127.0.0.1:8002", b"k" * 32,
+                           resolve=lambda host, port: answers["now"])
+    assert [a.url for a in router._expand("http://nodes.example:8001")] == ["http://127.0.0.1:8001"]
+    answers["now"] = ["127.0.0.1", "10.0.0.9"]
+    assert [a.url for a in router._expand("http://nodes.example:8001")] == ["http://127.0.0.1:8001"]
+    answers["now"] = ["10.0.0.9"]
+    why: dict[str, str] = {}
+    assert router._addresses(why)["prefill"] == [] and "off loopback" in why["http://nodes.example:8001"]
+    tls = RouterBackend("https://nodes.example:8001", "http://127.0.0.1:8002", b"k" * 32,
+                        resolve=lambda host, port: ["10.0.0.9"])
+    assert [a.url for a in tls._expand("https://nodes.example:8001")] == ["https://10.0.0.9:8001"]
+
+
+def test_drain_connects_to_the_loopback_address_it_checked(monkeypatch):
+    """`kvfence drain --host NAME` checked that NAME resolves to loopback, then let httpx resolve
+    it again: a name that changed in between (DNS rebinding) got the credential off-host in the
+    clear. It connects to the address it checked."""
+    import socket as sock
+
+    from kvfence.pd import tls
+
+    answers = {"now": ["127.0.0.5"]}
+
+    def getaddrinfo(host, port, *args, **kw):
+        return [(sock.AF_INET, sock.SOCK_STREAM, 6, "", (a, 0)) for a in answers["now"]]
+
+    monkeypatch.setattr(tls.socket, "getaddrinfo", getaddrinfo)
+    assert tls.loopback_address("node.example") == "127.0.0.5"
+    answers["now"] = ["127.0.0.5", "10.0.0.9"]
+    assert tls.loopback_address("node.example") is None and not tls.is_loopback("node.example")
+    assert tls.loopback_address("[::1]") == "::1" and tls.loopback_address("10.0.0.1") is None
