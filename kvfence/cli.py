@@ -558,7 +558,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-connections", type=int, default=2048,
                    help="open connections beyond this are answered 503 at once")
     s.add_argument("--max-connections-per-address", type=int, default=None, metavar="N",
-                   help="open connections one client address may hold, beyond it 503 at once (default: half "
+                   help="open connections one client address (an IPv6 client's /64) may hold, beyond it 503 at "
+                        "once (default: half "
                         "of --max-connections, all of them on a prefill or decode node, whose clients are "
                         "routers). A --trusted-proxy is not held to it")
     s.add_argument("--trusted-proxy", action="append", default=None, metavar="ADDRESS[/BITS]",

@@ -15,8 +15,9 @@ Nothing is timed once a request has been read: a response may stream for as long
 generates.
 
 One client address may hold at most `max_connections_per_address` of the connections (half of
-them by default): past it, a new connection from that address is answered 503 and closed
-before it is read, so one client cannot take every connection and lock the others out.
+them by default; an IPv6 client's /64 counts as one address): past it, a new connection from that
+address is answered 503 and closed before it is read, so one client cannot take every
+connection and lock the others out.
 
 Behind a reverse proxy every client has the proxy's address. The operator names the proxy
 (`trusted_proxies`, `--trusted-proxy`): uvicorn then takes the client's address from
@@ -226,13 +227,16 @@ class GuardedH11Protocol(H11Protocol):
         self._watchdog: asyncio.TimerHandle | None = None
         peer = transport.get_extra_info("peername")
         address = peer[0] if isinstance(peer, tuple) and peer else None   # None: a Unix socket
+        # a trusted proxy carries many clients' connections: only the server's total binds it,
+        # and they are not counted against its neighbours' /64 either (review)
+        if address is not None and self.limits.is_trusted_proxy(address):
+            address = None
         # counted by address_group: an IPv6 host has a /64 of addresses to connect from (probe)
         self._address = address_group(address) if address is not None else None
         if self._address is not None:
             held = self.by_address.get(self._address, 0) + 1
             self.by_address[self._address] = held
-            # a trusted proxy carries many clients' connections: only the server's total binds it
-            if held > self.limits.per_address and not self.limits.is_trusted_proxy(peer[0]):
+            if held > self.limits.per_address:
                 self.refusals.note("per_address_cap", self._address,
                                    "refusing a connection from %s: it holds %d (at most %d per address)",
                                    self._address, held - 1, self.limits.per_address)

@@ -68,3 +68,26 @@ def test_one_ipv6_slash_64_is_one_client():
 def test_ipv4_addresses_and_their_mapped_form_are_one_client():
     assert _refused(["10.0.0.1", "::ffff:10.0.0.1", "10.0.0.1"]) == [False, False, True]
     assert _refused(["10.0.0.1", "10.0.0.2", "10.0.0.3"]) == [False, False, False]
+
+
+def test_a_trusted_proxy_does_not_use_up_its_neighbours_count():
+    """Review: the proxy's own connections were counted in its /64, so an untrusted address
+    beside it was refused once the proxy held more than the per-address count."""
+    async def go() -> list[bool]:
+        async def app(scope, receive, send):
+            pass
+
+        limits = HttpLimits(max_connections=100, max_connections_per_address=2, trusted_proxies=("2001:db8::1",))
+        cls = _protocol_for(limits, ConnectionRefusals())
+        config = Config(app, http=cls)
+        config.load()
+        state, out = ServerState(), []
+        for peer in ["2001:db8::1"] * 5 + ["2001:db8::99", "2001:db8::98", "2001:db8::97"]:
+            t = _Transport((peer, 5000, 0, 0))
+            cls(config=config, server_state=state, app_state={}).connection_made(t)
+            out.append(t.out.startswith(b"HTTP/1.1 503"))
+        for t in state.connections.copy():
+            t.connection_lost(None)
+        return out
+
+    assert asyncio.run(go()) == [False] * 7 + [True]
