@@ -189,12 +189,13 @@ def test_timeouts_are_told_apart_by_what_reached_the_node(raised, code, retryabl
     assert (e.code, e.retryable, e.maybe_taken) == (code, retryable, maybe_taken), e
 
 
-@pytest.mark.parametrize("after, message", [
-    ("break", "the decode node's stream broke off: ReadError"),
-    ("silence", "the decode node sent nothing for 0.3 s, not even its heartbeat"),
-    ("garbage", "the decode node sent malformed node event"),
-])
-@pytest.mark.parametrize("admit", [True, False])
+@pytest.mark.parametrize("after, message, admit", [
+    (after, message, admit) for after, message in [
+        ("break", "the decode node's stream broke off: ReadError"),
+        ("silence", "the decode node sent nothing for 0.3 s, not even its heartbeat"),
+        ("garbage", "the decode node sent malformed node event")] for admit in (True, False)] + [
+    # well formed, out of order (after admission a kv_verified event is in order)
+    ("unexpected", "decode node: expected admitted, got kv_verified", False)])
 def test_a_decode_stream_that_fails_is_named_and_may_still_pull(after, message, admit):
     """A node killed mid-stream reached the client as "a PD node failed mid-request:
     RemoteProtocolError: ..." and a stalled one as "...: ReadTimeout", naming neither the node's
@@ -215,6 +216,8 @@ def test_a_decode_stream_that_fails_is_named_and_may_still_pull(after, message, 
                 raise httpx.ReadError("")
             if after == "silence":   # what a real client raises after --node-stall without a byte
                 raise httpx.ReadTimeout("")
+            if after == "unexpected":
+                yield b'{"event": "kv_verified"}\n'
             yield b'{"event": "kv_verified", "extra": 1}\n'
 
     def transport(request: httpx.Request) -> httpx.Response:
@@ -236,6 +239,8 @@ def test_a_decode_stream_that_fails_is_named_and_may_still_pull(after, message, 
 
     e, flight = asyncio.run(go())
     assert str(e).startswith(message), e
+    # what I6 needs: before admission only maybe_taken keeps reader_stopped False (after it,
+    # nothing sets reader_stopped but a kv_failed event saying so)
     assert e.code in ("node_failed", "node_error") and e.maybe_taken, e
     assert not flight.reader_stopped and flight.decode_contacted
 
