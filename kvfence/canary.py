@@ -51,6 +51,7 @@ import httpx
 
 from kvfence.arg_types import at_least_one, ca_bundle, fraction, output_file, seconds
 from kvfence.bench.http_load import sse_messages
+from kvfence.pd.tls import FOLLOW_PROXY_ENV
 from kvfence.pd.wire import cluster_headers
 
 log = logging.getLogger("kvfence.canary")
@@ -877,7 +878,9 @@ class Canary:
         t_start = time.monotonic()
         timeout = httpx.Timeout(self.opts.timeout_s, connect=10.0)
         limits = httpx.Limits(max_connections=self.opts.concurrency + 8, max_keepalive_connections=0)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits, verify=self.verify) as c:
+        # it carries the cluster credential to the nodes: no proxy from the environment (pd/tls.py)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, verify=self.verify,
+                                     trust_env=FOLLOW_PROXY_ENV) as c:
             await self._discover(c)
             report = CanaryReport(self.url, self.mode, self.opts.seed, self.usable, self.smallest_pool,
                                   len(self.tenants))

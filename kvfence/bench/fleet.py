@@ -24,6 +24,7 @@ from kvfence.bench.http_load import make_prompt, sse_messages
 from kvfence.bench.pd import HOST, Procs, pd_commands
 from kvfence.bench.stats import percentiles
 from kvfence.pd.messages import NodeInfo
+from kvfence.pd.tls import FOLLOW_PROXY_ENV
 from kvfence.procs import free_ports
 
 TENANTS, QUESTION_WORDS, CONCURRENCY, MAX_TOKENS = 4, 12, 4, 4
@@ -97,7 +98,7 @@ def run_mode(a, mode: str, logdir: Path, timeout: float = 600.0) -> dict:
         for n in nodes:
             if n["role"] == "prefill":
                 info = NodeInfo.from_json(httpx.get(n["url"] + "/internal/info", headers=procs.internal_headers,
-                                                    timeout=10).content)
+                                                    timeout=10, trust_env=FOLLOW_PROXY_ENV).content)
                 hits += int(info.snapshot.get("prefix_cache_hit_tokens", 0))
         result.update(mode=mode, prefix_hit_tokens=hits,
                       hit_rate=round(hits / result["prompt_tokens"], 3) if result["prompt_tokens"] else 0.0,

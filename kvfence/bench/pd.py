@@ -37,6 +37,7 @@ from kvfence.bench.http_load import Report, format_report, make_prompt, run_load
 from kvfence.pd.launch import ENGINE_FLAGS, flags, node_commands, write_secret_file
 from kvfence.pd.messages import NodeInfo
 from kvfence.pd.seal import load_secret
+from kvfence.pd.tls import FOLLOW_PROXY_ENV
 from kvfence.pd.wire import cluster_headers
 from kvfence.procs import free_ports, start_child, stop_processes
 
@@ -125,7 +126,7 @@ def run_single(a, logdir: Path, timeout: float) -> Report:
 
 
 def _decode_info(url: str, headers: dict[str, str]) -> NodeInfo:
-    r = httpx.get(url + "/internal/info", headers=headers, timeout=30)
+    r = httpx.get(url + "/internal/info", headers=headers, timeout=30, trust_env=FOLLOW_PROXY_ENV)
     r.raise_for_status()
     return NodeInfo.from_json(r.content)
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-# every httpx client that carries the cluster credential or internal traffic: HTTP_PROXY and
+# every httpx client that carries the cluster credential or internal traffic (the router, drain,
+# probe, the canary, the PD benches and the soak): HTTP_PROXY and
 # ALL_PROXY are not followed, not even to a loopback node. The plaintext checks here look at
 # the node's address only, and a proxy from the environment received the credential in the
 # clear (found by a security probe)
