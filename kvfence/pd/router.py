@@ -169,6 +169,8 @@ class RouterBackend:
                  prefill_routing: str = "affinity", resolve: Resolver = system_resolver, resolve_s: float = 5.0):
         self.urls = {"prefill": _url_list(prefill_urls), "decode": _url_list(decode_urls)}
         self.resolve, self.resolve_s = resolve, resolve_s   # names behind the URLs: found again this often
+        # configured plain-HTTP URL -> the addresses off loopback its name now resolves to (_expand)
+        self.refused_plain: dict[str, list[str]] = {}
         self._headers = cluster_headers(secret)
         self.tls = tls or TlsSettings()
         # https node URLs are verified against --tls-ca (the system's CAs without it)
@@ -233,7 +235,9 @@ class RouterBackend:
         if not missing:
             return "every role has a ready node again; waiting for the fleet monitor's next round to confirm it"
         return "; ".join(f"no {r} node is ready (" + ", ".join(
-            f"{n.url}: {n.state}{' - ' + n.reason if n.reason else ''}" for n in fleet.nodes if n.role == r) + ")"
+            [f"{n.url}: {n.state}{' - ' + n.reason if n.reason else ''}" for n in fleet.nodes if n.role == r] +
+            [f"{u} resolves to {', '.join(a)}, off loopback, where plain HTTP is refused"
+             for u, a in self.refused_plain.items() if u in self.urls[r]]) + ")"
             for r in missing)
 
     def _fetch_info(self, c: httpx.Client, a: NodeAddress) -> tuple[NodeInfo | None, str | None]:
@@ -249,15 +253,21 @@ class RouterBackend:
         found = expand(url, self.resolve)
         if found is None:
             return None
-        kept = []
+        kept, refused = [], []
         for a in found:
             try:
                 check_node_url(a.url, self.tls)
             except PlaintextNetworkError:
-                log.error("node URL %s now resolves to %s, off loopback: not reached over plain HTTP (use https://)",
-                          url, a.url)
+                refused.append(a.url)
                 continue
             kept.append(a)
+        if refused and self.refused_plain.get(url) != refused:   # said once, not every resolve_s
+            log.error("node URL %s now resolves to %s, off loopback: not reached over plain HTTP (use https://)",
+                      url, ", ".join(refused))
+        if refused:
+            self.refused_plain[url] = refused
+        else:
+            self.refused_plain.pop(url, None)
         return kept
 
     def _addresses(self, why: dict[str, str]) -> dict[str, list[NodeAddress]]:

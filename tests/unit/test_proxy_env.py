@@ -5,8 +5,10 @@ checks, in the clear, although the nodes were on loopback."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -82,7 +84,7 @@ def test_the_router_reaches_its_nodes_straight(proxy):
     assert proxy == [], proxy
 
 
-def test_a_plain_http_name_that_comes_to_mean_another_host_is_not_reached():
+def test_a_plain_http_name_that_comes_to_mean_another_host_is_not_reached(caplog):
     """The start checks a plain-HTTP node URL's name resolves to loopback only; the router
     resolves names again every few seconds, and a name that came to mean another host got
     the credential in the clear. Each address is checked as it is found."""
@@ -96,7 +98,17 @@ def test_a_plain_http_name_that_comes_to_mean_another_host_is_not_reached():
     assert [a.url for a in router._expand("http://nodes.example:8001")] == ["http://127.0.0.1:8001"]
     answers["now"] = ["10.0.0.9"]
     why: dict[str, str] = {}
-    assert router._addresses(why)["prefill"] == [] and "off loopback" in why["http://nodes.example:8001"]
+    with caplog.at_level(logging.ERROR, logger="kvfence.pd.router"):
+        assert router._addresses(why)["prefill"] == [] and "off loopback" in why["http://nodes.example:8001"]
+        router._expand("http://nodes.example:8001")   # the monitor's next round: said once, not again
+    assert sum("now resolves to http://10.0.0.9:8001" in r.getMessage() for r in caplog.records) == 1
+    # the not-ready reason names it while running too (the node left the fleet with it)
+    router.fleet = SimpleNamespace(serving=lambda role: [], nodes=[], ready=False)
+    router._start_error = None
+    assert "http://nodes.example:8001 resolves to http://10.0.0.9:8001, off loopback" in router.error
+    answers["now"] = ["127.0.0.1"]
+    router._expand("http://nodes.example:8001")
+    assert router.refused_plain == {}
     tls = RouterBackend("https://nodes.example:8001", "http://127.0.0.1:8002", b"k" * 32,
                         resolve=lambda host, port: ["10.0.0.9"])
     assert [a.url for a in tls._expand("https://nodes.example:8001")] == ["https://10.0.0.9:8001"]
