@@ -249,7 +249,7 @@ def _pools_for_a_tenant(pools: list[dict]) -> list[dict]:
     drop out: a security probe). A tenant gets one pool per role: the smallest of the nodes
     that may serve it (those the capacity check passed, up or not), which bounds its requests.
     A single node's one pool is shown as it is."""
-    fit = [p for p in pools if p.get("advertised_context_fits", True)] or pools
+    fit = [p for p in pools if p.get("advertised_context_fits", True) and p.get("state") != "refused"] or pools
     out = []
     for role in dict.fromkeys(p.get("role") for p in fit):
         least = min((p for p in fit if p.get("role") == role), key=lambda p: p["capacity_tokens"])

@@ -34,7 +34,8 @@ def test_a_tenant_cannot_count_the_fleet_or_see_a_node_go_down():
 
 def test_a_node_the_capacity_check_refused_is_not_the_bound():
     pools = [_pool("http://p1", "prefill", 10, state="refused", fits=False), _pool("http://p2", "prefill", 90),
-             _pool("http://d1", "decode", 80)]
+             _pool("http://d1", "decode", 80),
+             _pool("http://d2", "decode", 20, state="refused")]   # refused for another model or dtype
     assert [(p["role"], p["pages"]) for p in _view(pools)] == [("prefill", 90), ("decode", 80)]
 
 
