@@ -476,10 +476,11 @@ def _logit_bias(body: dict) -> dict[int, float]:
     return out
 
 
-def _params(c: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _params(c: dict, max_tokens: int | None, logprobs: int | None,
+            max_tokens_param: str = "max_tokens") -> SamplingParams:
     if max_tokens is not None and c["min_tokens"] > max_tokens:   # in the API's words, not the engine's
         raise bad_request(f"'min_tokens' is {c['min_tokens']}, more than the {max_tokens} tokens the request's "
-                          "max_tokens allows.", param="min_tokens")
+                          f"'{max_tokens_param}' allows.", param="min_tokens")
     try:
         return SamplingParams(temperature=c["temperature"], top_p=c["top_p"], top_k=c["top_k"], seed=c["seed"],
                               max_tokens=max_tokens, stop=c["stop"], stop_token_ids=c["stop_token_ids"],
@@ -580,9 +581,10 @@ def _parse_chat(body: dict) -> GenerationRequest:
         raise bad_request("'top_logprobs' needs 'logprobs': true.", param="top_logprobs")
     logprobs = (top or 0) if want else None
     messages = _messages(body.get("messages", _MISSING))
-    return GenerationRequest("chat", c["model"], _params(c, max_tokens, logprobs), c["stream"], c["include_usage"],
-                             messages=messages, logprobs=logprobs, prompt_param="messages", n=c["n"], tools=tools,
-                             max_tokens_param="max_tokens" if mct is None else "max_completion_tokens")
+    limit = "max_tokens" if mct is None else "max_completion_tokens"
+    return GenerationRequest("chat", c["model"], _params(c, max_tokens, logprobs, limit), c["stream"],
+                             c["include_usage"], messages=messages, logprobs=logprobs, prompt_param="messages",
+                             n=c["n"], tools=tools, max_tokens_param=limit)
 
 
 def _messages(ms) -> list[dict]:

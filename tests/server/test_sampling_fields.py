@@ -84,7 +84,11 @@ def test_min_tokens_above_max_tokens_is_a_400(server):
         server.client("alice").completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"min_tokens": 5})
     assert e.value.body["param"] == "min_tokens"     # found by a walkthrough: it was null
     # in the API's words, the field quoted (it was the engine's "must be in [0, max_tokens], got 5")
-    assert "'min_tokens' is 5, more than the 2 tokens" in e.value.body["message"], e.value.body
+    assert "'min_tokens' is 5, more than the 2 tokens the request's 'max_tokens' allows" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:   # the limit by the name the client gave it (review)
+        server.client("alice").chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                       max_completion_tokens=2, extra_body={"min_tokens": 5})
+    assert "'max_completion_tokens' allows" in e.value.body["message"], e.value.body
 
 
 @pytest.mark.parametrize("extra,param", [
