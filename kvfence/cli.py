@@ -439,16 +439,19 @@ PD_ONLY_FLAGS = ("cluster_secret_file", "transfer_host", "transfer_buffer_pages"
 # what only a router reads
 ROUTER_ONLY_FLAGS = ("prefill_url", "decode_url", "node_wait", "node_stall", "prefill_routing", "served_model_name",
                      "tls_client_cert", "tls_client_key", "max_body_bytes")
-# what only a prefill or decode node reads: the engine (the router needs the model's tokenizer
-# and the context it advertises), the transfer plane, the cache scopes
-NODE_ONLY_FLAGS = ("dtype", "device", "weights", "matmul", "kv_cache_memory", "kv_memory_fraction", "page_size",
-                   "max_num_seqs", "max_num_batched_tokens", "prefill_tokens_while_decoding",
-                   "decode_step_target_ms", "max_waiting", "scrub", "no_prefix_cache", "threads", "audit_reads",
-                   "transfer_host", "transfer_buffer_pages", "lease", "transfer_timeout", "max_pull", "clock_skew",
-                   "decode_reserve_tokens", "router_scope_idle")
-# what each --role would silently ignore: cmd_serve refuses any of them not at its default
-IGNORED_BY_ROLE = {"single": PD_ONLY_FLAGS, "router": NODE_ONLY_FLAGS,
-                   "prefill": ROUTER_ONLY_FLAGS, "decode": ROUTER_ONLY_FLAGS}
+# the engine options the router reads: the model's tokenizer and the context it advertises
+ROUTER_READS_ENGINE_FLAGS = ("model", "max_model_len", "clamp_context")
+
+
+def ignored_by_role() -> dict[str, tuple[str, ...]]:
+    """What each --role would silently ignore (cmd_serve refuses any of them not at its
+    default). A node alone reads the engine options launch-pd gives the nodes but the router's
+    three, --threads, and the transfer plane's and cache scopes' options: launch.py's lists, so
+    a new engine option joins both (imported here, not at start: every command loads cli.py)."""
+    from kvfence.pd.launch import ENGINE_FLAGS, PD_FLAGS
+
+    node_only = tuple(f for f in ENGINE_FLAGS if f not in ROUTER_READS_ENGINE_FLAGS) + ("threads",) + PD_FLAGS
+    return {"single": PD_ONLY_FLAGS, "router": node_only, "prefill": ROUTER_ONLY_FLAGS, "decode": ROUTER_ONLY_FLAGS}
 WHAT_ROLES_READ = {"single": "a single node takes --tls-cert and --tls-key (HTTPS for its API) and API keys from "
                              "--tenants",
                    "router": "the nodes run the engine and the transfer plane: give engine options to "
@@ -459,7 +462,7 @@ WHAT_ROLES_READ = {"single": "a single node takes --tls-cert and --tls-key (HTTP
 def ignored_flags(a) -> list[str]:
     """The options given to `serve` that its --role would not read."""
     defaults = build_parser().parse_args(["serve"])
-    return ["--" + dest.replace("_", "-") for dest in IGNORED_BY_ROLE[a.role]
+    return ["--" + dest.replace("_", "-") for dest in ignored_by_role()[a.role]
             if getattr(a, dest) != getattr(defaults, dest)]
 
 

@@ -143,7 +143,7 @@ class ServerState:
     def refuse_if_paused(self, tenant: Tenant) -> None:
         if tenant.name in self._paused:
             raise APIError(503, "This API key's tenant is being reconfigured; retry in a moment.",
-                           code="server_overloaded", headers={"Retry-After": "1"}, outcome="not_ready")
+                           code="server_overloaded", outcome="not_ready")
 
     @property
     def served_name(self) -> str:
@@ -156,8 +156,7 @@ class ServerState:
         if st == "ready":
             return
         if st == "loading":
-            raise APIError(503, "The model is still loading; try again shortly.", code="model_not_ready",
-                           headers={"Retry-After": "5"})
+            raise APIError(503, "The model is still loading; try again shortly.", code="model_not_ready")
         why = self.engine.error or "stopped"
         if not self.tenants.single_tenant:   # the reason names nodes and internals: the operator's
             why = "the operator's log and /health (with the [metrics] or [operator] key) say why"
@@ -170,8 +169,7 @@ class ServerState:
         """The backend's static facts; they exist once it is ready (503 before)."""
         f = self.engine.facts
         if f is None:
-            raise APIError(503, "The model is still loading; try again shortly.", code="model_not_ready",
-                           headers={"Retry-After": "5"})
+            raise APIError(503, "The model is still loading; try again shortly.", code="model_not_ready")
         return f
 
     def statement(self) -> dict:
@@ -802,7 +800,7 @@ async def _check_schema(state: ServerState, req: GenerationRequest, tenant: Tena
     # it must not let a few of them lock the rest out (found in review)
     if state.schema_checks_queued >= MAX_QUEUED_SCHEMA_CHECKS and mine:
         raise APIError(503, f"{MAX_QUEUED_SCHEMA_CHECKS} structured-output schemas are waiting to be checked; retry "
-                       "shortly.", code="server_overloaded", headers={"Retry-After": "1"}, outcome="overloaded")
+                       "shortly.", code="server_overloaded", outcome="overloaded")
     if mine >= MAX_QUEUED_SCHEMA_CHECKS_PER_TENANT and not state.tenants.single_tenant:   # one cannot fill it
         raise APIError(429, f"This API key's tenant has {mine} structured-output schemas waiting to be checked; "
                        f"at most {MAX_QUEUED_SCHEMA_CHECKS_PER_TENANT} may wait at once.",
@@ -812,7 +810,7 @@ async def _check_schema(state: ServerState, req: GenerationRequest, tenant: Tena
         got = await asyncio.wrap_future(_SCHEMA_CHECKS.submit(tenant.name, check_and_build))
     except RuntimeError as e:   # the checker's worker would not start, or the server is stopping
         raise APIError(503, f"Structured output cannot be checked right now ({e}); retry shortly.",
-                       code="server_overloaded", headers={"Retry-After": "1"}) from None
+                       code="server_overloaded") from None
     finally:
         if state.schema_checks_by_tenant[tenant.name] <= 1:
             del state.schema_checks_by_tenant[tenant.name]

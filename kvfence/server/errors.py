@@ -98,7 +98,7 @@ RETRY_SOON_CODES = frozenset({"server_overloaded", "server_shutting_down", "node
                               "aborted_by_peer", "kv_transfer_failed"})
 # the server or the fleet does not serve now (loading, no node of a role ready, a node's
 # drain): back in seconds, once a node has restarted and been checked
-NOT_SERVING_CODES = frozenset({"engine_unavailable", "not_ready", "draining"})
+NOT_SERVING_CODES = frozenset({"engine_unavailable", "not_ready", "draining", "model_not_ready"})
 # refused before any of the request ran: not a failure of the server's
 # (kvfence_request_failures_total counts what it took and then failed)
 NOT_TAKEN_CODES = NOT_SERVING_CODES | {"server_overloaded"}

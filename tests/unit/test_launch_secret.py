@@ -85,3 +85,15 @@ def test_every_launched_process_reads_every_option_it_is_given(tmp_path):
     for name, cmd in node_commands(a, str(tmp_path / "s")).items():
         parsed = build_parser().parse_args(cmd[cmd.index("serve"):])
         assert ignored_flags(parsed) == [], name
+
+
+def test_every_engine_option_is_in_launch_pds_list():
+    """launch.ENGINE_FLAGS is what launch-pd passes to the nodes and what a router refuses as
+    not its own (cli.ignored_by_role): an engine option missing from it would again be dropped
+    by launch-pd and silently ignored by the router (review)."""
+    from kvfence import cli
+    from kvfence.pd.launch import ENGINE_FLAGS
+
+    p = argparse.ArgumentParser()
+    cli._engine_args(p)
+    assert {a.dest for a in p._actions if a.dest != "help"} == set(ENGINE_FLAGS) | {"threads"}
