@@ -173,6 +173,9 @@ def _pd_terms(facts: dict) -> dict:
     if security["plaintext_network_allowed"]:
         warnings.append("WARNING: this PD process was started with --allow-plaintext-network: internal HTTP (the "
                         "cluster credential, prompts as token ids, manifests) may cross the network in the clear")
+        if "cluster" not in facts and not security["client_certificates_required"]:   # a node (check_listen)
+            warnings.append("WARNING: this node requires no client certificate (no --tls-ca): any host that "
+                            "reaches its port can open connections, and hold all of --max-connections")
     return {
         "warnings": warnings,
         "pd_network": {

@@ -531,12 +531,14 @@ def test_transfer_from_a_dead_prefill_fails_cleanly(cluster, client):
         except openai.APIStatusError as e:
             result["status"], result["code"], result["m"] = e.status_code, e.code, e.message
 
+    before = cluster.pd("prefill")["buffer_free"]   # rows fenced by earlier tests may still be held
     t = threading.Thread(target=go)
     t.start()
     # the kill must land in the handoff's delay, once prefill holds the KV: a fixed 1.2 s killed
     # prefill mid-compute when LONG was not cached yet or the machine was busy (node_failed)
     end = time.monotonic() + 60
-    while cluster.pd("prefill")["buffer_free"] == cluster.pd("prefill")["buffer_rows"] and time.monotonic() < end:
+    while cluster.pd("prefill")["buffer_free"] >= before:
+        assert time.monotonic() < end and t.is_alive(), ("prefill never held the request's KV", result)
         time.sleep(0.05)
     cluster.kill("prefill")
     t.join(60)

@@ -43,3 +43,19 @@ def test_a_single_nodes_pool_is_shown_without_its_name():
     (pool,) = _view([{"node": "local", "pages": 90, "page_size_tokens": 16, "capacity_tokens": 1440, "bytes": 1,
                       "advertised_context_fits": True}])
     assert pool["pages"] == 90 and "node" not in pool
+
+
+def test_a_node_without_client_certificates_is_warned_of():
+    """--allow-plaintext-network also lets a node off loopback run without --tls-ca: the
+    statement said only that traffic may cross in the clear (review)."""
+    from kvfence.server.isolation import _pd_terms
+
+    open_node = {"pd": {}, "pd_security": {"tls": True, "client_certificates_required": False,
+                                           "plaintext_network_allowed": True}}
+    assert any("no client certificate" in w for w in _pd_terms(open_node)["warnings"])
+    mtls = {"pd": {}, "pd_security": {"tls": True, "client_certificates_required": True,
+                                      "plaintext_network_allowed": True}}
+    assert not any("no client certificate" in w for w in _pd_terms(mtls)["warnings"])
+    # a router (its facts are a decode node's with its cluster check): its API takes API keys
+    router = {"pd": {}, "cluster": {}, "pd_security": dict(open_node["pd_security"])}
+    assert not any("no client certificate" in w for w in _pd_terms(router)["warnings"])
