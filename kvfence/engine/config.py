@@ -40,6 +40,11 @@ class EngineConfig:
     # of it on a server with one tenant (`kvfence serve` without a tenants file), where half
     # would only refuse the one client sooner than --max-waiting says
     tenant_waiting_share: float = 0.5
+    # how many of max_num_seqs one tenant's sequences may hold running: the rest stays for the
+    # others, whose first request then starts in the next step. Nothing running is preempted to
+    # make room (a probe: a tenant's 16 requests of n=16 took all 256 and another tenant's first
+    # token waited 132-144 s). All of them with one tenant, as tenant_waiting_share
+    tenant_running_share: float = 0.75
     scrub: str = "zero"                       # none | zero | poison (I7)
     verify_reads: bool = True                 # I2/I3 check before every pass; off only to measure its cost
     enable_prefix_cache: bool = True          # tenant-scoped reuse of prompt-prefix pages (I9)
@@ -82,6 +87,8 @@ class EngineConfig:
              "kv_memory_fraction must be in (0, 0.95]", self.kv_memory_fraction)
         need(0.0 < self.tenant_waiting_share <= 1.0, "tenant_waiting_share must be in (0, 1]",
              self.tenant_waiting_share)
+        need(0.0 < self.tenant_running_share <= 1.0, "tenant_running_share must be in (0, 1]",
+             self.tenant_running_share)
         need(self.scrub in SCRUBS, f"scrub must be one of {', '.join(SCRUBS)}", self.scrub)
         need(self.matmul in MATMULS, f"matmul must be one of {', '.join(MATMULS)}", self.matmul)
 

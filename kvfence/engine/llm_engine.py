@@ -115,7 +115,8 @@ class LLMEngine:
                                                  self.ledger.capacity_tokens, cfg.clamp_context)
         self.prefix_cache = PrefixCache(self.ledger) if cfg.enable_prefix_cache else None
         self.scheduler = Scheduler(self.ledger, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.prefix_cache,
-                                   prefill_budget_while_decoding=cfg.prefill_tokens_while_decoding or None)
+                                   prefill_budget_while_decoding=cfg.prefill_tokens_while_decoding or None,
+                                   tenant_running_share=cfg.tenant_running_share)
         self.scheduler.pages_held_elsewhere = lambda: self.kv_link.holds_pool_pages()
         # the cap sized from step times; None: the fixed token cap (or none at all)
         self.step_target = (StepTarget(cfg.decode_step_target_ms / 1e3, cfg.prefill_tokens_while_decoding,

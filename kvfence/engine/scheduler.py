@@ -32,7 +32,10 @@ Waiting requests start tenant by tenant, not in arrival order: the next one is t
 the tenant with the fewest running sequences (ties: the tenant that last started one longest
 ago). A tenant that queues a thousand requests gets
 the free slots in turn with everyone else's, instead of making each later tenant wait for all
-of them. With one tenant it is arrival order.
+of them. With one tenant it is arrival order. One tenant's sequences hold at most
+`max_seqs_per_tenant` of the running slots (3/4 of max_num_seqs behind a tenants file, all of
+them without one): nothing running is preempted to make room, so without that share a tenant's
+requests of n=16 held all 256 slots and another tenant's first token waited minutes for them.
 """
 from __future__ import annotations
 
@@ -58,10 +61,13 @@ class ScheduledSeq:
 
 class Scheduler:
     def __init__(self, ledger: Ledger, max_num_seqs: int, token_budget: int,
-                 prefix_cache: PrefixCache | None = None, prefill_budget_while_decoding: int | None = None):
+                 prefix_cache: PrefixCache | None = None, prefill_budget_while_decoding: int | None = None,
+                 tenant_running_share: float = 1.0):
         self.ledger = ledger
         self.prefix_cache = prefix_cache
         self.max_num_seqs = max_num_seqs
+        # the most running sequences one tenant may hold (EngineConfig.tenant_running_share)
+        self.max_seqs_per_tenant = max(1, int(max_num_seqs * tenant_running_share))
         self.token_budget = token_budget
         # prefill tokens a step may hold when it also decodes; None: the whole token budget
         self.prefill_budget_while_decoding = prefill_budget_while_decoding
@@ -206,6 +212,8 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_num_seqs and self.num_preemptions == preempted_before:
             at = self._next_waiting(running_by_tenant)
             seq = self.waiting[at]
+            if running_by_tenant[seq.tenant] >= self.max_seqs_per_tenant:
+                break   # the tenant running the fewest holds its share: so does every tenant waiting
             capped = self._capped(seq)
             if self._prefill_room(budget, capped_so_far, capped) <= 0:
                 break

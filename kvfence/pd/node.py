@@ -359,6 +359,8 @@ def serve_node(config: EngineConfig, settings: PDSettings, host: str, port: int,
     if settings.role == "decode":
         config.enable_prefix_cache = False  # decode's KV arrives by transfer; nothing to reuse
     tenants = load_tenants(tenants_file, node=True)
+    if tenants.single_tenant:   # the running share, as on a single node, with the tenants file
+        config.tenant_running_share = 1.0   # (launch-pd gives the nodes the router's)
     refused = refuse_unusable_port(host, port, f"{settings.role} node")   # before the model loads
     if refused is not None:
         return refused

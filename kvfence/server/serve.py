@@ -67,8 +67,8 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, tenan
             log.error("not serving: cannot use --tls-cert %s with --tls-key %s: %s", tls_cert, tls_key, e)
             return 2
     log.info("loading the model and sizing the KV pool ...")
-    if tenants.single_tenant:   # no other tenant to keep waiting places for
-        config = dataclasses.replace(config, tenant_waiting_share=1.0)
+    if tenants.single_tenant:   # no other tenant to keep waiting places or running slots for
+        config = dataclasses.replace(config, tenant_waiting_share=1.0, tenant_running_share=1.0)
     engine = start_engine(config)
     if not engine.wait_ready():
         log.error("not serving: %s", engine.error)   # e.g. the context does not fit the pool (I8)

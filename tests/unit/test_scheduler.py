@@ -447,3 +447,28 @@ def test_a_capped_newcomer_starts_beside_a_long_uncapped_prefill():
     # the cap bounds what the capped prompts add to the step: the late one's 5 here
     assert sum(s.num_new for s in step if s.seq.arrival > first.first_token_at) <= 12
     led.check_consistency()
+
+
+def test_one_tenant_holds_at_most_its_share_of_the_running_slots():
+    """A fairness probe: a tenant's 16 requests of n=16 took all 256 running slots, nothing
+    running is preempted for another tenant, and that tenant's first token waited 132-144 s.
+    With a share of 3/4, a quarter of the slots stays free for the others: alice fills her 6
+    of 8, the rest of hers wait; bob's request, arriving later, starts in the next step."""
+    led = Ledger(256, 4)
+    sch = Scheduler(led, max_num_seqs=8, token_budget=1000, tenant_running_share=0.75)
+    for i in range(12):
+        sch.add(make_seq(led, 2, i, tenant="alice"))
+    fake_run(sch.schedule())
+    assert len(sch.running) == 6 and len(sch.waiting) == 6
+    fake_run(sch.schedule())
+    assert len(sch.running) == 6    # her share: two slots stay free though she waits
+    bob = make_seq(led, 2, 99, tenant="bob")
+    sch.add(bob)
+    fake_run(sch.schedule())
+    assert bob in sch.running and len(sch.running) == 7
+    # without a tenants file (share 1.0) one tenant may take every slot, as before
+    alone = Scheduler(Ledger(256, 4), max_num_seqs=8, token_budget=1000)
+    for i in range(12):
+        alone.add(make_seq(alone.ledger, 2, i, tenant="alice"))
+    fake_run(alone.schedule())
+    assert len(alone.running) == 8
