@@ -6,8 +6,9 @@ others stream are prefilled under a smaller cap: every decoding stream waits for
 step, and a step's time grows with its prefill tokens (~0.5 ms each for the bundled model on
 a 2-core CPU, ~1 s for a full 2048-token step), so the cap bounds the gap between tokens.
 Prompts that were already waiting when the engine's streams began (a burst into an idle
-engine) keep the full budget: capping them only moved their first tokens later (the fixed bench
-workload's TTFT p99 1.6-2x) for streams that had just begun. The streams begin with the first
+engine) keep the full budget while only their own tenant's streams decode: capping them only
+moved their first tokens later (the fixed bench workload's TTFT p99 1.6-2x) for streams that had
+just begun, but another tenant's stream is not held up by them. The streams begin with the first
 token after the engine was idle (nothing running), and go on until it is idle again: a prompt
 that queued while the engine was busy is capped, even if the streams it queued behind have
 ended (on a backlogged engine it would otherwise stall the newer streams with whole-budget
@@ -74,6 +75,7 @@ class Scheduler:
         # the first token since the engine was last idle (None: none yet); a prompt that arrived
         # after it is capped
         self.streaming_since: float | None = None
+        self._decoding_tenants: set[str] = set()   # whose streams decode this step
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -147,8 +149,12 @@ class Scheduler:
 
     def _capped(self, seq: Sequence) -> bool:
         """Whether seq's prefill is under the cap while streams decode: it arrived after the
-        engine's streams began (a burst's prompts, there before them, are not)."""
-        return self.streaming_since is not None and seq.arrival > self.streaming_since
+        engine's streams began (a burst's prompts, there before them, are not), or another
+        tenant's stream decodes (a fairness probe: a tenant's burst of two 7,500-token prompts,
+        uncapped, stalled another tenant's stream for 2-4 s a token; the burst's own streams
+        may wait for it, another tenant's may not)."""
+        return self.streaming_since is not None and (
+            seq.arrival > self.streaming_since or bool(self._decoding_tenants - {seq.tenant}))
 
     def _prefill_room(self, budget: int, capped_so_far: int, capped: bool, for_queue: bool = False) -> int:
         """Prefill tokens the step can still take: the budget left (decodes count in it too),
@@ -165,6 +171,7 @@ class Scheduler:
         budget = self.token_budget
         out: list[ScheduledSeq] = []
         decoding = [s for s in self.running if s.state is State.DECODING]
+        self._decoding_tenants = {s.tenant for s in decoding}
         if not self.running:
             self.streaming_since = None     # idle: what waits now is a burst
         elif self.streaming_since is None and decoding:

@@ -472,3 +472,23 @@ def test_one_tenant_holds_at_most_its_share_of_the_running_slots():
         alone.add(make_seq(alone.ledger, 2, i, tenant="alice"))
     fake_run(alone.schedule())
     assert len(alone.running) == 8
+
+
+def test_a_bursts_prompt_is_capped_once_another_tenants_stream_decodes():
+    """A fairness probe: a tenant's burst of two ~7,500-token prompts into an idle engine kept
+    the whole budget (the burst exemption) while another tenant's stream, begun just after,
+    waited 2-4 s for each token. The burst's own streams may wait for it; another's may not."""
+    led = Ledger(256, 4)
+    sch = Scheduler(led, max_num_seqs=16, token_budget=100, prefill_budget_while_decoding=12)
+    burst = [make_seq(led, 300, i, tenant="heavy") for i in range(2)]
+    light = make_seq(led, 1, 9, tenant="light")
+    sch.add(light)
+    for s in burst:
+        sch.add(s)
+    step = sch.schedule()   # idle: the whole budget, the light prompt beside the burst
+    fake_run(step)
+    light.first_token_at = time.perf_counter()
+    assert light.state is State.DECODING
+    step = sch.schedule()
+    prefill = sum(s.num_new for s in step if s.seq.state is not State.DECODING)
+    assert light in [s.seq for s in step] and prefill <= 12, [(s.seq.request_id, s.num_new) for s in step]
