@@ -125,8 +125,11 @@ class _EngineCollector:
             for name in sorted(on):
                 each.add_metric([name], 1.0)
             yield each
-        for name, key, doc in (("kvfence_requests_running", "running", "Requests holding KV pages"),
-                               ("kvfence_requests_waiting", "waiting", "Admitted requests queued for pages")):
+        # the engine's sequences: a request of n choices (or a list of prompts) counts each (probe)
+        for name, key, doc in (("kvfence_requests_running", "running",
+                                "Sequences holding KV pages (each choice of a request counts)"),
+                               ("kvfence_requests_waiting", "waiting",
+                                "Admitted sequences queued for pages (each choice of a request counts)")):
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(s.get(key, 0)))
             yield g
