@@ -666,6 +666,7 @@ class LLMEngine:
         led = self.ledger
         return {
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "sequences_by_tenant": self.scheduler.sequences_by_tenant(),
             "pages_total": led.usable_pages, "pages_free": led.num_free, "pages_owned": led.num_owned,
             "pages_shared": led.num_shared,
             "prefix_cache_hit_tokens": self.prefix_cache.hits if self.prefix_cache else 0,

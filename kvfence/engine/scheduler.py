@@ -106,6 +106,15 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
+    def sequences_by_tenant(self) -> dict[str, dict[str, int]]:
+        """tenant -> its sequences running and waiting (for /metrics: whether one tenant holds
+        the slots while another waits)."""
+        out: dict[str, dict[str, int]] = {}
+        for state, seqs in (("running", self.running), ("waiting", self.waiting)):
+            for s in seqs:
+                out.setdefault(s.tenant, {"running": 0, "waiting": 0})[state] += 1
+        return out
+
     def _victim_after(self, seq: Sequence) -> Sequence | None:
         """Who gives up its pages so that seq can go on: of seq and the sequences behind it
         (those ahead are scheduled already this step), the last of the tenant running the

@@ -133,6 +133,14 @@ class _EngineCollector:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(s.get(key, 0)))
             yield g
+        if "sequences_by_tenant" in s:   # an engine's own (a PD router's merged snapshot has none)
+            by = GaugeMetricFamily("kvfence_tenant_sequences", "Sequences running and waiting, by tenant: whether "
+                                   "one tenant holds the running slots while another waits (a tenant with none "
+                                   "is not listed)", labels=["tenant", "state"])
+            for tenant, counts in sorted(s["sequences_by_tenant"].items()):
+                for state in ("running", "waiting"):
+                    by.add_metric([tenant, state], float(counts[state]))
+            yield by
         pages = GaugeMetricFamily("kvfence_kv_pages", "KV pages by state (used: owned by a running request; "
                                   "shared: tenant-scoped prefix cache, read-only); on a PD router, summed over "
                                   "every ready node, prefill and decode", labels=["state"])

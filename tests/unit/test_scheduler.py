@@ -492,3 +492,29 @@ def test_a_bursts_prompt_is_capped_once_another_tenants_stream_decodes():
     step = sch.schedule()
     prefill = sum(s.num_new for s in step if s.seq.state is not State.DECODING)
     assert light in [s.seq for s in step] and prefill <= 12, [(s.seq.request_id, s.num_new) for s in step]
+
+
+def test_metrics_show_which_tenant_holds_the_slots_and_who_waits():
+    """The fairness probe's operator saw 256 running and 1 waiting, and could not tell whose:
+    kvfence_tenant_sequences{tenant,state} says it (from Scheduler.sequences_by_tenant)."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvfence.server.metrics import _EngineCollector
+
+    led = Ledger(256, 4)
+    sch = Scheduler(led, max_num_seqs=4, token_budget=1000, tenant_running_share=0.75)
+    for i in range(5):
+        sch.add(make_seq(led, 2, i, tenant="heavy"))
+    fake_run(sch.schedule())
+    sch.add(make_seq(led, 2, 9, tenant="light"))
+    assert sch.sequences_by_tenant() == {"heavy": {"running": 3, "waiting": 2}, "light": {"running": 0, "waiting": 1}}
+    reg = CollectorRegistry()
+    reg.register(_EngineCollector(SimpleNamespace(state="ready", snapshot={
+        "running": 3, "waiting": 3, "sequences_by_tenant": sch.sequences_by_tenant()})))
+    got = {(s.labels["tenant"], s.labels["state"]): s.value
+           for fam in text_string_to_metric_families(generate_latest(reg).decode())
+           if fam.name == "kvfence_tenant_sequences" for s in fam.samples}
+    assert got == {("heavy", "running"): 3, ("heavy", "waiting"): 2, ("light", "running"): 0, ("light", "waiting"): 1}
