@@ -452,6 +452,9 @@ def ignored_by_role() -> dict[str, tuple[str, ...]]:
 
     node_only = tuple(f for f in ENGINE_FLAGS if f not in ROUTER_READS_ENGINE_FLAGS) + ("threads",) + PD_FLAGS
     return {"single": PD_ONLY_FLAGS, "router": node_only, "prefill": ROUTER_ONLY_FLAGS, "decode": ROUTER_ONLY_FLAGS}
+
+
+# what cmd_serve's refusal of ignored options says each role does read
 WHAT_ROLES_READ = {"single": "a single node takes --tls-cert and --tls-key (HTTPS for its API) and API keys from "
                              "--tenants",
                    "router": "the nodes run the engine and the transfer plane: give engine options to "

@@ -280,8 +280,9 @@ class RouterBackend:
                 found = self._expand(url)
                 if found is None:
                     why[url] = "its host name does not resolve"
-                elif not found:
-                    why[url] = "its host name resolves off loopback, where plain HTTP is refused (use https://)"
+                elif not found and url in self.refused_plain:   # _expand left out every address
+                    why[url] = (f"its host name resolves to {', '.join(self.refused_plain[url])}, off loopback, "
+                                "where plain HTTP is refused (use https://)")
                 for a in found or ():
                     seen.setdefault(a.url, a)
             out[role] = list(seen.values())

@@ -230,7 +230,7 @@ def test_a_decode_stream_that_fails_is_named_and_may_still_pull(after, message, 
         flight = _Flight()
         admitted = asyncio.get_running_loop().create_future()
         handle = SimpleNamespace(updates=asyncio.Queue())
-        body = DecodeBody(request_id="r1", tenant="t", prompt_ids=[1, 2, 3, 4], params=WireParamsOf4(),
+        body = DecodeBody(request_id="r1", tenant="t", prompt_ids=[1, 2, 3, 4], params=_wire_params_of_4(),
                           handoff=None)
         with pytest.raises(NodeError) as e:
             await router._decode(body, flight, handle, admitted, 4, Node("decode", "http://d"))
@@ -245,7 +245,7 @@ def test_a_decode_stream_that_fails_is_named_and_may_still_pull(after, message, 
     assert not flight.reader_stopped and flight.decode_contacted
 
 
-def WireParamsOf4():
+def _wire_params_of_4():
     from kvfence.pd.messages import WireParams
 
     return WireParams.of(SamplingParams(max_tokens=4))
