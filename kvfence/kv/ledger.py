@@ -138,7 +138,12 @@ class Ledger:
         self.suspect = np.zeros(num_pages, dtype=bool)  # quarantine instead of freeing when returned
         self.refcount = np.zeros(num_pages, dtype=np.int64)  # requests attached to a SHARED page
         self._attached: dict[int, list[int]] = {}  # request -> SHARED pages it holds a reference on
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # SHARED, refcount 0, least recent first
+        self._evictable: OrderedDict[int, int] = OrderedDict()  # SHARED, refcount 0, least recent first -> tick
+        # the same pages by cache scope: a grant evicts from the scope that holds the most of
+        # them, so one tenant's traffic cannot flush another's cached prefixes (global LRU let a
+        # busy tenant keep ~96% of the pool); within a scope, least recent first
+        self._evictable_of: dict[int, OrderedDict[int, None]] = {}
+        self._tick = 0
         self._retiring: set[int] = set()   # SHARED pages of a retired scope: freed when their last reader ends
         self.on_evict: Callable[[int], None] | None = None  # the prefix cache forgets the page
         self.on_time_lift: Callable[[int, list[int]], None] | None = None  # a fence ends by time (incident log)
@@ -302,7 +307,7 @@ class Ledger:
                 or page in self._retiring:
             return False
         self.refcount[page] += 1
-        self._evictable.pop(page, None)
+        self._not_evictable(page)
         self._attached.setdefault(owner.request, []).append(page)
         table.pages.append(page)
         table.epochs.append(int(self.epoch[page]))
@@ -322,15 +327,32 @@ class Ledger:
                 elif p in self._retiring:
                     self._evict(p)
                 else:
-                    self._evictable[p] = None  # most recently used last
+                    self._now_evictable(p)
 
     def _forget(self, page: int) -> None:
         if self.on_evict is not None:
             self.on_evict(page)
-        self._evictable.pop(page, None)
+        self._not_evictable(page)
+
+    def _now_evictable(self, page: int) -> None:
+        self._tick += 1
+        self._evictable[page] = self._tick   # most recently used last
+        self._evictable_of.setdefault(int(self.owner_tenant[page]), OrderedDict())[page] = None
+
+    def _not_evictable(self, page: int) -> None:
+        if self._evictable.pop(page, None) is None:
+            return
+        scope = int(self.owner_tenant[page])
+        mine = self._evictable_of[scope]
+        del mine[page]
+        if not mine:
+            del self._evictable_of[scope]
 
     def _evict_one(self) -> None:
-        page, _ = self._evictable.popitem(last=False)
+        # the scope with the most unreferenced cached pages gives one up, its least recent;
+        # between scopes that hold as many, the one whose page was used longest ago
+        _, _, page = max((len(ps), -self._evictable[first], first)
+                         for ps in self._evictable_of.values() for first in (next(iter(ps)),))
         self._evict(page)
 
     def _evict(self, page: int) -> None:
@@ -562,6 +584,10 @@ class Ledger:
         free = set(self._free)
         if len(free) != len(self._free):
             raise LedgerError("a page is on the free list twice")
+        by_scope = {p: scope for scope, ps in self._evictable_of.items() for p in ps}
+        if by_scope.keys() != self._evictable.keys() or any(not ps for ps in self._evictable_of.values()) \
+                or any(self.owner_tenant[p] != scope for p, scope in by_scope.items()):
+            raise LedgerError("the evictable pages by cache scope disagree with the evictable list")
         for p in range(1, self.num_pages):
             st = self.state[p]
             if (p in free) != (st == PageState.FREE):

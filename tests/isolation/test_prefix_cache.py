@@ -137,6 +137,20 @@ def test_eviction_under_pressure_keeps_outputs_and_ledger_right(make_llm):
     assert eng.ledger.num_available == eng.ledger.usable_pages
 
 
+def test_a_busy_tenant_does_not_flush_another_tenants_cached_prefix(make_llm):
+    """The pool fills with a busy tenant's cached prompts; a light tenant's system prompt,
+    cached before them, is still a hit (global LRU evicted it first)."""
+    llm = make_llm(kv_cache_memory=40 * 16 * 30 * 2 * 3 * 64 * 4)  # 39 usable pages
+    eng = llm.engine
+    run(eng, ids_for(llm, "Q: hello"), "light")
+    for i in range(8):
+        run(eng, llm.tokenizer.encode(f"Document {i}: " + "lorem ipsum dolor sit amet " * 12), "busy")
+    assert eng.ledger.counters["pages_evicted"] > 0
+    again = run(eng, ids_for(llm, "Q: goodbye"), "light")
+    assert again.cached_tokens >= len(llm.tokenizer.encode(SYSTEM)) // 16 * 16 - 16
+    eng.ledger.check_consistency()
+
+
 @pytest.mark.parametrize("router", [None, "router-1"])
 def test_a_public_scope_shares_prompts_not_what_the_model_wrote(llm, router):
     """The opt-in shares prompt prefixes. A's generated pages stay out of the public scope: B

@@ -298,3 +298,54 @@ def test_eviction_takes_a_cached_chains_tail_before_its_head():
     led.allocate(owner(led, "B", 3), 1, BlockTable())
     assert evicted == [tail, mid] and led.state[head] == PageState.SHARED
     led.check_consistency()
+
+
+def test_a_grant_evicts_from_the_scope_that_caches_the_most_so_a_busy_tenant_cannot_flush_another():
+    """Global LRU let one tenant's traffic flush every other tenant's cached prefixes (a
+    probe saw a busy tenant hold ~96% of the pool). The scope with the most unreferenced
+    cached pages gives one up, its least recent; a light tenant's older prefix stays."""
+    led = Ledger(12, 4)
+    evicted: list[int] = []
+    led.on_evict = evicted.append
+
+    def cache(name: str, req: int, n: int) -> list[int]:
+        o, t = owner(led, name, req), BlockTable()
+        led.allocate(o, n, t)
+        led.mark_written(o, t, 0, 4 * n)
+        for p, e in zip(t.pages, t.epochs, strict=True):
+            assert led.publish(o, p, e)
+        pages = list(t.pages)
+        led.free(o, t)
+        return pages
+
+    light = cache("light", 1, 2)          # the oldest cached pages in the pool
+    busy = cache("busy", 2, 3) + cache("busy", 3, 3)
+    assert led.num_free == 11 - 8
+    led.allocate(owner(led, "busy", 4), 7, BlockTable())   # four cached pages must go
+    assert len(evicted) == 4 and set(evicted) <= set(busy)
+    assert all(led.state[p] == PageState.SHARED for p in light)
+    led.check_consistency()
+    # two scopes holding as many: the one whose page was used longest ago gives one up
+    led.allocate(owner(led, "other", 5), 1, BlockTable())
+    assert evicted[-1] == light[1] and led.state[light[0]] == PageState.SHARED   # a chain's tail first
+    led.check_consistency()
+
+
+def test_a_tie_between_scopes_evicts_the_least_recently_used_page():
+    led = Ledger(6, 4)
+    evicted: list[int] = []
+    led.on_evict = evicted.append
+    cached = {}
+    for name, req in (("A", 1), ("B", 2)):
+        o, t = owner(led, name, req), BlockTable()
+        led.allocate(o, 1, t)
+        led.mark_written(o, t, 0, 4)
+        assert led.publish(o, t.pages[0], t.epochs[0])
+        cached[name] = t.pages[0]
+        led.free(o, t)
+    reader, rt = owner(led, "A", 3), BlockTable()
+    assert led.attach(reader, cached["A"], rt)
+    led.free(reader, rt)                   # A's page is now the more recently used
+    led.allocate(owner(led, "C", 4), 4, BlockTable())
+    assert evicted == [cached["B"]]
+    led.check_consistency()
