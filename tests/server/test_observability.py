@@ -65,10 +65,11 @@ def test_metrics_families_and_values_follow_requests(server):
         get(before, "kvfence_tokens_computed_total") + r.usage.prompt_tokens + 6 - 1
     assert get(after, "kvfence_admission_rejections_total", reason="context_length_exceeded") == \
         get(before, "kvfence_admission_rejections_total", reason="context_length_exceeded") + 1
-    assert get(after, "kvfence_time_to_first_token_seconds_count") == \
-        get(before, "kvfence_time_to_first_token_seconds_count") + 1
-    assert get(after, "kvfence_inter_token_latency_seconds_count") == \
-        get(before, "kvfence_inter_token_latency_seconds_count") + 5
+    # latency by tenant: bob's request counts under bob, none under alice
+    for name, n in (("kvfence_time_to_first_token_seconds_count", 1), ("kvfence_inter_token_latency_seconds_count", 5),
+                    ("kvfence_request_duration_seconds_count", 1)):
+        assert get(after, name, tenant="bob") == get(before, name, tenant="bob") + n, name
+        assert get(after, name, tenant="alice") == get(before, name, tenant="alice"), name
     total = server.engine.facts["pool_pages"]
     assert get(after, "kvfence_kv_pages", state="free") + get(after, "kvfence_kv_pages", state="shared") == total
     assert total == get(after, "kvfence_kv_pages_total")
@@ -354,7 +355,7 @@ def test_tokens_and_latency_count_what_reached_the_client(make_server):
     count; the unstreamed answer's did not. Mutant: count every answer's tokens."""
     srv = make_server(tenants=None)
     tokens_before = srv.metric("kvfence_generation_tokens_total", tenant="default")
-    ttft_before = srv.metric("kvfence_time_to_first_token_seconds_count")
+    ttft_before = srv.metric("kvfence_time_to_first_token_seconds_count", tenant="default")
     got: dict = {}
     body = {"prompt": "Count:", "max_tokens": 300, "ignore_eos": True, "temperature": 0}
 
@@ -377,7 +378,7 @@ def test_tokens_and_latency_count_what_reached_the_client(make_server):
     assert got["plain"].status_code == 503 and got["chunks"] >= 2, got
     counted = srv.metric("kvfence_generation_tokens_total", tenant="default") - tokens_before
     assert counted == got["chunks"], (counted, got["chunks"])   # the stream's tokens, not the 503's
-    assert srv.metric("kvfence_time_to_first_token_seconds_count") == ttft_before + 1
+    assert srv.metric("kvfence_time_to_first_token_seconds_count", tenant="default") == ttft_before + 1
 
 
 def test_inter_token_gaps_are_each_choices_own():
@@ -392,11 +393,11 @@ def test_inter_token_gaps_are_each_choices_own():
 
 def test_an_n2_answer_adds_each_choices_own_gaps(make_server):
     srv = make_server(tenants=None)
-    before = srv.metric("kvfence_inter_token_latency_seconds_count")
+    before = srv.metric("kvfence_inter_token_latency_seconds_count", tenant="default")
     with srv.http(None) as c:
         r = c.post("/v1/completions", json={"prompt": "Count:", "max_tokens": 5, "n": 2, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 10
-    assert srv.metric("kvfence_inter_token_latency_seconds_count") == before + 8   # 2 x (5 - 1); merged: 9
+    assert srv.metric("kvfence_inter_token_latency_seconds_count", tenant="default") == before + 8   # 2 x (5 - 1); merged: 9
 
 
 def test_every_rejection_reason_is_a_series_from_the_start():
