@@ -397,7 +397,8 @@ def test_an_n2_answer_adds_each_choices_own_gaps(make_server):
     with srv.http(None) as c:
         r = c.post("/v1/completions", json={"prompt": "Count:", "max_tokens": 5, "n": 2, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 10
-    assert srv.metric("kvfence_inter_token_latency_seconds_count", tenant="default") == before + 8   # 2 x (5 - 1); merged: 9
+    # 2 x (5 - 1); merged: 9
+    assert srv.metric("kvfence_inter_token_latency_seconds_count", tenant="default") == before + 8
 
 
 def test_every_rejection_reason_is_a_series_from_the_start():
