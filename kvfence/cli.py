@@ -177,6 +177,18 @@ def _cluster_secret(a) -> bytes | None:
         return None
 
 
+def _accepted_secrets(a) -> tuple[bytes, ...] | None:
+    """PD nodes: the secrets accepted besides their own while the cluster rotates, or None
+    after saying why one is unusable."""
+    from kvfence.pd.seal import SecretError, load_accepted
+
+    try:
+        return load_accepted(getattr(a, "accept_cluster_secret_file", None))
+    except SecretError as e:
+        print(f"error: --accept-cluster-secret-file: {e}", file=sys.stderr)
+        return None
+
+
 def cmd_serve(a) -> int:
     from kvfence.server.app import hold_sighup
 
@@ -243,8 +255,11 @@ def cmd_serve(a) -> int:
     if a.role in ("prefill", "decode"):
         from kvfence.pd.node import serve_node
 
-        return serve_node(_config(a), _pd_settings(a, a.role, secret), a.host, a.port, tls, a.tenants, level, limits,
-                          a.shutdown_timeout)
+        accepted = _accepted_secrets(a)
+        if accepted is None:
+            return 2
+        return serve_node(_config(a), _pd_settings(a, a.role, secret, accepted), a.host, a.port, tls, a.tenants,
+                          level, limits, a.shutdown_timeout)
     from kvfence.server.serve import serve
 
     if (a.tls_cert is None) != (a.tls_key is None):
@@ -255,13 +270,13 @@ def cmd_serve(a) -> int:
                  shutdown_timeout_s=a.shutdown_timeout or DEFAULT_SHUTDOWN_TIMEOUT_S)
 
 
-def _pd_settings(a, role: str, secret: bytes):
+def _pd_settings(a, role: str, secret: bytes, accepted: tuple[bytes, ...] = ()):
     from kvfence.pd.settings import PDSettings
 
     return PDSettings(role, transfer_host=a.transfer_host, transfer_buffer_pages=a.transfer_buffer_pages,
                       lease_s=a.lease, transfer_timeout_s=a.transfer_timeout, max_pull_s=a.max_pull,
                       clock_skew_s=a.clock_skew, decode_reserve_tokens=a.decode_reserve_tokens,
-                      router_scope_idle_s=a.router_scope_idle, cluster_secret=secret)
+                      router_scope_idle_s=a.router_scope_idle, cluster_secret=secret, accepted_secrets=accepted)
 
 
 def cmd_soak(a) -> int:
@@ -431,7 +446,8 @@ def _server_args(p: argparse.ArgumentParser) -> None:
 
 
 # what only --role prefill, decode or router reads (cmd_serve refuses them on a single node)
-PD_ONLY_FLAGS = ("cluster_secret_file", "transfer_host", "transfer_buffer_pages", "lease", "transfer_timeout",
+PD_ONLY_FLAGS = ("cluster_secret_file", "accept_cluster_secret_file", "transfer_host", "transfer_buffer_pages",
+                 "lease", "transfer_timeout",
                  "max_pull", "clock_skew", "decode_reserve_tokens", "router_scope_idle", "tls_ca", "tls_client_cert",
                  "tls_client_key",
                  "allow_plaintext_network", "prefill_url", "decode_url", "node_wait", "node_stall",
@@ -450,7 +466,9 @@ def ignored_by_role() -> dict[str, tuple[str, ...]]:
     a new engine option joins both (imported here, not at start: every command loads cli.py)."""
     from kvfence.pd.launch import ENGINE_FLAGS, PD_FLAGS
 
-    node_only = tuple(f for f in ENGINE_FLAGS if f not in ROUTER_READS_ENGINE_FLAGS) + ("threads",) + PD_FLAGS
+    # the router only sends the credential: it accepts no other secret
+    node_only = tuple(f for f in ENGINE_FLAGS if f not in ROUTER_READS_ENGINE_FLAGS) + ("threads",) + PD_FLAGS + \
+        ("accept_cluster_secret_file",)
     return {"single": PD_ONLY_FLAGS, "router": node_only, "prefill": ROUTER_ONLY_FLAGS, "decode": ROUTER_ONLY_FLAGS}
 
 
@@ -583,6 +601,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--node-wait", type=seconds, default=300.0, help="router: seconds to wait for the nodes at start")
     s.add_argument("--node-stall", type=seconds, default=10.0,
                    help="router: a node silent this long (no heartbeat) fails the request")
+    s.add_argument("--accept-cluster-secret-file", action="append", default=None, metavar="FILE",
+                   help="PD nodes, while the cluster rotates to a new secret: a secret also accepted (credentials "
+                        "and sealed rows), not sent; repeat it for several. Every node first accepts the new one, "
+                        "then every process switches --cluster-secret-file to it (docs/pd.md)")
     _server_args(s)
     _engine_args(s)
     _pd_args(s)

@@ -110,6 +110,10 @@ class KvImporter(PdLink):
                            token_count=len(seq.prompt_ids) - 1,
                            page_size=eng.ledger.page_size, fingerprint=eng.model_config.fingerprint(),
                            layout=self.staging.layout, slot_bytes=self.staging.slot_bytes)
+        if self.sealing_secret(h.manifest) is None:   # a rotation half done: refused before any pull
+            raise ManifestError(f"the rows are sealed under a cluster secret (key id {h.manifest.seal_key}) this "
+                                "decode node does not hold: while rotating, give every node the new secret with "
+                                "--accept-cluster-secret-file before any node seals with it (docs/pd.md)")
         return h
 
     def enqueue(self, seq: Sequence, now: float) -> Iterator[Decision]:

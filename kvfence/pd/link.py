@@ -14,7 +14,7 @@ from kvfence.engine.admission import CapacityError
 from kvfence.engine.kv_link import KvLinkBase
 from kvfence.engine.sequence import Sequence
 from kvfence.pd.messages import Manifest
-from kvfence.pd.seal import RowCipher
+from kvfence.pd.seal import RowCipher, SealError, key_id, secret_for_key
 from kvfence.pd.settings import PDSettings
 from kvfence.pd.staging import StagingBuffer
 
@@ -72,11 +72,25 @@ class PdLink(KvLinkBase):
                          rows=rows, detail=f"{self.role}: {len(rows)} transfer-buffer rows freed at their fence's "
                                            f"deadline, with no word from {peer} that nothing still touches them")
 
-    def cipher(self, m: Manifest, seq: Sequence) -> RowCipher:
-        """The key of one hold's rows, from the cluster secret and this node's own knowledge
-        of the request (decode has checked the manifest names the same)."""
+    @property
+    def seal_key(self) -> str:
+        """The key id of the secret this node seals with (its own, never an accepted one)."""
         assert self.settings.cluster_secret is not None  # PDSettings refuses to exist without it
-        return RowCipher(self.settings.cluster_secret, m.seal_salt, m.boot_id, seq.request_id, seq.tenant)
+        return key_id(self.settings.cluster_secret)
+
+    def sealing_secret(self, m: Manifest) -> bytes | None:
+        """The secret the manifest's key id names, among this node's own and those it accepts
+        while the cluster rotates (None: decode cannot open these rows)."""
+        assert self.settings.cluster_secret is not None
+        return secret_for_key(m.seal_key, self.settings.cluster_secret, self.settings.accepted_secrets)
+
+    def cipher(self, m: Manifest, seq: Sequence) -> RowCipher:
+        """The key of one hold's rows, from the cluster secret the manifest names and this
+        node's own knowledge of the request (decode has checked the manifest names the same)."""
+        secret = self.sealing_secret(m)
+        if secret is None:
+            raise SealError(f"the rows are sealed under a cluster secret (key id {m.seal_key}) this node does not hold")
+        return RowCipher(secret, m.seal_salt, m.boot_id, seq.request_id, seq.tenant)
 
     def facts(self) -> dict:
         """What the router's capacity check (I8) and handoffs need to know about this node."""

@@ -136,6 +136,7 @@ class Manifest(WireModel):
     layout: Name                      # KV layout and dtype of the page bytes
     boot_id: Id                       # the prefill process: a restarted one has another
     seal_salt: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]   # per hold: with the secret, the rows' key
+    seal_key: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]    # which cluster secret sealed them (seal.key_id)
     slot_bytes: Annotated[int, Field(ge=1, le=1 << 40)]
     slots: Annotated[list[Annotated[int, Field(ge=0, le=MAX_PAGES)]], Field(max_length=MAX_PAGES)]
     lease_deadline: float             # time.time() after which no pull may start

@@ -165,7 +165,7 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
         # I11, declared on the routes themselves: a middleware matching request.url.path let
         # through what a Host header made look like another path (Starlette before 1.0.1
         # built url.path from it while routing used the scope's path)
-        if not check_control(secret, request.headers.get(CONTROL_HEADER)):
+        if not check_control(secret, request.headers.get(CONTROL_HEADER), settings.accepted_secrets):
             raise APIError(401, "internal API: missing or wrong cluster credential", code="unauthorized")
 
     internal = APIRouter(prefix=INTERNAL_PREFIX, dependencies=[Depends(_cluster_only)])
@@ -345,7 +345,8 @@ def node_app(loop: EngineLoop, settings: PDSettings, tenants: TenantRegistry,
     # keys the status routes (/metrics, /health's detail, the console) and the isolation statement.
     state = ServerState(loop, tenants, public_api=False)
     app = create_app(state)
-    fault_control.mount(app, settings.cluster_secret)   # before the internal routes' catch-all
+    # before the internal routes' catch-all
+    fault_control.mount(app, settings.cluster_secret, settings.accepted_secrets)
     add_internal_routes(app, loop, settings, drain)
     return app, state
 

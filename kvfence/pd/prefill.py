@@ -157,7 +157,7 @@ class KvExporter(PdLink):
         m = Manifest(request_id=seq.request_id, tenant=seq.tenant, token_count=tokens, page_count=n,
                      page_size=eng.ledger.page_size, epochs=list(rows.epochs),
                      fingerprint=eng.model_config.fingerprint(), layout=self.staging.layout, boot_id=self.boot_id,
-                     seal_salt=new_salt(),
+                     seal_salt=new_salt(), seal_key=self.seal_key,
                      slot_bytes=self.staging.slot_bytes, slots=list(rows.pages),
                      lease_deadline=now + self.settings.lease_s, issued_at=now)
         self.staging.stage(seq.table.pages[:n], rows, m, self.cipher(m, seq), seal=not faults.active("skip_row_seal"))

@@ -8,7 +8,13 @@ command line). Nothing derived from it in a way that reveals it crosses the netw
   by the node);
 - the key that seals one handoff's transfer rows, HKDF(secret, salt, "kv rows" | prefill
   boot id | request id | tenant), is computed by prefill and by decode on their own; the
-  salt is random per hold and travels in the manifest (it is not secret).
+  salt is random per hold and travels in the manifest (it is not secret), and so does the
+  sealing secret's key id, HKDF(secret, "secret id"), 8 bytes that name it without revealing it.
+
+Rotation: a process sends and seals with its one secret and also accepts credentials and rows
+of the secrets it is given with --accept-cluster-secret-file; a node picks the secret a
+manifest's key id names. So a cluster moves to a new secret without stopping: every process
+first accepts it, then sends with it (accepting the old), then drops the old (docs/pd.md).
 
 Rows are sealed with AES-256-GCM (the `cryptography` package). Measured on this machine,
 one core, 368,704-byte rows: 8.6 GB/s sealing, 9.3 GB/s opening, against ~1.3 GB/s for
@@ -26,7 +32,7 @@ import hmac
 import os
 import stat
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -108,9 +114,27 @@ def control_headers(secret: bytes) -> dict[str, str]:
     return {CONTROL_HEADER: control_token(secret)}
 
 
-def check_control(secret: bytes, presented: str | None) -> bool:
-    """Constant-time comparison of a presented credential."""
-    return hmac.compare_digest((presented or "").encode(), control_token(secret).encode())
+def check_control(secret: bytes, presented: str | None, accepted: Sequence[bytes] = ()) -> bool:
+    """Constant-time comparison of a presented credential with this process's secret's and
+    those of the secrets it accepts during a rotation (each compared, none skipped)."""
+    given = (presented or "").encode()
+    return sum(hmac.compare_digest(given, control_token(s).encode()) for s in (secret, *accepted)) > 0
+
+
+def key_id(secret: bytes) -> str:
+    """Names a secret in a manifest (which one sealed the rows) without revealing it."""
+    return _hkdf(secret, b"kvfence v1 secret id", length=8).hex()
+
+
+def secret_for_key(key: str, secret: bytes, accepted: Sequence[bytes] = ()) -> bytes | None:
+    """The secret among this process's own and its accepted ones that `key` names, or None."""
+    return next((s for s in (secret, *accepted) if hmac.compare_digest(key_id(s), key)), None)
+
+
+def load_accepted(paths: Sequence[str] | None) -> tuple[bytes, ...]:
+    """The secrets a process accepts besides its own during a rotation, each from a file held
+    to load_secret's checks."""
+    return tuple(load_secret(p) for p in paths or ())
 
 
 def new_salt() -> str:

@@ -43,6 +43,8 @@ class PDSettings:
     router_scope_idle_s: float = 600.0
     # the cluster secret (kvfence/pd/seal.py): seals transfer rows, derives the control credential
     cluster_secret: bytes | None = field(default=None, repr=False)
+    # secrets also accepted while the cluster rotates to a new one (credentials, sealed rows)
+    accepted_secrets: tuple[bytes, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

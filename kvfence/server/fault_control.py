@@ -24,7 +24,7 @@ def enabled() -> bool:
     return os.environ.get(ENV_VAR) == "1"
 
 
-def mount(app: FastAPI, cluster_secret: bytes | None = None) -> None:
+def mount(app: FastAPI, cluster_secret: bytes | None = None, accepted: tuple[bytes, ...] = ()) -> None:
     """The route, when the variable is set. With a cluster secret (every PD role) it takes
     only the cluster credential, like every /internal route (I11). A node's own internal
     routes declare the check (pd/node.py); this one is mounted on the router's app too, so it
@@ -36,7 +36,8 @@ def mount(app: FastAPI, cluster_secret: bytes | None = None) -> None:
 
     @app.post("/internal/test/faults")
     async def set_faults(request: Request):
-        if cluster_secret is not None and not check_control(cluster_secret, request.headers.get(CONTROL_HEADER)):
+        if cluster_secret is not None and not check_control(cluster_secret, request.headers.get(CONTROL_HEADER),
+                                                                accepted):
             return JSONResponse(error_body("internal API: missing or wrong cluster credential",
                                            "authentication_error", None, "unauthorized"), status_code=401)
         try:

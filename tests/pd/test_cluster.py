@@ -571,6 +571,47 @@ def test_decode_killed_mid_pull_then_rejoins(cluster, client):
     assert client.completions.create(model=m, prompt=LONG, max_tokens=4).choices[0].finish_reason == "length"
 
 
+def _secret_file(path, text: str) -> str:
+    path.write_text(text + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_the_cluster_secret_rotates_while_the_router_keeps_serving(cluster, client, tmp_path):
+    """A rotation half done, on real processes and Mooncake: decode accepts the new secret
+    while it still holds the old one, prefill has moved to the new one (accepting the old),
+    the router still sends the old. Requests keep their single-node answers (prefill's rows
+    are sealed under the new secret, decode opens them by the manifest's key id); each node
+    takes the credential of either secret and refuses a third."""
+    from kvfence.pd.seal import control_headers, new_secret
+
+    m = model_name(client)
+    want = client.completions.create(model=m, prompt=LONG, max_tokens=6, temperature=0).choices[0].text
+    old = _secret_file(tmp_path / "old.secret", cluster.secret)
+    new_text = new_secret()
+    new = _secret_file(tmp_path / "new.secret", new_text)
+    try:
+        for role in ("prefill", "decode"):
+            cluster.kill(role)
+        cluster.start("decode", ["--accept-cluster-secret-file", new])
+        cluster.start("prefill", ["--cluster-secret-file", new, "--accept-cluster-secret-file", old])
+        cluster.wait_ready(180)
+        for _ in range(2):
+            r = client.completions.create(model=m, prompt=LONG, max_tokens=6, temperature=0)
+            assert r.choices[0].text == want
+        assert cluster.pd("decode")["pd_verified"] >= 2
+        for role in ("prefill", "decode"):
+            url = cluster.url(role) + "/internal/info"
+            assert httpx.get(url, headers=control_headers(new_text.encode()), timeout=10).status_code == 200
+            assert httpx.get(url, headers=control_headers(new_secret().encode()), timeout=10).status_code == 401
+    finally:   # the shared cluster goes back to its one secret
+        for role in ("prefill", "decode"):
+            cluster.kill(role)
+            cluster.start(role)
+        cluster.wait_ready(180)
+    cluster.wait_quiet(30)
+
+
 @pytest.mark.parametrize("field,value", [("token_count", 3.0), ("lease_deadline", "x"), ("page_count", 1.0),
                                          ("slots", "0")])
 def test_malformed_manifest_is_a_400_and_decode_keeps_serving(cluster, client, field, value):
@@ -579,7 +620,8 @@ def test_malformed_manifest_is_a_400_and_decode_keeps_serving(cluster, client, f
     before anything is admitted, naming the field."""
     before = _decode_allocations(cluster)
     manifest = dict(request_id="m1", tenant="default", token_count=3, page_count=1, page_size=16, epochs=[1],
-                    fingerprint="x", layout="x", boot_id="x", seal_salt="0" * 32, slot_bytes=1, slots=[1],
+                    fingerprint="x", layout="x", boot_id="x", seal_salt="0" * 32, seal_key="0" * 16,
+                    slot_bytes=1, slots=[1],
                     lease_deadline=time.time() + 30)
     manifest[field] = value
     body = {"request_id": "m1", "tenant": "default", "prompt_ids": [1, 2, 3, 4], "params": {"max_tokens": 2},

@@ -37,7 +37,8 @@ _wrong = (_scalar | st.lists(_scalar, max_size=3) | st.sampled_from([3.0, "3", [
                                                                     float(1 << 63), True]))
 
 MANIFEST = dict(request_id="f1", tenant="default", token_count=3, page_count=1, page_size=16, epochs=[1],
-                fingerprint="x", layout="x", boot_id="b", seal_salt="0" * 32, slot_bytes=1, slots=[1],
+                fingerprint="x", layout="x", boot_id="b", seal_salt="0" * 32, seal_key="0" * 16,
+                slot_bytes=1, slots=[1],
                 lease_deadline=0.0)
 BODIES = {
     "/internal/prefill": {"request_id": "f1", "tenant": "default", "prompt_ids": [1, 2, 3, 4],

@@ -15,6 +15,7 @@ from kvfence.pd.decode import KvImporter
 from kvfence.pd.manifest import ManifestError
 from kvfence.pd.messages import Manifest
 from kvfence.pd.prefill import KvExporter
+from kvfence.pd.seal import key_id
 from kvfence.pd.settings import PDSettings
 from kvfence.pd.transfer import InProcessTransport
 
@@ -536,3 +537,35 @@ def test_decode_out_of_pages_mid_generation_preempts_and_recomputes(loaded_fp32)
     pr.p.release_kv("px")
     pr.p.release_kv("py")
     assert pr.d.ledger.num_owned == 0 and pr.d.ledger.num_quarantined == 0
+
+
+NEW_SECRET = b"the cluster's next secret, 32+ bytes long too"
+
+
+def test_a_cluster_rotating_its_secret_keeps_handing_off(loaded_fp32):
+    """A rotation half done: this prefill already seals with the new secret, decode still holds
+    the old one and accepts the new (as every node does before any seals with it); the rows
+    open by the key id the manifest names, and the answer is the single node's."""
+    pr = Pair(loaded_fp32, cluster_secret=SECRET, accepted_secrets=(NEW_SECRET,))
+    pr.exp = KvExporter(pr.p, PDSettings("prefill", cluster_secret=NEW_SECRET, accepted_secrets=(SECRET,)),
+                        pr.exp.transport)
+    ids, params = prompt(40, 21), SamplingParams(max_tokens=6, **GREEDY)
+    m = pr.prefill(ids, params, "rot1")
+    assert m["seal_key"] == key_id(NEW_SECRET) != key_id(SECRET)
+    seq, events = pr.decode(ids, params, "rot1", m)
+    assert events[0] == "kv_verified" and seq.output_ids == single(loaded_fp32, ids, params)
+    assert pr.p.release_kv("rot1") == "released"
+
+
+def test_rows_sealed_under_a_secret_decode_does_not_hold_are_refused_before_reserving(loaded_fp32):
+    """A prefill that moved to the new secret before this decode node accepted it: the handoff
+    is refused at admission, saying what to do, and nothing is reserved or pulled."""
+    pr = Pair(loaded_fp32)
+    pr.exp = KvExporter(pr.p, PDSettings("prefill", cluster_secret=NEW_SECRET), pr.exp.transport)
+    ids, params = prompt(40, 22), SamplingParams(max_tokens=2, **GREEDY)
+    m = pr.prefill(ids, params, "rot2")
+    before = pr.d.ledger.counters["pages_allocated"]
+    with pytest.raises(ManifestError, match="does not hold.*--accept-cluster-secret-file"):
+        pr.decode(ids, params, "rot2", m)
+    assert pr.d.ledger.counters["pages_allocated"] == before and pr.imp.counters["pulls_started"] == 0
+    pr.p.abort_kv("rot2", reader_stopped=True, reason="test")

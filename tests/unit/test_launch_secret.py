@@ -97,3 +97,14 @@ def test_every_engine_option_is_in_launch_pds_list():
     p = argparse.ArgumentParser()
     cli._engine_args(p)
     assert {a.dest for a in p._actions if a.dest != "help"} == set(ENGINE_FLAGS) | {"threads"}
+
+
+def test_only_nodes_take_an_accepted_secret():
+    """The router only sends the credential and a single node holds no cluster secret: each
+    would ignore --accept-cluster-secret-file, so each refuses it; a node reads it."""
+    from kvfence.cli import build_parser, ignored_flags
+
+    for role, ignored in (("router", ["--accept-cluster-secret-file"]), ("single", ["--accept-cluster-secret-file"]),
+                          ("prefill", []), ("decode", [])):
+        a = build_parser().parse_args(["serve", "--role", role, "--accept-cluster-secret-file", "/s"])
+        assert ignored_flags(a) == ignored, role

@@ -47,7 +47,8 @@ def test_staging_sends_no_position_past_the_prompt():
     rows = staging.grant(Owner(tenant=1, request=1), len(pages))
     m = Manifest(request_id="r1", tenant="t1", token_count=tokens, page_count=len(pages), page_size=ps,
                  epochs=list(rows.epochs), fingerprint="f", layout=staging.layout, boot_id="boot",
-                 seal_salt=new_salt(), slot_bytes=staging.slot_bytes, slots=list(rows.pages), lease_deadline=1.0)
+                 seal_salt=new_salt(), seal_key="0" * 16, slot_bytes=staging.slot_bytes, slots=list(rows.pages),
+                 lease_deadline=1.0)
     cipher = RowCipher(b"s" * 32, m.seal_salt, "boot", "r1", "t1")
     staging.stage(pages, rows, m, cipher)
     L, two, H, _, D = pool.kv.shape

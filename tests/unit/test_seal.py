@@ -14,9 +14,12 @@ from kvfence.pd.seal import (
     SecretError,
     check_control,
     control_token,
+    key_id,
+    load_accepted,
     load_secret,
     new_salt,
     new_secret,
+    secret_for_key,
 )
 
 SECRET = b"k" * 40
@@ -45,6 +48,34 @@ def test_control_credential():
     assert check_control(SECRET, tok) and not check_control(SECRET, None) and not check_control(SECRET, tok[:-1])
     assert not check_control(b"o" * 40, tok)
     assert SECRET.hex() not in tok and SECRET.decode() not in tok   # the secret itself never crosses
+
+
+def test_during_a_rotation_a_node_accepts_the_credentials_of_its_accepted_secrets_only():
+    new, other = b"n" * 40, b"o" * 40
+    assert check_control(SECRET, control_token(new), accepted=(new,))
+    assert check_control(SECRET, control_token(SECRET), accepted=(new,))
+    assert not check_control(SECRET, control_token(new)) and not check_control(SECRET, control_token(other), (new,))
+    assert not check_control(SECRET, None, accepted=(new,))
+
+
+def test_a_key_id_names_a_secret_without_revealing_it():
+    new = b"n" * 40
+    assert key_id(SECRET) == key_id(SECRET) != key_id(new) and len(key_id(SECRET)) == 16
+    assert key_id(SECRET) not in control_token(SECRET) and SECRET.hex()[:16] != key_id(SECRET)
+    assert secret_for_key(key_id(new), SECRET, (new,)) == new
+    assert secret_for_key(key_id(SECRET), SECRET, (new,)) == SECRET
+    assert secret_for_key(key_id(new), SECRET) is None and secret_for_key("0" * 16, SECRET, (new,)) is None
+
+
+def test_accepted_secret_files_are_held_to_the_same_checks(tmp_path):
+    good, loose = tmp_path / "good", tmp_path / "loose"
+    for f in (good, loose):
+        f.write_text(new_secret() + "\n")
+    good.chmod(0o600)
+    loose.chmod(0o644)
+    assert load_accepted([str(good)]) == (good.read_text().strip().encode(),) and load_accepted(None) == ()
+    with pytest.raises(SecretError, match="chmod 600"):
+        load_accepted([str(good), str(loose)])
 
 
 def seal(cipher: RowCipher, index: int, plain: bytes, aad: bytes) -> bytearray:
