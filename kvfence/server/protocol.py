@@ -106,42 +106,74 @@ async def read_json_body(request, limit: int, before_parse: Callable[[], None] |
     return parse_json_body(raw)
 
 
-# json.loads holds the GIL from start to end, whatever thread runs it: an 8 MiB body of small
-# arrays ([[1],[1],...], 2M of them) stopped the event loop, every stream and /health/live,
-# for ~0.6 s per request (its garbage collector passes two thirds of that). No request of ours
-# needs more than a few thousand objects and arrays; this bound keeps one parse under ~0.1 s
-MAX_JSON_CONTAINERS = 1 << 18
+# json.loads holds the GIL from start to end, whatever thread runs it, and so does every walk
+# of what it built: while it runs the engine thread computes nothing. An 8 MiB body of small
+# arrays ([[1],[1],...], 2M of them) stopped every stream for ~0.6 s a request; a tenant's
+# refused bodies of 760K logit_bias keys, 4M integers or 1.6M short strings (each walked for
+# surrogates) slowed another tenant's stream 8-19x (a side-channel probe). No request of ours
+# needs more than these; each bound keeps one parse and walk to tens of milliseconds
+MAX_JSON_CONTAINERS = 1 << 18   # objects and arrays
+MAX_JSON_MEMBERS = 1 << 16      # keys of objects (logit_bias takes 1024, 64 tools' schemas a few thousand)
+MAX_JSON_ITEMS = 1 << 18        # values after the first in an object or array (16 token-id prompts of 16K)
+MAX_JSON_STRINGS = 1 << 17      # strings, keys included
 
 
-def json_containers(raw: bytes) -> int:
-    """How many objects and arrays the JSON text opens outside its strings. A few vectorised
+@dataclass(frozen=True)
+class JsonShape:
+    """What the parser would build from a JSON text, counted outside its strings."""
+    containers: int   # objects and arrays
+    members: int      # ':' separators: keys of objects
+    items: int        # ',' separators: values after the first of each object or array
+    strings: int      # string literals, keys included
+
+
+def json_shape(raw: bytes) -> JsonShape:
+    """Counts of the JSON text's objects and arrays, keys, items and strings. A few vectorised
     passes (~50 ms for 8 MiB): a Python loop over the strings cost ~1 s of CPU for a body of
     millions of short strings holding brackets. Exact for valid JSON; invalid JSON is the
     parser's to refuse, whatever this returns."""
     # Drop escape pairs left to right, as the JSON reader pairs them: each remaining '"'
-    # then opens or closes a string, and a bracket is outside when an even number precede it
+    # then opens or closes a string, and a byte is outside when an even number precede it
     plain = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
-    count, carry = 0, False
+    containers = members = items = 0
+    carry = False
     for at in range(0, len(plain), _SCAN_CHUNK):   # a chunk at a time: ~7 bytes of arrays per byte
         byte = np.frombuffer(plain, np.uint8, count=min(_SCAN_CHUNK, len(plain) - at), offset=at)
         inside = np.bitwise_xor.accumulate(byte == 0x22)
         if carry:
             inside = ~inside
+        outside = ~inside
         opens = (byte | 0x20) == 0x7B    # '[' (0x5B) and '{' (0x7B), the only bytes that map there
-        count += int(np.count_nonzero(opens & ~inside))
+        containers += int(np.count_nonzero(opens & outside))
+        members += int(np.count_nonzero((byte == 0x3A) & outside))
+        items += int(np.count_nonzero((byte == 0x2C) & outside))
         carry = bool(inside[-1])
-    return count
+    return JsonShape(containers, members, items, plain.count(b'"') // 2)
 
 
 _SCAN_CHUNK = 1 << 20
 
 
+def _refuse_too_many_values(raw: bytes) -> None:
+    """Each bound, checked first by a plain count of its byte (a few ms), then exactly outside
+    strings only when that plain count is over it (braces, colons, commas and quotes in text are fine)."""
+    quick = (raw.count(b"{") + raw.count(b"["), raw.count(b":"), raw.count(b",") + 1, raw.count(b'"') // 2)
+    bounds = (MAX_JSON_CONTAINERS, MAX_JSON_MEMBERS, MAX_JSON_ITEMS, MAX_JSON_STRINGS)
+    if all(q <= b for q, b in zip(quick, bounds, strict=True)):
+        return
+    shape = json_shape(raw)
+    for count, bound, what in ((shape.containers, MAX_JSON_CONTAINERS, "JSON objects and arrays"),
+                               (shape.members, MAX_JSON_MEMBERS, "object keys"),
+                               (shape.items + 1, MAX_JSON_ITEMS, "values in its objects and arrays"),
+                               (shape.strings, MAX_JSON_STRINGS, "strings")):
+        if count > bound:
+            raise bad_request(f"The request body holds more than {bound} {what}; no request needs that many.")
+
+
 def parse_json_body(raw: bytes) -> dict:
     if not raw.strip():
         raise bad_request("The request body is empty; send a JSON object.")
-    if raw.count(b"{") + raw.count(b"[") > MAX_JSON_CONTAINERS and json_containers(raw) > MAX_JSON_CONTAINERS:
-        raise bad_request(f"The request body holds more than {MAX_JSON_CONTAINERS} JSON objects and arrays; no "
-                          "request needs that many.")
+    _refuse_too_many_values(raw)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -159,10 +191,14 @@ def parse_json_body(raw: bytes) -> dict:
         raise bad_request(f"The request body is not usable JSON: {str(e)[:200]}") from None
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.")
-    _no_lone_surrogates(body)
+    if _SURROGATE_ESCAPE.search(raw):   # only a \\uD800-\\uDFFF escape can make one: no walk without it
+        _no_lone_surrogates(body)
     return body
 
 
+# a surrogate in the text can only come from an escape (UTF-8 cannot encode one); an escaped
+# backslash before "ud8.." matches too, which only costs the walk
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
 

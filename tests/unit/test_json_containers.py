@@ -1,5 +1,6 @@
-"""The bound on JSON objects and arrays in a request body (server/protocol.py): counted outside
-strings, exactly, up to the bound; only what the parser would build counts."""
+"""The bounds on what a request body's JSON would build (server/protocol.py): objects and
+arrays, keys, items and strings, counted outside strings, exactly; only what the parser would
+build counts."""
 from __future__ import annotations
 
 import json
@@ -8,21 +9,41 @@ import random
 import pytest
 
 from kvfence.server.errors import APIError
-from kvfence.server.protocol import MAX_JSON_CONTAINERS, json_containers, parse_json_body
+from kvfence.server.protocol import (
+    MAX_JSON_CONTAINERS,
+    MAX_JSON_ITEMS,
+    MAX_JSON_MEMBERS,
+    MAX_JSON_STRINGS,
+    json_shape,
+    parse_json_body,
+)
+
+
+def json_containers(raw: bytes) -> int:
+    return json_shape(raw).containers
 
 
 def _exact(value) -> int:
     """The reference: the containers of the parsed value, walked."""
-    count, stack = 0, [value]
+    return _exact_shape(value)[0]
+
+
+def _exact_shape(value) -> tuple[int, int, int, int]:
+    """The reference: (containers, keys, items after the first of each, strings) of the parsed value."""
+    containers = members = items = strings = 0
+    stack = [value]
     while stack:
         v = stack.pop()
         if isinstance(v, dict):
-            count += 1
+            containers, members, strings = containers + 1, members + len(v), strings + len(v)
+            items += max(len(v) - 1, 0)
             stack += v.values()
         elif isinstance(v, list):
-            count += 1
+            containers, items = containers + 1, items + max(len(v) - 1, 0)
             stack += v
-    return count
+        elif isinstance(v, str):
+            strings += 1
+    return containers, members, items, strings
 
 
 def _random_value(r: random.Random, depth: int = 0):
@@ -44,6 +65,8 @@ def test_the_count_is_the_parsers_for_bodies_with_brackets_and_escapes_in_string
         value = {"v": _random_value(random.Random(seed))}
         raw = json.dumps(value, ensure_ascii=bool(seed % 2), indent=None if seed % 3 else 1).encode()
         assert json_containers(raw) == _exact(value), raw
+        shape = json_shape(raw)
+        assert (shape.containers, shape.members, shape.items, shape.strings) == _exact_shape(value), raw
 
 
 def test_runs_of_backslashes_and_quotes_pair_as_the_reader_pairs_them():
@@ -84,3 +107,37 @@ def test_an_integer_too_long_for_python_is_named_without_its_interpreter_advice(
         parse_json_body(b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}")
     assert e.value.status == 400 and "integer of more than 4300 digits" in e.value.message
     assert "sys." not in e.value.message
+
+
+@pytest.mark.parametrize("name,bound,body", [
+    ("object keys", MAX_JSON_MEMBERS,   # the probe's 760K logit_bias keys: 0.44 s of parsing, then refused
+     lambda n: b'{"prompt":"hi","logit_bias":{' + b",".join(b'"%d":1' % i for i in range(n)) + b"}}"),
+    ("values in its objects and arrays", MAX_JSON_ITEMS,   # 4M integers: 0.19 s
+     lambda n: b'{"prompt":[' + b",".join([b"7"] * n) + b"]}"),
+    ("strings", MAX_JSON_STRINGS,   # 1.6M short strings, each walked for surrogates: ~0.8 s
+     lambda n: b'{"prompt":[' + b",".join([b'"a"'] * n) + b"]}"),
+])
+def test_a_body_over_a_bound_is_refused_before_parsing_and_one_at_it_parses(name, bound, body, monkeypatch):
+    import kvfence.server.protocol as protocol
+
+    def no_parse(*a, **k):
+        raise AssertionError("parsed")
+
+    over = body(bound + 1)
+    monkeypatch.setattr(protocol.json, "loads", no_parse)
+    with pytest.raises(APIError) as e:
+        parse_json_body(over)
+    assert e.value.status == 400 and name in str(e.value) and str(bound) in str(e.value)
+    monkeypatch.undo()
+    if name != "object keys":   # the keys' body has one more string per key: at its bound it is over the other
+        assert isinstance(parse_json_body(body(bound - 2)), dict)
+    text = json.dumps({"prompt": ':,"' * (bound + 5)}).encode()   # in a string: fine
+    assert parse_json_body(text)["prompt"].startswith(':,"')
+
+
+def test_a_lone_surrogate_is_refused_with_or_without_other_escapes_and_a_pair_is_not():
+    for raw in (b'{"prompt":"a\\ud800b"}', b'{"prompt":"\\u00e9","x":["\\uDC00"]}'):
+        with pytest.raises(APIError, match="surrogate"):
+            parse_json_body(raw)
+    assert parse_json_body(b'{"prompt":"\\ud83d\\ude00"}')["prompt"] == "\U0001f600"
+    assert parse_json_body(b'{"prompt":"\\\\ud800"}')["prompt"] == "\\ud800"   # an escaped backslash: text
