@@ -279,18 +279,20 @@ class LLMEngine:
         tenant at most its share of them (half: the other half is always there for others)."""
         limit = self.config.max_waiting
         queued = list(self.scheduler.waiting) + self.kv_link.queued()
+        # the tenant's own share first: a tenant at it learns nothing of the others' load, and
+        # its answer names its own count, not the server's queue size (a side-channel probe)
+        share = max(1, int(limit * self.config.tenant_waiting_share))
+        mine = sum(1 for s in queued if s.tenant == tenant)
+        if share < limit and mine >= share:   # one tenant alone (share 1.0) is told the queue is full
+            self.outcomes["overloaded"] += 1
+            raise Overloaded(f"The server is overloaded for this tenant: {mine} of its requests are waiting, its "
+                             "share of the queue; retry shortly.")
         if len(queued) >= limit:
             self.outcomes["overloaded"] += 1
             # how many wait is other tenants' load: the log gets it, the client does not
             log.info("overloaded: %d requests waiting (max_waiting %d); refused one of tenant %s",
                      len(queued), limit, tenant)
             raise Overloaded("The server is overloaded: its queue is full; retry shortly.")
-        share = max(1, int(limit * self.config.tenant_waiting_share))
-        mine = sum(1 for s in queued if s.tenant == tenant)
-        if mine >= share:
-            self.outcomes["overloaded"] += 1
-            raise Overloaded(f"The server is overloaded for this tenant: {mine} of its requests are waiting (a "
-                             f"tenant's share is {share} of {limit}); retry shortly.")
 
     def abort(self, request_id: str, reason: str = "aborted by client", code: str = "client") -> None:
         """`code`: why, for the client's answer (server/errors.ABORT_STATUS); "client": it left."""

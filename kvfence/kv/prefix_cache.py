@@ -3,7 +3,8 @@
 A full page is identified by a hash chain over (cache scope, previous page's hash, the
 page's token ids). The scope is the tenant unless the request opted into a declared public
 scope, so a tenant can only ever hit pages computed for its own scope: no cross-tenant
-sharing and nothing to probe by timing. The ledger holds the pages (SHARED state,
+sharing, and another tenant's prompt cannot be probed by timing (what the shared pool's eviction
+still shows is volume, not content: docs/isolation.md). The ledger holds the pages (SHARED state,
 reference counts, eviction); this module only maps hashes to pages.
 """
 from __future__ import annotations

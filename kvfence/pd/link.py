@@ -80,8 +80,11 @@ class PdLink(KvLinkBase):
 
     def sealing_secret(self, m: Manifest) -> bytes | None:
         """The secret the manifest's key id names, among this node's own and those it accepts
-        while the cluster rotates (None: decode cannot open these rows)."""
+        while the cluster rotates (None: decode cannot open these rows); a manifest without
+        one (a prefill from before key ids) was sealed with the cluster's one secret."""
         assert self.settings.cluster_secret is not None
+        if m.seal_key is None:
+            return self.settings.cluster_secret
         return secret_for_key(m.seal_key, self.settings.cluster_secret, self.settings.accepted_secrets)
 
     def cipher(self, m: Manifest, seq: Sequence) -> RowCipher:

@@ -65,7 +65,7 @@ class WireModel(BaseModel):
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
-    def dumps(self, exclude: set[str] | None = None) -> bytes:
+    def dumps(self, exclude: set[str] | dict[str, Any] | None = None) -> bytes:
         return self.model_dump_json(exclude=exclude).encode()
 
     @classmethod
@@ -136,7 +136,9 @@ class Manifest(WireModel):
     layout: Name                      # KV layout and dtype of the page bytes
     boot_id: Id                       # the prefill process: a restarted one has another
     seal_salt: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]   # per hold: with the secret, the rows' key
-    seal_key: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]    # which cluster secret sealed them (seal.key_id)
+    # which cluster secret sealed them (seal.key_id); None: a prefill from before key ids,
+    # which sealed with the one secret of its cluster (decode then uses its own)
+    seal_key: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")] | None = None
     slot_bytes: Annotated[int, Field(ge=1, le=1 << 40)]
     slots: Annotated[list[Annotated[int, Field(ge=0, le=MAX_PAGES)]], Field(max_length=MAX_PAGES)]
     lease_deadline: float             # time.time() after which no pull may start
@@ -373,6 +375,9 @@ class NodeInfo(WireModel):
     # checks ScopeStamp (pd/scope_epochs.py); a node from before it refuses the stamp as an
     # unknown field, so the router sends it none (the router is upgraded first)
     scope_stamps: bool = False
+    # reads Manifest.seal_key (pd/seal.py key ids); a node from before them refuses the field,
+    # so the router leaves it out of that node's handoffs
+    seal_keys: bool = False
     snapshot: dict[str, Any] = {}
 
     @field_validator("snapshot")

@@ -696,8 +696,8 @@ class RouterBackend:
         if isinstance(body, PrefillBody):   # and DecodeBody: only the boot the fleet checked may take it
             body = body.model_copy(update={"expect_boot": node.checked_boot})
         try:
-            r = await stack.enter_async_context(self._http().stream("POST", node.url + path,
-                                                                    **_options(node, **_json(body, _stamps(node)))))
+            sent = _json(body, _stamps(node), _seal_keys(node))
+            r = await stack.enter_async_context(self._http().stream("POST", node.url + path, **_options(node, **sent)))
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:   # it never got the request: another may
             raise NodeError(f"the {role} node is unreachable: {_described(e)}", "node_unavailable",
                             retryable=True) from None
@@ -873,15 +873,22 @@ def _options(node: Node, **kw) -> dict[str, Any]:
 STAMP_FIELDS = frozenset({"scope", "router", "epoch"})
 
 
-def _json(body: WireModel, stamps: bool = True) -> dict[str, Any]:
+def _json(body: WireModel, stamps: bool = True, seal_keys: bool = True) -> dict[str, Any]:
     """An internal message as an httpx request's body; `stamps` False: for a node from before
-    scope stamps."""
-    exclude = None if stamps else set(STAMP_FIELDS & set(type(body).model_fields))
-    return {"content": body.dumps(exclude), "headers": {"content-type": "application/json"}}
+    scope stamps; `seal_keys` False: for a decode node from before key ids (its handoff's
+    manifest then names none; it opens rows with its one secret, as before)."""
+    exclude: dict[str, Any] = {} if stamps else dict.fromkeys(STAMP_FIELDS & set(type(body).model_fields), True)
+    if not seal_keys and isinstance(body, DecodeBody) and body.handoff is not None:
+        exclude["handoff"] = {"manifest": {"seal_key"}}
+    return {"content": body.dumps(exclude or None), "headers": {"content-type": "application/json"}}
 
 
 def _stamps(node: Node) -> bool:
     return node.info is not None and node.info.scope_stamps
+
+
+def _seal_keys(node: Node) -> bool:
+    return node.info is not None and node.info.seal_keys
 
 
 def _error_of(raw: bytes) -> tuple[str, str | None] | None:

@@ -896,15 +896,6 @@ async def _encode_chat(tok, messages: list[dict], tools: ToolSpec | None, add_pr
     """A chat prompt's ids: generation's and /tokenize's one way to render messages and tools.
     `room`: the most prompt tokens that can fit; a rendered text surely longer is refused
     before it is tokenized (_refuse_surely_too_long)."""
-    # rendering runs the template in Python, holding the GIL the engine's thread needs (250K
-    # one-letter messages took ~1.6 s, then were refused as too long): a chat template marks
-    # every message with at least one token, so more messages than `room` cannot fit
-    if len(messages) > room and not faults.active("skip_router_admission"):
-        raise APIError(400, f"This model's maximum context length is too small for these {len(messages)} messages: "
-                            f"each takes at least one token, and at most {max(room, 0)} prompt tokens fit"
-                            + (f" beside '{max_param}'." if max_param else "."),
-                       code="context_length_exceeded", param="messages", outcome="rejected")
-
     def encode() -> list[int]:   # rendering the tools too: their schemas may be large
         rendered, template_tools = render_tools(messages, tools, tok.template_has_tools, tok.template_has_developer)
         text = tok.apply_chat_template(rendered, add_prompt, template_tools)

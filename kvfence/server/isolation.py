@@ -154,9 +154,13 @@ def _prefix_cache_terms(enabled: bool, tenants) -> dict:
         "enabled": True,
         "scope": "per tenant: every cache key is a hash chain seeded with the tenant, so a request can only "
                  "reuse prompt-prefix pages computed for its own tenant; another tenant's identical prompt never "
-                 "hits, so there is nothing to probe by timing",
+                 "hits, so another tenant's prompts cannot be probed by timing or cached_tokens",
         "pages": "cached pages are read-only and reference-counted; the ledger checks their scope before every "
                  "forward pass, and an evicted page is scrubbed by the policy above before reuse",
+        "eviction": "when the pool is full, a page is evicted from the scope that caches the most unreferenced "
+                    "pages, its least recent first; the pool is shared, so a tenant that fills it with its own "
+                    "cached pages can count from its own cached_tokens how many pages the others' requests took "
+                    "(their volume in tokens, to a page; never their content)",
         "cross_tenant_sharing": (f"explicit opt-in only: {opted} tenant(s) share {len(public)} declared public "
                                  f"prefix scope(s); {_SCOPE_PROBE}") if public else "none: no tenant has opted in",
         "visible_as": "usage.prompt_tokens_details.cached_tokens",

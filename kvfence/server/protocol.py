@@ -114,8 +114,12 @@ async def read_json_body(request, limit: int, before_parse: Callable[[], None] |
 # needs more than these; each bound keeps one parse and walk to tens of milliseconds
 MAX_JSON_CONTAINERS = 1 << 18   # objects and arrays
 MAX_JSON_MEMBERS = 1 << 16      # keys of objects (logit_bias takes 1024, 64 tools' schemas a few thousand)
-MAX_JSON_ITEMS = 1 << 18        # values after the first in an object or array (16 token-id prompts of 16K)
+MAX_JSON_ITEMS = 1 << 20        # values in objects and arrays (/detokenize's 1M ids; a 1M-integer parse: ~70 ms)
 MAX_JSON_STRINGS = 1 << 17      # strings, keys included
+MAX_JSON_FLOATS = 1 << 14       # numbers with a fraction or exponent: 4x an integer's parse (logit_bias takes 1024)
+# the chat template renders every message in Python, holding the GIL too (250K one-letter
+# messages took ~1.6 s before they were refused as too long); no conversation needs more
+MAX_MESSAGES = 8192
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,7 @@ class JsonShape:
     members: int      # ':' separators: keys of objects
     items: int        # ',' separators: values after the first of each object or array
     strings: int      # string literals, keys included
+    floats: int       # '.', and 'e' or 'E' after a digit: at least one per number with a fraction or exponent
 
 
 def json_shape(raw: bytes) -> JsonShape:
@@ -135,8 +140,8 @@ def json_shape(raw: bytes) -> JsonShape:
     # Drop escape pairs left to right, as the JSON reader pairs them: each remaining '"'
     # then opens or closes a string, and a byte is outside when an even number precede it
     plain = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
-    containers = members = items = 0
-    carry = False
+    containers = members = items = floats = 0
+    carry, last = False, 0
     for at in range(0, len(plain), _SCAN_CHUNK):   # a chunk at a time: ~7 bytes of arrays per byte
         byte = np.frombuffer(plain, np.uint8, count=min(_SCAN_CHUNK, len(plain) - at), offset=at)
         inside = np.bitwise_xor.accumulate(byte == 0x22)
@@ -147,8 +152,11 @@ def json_shape(raw: bytes) -> JsonShape:
         containers += int(np.count_nonzero(opens & outside))
         members += int(np.count_nonzero((byte == 0x3A) & outside))
         items += int(np.count_nonzero((byte == 0x2C) & outside))
-        carry = bool(inside[-1])
-    return JsonShape(containers, members, items, plain.count(b'"') // 2)
+        before = np.concatenate(([last], byte[:-1]))
+        exponent = ((byte | 0x20) == 0x65) & (before >= 0x30) & (before <= 0x39)   # e/E after a digit
+        floats += int(np.count_nonzero(((byte == 0x2E) | exponent) & outside))
+        carry, last = bool(inside[-1]), int(byte[-1])
+    return JsonShape(containers, members, items, plain.count(b'"') // 2, floats)
 
 
 _SCAN_CHUNK = 1 << 20
@@ -157,15 +165,17 @@ _SCAN_CHUNK = 1 << 20
 def _refuse_too_many_values(raw: bytes) -> None:
     """Each bound, checked first by a plain count of its byte (a few ms), then exactly outside
     strings only when that plain count is over it (braces, colons, commas and quotes in text are fine)."""
-    quick = (raw.count(b"{") + raw.count(b"["), raw.count(b":"), raw.count(b",") + 1, raw.count(b'"') // 2)
-    bounds = (MAX_JSON_CONTAINERS, MAX_JSON_MEMBERS, MAX_JSON_ITEMS, MAX_JSON_STRINGS)
+    quick = (raw.count(b"{") + raw.count(b"["), raw.count(b":"), raw.count(b",") + 1, raw.count(b'"') // 2,
+             raw.count(b".") + raw.count(b"e") + raw.count(b"E"))
+    bounds = (MAX_JSON_CONTAINERS, MAX_JSON_MEMBERS, MAX_JSON_ITEMS, MAX_JSON_STRINGS, MAX_JSON_FLOATS)
     if all(q <= b for q, b in zip(quick, bounds, strict=True)):
         return
     shape = json_shape(raw)
     for count, bound, what in ((shape.containers, MAX_JSON_CONTAINERS, "JSON objects and arrays"),
                                (shape.members, MAX_JSON_MEMBERS, "object keys"),
                                (shape.items + 1, MAX_JSON_ITEMS, "values in its objects and arrays"),
-                               (shape.strings, MAX_JSON_STRINGS, "strings")):
+                               (shape.strings, MAX_JSON_STRINGS, "strings"),
+                               (shape.floats, MAX_JSON_FLOATS, "numbers with a fraction or exponent")):
         if count > bound:
             raise bad_request(f"The request body holds more than {bound} {what}; no request needs that many.")
 
@@ -630,6 +640,8 @@ def _messages(ms) -> list[dict]:
         raise bad_request(f"'messages' must be an array, got {_type_name(ms)}.", param="messages")
     if not ms:
         raise bad_request("'messages' is empty.", param="messages")
+    if len(ms) > MAX_MESSAGES:
+        raise bad_request(f"'messages' holds {len(ms)} messages; at most {MAX_MESSAGES} are taken.", param="messages")
     out = []
     for i, m in enumerate(ms):
         where = f"messages[{i}]"

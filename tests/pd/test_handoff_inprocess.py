@@ -569,3 +569,14 @@ def test_rows_sealed_under_a_secret_decode_does_not_hold_are_refused_before_rese
         pr.decode(ids, params, "rot2", m)
     assert pr.d.ledger.counters["pages_allocated"] == before and pr.imp.counters["pulls_started"] == 0
     pr.p.abort_kv("rot2", reader_stopped=True, reason="test")
+
+
+def test_a_manifest_without_a_key_id_opens_with_decodes_own_secret(pair, loaded_fp32):
+    """An old prefill's manifest (no key id, during a rolling upgrade) is taken as sealed with
+    the cluster's one secret."""
+    ids, params = prompt(40, 23), SamplingParams(max_tokens=4, **GREEDY)
+    m = pair.prefill(ids, params, "rot3")
+    m = {k: v for k, v in m.items() if k != "seal_key"}
+    seq, events = pair.decode(ids, params, "rot3", m)
+    assert events[0] == "kv_verified" and seq.output_ids == single(loaded_fp32, ids, params)
+    assert pair.p.release_kv("rot3") == "released"

@@ -71,16 +71,17 @@ def test_context_length_exceeded_names_limit_and_token_count(server, loaded_fp32
     assert c.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
 
 
-def test_more_messages_than_the_context_has_tokens_are_refused_before_rendering(server, monkeypatch):
+def test_more_messages_than_any_conversation_needs_are_refused_before_rendering(server, monkeypatch):
     """Rendering runs the chat template in Python, beside the engine's thread (a probe's 250K
-    one-letter messages took ~1.6 s before their refusal); every message takes a token."""
+    one-letter messages took ~1.6 s before their refusal)."""
+    from kvfence.server.protocol import MAX_MESSAGES
+
     tok = server.engine.tokenizer
     monkeypatch.setattr(tok, "apply_chat_template", lambda *a, **k: pytest.fail("rendered"))
-    many = [{"role": "user", "content": "a"}] * 1500
+    many = [{"role": "user", "content": "a"}] * (MAX_MESSAGES + 1)
     with pytest.raises(openai.BadRequestError) as e:
         server.client().chat.completions.create(model=MODEL, messages=many, max_tokens=2)
-    assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
-    assert "these 1500 messages" in e.value.message and "at most 1438 prompt tokens fit" in e.value.message
+    assert e.value.param == "messages" and f"at most {MAX_MESSAGES} are taken" in e.value.message
     monkeypatch.undo()
     assert server.client().chat.completions.create(model=MODEL, messages=many[:3], max_tokens=2).choices
 

@@ -99,6 +99,7 @@ def test_isolation_statement_reflects_the_live_config(server):
     assert iso["read_checks_before_every_forward_pass"] is True
     pc = iso["prefix_cache"]
     assert pc["enabled"] is True and "per tenant" in pc["scope"]
+    assert "volume" in pc["eviction"] and "never their content" in pc["eviction"]   # what the shared pool shows
     # a tenant learns its own sharing, not how many others opted in (found in review)
     assert pc["cross_tenant_sharing"] == "explicit opt-in only: your tenant has not opted in, so none of its pages " \
                                         "is shared"

@@ -70,10 +70,13 @@ def test_one_tenant_holds_at_most_half_the_queue(loaded_fp32):
     eng.step()                                   # the first one runs
     eng.add_request([1, 2, 3], p, tenant="alice")
     eng.add_request([1, 2, 3], p, tenant="alice")
-    with pytest.raises(Overloaded, match="for this tenant"):
+    with pytest.raises(Overloaded, match="for this tenant") as e:
         eng.add_request([1, 2, 3], p, tenant="alice")
+    assert "2 of its requests" in str(e.value) and "4" not in str(e.value)   # not the server's queue size
     eng.add_request([1, 2, 3], p, tenant="bob")
     eng.add_request([1, 2, 3], p, tenant="bob")
+    with pytest.raises(Overloaded, match="for this tenant"):   # its own share first, whatever the queue holds
+        eng.add_request([1, 2, 3], p, tenant="bob")
     with pytest.raises(Overloaded, match="queue is full") as e:
         eng.add_request([1, 2, 3], p, tenant="carol")
     assert not any(ch.isdigit() for ch in str(e.value))   # how many others wait is not carol's to know

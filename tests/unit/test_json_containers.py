@@ -11,6 +11,7 @@ import pytest
 from kvfence.server.errors import APIError
 from kvfence.server.protocol import (
     MAX_JSON_CONTAINERS,
+    MAX_JSON_FLOATS,
     MAX_JSON_ITEMS,
     MAX_JSON_MEMBERS,
     MAX_JSON_STRINGS,
@@ -116,6 +117,8 @@ def test_an_integer_too_long_for_python_is_named_without_its_interpreter_advice(
      lambda n: b'{"prompt":[' + b",".join([b"7"] * n) + b"]}"),
     ("strings", MAX_JSON_STRINGS,   # 1.6M short strings, each walked for surrogates: ~0.8 s
      lambda n: b'{"prompt":[' + b",".join([b'"a"'] * n) + b"]}"),
+    ("numbers with a fraction or exponent", MAX_JSON_FLOATS,   # 1M of them: ~0.2 s
+     lambda n: b'{"x":[' + b",".join([b"0.5", b"1e5"] * (n // 2) + [b"2.5"] * (n % 2)) + b"]}"),
 ])
 def test_a_body_over_a_bound_is_refused_before_parsing_and_one_at_it_parses(name, bound, body, monkeypatch):
     import kvfence.server.protocol as protocol
@@ -131,8 +134,8 @@ def test_a_body_over_a_bound_is_refused_before_parsing_and_one_at_it_parses(name
     monkeypatch.undo()
     if name != "object keys":   # the keys' body has one more string per key: at its bound it is over the other
         assert isinstance(parse_json_body(body(bound - 2)), dict)
-    text = json.dumps({"prompt": ':,"' * (bound + 5)}).encode()   # in a string: fine
-    assert parse_json_body(text)["prompt"].startswith(':,"')
+    text = json.dumps({"prompt": ':,".e1e' * (bound + 5)}).encode()   # in a string: fine
+    assert parse_json_body(text)["prompt"].startswith(':,".e1e')
 
 
 def test_a_lone_surrogate_is_refused_with_or_without_other_escapes_and_a_pair_is_not():

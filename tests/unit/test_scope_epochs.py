@@ -275,3 +275,29 @@ def test_past_its_bound_a_failed_unstamped_retirement_makes_every_unstamped_requ
         eng.run()
         assert not g.unretired(behind)
     assert g.admit(stamp(0), "zed") is None and eng.queue == []   # a stamped scope: its own table
+
+
+def test_a_decode_node_from_before_key_ids_gets_a_manifest_it_can_read():
+    """A rolling upgrade, router first (review): a decode node whose info does not say
+    seal_keys refuses the manifest's key id as an unknown field, so the router leaves it out;
+    a new decode node reads a manifest without one (an old prefill's) as sealed with its own
+    secret. The stamp's exclusion still applies beside it."""
+    import json
+
+    from kvfence.pd.messages import DecodeBody, Handoff, Manifest, NodeInfo, TransferSource
+    from kvfence.pd.router import _json, _seal_keys
+
+    m = Manifest(request_id="x", tenant="bob", token_count=1, page_count=1, page_size=16, epochs=[0],
+                 fingerprint="f", layout="l", boot_id="b", seal_salt="0" * 32, seal_key="ab" * 8, slot_bytes=1,
+                 slots=[1], lease_deadline=1.0)
+    h = Handoff(manifest=m, source=TransferSource(session="s:1", base=0, boot_id="b"))
+    body = DecodeBody(request_id="x", tenant="bob", prompt_ids=[1, 2], params={}, scope=stamp(3), handoff=h)
+    assert json.loads(_json(body)["content"])["handoff"]["manifest"]["seal_key"] == "ab" * 8
+    old = json.loads(_json(body, stamps=False, seal_keys=False)["content"])
+    assert "seal_key" not in old["handoff"]["manifest"] and "scope" not in old
+    assert old["handoff"]["manifest"]["seal_salt"] == "0" * 32
+    assert Manifest.from_json(old["handoff"]["manifest"]).seal_key is None
+    assert NodeInfo.model_fields["seal_keys"].default is False
+    from types import SimpleNamespace
+    assert _seal_keys(SimpleNamespace(info=SimpleNamespace(seal_keys=True)))           # type: ignore[arg-type]
+    assert not _seal_keys(SimpleNamespace(info=SimpleNamespace(seal_keys=False)))      # type: ignore[arg-type]
