@@ -160,7 +160,8 @@ def _prefix_cache_terms(enabled: bool, tenants) -> dict:
         "eviction": "when the pool is full, a page is evicted from the scope that caches the most unreferenced "
                     "pages, its least recent first; the pool is shared, so a tenant that fills it with its own "
                     "cached pages can count from its own cached_tokens how many pages the others' requests took "
-                    "(their volume in tokens, to a page; never their content)",
+                    "(their volume in tokens, to a page), and by sizing its own cache, whether another scope keeps "
+                    "more idle cached pages than it; never their content",
         "cross_tenant_sharing": (f"explicit opt-in only: {opted} tenant(s) share {len(public)} declared public "
                                  f"prefix scope(s); {_SCOPE_PROBE}") if public else "none: no tenant has opted in",
         "visible_as": "usage.prompt_tokens_details.cached_tokens",
