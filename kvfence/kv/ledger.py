@@ -14,6 +14,7 @@ State lives in flat numpy arrays so the per-step check is a handful of vector op
 from __future__ import annotations
 
 import enum
+import heapq
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -143,6 +144,10 @@ class Ledger:
         # them, so one tenant's traffic cannot flush another's cached prefixes (global LRU let a
         # busy tenant keep ~96% of the pool); within a scope, least recent first
         self._evictable_of: dict[int, OrderedDict[int, None]] = {}
+        # (-pages, first page's tick, scope) per change of a scope's evictable pages; stale
+        # entries are skipped when met: picking the scope costs O(log scopes), not a pass over
+        # them for each page (1,000 scopes cost ~0.2 ms a page, found in review)
+        self._scope_heap: list[tuple[int, int, int]] = []
         self._tick = 0
         self._retiring: set[int] = set()   # SHARED pages of a retired scope: freed when their last reader ends
         self.on_evict: Callable[[int], None] | None = None  # the prefix cache forgets the page
@@ -337,7 +342,9 @@ class Ledger:
     def _now_evictable(self, page: int) -> None:
         self._tick += 1
         self._evictable[page] = self._tick   # most recently used last
-        self._evictable_of.setdefault(int(self.owner_tenant[page]), OrderedDict())[page] = None
+        scope = int(self.owner_tenant[page])
+        self._evictable_of.setdefault(scope, OrderedDict())[page] = None
+        self._note_scope(scope)
 
     def _not_evictable(self, page: int) -> None:
         if self._evictable.pop(page, None) is None:
@@ -347,13 +354,26 @@ class Ledger:
         del mine[page]
         if not mine:
             del self._evictable_of[scope]
+        self._note_scope(scope)
+
+    def _scope_entry(self, scope: int) -> tuple[int, int, int] | None:
+        mine = self._evictable_of.get(scope)
+        return None if not mine else (-len(mine), self._evictable[next(iter(mine))], scope)
+
+    def _note_scope(self, scope: int) -> None:
+        entry = self._scope_entry(scope)
+        if entry is not None:
+            heapq.heappush(self._scope_heap, entry)
+        if len(self._scope_heap) > 4 * len(self._evictable_of) + 64:   # mostly stale: start again
+            self._scope_heap = [e for s in self._evictable_of if (e := self._scope_entry(s)) is not None]
+            heapq.heapify(self._scope_heap)
 
     def _evict_one(self) -> None:
         # the scope with the most unreferenced cached pages gives one up, its least recent;
         # between scopes that hold as many, the one whose page was used longest ago
-        _, _, page = max((len(ps), -self._evictable[first], first)
-                         for ps in self._evictable_of.values() for first in (next(iter(ps)),))
-        self._evict(page)
+        while self._scope_heap[0] != self._scope_entry(self._scope_heap[0][2]):
+            heapq.heappop(self._scope_heap)
+        self._evict(next(iter(self._evictable_of[self._scope_heap[0][2]])))
 
     def _evict(self, page: int) -> None:
         self._forget(page)
@@ -588,6 +608,8 @@ class Ledger:
         if by_scope.keys() != self._evictable.keys() or any(not ps for ps in self._evictable_of.values()) \
                 or any(self.owner_tenant[p] != scope for p, scope in by_scope.items()):
             raise LedgerError("the evictable pages by cache scope disagree with the evictable list")
+        if any(self._scope_entry(s) not in self._scope_heap for s in self._evictable_of):
+            raise LedgerError("a cache scope with evictable pages has no current entry to be picked by")
         for p in range(1, self.num_pages):
             st = self.state[p]
             if (p in free) != (st == PageState.FREE):
