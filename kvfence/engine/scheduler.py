@@ -76,6 +76,7 @@ class Scheduler:
         # after it is capped
         self.streaming_since: float | None = None
         self._decoding_tenants: set[str] = set()   # whose streams decode this step
+        self._waiting_tenants: set[str] = set()    # whose requests wait to start this step
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -161,9 +162,13 @@ class Scheduler:
         engine's streams began (a burst's prompts, there before them, are not), or another
         tenant's stream decodes (a fairness probe: a tenant's burst of two 7,500-token prompts,
         uncapped, stalled another tenant's stream for 2-4 s a token; the burst's own streams
-        may wait for it, another tenant's may not)."""
-        return self.streaming_since is not None and (
+        may wait for it, another tenant's may not). Also while another tenant's request waits
+        to start: its first token comes after the step in progress and the next, which the cap
+        keeps short (a side-channel probe: one tenant's eight 4,000-token prompts held another
+        tenant's first token 3-7 s)."""
+        streaming = self.streaming_since is not None and (
             seq.arrival > self.streaming_since or bool(self._decoding_tenants - {seq.tenant}))
+        return streaming or bool(self._waiting_tenants - {seq.tenant})
 
     def _prefill_room(self, budget: int, capped_so_far: int, capped: bool, for_queue: bool = False) -> int:
         """Prefill tokens the step can still take: the budget left (decodes count in it too),
@@ -181,6 +186,8 @@ class Scheduler:
         out: list[ScheduledSeq] = []
         decoding = [s for s in self.running if s.state is State.DECODING]
         self._decoding_tenants = {s.tenant for s in decoding}
+        # tenants with a request that could start now (a free running slot)
+        self._waiting_tenants = {s.tenant for s in self.waiting} if len(self.running) < self.max_num_seqs else set()
         if not self.running:
             self.streaming_since = None     # idle: what waits now is a burst
         elif self.streaming_since is None and decoding:

@@ -518,3 +518,28 @@ def test_metrics_show_which_tenant_holds_the_slots_and_who_waits():
            for fam in text_string_to_metric_families(generate_latest(reg).decode())
            if fam.name == "kvfence_tenant_sequences" for s in fam.samples}
     assert got == {("heavy", "running"): 3, ("heavy", "waiting"): 2, ("light", "running"): 0, ("light", "waiting"): 1}
+
+
+def test_another_tenants_waiting_request_caps_a_prefill_that_runs_alone():
+    """One tenant's long prompts run with the whole budget while nothing streams; a request of
+    another tenant that arrives waits for the step in progress and the next, so the next is
+    kept to the cap (a side-channel probe: eight 4,000-token prompts held another tenant's first
+    token 3-7 s). The same tenant's own newcomer does not cap it."""
+    led = Ledger(512, 4)
+    sch = Scheduler(led, max_num_seqs=16, token_budget=100, prefill_budget_while_decoding=12)
+    long = make_seq(led, 400, 0, tenant="bob")
+    sch.add(long)
+    fake_run(sch.schedule())                       # a burst into an idle engine: the whole budget
+    sch.add(make_seq(led, 40, 1, tenant="bob"))
+    step = sch.schedule()
+    assert sum(s.num_new for s in step) == 100     # bob's own newcomer: nothing capped
+    fake_run(step)
+    carol = make_seq(led, 5, 2, tenant="carol")
+    sch.add(carol)
+    step = sch.schedule()
+    got = {s.seq.request_id: s.num_new for s in step}
+    assert got["r2"] == 5 and got["r0"] + got.get("r1", 0) <= 12, got
+    fake_run(step)
+    step = sch.schedule()                          # carol streams: bob stays capped beside her
+    assert sum(s.num_new for s in step if s.seq.tenant == "bob") <= 12
+    led.check_consistency()
