@@ -300,6 +300,19 @@ def test_eviction_takes_a_cached_chains_tail_before_its_head():
     led.check_consistency()
 
 
+def cache(led: Ledger, name: str, req: int, n: int) -> list[int]:
+    """n pages of a request of tenant `name`, written, published to its scope, and let go of:
+    cached, unreferenced (evictable)."""
+    o, t = owner(led, name, req), BlockTable()
+    led.allocate(o, n, t)
+    led.mark_written(o, t, 0, 4 * n)
+    for p, e in zip(t.pages, t.epochs, strict=True):
+        assert led.publish(o, p, e)
+    pages = list(t.pages)
+    led.free(o, t)
+    return pages
+
+
 def test_a_grant_evicts_from_the_scope_that_caches_the_most_so_a_busy_tenant_cannot_flush_another():
     """Global LRU let one tenant's traffic flush every other tenant's cached prefixes (a
     probe saw a busy tenant hold ~96% of the pool). The scope with the most unreferenced
@@ -307,19 +320,8 @@ def test_a_grant_evicts_from_the_scope_that_caches_the_most_so_a_busy_tenant_can
     led = Ledger(12, 4)
     evicted: list[int] = []
     led.on_evict = evicted.append
-
-    def cache(name: str, req: int, n: int) -> list[int]:
-        o, t = owner(led, name, req), BlockTable()
-        led.allocate(o, n, t)
-        led.mark_written(o, t, 0, 4 * n)
-        for p, e in zip(t.pages, t.epochs, strict=True):
-            assert led.publish(o, p, e)
-        pages = list(t.pages)
-        led.free(o, t)
-        return pages
-
-    light = cache("light", 1, 2)          # the oldest cached pages in the pool
-    busy = cache("busy", 2, 3) + cache("busy", 3, 3)
+    light = cache(led, "light", 1, 2)          # the oldest cached pages in the pool
+    busy = cache(led, "busy", 2, 3) + cache(led, "busy", 3, 3)
     assert led.num_free == 11 - 8
     led.allocate(owner(led, "busy", 4), 7, BlockTable())   # four cached pages must go
     assert len(evicted) == 4 and set(evicted) <= set(busy)
@@ -335,14 +337,7 @@ def test_a_tie_between_scopes_evicts_the_least_recently_used_page():
     led = Ledger(6, 4)
     evicted: list[int] = []
     led.on_evict = evicted.append
-    cached = {}
-    for name, req in (("A", 1), ("B", 2)):
-        o, t = owner(led, name, req), BlockTable()
-        led.allocate(o, 1, t)
-        led.mark_written(o, t, 0, 4)
-        assert led.publish(o, t.pages[0], t.epochs[0])
-        cached[name] = t.pages[0]
-        led.free(o, t)
+    cached = {name: cache(led, name, req, 1)[0] for name, req in (("A", 1), ("B", 2))}
     reader, rt = owner(led, "A", 3), BlockTable()
     assert led.attach(reader, cached["A"], rt)
     led.free(reader, rt)                   # A's page is now the more recently used
