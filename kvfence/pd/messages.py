@@ -378,6 +378,9 @@ class NodeInfo(WireModel):
     # reads Manifest.seal_key (pd/seal.py key ids); a node from before them refuses the field,
     # so the router leaves it out of that node's handoffs
     seal_keys: bool = False
+    # the key ids (pd/seal.py) of the secret the node seals and would send with, then of those it
+    # accepts: what a rotation step has reached on this node (ids name secrets, never reveal them)
+    secret_key_ids: Annotated[list[Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]], Field(max_length=16)] = []
     snapshot: dict[str, Any] = {}
 
     @field_validator("snapshot")

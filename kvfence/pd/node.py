@@ -53,7 +53,7 @@ from kvfence.pd.messages import (
     event_line,
 )
 from kvfence.pd.scope_epochs import Outcome, ScopeGate, ScopeRetired
-from kvfence.pd.seal import CONTROL_HEADER, check_control
+from kvfence.pd.seal import CONTROL_HEADER, check_control, key_id
 from kvfence.pd.settings import PDSettings
 from kvfence.pd.tls import TlsSettings, uvicorn_options
 from kvfence.server.backend import EngineFailed, Update
@@ -169,6 +169,7 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
             raise APIError(401, "internal API: missing or wrong cluster credential", code="unauthorized")
 
     internal = APIRouter(prefix=INTERNAL_PREFIX, dependencies=[Depends(_cluster_only)])
+    key_ids = [key_id(s) for s in (secret, *settings.accepted_secrets)]
 
     @app.exception_handler(EngineFailed)
     async def _engine_failed(request: Request, e: EngineFailed):
@@ -179,7 +180,7 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
     async def info():
         if loop.state != "ready" or loop.facts is None:
             return _error(503, f"node is {loop.state}: {loop.error or ''}", "not_ready")
-        return NodeInfo.from_json({**loop.facts, "scope_stamps": True, "seal_keys": True,
+        return NodeInfo.from_json({**loop.facts, "scope_stamps": True, "seal_keys": True, "secret_key_ids": key_ids,
                                    "snapshot": {**loop.snapshot, "draining": drain.active}}).to_json()
 
     @internal.post("/drain")

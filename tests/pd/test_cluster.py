@@ -583,7 +583,7 @@ def test_the_cluster_secret_rotates_while_the_router_keeps_serving(cluster, clie
     the router still sends the old. Requests keep their single-node answers (prefill's rows
     are sealed under the new secret, decode opens them by the manifest's key id); each node
     takes the credential of either secret and refuses a third."""
-    from kvfence.pd.seal import control_headers, new_secret
+    from kvfence.pd.seal import control_headers, key_id, new_secret
 
     m = model_name(client)
     want = client.completions.create(model=m, prompt=LONG, max_tokens=6, temperature=0).choices[0].text
@@ -600,6 +600,10 @@ def test_the_cluster_secret_rotates_while_the_router_keeps_serving(cluster, clie
             r = client.completions.create(model=m, prompt=LONG, max_tokens=6, temperature=0)
             assert r.choices[0].text == want
         assert cluster.pd("decode")["pd_verified"] >= 2
+        # each node lists the secret it seals with first, then those it accepts
+        old_id, new_id = key_id(cluster.secret.encode()), key_id(new_text.encode())
+        assert cluster.info("prefill")["secret_key_ids"] == [new_id, old_id]
+        assert cluster.info("decode")["secret_key_ids"] == [old_id, new_id]
         for role in ("prefill", "decode"):
             url = cluster.url(role) + "/internal/info"
             assert httpx.get(url, headers=control_headers(new_text.encode()), timeout=10).status_code == 200
