@@ -212,8 +212,11 @@ def cmd_serve(a) -> int:
         return 2
     ignored = ignored_flags(a)   # an option a role would silently ignore is an operator's mistake
     if ignored:
-        print(f"error: --role {a.role} does not read {', '.join(ignored)}; {WHAT_ROLES_READ[a.role]}",
-              file=sys.stderr)
+        why = WHAT_ROLES_READ[a.role]
+        if a.role == "router" and ignored == ["--accept-cluster-secret-file"]:   # not an engine option
+            why = ("a router only sends the credential: while rotating, give it the new secret with "
+                   "--cluster-secret-file once every node accepts it (docs/pd.md)")
+        print(f"error: --role {a.role} does not read {', '.join(ignored)}; {why}", file=sys.stderr)
         return 2
     # before anything that can refuse: start-up checks and fault points are incidents too
     incidents.open_log(a.incident_log or incidents.default_path(a.role, a.port), a.role,

@@ -95,6 +95,7 @@ class KvImporter(PdLink):
         self.open_seconds = 0.0      # authenticating, decrypting and unstaging pulled rows
         # request id -> until when it is refused (engine thread): see stop_pull
         self._given_up: OrderedDict[str, float] = OrderedDict()
+        self._unknown_keys: set[str] = set()   # key ids of refused handoffs, already logged
 
     # -- admission (engine thread) -------------------------------------------------------------
     def check(self, seq: Sequence, handoff: object) -> Handoff:
@@ -111,6 +112,12 @@ class KvImporter(PdLink):
                            page_size=eng.ledger.page_size, fingerprint=eng.model_config.fingerprint(),
                            layout=self.staging.layout, slot_bytes=self.staging.slot_bytes)
         if self.sealing_secret(h.manifest) is None:   # a rotation half done: refused before any pull
+            key = h.manifest.seal_key or ""
+            if key not in self._unknown_keys and len(self._unknown_keys) < 16:   # the operator's: said once a key
+                self._unknown_keys.add(key)
+                log.warning("handoffs sealed under cluster secret key id %s are refused: this decode node does not "
+                            "hold that secret (give it with --accept-cluster-secret-file; docs/pd.md, rotating)",
+                            key)
             raise ManifestError(f"the rows are sealed under a cluster secret (key id {h.manifest.seal_key}) this "
                                 "decode node does not hold: while rotating, give every node the new secret with "
                                 "--accept-cluster-secret-file before any node seals with it (docs/pd.md)")

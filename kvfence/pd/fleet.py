@@ -75,7 +75,19 @@ class Node:
                 "boot_id": self.boot_id, "usable_context": self.info.usable_context if self.info else None,
                 "pool_pages_free": snap.get("pages_free"), "pool_pages_total": snap.get("pages_total"),
                 "running": snap.get("running"), "waiting": snap.get("waiting"),
-                "in_flight": self.in_flight, "routed": self.routed, "since": self.since}
+                "in_flight": self.in_flight, "routed": self.routed, "since": self.since,
+                "secret_key_ids": list(self.info.secret_key_ids) if self.info else []}
+
+    @property
+    def seals_with(self) -> str | None:
+        """The key id of the cluster secret this prefill node seals with (None: a node from
+        before key ids, or not known yet)."""
+        return self.info.secret_key_ids[0] if self.info is not None and self.info.secret_key_ids else None
+
+    def accepts(self, key: str | None) -> bool:
+        """Whether this decode node opens rows sealed under `key` (a node from before key ids,
+        or an unknown key: taken as yes, as before)."""
+        return key is None or self.info is None or not self.info.secret_key_ids or key in self.info.secret_key_ids
 
 
 class Fleet:
@@ -98,6 +110,7 @@ class Fleet:
         self.entered: dict[tuple[str, str], int] = {(role, st): 0 for role in ROLES for st in STATES}
         self.restarts: dict[str, int] = dict.fromkeys(ROLES, 0)
         self._counting = threading.Lock()   # the monitor's thread and the request loop both move nodes
+        self._unsealable: dict[str, str | None] = {}   # prefill url -> the key id logged as accepted by none
 
     def by_url(self, url: str) -> Node | None:
         return next((n for n in self.nodes if n.url == url), None)
@@ -125,7 +138,7 @@ class Fleet:
 
     @property
     def ready(self) -> bool:
-        return bool(self.serving("prefill")) and bool(self.serving("decode"))
+        return bool(self.sealable(self.serving("prefill"))) and bool(self.serving("decode"))
 
     def counts(self) -> dict[str, dict[str, int]]:
         """role -> state -> nodes, every state listed (for the metrics)."""
@@ -182,9 +195,25 @@ class Fleet:
             log.warning("%s node %s is %s: %s", node.role, node.url, state, reason)
 
     # -- routing ----------------------------------------------------------------------------------
+    def sealable(self, nodes: list[Node]) -> list[Node]:
+        """The prefill nodes whose rows some ready decode node can open: mid-rotation, a prefill
+        node sealing with a secret no decode node accepts yet would have every handoff refused
+        (an operator's walkthrough: 50 failed requests in 25 s while both nodes showed ready)."""
+        decodes = self.serving("decode")
+        ok = [n for n in nodes if any(d.accepts(n.seals_with) for d in decodes)]
+        for n in nodes:
+            if n not in ok and self._unsealable.get(n.url) != n.seals_with:
+                self._unsealable[n.url] = n.seals_with
+                log.error("prefill node %s seals with cluster secret key id %s, which no ready decode node accepts: "
+                          "it gets no request until one does (give every decode node that secret with "
+                          "--accept-cluster-secret-file first; docs/pd.md, rotating)", n.url, n.seals_with)
+            elif n in ok:
+                self._unsealable.pop(n.url, None)
+        return ok
+
     def pick_prefill(self, scope: str, prompt_ids: list[int], page_size: int,
                      exclude: frozenset[str] = frozenset()) -> Node | None:
-        nodes = [n for n in self.serving("prefill") if n.url not in exclude]
+        nodes = self.sealable([n for n in self.serving("prefill") if n.url not in exclude])
         if not nodes:
             return None
         if self.prefill_routing == "round-robin":
@@ -195,8 +224,9 @@ class Fleet:
         bound = math.ceil(LOAD_BOUND * (sum(n.in_flight for n in nodes) + 1) / len(nodes)) + LOAD_SLACK
         return next((n for n in order if n.in_flight < bound), order[0])
 
-    def pick_decode(self, exclude: frozenset[str] = frozenset()) -> Node | None:
-        nodes = [n for n in self.serving("decode") if n.url not in exclude]
+    def pick_decode(self, exclude: frozenset[str] = frozenset(), seal_key: str | None = None) -> Node | None:
+        """The least loaded ready decode node that opens rows sealed under `seal_key`."""
+        nodes = [n for n in self.serving("decode") if n.url not in exclude and n.accepts(seal_key)]
         if not nodes:
             return None
         return min(nodes, key=lambda n: (n.in_flight, -(n.info.snapshot.get("pages_free", 0) if n.info else 0),

@@ -102,6 +102,10 @@ def build_node_engine(config: EngineConfig, settings: PDSettings, loaded=None):
     log.info("%s node: transfer engine %s, transfer buffer %d rows x %d bytes; lease %.0f s, fence after "
              "deadline + %.0f s", settings.role, transport.session_id, link.staging.capacity_pages,
              link.staging.slot_bytes, settings.lease_s, settings.max_pull_s + settings.clock_skew_s)
+    assert settings.cluster_secret is not None   # PDSettings refuses to exist without it
+    log.info("%s node: cluster secret key id %s%s", settings.role, key_id(settings.cluster_secret),
+             "; also accepts " + ", ".join(key_id(s) for s in settings.accepted_secrets)
+             if settings.accepted_secrets else "")
     return engine
 
 

@@ -66,6 +66,7 @@ from kvfence.pd.messages import (
     WireParams,
     parse_event,
 )
+from kvfence.pd.seal import key_id
 from kvfence.pd.settings import ROLES
 from kvfence.pd.tls import (
     FOLLOW_PROXY_ENV,
@@ -312,6 +313,8 @@ class RouterBackend:
                             continue
                         info, err = self._fetch_info(c, a)
                         if info is None:
+                            if err != why.get(a.url) and err is not None and err.startswith("refuses"):
+                                log.error("%s node at %s %s; waiting up to --node-wait for it", role, a.url, err)
                             why[a.url] = err or "no answer"
                             continue
                         found[a.url] = (role, info)
@@ -327,7 +330,7 @@ class RouterBackend:
                     missing = [f"{r} node at {u} ({why.get(u, 'no answer')})" for r, u in every if u not in found]
                     if roles_up >= set(ROLES):
                         break
-                    self._start_error = f"no answer within {self.wait_s:g} s from: " + "; ".join(missing)
+                    self._start_error = f"no usable answer within {self.wait_s:g} s from: " + "; ".join(missing)
                     return self
                 time.sleep(0.5)
         chk = plan_fleet(self.max_model_len, found, self.clamp)
@@ -597,7 +600,7 @@ class RouterBackend:
         assert self.fleet is not None
         tried: set[str] = set()
         while True:
-            node = self.fleet.pick_decode(frozenset(tried))
+            node = self.fleet.pick_decode(frozenset(tried), flight.manifest.seal_key if flight.manifest else None)
             if node is None:
                 raise NodeError("no decode node is ready" + (" (tried " + ", ".join(sorted(tried)) + ")"
                                                                if tried else ""), "node_unavailable")
@@ -608,7 +611,8 @@ class RouterBackend:
                 return
             except NodeError as e:
                 retry = may_retry_decode(e.code, e.retryable, admitted.done(), len(tried))
-                if not retry or self.fleet.pick_decode(frozenset({node.url})) is None:
+                if not retry or self.fleet.pick_decode(frozenset({node.url}), flight.manifest.seal_key
+                                                       if flight.manifest else None) is None:
                     raise
                 log.warning("request %s: decode on %s failed before admitting it (%s: %s); trying another decode node",
                             body.request_id, node.url, e.code, e)
@@ -803,6 +807,9 @@ def _routed(node: Node) -> Iterator[None]:
 
 def _info_of(r: httpx.Response) -> tuple[NodeInfo | None, str | None]:
     """A node's /internal/info answer as its facts, or why it gave none."""
+    if r.status_code == 401:   # what to do, not only what happened (an operator's rotation walkthrough)
+        return None, ("refuses this router's cluster credential: the node must hold or accept (with "
+                      "--accept-cluster-secret-file) the secret this router sends with (docs/pd.md, rotating)")
     if r.status_code != 200:
         return None, f"answered {_error_code(r.content) or r.status_code}"
     try:
@@ -940,6 +947,8 @@ def serve_router(prefill_urls: list[str], decode_urls: list[str], model: str | N
     if faults.announce(log):   # as a node's start-up check records it: the report must see it (review)
         faults.record_active()
     fault_control.mount(app, secret)
+    sends_with = key_id(secret)
+    log.info("router: sends the cluster credential of the secret with key id %s", sends_with)
 
     @app.get("/v1/kvfence/cluster")
     async def cluster(request: Request):
@@ -953,6 +962,7 @@ def serve_router(prefill_urls: list[str], decode_urls: list[str], model: str | N
                                       "('Authorization: Bearer <key>')" if withheld is None else
                     f"per-node state withheld: {withheld}"}
         return {**body, "error": backend.error, "check": backend.check.to_json() if backend.check else None,
+                "secret_key_id": sends_with,   # the secret this router sends with (pd/seal.py key ids)
                 "nodes": backend.fleet.to_json() if backend.fleet else []}
 
     # SIGTERM: what is in flight may finish for --shutdown-timeout, then ends with 503

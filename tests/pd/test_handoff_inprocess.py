@@ -557,17 +557,22 @@ def test_a_cluster_rotating_its_secret_keeps_handing_off(loaded_fp32):
     assert pr.p.release_kv("rot1") == "released"
 
 
-def test_rows_sealed_under_a_secret_decode_does_not_hold_are_refused_before_reserving(loaded_fp32):
+def test_rows_sealed_under_a_secret_decode_does_not_hold_are_refused_before_reserving(loaded_fp32, caplog):
     """A prefill that moved to the new secret before this decode node accepted it: the handoff
-    is refused at admission, saying what to do, and nothing is reserved or pulled."""
+    is refused at admission, saying what to do (to the operator's log too, once), and nothing
+    is reserved or pulled."""
     pr = Pair(loaded_fp32)
     pr.exp = KvExporter(pr.p, PDSettings("prefill", cluster_secret=NEW_SECRET), pr.exp.transport)
     ids, params = prompt(40, 22), SamplingParams(max_tokens=2, **GREEDY)
     m = pr.prefill(ids, params, "rot2")
     before = pr.d.ledger.counters["pages_allocated"]
-    with pytest.raises(ManifestError, match="does not hold.*--accept-cluster-secret-file"):
-        pr.decode(ids, params, "rot2", m)
+    with caplog.at_level("WARNING", logger="kvfence.pd.decode"):
+        for _ in range(2):
+            with pytest.raises(ManifestError, match="does not hold.*--accept-cluster-secret-file"):
+                pr.decode(ids, params, "rot2", m)
     assert pr.d.ledger.counters["pages_allocated"] == before and pr.imp.counters["pulls_started"] == 0
+    said = [r.message for r in caplog.records if "are refused" in r.message]
+    assert len(said) == 1 and m["seal_key"] in said[0]
     pr.p.abort_kv("rot2", reader_stopped=True, reason="test")
 
 

@@ -362,3 +362,31 @@ def test_the_fleet_counts_every_node_that_went_down_or_restarted_however_briefly
                for m in _EngineCollector(Loop()).collect() for s in m.samples}
     assert samples[("kvfence_pd_fleet_node_changes_total", (("role", "decode"), ("state", "down")))] == 1
     assert samples[("kvfence_pd_fleet_node_restarts_total", (("role", "decode"),))] == 1
+
+
+def test_mid_rotation_a_prefill_nodes_rows_go_only_to_a_decode_node_that_opens_them(caplog):
+    """An operator's walkthrough: a prefill node moved to the new secret before a decode node
+    accepted it had every handoff refused while both showed ready. Now a decode node is picked
+    among those that accept the manifest's key id, a prefill node whose key no ready decode node
+    accepts gets no request (logged once, saying what to do), and a node from before key ids
+    (none listed) is taken as before."""
+    old, new = "a" * 16, "b" * 16
+    f = fleet()
+    p1, p2, p3, d1, d2 = f.nodes
+    f.observe(d1, info("decode", boot="d1", secret_key_ids=[old, new]))
+    f.observe(d2, info("decode", boot="d2", secret_key_ids=[old]))
+    f.observe(p1, info(boot="p1", secret_key_ids=[new, old]))
+    f.observe(p2, info(boot="p2", secret_key_ids=[old]))
+    for _ in range(5):
+        assert f.pick_decode(seal_key=new) is d1
+    assert {f.pick_decode(seal_key=old).url for _ in range(3)} <= {"http://d1", "http://d2"}
+    assert f.pick_decode(seal_key="c" * 16) is None
+    f.observe(d1, info("decode", boot="d1", secret_key_ids=[old]))   # d1 restarted without the new secret
+    with caplog.at_level("ERROR", logger="kvfence.pd.fleet"):
+        picks = {f.pick_prefill("alice", list(range(i, i + 40)), 16).url for i in range(40)}
+        picks |= {f.pick_prefill("alice", list(range(i, i + 40)), 16).url for i in range(40)}
+    assert "http://p1" not in picks and picks <= {"http://p2", "http://p3"}
+    assert sum("seals with cluster secret key id" in r.message for r in caplog.records) == 1   # once
+    assert f.ready   # p2 and p3 can still serve
+    f.observe(d2, info("decode", boot="d2", secret_key_ids=[old, new]))   # step 1 done on d2
+    assert any(f.pick_prefill("alice", list(range(i, i + 40)), 16).url == "http://p1" for i in range(80))

@@ -108,3 +108,11 @@ def test_only_nodes_take_an_accepted_secret():
                           ("prefill", []), ("decode", [])):
         a = build_parser().parse_args(["serve", "--role", role, "--accept-cluster-secret-file", "/s"])
         assert ignored_flags(a) == ignored, role
+
+
+def test_a_router_given_an_accepted_secret_is_told_what_a_router_takes(capsys):
+    from kvfence.cli import main
+
+    assert main(["serve", "--role", "router", "--accept-cluster-secret-file", "/s"]) == 2
+    err = capsys.readouterr().err
+    assert "a router only sends the credential" in err and "engine options" not in err
