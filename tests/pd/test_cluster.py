@@ -14,7 +14,7 @@ import time
 import httpx
 import openai
 import pytest
-from pd_cluster import ROOT, free_port
+from pd_cluster import ROOT, SCRAPE, free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvfence.engine.params import SamplingParams
@@ -604,6 +604,10 @@ def test_the_cluster_secret_rotates_while_the_router_keeps_serving(cluster, clie
         old_id, new_id = key_id(cluster.secret.encode()), key_id(new_text.encode())
         assert cluster.info("prefill")["secret_key_ids"] == [new_id, old_id]
         assert cluster.info("decode")["secret_key_ids"] == [old_id, new_id]
+        # the router's operator view: each node's key ids and the one it sends with
+        view = httpx.get(cluster.url("router") + "/v1/kvfence/cluster", headers=SCRAPE, timeout=10).json()
+        assert view["secret_key_id"] == old_id
+        assert sorted(n["secret_key_ids"] for n in view["nodes"]) == sorted([[new_id, old_id], [old_id, new_id]])
         for role in ("prefill", "decode"):
             url = cluster.url(role) + "/internal/info"
             assert httpx.get(url, headers=control_headers(new_text.encode()), timeout=10).status_code == 200
