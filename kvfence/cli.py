@@ -182,8 +182,13 @@ def _accepted_secrets(a) -> tuple[bytes, ...] | None:
     after saying why one is unusable."""
     from kvfence.pd.seal import SecretError, load_accepted
 
+    paths = getattr(a, "accept_cluster_secret_file", None) or []
+    if len(paths) > 8:   # a rotation needs one; the node's info lists at most 16 key ids
+        print(f"error: --accept-cluster-secret-file given {len(paths)} times; a node accepts at most 8 secrets "
+              "besides its own", file=sys.stderr)
+        return None
     try:
-        return load_accepted(getattr(a, "accept_cluster_secret_file", None))
+        return load_accepted(paths)
     except SecretError as e:
         print(f"error: --accept-cluster-secret-file: {e}", file=sys.stderr)
         return None

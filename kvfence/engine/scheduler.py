@@ -157,7 +157,7 @@ class Scheduler:
                 best, best_key = i, key
         return best
 
-    def _capped(self, seq: Sequence) -> bool:
+    def _capped(self, seq: Sequence, starting: bool = False) -> bool:
         """Whether seq's prefill is under the cap while streams decode: it arrived after the
         engine's streams began (a burst's prompts, there before them, are not), or another
         tenant's stream decodes (a fairness probe: a tenant's burst of two 7,500-token prompts,
@@ -165,10 +165,12 @@ class Scheduler:
         may wait for it, another tenant's may not). Also while another tenant's request waits
         to start: its first token comes after the step in progress and the next, which the cap
         keeps short (a side-channel probe: one tenant's eight 4,000-token prompts held another
-        tenant's first token 3-7 s)."""
+        tenant's first token 3-7 s). `starting`: a waiting request that starts now, which that
+        rule leaves alone (it would hold the very newcomer it is for, and a PD prefill node's
+        arrivals of two tenants, to the cap: a review measured prefills taking twice the steps)."""
         streaming = self.streaming_since is not None and (
             seq.arrival > self.streaming_since or bool(self._decoding_tenants - {seq.tenant}))
-        return streaming or bool(self._waiting_tenants - {seq.tenant})
+        return streaming or (not starting and bool(self._waiting_tenants - {seq.tenant}))
 
     def _prefill_room(self, budget: int, capped_so_far: int, capped: bool, for_queue: bool = False) -> int:
         """Prefill tokens the step can still take: the budget left (decodes count in it too),
@@ -186,8 +188,12 @@ class Scheduler:
         out: list[ScheduledSeq] = []
         decoding = [s for s in self.running if s.state is State.DECODING]
         self._decoding_tenants = {s.tenant for s in decoding}
-        # tenants with a request that could start now (a free running slot)
-        self._waiting_tenants = {s.tenant for s in self.waiting} if len(self.running) < self.max_num_seqs else set()
+        # tenants with a request that could start now: a free running slot, and the tenant under its
+        # running share (one at its share could keep a request waiting to hold everyone else to
+        # the cap while its own prefills ran uncapped: a review's starvation lever)
+        running_now = Counter(s.tenant for s in self.running)
+        self._waiting_tenants = {s.tenant for s in self.waiting if running_now[s.tenant] < self.max_seqs_per_tenant} \
+            if len(self.running) < self.max_num_seqs else set()
         if not self.running:
             self.streaming_since = None     # idle: what waits now is a burst
         elif self.streaming_since is None and decoding:
@@ -237,7 +243,7 @@ class Scheduler:
             seq = self.waiting[at]
             if running_by_tenant[seq.tenant] >= self.max_seqs_per_tenant:
                 break   # the tenant running the fewest holds its share: so does every tenant waiting
-            capped = self._capped(seq)
+            capped = self._capped(seq, starting=True)
             if self._prefill_room(budget, capped_so_far, capped) <= 0:
                 break
             if self.prefix_cache is not None and seq.reads_prefix_cache:

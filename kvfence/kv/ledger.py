@@ -608,7 +608,8 @@ class Ledger:
         if by_scope.keys() != self._evictable.keys() or any(not ps for ps in self._evictable_of.values()) \
                 or any(self.owner_tenant[p] != scope for p, scope in by_scope.items()):
             raise LedgerError("the evictable pages by cache scope disagree with the evictable list")
-        if any(self._scope_entry(s) not in self._scope_heap for s in self._evictable_of):
+        entries = set(self._scope_heap)
+        if any(self._scope_entry(s) not in entries for s in self._evictable_of):
             raise LedgerError("a cache scope with evictable pages has no current entry to be picked by")
         for p in range(1, self.num_pages):
             st = self.state[p]

@@ -131,6 +131,8 @@ class Fleet:
         for n in removed:
             log.warning("%s node %s no longer in %s: out of the fleet", role, n.url, configured)
         self.nodes = [n for n in self.nodes if n not in removed] + added
+        for n in removed:
+            self._unsealable.pop(n.url, None)
         return added, removed
 
     def serving(self, role: str) -> list[Node]:

@@ -233,6 +233,12 @@ class RouterBackend:
         if fleet is None or self._stopped or self._serving:
             return None
         missing = [r for r in ROLES if not fleet.serving(r)]
+        if not missing and not fleet.sealable(fleet.serving("prefill")):
+            accepted = sorted({k for d in fleet.serving("decode") for k in (d.info.secret_key_ids if d.info else [])})
+            return ("no prefill node seals with a cluster secret a ready decode node accepts (" + ", ".join(
+                f"{n.url} seals with key id {n.seals_with}" for n in fleet.serving("prefill")) +
+                f"; the decode nodes accept {', '.join(accepted) or 'none listed'}): give the decode nodes that "
+                "secret with --accept-cluster-secret-file (docs/pd.md, rotating)")
         if not missing:
             return "every role has a ready node again; waiting for the fleet monitor's next round to confirm it"
         return "; ".join(f"no {r} node is ready (" + ", ".join(

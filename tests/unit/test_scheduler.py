@@ -543,3 +543,28 @@ def test_another_tenants_waiting_request_caps_a_prefill_that_runs_alone():
     step = sch.schedule()                          # carol streams: bob stays capped beside her
     assert sum(s.num_new for s in step if s.seq.tenant == "bob") <= 12
     led.check_consistency()
+
+
+def test_a_request_that_cannot_start_caps_nobody_and_newcomers_start_uncapped():
+    """Review catches: a tenant at its running share kept one request waiting, and that held
+    every other tenant's prefill to the cap while its own ran uncapped; and the rule capped the
+    newcomers it is for (two tenants' arrivals into an idle engine got 12 of a 100-token step)."""
+    led = Ledger(1024, 4)
+    sch = Scheduler(led, max_num_seqs=4, token_budget=100, prefill_budget_while_decoding=12,
+                    tenant_running_share=0.5)
+    b = make_seq(led, 400, 0, tenant="b")
+    sch.add(b)
+    fake_run(sch.schedule())
+    for i in range(3):                                   # a holds its share of 2; its third waits
+        sch.add(make_seq(led, 400, 1 + i, tenant="a"))
+    for _ in range(3):
+        step = sch.schedule()
+        fake_run(step)
+    assert sum(1 for s in sch.running if s.tenant == "a") == 2 and len(sch.waiting) == 1
+    step = sch.schedule()
+    assert {s.seq.request_id: s.num_new for s in step}.get("r0", 0) > 12   # b is not held to the cap by it
+    led2 = Ledger(1024, 4)
+    idle = Scheduler(led2, max_num_seqs=16, token_budget=100, prefill_budget_while_decoding=12)
+    for i, t in enumerate(("a", "a", "c", "c")):
+        idle.add(make_seq(led2, 40, 10 + i, tenant=t))
+    assert sum(s.num_new for s in idle.schedule()) == 100
