@@ -202,6 +202,8 @@ class Fleet:
         node sealing with a secret no decode node accepts yet would have every handoff refused
         (an operator's walkthrough: 50 failed requests in 25 s while both nodes showed ready)."""
         decodes = self.serving("decode")
+        if not decodes:   # no decode node at all is another fault, said as such (not a key's)
+            return nodes
         ok = [n for n in nodes if any(d.accepts(n.seals_with) for d in decodes)]
         for n in nodes:
             if n not in ok and self._unsealable.get(n.url) != n.seals_with:

@@ -390,3 +390,9 @@ def test_mid_rotation_a_prefill_nodes_rows_go_only_to_a_decode_node_that_opens_t
     assert f.ready   # p2 and p3 can still serve
     f.observe(d2, info("decode", boot="d2", secret_key_ids=[old, new]))   # step 1 done on d2
     assert any(f.pick_prefill("alice", list(range(i, i + 40)), 16).url == "http://p1" for i in range(80))
+    caplog.clear()
+    with caplog.at_level("ERROR", logger="kvfence.pd.fleet"):   # no decode node: not a key's fault
+        f.observe(d1, None, "gone")
+        f.observe(d2, None, "gone")
+        assert f.pick_prefill("alice", [1] * 40, 16) is not None and f.pick_decode(seal_key=new) is None
+    assert not any("seals with" in r.message for r in caplog.records)
