@@ -182,7 +182,7 @@ def _accepted_secrets(a) -> tuple[bytes, ...] | None:
     after saying why one is unusable."""
     from kvfence.pd.seal import SecretError, load_accepted
 
-    paths = getattr(a, "accept_cluster_secret_file", None) or []
+    paths = a.accept_cluster_secret_file or []
     if len(paths) > 8:   # a rotation needs one; the node's info lists at most 16 key ids
         print(f"error: --accept-cluster-secret-file given {len(paths)} times; a node accepts at most 8 secrets "
               "besides its own", file=sys.stderr)

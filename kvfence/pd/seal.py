@@ -28,6 +28,7 @@ nothing but ciphertext and tags.
 """
 from __future__ import annotations
 
+import functools
 import hmac
 import os
 import stat
@@ -105,6 +106,9 @@ def _field(text: str) -> bytes:
     return struct.pack("<I", len(b)) + b   # length-prefixed: no two identities encode alike
 
 
+# derived once per secret: every internal request checks the credential against each secret a
+# node holds, and every handoff looks its key id up (the secrets are in this process anyway)
+@functools.lru_cache(maxsize=32)
 def control_token(secret: bytes) -> str:
     """The credential the router presents on the nodes' internal routes."""
     return _hkdf(secret, b"kvfence v1 control-plane credential").hex()
@@ -121,6 +125,7 @@ def check_control(secret: bytes, presented: str | None, accepted: Sequence[bytes
     return sum(hmac.compare_digest(given, control_token(s).encode()) for s in (secret, *accepted)) > 0
 
 
+@functools.lru_cache(maxsize=32)
 def key_id(secret: bytes) -> str:
     """Names a secret in a manifest (which one sealed the rows) without revealing it."""
     return _hkdf(secret, b"kvfence v1 secret id", length=8).hex()
