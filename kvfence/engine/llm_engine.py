@@ -197,7 +197,8 @@ class LLMEngine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, tenant: str = "default",
                     request_id: str | None = None, prompt: str | None = None,
                     public_prefix_scope: str | None = None, hold_kv: bool = False,
-                    kv_source=None, router: str | None = None, grammar: LLMatcher | None = None) -> Sequence:
+                    kv_source=None, router: str | None = None, grammar: LLMatcher | None = None,
+                    after: str | None = None) -> Sequence:
         """Admit a request (I4) or raise ContextLengthExceeded before anything is allocated.
 
         The prefix cache is scoped to the tenant; `public_prefix_scope` (which the caller must
@@ -211,7 +212,12 @@ class LLMEngine:
         Either way the request is admitted against its whole prompt + max_tokens.
 
         `grammar`: params.json_schema's matcher (grammar.build_matcher), built by the caller off
-        this thread; without it a schema the scope has not compiled yet is compiled here."""
+        this thread; without it a schema the scope has not compiled yet is compiled here.
+
+        `after`: the request id of another choice of the same prompt (n > 1), admitted just
+        before; this one starts once that one has computed the prompt, and attaches its pages
+        from the prefix cache. Admitting every choice at once counts them all against the load
+        limits before any streams (one by one, the later ones could be refused mid-answer)."""
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -257,6 +263,9 @@ class LLMEngine:
             self.outcomes["rejected"] += 1
             raise
         seq.on(Event.ADMIT)
+        lead = self.requests.get(after) if after is not None else None
+        if lead is not None and lead.tenant == tenant and lead.cache_scope == scope and not lead.finished:
+            seq.after = lead
         seq.generator = make_generator(params.seed, self.device)
         seq.detok = IncrementalDetokenizer(self.tokenizer.hf, seq.prompt_ids, params)
         self.requests[request_id] = seq

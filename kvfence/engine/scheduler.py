@@ -142,14 +142,15 @@ class Scheduler:
         self.waiting.appendleft(victim)
         self.num_preemptions += 1
 
-    def _next_waiting(self, running_by_tenant: Counter) -> int:
+    def _next_waiting(self, running_by_tenant: Counter) -> int | None:
         """The index in `waiting` of the request to start next: the first one (the oldest, or
         a preempted one put back in front) of the tenant with the fewest running sequences,
-        and among those the one whose last start is longest ago (round robin)."""
-        best, best_key = 0, None
+        and among those the one whose last start is longest ago (round robin). Choices that
+        wait for their lead's prefill are passed over (None: only those wait)."""
+        best, best_key = None, None
         seen: set[str] = set()
         for i, seq in enumerate(self.waiting):
-            if seq.tenant in seen:
+            if seq.tenant in seen or seq.waits_for_lead:
                 continue
             seen.add(seq.tenant)
             key = (running_by_tenant[seq.tenant], self._last_start.get(seq.tenant, -1))
@@ -192,7 +193,8 @@ class Scheduler:
         # running share (one at its share could keep a request waiting to hold everyone else to
         # the cap while its own prefills ran uncapped: a review's starvation lever)
         running_now = Counter(s.tenant for s in self.running)
-        self._waiting_tenants = {s.tenant for s in self.waiting if running_now[s.tenant] < self.max_seqs_per_tenant} \
+        self._waiting_tenants = {s.tenant for s in self.waiting
+                                 if running_now[s.tenant] < self.max_seqs_per_tenant and not s.waits_for_lead} \
             if len(self.running) < self.max_num_seqs else set()
         if not self.running:
             self.streaming_since = None     # idle: what waits now is a burst
@@ -240,6 +242,8 @@ class Scheduler:
         # be the next shortage's victim, its prompt computed again each time
         while self.waiting and len(self.running) < self.max_num_seqs and self.num_preemptions == preempted_before:
             at = self._next_waiting(running_by_tenant)
+            if at is None:
+                break   # every waiting one is a choice whose lead has not computed the prompt yet
             seq = self.waiting[at]
             if running_by_tenant[seq.tenant] >= self.max_seqs_per_tenant:
                 break   # the tenant running the fewest holds its share: so does every tenant waiting
@@ -266,6 +270,7 @@ class Scheduler:
                     continue
                 break   # the chosen one waits for pages; a smaller one behind it does not overtake it
             del self.waiting[at]
+            seq.after = None   # started: the lead is no longer needed (nor kept alive by it)
             self.ledger.allocate(seq.owner, need, seq.table)
             seq.on(Event.SCHEDULE)
             self.running.append(seq)

@@ -65,6 +65,9 @@ class Sequence:
     hold_kv: bool = False
     reserved: bool = False
     kv_source: Handoff | None = None         # decode: the manifest and where to pull it from
+    # another choice of the same prompt (a request's n > 1) whose prefill this one waits for,
+    # so that it attaches those prompt pages from the prefix cache instead of computing them
+    after: Sequence | None = None
 
     @staticmethod
     def next_number() -> int:
@@ -99,6 +102,14 @@ class Sequence:
         computing its K/V again, which can only go into pages this request owns (shared
         pages are read-only, I9): skipping the lookup is the recompute, at the same cost."""
         return self.params.prompt_logprobs is None or len(self.prompt_logprobs) >= len(self.prompt_ids) - 1
+
+    @property
+    def waits_for_lead(self) -> bool:
+        """Not startable yet: its lead has not computed the prompt once (waiting or prefilling,
+        no token sampled). A lead that ended, or has sampled a token, leaves its full prompt
+        pages in the scope's prefix cache; one preempted after that is not waited for again."""
+        lead = self.after
+        return lead is not None and lead.state in (State.WAITING, State.PREFILLING) and not lead.output_ids
 
     @property
     def finished(self) -> bool:

@@ -437,8 +437,11 @@ class RouterBackend:
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, tenant: str,
                      request_id: str | None = None, public_prefix_scope: str | None = None,
-                     scope_epoch: int = 0, *, grammar: LLMatcher | None = None) -> RequestHandle:
-        """`grammar` is not used (builds_grammars): the decode node builds its own matcher."""
+                     scope_epoch: int = 0, *, grammar: LLMatcher | None = None,
+                     after: str | None = None) -> RequestHandle:
+        """`grammar` is not used (builds_grammars): the decode node builds its own matcher.
+        Nor is `after`: this submit returns once the prefill node has computed the prompt, so
+        a choice submitted after it attaches those pages there."""
         if not self._serving or self.facts is None:
             raise EngineFailed(self.error or f"the cluster is {self.state}")
         if params.prompt_logprobs is not None or params.max_tokens == 0:

@@ -650,10 +650,13 @@ async def _generate(state: ServerState, request: Request, kind: str):
                              prompt_param=req.prompt_param)
         choices = _choices(state, req, prompts, rid, grammar)
         try:
-            for c in choices:   # the first choice of each prompt now, the others once it has run its prefill
-                if c.lead:
-                    c.handle = await _submit_unless_gone(state, request, c.prompt_ids, c.params, tenant, c.rid,
-                                                         revoked, c.grammar)
+            # every choice is admitted before anything streams: one by one as the answer ran, a
+            # later choice could be refused (a full queue, another tenant's load) after the
+            # first had streamed. The first choice of each prompt first; the others start after
+            # its prefill, attaching its prompt pages (`after`; behind the PD router a submit
+            # lasts the prefill, so the others come after it there too)
+            for group in ([c for c in choices if c.lead], [c for c in choices if not c.lead]):
+                await _submit_unless_gone(state, request, group, tenant, revoked)
         except KeyRevoked as e:
             _abort_all(state, choices, "API key revoked")
             raise e.api_error() from None
@@ -861,34 +864,58 @@ def _refuse_if_revoked(revoked: asyncio.Event) -> None:
         raise KeyRevoked.api_error()
 
 
-async def _submit_unless_gone(state: ServerState, request: Request, ids, params: SamplingParams, tenant: Tenant,
-                              rid: str, revoked: asyncio.Event, grammar: LLMatcher | None = None) -> RequestHandle:
-    """engine.submit, abandoned (and so aborted) if the client leaves or its key is revoked
-    while it waits (_ClientGone, KeyRevoked). On a single node submit is only admission;
-    behind the PD router it lasts the whole prefill."""
+async def _submit_unless_gone(state: ServerState, request: Request, choices: list[_Choice], tenant: Tenant,
+                              revoked: asyncio.Event) -> None:
+    """engine.submit for each choice at once (each one's handle set), abandoned (and what was
+    admitted aborted) if the client leaves or its key is revoked while they wait (_ClientGone,
+    KeyRevoked); the first refusal is raised once every submit has ended (the caller aborts
+    those admitted). On a single node submit is only admission; behind the PD router it lasts
+    the whole prefill. One disconnect watcher for them all (the request has one receive)."""
     if revoked.is_set():
         raise KeyRevoked()
-    sub = asyncio.ensure_future(state.engine.submit(ids, params, tenant.name, rid, tenant.public_prefix_scope,
-                                                    scope_epoch=tenant.scope_epoch, grammar=grammar))
+    subs = [asyncio.ensure_future(state.engine.submit(c.prompt_ids, c.params, tenant.name, c.rid,
+                                                      tenant.public_prefix_scope, scope_epoch=tenant.scope_epoch,
+                                                      grammar=c.grammar, after=c.leader.rid if c.leader else None))
+            for c in choices]
     gone = asyncio.Event()
     watcher = asyncio.create_task(watch_disconnect(request, gone.set))
-    waiters = {asyncio.create_task(gone.wait()), asyncio.create_task(revoked.wait())}
+    waiters: set[asyncio.Future] = {asyncio.create_task(gone.wait()), asyncio.create_task(revoked.wait())}
     try:
-        await asyncio.wait({sub, *waiters}, return_when=asyncio.FIRST_COMPLETED)
+        pending: set[asyncio.Future] = set(subs)
+        while pending and not (gone.is_set() or revoked.is_set()):
+            _, pending = await asyncio.wait(pending | waiters, return_when=asyncio.FIRST_COMPLETED)
+            pending -= waiters
+            if any(s.done() and not s.cancelled() and s.exception() is not None for s in subs):
+                break   # one was refused: the rest need not wait (the caller aborts what was admitted)
+    except BaseException:   # the request itself is cancelled: so is every submit (each aborts its own)
+        for sub in subs:
+            sub.cancel()
+        raise
     finally:
         watcher.cancel()
         for w in waiters:
             w.cancel()
-    if sub.done():
-        return sub.result()
-    why, error = ("API key revoked", KeyRevoked()) if revoked.is_set() else ("client disconnected", _ClientGone())
-    sub.cancel()
-    try:
-        handle = await sub
-    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the client is gone; nothing to report to
-        raise error from None
-    state.engine.abort(handle.request_id, why)  # admitted just as it left
-    raise error
+    stopped = gone.is_set() or revoked.is_set()
+    failure: BaseException | None = None
+    for c, sub in zip(choices, subs):
+        if not sub.done():
+            sub.cancel()   # a cancelled submit aborts what it admitted
+        try:
+            c.handle = await sub
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():   # the request's own task, not the one cancelled here
+                raise
+        except Exception as e:  # noqa: BLE001 - the first one is raised below
+            failure = failure or e
+    if stopped:
+        why, error = ("API key revoked", KeyRevoked()) if revoked.is_set() else ("client disconnected", _ClientGone())
+        for c in choices:
+            if c.handle is not None:
+                state.engine.abort(c.handle.request_id, why)  # admitted just as it left
+        raise error
+    if failure is not None:
+        raise failure
 
 
 async def _encode_chat(tok, messages: list[dict], tools: ToolSpec | None, add_prompt: bool,
@@ -1049,10 +1076,11 @@ async def json_answer(answer: dict) -> Response:
 
 @dataclass
 class _Choice:
-    """One choice of a request: a prompt (of a completions batch) and a seed stream. The
-    first choice of each prompt runs first; the others start once it has run the prompt's
-    prefill, so that they attach its full KV pages from the tenant's prefix cache (shared
-    read-only under the ledger's rules) and compute only the partial last page themselves."""
+    """One choice of a request: a prompt (of a completions batch) and a seed stream. Every
+    choice is admitted at once; the engine starts the first of each prompt first and the others
+    once it has run the prompt's prefill, so that they attach its full KV pages from the
+    tenant's prefix cache (shared read-only under the ledger's rules) and compute only the
+    partial last page themselves."""
     index: int
     rid: str
     prompt_ids: list[int]
@@ -1060,7 +1088,6 @@ class _Choice:
     lead: bool                         # the first choice of its prompt
     echo: str = ""                     # completions with echo: the prompt's text
     grammar: LLMatcher | None = None   # the request's schema's matcher, built off the engine thread
-    siblings: list[_Choice] = field(default_factory=list)   # a lead's: started after its first update
     # echo with logprobs: the prompt's logprobs, computed by the lead alone (its siblings
     # attach its cached pages instead, and read these)
     prompt_logprobs: list = field(default_factory=list)
@@ -1106,7 +1133,6 @@ def _choices(state: ServerState, req: GenerationRequest, prompts: list[list[int]
                 lead = c
             else:
                 c.leader = lead
-                lead.siblings.append(c)
             out.append(c)
     return out
 
@@ -1188,9 +1214,8 @@ class _Run:
     def revoke(self) -> None:
         """Its key was revoked: the engine stops now, and the client's answer (or stream)
         ends with 401 api_key_revoked where it is read next. The pumps stop now too, not when
-        the consumer reads on (a stream whose client paused reading may not for long): one
-        would start the other choices of its prompt on its first update, or be starting them
-        (a cancelled submit is aborted)."""
+        the consumer reads on (a stream whose client paused reading may not for long): no more
+        of what the engine made before the abort reaches it."""
         self.revoked = True
         for t in self._pumps:
             t.cancel()
@@ -1208,14 +1233,6 @@ class _Run:
         try:
             while not c.handle.done:
                 u = await c.handle.next()
-                if c.siblings:   # its prefill ran: the prompt's full pages are in the prefix cache
-                    siblings, c.siblings = c.siblings, []
-                    for s in siblings:
-                        s.handle = await self.state.engine.submit(s.prompt_ids, s.params, self.tenant.name, s.rid,
-                                                                  self.tenant.public_prefix_scope,
-                                                                  scope_epoch=self.tenant.scope_epoch,
-                                                                  grammar=s.grammar)
-                        self._pumps.append(asyncio.create_task(self._pump(s)))
                 await self._queue.put((c, u))
         except asyncio.CancelledError:
             raise
@@ -1224,8 +1241,8 @@ class _Run:
 
     async def _updates(self):
         """(choice, update) until every choice is done; an exception ends the request."""
-        if self.revoked:   # revoked before the stream was first read: no pump may start (one
-            raise KeyRevoked()   # would start the other choices on its lead's abort update)
+        if self.revoked:   # revoked before the stream was first read: nothing of it is sent
+            raise KeyRevoked()
         self._start()
         while not all(c.done for c in self.choices):
             if self.revoked:   # before what is queued: a client that paused reading gets no more

@@ -128,7 +128,10 @@ class EngineBackend(Protocol):
     async def submit(self, prompt_ids: list[int], params: SamplingParams, tenant: str,
                      request_id: str | None = None, public_prefix_scope: str | None = None,
                      scope_epoch: int = 0, *,                  # Tenant.scope_epoch
-                     grammar: LLMatcher | None = None) -> RequestHandle: ...
+                     grammar: LLMatcher | None = None,
+                     # another choice of the same prompt, submitted just before: start after its
+                     # prefill, attaching its prompt pages (n > 1; every choice is admitted at once)
+                     after: str | None = None) -> RequestHandle: ...
 
     def abort(self, request_id: str, reason: str = "client disconnected") -> None: ...
 

@@ -202,7 +202,7 @@ class EngineLoop:
     async def submit(self, prompt_ids: list[int], params: SamplingParams, tenant: str,
                      request_id: str | None = None, public_prefix_scope: str | None = None,
                      scope_epoch: int = 0, behind: Retirement | None = None, grammar: LLMatcher | None = None,
-                     **extra) -> RequestHandle:
+                     after: str | None = None, **extra) -> RequestHandle:
         """Admit a request in the engine thread. Raises what add_request raises
         (ContextLengthExceeded, ValueError) or EngineFailed. `public_prefix_scope` only for a
         tenant whose tenants-file entry opts into that scope (I9). `scope_epoch` is for the PD
@@ -210,7 +210,8 @@ class EngineLoop:
         by this engine's one command queue. `behind`: a retirement of the request's scope
         queued before it; if it did not run, ScopeNotRetired, and the engine never sees the
         request. `grammar`: the schema's matcher (grammar.build_matcher), built by the caller off
-        this loop and the engine thread. The command is queued before the first await."""
+        this loop and the engine thread. `after`: the choice of the same prompt whose prefill
+        this one waits for (LLMEngine.add_request). The command is queued before the first await."""
         if self.state != "ready":
             raise EngineFailed(self.error or f"the engine is {self.state}")
         if self.closing is not None:
@@ -220,6 +221,8 @@ class EngineLoop:
         fut = loop.create_future()
         if grammar is not None:
             extra["grammar"] = grammar
+        if after is not None:
+            extra["after"] = after
         updates: asyncio.Queue = asyncio.Queue()
         self._commands.put(_Submit(rid, list(prompt_ids), params, tenant, public_prefix_scope, loop, fut, updates,
                                    extra or None, behind))

@@ -1,9 +1,10 @@
 """I9 for n > 1 choices: the choices of one request share the prompt's full KV pages read-only.
 
-The server (server/app.py, _Choice) runs the first choice alone and adds the others once its
-first update is back, when its prefill has published the prompt's full pages to the tenant's
-prefix cache; they attach those pages and compute only the prompt's partial last page, each
-into a page of its own. This drives the engine the same way, with the real model, and checks
+The server (server/app.py, _Choice) admits every choice at once, the others naming the first
+(`after`); the scheduler starts them once the first has computed the prompt and published its
+full pages to the tenant's prefix cache; they attach those pages and compute only the
+prompt's partial last page, each into a page of its own. This drives the engine the same way,
+with the real model, and checks
 in the ledger that the pages are SHARED, reference-counted once per choice and written by
 none of them; that a choice pointed at a shared prompt page for its next write is refused by
 the per-pass check (I2, "would write") before the model runs, with the other choices' output
@@ -36,12 +37,12 @@ def llm(make_llm):
 
 
 def start_choices(eng, ids):
-    """The lead runs its prefill (and samples its first token); the others start after it."""
+    """All admitted together; the lead runs its prefill (and samples its first token), the
+    others start after it."""
     lead = eng.add_request(ids, params(100), tenant="A")
-    while not lead.output_ids:
-        eng.step()
-    others = [eng.add_request(ids, params(100 + j), tenant="A") for j in range(1, N)]
-    eng.step()   # they attach the cached pages and compute the partial page
+    others = [eng.add_request(ids, params(100 + j), tenant="A", after=lead.request_id) for j in range(1, N)]
+    while any(s.state is State.WAITING for s in others):
+        eng.step()   # they attach the cached pages and compute the partial page
     return [lead, *others]
 
 

@@ -1,10 +1,12 @@
-"""A request revoked by a tenants-file reload before its stream is first read: none of its
-other `n` choices may start (found in review: the pumps started on the lead's abort update
-and submitted them, under the name's new cache scope). The real `_Run`, driven as the
-streaming response drives it, over a stand-in engine that records submits and aborts."""
+"""A request revoked by a tenants-file reload before its stream is first read: every one of
+its `n` choices is aborted and nothing of it is sent (found in review, when the other choices
+were submitted on the lead's first update: the pumps started them on its abort update, under
+the name's new cache scope). The real `_Run`, driven as the streaming response drives it,
+over a stand-in engine that records submits and aborts."""
 from __future__ import annotations
 
 import asyncio
+import re
 import types
 
 from kvfence.engine.params import SamplingParams
@@ -27,7 +29,8 @@ class _Engine:
 
     builds_grammars = True
 
-    async def submit(self, ids, params, tenant, rid, scope=None, scope_epoch=0, *, grammar=None) -> RequestHandle:
+    async def submit(self, ids, params, tenant, rid, scope=None, scope_epoch=0, *, grammar=None,
+                     after=None) -> RequestHandle:
         self.submits.append(rid)
         await asyncio.sleep(0)
         h = RequestHandle(rid, asyncio.Queue())
@@ -51,7 +54,7 @@ class _Request:
         await asyncio.Event().wait()
 
 
-def test_a_request_revoked_before_its_stream_is_read_starts_no_other_choice():
+def test_a_request_revoked_before_its_stream_is_read_ends_every_choice():
     engine = _Engine()
     state = types.SimpleNamespace(engine=engine, facts=engine.facts, served_name="m", metrics=_Metrics(),
                                   tenants=types.SimpleNamespace(single_tenant=True))
@@ -60,8 +63,8 @@ def test_a_request_revoked_before_its_stream_is_read_starts_no_other_choice():
     async def main() -> list[str]:
         lead = app._Choice(0, "r", [1, 2, 3], req.params, True)
         sibling = app._Choice(1, "r-1", [1, 2, 3], req.params, False, leader=lead)
-        lead.siblings.append(sibling)
         lead.handle = await engine.submit([1, 2, 3], req.params, "t", "r")
+        sibling.handle = await engine.submit([1, 2, 3], req.params, "t", "r-1", after="r")
         limiter = TenantLimiter()
         lease = limiter.hold(Tenant("t"), b"k")
         run = app._Run(state, _Request(), [lead, sibling], Tenant("t"), lease, 0.0, req)
@@ -77,6 +80,7 @@ def test_a_request_revoked_before_its_stream_is_read_starts_no_other_choice():
         return out
 
     out = asyncio.run(main())
-    assert engine.submits == ["r"], engine.submits            # the other choice never started
-    assert engine.aborts and all(why == "API key revoked" for _, why in engine.aborts), engine.aborts
+    assert {rid for rid, _ in engine.aborts} == {"r", "r-1"}, engine.aborts   # both stopped
+    assert all(why == "API key revoked" for _, why in engine.aborts), engine.aborts
     assert any(b"api_key_revoked" in x for x in out), out
+    assert not any(re.search(rb'"content":"[^"]', x) for x in out), out   # no text of it was sent

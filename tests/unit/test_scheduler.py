@@ -568,3 +568,33 @@ def test_a_request_that_cannot_start_caps_nobody_and_newcomers_start_uncapped():
     for i, t in enumerate(("a", "a", "c", "c")):
         idle.add(make_seq(led2, 40, 10 + i, tenant=t))
     assert sum(s.num_new for s in idle.schedule()) == 100
+
+
+def test_a_choice_waits_for_its_leads_prefill_and_others_pass_it():
+    """n > 1: every choice is admitted at once, but the others of a prompt start only after its
+    first has computed the prompt (so they attach its pages); a waiting choice holds up nobody."""
+    led = Ledger(64, 4)
+    sch = Scheduler(led, max_num_seqs=8, token_budget=100)
+    lead, sib, other = make_seq(led, 9, 0), make_seq(led, 9, 1), make_seq(led, 3, 2, tenant="u")
+    sib.after = lead
+    for s in (lead, sib, other):
+        sch.add(s)
+    step = sch.schedule()
+    # room for all three, but the choice waits for its lead; the other tenant's request does not
+    assert sorted(s.seq.request_id for s in step) == ["r0", "r2"]
+    assert sib.state is State.WAITING and sib.waits_for_lead
+    fake_run(step)   # the lead sampled its first token: the prompt's pages are computed
+    step = sch.schedule()
+    assert "r1" in [s.seq.request_id for s in step]
+    assert sib.after is None   # let go of once started
+
+
+def test_a_choice_whose_lead_ended_starts_on_its_own():
+    led = Ledger(64, 4)
+    sch = Scheduler(led, max_num_seqs=8, token_budget=100)
+    lead, sib = make_seq(led, 9, 0), make_seq(led, 9, 1)
+    sib.after = lead
+    sch.add(sib)
+    assert sch.schedule() == [] and sib.waits_for_lead   # its lead waits (not in this scheduler yet)
+    lead.on(Event.ABORT)
+    assert [s.seq.request_id for s in sch.schedule()] == ["r1"]
