@@ -66,6 +66,7 @@ class SpyEngine:
     def __init__(self, config: EngineConfig, loaded, gate: threading.Event | None = None):
         self.config, self.loaded, self.gate = config, loaded, gate
         self.seen: dict[str, tuple[str, object]] = {}
+        self.ran: set[str] = set()   # request ids that had K/V computed in a step
         self.fault_tenants: set[str] = set()
         # a request of these tenants gets another running request's first page in its block
         # table (that page's own epoch): a read of someone else's KV, which the ledger must refuse
@@ -98,7 +99,9 @@ class SpyEngine:
                     if other is not None:
                         self.foreign_tenants.discard(seq.tenant)
                         seq.table.pages[0], seq.table.epochs[0] = other.table.pages[0], other.table.epochs[0]
-            return step()
+            out = step()
+            self.ran.update(rid for rid, seq in eng.requests.items() if seq.num_computed > 0)
+            return out
 
         eng.add_request, eng.step = add_request, faulty_step
         return eng
