@@ -37,7 +37,7 @@ import httpx
 from fastapi import Request
 
 from kvfence import faults, incidents
-from kvfence.engine.admission import ContextLengthExceeded, completion_tokens
+from kvfence.engine.admission import ContextLengthExceeded, Overloaded, completion_tokens
 from kvfence.engine.params import SamplingParams
 from kvfence.pd.addresses import NodeAddress, Resolver, expand, system_resolver
 from kvfence.pd.capacity import ClusterCheck, plan_fleet
@@ -197,6 +197,9 @@ class RouterBackend:
         self._started = False
         self._stopped = False
         self._tasks: dict[str, asyncio.Task] = {}
+        # rid -> (tenant, its decode admission): who waits and who generates, for the operator
+        # (kvfence_tenant_sequences; the nodes' own counts miss a request waiting for transfer rows)
+        self._tenant_of: dict[str, tuple[str, asyncio.Future]] = {}
         self._cancelled: set[str] = set()   # aborts already under way (see abort)
         # end_all: the abort code a submission gets from then on, and each ended request's (code, why)
         self.closing: str | None = None
@@ -367,7 +370,11 @@ class RouterBackend:
         base.update(usable_context=chk.usable_context, context_clamped=chk.clamped, context_note=chk.note,
                     pool_tokens=min(f.pool_tokens for u, (_, f) in found.items() if u not in chk.refused),
                     configured_max_model_len=self.max_model_len, cluster=chk.to_json(),
-                    pd_security=self.tls.describe())
+                    pd_security=self.tls.describe(),
+                    # the prompts' cache lives on the prefill nodes (decode's is always off): the
+                    # statement through the router said "disabled" with it on (a fairness probe)
+                    prefix_cache=any(f.prefix_cache for u, (r, f) in found.items()
+                                     if r == "prefill" and u not in chk.refused))
         self.facts = base
         self._refresh()
         # the monitor has its own thread and event loop; it only swaps attributes
@@ -381,6 +388,17 @@ class RouterBackend:
         fleet = self.fleet
         self._ready = fleet.ready and not self._stopped
         self.snapshot = _merge_snapshots(fleet)
+        self.snapshot["sequences_by_tenant"] = self.requests_by_tenant()
+
+    def requests_by_tenant(self) -> dict[str, dict[str, int]]:
+        """tenant -> its requests in flight here: running (a decode node admitted it) and waiting
+        (in prefill, for transfer rows, or for decode's pages). Read from the monitor's thread."""
+        out: dict[str, dict[str, int]] = {}
+        for tenant, admitted in list(self._tenant_of.values()):
+            state = "running" if admitted.done() and not admitted.cancelled() and admitted.exception() is None \
+                else "waiting"
+            out.setdefault(tenant, {"running": 0, "waiting": 0})[state] += 1
+        return out
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         return self._serving
@@ -462,7 +480,9 @@ class RouterBackend:
         task = asyncio.create_task(self._run(rid, list(prompt_ids), params, tenant, public_prefix_scope, stamp,
                                              handle, admitted))
         self._tasks[rid] = task
+        self._tenant_of[rid] = (tenant, admitted)
         task.add_done_callback(lambda _t: self._tasks.pop(rid, None))
+        task.add_done_callback(lambda _t: self._tenant_of.pop(rid, None))
 
         def never_ran(_t) -> None:   # cancelled before its first step (end_all): _run never set it
             code, why = self._ending.pop(rid, (self.closing or "client", "the router stopped it before it started"))
@@ -929,6 +949,13 @@ def _as_submit_error(message: str, code: str, rejection: RejectedEvent | None) -
         return ContextLengthExceeded(r.prompt_tokens, r.max_tokens, r.limit)  # type: ignore[arg-type]
     if code in ("invalid_request", "context_length_exceeded"):
         return ValueError(message)
+    if code == "server_overloaded":   # answered as a single node's (503, outcome "overloaded", Retry-After)
+        if r is None:   # the router's own (its connections to the nodes): internals, for the log
+            log.warning("%s", message)
+        # a node's own words name only the tenant's own count there ("overloaded for this tenant"):
+        # relayed, the tenant can tell its share from a full cluster (a fairness probe: it got
+        # "the operator's log has the details", and the router counted it as not_ready)
+        return Overloaded(r.message if r is not None else "The server is overloaded; retry shortly.")
     return EngineFailed(message, code)
 
 

@@ -136,10 +136,12 @@ class _EngineCollector:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(s.get(key, 0)))
             yield g
-        if "sequences_by_tenant" in s:   # an engine's own (a PD router's merged snapshot has none)
+        if "sequences_by_tenant" in s:   # an engine's own, or a PD router's requests in flight
             by = GaugeMetricFamily("kvfence_tenant_sequences", "Sequences running and waiting, by tenant: whether "
                                    "one tenant holds the running slots while another waits (a tenant with none "
-                                   "is not listed)", labels=["tenant", "state"])
+                                   "is not listed); on a PD router, requests decoding and those not yet "
+                                   "admitted by a decode node (prefill, transfer rows, decode's pages)",
+                                   labels=["tenant", "state"])
             for tenant, counts in sorted(s["sequences_by_tenant"].items()):
                 for state in ("running", "waiting"):
                     by.add_metric([tenant, state], float(counts[state]))

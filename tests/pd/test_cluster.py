@@ -75,6 +75,9 @@ def test_pd_output_equals_single_node(cluster, client, make_llm):
     assert 'kvfence_pd_transfer_buffer_rows{state="fenced"} 0.0' in httpx.get(cluster.url("prefill") + "/metrics").text
     st = httpx.get(cluster.url("router") + "/v1/kvfence/isolation", timeout=10).json()
     assert st["warnings"] == [] and "AES-256-GCM" in st["pd_network"]["transfer_plane"]["cipher"]
+    # the prefill nodes' prefix cache, with its eviction terms (decode's own is always off)
+    cache = st["kv_memory_isolation"]["prefix_cache"]
+    assert cache["enabled"] is True and "evicted" in cache["eviction"], cache
     # the pools are the nodes', as they last reported (it listed one made-up "local" pool: a docs probe)
     pools = {p["role"]: p for p in st["capacity"]["pools"]}
     assert set(pools) == {"prefill", "decode"} and pools["decode"]["node"] == cluster.url("decode"), pools

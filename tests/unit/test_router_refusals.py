@@ -249,3 +249,39 @@ def _wire_params_of_4():
     from kvfence.pd.messages import WireParams
 
     return WireParams.of(SamplingParams(max_tokens=4))
+
+
+def test_a_nodes_overload_is_the_clients_503_in_the_nodes_words():
+    """A node's waiting-share refusal names only the tenant's own count: the router relays it as
+    a single node answers (Overloaded: 503 server_overloaded, Retry-After, outcome overloaded), not
+    as an engine failure ("the operator's log has the details", counted as not_ready: a fairness
+    probe). The router's own (its connections to the nodes) keeps its internals in the log."""
+    from kvfence.engine.admission import Overloaded
+    from kvfence.pd.messages import RejectedEvent
+    from kvfence.pd.router import _as_submit_error
+
+    words = ("The server is overloaded for this tenant: 8 of its requests are waiting, its share of the queue; "
+             "retry shortly.")
+    e = _as_submit_error("prefill node: " + words, "server_overloaded",
+                         RejectedEvent(code="server_overloaded", message=words))
+    assert isinstance(e, Overloaded) and str(e) == words
+    own = _as_submit_error("no connection to the prefill node (256 in use)", "server_overloaded", None)
+    assert isinstance(own, Overloaded) and "256" not in str(own)
+
+
+def test_the_router_counts_each_tenants_requests_waiting_and_running():
+    """kvfence_tenant_sequences on a PD router: a request waiting in prefill, for transfer rows or
+    for decode's pages is in no node's scheduler (a fairness probe saw the prefill node report 0
+    waiting while a light tenant's request sat there for 25 s); the router's own count shows it."""
+    router = RouterBackend("http://127.0.0.1:9", "http://127.0.0.1:9", b"k" * 32)
+
+    async def main() -> dict:
+        loop = asyncio.get_running_loop()
+        done, pending, failed = loop.create_future(), loop.create_future(), loop.create_future()
+        done.set_result(True)
+        failed.set_exception(RuntimeError("refused"))
+        router._tenant_of.update({"a": ("heavy", done), "b": ("heavy", done), "c": ("light", pending),
+                                  "d": ("heavy", failed)})
+        return router.requests_by_tenant()
+
+    assert asyncio.run(main()) == {"heavy": {"running": 2, "waiting": 1}, "light": {"running": 0, "waiting": 1}}
