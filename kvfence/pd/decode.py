@@ -43,13 +43,10 @@ from kvfence.kv.ledger import BlockTable, Owner
 from kvfence.pd.link import PdLink
 from kvfence.pd.manifest import ManifestError, check_manifest, parse_handoff
 from kvfence.pd.messages import Handoff, Manifest
-from kvfence.pd.prefill import kill_point
+from kvfence.pd.prefill import BYPASS_LIMIT, kill_point
 from kvfence.pd.seal import SealError
 from kvfence.pd.settings import PDSettings
 
-# reservations that may be made past a waiting request (for later arrivals) before it blocks
-# the queue until it fits; bounds how long need-and-share ordering can pass a large request over
-BYPASS_LIMIT = 8
 # request ids the router gave up on (stop_pull) remembered at once; past this, stop_pull
 # answers "a read may run" for an id it cannot remember (prefill then fences: safe)
 GIVEN_UP_MAX = 65536
@@ -183,20 +180,40 @@ class KvImporter(PdLink):
         """The waiting request to reserve for next, or None. By need: among those that fit, the
         one whose tenant holds the fewest of decode's pages, then the oldest, so one tenant's
         large requests cannot hold the queue. A request passed over BYPASS_LIMIT times (others
-        that arrived after it were reserved first) stops the rest until it fits: nothing
-        starves."""
-        if not self.waiting or self.engine.scheduler.waiting:
-            # requests preempted here wait in the scheduler for pages: they go first (a new
-            # reservation would take the pages they need, and they have no lease to end them)
+        that arrived after it were reserved first) stops the rest of its kind until it fits:
+        nothing starves.
+
+        Requests preempted here wait in the scheduler for pages and go first (a new reservation
+        would take the pages they need, and they have no lease to end them), except for a
+        tenant that runs fewer sequences here than every tenant with one preempted: as on a
+        single node, where the tenant running the fewest starts next. (A fairness probe: one
+        tenant's n=16 requests filled decode's pool and kept preempting their own, and another
+        tenant's handoff waited behind them for up to 40 s while its rows sat on prefill.) A
+        tenant at its running share reserves nothing, as on a single node."""
+        if not self.waiting:
             return None
-        for seq in self.waiting:        # arrival order: the oldest barrier first
+        running = self._running_by_tenant()
+        preempted = self.engine.scheduler.waiting
+        floor = min((running[s.tenant] for s in preempted), default=None)
+        # a tenant at its running share starts nothing here, as on a single node (nor stops
+        # the others as a barrier)
+        share = self.engine.scheduler.max_seqs_per_tenant
+        candidates = [s for s in self.waiting if running[s.tenant] < share
+                      and (floor is None or running[s.tenant] < floor)]
+        for seq in candidates:        # arrival order: the oldest barrier first
             if self._bypassed[seq.request_id] >= BYPASS_LIMIT:
                 return seq if self._fits(seq) else None
         held = self._pages_by_tenant()
-        for seq in sorted(self.waiting, key=lambda s: (held[s.tenant], s.arrival)):
+        for seq in sorted(candidates, key=lambda s: (held[s.tenant], s.arrival)):
             if self._fits(seq):
                 return seq
         return None
+
+    def _running_by_tenant(self) -> Counter[str]:
+        """Sequences each tenant runs here: in the scheduler and reserved awaiting their pull."""
+        running = Counter(s.tenant for s in self.engine.scheduler.running)
+        running.update(self.pulls[pid].seq.tenant for pid in self.live.values())
+        return running
 
     def _pages_by_tenant(self) -> Counter[str]:
         held: Counter[str] = Counter()

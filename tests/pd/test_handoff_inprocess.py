@@ -585,3 +585,75 @@ def test_a_manifest_without_a_key_id_opens_with_decodes_own_secret(pair, loaded_
     seq, events = pair.decode(ids, params, "rot3", m)
     assert events[0] == "kv_verified" and seq.output_ids == single(loaded_fp32, ids, params)
     assert pair.p.release_kv("rot3") == "released"
+
+
+def test_a_tenant_at_its_running_share_reserves_nothing_and_holds_up_no_one(loaded_fp32):
+    """Decode applies the tenant's running share to reservations, as a single node's scheduler
+    does to starts: A's third request waits though it fits; B's, after it, is reserved."""
+    from kvfence.engine.request_states import State
+    pr = Pair(loaded_fp32, decode_kw={"max_num_seqs": 4, "tenant_running_share": 0.5})
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    a = [_admit(pr, prompt(20, 100 + i), params, f"a{i}", "A") for i in range(3)]
+    b = _admit(pr, prompt(20, 110), params, "b", "B")
+    assert [s.state for s in a] == [State.AWAITING_KV, State.AWAITING_KV, State.WAITING]
+    assert b.state is State.AWAITING_KV
+    _run_until(pr, lambda: all(s.finished for s in (*a, b)))
+    assert all(s.finish_reason == "length" for s in (*a, b))
+    for rid in ("a0", "a1", "a2", "b"):
+        pr.p.release_kv(rid)
+    assert pr.d.ledger.num_owned == 0 and pr.imp.staging.ledger.num_owned == 0
+
+
+def test_a_tenant_running_fewer_is_reserved_past_anothers_preempted_requests(loaded_fp32):
+    """Requests preempted on decode go before new reservations, except a tenant's that runs fewer
+    sequences there than every tenant with one preempted (as on a single node, the tenant running
+    the fewest starts next): a fairness probe saw one tenant's n=16 requests fill decode's pool
+    and preempt their own while another tenant's handoff waited up to 40 s."""
+    from kvfence.engine.request_states import State
+    pr = Pair(loaded_fp32)
+    params = SamplingParams(max_tokens=30, **GREEDY)
+    a0, a1 = (_admit(pr, prompt(20, 120 + i), params, f"a{i}", "A") for i in range(2))
+    _run_until(pr, lambda: a0.state is State.DECODING and a1.state is State.DECODING)
+    pr.d.scheduler._preempt(a1)          # as a page shortage does: A has one running, one preempted
+    b = _admit(pr, prompt(20, 130), params, "b", "B")
+    a2 = _admit(pr, prompt(20, 131), params, "a2", "A")
+    assert b.state is State.AWAITING_KV, "B, running none, waited behind A's preempted request"
+    assert a2.state is State.WAITING     # A's new one waits for its preempted one
+    _run_until(pr, lambda: all(s.finished for s in (a0, a1, a2, b)))
+    assert all(s.finish_reason == "length" for s in (a0, a1, a2, b))
+    for rid in ("a0", "a1", "a2", "b"):
+        pr.p.release_kv(rid)
+    assert pr.d.ledger.num_owned == 0 and pr.imp.staging.ledger.num_owned == 0
+
+
+def test_freed_transfer_rows_go_to_the_tenant_holding_the_fewest(loaded_fp32):
+    """Prefill stages computed prompts by the rows their tenant holds, then by arrival: with A
+    holding every row, B's prompt gets the first rows that come back, before A's older one (first
+    come, first served let one tenant's handoffs hold the buffer: a fairness probe)."""
+    ids = [prompt(60, 140 + i) for i in range(5)]
+    led = Pair(loaded_fp32).p.ledger
+    rows = led.pages_for(59)
+    # a buffer of three prompts' rows (it must hold a whole context: the context is that long)
+    context = {"max_model_len": 3 * rows * led.page_size}
+    pr = Pair(loaded_fp32, prefill_kw=context, decode_kw=context, transfer_buffer_pages=3 * rows)
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    for i in range(3):
+        pr.prefill(ids[i], params, f"a{i}", tenant="A")          # held: every row is A's
+    pr.p.add_request(ids[3], params, tenant="A", request_id="a3", hold_kv=True)
+    held: list[str] = []
+
+    def step() -> None:
+        held.extend(o.seq.request_id for o in pr.p.step() if o.event == "kv_held")
+
+    for _ in range(20):
+        step()
+    pr.p.add_request(ids[4], params, tenant="B", request_id="b", hold_kv=True)
+    for _ in range(20):
+        step()
+    assert held == [] and [s.request_id for s in pr.exp.pending] == ["a3", "b"]   # both computed, waiting
+    pr.p.release_kv("a0")                                        # one request's rows come back
+    step()
+    assert held == ["b"], held
+    pr.p.release_kv("a1")
+    step()
+    assert held == ["b", "a3"], held
