@@ -197,8 +197,9 @@ class RouterBackend:
         self._started = False
         self._stopped = False
         self._tasks: dict[str, asyncio.Task] = {}
-        # rid -> (tenant, its decode admission): who waits and who generates, for the operator
-        # (kvfence_tenant_sequences; the nodes' own counts miss a request waiting for transfer rows)
+        # rid -> (tenant, its decode admission): who waits in prefill and who reached decode, for
+        # the operator (kvfence_tenant_sequences; the nodes' own counts miss a request waiting for
+        # transfer rows or for decode's pages)
         self._tenant_of: dict[str, tuple[str, asyncio.Future]] = {}
         self._cancelled: set[str] = set()   # aborts already under way (see abort)
         # end_all: the abort code a submission gets from then on, and each ended request's (code, why)
@@ -391,8 +392,9 @@ class RouterBackend:
         self.snapshot["sequences_by_tenant"] = self.requests_by_tenant()
 
     def requests_by_tenant(self) -> dict[str, dict[str, int]]:
-        """tenant -> its requests in flight here: running (a decode node admitted it) and waiting
-        (in prefill, for transfer rows, or for decode's pages). Read from the monitor's thread."""
+        """tenant -> its requests in flight here: running (a decode node admitted it: decoding, or
+        queued there for its pages) and waiting (in prefill, or for transfer rows). Read from the
+        monitor's thread."""
         out: dict[str, dict[str, int]] = {}
         for tenant, admitted in list(self._tenant_of.values()):
             state = "running" if admitted.done() and not admitted.cancelled() and admitted.exception() is None \

@@ -139,8 +139,9 @@ class _EngineCollector:
         if "sequences_by_tenant" in s:   # an engine's own, or a PD router's requests in flight
             by = GaugeMetricFamily("kvfence_tenant_sequences", "Sequences running and waiting, by tenant: whether "
                                    "one tenant holds the running slots while another waits (a tenant with none "
-                                   "is not listed); on a PD router, requests decoding and those not yet "
-                                   "admitted by a decode node (prefill, transfer rows, decode's pages)",
+                                   "is not listed); on a PD router, requests a decode node has admitted "
+                                   "(decoding, or queued there for its pages) and those not yet (in prefill, "
+                                   "or waiting for transfer rows)",
                                    labels=["tenant", "state"])
             for tenant, counts in sorted(s["sequences_by_tenant"].items()):
                 for state in ("running", "waiting"):
