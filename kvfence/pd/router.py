@@ -197,10 +197,10 @@ class RouterBackend:
         self._started = False
         self._stopped = False
         self._tasks: dict[str, asyncio.Task] = {}
-        # rid -> (tenant, its decode admission): who waits in prefill and who reached decode, for
-        # the operator (kvfence_tenant_sequences; the nodes' own counts miss a request waiting for
-        # transfer rows or for decode's pages)
-        self._tenant_of: dict[str, tuple[str, asyncio.Future]] = {}
+        # rid -> [tenant, generating]: whose requests wait (prefill, transfer rows, decode's pages)
+        # and whose generate, for the operator (kvfence_tenant_sequences; each node's own counts
+        # miss a request waiting for transfer rows or for decode's pages)
+        self._tenant_of: dict[str, list] = {}
         self._cancelled: set[str] = set()   # aborts already under way (see abort)
         # end_all: the abort code a submission gets from then on, and each ended request's (code, why)
         self.closing: str | None = None
@@ -392,14 +392,12 @@ class RouterBackend:
         self.snapshot["sequences_by_tenant"] = self.requests_by_tenant()
 
     def requests_by_tenant(self) -> dict[str, dict[str, int]]:
-        """tenant -> its requests in flight here: running (a decode node admitted it: decoding, or
-        queued there for its pages) and waiting (in prefill, or for transfer rows). Read from the
-        monitor's thread."""
+        """tenant -> its requests in flight here: running (its KV reached decode, or decode's first
+        token came) and waiting (in prefill, for transfer rows, or for decode's pages). Read from
+        the monitor's thread."""
         out: dict[str, dict[str, int]] = {}
-        for tenant, admitted in list(self._tenant_of.values()):
-            state = "running" if admitted.done() and not admitted.cancelled() and admitted.exception() is None \
-                else "waiting"
-            out.setdefault(tenant, {"running": 0, "waiting": 0})[state] += 1
+        for tenant, generating in list(self._tenant_of.values()):
+            out.setdefault(tenant, {"running": 0, "waiting": 0})["running" if generating else "waiting"] += 1
         return out
 
     def wait_ready(self, timeout: float | None = None) -> bool:
@@ -482,7 +480,7 @@ class RouterBackend:
         task = asyncio.create_task(self._run(rid, list(prompt_ids), params, tenant, public_prefix_scope, stamp,
                                              handle, admitted))
         self._tasks[rid] = task
-        self._tenant_of[rid] = (tenant, admitted)
+        self._tenant_of[rid] = [tenant, False]
         task.add_done_callback(lambda _t: self._tasks.pop(rid, None))
         task.add_done_callback(lambda _t: self._tenant_of.pop(rid, None))
 
@@ -803,6 +801,8 @@ class RouterBackend:
                     raise NodeError(f"decode node: {ev.error}", ev.abort_code)
                 if not isinstance(ev, ProgressEvent):
                     raise NodeError(f"decode node: unexpected {ev.event} event", "node_error")
+                if body.request_id in self._tenant_of:   # it generates now (kvfence_tenant_sequences)
+                    self._tenant_of[body.request_id][1] = True
                 if ev.event == "kv_verified":
                     flight.released = True
                     assert flight.prefill is not None

@@ -139,9 +139,9 @@ class _EngineCollector:
         if "sequences_by_tenant" in s:   # an engine's own, or a PD router's requests in flight
             by = GaugeMetricFamily("kvfence_tenant_sequences", "Sequences running and waiting, by tenant: whether "
                                    "one tenant holds the running slots while another waits (a tenant with none "
-                                   "is not listed); on a PD router, requests a decode node has admitted "
-                                   "(decoding, or queued there for its pages) and those not yet (in prefill, "
-                                   "or waiting for transfer rows)",
+                                   "is not listed); on a PD router, requests generating (their KV reached "
+                                   "decode) and those not yet (in prefill, waiting for transfer rows or for "
+                                   "decode's pages)",
                                    labels=["tenant", "state"])
             for tenant, counts in sorted(s["sequences_by_tenant"].items()):
                 for state in ("running", "waiting"):

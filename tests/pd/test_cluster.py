@@ -90,6 +90,24 @@ def test_pd_output_equals_single_node(cluster, client, make_llm):
     assert all("node" not in p and "state" not in p for p in tenant_view(st, Tenant())["capacity"]["pools"])
 
 
+def test_the_router_counts_a_tenants_request_as_it_moves(cluster, client):
+    """kvfence_tenant_sequences on the router: a streaming request counts as running once decode
+    generates it, and as nothing once it ended (nodes' own counts miss a request waiting for rows)."""
+    running = 'kvfence_tenant_sequences{state="running",tenant="default"} 1.0'
+    stream = client.completions.create(model=model_name(client), prompt="Count from one to a thousand:",
+                                       max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True})
+    seen = False
+    for i, _ in enumerate(stream):
+        if i % 10 == 0 and not seen:
+            seen = running in httpx.get(cluster.url("router") + "/metrics", timeout=10).text
+    assert seen, "the router never counted the streaming request as running"
+    cluster.wait_quiet()
+    deadline = time.monotonic() + 10
+    while running in httpx.get(cluster.url("router") + "/metrics", timeout=10).text and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert running not in httpx.get(cluster.url("router") + "/metrics", timeout=10).text
+
+
 def test_concurrent_requests_and_streaming(cluster, client, make_llm):
     m = model_name(client)
     prompts = [f"Tell me about the number {i}." + (" Please explain in detail." * i) for i in range(6)]
