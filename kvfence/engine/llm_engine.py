@@ -263,7 +263,8 @@ class LLMEngine:
             self.outcomes["rejected"] += 1
             raise
         seq.on(Event.ADMIT)
-        lead = self.requests.get(after) if after is not None else None
+        # without a prefix cache there is nothing to attach: the choice need not wait
+        lead = self.requests.get(after) if after is not None and self.scheduler.prefix_cache is not None else None
         if lead is not None and lead.tenant == tenant and lead.cache_scope == scope and not lead.finished:
             seq.after = lead
         seq.generator = make_generator(params.seed, self.device)

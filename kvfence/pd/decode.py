@@ -189,24 +189,36 @@ class KvImporter(PdLink):
         single node, where the tenant running the fewest starts next. (A fairness probe: one
         tenant's n=16 requests filled decode's pool and kept preempting their own, and another
         tenant's handoff waited behind them for up to 40 s while its rows sat on prefill.) A
-        tenant at its running share reserves nothing, as on a single node."""
-        if not self.waiting:
-            return None
+        tenant at its running share waits while another tenant's request could be reserved
+        instead, as on a single node (but alone it is not held to it: see _candidates)."""
+        chosen = self._choose()
+        return None if chosen is None else chosen[0]
+
+    def _candidates(self) -> list[Sequence]:
+        """The waiting requests that may be reserved for now (see _pick), in arrival order."""
         running = self._running_by_tenant()
         preempted = self.engine.scheduler.waiting
         floor = min((running[s.tenant] for s in preempted), default=None)
-        # a tenant at its running share starts nothing here, as on a single node (nor stops
-        # the others as a barrier)
+        out = [s for s in self.waiting if floor is None or running[s.tenant] < floor]
+        # a tenant at its running share waits while another tenant's request could go instead;
+        # alone it is not held to it (a single node's queue has no lease: here its handoffs would
+        # end with lease_expired while slots sat idle, a review found)
         share = self.engine.scheduler.max_seqs_per_tenant
-        candidates = [s for s in self.waiting if running[s.tenant] < share
-                      and (floor is None or running[s.tenant] < floor)]
+        under = [s for s in out if running[s.tenant] < share]
+        return under or out
+
+    def _choose(self) -> tuple[Sequence, list[Sequence]] | None:
+        """_pick's request and the candidates it was chosen among."""
+        if not self.waiting:
+            return None
+        candidates = self._candidates()
         for seq in candidates:        # arrival order: the oldest barrier first
             if self._bypassed[seq.request_id] >= BYPASS_LIMIT:
-                return seq if self._fits(seq) else None
+                return (seq, candidates) if self._fits(seq) else None
         held = self._pages_by_tenant()
         for seq in sorted(candidates, key=lambda s: (held[s.tenant], s.arrival)):
             if self._fits(seq):
-                return seq
+                return seq, candidates
         return None
 
     def _running_by_tenant(self) -> Counter[str]:
@@ -282,11 +294,12 @@ class KvImporter(PdLink):
             self._bypassed.pop(late.request_id, None)
             yield self._abort(late, "lease_expired", "the prefill node's KV lease ran out before the "
                               "transfer could start", reader_stopped=True)
-        while (seq := self._pick()) is not None:
+        while (chosen := self._choose()) is not None:
+            seq, candidates = chosen
             m = _manifest(seq)
             self.waiting.remove(seq)
             self._bypassed.pop(seq.request_id, None)
-            for other in self.waiting:
+            for other in candidates:   # passed over: only those that could have gone instead
                 if other.arrival < seq.arrival:
                     self._bypassed[other.request_id] += 1
             yield Reserve(seq, self._reserve_pages(seq))

@@ -388,8 +388,9 @@ class RouterBackend:
         assert self.fleet is not None
         fleet = self.fleet
         self._ready = fleet.ready and not self._stopped
-        self.snapshot = _merge_snapshots(fleet)
-        self.snapshot["sequences_by_tenant"] = self.requests_by_tenant()
+        snapshot = _merge_snapshots(fleet)
+        snapshot["sequences_by_tenant"] = self.requests_by_tenant()
+        self.snapshot = snapshot   # swapped whole: a scrape reads one or the other
 
     def requests_by_tenant(self) -> dict[str, dict[str, int]]:
         """tenant -> its requests in flight here: running (its KV reached decode, or decode's first

@@ -887,9 +887,10 @@ async def _submit_unless_gone(state: ServerState, request: Request, choices: lis
             pending -= waiters
             if any(s.done() and not s.cancelled() and s.exception() is not None for s in subs):
                 break   # one was refused: the rest need not wait (the caller aborts what was admitted)
-    except BaseException:   # the request itself is cancelled: so is every submit (each aborts its own)
+    except BaseException:   # the request itself is cancelled: so is every submit, and what was admitted
         for sub in subs:
             sub.cancel()
+        _abort_all(state, choices, "client disconnected")
         raise
     finally:
         watcher.cancel()
@@ -897,14 +898,15 @@ async def _submit_unless_gone(state: ServerState, request: Request, choices: lis
             w.cancel()
     stopped = gone.is_set() or revoked.is_set()
     failure: BaseException | None = None
+    for sub in subs:
+        sub.cancel()   # those still waiting (a cancelled submit aborts what it admitted)
     for c, sub in zip(choices, subs):
-        if not sub.done():
-            sub.cancel()   # a cancelled submit aborts what it admitted
         try:
             c.handle = await sub
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():   # the request's own task, not the one cancelled here
+                _abort_all(state, choices, "client disconnected")
                 raise
         except Exception as e:  # noqa: BLE001 - the first one is raised below
             failure = failure or e
@@ -1138,9 +1140,12 @@ def _choices(state: ServerState, req: GenerationRequest, prompts: list[list[int]
 
 
 def _abort_all(state: ServerState, choices: list[_Choice], reason: str) -> None:
+    """Abort every choice still running. One without a handle too, by its id: its submit may
+    have admitted it just as the request was cancelled (abort is idempotent, and an id the
+    engine never saw is nothing to it)."""
     for c in choices:
-        if c.handle is not None and not c.handle.done and not c.done:
-            state.engine.abort(c.handle.request_id, reason)
+        if c.handle is None or (not c.handle.done and not c.done):
+            state.engine.abort(c.rid, reason)
 
 
 class _Run:

@@ -41,8 +41,11 @@ def start_choices(eng, ids):
     others start after it."""
     lead = eng.add_request(ids, params(100), tenant="A")
     others = [eng.add_request(ids, params(100 + j), tenant="A", after=lead.request_id) for j in range(1, N)]
-    while any(s.state is State.WAITING for s in others):
+    for _ in range(100):
+        if not any(s.state is State.WAITING for s in others):
+            break
         eng.step()   # they attach the cached pages and compute the partial page
+    assert not any(s.state is State.WAITING for s in others), "the other choices never started"
     return [lead, *others]
 
 

@@ -87,7 +87,7 @@ def test_a_refused_choice_refuses_the_request_and_stops_the_admitted_ones():
     with pytest.raises(Overloaded):
         asyncio.run(_admit(engine, choices))
     aborted = {rid for rid, _ in engine.aborts}
-    assert aborted == {c.rid for c in choices if c.rid != "r-2"}, engine.aborts   # nothing is left running
+    assert {"r", "r-1", "r-3"} <= aborted, engine.aborts   # every admitted one: nothing is left running
 
 
 def test_a_client_that_leaves_while_choices_wait_stops_them_all():
@@ -101,7 +101,7 @@ def test_a_client_that_leaves_while_choices_wait_stops_them_all():
     with pytest.raises(app._ClientGone):
         asyncio.run(main())
     assert engine.cancelled == ["r-2"]
-    assert {rid for rid, _ in engine.aborts} == {"r", "r-1"}, engine.aborts
+    assert {"r", "r-1"} <= {rid for rid, _ in engine.aborts}, engine.aborts
 
 
 def test_a_key_revoked_while_choices_wait_stops_them_all():
@@ -116,4 +116,25 @@ def test_a_key_revoked_while_choices_wait_stops_them_all():
         asyncio.run(main())
     assert engine.cancelled == ["r-1"]
     assert ("r-2", "API key revoked") in engine.aborts   # admitted beside the one that waited
-    assert {rid for rid, _ in engine.aborts} == {"r", "r-2"}, engine.aborts
+    assert {"r", "r-2"} <= {rid for rid, _ in engine.aborts}, engine.aborts
+
+
+def test_a_request_cancelled_while_its_choices_wait_leaves_none_running():
+    """The handler's task cancelled (the server stopping it) while one choice is admitted and
+    another still waits: both are aborted, the admitted one by its id, though it never got its
+    handle (found in review: it ran to max_tokens with no reader and its lease went uncharged)."""
+    engine = _Engine(hang={"r-1"})
+    lead = app._Choice(0, "r", [1, 2, 3], SamplingParams(max_tokens=5), True)
+    other = app._Choice(1, "r-1", [4, 5, 6], SamplingParams(max_tokens=5), True)   # a second prompt's
+
+    async def main() -> None:
+        task = asyncio.ensure_future(app._submit_unless_gone(types.SimpleNamespace(engine=engine), _Request(),
+                                                             [lead, other], Tenant("t"), asyncio.Event()))
+        await asyncio.sleep(0.05)          # "r" admitted, "r-1" waiting
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert engine.cancelled == ["r-1"]
+    assert "r" in {rid for rid, _ in engine.aborts}, engine.aborts
