@@ -493,7 +493,10 @@ class RouterBackend:
         try:
             await admitted
         except BaseException:
-            task.cancel()
+            # through abort: a later abort of the same id (the server's, for a choice whose submit
+            # it gave up on) must not cancel it again mid-cleanup (the prefill node then held
+            # KV for a client that had hung up)
+            self.abort(rid, "the submit was abandoned")
             raise
         handle.admitted = Admitted(rid, len(prompt_ids), max_tokens)
         return handle
