@@ -142,13 +142,17 @@ def test_one_odd_node_is_refused_not_the_rest():
 
 
 def test_a_preempted_decode_request_goes_before_new_reservations():
-    """Decode reserves nothing new while a request it preempted waits for pages."""
+    """Decode reserves nothing new for a tenant while a request it preempted waits for pages
+    (another tenant running fewer may go first: tests/pd/test_handoff_inprocess.py)."""
+    from collections import Counter
     from types import SimpleNamespace
 
     from kvfence.pd.decode import KvImporter
     imp = KvImporter.__new__(KvImporter)
-    imp.waiting = [object()]
-    imp.engine = SimpleNamespace(scheduler=SimpleNamespace(waiting=[object()]))
+    imp.waiting = [SimpleNamespace(tenant="A", request_id="new", arrival=1.0)]
+    imp.live, imp.pulls, imp._bypassed = {}, {}, Counter()
+    imp.engine = SimpleNamespace(scheduler=SimpleNamespace(
+        waiting=[SimpleNamespace(tenant="A")], running=[SimpleNamespace(tenant="A", table=[1])], max_seqs_per_tenant=8))
     assert imp._pick() is None
 
 
