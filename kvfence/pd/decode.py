@@ -43,7 +43,7 @@ from kvfence.kv.ledger import BlockTable, Owner
 from kvfence.pd.link import PdLink
 from kvfence.pd.manifest import ManifestError, check_manifest, parse_handoff
 from kvfence.pd.messages import Handoff, Manifest
-from kvfence.pd.prefill import BYPASS_LIMIT, kill_point
+from kvfence.pd.prefill import kill_point, next_by_share
 from kvfence.pd.seal import SealError
 from kvfence.pd.settings import PDSettings
 
@@ -212,27 +212,22 @@ class KvImporter(PdLink):
         if not self.waiting:
             return None
         candidates = self._candidates()
-        for seq in candidates:        # arrival order: the oldest barrier first
-            if self._bypassed[seq.request_id] >= BYPASS_LIMIT:
-                return (seq, candidates) if self._fits(seq) else None
         held = self._pages_by_tenant()
-        for seq in sorted(candidates, key=lambda s: (held[s.tenant], s.arrival)):
-            if self._fits(seq):
-                return seq, candidates
-        return None
+        seq = next_by_share(candidates, self._bypassed, self._fits, lambda s: (held[s.tenant], s.arrival))
+        return None if seq is None else (seq, candidates)
+
+    def _sequences_here(self) -> Iterator[Sequence]:
+        """The sequences this node runs: in the scheduler, and reserved awaiting their pull."""
+        yield from self.engine.scheduler.running
+        for pid in self.live.values():
+            yield self.pulls[pid].seq
 
     def _running_by_tenant(self) -> Counter[str]:
-        """Sequences each tenant runs here: in the scheduler and reserved awaiting their pull."""
-        running = Counter(s.tenant for s in self.engine.scheduler.running)
-        running.update(self.pulls[pid].seq.tenant for pid in self.live.values())
-        return running
+        return Counter(s.tenant for s in self._sequences_here())
 
     def _pages_by_tenant(self) -> Counter[str]:
         held: Counter[str] = Counter()
-        for s in self.engine.scheduler.running:
-            held[s.tenant] += len(s.table)
-        for pid in self.live.values():
-            s = self.pulls[pid].seq
+        for s in self._sequences_here():
             held[s.tenant] += len(s.table)
         return held
 

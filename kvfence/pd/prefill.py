@@ -18,8 +18,9 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from kvfence import faults
 from kvfence.engine.kv_link import Decision, EndRequest, Hold, ReadRefused, ReleaseRequest, contained
@@ -45,6 +46,18 @@ def kill_point(point: str) -> None:
 # arrivals before it blocks the queue until it fits; bounds how long ordering by need and share
 # can pass a large request over
 BYPASS_LIMIT = 8
+
+
+def next_by_share(queue: list[Sequence], bypassed: Counter[str], fits: Callable[[Sequence], bool],
+                  key: Callable[[Sequence], Any]) -> Sequence | None:
+    """Prefill's staging and decode's reservations alike: of `queue` (arrival order), the first
+    passed over BYPASS_LIMIT times if any (it stops the rest until it fits: nothing starves),
+    else the first by `key` (the tenant's share held; a stable sort keeps arrival order) that
+    fits; None: nothing can go now."""
+    for seq in queue:
+        if bypassed[seq.request_id] >= BYPASS_LIMIT:
+            return seq if fits(seq) else None
+    return next((seq for seq in sorted(queue, key=key) if fits(seq)), None)
 
 
 @dataclass
@@ -77,16 +90,10 @@ class KvExporter(PdLink):
         first served, and a fairness probe saw one tenant hold 1,400 of 1,455 rows with handoffs
         decode could not take yet while another tenant's prompt waited behind them). One passed
         over BYPASS_LIMIT times stops the rest until it fits: nothing starves."""
-        for seq in self.pending:
-            if self._bypassed[seq.request_id] >= BYPASS_LIMIT:
-                return seq if self._fits(seq) else None
         held: Counter[str] = Counter()
         for h in self.held.values():
             held[h.seq.tenant] += len(h.rows)
-        for seq in sorted(self.pending, key=lambda s: held[s.tenant]):   # stable: the oldest first
-            if self._fits(seq):
-                return seq
-        return None
+        return next_by_share(self.pending, self._bypassed, self._fits, lambda s: held[s.tenant])
 
     def queued(self) -> list[Sequence]:
         return list(self.pending)

@@ -912,9 +912,7 @@ async def _submit_unless_gone(state: ServerState, request: Request, choices: lis
             failure = failure or e
     if stopped:
         why, error = ("API key revoked", KeyRevoked()) if revoked.is_set() else ("client disconnected", _ClientGone())
-        for c in choices:
-            if c.handle is not None:
-                state.engine.abort(c.handle.request_id, why)  # admitted just as it left
+        _abort_all(state, choices, why)   # those admitted just as it left
         raise error
     if failure is not None:
         raise failure

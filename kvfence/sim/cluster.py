@@ -1367,16 +1367,14 @@ class Simulation(ScopeModel):
             if eng.ledger.pages_for(s.num_computed) <= rows:
                 self._idle_with_work(node, f"prefill goes idle with {s.request_id} waiting for transfer-buffer rows "
                                            f"although {rows} are free: it waits {until}")
-        # a tenant at its running share waits while another tenant's could go (its pulls in
-        # flight end by a notice or a timer, which wake the node): the oldest request of a tenant
-        # under its share, or the oldest of all when every waiting tenant is at it
-        running = Counter(q.tenant for q in eng.scheduler.running)
-        if node.role == "decode":
+        if node.role == "decode" and link.waiting:
+            # a tenant at its running share waits while another tenant's could go (its pulls in
+            # flight end by a notice or a timer, which wake the node): the oldest request of a
+            # tenant under its share, or the oldest of all when every waiting tenant is at it
+            running = Counter(q.tenant for q in eng.scheduler.running)
             running.update(link.pulls[pid].seq.tenant for pid in link.live.values())
-        waiting = list(getattr(link, "waiting", []))
-        startable = [q for q in waiting if running[q.tenant] < eng.scheduler.max_seqs_per_tenant] or waiting
-        if node.role == "decode" and startable:
-            s = startable[0]
+            s = next((q for q in link.waiting if running[q.tenant] < eng.scheduler.max_seqs_per_tenant),
+                     link.waiting[0])
             m = s.kv_source.manifest
             if node.clock() < m.lease_deadline - self.cfg.clock_skew_s:
                 need = eng.ledger.pages_for(len(s.prompt_ids) + s.max_tokens)

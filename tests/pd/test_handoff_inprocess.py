@@ -475,7 +475,7 @@ def test_a_request_passed_over_too_often_stops_the_queue_until_it_fits(loaded_fp
     """The bound on need-based order: once BYPASS_LIMIT later requests were reserved past A's
     waiting request, the next one (which fits) waits until A's has been reserved."""
     from kvfence.engine.request_states import State
-    from kvfence.pd.decode import BYPASS_LIMIT
+    from kvfence.pd.prefill import BYPASS_LIMIT
     pr = Pair(loaded_fp32, decode_kw={"kv_cache_memory": "16MiB"})
     big, tiny = SamplingParams(max_tokens=40, **GREEDY), SamplingParams(max_tokens=1, **GREEDY)
     a1 = _admit(pr, prompt(200, 80), big, "a1", "A")
