@@ -931,7 +931,7 @@ class Canary:
 
 # refusals by a tenant's own limits: they come before the engine's checks
 TENANT_LIMIT_CODES = frozenset({"tenant_max_prompt_tokens", "tenant_tokens_per_minute",
-                                "tenant_max_concurrent_requests"})
+                                "tenant_requests_per_minute", "tenant_max_concurrent_requests"})
 
 
 def judge(report: CanaryReport, requests: list[RequestResult]) -> None:

@@ -546,6 +546,7 @@ _REJECTION_REASON = {"context_length_exceeded": "context_length_exceeded",
                      "tenant_max_prompt_tokens": "tenant_max_prompt_tokens",
                      "tenant_max_concurrent_requests": "tenant_max_concurrent_requests",
                      "tenant_tokens_per_minute": "tenant_tokens_per_minute",
+                     "tenant_requests_per_minute": "tenant_requests_per_minute",
                      "invalid_api_key": "unauthorized", "model_not_found": "model_not_found",
                      "model_not_ready": "not_ready", "engine_unavailable": "not_ready",
                      "server_overloaded": "server_overloaded", "server_shutting_down": "not_ready"}

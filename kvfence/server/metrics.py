@@ -18,8 +18,8 @@ from kvfence.server.errors import ABORT_STATUS
 from kvfence.server.http_limits import REFUSAL_REASONS, ConnectionRefusals
 
 REJECTION_REASONS = ("context_length_exceeded", "tenant_max_prompt_tokens", "tenant_max_concurrent_requests",
-                     "tenant_tokens_per_minute", "invalid_request", "unauthorized", "model_not_found",
-                     "not_ready", "server_overloaded")
+                     "tenant_tokens_per_minute", "tenant_requests_per_minute", "invalid_request", "unauthorized",
+                     "model_not_found", "not_ready", "server_overloaded")
 INVARIANTS = ("I1", "I2", "I3", "I4", "I5", "I6")
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 

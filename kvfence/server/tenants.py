@@ -10,6 +10,7 @@ The tenants file is TOML:
     max_prompt_tokens = 4096        # a cap below the engine's context
     max_concurrent_requests = 8
     tokens_per_minute = 200000      # prompt + completion tokens in any 60 s window
+    requests_per_minute = 600       # requests taken in any 60 s window (those refused do not count)
     public_prefix_scope = "docs-v1" # optional opt-in: share cached prompt prefixes with the other
                                     # tenants that name the same scope (default: own tenant only)
 
@@ -50,7 +51,8 @@ RESERVED_NAMES = frozenset({UNAUTHENTICATED})
 # what a client can send in a header as written: printable ASCII, and spaces only inside (the
 # header is stripped, so an outer one could never match)
 _KEY = re.compile(r"[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?")
-LIMIT_FIELDS = ("max_prompt_tokens", "max_concurrent_requests", "tokens_per_minute", "default_max_tokens")
+LIMIT_FIELDS = ("max_prompt_tokens", "max_concurrent_requests", "tokens_per_minute", "requests_per_minute",
+                "default_max_tokens")
 _NAME = re.compile(TENANT_NAME)
 WINDOW_S = 60.0
 MAX_FILE_BYTES = 64 << 20
@@ -65,6 +67,10 @@ class Limits:
     max_prompt_tokens: int | None = None
     max_concurrent_requests: int | None = None
     tokens_per_minute: int | None = None
+    # requests taken in any 60 s: each one costs the server its parse, template and tokenize
+    # (and a PD router a prefill and a handoff) whatever it generates, which tokens_per_minute
+    # does not see: a flood of tiny or hung-up requests stayed under it (found in a probe)
+    requests_per_minute: int | None = None
     default_max_tokens: int | None = None   # the completion limit of a request that sets none
 
 
@@ -431,13 +437,15 @@ class Lease:
 
 
 class TenantLimiter:
-    """Per-tenant prompt cap (400), concurrency and tokens-per-minute (429 with Retry-After)."""
+    """Per-tenant prompt cap (400), concurrency, requests and tokens per minute (429 with
+    Retry-After)."""
 
     def __init__(self, clock=time.monotonic):
         self._clock = clock
         self._lock = threading.Lock()
         self._in_flight: dict[str, int] = {}
         self._used: dict[str, deque[list]] = {}   # tenant -> [time, tokens] entries, oldest first
+        self._taken: dict[str, deque[float]] = {}   # tenant -> when each request was taken, oldest first
         self._open: set[Lease] = set()              # every lease not yet released
 
     def forget(self, tenants: list[str]) -> None:
@@ -446,6 +454,7 @@ class TenantLimiter:
         with self._lock:
             for name in tenants:
                 self._used.pop(name, None)
+                self._taken.pop(name, None)
 
     def revoke_unless(self, still_valid: Callable[[Lease], bool]) -> int:
         """Revoke every open lease that `still_valid` refuses (a reload's check of its key);
@@ -482,9 +491,11 @@ class TenantLimiter:
     def hold(self, tenant: Tenant, key: bytes | None = None) -> Lease:
         """A concurrency slot only. Generation takes it as soon as the key is known, so parsing,
         templating and tokenizing run inside the tenant's limit; /tokenize and /detokenize stop
-        here (they generate nothing: no prompt cap, no tokens_per_minute)."""
+        here (they generate nothing: no prompt cap, no tokens_per_minute). Each one taken counts
+        against requests_per_minute; one refused here does not."""
         with self._lock:
             self._check_slot(tenant)
+            self._count_request(tenant)
             self._in_flight[tenant.name] = self.in_flight(tenant.name) + 1
             lease = Lease(self, tenant, key)
             self._open.add(lease)
@@ -535,6 +546,31 @@ class TenantLimiter:
         if most is not None and self.in_flight(tenant.name) >= most:
             raise APIError(429, f"Too many concurrent requests: this API key may have {most} in flight.",
                            code="tenant_max_concurrent_requests", headers={"Retry-After": "1"})
+
+    def requests_in_window(self, tenant: str) -> int:
+        with self._lock:
+            return len(self._requests_window(tenant, self._clock()))
+
+    def _requests_window(self, tenant: str, now: float) -> deque[float]:
+        taken = self._taken.setdefault(tenant, deque())
+        while taken and taken[0] <= now - WINDOW_S:
+            taken.popleft()
+        return taken
+
+    def _count_request(self, tenant: Tenant) -> None:
+        """Under the lock: 429 when the tenant took requests_per_minute requests in the last
+        60 s, else count this one."""
+        most = tenant.limits.requests_per_minute
+        if most is None:
+            return
+        now = self._clock()
+        taken = self._requests_window(tenant.name, now)
+        if len(taken) >= most:
+            # the oldest of the window leaves it first: then one more fits
+            wait = max(1, math.ceil(taken[len(taken) - most] + WINDOW_S - now))
+            raise APIError(429, f"Rate limit reached: this API key may make {most} requests per minute; try again "
+                                f"in {wait} s.", code="tenant_requests_per_minute", headers={"Retry-After": str(wait)})
+        taken.append(now)
 
     @staticmethod
     def _wait_for(used: deque, excess: int, now: float) -> int:

@@ -53,7 +53,7 @@ def test_a_key_reads_its_own_limits_in_the_model_card(make_server):
     card = srv.client("sk-brief-00001").models.list().data[0].model_dump()
     limits = card["tenant_limits"]
     assert limits == {"max_prompt_tokens": 300, "max_concurrent_requests": limits["max_concurrent_requests"],
-                      "tokens_per_minute": None, "default_max_tokens": 5}
+                      "tokens_per_minute": None, "requests_per_minute": None, "default_max_tokens": 5}
     assert limits["max_concurrent_requests"] >= 1     # the tenants file's default share of the node
     assert card["max_model_len"] > 300
     other = srv.client("metered").models.retrieve(MODEL).model_dump()["tenant_limits"]
@@ -192,6 +192,62 @@ def test_tokens_per_minute_gives_429_with_retry_after(server):
     assert e.value.code == "tenant_tokens_per_minute" and "60" in e.value.message
     assert 1 <= int(e.value.response.headers["retry-after"]) <= 60
     assert server.client("alice").completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage
+
+
+def test_requests_per_minute_gives_429_and_counts_only_what_it_takes(make_server):
+    """A flood of cheap requests (tiny, or hung up at once) stays under tokens_per_minute and
+    still costs a parse and a tokenize each (behind a PD router, a prefill and a handoff):
+    requests_per_minute bounds it. Every route that takes a slot counts; a refusal does not
+    (a client retrying a 429 in a loop does not push its wait further out); another tenant is
+    not touched."""
+    from server_harness import TENANTS_TOML
+
+    srv = make_server(tenants=TENANTS_TOML + '\n[tenants.paced]\napi_keys = ["sk-paced-00001"]\n'
+                      'requests_per_minute = 3\n')
+    c = srv.client("sk-paced-00001")
+    assert c.models.list().data[0].model_dump()["tenant_limits"]["requests_per_minute"] == 3
+    assert c.completions.create(model=MODEL, prompt="Hi", max_tokens=1).usage
+    with srv.http("sk-paced-00001") as h:
+        assert h.post("/tokenize", json={"prompt": "Hi"}).status_code == 200
+    assert c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1).usage
+    for _ in range(3):   # refused: counted nowhere, so the wait does not grow
+        with pytest.raises(openai.RateLimitError) as e:
+            c.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+        assert e.value.code == "tenant_requests_per_minute" and "3 requests per minute" in e.value.message
+        assert 55 <= int(e.value.response.headers["retry-after"]) <= 60
+    with srv.http("sk-paced-00001") as h:
+        r = h.post("/detokenize", json={"tokens": [1, 2]})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "tenant_requests_per_minute"
+    assert srv.state.limiter.requests_in_window("paced") == 3 and srv.state.limiter.in_flight("paced") == 0
+    assert srv.client("alice").completions.create(model=MODEL, prompt="Hi", max_tokens=1).usage
+    # the generation requests refused (the count routes' refusals are not admissions: as for concurrency)
+    assert srv.metric("kvfence_admission_rejections_total", reason="tenant_requests_per_minute") == 3
+
+
+def test_limiter_requests_per_minute_window():
+    now = [1000.0]
+    lim = TenantLimiter(clock=lambda: now[0])
+    t = Tenant("t", Limits(requests_per_minute=2, max_concurrent_requests=1))
+    lim.hold(t).release()
+    now[0] += 20
+    a = lim.hold(t)
+    with pytest.raises(APIError) as e:         # the concurrency slot is refused first: not counted
+        lim.hold(t)
+    assert e.value.code == "tenant_max_concurrent_requests" and lim.requests_in_window("t") == 2
+    a.release()
+    with pytest.raises(APIError) as e:         # 2 in the last minute; the first leaves it in 40 s
+        lim.hold(t)
+    assert e.value.status == 429 and e.value.code == "tenant_requests_per_minute"
+    assert e.value.headers["Retry-After"] == "40"
+    now[0] += 40                               # the first has left the window: one more fits
+    lim.hold(t).release()
+    with pytest.raises(APIError):
+        lim.hold(t)
+    lim.forget(["t"])                          # a retired name starts with an empty window
+    assert lim.requests_in_window("t") == 0
+    lim.hold(t).release()
+    assert lim.requests_in_window("t") == 1
+    assert lim.requests_in_window("unlimited") == 0
 
 
 def test_a_request_without_max_tokens_fits_its_tenants_budget(make_server):
