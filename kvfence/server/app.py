@@ -649,6 +649,7 @@ async def _generate(state: ServerState, request: Request, kind: str):
         # tokens_per_minute reserves prompt + the most it can generate; what it did not use is refunded
         state.limiter.charge(lease, sum(len(ids) for ids in prompts), most, param=req.max_tokens_param,
                              prompt_param=req.prompt_param)
+        request.state.rate_headers = state.limiter.rate_headers(tenant)   # with this request counted
         choices = _choices(state, req, prompts, rid, grammar)
         try:
             # every choice is admitted before anything streams: one by one as the answer ran, a
@@ -700,6 +701,8 @@ async def _generate(state: ServerState, request: Request, kind: str):
         # Anyone without a key is at debug: they could fill the log a line per request.
         # A tenant's lines are budgeted (log_budget.py): a client looping on a refusal adds a few.
         who = tenant.name if tenant else UNAUTHENTICATED
+        if tenant is not None:   # a 429's client learns where its minute stands, as after an answer
+            request.state.rate_headers = state.limiter.rate_headers(tenant)
         left_out = state.refusal_lines.take(who) if tenant is not None else 0
         if left_out is not None:
             log.log(logging.INFO if tenant is not None else logging.DEBUG, "%s tenant=%s refused: %s %s%s%s", rid,
@@ -724,10 +727,12 @@ async def _generate(state: ServerState, request: Request, kind: str):
 
 def _with_request_id(request: Request, response: Response) -> Response:
     """The request's id in x-request-id (what the official client reads as `_request_id`), so a
-    client can quote it and the operator find it in the log."""
+    client can quote it and the operator find it in the log; and once the tenant is known, its
+    x-ratelimit-* headers."""
     rid = getattr(request.state, "request_id", None)
     if rid is not None:
         response.headers["x-request-id"] = rid
+    response.headers.update(getattr(request.state, "rate_headers", {}))   # the tenant's per-minute limits
     return response
 
 

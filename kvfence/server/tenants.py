@@ -436,6 +436,12 @@ class Lease:
                 self.on_revoke()
 
 
+def _rate(what: str, limit: int, used: int, newest: float | None, now: float) -> dict[str, str]:
+    reset = 0.0 if newest is None else max(0.0, newest + WINDOW_S - now)
+    return {f"x-ratelimit-limit-{what}": str(limit), f"x-ratelimit-remaining-{what}": str(max(0, limit - used)),
+            f"x-ratelimit-reset-{what}": f"{math.ceil(reset)}s"}   # OpenAI writes durations so: "6m0s", "1s"
+
+
 class TenantLimiter:
     """Per-tenant prompt cap (400), concurrency, requests and tokens per minute (429 with
     Retry-After)."""
@@ -546,6 +552,23 @@ class TenantLimiter:
         if most is not None and self.in_flight(tenant.name) >= most:
             raise APIError(429, f"Too many concurrent requests: this API key may have {most} in flight.",
                            code="tenant_max_concurrent_requests", headers={"Retry-After": "1"})
+
+    def rate_headers(self, tenant: Tenant) -> dict[str, str]:
+        """OpenAI's x-ratelimit-* headers for the tenant's per-minute limits it has (none for
+        one without): the limit, what is left of it now, and how long until the window is
+        empty again. Clients and proxies (LiteLLM, LangChain's limiters) pace themselves on
+        them. Only the tenant's own counts."""
+        out: dict[str, str] = {}
+        lim = tenant.limits
+        with self._lock:
+            now = self._clock()
+            if lim.requests_per_minute is not None:
+                taken = self._requests_window(tenant.name, now)
+                out.update(_rate("requests", lim.requests_per_minute, len(taken), taken[-1] if taken else None, now))
+            if lim.tokens_per_minute is not None:
+                total, used = self._window(tenant.name, now)
+                out.update(_rate("tokens", lim.tokens_per_minute, total, used[-1][0] if used else None, now))
+        return out
 
     def requests_in_window(self, tenant: str) -> int:
         with self._lock:

@@ -187,11 +187,18 @@ def test_tokens_per_minute_gives_429_with_retry_after(server):
     used = r.usage.total_tokens
     assert used == r.usage.prompt_tokens + 52 and 52 < used <= 60
     assert server.state.limiter.tokens_in_window("metered") == used
+    raw = c.completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=1)   # its headers: the
+    left = 60 - used - raw.parse().usage.prompt_tokens - 1   # minute's tokens, reserved ones too; no request limit
+    assert {k: v for k, v in raw.headers.items() if k.startswith("x-ratelimit-")} == {
+        "x-ratelimit-limit-tokens": "60", "x-ratelimit-remaining-tokens": str(left), "x-ratelimit-reset-tokens": "60s"}
+    used = server.state.limiter.tokens_in_window("metered")
     with pytest.raises(openai.RateLimitError) as e:
         c.completions.create(model=MODEL, prompt="The capital of Spain is a city called", max_tokens=2)  # 8 tokens
     assert e.value.code == "tenant_tokens_per_minute" and "60" in e.value.message
     assert 1 <= int(e.value.response.headers["retry-after"]) <= 60
-    assert server.client("alice").completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage
+    assert e.value.response.headers["x-ratelimit-remaining-tokens"] == str(60 - used)
+    raw = server.client("alice").completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert raw.parse().usage and not [k for k in raw.headers if k.startswith("x-ratelimit-")]   # no per-minute limits
 
 
 def test_requests_per_minute_gives_429_and_counts_only_what_it_takes(make_server):
@@ -206,7 +213,10 @@ def test_requests_per_minute_gives_429_and_counts_only_what_it_takes(make_server
                       'requests_per_minute = 3\n')
     c = srv.client("sk-paced-00001")
     assert c.models.list().data[0].model_dump()["tenant_limits"]["requests_per_minute"] == 3
-    assert c.completions.create(model=MODEL, prompt="Hi", max_tokens=1).usage
+    raw = c.completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=1)
+    assert raw.parse().usage   # OpenAI's headers, this request counted; no tokens_per_minute: no token headers
+    assert {k: v for k, v in raw.headers.items() if k.startswith("x-ratelimit-")} == {
+        "x-ratelimit-limit-requests": "3", "x-ratelimit-remaining-requests": "2", "x-ratelimit-reset-requests": "60s"}
     with srv.http("sk-paced-00001") as h:
         assert h.post("/tokenize", json={"prompt": "Hi"}).status_code == 200
     assert c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1).usage
@@ -215,6 +225,7 @@ def test_requests_per_minute_gives_429_and_counts_only_what_it_takes(make_server
             c.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
         assert e.value.code == "tenant_requests_per_minute" and "3 requests per minute" in e.value.message
         assert 55 <= int(e.value.response.headers["retry-after"]) <= 60
+        assert e.value.response.headers["x-ratelimit-remaining-requests"] == "0"
     with srv.http("sk-paced-00001") as h:
         r = h.post("/detokenize", json={"tokens": [1, 2]})
         assert r.status_code == 429 and r.json()["error"]["code"] == "tenant_requests_per_minute"
