@@ -5,6 +5,7 @@ import argparse
 import functools
 import logging
 import sys
+import time
 
 from kvfence.arg_types import at_least_one, ca_bundle, listen_port, output_file, port, seconds, sha256_hex
 
@@ -391,9 +392,15 @@ def cmd_drain(a) -> int:
         return 2
     target = local or a.host
     host = f"[{target}]" if ":" in target else target
+    base = f"{scheme}://{host}:{a.port}/internal"
+
+    def call(method: str, path: str) -> httpx.Response:
+        return httpx.request(method, base + path, headers=control_headers(secret), verify=verify, timeout=a.timeout,
+                             trust_env=FOLLOW_PROXY_ENV)
+
+    boot = _drained_boot(call) if a.wait is not None else None
     try:
-        r = httpx.post(f"{scheme}://{host}:{a.port}/internal/drain", headers=control_headers(secret),
-                       verify=verify, timeout=a.timeout, trust_env=FOLLOW_PROXY_ENV)
+        r = call("POST", "/drain")
     except httpx.HTTPError as e:
         print(_no_answer("drain", a.host, a.port, scheme, e), file=sys.stderr)
         return 1
@@ -402,8 +409,73 @@ def cmd_drain(a) -> int:
         return 1
     result = r.json().get("result")
     print(f"drain: the node on {a.host}:{a.port} is {str(result).replace('_', ' ')}: it takes no new request and "
-          "exits 0 once what it has is done (or its --shutdown-timeout passes)")
-    return 0
+          "exits 0 once what it has is done (or its --shutdown-timeout passes)", flush=True)
+    return 0 if a.wait is None else _wait_for_drain(call, boot, a.wait)
+
+
+def _node_info(call):
+    """The node's /internal/info as its typed facts; None when it answers something else (a
+    503 while a process loads); httpx.TransportError when nothing answers."""
+    from kvfence.pd.messages import MessageError, NodeInfo
+
+    r = call("GET", "/info")
+    try:
+        return NodeInfo.from_json(r.content) if r.status_code == 200 else None
+    except MessageError:
+        return None
+
+
+def _drained_boot(call) -> str | None:
+    """The node's boot id before the drain (None: it did not say): a later answer from
+    another boot is its successor, started by its supervisor."""
+    import httpx
+
+    try:
+        info = _node_info(call)
+    except httpx.HTTPError:
+        return None
+    return None if info is None else info.pd.boot_id
+
+
+def _drain_progress(snap: dict) -> str:
+    pd = snap.get("pd", {}) if isinstance(snap.get("pd"), dict) else {}
+    rows = (pd.get("buffer_rows", 0) or 0) - (pd.get("buffer_free", 0) or 0)
+    return (f"{snap.get('running', '?')} running, {snap.get('waiting', '?')} waiting, "
+            f"{snap.get('pages_owned', '?')} pool pages and {rows} transfer rows held")
+
+
+def _wait_for_drain(call, boot: str | None, wait_s: float) -> int:
+    """Until the drained node has gone (it no longer answers, or another boot or a loading
+    process answers in its place): what it still holds, printed as it changes. An operator's
+    rolling restart drains the next node only once this one is done."""
+    import httpx
+
+    start = time.monotonic()
+    last, last_at = "", 0.0
+    while True:
+        waited = time.monotonic() - start
+        try:
+            info = _node_info(call)
+        except httpx.TimeoutException:   # busy, or the network: ask again (not a sign it has gone)
+            info = False
+        except httpx.TransportError:     # refused or hung up: the process has gone
+            print(f"drain: the node has exited ({waited:.0f} s)", flush=True)
+            return 0
+        if info is None:   # a 503 while loading: a new process is starting in its place
+            print(f"drain: the node has exited; a new process answers, starting ({waited:.0f} s)", flush=True)
+            return 0
+        if info and boot is not None and info.pd.boot_id != boot:
+            print(f"drain: the node has exited; its successor (boot {info.pd.boot_id}) is ready ({waited:.0f} s)",
+                  flush=True)
+            return 0
+        now = _drain_progress(info.snapshot) if info else last
+        if now != last or waited - last_at >= 10:
+            print(f"drain: still draining after {waited:.0f} s: {now}", flush=True)
+            last, last_at = now, waited
+        if waited >= wait_s:
+            print(f"drain: the node is still draining after {wait_s:g} s (--wait): {now}", file=sys.stderr)
+            return 1
+        time.sleep(0.5)
 
 
 def cmd_incidents(a) -> int:
@@ -663,6 +735,10 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--cluster-secret-file", default=None, metavar="FILE",
                     help="the cluster secret (default: $KVFENCE_CLUSTER_SECRET_FILE, launch-pd prints it)")
     dr.add_argument("--timeout", type=seconds, default=10.0)
+    dr.add_argument("--wait", type=seconds, default=None, metavar="SECONDS",
+                    help="then wait up to SECONDS until the node has finished and exited (or its successor "
+                         "answers), printing what it still holds; exit 1 if it has not (a rolling restart "
+                         "drains the next node after it)")
     _local_tls_args(dr)
     dr.set_defaults(func=cmd_drain)
 

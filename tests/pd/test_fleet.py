@@ -319,7 +319,7 @@ def test_a_killed_prefill_node_is_routed_around_and_rejoins_after_its_check(flee
         assert not snap["violations"], snap
 
 
-def test_a_rolling_restart_under_load_loses_no_request(fleet):
+def test_a_rolling_restart_under_load_loses_no_request(fleet, capsys):
     """A node of each role in turn is told to drain (POST /internal/drain, with the
     credential): it takes no new request, finishes its own, exits 0; launch-pd starts it
     again and the router serves from it only after checking the new boot. Meanwhile a steady
@@ -330,9 +330,13 @@ def test_a_rolling_restart_under_load_loses_no_request(fleet):
     try:
         for i, url in enumerate(restarted.values()):
             node = next(n for n in fleet.cluster()["nodes"] if n["url"] == url)
-            if i == 0:   # the operator's command (docs/pd.md), then the route itself
+            if i == 0:   # the operator's command (docs/pd.md), waiting for the node to be done, then the route
+                capsys.readouterr()
                 assert main(["drain", "--port", url.rsplit(":", 1)[1], "--cluster-secret-file",
-                             fleet.secret_file]) == 0
+                             fleet.secret_file, "--wait", "300"]) == 0
+                said = capsys.readouterr().out
+                print(said)
+                assert "is draining" in said and "drain: the node has exited" in said, said
             else:
                 r = httpx.post(node["url"] + "/internal/drain", headers=fleet.headers, timeout=10)
                 assert r.status_code == 200 and r.json()["result"] == "draining", r.text
