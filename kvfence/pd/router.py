@@ -7,7 +7,7 @@ tenant limits, streaming, errors and metrics are the same code. What differs is 
   router admission (I4, against the cluster's checked capacity, I8; app.py does it)
   -> prefill: admit (node I4), compute, hold; returns the manifest       [skipped for a 1-token prompt]
   -> decode: admit (node I4), check the manifest, reserve, pull, verify (I5), generate
-  -> on kv_verified: ACK to prefill (RELEASE)
+  -> on kv_verified: ACK to prefill (RELEASE); submit returns (the client's answer begins)
   -> on any failure or client disconnect: abort on both sides; prefill frees the rows at
      once only if decode said no pull can be running, else it fences them (I6)
 
@@ -152,6 +152,7 @@ class _Flight:
     released: bool = False
     reader_stopped: bool = False      # decode is known not to be pulling (refused, or said so)
     decode_contacted: bool = False
+    decode_admitted: bool = False     # a decode node took it: never retried elsewhere from here
     cached: int = 0
     completion: int = 0               # tokens decode reported so far
     prefill: Node | None = None       # the nodes this request is on
@@ -643,7 +644,7 @@ class RouterBackend:
                     await self._decode(body, flight, handle, admitted, n_prompt, node)
                 return
             except NodeError as e:
-                retry = may_retry_decode(e.code, e.retryable, admitted.done(), len(tried))
+                retry = may_retry_decode(e.code, e.retryable, flight.decode_admitted, len(tried))
                 if not retry or self.fleet.pick_decode(frozenset({node.url}), flight.manifest.seal_key
                                                        if flight.manifest else None) is None:
                     raise
@@ -797,7 +798,13 @@ class RouterBackend:
                 if not e.maybe_taken:  # refused or never reached: it never pulls
                     flight.reader_stopped = True
                 raise
-            if not admitted.done():
+            flight.decode_admitted = True
+            # submit() returns, and the client's answer may begin, only once the KV is on decode
+            # and verified: a request that waited there for pages and lost its lease, or whose
+            # transfer failed, is then a plain 503 (which clients retry), not a 200 that ends in
+            # an error; and the n choices of a request are all placed before any of them streams
+            # (a probe: heavy n=16 answers broke off mid-stream with lease_expired)
+            if body.handoff is None:   # decode computes the prompt itself: no transfer to wait for
                 admitted.set_result(True)
             first_at = None
             async for ev in events:
@@ -807,14 +814,18 @@ class RouterBackend:
                     raise NodeError(f"decode node: unexpected {ev.event} event", "node_error")
                 if body.request_id in self._tenant_of:   # it generates now (kvfence_tenant_sequences)
                     self._tenant_of[body.request_id][1] = True
+                if ev.event == "kv_failed":
+                    flight.reader_stopped = bool(ev.reader_stopped)
+                if not admitted.done():
+                    if ev.finished and ev.finish_reason not in ("stop", "length"):   # before anything was sent
+                        raise NodeError(f"decode node: {ev.error or ev.finish_reason}", ev.abort_code or "node_error")
+                    admitted.set_result(True)
                 if ev.event == "kv_verified":
                     flight.released = True
                     assert flight.prefill is not None
                     self._later(self._post(flight.prefill, "/internal/release",
                                            ReleaseBody(request_id=body.request_id)))
                     continue
-                if ev.event == "kv_failed":
-                    flight.reader_stopped = bool(ev.reader_stopped)
                 now = time.perf_counter()
                 toks = tuple(ev.token_ids)
                 if toks and first_at is None:

@@ -876,7 +876,7 @@ async def _submit_unless_gone(state: ServerState, request: Request, choices: lis
     admitted aborted) if the client leaves or its key is revoked while they wait (_ClientGone,
     KeyRevoked); the first refusal is raised once every submit has ended (the caller aborts
     those admitted). On a single node submit is only admission; behind the PD router it lasts
-    the whole prefill. One disconnect watcher for them all (the request has one receive)."""
+    the whole prefill and the KV's transfer to decode. One disconnect watcher for them all (the request has one receive)."""
     if revoked.is_set():
         raise KeyRevoked()
     subs = [asyncio.ensure_future(state.engine.submit(c.prompt_ids, c.params, tenant.name, c.rid,

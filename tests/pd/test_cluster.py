@@ -461,6 +461,60 @@ def test_a_hang_up_before_decode_pulled_frees_prefills_rows_at_once(cluster, cli
     assert cluster.pd("prefill").get("pd_fences", 0) == fences0      # ... and its rows were freed, not fenced
 
 
+def test_a_lease_that_runs_out_while_decode_is_full_is_a_503_not_a_broken_stream(cluster, client):
+    """X fills decode's pool while it streams; Y, streamed, is prefilled and admitted by decode,
+    waits there for pages and its 4 s lease runs out. The router began Y's answer only once its
+    KV would have been verified, so Y's client gets an HTTP 503 lease_expired it can retry, not a
+    200 whose stream ends in an error event (a probe: heavy n=16 answers broke off so)."""
+    m = model_name(client)
+    x_body = {"model": m, "prompt": LONG, "max_tokens": 560, "stream": True, "temperature": 0,
+              "ignore_eos": True}              # grows to 64 of decode's 90 pages: Y's 64 wait for all of it
+    started, done = threading.Event(), threading.Event()
+
+    def x():
+        with httpx.Client(timeout=120) as h, h.stream("POST", cluster.url("router") + "/v1/completions",
+                                                      json=x_body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    started.set()
+                if done.is_set():
+                    break
+    t = threading.Thread(target=x)
+    t.start()
+    w = None
+    try:
+        assert started.wait(60), "X never streamed"
+        waited = threading.Event()   # decode admitted Y and held it in its queue for pages
+
+        def watch():
+            while not done.is_set() and not waited.is_set():
+                if cluster.pd("decode")["waiting_for_pages"] >= 1:
+                    waited.set()
+                time.sleep(0.05)
+        w = threading.Thread(target=watch)
+        w.start()
+        y_body = {**x_body, "prompt": LONG + " Y " + LONG, "max_tokens": 100}
+        with httpx.Client(timeout=120) as h, h.stream("POST", cluster.url("router") + "/v1/completions",
+                                                      json=y_body) as r:
+            body = r.read()
+        assert (r.status_code, _error_code_of(body)) == (503, "lease_expired"), (r.status_code, body[:300])
+        assert "retry-after" not in r.headers   # a capacity code: clients back off with jitter
+        assert waited.is_set()
+    finally:
+        done.set()
+        t.join(120)
+        if w is not None:
+            w.join(10)
+    cluster.wait_quiet(30)
+
+
+def _error_code_of(body: bytes) -> str | None:
+    try:
+        return json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def test_hung_prefill_fails_the_request_in_bounded_time(cluster, client):
     m = model_name(client)
     client.completions.create(model=m, prompt="warm", max_tokens=1)
