@@ -60,6 +60,13 @@ def _handoff(seq: Sequence) -> Handoff:
     return seq.kv_source
 
 
+def _request_of(seq: Sequence) -> tuple[str, str]:
+    """The client request seq is a choice of, within its tenant (a router names it by its first
+    choice's id; one from before that, or a single choice: its own)."""
+    h = seq.kv_source
+    return seq.tenant, (h.choice_of if isinstance(h, Handoff) and h.choice_of else seq.request_id)
+
+
 def _manifest(seq: Sequence) -> Manifest:
     return _handoff(seq).manifest
 
@@ -81,6 +88,8 @@ class KvImporter(PdLink):
         super().__init__(engine, settings, transport)
         self.waiting: deque[Sequence] = deque()      # admitted, waiting for pages and rows (arrival order)
         self._bypassed: Counter[str] = Counter()     # request id -> reservations made past it while it waited
+        # (tenant, client request) -> [when its first choice arrived here, its choices here]: see _pick
+        self._requests: dict[tuple[str, str], list] = {}
         self.pulls: dict[int, Pull] = {}             # every pull whose notice has not come
         self.live: dict[str, int] = {}               # request id -> its pull, while AWAITING_KV
         self.notices: queue.SimpleQueue = queue.SimpleQueue()
@@ -122,7 +131,15 @@ class KvImporter(PdLink):
 
     def enqueue(self, seq: Sequence, now: float) -> Iterator[Decision]:
         self.waiting.append(seq)
+        entry = self._requests.setdefault(_request_of(seq), [seq.arrival, 0])
+        entry[1] += 1
         yield from self._reserve_waiting(now)
+
+    def _request_arrival(self, seq: Sequence) -> float:
+        """When the first choice of seq's client request arrived here (seq's own arrival for a
+        request of one choice)."""
+        entry = self._requests.get(_request_of(seq))
+        return seq.arrival if entry is None else entry[0]
 
     # -- engine hooks (engine thread) -----------------------------------------------------------
     def holds_pool_pages(self) -> bool:
@@ -213,7 +230,8 @@ class KvImporter(PdLink):
             return None
         candidates = self._candidates()
         held = self._pages_by_tenant()
-        seq = next_by_share(candidates, self._bypassed, self._fits, lambda s: (held[s.tenant], s.arrival))
+        seq = next_by_share(candidates, self._bypassed, self._fits,
+                            lambda s: (held[s.tenant], self._request_arrival(s), s.arrival))
         return None if seq is None else (seq, candidates)
 
     def _sequences_here(self) -> Iterator[Sequence]:
@@ -258,6 +276,12 @@ class KvImporter(PdLink):
 
     def on_end(self, seq: Sequence, event: Event, reader_stopped: bool) -> None:
         self._bypassed.pop(seq.request_id, None)
+        key = _request_of(seq)
+        entry = self._requests.get(key)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del self._requests[key]
         if seq in self.waiting:
             self.waiting.remove(seq)
         pid = self.live.pop(seq.request_id, None)

@@ -168,6 +168,10 @@ class Handoff(WireModel):
     """What decode admits a transferred request by: prefill's manifest and the router's source."""
     manifest: Manifest
     source: TransferSource
+    # the router's id of the request's first choice (of n): decode's queue reserves a client
+    # request's choices one after another, by when its first arrived, not interleaved with
+    # other requests' (pd/decode.py); a node from before it refuses the field (NodeInfo.choice_groups)
+    choice_of: Id | None = None
 
 
 # -- router -> node requests -----------------------------------------------------------------
@@ -378,6 +382,8 @@ class NodeInfo(WireModel):
     # reads Manifest.seal_key (pd/seal.py key ids); a node from before them refuses the field,
     # so the router leaves it out of that node's handoffs
     seal_keys: bool = False
+    # reads Handoff.choice_of; the router leaves it out for a node from before it
+    choice_groups: bool = False
     # the key ids (pd/seal.py) of the secret the node seals and would send with, then of those it
     # accepts: what a rotation step has reached on this node (ids name secrets, never reveal them)
     secret_key_ids: Annotated[list[Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]], Field(max_length=16)] = []

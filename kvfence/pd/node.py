@@ -184,7 +184,8 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
     async def info():
         if loop.state != "ready" or loop.facts is None:
             return _error(503, f"node is {loop.state}: {loop.error or ''}", "not_ready")
-        return NodeInfo.from_json({**loop.facts, "scope_stamps": True, "seal_keys": True, "secret_key_ids": key_ids,
+        return NodeInfo.from_json({**loop.facts, "scope_stamps": True, "seal_keys": True, "choice_groups": True,
+                                   "secret_key_ids": key_ids,
                                    "snapshot": {**loop.snapshot, "draining": drain.active}}).to_json()
 
     @internal.post("/drain")

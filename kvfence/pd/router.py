@@ -163,6 +163,7 @@ class RouterBackend:
     """The PD fleet as an EngineBackend (server/backend.py) for server/app.py."""
 
     builds_grammars = False
+    orders_choices = True
 
     def __init__(self, prefill_urls: str | list[str], decode_urls: str | list[str], secret: bytes,
                  tls: TlsSettings | None = None, model: str | None = None,
@@ -202,6 +203,9 @@ class RouterBackend:
         # and whose generate, for the operator (kvfence_tenant_sequences; each node's own counts
         # miss a request waiting for transfer rows or for decode's pages)
         self._tenant_of: dict[str, list] = {}
+        # rid -> set once its prefill node holds its prompt's KV (or it ended): a choice submitted
+        # `after` it prefills then, attaching those pages from prefill's cache (see submit)
+        self._prompt_held: dict[str, asyncio.Event] = {}
         self._cancelled: set[str] = set()   # aborts already under way (see abort)
         # end_all: the abort code a submission gets from then on, and each ended request's (code, why)
         self.closing: str | None = None
@@ -460,8 +464,13 @@ class RouterBackend:
                      scope_epoch: int = 0, *, grammar: LLMatcher | None = None,
                      after: str | None = None) -> RequestHandle:
         """`grammar` is not used (builds_grammars): the decode node builds its own matcher.
-        Nor is `after`: this submit returns once the prefill node has computed the prompt, so
-        a choice submitted after it attaches those pages there."""
+        A choice submitted `after` its lead (orders_choices: the server submits a request's
+        choices at once) starts its prefill once the lead's prefill node holds the prompt's KV,
+        so it attaches those pages there; it returns, as every submit, once decode has verified
+        its KV. All of a request's choices reach decode close together, so its queue reserves
+        them together: the server's two rounds (the leads' submits, then the others') put a
+        request's other choices behind every request that arrived meanwhile, and under load a
+        choice's lease ran out while its lead generated (its whole answer a 503)."""
         if not self._serving or self.facts is None:
             raise EngineFailed(self.error or f"the cluster is {self.state}")
         if params.prompt_logprobs is not None or params.max_tokens == 0:
@@ -479,12 +488,15 @@ class RouterBackend:
         admitted: asyncio.Future = loop.create_future()
         handle = RequestHandle(rid, asyncio.Queue())
         stamp = ScopeStamp(router=self.router_id, epoch=scope_epoch)
+        lead = self._prompt_held.get(after) if after is not None else None   # None: gone, or never
+        held = self._prompt_held[rid] = asyncio.Event()
         task = asyncio.create_task(self._run(rid, list(prompt_ids), params, tenant, public_prefix_scope, stamp,
-                                             handle, admitted))
+                                             after or rid, lead, held, handle, admitted))
         self._tasks[rid] = task
         self._tenant_of[rid] = [tenant, False]
         task.add_done_callback(lambda _t: self._tasks.pop(rid, None))
         task.add_done_callback(lambda _t: self._tenant_of.pop(rid, None))
+        task.add_done_callback(lambda _t: self._prompt_held.pop(rid, asyncio.Event()).set())   # its choices go on
 
         def never_ran(_t) -> None:   # cancelled before its first step (end_all): _run never set it
             code, why = self._ending.pop(rid, (self.closing or "client", "the router stopped it before it started"))
@@ -545,7 +557,8 @@ class RouterBackend:
             log.warning("%s %s %s failed: %s", node.role, node.url, path, e)
 
     async def _run(self, rid: str, ids: list[int], params: SamplingParams, tenant: str, scope: str | None,
-                   stamp: ScopeStamp, handle: RequestHandle, admitted: asyncio.Future) -> None:
+                   stamp: ScopeStamp, choice_of: str, lead: asyncio.Event | None, held: asyncio.Event,
+                   handle: RequestHandle, admitted: asyncio.Future) -> None:
         flight = _Flight()
 
         def last_update(message: str, code: str, completion: int) -> None:
@@ -563,14 +576,17 @@ class RouterBackend:
         try:
             # inside the try: whatever fails here must end the request, never leave submit() waiting
             wire = WireParams.of(params)
+            if lead is not None:
+                await lead.wait()
             if len(ids) >= 2:
                 body = PrefillBody(request_id=rid, tenant=tenant, prompt_ids=ids, params=wire,
                                    public_prefix_scope=scope, scope=stamp)
                 await self._prefill_on_some_node(body, flight, scope or tenant)
-                if faults.active("delay_handoff"):
-                    await asyncio.sleep(faults.arg_float("delay_handoff", 1.0))
+            held.set()   # the prompt's pages are in prefill's cache: the request's other choices go
+            if len(ids) >= 2 and faults.active("delay_handoff"):
+                await asyncio.sleep(faults.arg_float("delay_handoff", 1.0))
             body = DecodeBody(request_id=rid, tenant=tenant, prompt_ids=ids, params=wire,
-                              public_prefix_scope=scope, scope=stamp, handoff=self._handoff(flight))
+                              public_prefix_scope=scope, scope=stamp, handoff=self._handoff(flight, choice_of))
             await self._decode_on_some_node(body, flight, handle, admitted, len(ids))
         except asyncio.CancelledError:
             # abort(): the server side still waits on this handle for the request's last update
@@ -617,14 +633,14 @@ class RouterBackend:
                             node.url, code, e)
                 tried.add(node.url)
 
-    def _handoff(self, flight: _Flight) -> Handoff | None:
+    def _handoff(self, flight: _Flight, choice_of: str) -> Handoff | None:
         if flight.manifest is None:
             return None
         node = flight.prefill
         info = node.info if node is not None else None
         if info is None or info.pd.boot_id != flight.manifest.boot_id:
             raise NodeError("the prefill node restarted after holding the KV", "node_failed")
-        return Handoff(manifest=flight.manifest, source=info.source())
+        return Handoff(manifest=flight.manifest, source=info.source(), choice_of=choice_of)
 
     async def _decode_on_some_node(self, body: DecodeBody, flight: _Flight, handle: RequestHandle,
                                    admitted: asyncio.Future, n_prompt: int) -> None:
@@ -734,7 +750,7 @@ class RouterBackend:
         if isinstance(body, PrefillBody):   # and DecodeBody: only the boot the fleet checked may take it
             body = body.model_copy(update={"expect_boot": node.checked_boot})
         try:
-            sent = _json(body, _stamps(node), _seal_keys(node))
+            sent = _json(body, _stamps(node), _seal_keys(node), node.info is not None and node.info.choice_groups)
             r = await stack.enter_async_context(self._http().stream("POST", node.url + path, **_options(node, **sent)))
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:   # it never got the request: another may
             raise NodeError(f"the {role} node is unreachable: {_described(e)}", "node_unavailable",
@@ -926,13 +942,18 @@ def _options(node: Node, **kw) -> dict[str, Any]:
 STAMP_FIELDS = frozenset({"scope", "router", "epoch"})
 
 
-def _json(body: WireModel, stamps: bool = True, seal_keys: bool = True) -> dict[str, Any]:
+def _json(body: WireModel, stamps: bool = True, seal_keys: bool = True, choice_groups: bool = True) -> dict[str, Any]:
     """An internal message as an httpx request's body; `stamps` False: for a node from before
     scope stamps; `seal_keys` False: for a decode node from before key ids (its handoff's
-    manifest then names none; it opens rows with its one secret, as before)."""
+    manifest then names none; it opens rows with its one secret, as before); `choice_groups`
+    False: for one from before Handoff.choice_of."""
     exclude: dict[str, Any] = {} if stamps else dict.fromkeys(STAMP_FIELDS & set(type(body).model_fields), True)
-    if not seal_keys and isinstance(body, DecodeBody) and body.handoff is not None:
-        exclude["handoff"] = {"manifest": {"seal_key"}}
+    if isinstance(body, DecodeBody) and body.handoff is not None:
+        left_out: dict[str, Any] = {} if seal_keys else {"manifest": {"seal_key"}}
+        if not choice_groups:
+            left_out["choice_of"] = True
+        if left_out:
+            exclude["handoff"] = left_out
     return {"content": body.dumps(exclude or None), "headers": {"content-type": "application/json"}}
 
 

@@ -655,9 +655,11 @@ async def _generate(state: ServerState, request: Request, kind: str):
             # every choice is admitted before anything streams: one by one as the answer ran, a
             # later choice could be refused (a full queue, another tenant's load) after the
             # first had streamed. The first choice of each prompt first; the others start after
-            # its prefill, attaching its prompt pages (`after`; behind the PD router a submit
-            # lasts the prefill, so the others come after it there too)
-            for group in ([c for c in choices if c.lead], [c for c in choices if not c.lead]):
+            # its prefill, attaching its prompt pages (`after`; the PD router orders them itself,
+            # its submit lasting until decode has the KV: all are submitted at once there)
+            groups = [choices] if state.engine.orders_choices else \
+                [[c for c in choices if c.lead], [c for c in choices if not c.lead]]
+            for group in groups:
                 await _submit_unless_gone(state, request, group, tenant, revoked)
         except KeyRevoked as e:
             _abort_all(state, choices, "API key revoked")
@@ -876,7 +878,8 @@ async def _submit_unless_gone(state: ServerState, request: Request, choices: lis
     admitted aborted) if the client leaves or its key is revoked while they wait (_ClientGone,
     KeyRevoked); the first refusal is raised once every submit has ended (the caller aborts
     those admitted). On a single node submit is only admission; behind the PD router it lasts
-    the whole prefill and the KV's transfer to decode. One disconnect watcher for them all (the request has one receive)."""
+    the whole prefill and the KV's transfer to decode. One disconnect watcher for them all (the
+    request has one receive)."""
     if revoked.is_set():
         raise KeyRevoked()
     subs = [asyncio.ensure_future(state.engine.submit(c.prompt_ids, c.params, tenant.name, c.rid,

@@ -114,6 +114,10 @@ class EngineBackend(Protocol):
     # whether submit's `grammar` (a schema's matcher, built off the engine thread) is used here;
     # the PD router's decode nodes build their own (pd/node.py)
     builds_grammars: bool
+    # whether submit itself starts a choice `after` its lead once the lead's prompt is computed,
+    # so a request's choices may all be submitted at once (the PD router, whose submit lasts
+    # until decode has the KV); else the server submits the leads first, then the others
+    orders_choices: bool
 
     @property
     def state(self) -> str: ...         # loading | ready | not_ready | failed | stopped

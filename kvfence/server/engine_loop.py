@@ -125,6 +125,7 @@ _WAKE = object()   # something happened off the engine thread (a PD transfer not
 class EngineLoop:
     """The single-node EngineBackend (server/backend.py)."""
 
+    orders_choices = False   # the server submits the leads first; the engine holds the others (after)
     builds_grammars = True   # submit(grammar=...) reaches add_request: the engine thread compiles nothing
 
     def __init__(self, factory: Callable[[], LLMEngine], startup: Callable[[LLMEngine], list] | None = None,

@@ -177,6 +177,24 @@ def test_n_choices_schemas_and_tools_through_the_router(cluster, client, make_ll
     cluster.wait_quiet()
 
 
+def test_n_choices_prefill_the_prompt_once_through_the_router(cluster, client):
+    """The server submits a request's choices to the router at once (its submit lasts until
+    decode has the KV); each choice after the first starts its prefill once the first's is held,
+    so it attaches the prompt's pages from the prefill node's cache and computes only the rest,
+    and all of them reach decode close together."""
+    m = model_name(client)
+    prompt = f"[{time.time_ns()}] " + LONG   # in no cache yet
+    hits0 = cluster.info("prefill")["snapshot"]["prefix_cache_hit_tokens"]
+    r = client.completions.create(model=m, prompt=prompt, max_tokens=4, n=4, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert [c.finish_reason for c in r.choices] == ["length"] * 4
+    assert len({c.text for c in r.choices}) == 1   # greedy: one answer, four times
+    hits = cluster.info("prefill")["snapshot"]["prefix_cache_hit_tokens"] - hits0
+    whole_pages = r.usage.prompt_tokens // 16 * 16
+    assert hits >= 3 * (whole_pages - 16), (hits, r.usage.prompt_tokens)
+    cluster.wait_quiet()
+
+
 def test_the_responses_api_through_the_router(cluster, client):
     """/v1/responses is a view of the chat path, so behind the router it is the same PD answer,
     whole and streamed."""

@@ -471,6 +471,33 @@ def test_a_small_request_of_another_tenant_passes_a_large_one_that_does_not_fit(
     assert pr.d.ledger.num_owned == 0 and pr.imp.staging.ledger.num_owned == 0
 
 
+def test_a_requests_choices_are_reserved_before_a_later_request(loaded_fp32):
+    """Decode orders its queue by the client request, not by each choice: x1, a choice of the
+    request whose first choice x0 arrived before y0, is reserved before y0 once the pages for one
+    of them free up. (By each choice's own arrival y0 went first: under load a request's choices
+    were reserved interleaved with other requests', and a choice's lease ran out while the rest
+    of its request generated, failing the request: a probe's heavy n=16 answers all failed.)"""
+    from kvfence.engine.request_states import State
+    pr = Pair(loaded_fp32, decode_kw={"kv_cache_memory": "16MiB"})
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    f = _admit(pr, prompt(200, 110), SamplingParams(max_tokens=40, **GREEDY), "f", "A")   # 15 of 22 pages
+    x0 = _admit(pr, prompt(20, 111), params, "x0", "A")                                   # 2 more
+    y0 = _admit(pr, prompt(180, 112), params, "y0", "A")                                  # 12: waits
+    ids = prompt(180, 113)
+    handoff = {**pr.handoff(pr.prefill(ids, params, "x1", tenant="A")), "choice_of": "x0"}
+    x1 = pr.d.add_request(ids, params, tenant="A", request_id="x1", kv_source=handoff)    # 12: waits
+    assert f.state is State.AWAITING_KV and x0.state is State.AWAITING_KV
+    assert y0.state is State.WAITING and x1.state is State.WAITING
+    _run_until(pr, lambda: f.finished)
+    pr.d.step()   # 20 pages free at most: one of the two fits
+    assert x1.state is not State.WAITING and y0.state is State.WAITING, (x1.state, y0.state)
+    _run_until(pr, lambda: all(s.finished for s in (f, x0, y0, x1)))
+    assert all(s.finish_reason == "length" for s in (f, x0, y0, x1))
+    for s in (f, x0, y0, x1):
+        pr.p.release_kv(s.request_id)
+    assert pr.d.ledger.num_owned == 0 and pr.imp.staging.ledger.num_owned == 0 and not pr.imp._requests
+
+
 def test_a_request_passed_over_too_often_stops_the_queue_until_it_fits(loaded_fp32):
     """The bound on need-based order: once BYPASS_LIMIT later requests were reserved past A's
     waiting request, the next one (which fits) waits until A's has been reserved."""

@@ -400,3 +400,31 @@ def test_mid_rotation_a_prefill_nodes_rows_go_only_to_a_decode_node_that_opens_t
         f.observe(d2, None, "gone")
         assert f.pick_prefill("alice", [1] * 40, 16) is not None and f.pick_decode(seal_key=new) is None
     assert not any("seals with" in r.message for r in caplog.records)
+
+
+def test_a_handoffs_newer_fields_go_only_to_a_node_that_reads_them():
+    """During a rolling upgrade (the router first) a node refuses fields it does not know: the
+    router leaves out the manifest's key id and the handoff's choice_of for a decode node from
+    before them, and sends both to one that says it reads them."""
+    import json
+    import time
+
+    from kvfence.pd.messages import DecodeBody
+    from kvfence.pd.router import _json
+
+    manifest = dict(request_id="m1", tenant="t", token_count=3, page_count=1, page_size=16, epochs=[1],
+                    fingerprint="x", layout="x", boot_id="x", seal_salt="0" * 32, seal_key="0" * 16, slot_bytes=1,
+                    slots=[1], lease_deadline=time.time() + 30)
+    body = DecodeBody.from_json({
+        "request_id": "m1", "tenant": "t", "prompt_ids": [1, 2, 3, 4], "params": {"max_tokens": 2},
+        "handoff": {"manifest": manifest, "source": {"session": "h:1", "base": 0, "boot_id": "x"},
+                    "choice_of": "cmpl-1"}})
+
+    def sent(**kw) -> dict:
+        return json.loads(_json(body, **kw)["content"])["handoff"]
+
+    new = sent()
+    assert new["choice_of"] == "cmpl-1" and new["manifest"]["seal_key"] == "0" * 16
+    old = sent(seal_keys=False, choice_groups=False)
+    assert "choice_of" not in old and "seal_key" not in old["manifest"] and old["manifest"]["slots"] == [1]
+    assert "choice_of" not in sent(choice_groups=False) and sent(seal_keys=False)["choice_of"] == "cmpl-1"

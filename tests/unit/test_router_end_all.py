@@ -20,7 +20,7 @@ def _backend() -> router.RouterBackend:
     b._ready, b.facts, b.router_id = True, {"usable_context": 1024}, "r"
     b.fleet = type("Fleet", (), {"ready": True})()
     b.closing, b._ending, b._loop, b._tasks, b._cancelled, b._background = None, {}, None, {}, set(), set()
-    b._tenant_of = {}
+    b._tenant_of, b._prompt_held = {}, {}
     return b
 
 

@@ -28,6 +28,7 @@ class _Engine:
         self.aborts: list[tuple[str, str]] = []
 
     builds_grammars = True
+    orders_choices = False
 
     async def submit(self, ids, params, tenant, rid, scope=None, scope_epoch=0, *, grammar=None,
                      after=None) -> RequestHandle:
