@@ -414,15 +414,17 @@ def cmd_drain(a) -> int:
 
 
 def _node_info(call):
-    """The node's /internal/info as its typed facts; None when it answers something else (a
-    503 while a process loads); httpx.TransportError when nothing answers."""
+    """The node's /internal/info as its typed facts, or (as a string) what it answered
+    instead; httpx.TransportError when nothing answers."""
     from kvfence.pd.messages import MessageError, NodeInfo
 
     r = call("GET", "/info")
+    if r.status_code != 200:
+        return f"HTTP {r.status_code}: {r.text[:200]}"
     try:
-        return NodeInfo.from_json(r.content) if r.status_code == 200 else None
-    except MessageError:
-        return None
+        return NodeInfo.from_json(r.content)
+    except MessageError as e:
+        return f"facts it could not read: {e}"[:300]
 
 
 def _drained_boot(call) -> str | None:
@@ -434,7 +436,7 @@ def _drained_boot(call) -> str | None:
         info = _node_info(call)
     except httpx.HTTPError:
         return None
-    return None if info is None else info.pd.boot_id
+    return None if isinstance(info, str) else info.pd.boot_id
 
 
 def _drain_progress(snap: dict) -> str:
@@ -445,9 +447,11 @@ def _drain_progress(snap: dict) -> str:
 
 
 def _wait_for_drain(call, boot: str | None, wait_s: float) -> int:
-    """Until the drained node has gone (it no longer answers, or another boot or a loading
-    process answers in its place): what it still holds, printed as it changes. An operator's
-    rolling restart drains the next node only once this one is done."""
+    """Until the drained node has gone (it no longer answers, or another boot answers in its
+    place; a node opens its port only once loaded): what it still holds, printed as it changes.
+    An operator's rolling restart drains the next node only once this one is done. Any other
+    answer (its engine failed, the connection cap, a timeout) is not taken for an exit: it is
+    said, and asked again until the deadline."""
     import httpx
 
     start = time.monotonic()
@@ -457,18 +461,15 @@ def _wait_for_drain(call, boot: str | None, wait_s: float) -> int:
         try:
             info = _node_info(call)
         except httpx.TimeoutException:   # busy, or the network: ask again (not a sign it has gone)
-            info = False
+            info = "no answer in time"
         except httpx.TransportError:     # refused or hung up: the process has gone
             print(f"drain: the node has exited ({waited:.0f} s)", flush=True)
             return 0
-        if info is None:   # a 503 while loading: a new process is starting in its place
-            print(f"drain: the node has exited; a new process answers, starting ({waited:.0f} s)", flush=True)
-            return 0
-        if info and boot is not None and info.pd.boot_id != boot:
+        if not isinstance(info, str) and boot is not None and info.pd.boot_id != boot:
             print(f"drain: the node has exited; its successor (boot {info.pd.boot_id}) is ready ({waited:.0f} s)",
                   flush=True)
             return 0
-        now = _drain_progress(info.snapshot) if info else last
+        now = f"the node answered {info}" if isinstance(info, str) else _drain_progress(info.snapshot)
         if now != last or waited - last_at >= 10:
             print(f"drain: still draining after {waited:.0f} s: {now}", flush=True)
             last, last_at = now, waited

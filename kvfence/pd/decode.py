@@ -135,11 +135,11 @@ class KvImporter(PdLink):
         entry[1] += 1
         yield from self._reserve_waiting(now)
 
-    def _request_arrival(self, seq: Sequence) -> float:
-        """When the first choice of seq's client request arrived here (seq's own arrival for a
-        request of one choice)."""
+    def _age(self, seq: Sequence) -> tuple[float, float]:
+        """seq's place in arrival order: when the first choice of its prompt arrived here (its
+        own arrival for a single choice), then its own arrival."""
         entry = self._requests.get(_request_of(seq))
-        return seq.arrival if entry is None else entry[0]
+        return (seq.arrival if entry is None else entry[0]), seq.arrival
 
     # -- engine hooks (engine thread) -----------------------------------------------------------
     def holds_pool_pages(self) -> bool:
@@ -231,7 +231,7 @@ class KvImporter(PdLink):
         candidates = self._candidates()
         held = self._pages_by_tenant()
         seq = next_by_share(candidates, self._bypassed, self._fits,
-                            lambda s: (held[s.tenant], self._request_arrival(s), s.arrival))
+                            lambda s: (held[s.tenant], *self._age(s)))
         return None if seq is None else (seq, candidates)
 
     def _sequences_here(self) -> Iterator[Sequence]:
@@ -318,8 +318,10 @@ class KvImporter(PdLink):
             m = _manifest(seq)
             self.waiting.remove(seq)
             self._bypassed.pop(seq.request_id, None)
-            for other in candidates:   # passed over: only those that could have gone instead
-                if other.arrival < seq.arrival:
+            for other in candidates:   # passed over: only those that could have gone instead, and
+                # older by the queue's own order (a choice of an older request is not passed over
+                # by a later request's first choice: counted so, the barrier reinterleaved them)
+                if self._age(other) < self._age(seq):
                     self._bypassed[other.request_id] += 1
             yield Reserve(seq, self._reserve_pages(seq))
             owner = Owner(self.staging.ledger.tenant_id(seq.tenant), seq.owner.request)

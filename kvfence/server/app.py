@@ -693,7 +693,7 @@ async def _generate(state: ServerState, request: Request, kind: str):
             run.revoke()
     except APIError as e:
         if lease is not None:
-            lease.release()
+            lease.release(_generated_before_refusal(choices))
             _abort_all(state, choices, "another choice of the request was refused")
         if kind == "responses":
             e = responses_api.refused(e)
@@ -1144,6 +1144,25 @@ def _choices(state: ServerState, req: GenerationRequest, prompts: list[list[int]
                 c.leader = lead
             out.append(c)
     return out
+
+
+def _generated_before_refusal(choices: list[_Choice]) -> int:
+    """Completion tokens the engine made for the choices admitted before the request was
+    refused (its updates so far: those it makes until the abort lands are not counted). Behind
+    the PD router a request's first choices generate on decode while a later one waits there
+    for pages, up to its lease: refunded whole, a tenant's n=16 requests that failed so cost its
+    tokens_per_minute nothing (a review)."""
+    total = 0
+    for c in choices:
+        if c.handle is None:
+            continue
+        most = 0
+        while not c.handle.updates.empty():
+            u = c.handle.updates.get_nowait()
+            if isinstance(u, Update):
+                most = max(most, u.completion_tokens)
+        total += most
+    return total
 
 
 def _abort_all(state: ServerState, choices: list[_Choice], reason: str) -> None:

@@ -10,7 +10,8 @@ The tenants file is TOML:
     max_prompt_tokens = 4096        # a cap below the engine's context
     max_concurrent_requests = 8
     tokens_per_minute = 200000      # prompt + completion tokens in any 60 s window
-    requests_per_minute = 600       # requests taken in any 60 s window (those refused do not count)
+    requests_per_minute = 600       # requests taken in any 60 s window (not those refused by it or by
+                                    # the concurrency limit; those refused later, by their body, do count)
     public_prefix_scope = "docs-v1" # optional opt-in: share cached prompt prefixes with the other
                                     # tenants that name the same scope (default: own tenant only)
 

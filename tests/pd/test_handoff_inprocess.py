@@ -498,6 +498,33 @@ def test_a_requests_choices_are_reserved_before_a_later_request(loaded_fp32):
     assert pr.d.ledger.num_owned == 0 and pr.imp.staging.ledger.num_owned == 0 and not pr.imp._requests
 
 
+def test_a_prompts_later_choices_do_not_pass_over_a_request_that_came_after_its_first(loaded_fp32):
+    """The bypass bound counts by the queue's own order: y0, which arrived after r0, is not
+    passed over when r0's other choices are reserved before it (a review: counted by each
+    choice's own arrival, a prompt's BYPASS_LIMIT-th later choice made y0 a barrier and the rest
+    waited behind it, interleaving the requests again)."""
+    from kvfence.engine.request_states import State
+    from kvfence.pd.prefill import BYPASS_LIMIT
+    pr = Pair(loaded_fp32, decode_kw={"kv_cache_memory": "16MiB"})
+    tiny = SamplingParams(max_tokens=1, **GREEDY)
+    f = _admit(pr, prompt(150, 120), SamplingParams(max_tokens=8, **GREEDY), "f", "A")   # 10 of 22 pages
+    r0 = _admit(pr, prompt(10, 121), tiny, "r0", "A")                                     # 1
+    y0 = _admit(pr, prompt(200, 122), SamplingParams(max_tokens=8, **GREEDY), "y0", "A")  # 13: waits
+    assert y0.state is State.WAITING
+    later = []
+    for j in range(BYPASS_LIMIT + 1):   # r0's prompt's other choices, 1 page each: all fit
+        ids, rid = prompt(10, 130 + j), f"r{j + 1}"
+        handoff = {**pr.handoff(pr.prefill(ids, tiny, rid, tenant="A")), "choice_of": "r0"}
+        later.append(pr.d.add_request(ids, tiny, tenant="A", request_id=rid, kv_source=handoff))
+    assert all(s.state is State.AWAITING_KV for s in later), [s.state for s in later]
+    assert y0.state is State.WAITING and pr.imp._bypassed["y0"] == 0
+    _run_until(pr, lambda: all(s.finished for s in (f, r0, y0, *later)))
+    assert all(s.finish_reason == "length" for s in (f, r0, y0, *later))
+    for s in (f, r0, y0, *later):
+        pr.p.release_kv(s.request_id)
+    assert pr.d.ledger.num_owned == 0 and pr.imp.staging.ledger.num_owned == 0 and not pr.imp._requests
+
+
 def test_a_request_passed_over_too_often_stops_the_queue_until_it_fits(loaded_fp32):
     """The bound on need-based order: once BYPASS_LIMIT later requests were reserved past A's
     waiting request, the next one (which fits) waits until A's has been reserved."""

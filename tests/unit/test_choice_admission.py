@@ -138,3 +138,18 @@ def test_a_request_cancelled_while_its_choices_wait_leaves_none_running():
     asyncio.run(main())
     assert engine.cancelled == ["r-1"]
     assert "r" in {rid for rid, _ in engine.aborts}, engine.aborts
+
+
+def test_a_refused_request_pays_for_what_its_admitted_choices_generated():
+    """Behind the PD router the first choices generate while a later one waits for decode's
+    pages; if that one fails, the request is refused, and its tenant's tokens_per_minute keeps
+    what the others made (their updates so far), not a full refund (a review)."""
+    from kvfence.server.backend import Update
+
+    choices = _choices(3)
+    for c, made in zip(choices, (7, 4)):   # the third was never admitted
+        c.handle = RequestHandle(c.rid, asyncio.Queue())
+        for k in range(1, made + 1):
+            c.handle.updates.put_nowait(Update((k,), "x", False, None, None, 3, k, 0))
+    assert app._generated_before_refusal(choices) == 7 + 4
+    assert app._generated_before_refusal(_choices(2)) == 0
