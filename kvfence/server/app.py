@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -693,7 +693,7 @@ async def _generate(state: ServerState, request: Request, kind: str):
             run.revoke()
     except APIError as e:
         if lease is not None:
-            lease.release(_generated_before_refusal(choices))
+            lease.release(_tokens_generated(choices))
             _abort_all(state, choices, "another choice of the request was refused")
         if kind == "responses":
             e = responses_api.refused(e)
@@ -1146,23 +1146,29 @@ def _choices(state: ServerState, req: GenerationRequest, prompts: list[list[int]
     return out
 
 
-def _generated_before_refusal(choices: list[_Choice]) -> int:
-    """Completion tokens the engine made for the choices admitted before the request was
-    refused (its updates so far: those it makes until the abort lands are not counted). Behind
-    the PD router a request's first choices generate on decode while a later one waits there
-    for pages, up to its lease: refunded whole, a tenant's n=16 requests that failed so cost its
-    tokens_per_minute nothing (a review)."""
-    total = 0
+def _tokens_generated(choices: list[_Choice], taken: Iterable[tuple[_Choice, object]] = ()) -> int:
+    """Completion tokens the engine made for these choices so far, read or not: each one's last
+    update read, those `taken` from its handle and not read, and those still in its handle (what
+    it makes until an abort lands is not counted). Called once nothing reads them any more.
+
+    The engine does not wait for a slow reader: a stream whose client stopped reading leaves
+    updates queued, and charging only what was read let such a client reserve max_tokens, have
+    them all generated, and pay for a few (found in review). And behind the PD router a request's
+    first choices generate on decode while a later one waits there for pages, up to its lease:
+    refunded whole when that one failed, such requests cost the tenant's tokens_per_minute
+    nothing (a review)."""
+    latest = {c.index: c.last.completion_tokens if c.last else 0 for c in choices}
+
+    def see(c: _Choice, u) -> None:
+        if isinstance(u, Update):
+            latest[c.index] = max(latest[c.index], u.completion_tokens)
+
+    for c, u in taken:
+        see(c, u)
     for c in choices:
-        if c.handle is None:
-            continue
-        most = 0
-        while not c.handle.updates.empty():
-            u = c.handle.updates.get_nowait()
-            if isinstance(u, Update):
-                most = max(most, u.completion_tokens)
-        total += most
-    return total
+        while c.handle is not None and not c.handle.updates.empty():
+            see(c, c.handle.updates.get_nowait())
+    return sum(latest.values())
 
 
 def _abort_all(state: ServerState, choices: list[_Choice], reason: str) -> None:
@@ -1208,22 +1214,12 @@ class _Run:
         return sum(c.last.completion_tokens for c in self.choices if c.last)
 
     def _tokens_generated(self) -> int:
-        """Completion tokens the engine made for this request, read or not. The engine does not
-        wait for a slow reader: a stream whose client stopped reading leaves updates queued, and
-        charging only what was read let such a client reserve max_tokens, have them all
-        generated, and pay for a few (found in review). Called once the pumps are stopped."""
-        latest = {c.index: c.last.completion_tokens if c.last else 0 for c in self.choices}
-
-        def see(c: _Choice, u) -> None:
-            if isinstance(u, Update):
-                latest[c.index] = max(latest[c.index], u.completion_tokens)
-
+        """Completion tokens the engine made for this request (module _tokens_generated), once
+        the pumps are stopped: those they took and queued here count too."""
+        taken = []
         while not self._queue.empty():
-            see(*self._queue.get_nowait())
-        for c in self.choices:
-            while c.handle is not None and not c.handle.updates.empty():
-                see(c, c.handle.updates.get_nowait())
-        return sum(latest.values())
+            taken.append(self._queue.get_nowait())
+        return _tokens_generated(self.choices, taken)
 
     @property
     def cached_tokens(self) -> int:

@@ -452,7 +452,7 @@ class TenantLimiter:
         self._lock = threading.Lock()
         self._in_flight: dict[str, int] = {}
         self._used: dict[str, deque[list]] = {}   # tenant -> [time, tokens] entries, oldest first
-        self._taken: dict[str, deque[float]] = {}   # tenant -> when each request was taken, oldest first
+        self._taken: dict[str, deque[list]] = {}    # tenant -> [time, 1] per request taken, oldest first
         self._open: set[Lease] = set()              # every lease not yet released
 
     def forget(self, tenants: list[str]) -> None:
@@ -479,8 +479,10 @@ class TenantLimiter:
         with self._lock:
             return self._window(tenant, self._clock())[0]
 
-    def _window(self, tenant: str, now: float) -> tuple[int, deque]:
-        used = self._used.setdefault(tenant, deque())
+    def _window(self, tenant: str, now: float, store: dict[str, deque[list]] | None = None) -> tuple[int, deque]:
+        """The tenant's [time, amount] entries of the last minute (tokens; `store` self._taken:
+        requests, an amount of 1 each), older ones dropped, and their total."""
+        used = (self._used if store is None else store).setdefault(tenant, deque())
         while used and used[0][0] <= now - WINDOW_S:
             used.popleft()
         return sum(n for _, n in used), used
@@ -564,8 +566,8 @@ class TenantLimiter:
         with self._lock:
             now = self._clock()
             if lim.requests_per_minute is not None:
-                taken = self._requests_window(tenant.name, now)
-                out.update(_rate("requests", lim.requests_per_minute, len(taken), taken[-1] if taken else None, now))
+                count, taken = self._window(tenant.name, now, self._taken)
+                out.update(_rate("requests", lim.requests_per_minute, count, taken[-1][0] if taken else None, now))
             if lim.tokens_per_minute is not None:
                 total, used = self._window(tenant.name, now)
                 out.update(_rate("tokens", lim.tokens_per_minute, total, used[-1][0] if used else None, now))
@@ -573,13 +575,7 @@ class TenantLimiter:
 
     def requests_in_window(self, tenant: str) -> int:
         with self._lock:
-            return len(self._requests_window(tenant, self._clock()))
-
-    def _requests_window(self, tenant: str, now: float) -> deque[float]:
-        taken = self._taken.setdefault(tenant, deque())
-        while taken and taken[0] <= now - WINDOW_S:
-            taken.popleft()
-        return taken
+            return self._window(tenant, self._clock(), self._taken)[0]
 
     def _count_request(self, tenant: Tenant) -> None:
         """Under the lock: 429 when the tenant took requests_per_minute requests in the last
@@ -588,13 +584,12 @@ class TenantLimiter:
         if most is None:
             return
         now = self._clock()
-        taken = self._requests_window(tenant.name, now)
-        if len(taken) >= most:
-            # the oldest of the window leaves it first: then one more fits
-            wait = max(1, math.ceil(taken[len(taken) - most] + WINDOW_S - now))
+        count, taken = self._window(tenant.name, now, self._taken)
+        if count >= most:
+            wait = self._wait_for(taken, count - most + 1, now)   # until one more fits
             raise APIError(429, f"Rate limit reached: this API key may make {most} requests per minute; try again "
                                 f"in {wait} s.", code="tenant_requests_per_minute", headers={"Retry-After": str(wait)})
-        taken.append(now)
+        taken.append([now, 1])
 
     @staticmethod
     def _wait_for(used: deque, excess: int, now: float) -> int:

@@ -439,6 +439,24 @@ def test_client_disconnect_at_each_stage_aborts_and_frees_everything(cluster, cl
     assert client.completions.create(model=m, prompt="Hi", max_tokens=2).choices[0].finish_reason
 
 
+def _stream_in_background(cluster, body: dict) -> tuple[threading.Thread, threading.Event, threading.Event]:
+    """A streamed completion read in a thread: `started` is set at its first event; it reads
+    until `done` is set, then hangs up (what it streams after that proves nothing)."""
+    started, done = threading.Event(), threading.Event()
+
+    def read():
+        with httpx.Client(timeout=120) as h, h.stream("POST", cluster.url("router") + "/v1/completions",
+                                                      json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    started.set()
+                if done.is_set():
+                    break
+    t = threading.Thread(target=read)
+    t.start()
+    return t, started, done
+
+
 def test_a_hang_up_before_decode_pulled_frees_prefills_rows_at_once(cluster, client):
     """I6 without over-fencing, across processes: X holds most of decode's pool while it
     streams (read to its end in the background), Y's KV is held by prefill and Y waits for
@@ -448,18 +466,7 @@ def test_a_hang_up_before_decode_pulled_frees_prefills_rows_at_once(cluster, cli
     fences0 = cluster.pd("prefill").get("pd_fences", 0)
     x_body = {"model": m, "prompt": LONG, "max_tokens": 400, "stream": True, "temperature": 0,
               "ignore_eos": True}              # reserves 457 + 256 tokens (45 of 90 pages), grows to 54
-    started, done = threading.Event(), threading.Event()
-
-    def x():   # reads until the checks on Y are over, then hangs up too (X's other tokens prove nothing)
-        with httpx.Client(timeout=120) as h, h.stream("POST", cluster.url("router") + "/v1/completions",
-                                                      json=x_body) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    started.set()
-                if done.is_set():
-                    break
-    t = threading.Thread(target=x)
-    t.start()
+    t, started, done = _stream_in_background(cluster, x_body)   # until the checks on Y are over
     assert started.wait(60), "X never streamed"
     held0 = cluster.pd("prefill").get("pd_held", 0)
     ended0 = _ended_by_hang_up(cluster)
@@ -487,18 +494,7 @@ def test_a_lease_that_runs_out_while_decode_is_full_is_a_503_not_a_broken_stream
     m = model_name(client)
     x_body = {"model": m, "prompt": LONG, "max_tokens": 560, "stream": True, "temperature": 0,
               "ignore_eos": True}              # grows to 64 of decode's 90 pages: Y's 64 wait for all of it
-    started, done = threading.Event(), threading.Event()
-
-    def x():
-        with httpx.Client(timeout=120) as h, h.stream("POST", cluster.url("router") + "/v1/completions",
-                                                      json=x_body) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    started.set()
-                if done.is_set():
-                    break
-    t = threading.Thread(target=x)
-    t.start()
+    t, started, done = _stream_in_background(cluster, x_body)
     w = None
     try:
         assert started.wait(60), "X never streamed"

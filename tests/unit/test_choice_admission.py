@@ -151,5 +151,5 @@ def test_a_refused_request_pays_for_what_its_admitted_choices_generated():
         c.handle = RequestHandle(c.rid, asyncio.Queue())
         for k in range(1, made + 1):
             c.handle.updates.put_nowait(Update((k,), "x", False, None, None, 3, k, 0))
-    assert app._generated_before_refusal(choices) == 7 + 4
-    assert app._generated_before_refusal(_choices(2)) == 0
+    assert app._tokens_generated(choices) == 7 + 4
+    assert app._tokens_generated(_choices(2)) == 0
