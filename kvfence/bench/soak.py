@@ -43,6 +43,17 @@ SURVIVABLE = [("prefill", "corrupt_staged_page"), ("decode", "duplicate_transfer
 FAULT_CODES = {"kv_verification_failed", "kv_transfer_timeout", "lease_expired", "aborted_by_peer"}
 
 
+def _outcome(status: int, body: bytes) -> str:
+    """A refused or failed answer as "status:code" (200 and 400 as their status alone)."""
+    if status in (200, 400):
+        return str(status)
+    try:
+        code = json.loads(body).get("error", {}).get("code")
+    except (ValueError, AttributeError):
+        code = None
+    return f"{status}:{code}"
+
+
 def _rss_mib(pid: int) -> float:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -128,19 +139,21 @@ class Soak:
             try:
                 if stream:
                     async with http.stream("POST", self.urls["router"] + "/v1/completions", json=body) as r:
-                        outcome = str(r.status_code)
-                        n = 0
-                        async for text in r.aiter_lines():
-                            if text.startswith("data: {") and '"error"' in text:
-                                outcome = "stream_error:" + json.loads(text[6:])["error"].get("code", "?")
-                            n += 1
-                            if hang_up and n >= 2:
-                                outcome = "hung_up"
-                                break
+                        if r.status_code != 200:   # refused before it began (a failed handoff is,
+                            # a stream's too): its code, as an unstreamed answer's
+                            outcome = _outcome(r.status_code, await r.aread())
+                        else:
+                            outcome, n = "200", 0
+                            async for text in r.aiter_lines():
+                                if text.startswith("data: {") and '"error"' in text:
+                                    outcome = "stream_error:" + json.loads(text[6:])["error"].get("code", "?")
+                                n += 1
+                                if hang_up and n >= 2:
+                                    outcome = "hung_up"
+                                    break
                 else:
                     r = await http.post(self.urls["router"] + "/v1/completions", json=body)
-                    outcome = str(r.status_code) if r.status_code in (200, 400) else (
-                        f"{r.status_code}:{r.json().get('error', {}).get('code')}")
+                    outcome = _outcome(r.status_code, r.content)
             except httpx.TimeoutException:
                 outcome, self.hung = "timeout", self.hung + 1
             except httpx.HTTPError as e:

@@ -59,3 +59,15 @@ def test_soak_summary_fails_on_a_leak_or_an_unexplained_error():
     assert not SoakSummary(**{**base, "unexplained_errors": 1}).ok
     assert "FAIL" in SoakSummary(**{**base, "hung": 1}).text()
     assert not SoakSummary(**base, interrupted=True).ok   # a soak cut short passes nothing
+
+
+def test_a_stream_refused_before_it_began_is_named_by_its_code():
+    """Since the router answers a failed handoff before a stream begins, a stream's fault shows
+    as an HTTP status; the soak blames a fault by the code, so it must read it (it took the bare
+    status: every such stream was an error no fault explained, and a clean-clone CI run's short
+    soak failed)."""
+    from kvfence.bench.soak import FAULT_CODES, _outcome
+
+    assert _outcome(500, b'{"error": {"code": "kv_verification_failed"}}') == "500:kv_verification_failed"
+    assert _outcome(500, b'{"error": {"code": "kv_verification_failed"}}').split(":")[-1] in FAULT_CODES
+    assert _outcome(200, b"") == "200" and _outcome(400, b"{}") == "400" and _outcome(503, b"not json") == "503:None"
