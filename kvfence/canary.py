@@ -437,6 +437,26 @@ class _Planned:
     start_at: float
 
 
+def split_for_kills(main: list[_Planned], share: float) -> tuple[list[_Planned], list[_Planned]]:
+    """The requests sent while nodes may be killed, and those sent once every node is back:
+    the last `share` of them, plus, for each tenant, an in-context request that will not
+    abort. Without that a tenant whose only answerable requests fell in the kill window
+    got no answer, and the run said nothing of it (INCONCLUSIVE by timing, not by a fault)."""
+    n_after = int(len(main) * share)
+    before, after = main[:len(main) - n_after], main[len(main) - n_after:]
+
+    def answerable(p: _Planned) -> bool:
+        return not p.result.over_length and p.abort_chunks is None and p.abort_after_s is None
+
+    covered = {p.result.tenant for p in after if answerable(p)}
+    for p in reversed(list(before)):
+        if answerable(p) and p.result.tenant not in covered:
+            covered.add(p.result.tenant)
+            before.remove(p)
+            after.insert(0, p)
+    return before, after
+
+
 PADS = (" ok", " yes", " so", " now", " then")
 
 
@@ -910,8 +930,7 @@ class Canary:
             killers = [asyncio.ensure_future(self._kill(c, k, report)) for k in self.kills]
             # with kills, the last part of the requests goes out once every killed node is back:
             # the restarted nodes must serve, and stay clean
-            n_after = int(len(main) * self.opts.after_kill_share) if killers else 0
-            before, after = main[:len(main) - n_after], main[len(main) - n_after:]
+            before, after = split_for_kills(main, self.opts.after_kill_share) if killers else (main, [])
             for p in after:
                 p.result.after_kill = True
             await asyncio.gather(*(gated(p, t0) for p in before))

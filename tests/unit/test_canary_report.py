@@ -6,7 +6,17 @@ import random
 
 import pytest
 
-from kvfence.canary import CanaryReport, Leak, NodeState, RequestResult, find_canaries, load_tenant_keys, make_canaries
+from kvfence.canary import (
+    CanaryReport,
+    Leak,
+    NodeState,
+    RequestResult,
+    _Planned,
+    find_canaries,
+    load_tenant_keys,
+    make_canaries,
+    split_for_kills,
+)
 
 
 def test_canaries_are_unique_down_to_their_parts():
@@ -179,3 +189,21 @@ def test_a_stream_that_errored_and_an_untested_context_check_are_inconclusive():
         r = _report()
         judge(r, [_result(0), refused])
         assert r.clean, r.text()
+
+
+def test_split_for_kills_sends_an_answerable_request_of_every_tenant_after_the_kills():
+    """Seed 11 of the PD canary put tenants' only in-context requests in the kill window:
+    under load they all failed and the run was INCONCLUSIVE by timing alone."""
+    def planned(i, tenant, over=False, abort=None):
+        return _Planned(RequestResult(i, tenant, "over_total" if over else "normal", "completions", False, 10, 4,
+                                      over, None), {}, None, abort, 0.0)
+
+    main = [planned(0, "a"), planned(1, "b", abort=1.0), planned(2, "b"), planned(3, "c", over=True),
+            planned(4, "d"), planned(5, "a"), planned(6, "c", over=True), planned(7, "d", over=True)]
+    before, after = split_for_kills(main, 0.25)
+    assert sorted(p.result.index for p in before + after) == list(range(8))      # nothing lost or doubled
+    assert [p.result.index for p in after][-2:] == [6, 7]                     # the tail still goes after
+    answerable = {p.result.tenant for p in after if not p.result.over_length and p.abort_after_s is None}
+    assert answerable == {"a", "b", "d"}       # c has no in-context request; b's aborting one does not count
+    assert [p.result.index for p in before] == [0, 1, 3]   # each tenant's latest answerable one moved
+    assert split_for_kills(main, 0.0)[1] and len(split_for_kills(main, 1.0)[0]) == 0
