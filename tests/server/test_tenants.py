@@ -2,16 +2,20 @@
 and the tenants file's validation."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
 import httpx
 import openai
 import pytest
-from server_harness import KEYS, MODEL, wait_for
+from server_harness import KEYS, MODEL, TENANTS_TOML, wait_for
 
 from kvfence.server.errors import APIError
 from kvfence.server.tenants import Limits, Tenant, TenantLimiter, TenantRegistry, TenantsFileError
+
+TENANTS_TOML_WITH_BILLED = TENANTS_TOML + ('\n[tenants.billed]\napi_keys = ["sk-billed-0001"]\n'
+                                           'tokens_per_minute = 10000\n')
 
 
 def _rid_tenant(server, rid: str) -> str:
@@ -46,7 +50,6 @@ def test_a_key_reads_its_own_limits_in_the_model_card(make_server):
     """A client can size its requests before one is refused: /v1/models shows the calling
     key's own limits (null: none), never another tenant's; without a tenants file there are
     none to show."""
-    from server_harness import TENANTS_TOML
 
     srv = make_server(tenants=TENANTS_TOML + '\n[tenants.brief]\napi_keys = ["sk-brief-00001"]\n'
                       'default_max_tokens = 5\nmax_prompt_tokens = 300\n')
@@ -201,13 +204,47 @@ def test_tokens_per_minute_gives_429_with_retry_after(server):
     assert raw.parse().usage and not [k for k in raw.headers if k.startswith("x-ratelimit-")]   # no per-minute limits
 
 
+def test_a_request_refused_after_a_choice_generated_pays_for_what_it_made(make_server, monkeypatch):
+    """A later choice refused once an earlier one has generated (behind the PD router a
+    choice waits on decode for pages while the first one runs) refuses the request, and the
+    tenant's minute keeps the tokens the engine made: a full refund let a client have tokens
+    generated for free. The real handler and engine; the follower's submit is held until the
+    lead has made some tokens, then refused as a full queue is."""
+    from kvfence.engine.admission import Overloaded
+
+    srv = make_server(tenants=TENANTS_TOML_WITH_BILLED)
+    engine, made = srv.state.engine, {}
+    submit = engine.submit
+
+    async def held_submit(ids, params, tenant, rid, *a, after=None, **kw):
+        if after is None:
+            made[rid] = handle = await submit(ids, params, tenant, rid, *a, after=after, **kw)
+            return handle
+        lead = made[after]
+        for _ in range(500):   # bounded: 10 s
+            if lead.updates.qsize() >= 3:
+                break
+            await asyncio.sleep(0.02)
+        raise Overloaded("The server is overloaded: its queue is full; retry shortly.")
+
+    monkeypatch.setattr(engine, "submit", held_submit)
+    c = srv.client("sk-billed-0001")
+    with pytest.raises(openai.InternalServerError) as e:
+        c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=40, n=2,
+                             temperature=0.8, extra_body={"ignore_eos": True})
+    assert e.value.status_code == 503 and e.value.code == "server_overloaded"
+    prompt = len(srv.engine.tokenizer.encode("The capital of France is"))
+    assert wait_for(lambda: srv.state.limiter.in_flight("billed") == 0, 10)
+    used = srv.state.limiter.tokens_in_window("billed")
+    assert prompt + 3 <= used < prompt + 2 * 40, (prompt, used)   # what the lead made, not all, not nothing
+
+
 def test_requests_per_minute_gives_429_and_counts_only_what_it_takes(make_server):
     """A flood of cheap requests (tiny, or hung up at once) stays under tokens_per_minute and
     still costs a parse and a tokenize each (behind a PD router, a prefill and a handoff):
     requests_per_minute bounds it. Every route that takes a slot counts; a refusal does not
     (a client retrying a 429 in a loop does not push its wait further out); another tenant is
     not touched."""
-    from server_harness import TENANTS_TOML
 
     srv = make_server(tenants=TENANTS_TOML + '\n[tenants.paced]\napi_keys = ["sk-paced-00001"]\n'
                       'requests_per_minute = 3\n')
@@ -267,7 +304,6 @@ def test_a_request_without_max_tokens_fits_its_tenants_budget(make_server):
     context got a 400 it could not fix. Such a request is now limited by the tenant's
     default_max_tokens, and never beyond what an empty minute of its budget holds; one that
     sets max_tokens is taken as it is."""
-    from server_harness import TENANTS_TOML
 
     srv = make_server(tenants=TENANTS_TOML + '\n[tenants.brief]\napi_keys = ["sk-brief-00001"]\n'
                       'default_max_tokens = 5\n')
