@@ -53,6 +53,12 @@ class EngineConfig:
     num_threads: int | None = None
     progress: bool = True
 
+    @property
+    def tenant_waiting_places(self) -> int:
+        """The requests one tenant may have waiting: its share of max_waiting, at least one. A
+        request's choices wait together, so it is also the largest n x prompts ever admitted."""
+        return min(self.max_waiting, max(1, int(self.max_waiting * self.tenant_waiting_share)))
+
     def __post_init__(self) -> None:
         """The settings' rules, checked before anything loads: a zero step budget or batch size
         would have the engine spin without ever running a request, a negative cap stall every

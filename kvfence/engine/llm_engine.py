@@ -291,7 +291,7 @@ class LLMEngine:
         queued = list(self.scheduler.waiting) + self.kv_link.queued()
         # the tenant's own share first: a tenant at it learns nothing of the others' load, and
         # its answer names its own count, not the server's queue size (a side-channel probe)
-        share = max(1, int(limit * self.config.tenant_waiting_share))
+        share = self.config.tenant_waiting_places
         mine = sum(1 for s in queued if s.tenant == tenant)
         if share < limit and mine >= share:   # one tenant alone (share 1.0) is told the queue is full
             self.outcomes["overloaded"] += 1

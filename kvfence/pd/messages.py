@@ -375,6 +375,9 @@ class NodeInfo(WireModel):
     vocab_size: Annotated[int, Field(ge=1)]
     prefix_cache: bool
     pd: PdFacts
+    # EngineConfig.tenant_waiting_places; None from a node from before the field (the router
+    # then refuses no n up front: the node's 503 answers it, as before)
+    tenant_waiting_places: Annotated[int, Field(ge=1)] | None = None
     pd_security: PdSecurity | None = None
     # checks ScopeStamp (pd/scope_epochs.py); a node from before it refuses the stamp as an
     # unknown field, so the router sends it none (the router is upgraded first)

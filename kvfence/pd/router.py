@@ -396,6 +396,11 @@ class RouterBackend:
         snapshot = _merge_snapshots(fleet)
         snapshot["sequences_by_tenant"] = self.requests_by_tenant()
         self.snapshot = snapshot   # swapped whole: a scrape reads one or the other
+        ready = [n.info.tenant_waiting_places for n in fleet.nodes if n.state == "ready" and n.info is not None]
+        places = _smallest(ready) if ready else None
+        if ready and self.facts is not None and places != self.facts.get("tenant_waiting_places"):
+            # a node that joined with a smaller --max-waiting lowers the bound, one that left raises it
+            self.facts = {**self.facts, "tenant_waiting_places": places}
 
     def requests_by_tenant(self) -> dict[str, dict[str, int]]:
         """tenant -> its requests in flight here: running (its KV reached decode, or decode's first
@@ -977,6 +982,12 @@ def _error_of(raw: bytes) -> tuple[str, str | None] | None:
 def _error_code(raw: bytes) -> str | None:
     err = _error_of(raw)
     return None if err is None else err[1]
+
+
+def _smallest(places: list[int | None]) -> int | None:
+    """The least of (some) nodes' tenant_waiting_places (a request's choices wait together on
+    prefill and on decode); None when a node does not say (from before the field)."""
+    return None if None in places else min(p for p in places if p is not None)
 
 
 def _as_submit_error(message: str, code: str, rejection: RejectedEvent | None) -> Exception:

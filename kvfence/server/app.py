@@ -51,6 +51,7 @@ from kvfence.server.log_budget import LogBudget
 from kvfence.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvfence.server.openai_format import Formatter, sse, usage
 from kvfence.server.protocol import (
+    MAX_CHOICES,
     OFF_LOOP_BYTES,
     GenerationRequest,
     parse_chat,
@@ -536,7 +537,9 @@ def _model_card(state: ServerState, tenant: Tenant) -> dict:
     its own: another tenant's limits say nothing it may know."""
     f = state.facts
     card = {"id": state.served_name, "object": "model", "created": 0, "owned_by": "kvfence",
-            "max_model_len": f["usable_context"], "fingerprint": f["fingerprint"]}
+            "max_model_len": f["usable_context"], "fingerprint": f["fingerprint"],
+            # prompts x n: the protocol's bound, or fewer where a tenant's queue places are fewer
+            "max_choices": min(MAX_CHOICES, f.get("tenant_waiting_places") or MAX_CHOICES)}
     if not state.tenants.single_tenant:
         card["tenant_limits"] = dataclasses.asdict(tenant.limits)
     return card
@@ -595,6 +598,7 @@ async def _generate(state: ServerState, request: Request, kind: str):
         if req.model is not None and req.model != state.served_name:
             raise APIError(404, f"The model '{req.model}' does not exist.", code="model_not_found", param="model")
         _refuse_max_tokens_beyond_context(req, state.facts["usable_context"])
+        _refuse_more_choices_than_wait(req, state.facts.get("tenant_waiting_places"))
         cap = tenant.limits.max_prompt_tokens
         facts = state.facts
         prompts = []
@@ -972,6 +976,20 @@ def _limit_implicit_max_tokens(req: GenerationRequest, tenant: Tenant, prompts: 
     cap = min(c for c in caps if c is not None)
     if cap >= 1 and cap < room:   # below 1 the prompt alone is refused, with its own reason
         req.params = dataclasses.replace(req.params, max_tokens=cap)
+
+
+def _refuse_more_choices_than_wait(req: GenerationRequest, places: int | None) -> None:
+    """A request's choices wait together (the later ones for the first's prompt) and count one
+    place each in the engine's queue: with more of them than one tenant may have waiting, its
+    503 "retry shortly" came back on every retry (n=16 with --max-waiting 16 behind a tenants
+    file). Deliberately a bound without timing: a first choice that happened to start before
+    the others queued left one more place, so some such requests were served, some not."""
+    wanted = len(req.prompts) * req.n
+    if places is not None and wanted > places:
+        raise bad_request(f"This request asks for {wanted} choices (prompts x n); this server lets a tenant have "
+                          f"{places} requests waiting (--max-waiting), and a request's choices wait together: "
+                          f"send at most {places}.", param="prompt" if len(req.prompts) > 1 else "n",
+                          code="too_many_choices")
 
 
 def _refuse_if_too_long(ids: list[int], req: GenerationRequest, usable: int) -> None:

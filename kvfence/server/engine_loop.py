@@ -478,6 +478,7 @@ def engine_facts(engine) -> dict:
         "usable_context": engine.usable_context, "context_clamped": engine.context.clamped,
         "context_note": engine.context.note, "scrub": led.scrub.value, "read_checks": bool(led.checks_enabled),
         "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        "tenant_waiting_places": cfg.tenant_waiting_places,
         "vocab_size": c.vocab_size,
         "prefix_cache": getattr(engine, "prefix_cache", None) is not None,
         **({"pd": pd} if (pd := engine.kv_link.facts()) is not None else {}),

@@ -407,13 +407,18 @@ def test_a_node_too_small_for_the_advertised_context_is_refused_and_gets_nothing
 # pull + skew (8 + 3 + 0.5 s here; 106 s with the defaults). A second router process over its
 # nodes shares nothing with the first but the nodes, the tenants file and the cluster secret.
 DAVE = "sk-fleet-dave-0001"
+ERIN = "sk-fleet-erin-0001"
 TWO_ROUTER_TENANTS = TENANTS + f"""
 [tenants.dave]
 api_keys = ["{DAVE}"]
 max_concurrent_requests = 1
+
+[tenants.erin]
+api_keys = ["{ERIN}"]
+requests_per_minute = 2
 """
 SHORT_LEASES = ["--lease", "8", "--max-pull", "3", "--clock-skew", "0.5", "--transfer-timeout", "2",
-                "--decode-reserve-tokens", "32"]
+                "--decode-reserve-tokens", "32", "--max-waiting", "16"]   # a tenant's places: 8
 
 
 class Router:
@@ -572,6 +577,42 @@ def test_a_tenants_concurrency_limit_is_per_router(routers):
             other.close()
     finally:
         first.close()   # both clients leave mid-stream: the nodes abort the requests
+    _settle(fleet)
+
+
+def test_a_tenants_requests_per_minute_is_per_router(routers):
+    """erin may send 2 requests a minute. Through router A the third is refused (429, and
+    the Retry-After a client needs), through router B it is served; B counts its own 2."""
+    fleet, b, _ = routers
+
+    def ask(router):
+        c = router.client(ERIN)
+        return c.completions.create(model=c.models.list().data[0].id, prompt="Hi", max_tokens=2, temperature=0)
+
+    assert ask(fleet).usage and ask(fleet).usage
+    with pytest.raises(openai.RateLimitError) as refused:
+        ask(fleet)
+    assert refused.value.code == "tenant_requests_per_minute"
+    assert 1 <= int(refused.value.response.headers["retry-after"]) <= 60
+    assert refused.value.response.headers["x-ratelimit-remaining-requests"] == "0"
+    assert ask(b).usage and ask(b).usage    # the other router: its own minute
+    with pytest.raises(openai.RateLimitError):
+        ask(b)
+    _settle(fleet)
+
+
+def test_the_router_refuses_more_choices_than_a_tenant_may_queue_on_its_nodes(routers):
+    """The nodes run --max-waiting 16: a tenant may have 8 requests waiting on each, and a
+    request's choices wait together there. The router takes the nodes' number: its model card
+    says 8, and n=9 is a 400 naming n (it was a 503 on every retry), before any node sees it."""
+    fleet, b, _ = routers
+    for router in (fleet, b):
+        c = router.client(KEYS[0] if router is fleet else KEYS[1])
+        model = c.models.list().data[0]
+        assert model.model_dump()["max_choices"] == 8
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model=model.id, prompt="Hi there", max_tokens=2, n=9, temperature=0.7)
+        assert e.value.code == "too_many_choices" and e.value.param == "n" and "at most 8" in e.value.message
     _settle(fleet)
 
 

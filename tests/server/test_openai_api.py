@@ -24,6 +24,7 @@ def test_models_lists_the_served_model_with_its_context(server):
     card = server.client().models.retrieve(MODEL)
     assert card.id == MODEL
     assert card.model_extra["max_model_len"] == server.engine.facts["usable_context"] == 1440
+    assert card.model_extra["max_choices"] == 16     # prompts x n: the protocol's bound at --max-waiting 1024
 
 
 def test_completion_text_usage_and_finish_reason(server, tok):

@@ -85,6 +85,27 @@ def test_one_tenant_holds_at_most_half_the_queue(loaded_fp32):
     assert eng.ledger.num_owned == 0
 
 
+def test_a_request_with_more_choices_than_its_tenant_may_queue_is_told_to_send_fewer(make_server):
+    """With --max-waiting 4 and a tenants file a tenant may have 2 requests waiting, and a
+    request's choices wait together (the later ones for the first's prompt): n=16 got 503
+    "retry shortly" on every retry, and n=3 was served or refused by timing (whether the first
+    choice started before the others queued). Both get a 400 naming n and the most it may ask,
+    every time, which the model card says too; n=2 is served, and nothing is held."""
+    srv = make_server(max_num_seqs=1, max_waiting=4)
+    c = srv.client("alice")
+    assert c.models.list().data[0].model_dump()["max_choices"] == 2
+    for n in (3, 16):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, n=n, temperature=0.7)
+        assert e.value.code == "too_many_choices" and e.value.param == "n" and "at most 2" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:   # prompts x n
+        c.completions.create(model=MODEL, prompt=[PROMPT, PROMPT, PROMPT], max_tokens=4, temperature=0.7)
+    assert e.value.code == "too_many_choices" and e.value.param == "prompt" and "3 choices" in e.value.message
+    assert len(c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, n=2, temperature=0.7).choices) == 2
+    assert wait_for(lambda: pool_intact(srv.wait_idle()))
+    assert srv.metric("kvfence_admission_rejections_total", reason="server_overloaded") == 0
+
+
 def test_a_tenant_that_queues_many_does_not_make_the_next_tenant_wait_for_all(loaded_fp32):
     """The real engine, one slot: alice queues three, then bob one. Bob's runs second, not
     fourth (engine/scheduler.py starts waiting requests tenant by tenant)."""

@@ -48,3 +48,10 @@ def test_the_command_line_says_what_is_wrong_before_loading(capsys, tmp_path):
     finally:
         incidents.close_log()
     assert "max_num_seqs must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("max_waiting,share,places", [(1024, 0.5, 512), (4, 0.5, 2), (1, 0.5, 1), (3, 0.5, 1),
+                                                      (16, 1.0, 16)])
+def test_a_tenants_waiting_places_are_its_share_and_at_least_one(max_waiting, share, places):
+    """One number for the engine's load check and the server's n bound (app.py)."""
+    assert EngineConfig(max_waiting=max_waiting, tenant_waiting_share=share).tenant_waiting_places == places

@@ -428,3 +428,27 @@ def test_a_handoffs_newer_fields_go_only_to_a_node_that_reads_them():
     old = sent(seal_keys=False, choice_groups=False)
     assert "choice_of" not in old and "seal_key" not in old["manifest"] and old["manifest"]["slots"] == [1]
     assert "choice_of" not in sent(choice_groups=False) and sent(seal_keys=False)["choice_of"] == "cmpl-1"
+
+
+def test_the_routers_choice_bound_follows_the_ready_nodes_waiting_places():
+    """The router refuses prompts x n beyond the least tenant_waiting_places of its ready nodes
+    (app.py): a node that joins with a smaller --max-waiting lowers it, one that goes down
+    raises it again, and a node from before the field (None) lifts the bound (its 503 answers)."""
+    from kvfence.pd.router import RouterBackend
+
+    f = fleet()
+    for n in f.nodes:
+        f.observe(n, info(n.role, boot=n.url, tenant_waiting_places=512))
+    b = RouterBackend.__new__(RouterBackend)   # only what _refresh reads
+    b.fleet, b._stopped, b._tenant_of, b.facts = f, False, {}, {"usable_context": 1024}
+    b._refresh()
+    assert b.facts["tenant_waiting_places"] == 512
+    f.observe(f.nodes[3], info("decode", boot="small", tenant_waiting_places=8))
+    b._refresh()
+    assert b.facts["tenant_waiting_places"] == 8 and b.facts["usable_context"] == 1024
+    f.observe(f.nodes[3], None, "does not answer (ConnectError)")
+    b._refresh()
+    assert b.facts["tenant_waiting_places"] == 512
+    f.observe(f.nodes[0], info(boot="old"))   # no tenant_waiting_places: an older node
+    b._refresh()
+    assert b.facts["tenant_waiting_places"] is None
