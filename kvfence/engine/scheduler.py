@@ -41,6 +41,7 @@ requests of n=16 held all 256 slots and another tenant's first token waited minu
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -273,6 +274,8 @@ class Scheduler:
             seq.after = None   # started: the lead is no longer needed (nor kept alive by it)
             self.ledger.allocate(seq.owner, need, seq.table)
             seq.on(Event.SCHEDULE)
+            if seq.started_at is None:   # its wait to run ends (kvfence_queue_wait_seconds); not a resume
+                seq.started_at = time.perf_counter()
             self.running.append(seq)
             running_by_tenant[seq.tenant] += 1
             self._starts += 1

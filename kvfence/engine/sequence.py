@@ -52,6 +52,7 @@ class Sequence:
     abort_code: str | None = None            # why an aborted request ended (server/app.py maps the codes)
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    started_at: float | None = None   # its first step (perf_counter): the wait for a running slot ends
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
     cache_scope: str = ""                    # prefix-cache scope name (the tenant's own by default)

@@ -1124,6 +1124,7 @@ class _Choice:
     logprobs: list = field(default_factory=list)
     last: Update | None = None
     first_token_at: float | None = None
+    started_at: float | None = None
     token_times: list[float] = field(default_factory=list)
 
     @property
@@ -1299,6 +1300,7 @@ class _Run:
             if u.prompt_logprobs:
                 c.prompt_logprobs = list(u.prompt_logprobs)
             c.first_token_at = c.first_token_at or u.first_token_at
+            c.started_at = c.started_at or u.started_at
             c.token_times.extend(u.token_times)
             yield c, u
             if u.finished and not c.ok:
@@ -1333,12 +1335,14 @@ class _Run:
         generated = self._tokens_generated()
         self.lease.release(generated)   # the engine's work: what the tenant's minute paid for
         firsts = [c.first_token_at for c in self.choices if c.first_token_at is not None]
+        starts = [c.started_at for c in self.choices if c.started_at is not None]
         # what the client saw: a failed unstreamed answer got it no token (a PD node lost after
         # 21 tokens counted them, and its TTFT, for a client that got a 503)
         if self._ok() or self.req.stream:
             self.state.metrics.finished(self.tenant.name, outcome, self.prompt_tokens, self.completion_tokens,
                                         self.arrival, min(firsts) if firsts else None,
-                                        [c.token_times for c in self.choices])   # the updates it read
+                                        [c.token_times for c in self.choices],   # the updates it read
+                                        min(starts) if starts else None)
         else:
             self.state.metrics.finished(self.tenant.name, outcome, self.prompt_tokens)
         ttft = round((min(firsts) - self.arrival) * 1e3, 1) if firsts else None

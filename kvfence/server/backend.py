@@ -46,6 +46,7 @@ class Update:
     # params.prompt_logprobs: prompt tokens 1.. (the first has none), once, in the first
     # update after the prompt was computed
     prompt_logprobs: tuple[Logprob, ...] = ()
+    started_at: float | None = None   # when the engine first ran it (perf_counter); None: not yet, or unknown
 
 
 @dataclass

@@ -119,12 +119,17 @@ def pool_of(node: str, role: str, snap: dict | None) -> dict[str, Any] | None:
     return pool
 
 
+# the per-tenant latency table: histogram name -> its column prefix
+LATENCY_HISTOGRAMS = {"kvfence_time_to_first_token_seconds": "ttft", "kvfence_queue_wait_seconds": "queue"}
+
+
 def request_counters(state: ServerState) -> dict[str, Any]:
     """Totals since start from this server's Prometheus counters (the page turns them into
-    rates between refreshes)."""
+    rates between refreshes), and each tenant's TTFT and wait to run at the median and p95."""
     by_outcome: dict[str, float] = {}
     by_tenant: dict[str, float] = {}
     rejections: dict[str, float] = {}
+    buckets: dict[tuple[str, str], list[tuple[float, float]]] = {}   # (histogram, tenant) -> (le, count)
     for fam in state.metrics.registry.collect():
         for s in fam.samples:
             if s.name == "kvfence_requests_total":
@@ -132,7 +137,35 @@ def request_counters(state: ServerState) -> dict[str, Any]:
                 by_tenant[s.labels["tenant"]] = by_tenant.get(s.labels["tenant"], 0) + s.value
             elif s.name == "kvfence_admission_rejections_total":
                 rejections[s.labels["reason"]] = s.value
-    return {"by_outcome": by_outcome, "by_tenant": by_tenant, "rejections": rejections}
+            elif s.name.endswith("_bucket") and s.name[:-len("_bucket")] in LATENCY_HISTOGRAMS:
+                key = (s.name[:-len("_bucket")], s.labels["tenant"])
+                buckets.setdefault(key, []).append((float(s.labels["le"]), s.value))
+    latency: dict[str, dict[str, float | None]] = {}
+    for (name, tenant), bs in buckets.items():
+        row = latency.setdefault(tenant, {})
+        col = LATENCY_HISTOGRAMS[name]
+        bs.sort()
+        row[f"{col}_count"] = bs[-1][1]   # the +Inf bucket: every observation
+        for q in (0.5, 0.95):
+            row[f"{col}_p{round(q * 100)}"] = histogram_quantile(q, bs)
+    return {"by_outcome": by_outcome, "by_tenant": by_tenant, "rejections": rejections, "latency": latency}
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """The q-quantile of a cumulative histogram [(upper bound, count)], sorted and ending at
+    +Inf, by linear interpolation inside the bucket it falls in, as Prometheus's
+    histogram_quantile does (the last finite bound when it falls in +Inf); None when empty."""
+    total = buckets[-1][1] if buckets else 0
+    if total <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if le == float("inf"):
+                return lower
+            return lower + (le - lower) * ((rank - below) / (count - below) if count > below else 0.0)
+        lower, below = le, count
+    return lower
 
 
 def incidents_view(limit: int = INCIDENTS_SHOWN) -> dict[str, Any]:

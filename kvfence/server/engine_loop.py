@@ -416,7 +416,7 @@ class EngineLoop:
             return Update((), text, finished, seq.finish_reason if finished else None,
                           seq.error if finished else None, len(seq.prompt_ids), len(seq.output_ids),
                           cached_tokens_of(seq), abort_code=seq.abort_code if finished else None,
-                          event=event, data=data)
+                          event=event, data=data, started_at=seq.started_at)
         lps = _logprobs(seq.logprobs[sink.sent_logprobs:])
         sink.sent_logprobs = len(seq.logprobs)
         prompt_lps: tuple[Logprob, ...] = ()
@@ -428,7 +428,7 @@ class EngineLoop:
         return Update(token_ids, text, finished, seq.finish_reason if finished else None,
                       seq.error if finished else None, len(seq.prompt_ids), len(seq.output_ids),
                       cached_tokens_of(seq), lps, seq.first_token_at, times,
-                      seq.abort_code if finished else None, event, data, prompt_lps)
+                      seq.abort_code if finished else None, event, data, prompt_lps, seq.started_at)
 
     def _publish(self, engine) -> None:
         s = engine.stats()

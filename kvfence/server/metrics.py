@@ -49,6 +49,12 @@ class ServerMetrics:
                              "by tenant", ["tenant"], buckets=_LATENCY, registry=r)
         self.duration = Histogram("kvfence_request_duration_seconds", "From arrival to the last token, by tenant",
                                   ["tenant"], buckets=_LATENCY, registry=r)
+        # TTFT is this wait plus the prompt's compute: which of the two grew, when one tenant's
+        # first tokens slow down, is what says whether it waited behind others
+        self.queue = Histogram("kvfence_queue_wait_seconds", "From arrival to the request's first engine step "
+                               "(parsing, tokenizing and the wait for a running slot), by tenant, for the answers "
+                               "the TTFT histogram counts; single node only (a PD router does not see its prefill "
+                               "node start)", ["tenant"], buckets=_LATENCY, registry=r)
         self.rejections = Counter("kvfence_admission_rejections", "Requests refused before reaching the engine's "
                                   "scheduler, by reason", ["reason"], registry=r)
         for reason in REJECTION_REASONS:
@@ -69,10 +75,11 @@ class ServerMetrics:
 
     def finished(self, tenant: str, outcome: str, prompt_tokens: int = 0, completion_tokens: int = 0,
                  arrival: float | None = None, first_token_at: float | None = None,
-                 token_times: Sequence[Sequence[float]] = ()) -> None:
+                 token_times: Sequence[Sequence[float]] = (), started_at: float | None = None) -> None:
         """One request's end. `completion_tokens`, `first_token_at` and `token_times` (each
         choice's own) only for tokens that reached the client: _Run.close passes none for an
-        unstreamed answer that failed."""
+        unstreamed answer that failed. `started_at`: its first engine step; its wait to run is
+        counted with its TTFT (the same answers), so the two compare."""
         self.requests.labels(tenant, outcome).inc()
         if prompt_tokens:
             self.prompt_tokens.labels(tenant).inc(prompt_tokens)
@@ -80,6 +87,8 @@ class ServerMetrics:
             self.generation_tokens.labels(tenant).inc(completion_tokens)
         if arrival is not None and first_token_at is not None:
             self.ttft.labels(tenant).observe(max(0.0, first_token_at - arrival))
+            if started_at is not None:
+                self.queue.labels(tenant).observe(max(0.0, min(started_at, first_token_at) - arrival))
         itl = self.itl.labels(tenant)
         for times in token_times:   # per choice: n=2's merged times halved every gap
             for a, b in zip(times, times[1:]):

@@ -240,6 +240,7 @@ def _browser_run(srv, exe: str, tmp_path: Path, log_path: Path) -> None:
         pages = _kv_pages(srv)
         dom = asyncio.run(asyncio.wait_for(_look(srv, exe, tmp_path), 60))
         assert _kv_pages(srv) == pages                          # still the same moment
+        latency = _get(srv, "/v1/kvfence/console", OPERATOR_KEY).json()["requests"]["latency"]
     finally:
         release.set()
         for s in streams:
@@ -264,6 +265,12 @@ def _browser_run(srv, exe: str, tmp_path: Path, log_path: Path) -> None:
     assert [r["kind"] for r in dom["incidents"][:2]] == ["node_refused", "ledger_refusal"]
     assert dom["incidents"][1]["request"] == refusal["request_id"]
     assert dom["xss_element"] is None and dom["title"] != "pwned" and '<img id="xss"' in dom["incident_text"]
+    # each tenant's first-token and wait-to-run quantiles, as the JSON has them (the held streams
+    # are not answered yet: alice's failed request and bob's long one are the ones counted)
+    assert set(dom["latency"]) == set(latency) >= {"alice", "bob", "pub1"}, (dom["latency"], latency)
+    for tenant, row in latency.items():
+        assert dom["latency"][tenant] == {"ttft_p95": str(row["ttft_p95"]), "queue_p95": str(row["queue_p95"])}
+    assert latency["bob"]["ttft_count"] == 2 and 0 < latency["bob"]["queue_p95"] <= latency["bob"]["ttft_p95"]
     # rates appear from the second refresh on; the isolation statement is rendered
     assert dom["outcomes"]["length"] >= 3 and dom["rates_shown"]
     assert "kv memory isolation" in dom["isolation_text"]
@@ -317,6 +324,8 @@ _READ_DOM = """(() => {
     nodes: all('#nodes tr[data-node]').map((tr) => ({name: tr.dataset.node, state: tr.dataset.state,
                                                      checks: all('li[data-check]', tr).length})),
     pools, outcomes,
+    latency: Object.fromEntries(all('#requests .counters[data-group="latency"] tr[data-tenant]').map((tr) =>
+      [tr.dataset.tenant, {ttft_p95: tr.dataset.ttftP95, queue_p95: tr.dataset.queueP95}])),
     rates_shown: all('#requests td.num').some((td) => /^[0-9]+[.][0-9]{2}$/.test(td.textContent)),
     incidents: all('#incidents tr[data-kind]').map((tr) => ({kind: tr.dataset.kind, request: tr.dataset.request})),
     incident_text: document.getElementById('incidents').textContent,

@@ -16,7 +16,7 @@ from kvfence.cli import main as cli_main
 from kvfence.kv.pool import page_bytes
 
 FAMILIES = ["kvfence_requests", "kvfence_prompt_tokens", "kvfence_generation_tokens",
-            "kvfence_time_to_first_token_seconds", "kvfence_inter_token_latency_seconds",
+            "kvfence_time_to_first_token_seconds", "kvfence_inter_token_latency_seconds", "kvfence_queue_wait_seconds",
             "kvfence_requests_running", "kvfence_requests_waiting", "kvfence_kv_pages",
             "kvfence_admission_rejections", "kvfence_isolation_violations", "kvfence_engine_ready",
             "kvfence_prefill_cap_tokens", "kvfence_tokens_computed", "kvfence_preemptions"]
@@ -67,9 +67,14 @@ def test_metrics_families_and_values_follow_requests(server):
         get(before, "kvfence_admission_rejections_total", reason="context_length_exceeded") + 1
     # latency by tenant: bob's request counts under bob, none under alice
     for name, n in (("kvfence_time_to_first_token_seconds_count", 1), ("kvfence_inter_token_latency_seconds_count", 5),
-                    ("kvfence_request_duration_seconds_count", 1)):
+                    ("kvfence_request_duration_seconds_count", 1), ("kvfence_queue_wait_seconds_count", 1)):
         assert get(after, name, tenant="bob") == get(before, name, tenant="bob") + n, name
         assert get(after, name, tenant="alice") == get(before, name, tenant="alice"), name
+
+    def grew(name):
+        return get(after, name, tenant="bob") - get(before, name, tenant="bob")
+    # the wait to run is part of the time to the first token (the refused request ran nothing)
+    assert 0 < grew("kvfence_queue_wait_seconds_sum") <= grew("kvfence_time_to_first_token_seconds_sum")
     total = server.engine.facts["pool_pages"]
     assert get(after, "kvfence_kv_pages", state="free") + get(after, "kvfence_kv_pages", state="shared") == total
     assert total == get(after, "kvfence_kv_pages_total")

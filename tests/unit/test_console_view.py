@@ -76,3 +76,15 @@ def test_the_console_cookie_is_the_operators_only_and_holds_no_key():
     assert not auth._cookie_ok(f"{int(time.time()) - 1}.{auth._mac(reg.operator_digests[0], int(time.time()) - 1)}")
     other = OperatorAuth(ServerState(RouterBackend(["http://p"], ["http://d"], b"s" * 32), reg))
     assert not other._cookie_ok(value)                                    # another process's secret
+
+
+def test_histogram_quantiles_interpolate_within_the_bucket_as_prometheus_does():
+    from kvfence.server.console_view import histogram_quantile
+
+    inf = float("inf")
+    # 10 observations: 4 up to 0.1 s, 4 more up to 0.5 s, 2 above 1 s
+    b = [(0.1, 4.0), (0.5, 8.0), (1.0, 8.0), (inf, 10.0)]
+    assert histogram_quantile(0.5, b) == 0.1 + 0.4 * (1 / 4)     # rank 5: a quarter into (0.1, 0.5]
+    assert histogram_quantile(0.2, b) == 0.05                   # rank 2: half of (0, 0.1]
+    assert histogram_quantile(0.95, b) == 1.0                   # in +Inf: the last finite bound
+    assert histogram_quantile(0.5, [(0.1, 0.0), (inf, 0.0)]) is None and histogram_quantile(0.5, []) is None

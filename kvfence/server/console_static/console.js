@@ -134,10 +134,30 @@ function counterTable(data, group, title) {
             rows.length ? table(["", "total", "per s"], rows) : el("p", {class: "note"}, "none yet"));
 }
 
+function seconds(v) {
+  return v === null || v === undefined ? "-" : (v < 1 ? `${Math.round(v * 1000)} ms` : `${v.toFixed(2)} s`);
+}
+
+function latencyTable(data) {
+  // since start, from the histograms' buckets (interpolated as Prometheus's histogram_quantile)
+  const entries = Object.entries(data.requests.latency || {}).sort((a, b) => a[0].localeCompare(b[0]));
+  const rows = entries.map(([tenant, r]) => el("tr", {"data-tenant": tenant, "data-ttft-p95": String(r.ttft_p95),
+                                                       "data-queue-p95": String(r.queue_p95)},
+    el("td", {}, tenant), el("td", {class: "num"}, r.ttft_count ?? 0),
+    el("td", {class: "num"}, seconds(r.ttft_p50)), el("td", {class: "num"}, seconds(r.ttft_p95)),
+    el("td", {class: "num"}, seconds(r.queue_p50)), el("td", {class: "num"}, seconds(r.queue_p95))));
+  return el("div", {class: "counters", "data-group": "latency"},
+            el("h3", {}, "first token and wait to run by tenant (since start)"),
+            rows.length ? table(["", "answers", "TTFT p50", "TTFT p95", "wait p50", "wait p95"], rows)
+                        : el("p", {class: "note"}, "none yet"));
+}
+
 function renderRequests(data) {
-  return el("div", {class: "row"}, counterTable(data, "by_outcome", "requests by outcome"),
-            counterTable(data, "rejections", "admission rejections by reason"),
-            counterTable(data, "by_tenant", "requests by tenant"));
+  return el("div", {},
+            el("div", {class: "row"}, counterTable(data, "by_outcome", "requests by outcome"),
+               counterTable(data, "rejections", "admission rejections by reason"),
+               counterTable(data, "by_tenant", "requests by tenant")),
+            el("div", {class: "row"}, latencyTable(data)));
 }
 
 function renderIncidents(inc) {
