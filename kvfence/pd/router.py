@@ -10,6 +10,9 @@ tenant limits, streaming, errors and metrics are the same code. What differs is 
   -> on kv_verified: ACK to prefill (RELEASE); submit returns (the client's answer begins)
   -> on any failure or client disconnect: abort on both sides; prefill frees the rows at
      once only if decode said no pull can be running, else it fences them (I6)
+  -> a node that fails before anything reached the client: prefill or decode once more on
+     another node of its role, or, once prefill held the KV, the whole request once more
+     without the failed node (may_retry_prefill, may_retry_decode, may_redo)
 
 A node that answers nothing for `stall_s` (nodes send a heartbeat every second) fails the
 request with a clear error, so a hung node never hangs a client. A monitor polls every
@@ -27,9 +30,10 @@ import ssl
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -106,7 +110,7 @@ class NodeError(RuntimeError):
     another node of the role may be tried."""
 
     def __init__(self, message: str, code: str, rejection: RejectedEvent | None = None, retryable: bool = False,
-                 maybe_taken: bool = False):
+                 maybe_taken: bool = False, culprit: str | None = None):
         super().__init__(message)
         self.code = code
         self.rejection = rejection
@@ -114,10 +118,15 @@ class NodeError(RuntimeError):
         # the connection broke after the request went out: the node may have taken it (a decode
         # node may be pulling its rows), so nothing of it is known to have stopped
         self.maybe_taken = maybe_taken
+        # what failed the handoff, not the request: "prefill" or "decode" (that role's node died
+        # or went silent), "transfer" (a read of the rows failed); the whole request may be done
+        # again without it (may_redo, nodes_to_avoid)
+        self.culprit = culprit
 
 
 MAX_NODE_CONNECTIONS = 1000   # the router's to all its nodes together (httpx's pool)
 
+RETRY_STAGES = ("prefill", "decode", "handoff")   # kvfence_pd_request_retries_total{stage}
 # failures after which a request that has sent nothing to its client is tried once more
 RETRY_CODES = frozenset({"node_unavailable", "node_failed", "server_overloaded", "not_ready", "draining",
                          "engine_unavailable"})
@@ -145,9 +154,48 @@ def may_retry_decode(code: str, retryable: bool, admitted: bool, tried: int) -> 
     return not admitted and not tried and retryable and code in RETRY_CODES
 
 
+def may_redo(culprit: str | None, holds_kv: bool, answered: bool, redone: bool) -> bool:
+    """Do the whole request again (prefill and decode, under a new node request id) once its
+    handoff failed? Only once, only before anything reached the client, only after prefill held
+    the KV (before that, prefill's own retry applies), and only when a node failed rather than
+    the request (a stream that broke or went silent, a read of the rows that failed): not for a
+    refusal, for load (a lease that ran out, a pull slower than decode's give-up: a redo would
+    double the work where capacity is short), or for KV that failed verification (I10:
+    tampering is reported, never routed around). The nodes it skips: nodes_to_avoid."""
+    return culprit is not None and holds_kv and not answered and not redone
+
+
+def nodes_to_avoid(culprit: str, prefill: str | None, decode: str | None,
+                   other: Callable[[str, frozenset[str]], bool]) -> dict[str, frozenset[str]] | None:
+    """role -> the node a redo skips, or None: no redo helps. The culprit's node, where another
+    of its role is ready; a failed read ("transfer") may be either end's fault (prefill gone,
+    or decode's own transfer engine), so each end that has another, at least one. The role not
+    skipped needs a ready node too. `other(role, exclude)`: a ready node of role outside exclude.
+    Within the redo the skipped node counts as tried: no further retry on that role."""
+    ends = {"prefill": prefill, "decode": decode}
+    roles = ("prefill", "decode") if culprit == "transfer" else (culprit,)
+    avoid = {r: frozenset({url}) for r in roles if (url := ends[r]) is not None and other(r, frozenset({url}))}
+    if not avoid or (culprit != "transfer" and culprit not in avoid):
+        return None
+    if any(r not in avoid and not other(r, frozenset()) for r in ends):
+        return None
+    return avoid
+
+
+# decode's code for a read of the rows that failed (the engine's error, not a timeout)
+TRANSFER_FAILURES = frozenset({"kv_transfer_failed"})
+
+
 @dataclass
 class _Flight:
-    """One request's progress through the handoff, for its cleanup."""
+    """One attempt of a request through the handoff, for its cleanup. `request_id` is the
+    nodes' name for the attempt: a redo is a new request to them (decode refuses an id it
+    gave up on), while the client's request keeps the router's id."""
+    request_id: str
+    client_rid: str
+    redone: bool = False              # this is the redo: no other
+    avoid: dict[str, frozenset[str]] = field(default_factory=dict)   # role -> nodes this attempt skips
+    settled: bool = False
     manifest: Manifest | None = None
     released: bool = False
     reader_stopped: bool = False      # decode is known not to be pulling (refused, or said so)
@@ -209,6 +257,9 @@ class RouterBackend:
         self._cancelled: set[str] = set()   # aborts already under way (see abort)
         # end_all: the abort code a submission gets from then on, and each ended request's (code, why)
         self.closing: str | None = None
+        # requests sent to another node before anything reached their client, by stage: prefill
+        # (before holding the KV), decode (before admitting it), handoff (the whole request redone)
+        self.retries: Counter[str] = Counter()
         self._ending: dict[str, tuple[str, str]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None   # the server's, where requests run
         self._background: set[asyncio.Task] = set()
@@ -395,6 +446,7 @@ class RouterBackend:
         self._ready = fleet.ready and not self._stopped
         snapshot = _merge_snapshots(fleet)
         snapshot["sequences_by_tenant"] = self.requests_by_tenant()
+        snapshot["pd_retries"] = {stage: self.retries[stage] for stage in RETRY_STAGES}
         self.snapshot = snapshot   # swapped whole: a scrape reads one or the other
         ready = [n.info.tenant_waiting_places for n in fleet.nodes if n.state == "ready" and n.info is not None]
         places = _smallest(ready) if ready else None
@@ -564,7 +616,7 @@ class RouterBackend:
     async def _run(self, rid: str, ids: list[int], params: SamplingParams, tenant: str, scope: str | None,
                    stamp: ScopeStamp, choice_of: str, lead: asyncio.Event | None, held: asyncio.Event,
                    handle: RequestHandle, admitted: asyncio.Future) -> None:
-        flight = _Flight()
+        flight = _Flight(rid, rid)
 
         def last_update(message: str, code: str, completion: int) -> None:
             handle.updates.put_nowait(Update((), "", True, "aborted", message, len(ids), completion, flight.cached,
@@ -583,16 +635,22 @@ class RouterBackend:
             wire = WireParams.of(params)
             if lead is not None:
                 await lead.wait()
-            if len(ids) >= 2:
-                body = PrefillBody(request_id=rid, tenant=tenant, prompt_ids=ids, params=wire,
-                                   public_prefix_scope=scope, scope=stamp)
-                await self._prefill_on_some_node(body, flight, scope or tenant)
-            held.set()   # the prompt's pages are in prefill's cache: the request's other choices go
-            if len(ids) >= 2 and faults.active("delay_handoff"):
-                await asyncio.sleep(faults.arg_float("delay_handoff", 1.0))
-            body = DecodeBody(request_id=rid, tenant=tenant, prompt_ids=ids, params=wire,
-                              public_prefix_scope=scope, scope=stamp, handoff=self._handoff(flight, choice_of))
-            await self._decode_on_some_node(body, flight, handle, admitted, len(ids))
+            while True:
+                try:
+                    await self._attempt(flight, ids, wire, tenant, scope, stamp, choice_of, held, handle, admitted)
+                    break
+                except NodeError as e:
+                    avoid = self._redo_avoiding(e, flight, admitted, scope or tenant, ids)
+                    if avoid is None:
+                        raise
+                    log.warning("request %s: its handoff failed before anything reached the client (%s: %s); "
+                                "doing it again without %s", rid, e.code, e,
+                                ", ".join(sorted(u for urls in avoid.values() for u in urls)))
+                    self.retries["handoff"] += 1
+                    if rid in self._tenant_of:   # back to waiting (a kv_failed event marked it generating)
+                        self._tenant_of[rid][1] = False
+                    self._settle(flight)
+                    flight = _Flight(f"{rid}.redo", rid, redone=True, avoid=avoid)
         except asyncio.CancelledError:
             # abort(): the server side still waits on this handle for the request's last update
             # (without it a hung-up non-streaming request never ends: its tenant slot and its
@@ -609,15 +667,51 @@ class RouterBackend:
         except Exception as e:  # noqa: BLE001 - whatever a node did, this request fails with a code
             fail(f"a PD node failed mid-request: {_described(e)}", "node_failed")
         finally:
-            if flight.manifest is not None and not flight.released:
-                self._later(self._settle_prefill(rid, flight))
+            self._settle(flight)
+
+    async def _attempt(self, flight: _Flight, ids: list[int], wire: WireParams, tenant: str, scope: str | None,
+                       stamp: ScopeStamp, choice_of: str, held: asyncio.Event, handle: RequestHandle,
+                       admitted: asyncio.Future) -> None:
+        """Prefill, then decode, under the attempt's node request id."""
+        if len(ids) >= 2:
+            body = PrefillBody(request_id=flight.request_id, tenant=tenant, prompt_ids=ids, params=wire,
+                               public_prefix_scope=scope, scope=stamp)
+            await self._prefill_on_some_node(body, flight, scope or tenant)
+        held.set()   # the prompt's pages are in prefill's cache: the request's other choices go
+        if len(ids) >= 2 and faults.active("delay_handoff"):
+            await asyncio.sleep(faults.arg_float("delay_handoff", 1.0))
+        body = DecodeBody(request_id=flight.request_id, tenant=tenant, prompt_ids=ids, params=wire,
+                          public_prefix_scope=scope, scope=stamp, handoff=self._handoff(flight, choice_of))
+        await self._decode_on_some_node(body, flight, handle, admitted, len(ids))
+
+    def _redo_avoiding(self, e: NodeError, flight: _Flight, admitted: asyncio.Future, scope: str,
+                       ids: list[int]) -> dict[str, frozenset[str]] | None:
+        """The nodes a redo of the request skips, or None: no redo (may_redo, nodes_to_avoid)."""
+        if not may_redo(e.culprit, flight.manifest is not None, admitted.done(), flight.redone):
+            return None
+        fleet = self.fleet
+        assert fleet is not None and e.culprit is not None
+
+        def other(role: str, exclude: frozenset[str]) -> bool:
+            node = (fleet.pick_prefill(scope, ids, fleet.reference.page_size, exclude) if role == "prefill"
+                    else fleet.pick_decode(exclude))
+            return node is not None
+
+        return nodes_to_avoid(e.culprit, flight.prefill.url if flight.prefill else None,
+                              flight.decode.url if flight.decode else None, other)
+
+    def _settle(self, flight: _Flight) -> None:
+        """Once per attempt: prefill lets go of rows decode never verified (see _settle_prefill)."""
+        if flight.manifest is not None and not flight.released and not flight.settled:
+            flight.settled = True
+            self._later(self._settle_prefill(flight.request_id, flight))
 
     async def _prefill_on_some_node(self, body: PrefillBody, flight: _Flight, scope: str) -> None:
         """Prefill on the node the fleet picks; once more on another if that node could not
         take it or died before holding the KV (nothing has reached the client yet, and what
         the first node held is its own: it aborts the request when the stream drops)."""
         assert self.fleet is not None
-        tried: set[str] = set()
+        tried: set[str] = set(flight.avoid.get("prefill", ()))   # a redo skips the node that failed it
         while True:
             node = self.fleet.pick_prefill(scope, body.prompt_ids, self.fleet.reference.page_size, frozenset(tried))
             if node is None:
@@ -636,6 +730,7 @@ class RouterBackend:
                     raise
                 log.warning("request %s: prefill on %s failed (%s: %s); trying another prefill node", body.request_id,
                             node.url, code, e)
+                self.retries["prefill"] += 1
                 tried.add(node.url)
 
     def _handoff(self, flight: _Flight, choice_of: str) -> Handoff | None:
@@ -644,7 +739,7 @@ class RouterBackend:
         node = flight.prefill
         info = node.info if node is not None else None
         if info is None or info.pd.boot_id != flight.manifest.boot_id:
-            raise NodeError("the prefill node restarted after holding the KV", "node_failed")
+            raise NodeError("the prefill node restarted after holding the KV", "node_failed", culprit="prefill")
         return Handoff(manifest=flight.manifest, source=info.source(), choice_of=choice_of)
 
     async def _decode_on_some_node(self, body: DecodeBody, flight: _Flight, handle: RequestHandle,
@@ -653,7 +748,7 @@ class RouterBackend:
         reached or refused for load before admitting (it never saw the handoff, or said it
         will not pull it: prefill's rows are still held under the same lease)."""
         assert self.fleet is not None
-        tried: set[str] = set()
+        tried: set[str] = set(flight.avoid.get("decode", ()))
         while True:
             node = self.fleet.pick_decode(frozenset(tried), flight.manifest.seal_key if flight.manifest else None)
             if node is None:
@@ -671,6 +766,7 @@ class RouterBackend:
                     raise
                 log.warning("request %s: decode on %s failed before admitting it (%s: %s); trying another decode node",
                             body.request_id, node.url, e.code, e)
+                self.retries["decode"] += 1
                 tried.add(node.url)
 
     async def forget_tenants(self, tenants: list[str], epoch: int) -> int:
@@ -735,10 +831,10 @@ class RouterBackend:
                 text = await anext(lines, None)
             except httpx.TimeoutException:   # the read timeout is --node-stall; nodes beat every second
                 raise NodeError(f"the {role} node sent nothing for {self.stall_s:g} s, not even its heartbeat",
-                                "node_failed", maybe_taken=True) from None
+                                "node_failed", maybe_taken=True, culprit=role) from None
             except httpx.HTTPError as e:     # killed or stopped mid-stream
                 raise NodeError(f"the {role} node's stream broke off: {_described(e)}", "node_failed",
-                                maybe_taken=True) from None
+                                maybe_taken=True, culprit=role) from None
             if text is None:
                 return
             if not text.strip():
@@ -746,7 +842,7 @@ class RouterBackend:
             try:
                 ev = parse_event(text)
             except MessageError as e:
-                raise NodeError(f"the {role} node sent {e}", "node_error", maybe_taken=True) from None
+                raise NodeError(f"the {role} node sent {e}", "node_error", maybe_taken=True, culprit=role) from None
             if not isinstance(ev, WaitEvent):
                 yield ev
 
@@ -765,10 +861,10 @@ class RouterBackend:
                             f"{MAX_NODE_CONNECTIONS} in use)", "server_overloaded") from None
         except httpx.ReadTimeout:   # the read timeout is --node-stall
             raise NodeError(f"the {role} node took the request and sent nothing for {self.stall_s:g} s",
-                            "node_failed", maybe_taken=True) from None
+                            "node_failed", maybe_taken=True, culprit=role) from None
         except httpx.HTTPError as e:   # reached, then it died or hung before answering (killed, stopped)
             raise NodeError(f"the {role} node failed before answering: {_described(e)}", "node_failed",
-                            maybe_taken=True) from None
+                            maybe_taken=True, culprit=role) from None
         if r.status_code != 200:
             raw = await r.aread()
             err = _error_of(raw)
@@ -789,7 +885,8 @@ class RouterBackend:
         if not isinstance(first, AdmittedEvent):
             what = "nothing" if first is None else first.event
             # whatever it did with the request is unknown: a decode node may be pulling (I6)
-            raise NodeError(f"{role} node: expected admitted, got {what}", "node_error", maybe_taken=True)
+            raise NodeError(f"{role} node: expected admitted, got {what}", "node_error", maybe_taken=True,
+                            culprit=role)
         return first
 
     async def _prefill(self, body: PrefillBody, flight: _Flight, node: Node) -> None:
@@ -830,16 +927,18 @@ class RouterBackend:
             first_at = None
             async for ev in events:
                 if isinstance(ev, FailedEvent):
-                    raise NodeError(f"decode node: {ev.error}", ev.abort_code)
+                    raise NodeError(f"decode node: {ev.error}", ev.abort_code,
+                                    culprit=culprit_of_decode_failure(ev.abort_code))
                 if not isinstance(ev, ProgressEvent):
                     raise NodeError(f"decode node: unexpected {ev.event} event", "node_error")
-                if body.request_id in self._tenant_of:   # it generates now (kvfence_tenant_sequences)
-                    self._tenant_of[body.request_id][1] = True
+                if flight.client_rid in self._tenant_of:   # it generates now (kvfence_tenant_sequences)
+                    self._tenant_of[flight.client_rid][1] = True
                 if ev.event == "kv_failed":
                     flight.reader_stopped = bool(ev.reader_stopped)
                 if not admitted.done():
                     if ev.finished and ev.finish_reason not in ("stop", "length"):   # before anything was sent
-                        raise NodeError(f"decode node: {ev.error or ev.finish_reason}", ev.abort_code or "node_error")
+                        raise NodeError(f"decode node: {ev.error or ev.finish_reason}", ev.abort_code or "node_error",
+                                        culprit=culprit_of_decode_failure(ev.abort_code))
                     admitted.set_result(True)
                 if ev.event == "kv_verified":
                     flight.released = True
@@ -858,7 +957,7 @@ class RouterBackend:
                     first_at, (now,) * len(toks), ev.abort_code))
                 if ev.finished:
                     return
-            raise NodeError("the decode node closed the stream mid-request", "node_failed")
+            raise NodeError("the decode node closed the stream mid-request", "node_failed", culprit="decode")
 
 
 @contextmanager
@@ -982,6 +1081,12 @@ def _error_of(raw: bytes) -> tuple[str, str | None] | None:
 def _error_code(raw: bytes) -> str | None:
     err = _error_of(raw)
     return None if err is None else err[1]
+
+
+def culprit_of_decode_failure(code: str | None) -> str | None:
+    """The culprit of a failure decode itself reported: "transfer" when its read of the rows
+    failed (TRANSFER_FAILURES: either end); else None (the request's own end, load, tampering)."""
+    return "transfer" if code in TRANSFER_FAILURES else None
 
 
 def _smallest(places: list[int | None]) -> int | None:

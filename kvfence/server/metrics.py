@@ -226,6 +226,15 @@ class _EngineCollector:
                         entered.add_metric([role, st], float(n))
             yield entered
             yield restarts
+        retries = s.get("pd_retries")
+        if retries is not None:
+            r = CounterMetricFamily("kvfence_pd_request_retries", "PD router: requests sent to another node before "
+                                    "anything reached their client, by stage (prefill: before it held the KV; "
+                                    "decode: before it admitted the request; handoff: the whole request again, "
+                                    "without the node that failed its handoff)", labels=["stage"])
+            for stage, n in sorted(retries.items()):
+                r.add_metric([stage], float(n))
+            yield r
         audit = s.get("audit")
         if audit is not None:
             a = CounterMetricFamily("kvfence_read_audit_violations", "Reads and writes the read audit (a test "

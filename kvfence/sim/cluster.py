@@ -13,9 +13,11 @@ registered under the same address with the old bytes in it, like un-zeroed memor
 The sim router follows kvfence/pd/router.py's RouterBackend._run step by step:
 admission -> prefill(hold_kv) -> manifest -> decode(kv_source) -> ACK (exporter.release)
 on kv_verified; on any failure or disconnect it relays an abort to prefill with
-reader_stopped as decode reported it; a node that stops answering fails the requests
-whose streams it held (node_failed), and the node process aborts a request whose router
-stream went away (only while that stream is open, as kvfence/pd/node.py does).
+reader_stopped as decode reported it; a node that stops answering fails the requests whose
+streams it held (node_failed), and the node process aborts a request whose router stream
+went away (only while that stream is open, as kvfence/pd/node.py does). A node that failed
+a handoff before anything reached the client has the whole request done again without it,
+as a new life `<rid>.redo` (may_redo), where the fleet has another node of its role.
 
 With SimConfig.routers, router processes and parties too (kvfence/sim/scopes.py).
 
@@ -53,7 +55,7 @@ from kvfence.pd.manifest import ManifestError
 from kvfence.pd.messages import NodeInfo
 from kvfence.pd.node import unchecked_boot
 from kvfence.pd.prefill import KvExporter
-from kvfence.pd.router import may_retry_decode, may_retry_prefill
+from kvfence.pd.router import culprit_of_decode_failure, may_redo, may_retry_decode, may_retry_prefill, nodes_to_avoid
 from kvfence.pd.scope_epochs import ScopeGate
 from kvfence.pd.settings import PDSettings
 from kvfence.pd.transfer import InProcessTransport
@@ -256,6 +258,7 @@ class Life:
     p_owner: int = -1             # the prefill Sequence's owner number (its pages' and rows' owner)
     d_node: str = ""
     d_boot: int = -1
+    redone: bool = False          # this is a request done again after its first attempt's handoff failed
     p_tries: int = 0              # nodes tried (RouterBackend._prefill_on_some_node / _decode_on_some_node)
     d_tries: int = 0
     p_excluded: set = field(default_factory=set)
@@ -546,8 +549,8 @@ class Simulation(ScopeModel):
                                                               "the KV")
             if on_d:
                 life.excuses.add("crash")
-                if life.stage == "decode":
-                    self._answer(life, "error", "node_failed")
+                if life.stage == "decode":   # its stream broke off: the decode node failed it
+                    self._fail_handoff(life, "node_failed", "decode")
         for life in self.lives.values():
             if life.p_node == node.name and life.p_boot == node.boot:
                 life.p_sink = False
@@ -942,7 +945,7 @@ class Simulation(ScopeModel):
             info = self.fleet.by_url(life.p_node).info
             if info is None or info.pd.boot_id != life.manifest["boot_id"]:
                 life.excuses.add("crash")   # the prefill node restarted after holding
-                return self._answer(life, "error", "node_failed")
+                return self._fail_handoff(life, "node_failed", "prefill")
             source = {"session": info.pd.transfer_session, "base": info.pd.buffer_base, "boot_id": info.pd.boot_id}
         self._route_decode(life, source)
 
@@ -1000,6 +1003,35 @@ class Simulation(ScopeModel):
         life.stage = "decode"
         self._log(f"  {life.rid} -> {d.name}")
 
+    def _fail_handoff(self, life: Life, code: str, culprit: str | None) -> None:
+        """RouterBackend._run: a failure that names a failed node (culprit) before anything
+        reached the client has the request done again without that node, when the fleet has
+        another of its role and one of the other (_redo_avoiding); else the client's error."""
+        if may_redo(culprit, life.manifest is not None, life.verified, life.redone):
+            assert culprit is not None
+
+            def other(role: str, exclude: frozenset[str]) -> bool:
+                return (self.fleet.pick_prefill(life.tenant, life.ids, self.fleet.reference.page_size, exclude)
+                        if role == "prefill" else self.fleet.pick_decode(exclude)) is not None
+
+            avoid = nodes_to_avoid(culprit, life.p_node or None, life.d_node or None, other)
+            if avoid is not None:
+                return self._redo(life, code, avoid.get("prefill", frozenset()), avoid.get("decode", frozenset()))
+        self._answer(life, "error", code)
+
+    def _redo(self, life: Life, code: str, p_ex: frozenset[str], d_ex: frozenset[str]) -> None:
+        """The first attempt ends for the nodes as an answered one does (_answer: prefill's abort,
+        or decode asked first); the client waits on the redo, a new request to the nodes."""
+        self._answer(life, "redone", code)
+        again = Life(life.n, f"{life.rid}.redo", life.tenant, life.ids, life.params, over_p=life.over_p,
+                     over_d=life.over_d, redone=True, p_excluded=set(p_ex), d_excluded=set(d_ex),
+                     p_tries=len(p_ex), d_tries=len(d_ex), router=life.router, epoch=life.epoch, party=life.party)
+        self.lives[again.rid] = again
+        self.open.append(again)
+        self.stats["redone"] += 1
+        self._log(f"  redo {life.rid} as {again.rid} without {sorted(p_ex | d_ex)}")
+        self._route_prefill(again)
+
     def _client_abort(self) -> None:
         life = self.rng.choice(self.open)
         self._log(f"client disconnects {life.rid} (stage {life.stage})")
@@ -1022,8 +1054,10 @@ class Simulation(ScopeModel):
         self.open.remove(life)
         self._unroute(life, "p")
         self._unroute(life, "d")
-        key = "200 " + reason if result == "200" else ("client gone" if result == "gone" else f"error {code}")
-        self.outcomes[key] += 1
+        key = ("200 " + reason if result == "200" else "client gone" if result == "gone" else
+               f"redone after {code}" if result == "redone" else f"error {code}")
+        if result != "redone":   # outcomes are the clients' answers: a redone life's is its redo's
+            self.outcomes[key] += 1
         self._log(f"  answer {life.rid}: {key}{' at ' + where if where else ''}")
         if life.manifest is not None and not life.released and not life.abort_posted:
             life.abort_posted = True
@@ -1040,6 +1074,10 @@ class Simulation(ScopeModel):
         advertised context never reaches a node too small for it (I8). `where`: the router
         or the node that answered."""
         if life.result == "gone" or not self.cfg.check_admission:
+            return
+        if life.result == "redone":   # the client got nothing of it; still, only an injected fault may cause one
+            self._check(bool(EXPLAINED_BY.get(life.code or "", set()) & life.excuses), "outcome",
+                        f"{life.rid} was redone after {life.code} but nothing the simulation injected explains it")
             return
         if life.result == "200":
             self._check(not (life.over_p or life.over_d), "I4", f"over-length {life.rid} got a 200")
@@ -1160,7 +1198,7 @@ class Simulation(ScopeModel):
                     ok = life.pull_started is not None and node.clock() - life.pull_started > self.cfg.pull_give_up_s
                     self._check(ok, "outcome", f"decode timed out {life.rid}'s pull early")
                     life.excuses.add("slow")
-                self._answer(life, "error", code)
+                self._fail_handoff(life, code, culprit_of_decode_failure(code))
 
     def _known_pool_bug(self, node: Node, life: Life, code: str) -> None:
         if code != "kv_pool_exhausted":

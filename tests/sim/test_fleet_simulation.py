@@ -1,7 +1,7 @@
 """The simulation with fleets (SimConfig.draw(fleet=True)): 2-4 prefill and 2-4 decode nodes
-behind the router's own fleet logic (kvfence/pd/fleet.py, capacity.py, the retry rules of
-router.py), with node kills, restarts, drains and restarts that come up with a pool below the
-advertised context; I1-I9 after every step on every node. Each defense of the fleet has a
+behind the router's own fleet logic (kvfence/pd/fleet.py, capacity.py, the retry and redo
+rules of router.py), with node kills, restarts, drains and restarts that come up with a pool
+below the advertised context; I1-I9 after every step on every node. Each defense of the fleet has a
 mutant the checker catches."""
 from __future__ import annotations
 
@@ -40,6 +40,9 @@ def test_the_fleet_runs_cover_refused_and_unchecked_nodes():
     assert stats["fleet_prefill_refused"] + stats["fleet_decode_refused"] > 0
     assert stats["fleet_unchecked_boot_refused"] > 0
     assert stats["crash_prefill"] + stats["crash_decode"] > 0
+    # a node that failed a handoff before its client saw anything: the request was done again
+    # without it (router.may_redo), and the checker held every invariant through the redo
+    assert stats["redone"] > 0
 
 
 def test_a_fleet_replays_exactly():

@@ -441,6 +441,7 @@ def test_the_routers_choice_bound_follows_the_ready_nodes_waiting_places():
         f.observe(n, info(n.role, boot=n.url, tenant_waiting_places=512))
     b = RouterBackend.__new__(RouterBackend)   # only what _refresh reads
     b.fleet, b._stopped, b._tenant_of, b.facts = f, False, {}, {"usable_context": 1024}
+    b.retries = Counter()
     b._refresh()
     assert b.facts["tenant_waiting_places"] == 512
     f.observe(f.nodes[3], info("decode", boot="small", tenant_waiting_places=8))

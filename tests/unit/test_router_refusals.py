@@ -135,7 +135,7 @@ def test_a_decode_node_that_took_the_connection_and_died_may_still_pull():
     router = RouterBackend(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{nobody}", b"k" * 32)
 
     async def attempt(url: str) -> tuple[NodeError, _Flight]:
-        flight = _Flight()
+        flight = _Flight("r1", "r1")
         admitted = asyncio.get_running_loop().create_future()
         with pytest.raises(NodeError) as e:   # any message body will do: it fails before one is read
             await router._decode(ReleaseBody(request_id="r1"), flight, None, admitted, 4, Node("decode", url))
@@ -227,7 +227,7 @@ def test_a_decode_stream_that_fails_is_named_and_may_still_pull(after, message, 
     router._client = httpx.AsyncClient(transport=httpx.MockTransport(transport))
 
     async def go():
-        flight = _Flight()
+        flight = _Flight("r1", "r1")
         admitted = asyncio.get_running_loop().create_future()
         handle = SimpleNamespace(updates=asyncio.Queue())
         body = DecodeBody(request_id="r1", tenant="t", prompt_ids=[1, 2, 3, 4], params=_wire_params_of_4(),
@@ -243,6 +243,92 @@ def test_a_decode_stream_that_fails_is_named_and_may_still_pull(after, message, 
     # nothing sets reader_stopped but a kv_failed event saying so)
     assert e.code in ("node_failed", "node_error") and e.maybe_taken, e
     assert not flight.reader_stopped and flight.decode_contacted
+    assert e.culprit == "decode"   # a redo of the whole request skips this node (may_redo)
+
+
+@pytest.mark.parametrize("code, culprit", [("kv_transfer_failed", "transfer"), ("kv_transfer_timeout", None),
+                                           ("lease_expired", None), ("kv_verification_failed", None),
+                                           ("context_length_exceeded", None)])
+@pytest.mark.parametrize("as_failed_event", [True, False])
+def test_decode_blames_the_transfer_only_for_a_read_that_failed(code, culprit, as_failed_event):
+    """A read of the rows that failed is either end's fault (the prefill node gone, or decode's
+    own transfer engine): a redo skips each end that has another node (nodes_to_avoid). A lease
+    that ran out and a pull slower than decode's give-up (load: a redo doubles the work where
+    capacity is short), and KV that failed verification (I10: tampering is reported, not routed
+    around) blame no node."""
+    import httpx
+
+    from kvfence.pd.fleet import Node
+    from kvfence.pd.messages import (
+        AdmittedEvent,
+        DecodeBody,
+        FailedEvent,
+        Handoff,
+        Manifest,
+        ProgressEvent,
+        TransferSource,
+        event_line,
+    )
+    from kvfence.pd.router import NodeError, _Flight
+
+    ended = (FailedEvent(error="no", abort_code=code) if as_failed_event else
+             ProgressEvent(event="kv_failed", finished=True, finish_reason="aborted", error="no", abort_code=code))
+
+    class Stream(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield event_line(AdmittedEvent(prompt_tokens=4, max_tokens=4))
+            yield event_line(ended)
+
+    router = RouterBackend("http://p", "http://d", b"k" * 32)
+    router._client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(200, stream=Stream())))
+
+    m = Manifest(request_id="r1", tenant="t", token_count=4, page_count=1, page_size=16, epochs=[0],
+                 fingerprint="f", layout="l", boot_id="b", seal_salt="0" * 32, seal_key="ab" * 8, slot_bytes=1,
+                 slots=[1], lease_deadline=1.0)
+    handoff = Handoff(manifest=m, source=TransferSource(session="s:1", base=0, boot_id="b"))
+
+    async def go():
+        admitted = asyncio.get_running_loop().create_future()
+        body = DecodeBody(request_id="r1", tenant="t", prompt_ids=[1, 2, 3, 4], params=_wire_params_of_4(),
+                          handoff=handoff)   # with KV to pull: nothing reaches the client before kv_verified
+        with pytest.raises(NodeError) as e:
+            await router._decode(body, _Flight("r1", "r1"), SimpleNamespace(updates=asyncio.Queue()), admitted, 4,
+                                 Node("decode", "http://d"))
+        await router._client.aclose()
+        return e.value
+
+    e = asyncio.run(go())
+    assert (e.code, e.culprit) == (code, culprit), e
+
+
+@pytest.mark.parametrize("culprit, ready, avoid", [
+    ("decode", {"P1", "D1", "D2"}, {"decode": {"D1"}}),
+    ("decode", {"P1", "D1"}, None),                             # no other decode node: the 503
+    ("prefill", {"P1", "P2", "D1"}, {"prefill": {"P1"}}),
+    ("prefill", {"P1", "P2"}, None),                            # and no decode node at all
+    ("transfer", {"P1", "P2", "D1", "D2"}, {"prefill": {"P1"}, "decode": {"D1"}}),   # either end: both
+    ("transfer", {"P1", "D1", "D2"}, {"decode": {"D1"}}),      # the end that has another
+    ("transfer", {"P1", "D1"}, None),                          # one node per role: as before
+])
+def test_a_redo_skips_the_failed_node_where_the_fleet_has_another(culprit, ready, avoid):
+    from kvfence.pd.router import nodes_to_avoid
+
+    def other(role, exclude):
+        return any(n[0] == role[0].upper() and n not in exclude for n in ready)
+
+    got = nodes_to_avoid(culprit, "P1", "D1", other)
+    assert (None if got is None else {r: set(v) for r, v in got.items()}) == avoid
+
+
+def test_a_request_is_redone_once_only_for_a_node_failure_before_its_client_saw_anything():
+    from kvfence.pd.router import may_redo
+
+    assert may_redo("prefill", holds_kv=True, answered=False, redone=False)
+    assert may_redo("decode", holds_kv=True, answered=False, redone=False)
+    assert not may_redo(None, holds_kv=True, answered=False, redone=False)        # the request's own failure
+    assert not may_redo("decode", holds_kv=False, answered=False, redone=False)   # prefill's own retry applies
+    assert not may_redo("decode", holds_kv=True, answered=True, redone=False)     # the client has tokens
+    assert not may_redo("decode", holds_kv=True, answered=False, redone=True)     # once
 
 
 def _wire_params_of_4():

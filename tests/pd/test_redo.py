@@ -1,0 +1,143 @@
+"""A node that fails a request's handoff, after prefill held the KV and before anything
+reached the client, costs the client nothing where the fleet has another node of its role:
+the router does the whole request again without it (RouterBackend._run, may_redo). Real
+processes (two prefill and two decode nodes, one router) and the real transfer engine:
+
+- a decode node killed after it pulled a request's rows, before it verified them: the
+  request is answered by the other decode node, the redo is counted, and the prefill rows the
+  dead node may still have been reading are fenced, then freed (I6), not handed out at once;
+- a prefill node killed while it holds a request's KV, before decode read it: decode's read
+  fails (kv_transfer_failed: either end may be at fault), the redo skips the prefill node
+  (the fleet has another; with one decode node left, decode is not skipped), and the request
+  is answered from the other prefill node.
+
+With one node per role the client gets the 503 as before (tests/pd/test_cluster.py).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from pd_cluster import SCRAPE, MultiCluster
+from prometheus_client.parser import text_string_to_metric_families
+
+pytest.importorskip("mooncake.engine", reason="the PD tests need mooncake-transfer-engine-non-cuda")
+
+NODES = {"prefill": "prefill", "prefill-2": "prefill", "decode": "decode", "decode-2": "decode"}
+PROMPTS = ["The capital of France is", "Write a haiku about the sea.\n", "def fibonacci(n):",
+           "The three primary colors are", "Once upon a time, in a small village,", "Water boils at"]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    c = MultiCluster(tmp_path_factory.mktemp("pd-redo"), NODES).start_all(300)
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def client(fleet):
+    fleet.clear_faults()
+    # no client-side retry: what the client sees is what the router made of the failure
+    yield openai.OpenAI(base_url=fleet.url("router") + "/v1", api_key="none", max_retries=0, timeout=90)
+    fleet.clear_faults()
+
+
+def _retries(fleet, stage: str) -> int:
+    text = httpx.get(fleet.url("router") + "/metrics", headers=SCRAPE, timeout=10).text
+    return int(sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                   if s.name == "kvfence_pd_request_retries_total" and s.labels.get("stage") == stage))
+
+
+def _counted(fleet, stage: str, at_least: int) -> int:
+    """The router's count once it reached `at_least` (its metrics are the snapshot its monitor
+    takes every second), or the last one seen after 10 s."""
+    end = time.monotonic() + 10
+    while (n := _retries(fleet, stage)) < at_least and time.monotonic() < end:
+        time.sleep(0.2)
+    return n
+
+
+def _settled(fleet, names: list[str], timeout: float = 60) -> None:
+    """The surviving nodes hold nothing: pool pages, running requests, transfer rows."""
+    end, last = time.monotonic() + timeout, {}
+    while time.monotonic() < end:
+        last = {n: fleet.info(n)["snapshot"] for n in names}
+        if all(s["pages_owned"] == 0 and s["running"] == 0 and s["pd"]["buffer_free"] == s["pd"]["buffer_rows"]
+               for s in last.values()):
+            assert not any(s["violations"] for s in last.values()), last
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"the surviving nodes did not settle: {last}")
+
+
+def test_a_decode_node_dying_before_it_verified_the_kv_is_redone_on_the_other(fleet, client):
+    """kill_node_at:decode_after_pull on one decode node: it dies at the first request it pulls.
+    Requests go two at a time, so each decode node gets one (the least loaded is picked). Every
+    request is answered; the one whose decode died was done again, and the router counts it."""
+    fleet.set_faults("decode", "kill_node_at:decode_after_pull")
+    model = client.models.list().data[0].id
+    redone0 = _retries(fleet, "handoff")
+    outcomes: list[str] = []
+
+    def ask(prompt: str) -> None:
+        try:
+            r = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0)
+            outcomes.append(r.choices[0].finish_reason)
+        except openai.APIStatusError as e:
+            outcomes.append(f"{e.status_code}:{e.code}:{e.message}")
+
+    for pair in (PROMPTS[0:2], PROMPTS[2:4], PROMPTS[4:6]):
+        threads = [threading.Thread(target=ask, args=(p,)) for p in pair]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        if fleet.procs["decode"].poll() is not None:
+            break
+    assert fleet.procs["decode"].poll() is not None, ("the armed decode node never got a request", outcomes)
+    assert outcomes and all(o in ("length", "stop") for o in outcomes), outcomes   # no 503 reached a client
+    assert _counted(fleet, "handoff", redone0 + 1) >= redone0 + 1
+    # the dead node may still have been reading the first attempt's rows when it died: prefill
+    # fenced them, then freed them once no read could still run; the survivors hold nothing
+    _settled(fleet, ["prefill", "prefill-2", "decode-2"])
+
+
+def test_a_prefill_node_dying_while_it_holds_the_kv_is_redone_on_the_other(fleet, client):
+    """The router waits 2 s between prefill holding the KV and the handoff (delay_handoff);
+    the prefill node that holds it is killed in that wait. Decode cannot read the rows and says
+    so; the router does the request again on the other prefill node, and the client gets its
+    answer."""
+    alive_prefill = [n for n in ("prefill", "prefill-2") if fleet.procs[n].poll() is None]
+    alive_decode = [n for n in ("decode", "decode-2") if fleet.procs[n].poll() is None]
+    assert len(alive_prefill) == 2 and alive_decode, "the fleet this test needs"
+    fleet.set_faults("router", "delay_handoff:2")
+    model = client.models.list().data[0].id
+    redone0 = _retries(fleet, "handoff")
+    before = {n: fleet.info(n)["snapshot"]["pd"]["buffer_free"] for n in alive_prefill}
+    result: dict = {}
+
+    def ask() -> None:
+        try:
+            r = client.completions.create(model=model, prompt=PROMPTS[0] + " and the capital of Spain is",
+                                          max_tokens=4, temperature=0)
+            result["finish"] = r.choices[0].finish_reason
+        except openai.APIStatusError as e:
+            result["error"] = f"{e.status_code}:{e.code}:{e.message}"
+
+    t = threading.Thread(target=ask)
+    t.start()
+    holder, end = None, time.monotonic() + 60
+    while holder is None:
+        assert time.monotonic() < end and t.is_alive(), ("no prefill node held the request's KV", result)
+        holder = next((n for n in alive_prefill if fleet.info(n)["snapshot"]["pd"]["buffer_free"] < before[n]), None)
+        time.sleep(0.05)
+    fleet.procs[holder].kill()
+    t.join(120)
+    assert result.get("finish") in ("length", "stop"), result
+    assert _counted(fleet, "handoff", redone0 + 1) >= redone0 + 1
+    other = next(n for n in alive_prefill if n != holder)
+    _settled(fleet, [other, *alive_decode])
