@@ -292,6 +292,10 @@ class ProgressEvent(WireModel):
     manifest: Manifest | None = None          # kv_held
     verified_tokens: Count | None = None      # kv_verified
     reader_stopped: bool | None = None        # kv_failed: decode is known not to be pulling
+    # kv_held: seconds since the request's first engine step on this node, so the router can
+    # place that step on its own clock (kvfence_queue_wait_seconds); a duration, as the two
+    # machines' clocks do not compare. None from a node from before the field
+    started_ago_s: Annotated[float, Field(ge=0, le=86400)] | None = None
 
 
 class FailedEvent(WireModel):

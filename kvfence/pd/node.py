@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar, cast
 
@@ -158,7 +159,9 @@ def _progress(u: Update) -> ProgressEvent:
         logprobs=[LogprobEntry(token_id=lp.token_id, logprob=lp.logprob, top=list(lp.top)) for lp in u.logprobs],
         manifest=Manifest.from_json(data) if u.event == "kv_held" else None,
         verified_tokens=data.get("tokens") if u.event == "kv_verified" else None,
-        reader_stopped=data.get("reader_stopped") if u.event == "kv_failed" else None)
+        reader_stopped=data.get("reader_stopped") if u.event == "kv_failed" else None,
+        started_ago_s=(min(86400.0, max(0.0, time.perf_counter() - u.started_at))
+                       if u.event == "kv_held" and u.started_at is not None else None))
 
 
 def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, drain: Drain) -> APIRouter:

@@ -205,6 +205,7 @@ class _Flight:
     completion: int = 0               # tokens decode reported so far
     prefill: Node | None = None       # the nodes this request is on
     decode: Node | None = None
+    started_at: float | None = None   # its first step on prefill (this process's perf_counter)
 
 
 class RouterBackend:
@@ -897,6 +898,8 @@ class RouterBackend:
                 if isinstance(ev, ProgressEvent) and ev.event == "kv_held" and ev.manifest is not None:
                     flight.manifest = ev.manifest
                     flight.cached = ev.cached_tokens
+                    if ev.started_ago_s is not None:   # the prompt's first step on prefill, on this clock
+                        flight.started_at = time.perf_counter() - ev.started_ago_s
                     if faults.active("kill_node_at") and faults.arg("kill_node_at") == "router_after_prefill":
                         os._exit(137)
                     return
@@ -954,7 +957,7 @@ class RouterBackend:
                 lps = tuple(Logprob(lp.token_id, lp.logprob, tuple(lp.top)) for lp in ev.logprobs)
                 handle.updates.put_nowait(Update(
                     toks, ev.text, ev.finished, ev.finish_reason, ev.error, n_prompt, completion, flight.cached, lps,
-                    first_at, (now,) * len(toks), ev.abort_code))
+                    first_at, (now,) * len(toks), ev.abort_code, started_at=flight.started_at))
                 if ev.finished:
                     return
             raise NodeError("the decode node closed the stream mid-request", "node_failed", culprit="decode")

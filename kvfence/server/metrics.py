@@ -52,9 +52,10 @@ class ServerMetrics:
         # TTFT is this wait plus the prompt's compute: which of the two grew, when one tenant's
         # first tokens slow down, is what says whether it waited behind others
         self.queue = Histogram("kvfence_queue_wait_seconds", "From arrival to the request's first engine step "
-                               "(parsing, tokenizing and the wait for a running slot), by tenant, for the answers "
-                               "the TTFT histogram counts; single node only (a PD router does not see its prefill "
-                               "node start)", ["tenant"], buckets=_LATENCY, registry=r)
+                               "(parsing, tokenizing and the wait for a running slot; behind a PD router, the first "
+                               "step on its prefill node), by tenant, for the answers the TTFT histogram counts "
+                               "(behind a router, not a one-token prompt: it has no prefill)", ["tenant"],
+                               buckets=_LATENCY, registry=r)
         self.rejections = Counter("kvfence_admission_rejections", "Requests refused before reaching the engine's "
                                   "scheduler, by reason", ["reason"], registry=r)
         for reason in REJECTION_REASONS:

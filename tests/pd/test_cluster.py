@@ -108,6 +108,30 @@ def test_the_router_counts_a_tenants_request_as_it_moves(cluster, client):
     assert running not in httpx.get(cluster.url("router") + "/metrics", timeout=10).text
 
 
+def _router_sample(cluster, name: str) -> float:
+    text = httpx.get(cluster.url("router") + "/metrics", timeout=10).text
+    return sum(m.value for fam in text_string_to_metric_families(text) for m in fam.samples
+               if m.name == name and m.labels.get("tenant") == "default")
+
+
+def test_the_router_measures_the_wait_to_run_on_the_prefill_node(cluster, client):
+    """kvfence_queue_wait_seconds behind the router: arrival to the prompt's first step on the
+    prefill node, which reports it as a duration with kv_held (the machines' clocks do not
+    compare). It is part of TTFT, well under it here (a 300-token prompt prefills in several
+    steps of 128), and a one-token prompt, which has no prefill, is not counted."""
+    names = ("kvfence_queue_wait_seconds_count", "kvfence_queue_wait_seconds_sum",
+             "kvfence_time_to_first_token_seconds_count", "kvfence_time_to_first_token_seconds_sum")
+    before = [_router_sample(cluster, n) for n in names]
+    client.completions.create(model=model_name(client), prompt=LONG, max_tokens=2, temperature=0)
+    waits, wait_s, ttfts, ttft_s = (_router_sample(cluster, n) - b for n, b in zip(names, before))
+    assert (waits, ttfts) == (1, 1)
+    assert 0 < wait_s < ttft_s / 2, (wait_s, ttft_s)
+    one_token = client.completions.create(model=model_name(client), prompt=[42], max_tokens=2, temperature=0)
+    assert one_token.usage.prompt_tokens == 1
+    assert _router_sample(cluster, names[0]) - before[0] == 1
+    assert _router_sample(cluster, names[2]) - before[2] == 2
+
+
 def test_concurrent_requests_and_streaming(cluster, client, make_llm):
     m = model_name(client)
     prompts = [f"Tell me about the number {i}." + (" Please explain in detail." * i) for i in range(6)]
