@@ -556,8 +556,10 @@ class Simulation(ScopeModel):
                 life.p_sink = False
             if life.d_node == node.name and life.d_boot == node.boot:
                 life.d_sink = False
-        # messages in flight to the dead process are lost
-        self.msgs = [m for m in self.msgs if not (m.node == node.name and m.boot == node.boot)]
+        # messages in flight to the dead process are lost; a stop_pull's POST fails, and the router
+        # then tells prefill a read may still run (_deliver_msg): dropping it here skipped that
+        self.msgs = [m for m in self.msgs if not (m.node == node.name and m.boot == node.boot
+                                                  and m.kind != "stop_pull")]
         if downtime == 0.0:
             self._restart(node)
 
@@ -1261,6 +1263,7 @@ class Simulation(ScopeModel):
         if not node.up or node.boot != m.boot:  # sent to a process that is gone (or was down): the POST failed
             self._log(f"{m.kind} {m.rid} -> {m.node}: lost (node gone)")
             if m.kind == "stop_pull":   # no answer: the router tells prefill a read may still run
+                self.stats["stop_pull_unanswered"] += 1
                 self.msgs.append(Msg("abort", life.p_node, m.rid, self._boot_of(life.p_node), False))
             return
         if m.kind == "stop_pull":   # kvfence/pd/node.py /internal/stop_pull: abort, then the question
