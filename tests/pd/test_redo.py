@@ -76,9 +76,12 @@ def _settled(fleet, names: list[str], timeout: float = 60) -> None:
 
 def test_a_decode_node_dying_before_it_verified_the_kv_is_redone_on_the_other(fleet, client):
     """kill_node_at:decode_after_pull on one decode node: it dies at the first request it pulls.
-    Requests go two at a time, so each decode node gets one (the least loaded is picked). Every
-    request is answered; the one whose decode died was done again, and the router counts it."""
-    fleet.set_faults("decode", "kill_node_at:decode_after_pull")
+    It is the one the router picks first (idle, equal pools: the lower URL), and requests go two
+    at a time, so each decode node gets one (the least loaded is picked). Every request is
+    answered; the one whose decode died was done again, and the router counts it."""
+    armed = min(("decode", "decode-2"), key=fleet.url)
+    survivor = "decode-2" if armed == "decode" else "decode"
+    fleet.set_faults(armed, "kill_node_at:decode_after_pull")
     model = client.models.list().data[0].id
     redone0 = _retries(fleet, "handoff")
     outcomes: list[str] = []
@@ -96,14 +99,14 @@ def test_a_decode_node_dying_before_it_verified_the_kv_is_redone_on_the_other(fl
             t.start()
         for t in threads:
             t.join(120)
-        if fleet.procs["decode"].poll() is not None:
+        if fleet.procs[armed].poll() is not None:
             break
-    assert fleet.procs["decode"].poll() is not None, ("the armed decode node never got a request", outcomes)
+    assert fleet.procs[armed].poll() is not None, ("the armed decode node never got a request", outcomes)
     assert outcomes and all(o in ("length", "stop") for o in outcomes), outcomes   # no 503 reached a client
     assert _counted(fleet, "handoff", redone0 + 1) >= redone0 + 1
     # the dead node may still have been reading the first attempt's rows when it died: prefill
     # fenced them, then freed them once no read could still run; the survivors hold nothing
-    _settled(fleet, ["prefill", "prefill-2", "decode-2"])
+    _settled(fleet, ["prefill", "prefill-2", survivor])
 
 
 def test_a_prefill_node_dying_while_it_holds_the_kv_is_redone_on_the_other(fleet, client):
