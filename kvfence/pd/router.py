@@ -182,6 +182,16 @@ def nodes_to_avoid(culprit: str, prefill: str | None, decode: str | None,
     return avoid
 
 
+def ready_elsewhere(fleet: Fleet, scope: str, ids: list[int]) -> Callable[[str, frozenset[str]], bool]:
+    """nodes_to_avoid's `other` for a request of `scope` and prompt `ids`: whether the fleet
+    would pick a node of role outside exclude (the router's and the simulation's picks)."""
+    def other(role: str, exclude: frozenset[str]) -> bool:
+        node = (fleet.pick_prefill(scope, ids, fleet.reference.page_size, exclude) if role == "prefill"
+                else fleet.pick_decode(exclude))
+        return node is not None
+    return other
+
+
 # decode's code for a read of the rows that failed (the engine's error, not a timeout)
 TRANSFER_FAILURES = frozenset({"kv_transfer_failed"})
 
@@ -193,7 +203,6 @@ class _Flight:
     gave up on), while the client's request keeps the router's id."""
     request_id: str
     client_rid: str
-    redone: bool = False              # this is the redo: no other
     avoid: dict[str, frozenset[str]] = field(default_factory=dict)   # role -> nodes this attempt skips
     settled: bool = False
     manifest: Manifest | None = None
@@ -206,6 +215,11 @@ class _Flight:
     prefill: Node | None = None       # the nodes this request is on
     decode: Node | None = None
     started_at: float | None = None   # its first step on prefill (this process's perf_counter)
+
+    @property
+    def redone(self) -> bool:
+        """This attempt is the redo (its own node request id): there is no other."""
+        return self.request_id != self.client_rid
 
 
 class RouterBackend:
@@ -648,10 +662,8 @@ class RouterBackend:
                                 "doing it again without %s", rid, e.code, e,
                                 ", ".join(sorted(u for urls in avoid.values() for u in urls)))
                     self.retries["handoff"] += 1
-                    if rid in self._tenant_of:   # back to waiting (a kv_failed event marked it generating)
-                        self._tenant_of[rid][1] = False
                     self._settle(flight)
-                    flight = _Flight(f"{rid}.redo", rid, redone=True, avoid=avoid)
+                    flight = _Flight(f"{rid}.redo", rid, avoid=avoid)
         except asyncio.CancelledError:
             # abort(): the server side still waits on this handle for the request's last update
             # (without it a hung-up non-streaming request never ends: its tenant slot and its
@@ -690,16 +702,9 @@ class RouterBackend:
         """The nodes a redo of the request skips, or None: no redo (may_redo, nodes_to_avoid)."""
         if not may_redo(e.culprit, flight.manifest is not None, admitted.done(), flight.redone):
             return None
-        fleet = self.fleet
-        assert fleet is not None and e.culprit is not None
-
-        def other(role: str, exclude: frozenset[str]) -> bool:
-            node = (fleet.pick_prefill(scope, ids, fleet.reference.page_size, exclude) if role == "prefill"
-                    else fleet.pick_decode(exclude))
-            return node is not None
-
+        assert self.fleet is not None and e.culprit is not None
         return nodes_to_avoid(e.culprit, flight.prefill.url if flight.prefill else None,
-                              flight.decode.url if flight.decode else None, other)
+                              flight.decode.url if flight.decode else None, ready_elsewhere(self.fleet, scope, ids))
 
     def _settle(self, flight: _Flight) -> None:
         """Once per attempt: prefill lets go of rows decode never verified (see _settle_prefill)."""
@@ -934,8 +939,6 @@ class RouterBackend:
                                     culprit=culprit_of_decode_failure(ev.abort_code))
                 if not isinstance(ev, ProgressEvent):
                     raise NodeError(f"decode node: unexpected {ev.event} event", "node_error")
-                if flight.client_rid in self._tenant_of:   # it generates now (kvfence_tenant_sequences)
-                    self._tenant_of[flight.client_rid][1] = True
                 if ev.event == "kv_failed":
                     flight.reader_stopped = bool(ev.reader_stopped)
                 if not admitted.done():
@@ -943,6 +946,10 @@ class RouterBackend:
                         raise NodeError(f"decode node: {ev.error or ev.finish_reason}", ev.abort_code or "node_error",
                                         culprit=culprit_of_decode_failure(ev.abort_code))
                     admitted.set_result(True)
+                # it generates now (kvfence_tenant_sequences); not one that failed before it began
+                # (a redo waits again)
+                if flight.client_rid in self._tenant_of:
+                    self._tenant_of[flight.client_rid][1] = True
                 if ev.event == "kv_verified":
                     flight.released = True
                     assert flight.prefill is not None

@@ -55,7 +55,14 @@ from kvfence.pd.manifest import ManifestError
 from kvfence.pd.messages import NodeInfo
 from kvfence.pd.node import unchecked_boot
 from kvfence.pd.prefill import KvExporter
-from kvfence.pd.router import culprit_of_decode_failure, may_redo, may_retry_decode, may_retry_prefill, nodes_to_avoid
+from kvfence.pd.router import (
+    culprit_of_decode_failure,
+    may_redo,
+    may_retry_decode,
+    may_retry_prefill,
+    nodes_to_avoid,
+    ready_elsewhere,
+)
 from kvfence.pd.scope_epochs import ScopeGate
 from kvfence.pd.settings import PDSettings
 from kvfence.pd.transfer import InProcessTransport
@@ -1011,12 +1018,8 @@ class Simulation(ScopeModel):
         another of its role and one of the other (_redo_avoiding); else the client's error."""
         if may_redo(culprit, life.manifest is not None, life.verified, life.redone):
             assert culprit is not None
-
-            def other(role: str, exclude: frozenset[str]) -> bool:
-                return (self.fleet.pick_prefill(life.tenant, life.ids, self.fleet.reference.page_size, exclude)
-                        if role == "prefill" else self.fleet.pick_decode(exclude)) is not None
-
-            avoid = nodes_to_avoid(culprit, life.p_node or None, life.d_node or None, other)
+            avoid = nodes_to_avoid(culprit, life.p_node or None, life.d_node or None,
+                                   ready_elsewhere(self.fleet, life.tenant, life.ids))
             if avoid is not None:
                 return self._redo(life, code, avoid.get("prefill", frozenset()), avoid.get("decode", frozenset()))
         self._answer(life, "error", code)
