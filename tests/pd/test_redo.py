@@ -78,18 +78,21 @@ def test_a_decode_node_dying_before_it_verified_the_kv_is_redone_on_the_other(fl
     """kill_node_at:decode_after_pull on one decode node: it dies at the first request it pulls.
     It is the one the router picks first (idle, equal pools: the lower URL), and requests go two
     at a time, so each decode node gets one (the least loaded is picked). Every request is
-    answered; the one whose decode died was done again, and the router counts it."""
+    answered, with the text the fleet gives the same prompt without any fault (greedy); the one
+    whose decode died was done again, and the router counts it."""
     armed = min(("decode", "decode-2"), key=fleet.url)
     survivor = "decode-2" if armed == "decode" else "decode"
     fleet.set_faults(armed, "kill_node_at:decode_after_pull")
     model = client.models.list().data[0].id
     redone0 = _retries(fleet, "handoff")
     outcomes: list[str] = []
+    texts: dict[str, str] = {}
 
     def ask(prompt: str) -> None:
         try:
             r = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0)
             outcomes.append(r.choices[0].finish_reason)
+            texts[prompt] = r.choices[0].text
         except openai.APIStatusError as e:
             outcomes.append(f"{e.status_code}:{e.code}:{e.message}")
 
@@ -104,6 +107,9 @@ def test_a_decode_node_dying_before_it_verified_the_kv_is_redone_on_the_other(fl
     assert fleet.procs[armed].poll() is not None, ("the armed decode node never got a request", outcomes)
     assert outcomes and all(o in ("length", "stop") for o in outcomes), outcomes   # no 503 reached a client
     assert _counted(fleet, "handoff", redone0 + 1) >= redone0 + 1
+    for prompt, text in texts.items():   # the redo's answer is the prompt's own, not a broken attempt's
+        again = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0)
+        assert again.choices[0].text == text, (prompt, text, again.choices[0].text)
     # the dead node may still have been reading the first attempt's rows when it died: prefill
     # fenced them, then freed them once no read could still run; the survivors hold nothing
     _settled(fleet, ["prefill", "prefill-2", survivor])
@@ -127,7 +133,7 @@ def test_a_prefill_node_dying_while_it_holds_the_kv_is_redone_on_the_other(fleet
         try:
             r = client.completions.create(model=model, prompt=PROMPTS[0] + " and the capital of Spain is",
                                           max_tokens=4, temperature=0)
-            result["finish"] = r.choices[0].finish_reason
+            result["finish"], result["text"] = r.choices[0].finish_reason, r.choices[0].text
         except openai.APIStatusError as e:
             result["error"] = f"{e.status_code}:{e.code}:{e.message}"
 
@@ -142,5 +148,9 @@ def test_a_prefill_node_dying_while_it_holds_the_kv_is_redone_on_the_other(fleet
     t.join(120)
     assert result.get("finish") in ("length", "stop"), result
     assert _counted(fleet, "handoff", redone0 + 1) >= redone0 + 1
+    fleet.clear_faults()
+    again = client.completions.create(model=model, prompt=PROMPTS[0] + " and the capital of Spain is",
+                                      max_tokens=4, temperature=0)
+    assert again.choices[0].text == result["text"], (result, again.choices[0].text)
     other = next(n for n in alive_prefill if n != holder)
     _settled(fleet, [other, *alive_decode])
