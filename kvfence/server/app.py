@@ -119,6 +119,9 @@ class ServerState:
         self.schema_verdicts: OrderedDict[tuple[str, int, str], tuple[str, str] | None] = OrderedDict()
         self._schema_checker_lock = threading.Lock()
         self._closed = False   # after close() no checker is built again (its worker would outlive the server)
+        usable = (engine.facts or {}).get("usable_context")
+        for note in tenants.context_notes(usable) if public_api and usable else ():
+            log.warning("%s", note)   # the notes that need the context, which load_tenants did not know
 
     @property
     def schema_checks_queued(self) -> int:
@@ -219,7 +222,8 @@ class ServerState:
                 self._paused = frozenset()
         self.metrics.tenant_reloads.labels("ok").inc()
         self.last_reload = self.last_good_reload = {"at": time.time(), "trigger": why, "result": "ok", **change}
-        for note in new.notes() if self.public_api else ():
+        usable = (self.engine.facts or {}).get("usable_context")
+        for note in (new.notes() + (new.context_notes(usable) if usable else [])) if self.public_api else ():
             log.warning("%s", note)
         for section, changed, had, has, lost in (
                 ("[operator]", change["operator_keys_changed"], old_operator, bool(new.operator_digests),

@@ -261,6 +261,20 @@ class TenantRegistry:
         self.tenants = {n: replace(t, scope_epoch=epoch[n]) for n, t in self.tenants.items()}
         self._entries = [(d, self.tenants[t.name]) for d, t in self._entries]
 
+    def context_notes(self, usable_context: int) -> list[str]:
+        """Prompt caps the server's context makes moot, for the log once the context is known
+        (at start, after the model or the nodes; at reload). One line, however many tenants."""
+        # the file cannot know the model's context: a cap at or beyond it was taken without a
+        # word, and its tenant's model card showed a cap the server never applies
+        moot = sorted(t.name for t in self.tenants.values()
+                      if t.limits.max_prompt_tokens is not None and t.limits.max_prompt_tokens >= usable_context)
+        if not moot:
+            return []
+        names = ", ".join(repr(n) for n in moot[:10]) + (f" and {len(moot) - 10} more" if len(moot) > 10 else "")
+        return [f"max_prompt_tokens of tenant(s) {names} is at least this server's context of {usable_context} "
+                f"tokens (prompt plus completion): the cap has no effect, their prompts of {usable_context} tokens "
+                f"or more are refused as context_length_exceeded; set it below {usable_context}"]
+
     def notes(self) -> list[str]:
         """Limits that are valid but likely to surprise, for the log at start and at reload."""
         out = []

@@ -404,6 +404,7 @@ def test_only_leases_whose_key_is_refused_are_revoked():
 class _NoEngine:
     """Unit-test stand-in for the backend: the reload asks it to retire removed tenants' pages."""
     snapshot: dict = {}
+    facts: dict | None = None
 
     def __init__(self) -> None:
         self.forgotten: list = []
@@ -439,6 +440,36 @@ def test_a_retired_names_new_party_waits_until_every_node_has_retired_the_old_sc
     assert change["retired"] == ["bob"] and state.engine.forgotten == [["bob"]]
     assert state.limiter.tokens_in_window("bob") == 0 and state.limiter.tokens_in_window("alice") == 120
     state.refuse_if_paused(state.tenants.identify("Bearer sk-new-bob-0001")[0])    # and then it is served
+
+
+def test_a_prompt_cap_beyond_the_context_is_pointed_out_at_start_and_at_reload(tmp_path, caplog):
+    """The tenants file cannot know the model's context: a max_prompt_tokens at or beyond it
+    was taken without a word (the cap never applies; such prompts get context_length_exceeded).
+    Said once the context is known: when the server state is made (after the model or the
+    nodes) and at each reload. A cap below the context is not named."""
+    path = tmp_path / "tenants.toml"
+    path.write_text(FILE.replace(f'api_keys = ["{BOB}"]', f'api_keys = ["{BOB}"]\nmax_prompt_tokens = 4096'))
+
+    class Ready(_NoEngine):
+        facts = {"usable_context": 2048}
+
+    with caplog.at_level(logging.WARNING):
+        state = ServerState(Ready(), TenantRegistry.from_file(path))  # type: ignore[arg-type]
+    said = [r.message for r in caplog.records if "max_prompt_tokens" in r.message]
+    assert len(said) == 1 and "'bob'" in said[0] and "2048" in said[0] and "'alice'" not in said[0], caplog.text
+    caplog.clear()
+    path.write_text(FILE.replace(f'api_keys = ["{ALICE}", "{ALICE2}"]',
+                                 f'api_keys = ["{ALICE}", "{ALICE2}"]\nmax_prompt_tokens = 2048'))
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(state.reload_tenants("test"))
+    said = [r.message for r in caplog.records if "max_prompt_tokens" in r.message]
+    assert len(said) == 1 and "'alice'" in said[0] and "'bob'" not in said[0], caplog.text
+    caplog.clear()
+    path.write_text(FILE.replace(f'api_keys = ["{ALICE}", "{ALICE2}"]',
+                                 f'api_keys = ["{ALICE}", "{ALICE2}"]\nmax_prompt_tokens = 2047'))
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(state.reload_tenants("test"))
+    assert "max_prompt_tokens" not in caplog.text
 
 
 def test_sighup_reloads_the_file_and_is_harmless_without_one(tmp_path, caplog):
