@@ -29,6 +29,14 @@ step; the step is as full as before. The cap counts the capped prompts' tokens o
 uncapped prompt beside streams used it up too, and kept every capped newcomer out until it was
 done (found in review).
 
+Running prefills of different tenants share each step's prefill room (and the cap, for those
+under it) equally; each tenant's part goes to its prompts in arrival order, and what a tenant
+does not use goes to the others at the end of the step. In arrival order alone, a prompt too
+long to finish in its first step then waited for every earlier prompt: another tenant's
+2,500-token prompt beside a 7,000-token one had its first token after 9.8 s, when the long
+one was done (4.0 s with the shares), and its wait told it the other prompt's length. One
+tenant's prompts keep arrival order.
+
 Waiting requests start tenant by tenant, not in arrival order: the next one is the oldest of
 the tenant with the fewest running sequences (ties: the tenant that last started one longest
 ago). A tenant that queues a thousand requests gets
@@ -44,7 +52,7 @@ import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvfence.engine.request_states import Event, State
 from kvfence.engine.sequence import Sequence
@@ -53,6 +61,28 @@ from kvfence.kv.prefix_cache import PrefixCache
 
 # while requests wait, running prefills leave them 1/QUEUE_SHARE of the step's prefill room
 QUEUE_SHARE = 4
+
+
+@dataclass
+class TenantShares:
+    """What each tenant's running prefills may take of one step (Scheduler._tenant_shares);
+    what they leave goes to the others at the end of the step (_give_back)."""
+    whole: int        # of the step's prefill room
+    of_cap: int       # of the cap, for prefills under it
+    bounded: bool     # several tenants: the shares apply (one tenant keeps the whole room)
+    spent: Counter = field(default_factory=Counter)
+    spent_capped: Counter = field(default_factory=Counter)
+
+    def left(self, tenant: str, capped: bool) -> int:
+        if not self.bounded:
+            return 1 << 62
+        left = self.whole - self.spent[tenant]
+        return min(left, self.of_cap - self.spent_capped[tenant]) if capped else left
+
+    def spend(self, tenant: str, capped: bool, n: int) -> None:
+        self.spent[tenant] += n
+        if capped:
+            self.spent_capped[tenant] += n
 
 
 @dataclass
@@ -209,6 +239,7 @@ class Scheduler:
         # requests wait that could start this step: running prefills leave them their share
         for_queue = bool(self.waiting) and len(self.running) < self.max_num_seqs
         i = 0
+        shares: TenantShares | None = None
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             is_decode = seq.state is State.DECODING
@@ -217,6 +248,13 @@ class Scheduler:
                     self._prefill_room(budget, capped_so_far, capped, for_queue))
             if n <= 0 and not is_decode:
                 break   # only prefills are left (decodes sort first) and the cap is spent
+            if not is_decode:
+                if shares is None:   # the first prefill: decodes (sorted first) have taken theirs
+                    shares = self._tenant_shares(self.running[i:], budget, for_queue)
+                n = min(n, shares.left(seq.tenant, capped))
+                if n <= 0:
+                    i += 1   # its tenant's share is spent; another tenant's prefill may still run
+                    continue
             need = self.ledger.pages_for(seq.num_computed + n) - len(seq.table)
             while need > self.ledger.num_available and (victim := self._victim_after(seq)) is not None:
                 self._preempt(victim)
@@ -237,6 +275,8 @@ class Scheduler:
             budget -= n
             if not is_decode and capped:
                 capped_so_far += n
+            if shares is not None and not is_decode:
+                shares.spend(seq.tenant, capped, n)
             i += 1
         running_by_tenant = Counter(s.tenant for s in self.running)
         # a step that had to preempt starts nothing: the pages are short, and a newcomer would
@@ -284,9 +324,20 @@ class Scheduler:
             budget -= n
             if capped:
                 capped_so_far += n
-        if for_queue:
+        if for_queue or (shares is not None and shares.bounded):
             self._give_back(out, budget, capped_so_far)
         return out
+
+    def _tenant_shares(self, prefills: list[Sequence], budget: int, for_queue: bool) -> TenantShares:
+        """Each tenant's share of the step's prefill room: an equal part of the room for all
+        tenants with a running prefill, and of the cap for those capped."""
+        every = {s.tenant for s in prefills}
+        capped = {s.tenant for s in prefills if self._capped(s)}
+        cap = self.prefill_budget_while_decoding
+        return TenantShares(
+            whole=max(1, self._prefill_room(budget, 0, False, for_queue) // len(every)),
+            of_cap=max(1, (cap if cap is not None else budget) // max(1, len(capped))),
+            bounded=len(every) > 1)
 
     def _give_back(self, out: list[ScheduledSeq], budget: int, capped_so_far: int) -> None:
         """The room kept for the queue that it did not take goes to the running prefills, in

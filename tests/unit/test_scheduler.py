@@ -413,6 +413,70 @@ def test_a_newcomer_starts_beside_a_long_prefill_and_the_step_stays_full():
     led.check_consistency()
 
 
+def _first_token_step(sch: Scheduler, seq: Sequence, limit: int = 100) -> int:
+    """Steps (schedule + fake run) until seq decodes; each step checked to be full."""
+    for k in range(1, limit + 1):
+        work = sum(s.uncomputed for s in [*sch.running, *sch.waiting])
+        step = sch.schedule()
+        assert sum(s.num_new for s in step) == min(sch.token_budget, work)   # nothing left idle
+        fake_run(step)
+        if seq.state is State.DECODING:
+            return k
+    raise AssertionError(f"{seq.request_id} still prefills after {limit} steps")
+
+
+def test_another_tenants_prompt_beside_a_long_one_gets_an_equal_share_not_the_leftovers():
+    """Running prefills of different tenants share each step's prefill room: a 60-token
+    prompt (over the quarter kept for newcomers) of bob's behind carol's 3,000-token one took
+    the quarter in its first step and then waited for all of carol's prompt (30 steps: a
+    600-token prompt behind a 7,000-token one on the 2,048 budget, ~4 s on a 2-core CPU, and
+    its wait told bob the other prompt's length). Now it has half the room: 2 steps. What it
+    leaves of its half goes to carol's prompt in the same step."""
+    led = Ledger(4096, 4)
+    sch = Scheduler(led, max_num_seqs=8, token_budget=100)
+    carol = make_seq(led, 3000, 0, tenant="carol")
+    sch.add(carol)
+    fake_run(sch.schedule())
+    bob = make_seq(led, 60, 1, tenant="bob")
+    sch.add(bob)
+    assert _first_token_step(sch, bob) == 2
+    step = sch.schedule()      # bob decodes; carol has the rest of the budget again
+    assert [(s.seq.request_id, s.num_new) for s in step] == [("r1", 1), ("r0", 99)]
+    led.check_consistency()
+
+
+def test_one_tenants_prompts_keep_arrival_order():
+    """The shares are between tenants: a tenant's own prompt behind its long one waits for it
+    (the room kept for newcomers aside), as before."""
+    led = Ledger(4096, 4)
+    sch = Scheduler(led, max_num_seqs=8, token_budget=100)
+    first = make_seq(led, 600, 0, tenant="carol")
+    sch.add(first)
+    fake_run(sch.schedule())
+    second = make_seq(led, 60, 1, tenant="carol")
+    sch.add(second)
+    assert _first_token_step(sch, second) == 6   # 25 at its start, its 35 once the first 600 are done
+
+
+def test_capped_prompts_of_two_tenants_share_the_cap():
+    """Under the cap (streams decode), the cap is shared too: the earlier capped prompt took
+    all of it each step, and the later one's tenant waited for the whole prompt."""
+    led = Ledger(4096, 4)
+    sch = Scheduler(led, max_num_seqs=16, token_budget=100, prefill_budget_while_decoding=12)
+    _decoding(led, sch, 2)
+    carol = make_seq(led, 600, 0, tenant="carol")
+    sch.add(carol)
+    fake_run(sch.schedule())
+    bob = make_seq(led, 20, 1, tenant="bob")
+    sch.add(bob)
+    for _ in range(4):
+        step = sch.schedule()
+        assert sum(s.num_new for s in step if s.seq.state is State.PREFILLING) <= 12
+        fake_run(step)
+    assert bob.state is State.DECODING      # 3 at its start, then 6 a step: 4 steps, not 50
+    led.check_consistency()
+
+
 def test_a_newcomer_gets_a_share_of_the_cap_beside_a_long_capped_prefill():
     """While streams decode, a prompt that arrived after them is capped; one arriving behind
     it gets a share of that cap too, not the leftovers of a 60-token prompt's five steps."""
