@@ -663,7 +663,7 @@ class RouterBackend:
                                 ", ".join(sorted(u for urls in avoid.values() for u in urls)))
                     self.retries["handoff"] += 1
                     self._settle(flight)
-                    flight = _Flight(f"{rid}.redo", rid, avoid=avoid)
+                    flight = _Flight(f"{rid}.redo", rid, avoid=avoid, cached=flight.cached)
         except asyncio.CancelledError:
             # abort(): the server side still waits on this handle for the request's last update
             # (without it a hung-up non-streaming request never ends: its tenant slot and its
@@ -902,7 +902,10 @@ class RouterBackend:
             async for ev in events:
                 if isinstance(ev, ProgressEvent) and ev.event == "kv_held" and ev.manifest is not None:
                     flight.manifest = ev.manifest
-                    flight.cached = ev.cached_tokens
+                    if not flight.redone:
+                        # a redo's prompt is in the cache because its first attempt computed it:
+                        # the request's cached tokens are what that attempt found
+                        flight.cached = ev.cached_tokens
                     if ev.started_ago_s is not None:   # the prompt's first step on prefill, on this clock
                         flight.started_at = time.perf_counter() - ev.started_ago_s
                     if faults.active("kill_node_at") and faults.arg("kill_node_at") == "router_after_prefill":

@@ -27,8 +27,13 @@ from prometheus_client.parser import text_string_to_metric_families
 pytest.importorskip("mooncake.engine", reason="the PD tests need mooncake-transfer-engine-non-cuda")
 
 NODES = {"prefill": "prefill", "prefill-2": "prefill", "decode": "decode", "decode-2": "decode"}
-PROMPTS = ["The capital of France is", "Write a haiku about the sea.\n", "def fibonacci(n):",
-           "The three primary colors are", "Once upon a time, in a small village,", "Water boils at"]
+# each over two pages of 16 tokens, and different from its first words on: the prefix cache
+# holds none of them before its first request (and a redo's prefill finds the first attempt's)
+_TAIL = (" (asked in a quiz for beginners, who read the answer aloud to the class, so keep it short, plain and "
+         "friendly)")
+PROMPTS = [p + _TAIL for p in (
+    "The capital of France is", "Write a haiku about the sea.", "def fibonacci(n): a question",
+    "The three primary colors are", "Once upon a time, in a small village,", "Water boils at")]
 
 
 @pytest.fixture(scope="module")
@@ -87,12 +92,14 @@ def test_a_decode_node_dying_before_it_verified_the_kv_is_redone_on_the_other(fl
     redone0 = _retries(fleet, "handoff")
     outcomes: list[str] = []
     texts: dict[str, str] = {}
+    cached: dict[str, int] = {}
 
     def ask(prompt: str) -> None:
         try:
             r = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0)
             outcomes.append(r.choices[0].finish_reason)
             texts[prompt] = r.choices[0].text
+            cached[prompt] = r.usage.prompt_tokens_details.cached_tokens
         except openai.APIStatusError as e:
             outcomes.append(f"{e.status_code}:{e.code}:{e.message}")
 
@@ -107,6 +114,9 @@ def test_a_decode_node_dying_before_it_verified_the_kv_is_redone_on_the_other(fl
     assert fleet.procs[armed].poll() is not None, ("the armed decode node never got a request", outcomes)
     assert outcomes and all(o in ("length", "stop") for o in outcomes), outcomes   # no 503 reached a client
     assert _counted(fleet, "handoff", redone0 + 1) >= redone0 + 1
+    # no prompt was cached before its request: a redo's prefill found the first attempt's pages,
+    # which the request computed itself (its usage said them cached)
+    assert set(cached.values()) == {0}, cached
     for prompt, text in texts.items():   # the redo's answer is the prompt's own, not a broken attempt's
         again = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0)
         assert again.choices[0].text == text, (prompt, text, again.choices[0].text)
