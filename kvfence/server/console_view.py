@@ -38,7 +38,8 @@ def console_view(state: ServerState) -> dict[str, Any]:
     else:
         role = "router"
         nodes = [_local_node(state, "router")] + [_fleet_node(n) for n in fleet.nodes]
-        pools = [p for n in fleet.nodes if n.info is not None
+        # a node that is not ready keeps its last report: the page says so (its state)
+        pools = [{**p, "node_state": n.state} for n in fleet.nodes if n.info is not None
                  for p in [pool_of(n.url, n.role, n.info.snapshot)] if p is not None]
     return {"generated_at": time.time(), "role": role, "served_model": _served(state),
             "isolation": statement, "isolation_unavailable": why, "nodes": nodes, "pools": pools,
@@ -125,10 +126,13 @@ LATENCY_HISTOGRAMS = {"kvfence_time_to_first_token_seconds": "ttft", "kvfence_qu
 
 def request_counters(state: ServerState) -> dict[str, Any]:
     """Totals since start from this server's Prometheus counters (the page turns them into
-    rates between refreshes), and each tenant's TTFT and wait to run at the median and p95."""
+    rates between refreshes), and each tenant's TTFT and wait to run at the median and p95.
+    A router's retries by stage too: a node failing often shows there before any client sees
+    an error (the retries hide it from them)."""
     by_outcome: dict[str, float] = {}
     by_tenant: dict[str, float] = {}
     rejections: dict[str, float] = {}
+    retries: dict[str, float] = {}   # a router's: requests it sent to another node, by stage
     buckets: dict[tuple[str, str], list[tuple[float, float]]] = {}   # (histogram, tenant) -> (le, count)
     for fam in state.metrics.registry.collect():
         for s in fam.samples:
@@ -137,6 +141,8 @@ def request_counters(state: ServerState) -> dict[str, Any]:
                 by_tenant[s.labels["tenant"]] = by_tenant.get(s.labels["tenant"], 0) + s.value
             elif s.name == "kvfence_admission_rejections_total":
                 rejections[s.labels["reason"]] = s.value
+            elif s.name == "kvfence_pd_request_retries_total":
+                retries[s.labels["stage"]] = s.value
             elif s.name.endswith("_bucket") and s.name[:-len("_bucket")] in LATENCY_HISTOGRAMS:
                 key = (s.name[:-len("_bucket")], s.labels["tenant"])
                 buckets.setdefault(key, []).append((float(s.labels["le"]), s.value))
@@ -148,7 +154,8 @@ def request_counters(state: ServerState) -> dict[str, Any]:
         row[f"{col}_count"] = bs[-1][1]   # the +Inf bucket: every observation
         for q in (0.5, 0.95):
             row[f"{col}_p{round(q * 100)}"] = histogram_quantile(q, bs)
-    return {"by_outcome": by_outcome, "by_tenant": by_tenant, "rejections": rejections, "latency": latency}
+    return {"by_outcome": by_outcome, "by_tenant": by_tenant, "rejections": rejections, "latency": latency,
+            "pd_retries": retries}
 
 
 def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:

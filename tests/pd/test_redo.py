@@ -12,16 +12,23 @@ processes (two prefill and two decode nodes, one router) and the real transfer e
   is answered from the other prefill node.
 
 With one node per role the client gets the 503 as before (tests/pd/test_cluster.py).
+Then the router's operator console, in a real browser, shows the redos and the dead nodes.
 """
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import shutil
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from pd_cluster import SCRAPE, MultiCluster
+from browser import Browser, chromium_or_skip
+from pd_cluster import ROOT, SCRAPE, SCRAPE_KEY, MultiCluster
 from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("mooncake.engine", reason="the PD tests need mooncake-transfer-engine-non-cuda")
@@ -36,9 +43,24 @@ PROMPTS = [p + _TAIL for p in (
     "The three primary colors are", "Once upon a time, in a small village,", "Water boils at")]
 
 
+TENANT_KEY, OPERATOR_KEY = "sk-redo-tenant-0001", "sk-redo-operator-01"
+TENANTS = f"""
+[tenants.quiz]
+api_keys = ["{TENANT_KEY}"]
+
+[metrics]
+api_keys = ["{SCRAPE_KEY}"]
+
+[operator]
+api_keys = ["{OPERATOR_KEY}"]
+"""
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    c = MultiCluster(tmp_path_factory.mktemp("pd-redo"), NODES).start_all(300)
+    workdir = tmp_path_factory.mktemp("pd-redo")
+    (workdir / "tenants.toml").write_text(TENANTS)   # the operator key opens the router's console
+    c = MultiCluster(workdir, NODES, router_args=["--tenants", str(workdir / "tenants.toml")]).start_all(300)
     yield c
     c.stop()
 
@@ -47,7 +69,7 @@ def fleet(tmp_path_factory):
 def client(fleet):
     fleet.clear_faults()
     # no client-side retry: what the client sees is what the router made of the failure
-    yield openai.OpenAI(base_url=fleet.url("router") + "/v1", api_key="none", max_retries=0, timeout=90)
+    yield openai.OpenAI(base_url=fleet.url("router") + "/v1", api_key=TENANT_KEY, max_retries=0, timeout=90)
     fleet.clear_faults()
 
 
@@ -164,3 +186,47 @@ def test_a_prefill_node_dying_while_it_holds_the_kv_is_redone_on_the_other(fleet
     assert again.choices[0].text == result["text"], (result, again.choices[0].text)
     other = next(n for n in alive_prefill if n != holder)
     _settled(fleet, [other, *alive_decode])
+
+
+def test_the_router_console_shows_the_redos_and_the_nodes_that_died(fleet, tmp_path):
+    """After the two tests above (each redid a request and killed a node), the router's console
+    in a real browser: its retries table says the redos /metrics counts, and the nodes table
+    shows the router and all four nodes, the dead ones not ready."""
+    exe = chromium_or_skip()
+    redone = _retries(fleet, "handoff")
+    if redone == 0:
+        pytest.skip("the console shows this module's redos: run the tests above first")
+    dead = {fleet.url(n) for n in NODES if fleet.procs[n].poll() is not None}
+    assert dead, "the tests above leave a dead node"
+    dom = asyncio.run(asyncio.wait_for(_look(fleet.url("router"), exe, tmp_path), 90))
+    # no script error, nothing the page's Content Security Policy blocked (the sign-in page's 401 is logged)
+    assert not [m for m in dom["messages"] if "Content Security Policy" in m or m.startswith("exception")], dom
+    assert dom["retries"].get("handoff") == redone, dom["retries"]
+    assert [n["name"] for n in dom["nodes"]][0] == "router"
+    states = {n["name"]: n["state"] for n in dom["nodes"][1:]}
+    assert set(states) == {fleet.url(n) for n in NODES}, states
+    assert all((states[u] != "ready") == (u in dead) for u in states), (states, dead)
+    # a dead node's pool is what it last reported, and the page says so
+    assert set(dom["stale_pools"]) == dead, dom
+
+
+async def _look(url: str, exe: str, tmp_path: Path) -> dict:
+    async with Browser(exe, tmp_path / "chromium") as b:
+        await b.navigate(url + "/console")
+        await b.eval(f"document.getElementById('key').value = {json.dumps(OPERATOR_KEY)};"
+                     "document.querySelector('form').submit(); true")
+        await b.wait_for("document.body && Number(document.body.dataset.renders || 0) >= 1", 60)
+        dom = await b.eval("""(() => {
+          const all = (sel) => [...document.querySelectorAll(sel)];
+          return {
+            nodes: all('#nodes tr[data-node]').map((tr) => ({name: tr.dataset.node, state: tr.dataset.state})),
+            stale_pools: all('.pool[data-stale="1"]').map((p) => p.dataset.node),
+            retries: Object.fromEntries(all('#requests .counters[data-group="pd_retries"] tr[data-key]')
+              .map((tr) => [tr.dataset.key, Number(tr.dataset.total)])),
+          };
+        })()""")
+        dom["messages"] = b.messages()
+        shot = await b.screenshot(tmp_path / "console-router.png")
+        if os.environ.get("KVFENCE_UPDATE_DOCS"):
+            shutil.copy(shot, ROOT / "docs" / "console-router.png")
+        return dom

@@ -60,6 +60,10 @@ def test_the_router_shows_itself_every_node_with_its_checks_and_each_pool():
     assert {c["name"] for c in view["nodes"][2]["checks"]} >= {"read checks before every forward pass"}
     assert [p["node"] for p in view["pools"]] == [n.url for n in f.nodes]
     assert view["pools"][0]["free"] == 80 and view["incidents"]["note"]
+    # the router's retries by stage, from its metrics (what its snapshot counts)
+    backend.snapshot = {**backend.snapshot, "pd_retries": {"prefill": 2, "decode": 0, "handoff": 1}}
+    retried = console_view(ServerState(backend, TenantRegistry.single()))["requests"]["pd_retries"]
+    assert retried == {"prefill": 2.0, "decode": 0.0, "handoff": 1.0}
 
 
 def test_the_console_cookie_is_the_operators_only_and_holds_no_key():

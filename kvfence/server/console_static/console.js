@@ -106,9 +106,12 @@ function renderPool(p) {
               el("b", {class: "count"}, part.count));
   }));
   const used = p.pages_total - p.free;
-  const box = el("div", {class: "pool", "data-node": p.node},
+  // a node the router cannot reach now: what it said last, not what it holds now
+  const stale = p.node_state && p.node_state !== "ready";
+  const box = el("div", {class: "pool", "data-node": p.node, "data-stale": stale ? "1" : "0"},
     el("h3", {}, p.node, el("span", {class: "sub"}, ` ${p.role} - ${p.pages_total} pages, ${used} in use` +
-                                     (per > 1 ? `; one cell = ${per} pages` : ""))),
+                                     (per > 1 ? `; one cell = ${per} pages` : "")),
+       stale ? el("span", {class: "stale"}, ` ${p.node_state}: as it last reported`) : null),
     grid, legend);
   if (p.buffer) {
     const b = p.buffer;
@@ -156,7 +159,10 @@ function renderRequests(data) {
   return el("div", {},
             el("div", {class: "row"}, counterTable(data, "by_outcome", "requests by outcome"),
                counterTable(data, "rejections", "admission rejections by reason"),
-               counterTable(data, "by_tenant", "requests by tenant")),
+               counterTable(data, "by_tenant", "requests by tenant"),
+               // a router's: failures its clients never saw (another node took the request)
+               data.role === "router" ? counterTable(data, "pd_retries", "retried on another node, by stage")
+                                      : null),
             el("div", {class: "row"}, latencyTable(data)));
 }
 
