@@ -372,6 +372,9 @@ def create_app(state: ServerState) -> FastAPI:
             # a client that sent store: true looks its answer up (OpenAI's stored completions)
             msg += (" kvfence stores no chat completion or response ('store' is accepted and ignored; text lives "
                     "only in memory for the life of its request): there is nothing to list or retrieve.")
+        elif e.status_code in (404, 405) and any(path == p or path.startswith(p + "/") for p in _OTHER_OPENAI_APIS):
+            msg += (" This part of the OpenAI API is not served here: kvfence serves a text generation model "
+                    "(/v1/chat/completions, /v1/completions, /v1/responses and /v1/models).")
         return JSONResponse(error_body(msg, "invalid_request_error", None, None), status_code=e.status_code)
 
     @app.exception_handler(RecursionError)
@@ -748,6 +751,11 @@ def _with_request_id(request: Request, response: Response) -> Response:
 
 _STORED_APIS = ("/v1/chat/completions", "/v1/responses")
 _STORED_ITEMS = tuple(p + "/" for p in _STORED_APIS)
+# routes of OpenAI's API that a text model does not have: a client (a RAG framework's
+# embeddings, an upload) got a bare "No route", as for a typo
+_OTHER_OPENAI_APIS = tuple(f"/v1/{p}" for p in (
+    "embeddings", "audio", "images", "moderations", "files", "uploads", "batches", "fine_tuning", "assistants",
+    "threads", "vector_stores", "realtime", "containers", "evals", "videos", "conversations"))
 
 
 def _plain_paths(app: FastAPI) -> set[str]:

@@ -509,3 +509,18 @@ def test_looking_up_a_stored_answer_says_nothing_is_stored(server, method, path)
     """A client that sent store: true and looked its answer up got "No route" (a framework probe)."""
     r = httpx.request(method, server.url + path, headers={"authorization": "Bearer sk-alice-0001"}, timeout=30)
     assert r.status_code in (404, 405) and "stores no chat completion or response" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("method,path", [("POST", "/v1/embeddings"), ("POST", "/v1/audio/transcriptions"),
+                                         ("POST", "/v1/images/generations"), ("POST", "/v1/files"),
+                                         ("GET", "/v1/batches"), ("POST", "/v1/moderations")])
+def test_a_part_of_the_openai_api_that_is_not_served_says_so(server, method, path):
+    """A framework's embeddings call got "No route POST /v1/embeddings.", as for a typo: it now
+    says what is served instead. A typo still gets the bare answer."""
+    r = httpx.request(method, server.url + path, headers={"authorization": "Bearer sk-alice-0001"}, json={},
+                      timeout=30)
+    msg = r.json()["error"]["message"]
+    assert r.status_code in (404, 405) and "not served here" in msg and "/v1/chat/completions" in msg, msg
+    r = httpx.post(server.url + "/v1/embeddingz", headers={"authorization": "Bearer sk-alice-0001"}, json={},
+                   timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["message"] == "No route POST /v1/embeddingz.", r.text
