@@ -490,7 +490,7 @@ def _openai_routes(app: FastAPI, state: ServerState) -> None:
         lease = state.limiter.hold(tenant, key)    # the tenant's concurrency limit, as generation
         try:
             body = await read_json_body(request, state.max_body_bytes)
-            prompt, add_prompt, tools = parse_tokenize(body)
+            prompt, add_prompt, tools, continue_final = parse_tokenize(body)
             tok, ctx = state.engine.tokenizer, state.facts["usable_context"]
             # only what could be sent: the ids of a longer text (8 MB of words gave ~1M) took
             # seconds to encode as JSON on the event loop, every tenant's streams waiting
@@ -498,7 +498,8 @@ def _openai_routes(app: FastAPI, state: ServerState) -> None:
                 _refuse_surely_too_long(tok, prompt, ctx, "prompt", max_param=None)
                 ids = await asyncio.to_thread(tok.encode, prompt)
             else:   # rendered as _tokenize renders a chat request: tool calls, results and tools alike
-                ids = await _encode_chat(tok, prompt, tools, add_prompt, ctx, max_param=None)
+                ids = await _encode_chat(tok, prompt, tools, add_prompt, ctx, max_param=None,
+                                         continue_final=continue_final)
             if len(ids) > ctx:
                 raise APIError(400, f"The prompt is {len(ids)} tokens, more than this model's context of {ctx} "
                                     "tokens.", code="context_length_exceeded",
@@ -944,13 +945,19 @@ async def _submit_unless_gone(state: ServerState, request: Request, choices: lis
 
 
 async def _encode_chat(tok, messages: list[dict], tools: ToolSpec | None, add_prompt: bool,
-                       room: int, max_param: str | None = "max_tokens", cap: int | None = None) -> list[int]:
+                       room: int, max_param: str | None = "max_tokens", cap: int | None = None,
+                       continue_final: bool = False) -> list[int]:
     """A chat prompt's ids: generation's and /tokenize's one way to render messages and tools.
     `room`: the most prompt tokens that can fit; a rendered text surely longer is refused
-    before it is tokenized (_refuse_surely_too_long)."""
+    before it is tokenized (_refuse_surely_too_long). `continue_final`: the text ends inside
+    the last (assistant) message, for the answer to go on with it (continued_template)."""
     def encode() -> list[int]:   # rendering the tools too: their schemas may be large
-        rendered, template_tools = render_tools(messages, tools, tok.template_has_tools, tok.template_has_developer)
-        text = tok.apply_chat_template(rendered, add_prompt, template_tools)
+        if continue_final:
+            text = continued_template(tok, messages)
+        else:
+            rendered, template_tools = render_tools(messages, tools, tok.template_has_tools,
+                                                    tok.template_has_developer)
+            text = tok.apply_chat_template(rendered, add_prompt, template_tools)
         _refuse_surely_too_long(tok, text, room, "messages", max_param, cap)
         return tok.encode_rendered(text)
 
@@ -958,6 +965,27 @@ async def _encode_chat(tok, messages: list[dict], tools: ToolSpec | None, add_pr
         return await asyncio.to_thread(encode)
     except ChatTemplateError as e:
         raise bad_request(str(e), param="messages") from None
+
+
+def continued_template(tok, messages: list[dict]) -> str:
+    """The chat template's text up to the end of the last message's content, left open: the
+    messages rendered with a marker in place of that content, cut at the marker, and the
+    content put there as the client sent it (a template that trims or escapes a message's
+    text would make a search for the content itself miss, or find it in the markup after it).
+    An empty last message leaves nothing to continue: its turn is simply begun."""
+    last = messages[-1]
+    if not last["content"]:
+        rendered, _ = render_tools(messages[:-1], None, tok.template_has_tools, tok.template_has_developer)
+        return tok.apply_chat_template(rendered, True)
+    marker = f"kvfence-continue-{uuid.uuid4().hex}"   # random: no message can hold it
+    rendered, _ = render_tools([*messages[:-1], {**last, "content": marker}], None, tok.template_has_tools,
+                               tok.template_has_developer)
+    text = tok.apply_chat_template(rendered, False)
+    at = text.find(marker)
+    if at < 0 or text.find(marker, at + 1) >= 0:
+        raise ChatTemplateError("this model's chat template does not write the last assistant message as it is, "
+                                "so it cannot be continued; send the text as a /v1/completions prompt")
+    return text[:at] + last["content"]
 
 
 def _refuse_max_tokens_beyond_context(req: GenerationRequest, usable: int) -> None:
@@ -1051,7 +1079,8 @@ async def _tokenize(state: ServerState, req: GenerationRequest, text: str | None
     room = _prompt_room(state, req)
     if req.kind == "chat":
         assert req.messages is not None
-        ids = await _encode_chat(tok, req.messages, req.tools, True, room, req.max_tokens_param, cap)
+        ids = await _encode_chat(tok, req.messages, req.tools, True, room, req.max_tokens_param, cap,
+                                 continue_final=req.continue_final)
     elif prompt_ids is not None:
         ids = prompt_ids   # checked against the vocabulary after admission (I4): see _generate
     else:

@@ -16,6 +16,7 @@ import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from starlette.requests import ClientDisconnect
@@ -57,6 +58,7 @@ class GenerationRequest:
     echo: bool = False                # completions: the prompt's text before each choice's
     tools: ToolSpec | None = None     # chat: tools, tool_choice, parallel_tool_calls
     legacy_functions: bool = False    # chat: sent as `functions`; answered as `function_call`
+    continue_final: bool = False      # chat: the answer goes on with the last (assistant) message
 
     @property
     def prompts(self) -> list[tuple[str | None, list[int] | None]]:
@@ -330,9 +332,10 @@ _UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "chat_template": ((), "the model's own chat template is always used; per-request templates are not "
                           "supported."),
     "chat_template_kwargs": (({},), "per-request chat template arguments are not supported."),
-    "add_generation_prompt": ((True,), "the chat template always ends with the assistant's turn here."),
-    "continue_final_message": ((False,), "continuing the last assistant message is not supported; send the text "
-                                         "as a /v1/completions prompt."),
+    # chat takes both (_continuation) before this table is read
+    "add_generation_prompt": ((True,), "the chat template ends with the assistant's turn here (a chat request "
+                                       "may continue its last assistant message: 'continue_final_message')."),
+    "continue_final_message": ((False,), "only a chat request continues its last assistant message."),
     "prompt_logprobs": ((), "send 'echo': true with 'logprobs' to /v1/completions for the prompt's logprobs."),
     "modalities": ((["text"],), "this model writes text only."),
     "audio": ((), "this model writes text only."),
@@ -613,6 +616,7 @@ def _parse_chat(body: dict) -> GenerationRequest:
     found = unwanted_field(body, _CHAT_UNSUPPORTED)
     if found is not None:
         raise bad_request(f"'{found[0]}' is not supported: {found[1]}", param=found[0])
+    body, continue_final = _continuation(body)
     c = _common(body, "chat")
     _refuse_best_of(body, c["n"])
     tools = parse_tools(body)
@@ -628,9 +632,59 @@ def _parse_chat(body: dict) -> GenerationRequest:
     logprobs = (top or 0) if want else None
     messages = _messages(body.get("messages", _MISSING))
     limit = "max_tokens" if mct is None else "max_completion_tokens"
+    if continue_final:
+        _refuse_with_continuation(messages, tools, c["json_schema"])
     return GenerationRequest("chat", c["model"], _params(c, max_tokens, logprobs, limit), c["stream"],
                              c["include_usage"], messages=messages, logprobs=logprobs, prompt_param="messages",
-                             n=c["n"], tools=tools, max_tokens_param=limit)
+                             n=c["n"], tools=tools, max_tokens_param=limit, continue_final=continue_final)
+
+
+_CONTINUE_FIELDS = ("continue_final_message", "add_generation_prompt")
+
+
+def _continuation(body: dict) -> tuple[dict, bool]:
+    """Whether the answer continues the last message, an assistant's, instead of starting a
+    turn of its own: vLLM's `continue_final_message: true` (with `add_generation_prompt` false
+    or left out), or DeepSeek's and Mistral's `"prefix": true` on that message. The body without
+    what said so (the fields any other route refuses, the message's flag)."""
+    cont = _bool(body, "continue_final_message", False)
+    add = _bool(body, "add_generation_prompt", True)
+    ms = body.get("messages")
+    last = ms[-1] if isinstance(ms, list) and ms and isinstance(ms[-1], dict) else None
+    prefix = last is not None and last.get("prefix") is True and last.get("role") == "assistant"
+    if cont and add and "add_generation_prompt" in body:
+        raise bad_request("'continue_final_message' goes on with the last message, and 'add_generation_prompt' "
+                          "starts a new turn: set 'add_generation_prompt' to false (or leave it out).",
+                          param="add_generation_prompt")
+    if not add and not cont and not prefix:
+        raise bad_request("'add_generation_prompt': false is only supported with 'continue_final_message': true "
+                          "(the answer goes on with the last assistant message); a chat answer otherwise starts "
+                          "the assistant's turn.", param="add_generation_prompt")
+    if not (cont or prefix):
+        return body, False
+    if not isinstance(ms, list) or last is None or last.get("role") != "assistant":   # so cont, not prefix
+        raise bad_request("Only an assistant message can be continued: the last message must have role "
+                          "'assistant'.", param="continue_final_message")
+    body = {k: v for k, v in body.items() if k not in _CONTINUE_FIELDS}
+    if prefix:
+        body["messages"] = [*ms[:-1], {k: v for k, v in last.items() if k != "prefix"}]
+    return body, True
+
+
+def _refuse_with_continuation(messages: list[dict], tools: ToolSpec | None, json_schema: str | None) -> None:
+    """What a continued message cannot go with: a tool call or a response format constrains an
+    answer from its first character, which the message has already written."""
+    where = f"messages[{len(messages) - 1}]"
+    if messages[-1].get("tool_calls"):
+        raise bad_request("An assistant message with tool_calls cannot be continued; send the tools' results "
+                          "as 'tool' messages instead.", param=f"{where}.tool_calls")
+    if tools is not None:
+        raise bad_request("'tools' cannot go with a continued assistant message: a call starts an answer, and "
+                          "this one has begun already.", param="tools")
+    if json_schema is not None:
+        raise bad_request("'response_format' cannot go with a continued assistant message: the format holds "
+                          "the answer from its first character, and this one has begun already.",
+                          param="response_format")
 
 
 def _messages(ms) -> list[dict]:
@@ -650,9 +704,9 @@ def _messages(ms) -> list[dict]:
         role = m.get("role")
         if role not in _ROLES:
             raise bad_request(f"'{where}.role' must be one of {', '.join(_ROLES)}.", param=f"{where}.role")
-        if m.get("prefix") not in (None, False):   # DeepSeek's, Mistral's: ignored, a new turn began instead
-            raise bad_request(f"'{where}.prefix' is not supported: continuing an assistant message is not; send the "
-                              "text as a /v1/completions prompt.", param=f"{where}.prefix")
+        if m.get("prefix") not in (None, False):   # DeepSeek's, Mistral's: the last assistant message only
+            raise bad_request(f"'{where}.prefix' may only be true on the last message, an assistant's (the answer "
+                              "then goes on with it).", param=f"{where}.prefix")
         msg: dict = {"role": role, "content": _content(m.get("content"), role, f"{where}.content")}
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
@@ -733,28 +787,42 @@ def _held_to(tools: ToolSpec | None, fmt: str | None) -> str | None:
 MAX_DETOKENIZE_IDS = 1 << 20
 
 
-def parse_tokenize(body: dict) -> tuple[str | list[dict], bool, ToolSpec | None]:
-    """(prompt text or chat messages; add_generation_prompt; the messages' tools) of a
-    /tokenize body. Tools (and a response_format beside them) are read as chat completions
-    reads them: a prompt that declares tools counts the tokens generation would send, tool
-    descriptions included."""
+class TokenizeRequest(NamedTuple):
+    prompt: str | list[dict]          # prompt text, or chat messages
+    add_generation_prompt: bool
+    tools: ToolSpec | None            # the messages' tools
+    continue_final: bool = False      # the messages end inside the last (assistant) message
+
+
+def parse_tokenize(body: dict) -> TokenizeRequest:
+    """A /tokenize body. Tools (and a response_format beside them) are read as chat
+    completions reads them: a prompt that declares tools counts the tokens generation would
+    send, tool descriptions included; so is a continued last message (continue_final_message
+    or "prefix")."""
     _field(body, "model", (str,), None, "a string")
     return legacy_functions.parsed(body, _parse_tokenize)[0]
 
 
-def _parse_tokenize(body: dict) -> tuple[str | list[dict], bool, ToolSpec | None]:
+def _parse_tokenize(body: dict) -> TokenizeRequest:
     if "messages" in body and body["messages"] is not None:
         if body.get("prompt") is not None:
             raise bad_request("Give 'prompt' or 'messages', not both.", param="prompt")
+        ms = body["messages"]
+        last = ms[-1] if isinstance(ms, list) and ms and isinstance(ms[-1], dict) else {}
+        if _bool(body, "continue_final_message", False) or last.get("prefix") is True:
+            body, _ = _continuation(body)
+            messages, tools = _messages(body["messages"]), parse_tools(body)
+            _refuse_with_continuation(messages, tools, _response_format(body))
+            return TokenizeRequest(messages, False, None, True)
         tools = parse_tools(body)
         _held_to(tools, _response_format(body))   # a format beside "auto" changes the tools' prompt
-        return _messages(body["messages"]), _bool(body, "add_generation_prompt", True), tools
+        return TokenizeRequest(_messages(ms), _bool(body, "add_generation_prompt", True), tools)
     if body.get("tools") is not None:
         raise bad_request("'tools' goes with 'messages', not with 'prompt'.", param="tools")
     p = body.get("prompt", _MISSING)
     if not isinstance(p, str):
         raise bad_request("'prompt' must be a string (or give 'messages').", param="prompt")
-    return p, False, None
+    return TokenizeRequest(p, False, None)
 
 
 def parse_detokenize(body: dict) -> list[int]:

@@ -138,7 +138,7 @@ def test_include_stop_str_in_output_keeps_the_stop_string(server):
 @pytest.mark.parametrize("field,value", [
     ("guided_json", {"type": "object"}), ("guided_choice", ["yes", "no"]), ("guided_regex", "[0-9]+"),
     ("structured_outputs", {"json": {"type": "object"}}), ("regex", "a+"), ("use_beam_search", True),
-    ("bad_words", ["x"]), ("chat_template", "{{ messages }}"), ("continue_final_message", True),
+    ("bad_words", ["x"]), ("chat_template", "{{ messages }}"),
     ("prompt_logprobs", 1), ("truncate_prompt_tokens", 10), ("modalities", ["text", "audio"]),
     ("audio", {"voice": "alloy", "format": "wav"}), ("web_search_options", {}),
     # llama.cpp's and vLLM's, found by a framework probe answering 200 as if they were not there
@@ -171,12 +171,9 @@ def test_another_servers_field_that_would_change_the_answer_is_a_400_saying_what
 
 @pytest.mark.parametrize("extra,param", [
     ({"echo": True}, "echo"), ({"best_of": 2}, "best_of"), ({"documents": [{"text": "x"}]}, "documents"),
-    ({"messages": [{"role": "user", "content": "Name a colour"}, {"role": "assistant", "content": "Blu",
-                                                                  "prefix": True}]}, "messages[1].prefix"),
 ])
 def test_chat_refuses_what_other_servers_chat_does_that_would_change_the_answer(server, extra, param):
-    """vLLM's chat echo and documents, best_of beside n, DeepSeek's assistant prefix: each was
-    answered 200 as if not sent (a new turn, not the continuation asked for)."""
+    """vLLM's chat echo and documents, best_of beside n: each was answered 200 as if not sent."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
     r = httpx.post(server.url + "/v1/chat/completions", headers={"authorization": "Bearer sk-alice-0001"}, json=body,
                    timeout=60)
@@ -202,3 +199,54 @@ def test_the_responses_echo_is_held_to_the_same_bounds(server, extra, param):
                     json={"model": MODEL, "input": "hi", "max_output_tokens": 2, "metadata": {"k": "v"}, "user": "u"},
                     timeout=60)
     assert ok.status_code == 200 and ok.json()["metadata"] == {"k": "v"} and ok.json()["user"] == "u"
+
+
+ASKED = [{"role": "user", "content": "What is the capital of France?"},
+         {"role": "assistant", "content": "The capital of France is"}]
+
+
+@pytest.mark.parametrize("how", ["continue_final_message", "both_fields", "prefix"])
+def test_chat_continues_the_last_assistant_message(server, how):
+    """vLLM's continue_final_message (with add_generation_prompt false or left out) and
+    DeepSeek's and Mistral's "prefix": true on the last message: the answer goes on with the
+    assistant's words instead of starting a turn of its own (a framework probe; it was a 400).
+    The prompt is the template's text up to the end of that message, left open: the answer is
+    the one /v1/completions gives for exactly that text (greedy), streamed or not. Mutant: the
+    message closed as the template writes it."""
+    c = server.client("alice")
+    extra = {"continue_final_message": {"continue_final_message": True},
+             "both_fields": {"continue_final_message": True, "add_generation_prompt": False}, "prefix": {}}[how]
+    messages = ASKED if how != "prefix" else [ASKED[0], {**ASKED[1], "prefix": True}]
+    chat = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, extra_body=extra)
+    tok = server.state.engine.tokenizer
+    open_text = tok.apply_chat_template(ASKED[:1], True) + ASKED[1]["content"]   # ChatML: the turn as begun
+    ids = tok.encode_rendered(open_text)
+    plain = c.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content == plain.choices[0].text, (chat, plain)
+    assert chat.usage.prompt_tokens == len(ids)
+    counted = httpx.post(server.url + "/tokenize", headers={"authorization": "Bearer sk-alice-0001"},
+                         json={"model": MODEL, "messages": messages, **extra}, timeout=60).json()
+    assert counted["tokens"] == ids, counted      # /tokenize counts what generation sends
+    assert "Paris" in chat.choices[0].message.content and "capital" not in chat.choices[0].message.content
+    streamed = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True,
+                                         extra_body=extra)
+    assert "".join(x.choices[0].delta.content or "" for x in streamed if x.choices) == plain.choices[0].text
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"continue_final_message": True, "add_generation_prompt": True}, "add_generation_prompt"),
+    ({"add_generation_prompt": False}, "add_generation_prompt"),
+    ({"continue_final_message": True, "messages": ASKED[:1]}, "continue_final_message"),
+    ({"messages": [{**ASKED[0], "prefix": True}, ASKED[1]]}, "messages[0].prefix"),
+    ({"continue_final_message": True, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"continue_final_message": True, "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+     "tools"),
+    ({"continue_final_message": True, "messages": [ASKED[0], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[1].tool_calls"),
+])
+def test_what_cannot_be_continued_is_a_400_saying_why(server, body, param):
+    """A new turn and a continuation at once; a last message that is not the assistant's; a
+    format or a tool call, which hold an answer from its first character (this one has begun)."""
+    r = httpx.post(server.url + "/v1/chat/completions", headers={"authorization": "Bearer sk-alice-0001"},
+                   json={"model": MODEL, "messages": ASKED, "max_tokens": 2, **body}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
