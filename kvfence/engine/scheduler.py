@@ -147,12 +147,13 @@ class Scheduler:
                 out.setdefault(s.tenant, {"running": 0, "waiting": 0})[state] += 1
         return out
 
-    def _victim_after(self, seq: Sequence) -> Sequence | None:
-        """Who gives up its pages so that seq can go on: of seq and the sequences behind it
-        (those ahead are scheduled already this step), the last of the tenant running the
-        most. None when that is seq itself (then it waits, or is preempted, below)."""
+    def _victim_after(self, seq: Sequence, idle: list[Sequence]) -> Sequence | None:
+        """Who gives up its pages so that seq can go on: of seq, the sequences behind it and
+        the `idle` ones ahead of it (those skipped this step for their tenant's spent share;
+        the others ahead are scheduled already), the last of the tenant running the most. None
+        when that is seq itself (then it waits, or is preempted, below)."""
         load = Counter(s.tenant for s in self.running)
-        candidates = self.running[self.running.index(seq):]
+        candidates = idle + self.running[self.running.index(seq):]
         victim = max(reversed(candidates), key=lambda s: load[s.tenant])   # the first maximum: the last in line
         return None if victim is seq else victim
 
@@ -240,6 +241,7 @@ class Scheduler:
         for_queue = bool(self.waiting) and len(self.running) < self.max_num_seqs
         i = 0
         shares: TenantShares | None = None
+        idle: list[Sequence] = []   # prefills skipped for their tenant's spent share: pages held, nothing run
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             is_decode = seq.state is State.DECODING
@@ -253,11 +255,18 @@ class Scheduler:
                     shares = self._tenant_shares(self.running[i:], budget, for_queue)
                 n = min(n, shares.left(seq.tenant, capped))
                 if n <= 0:
+                    idle.append(seq)
                     i += 1   # its tenant's share is spent; another tenant's prefill may still run
                     continue
             need = self.ledger.pages_for(seq.num_computed + n) - len(seq.table)
-            while need > self.ledger.num_available and (victim := self._victim_after(seq)) is not None:
+            preempted = False
+            while need > self.ledger.num_available and (victim := self._victim_after(seq, idle)) is not None:
                 self._preempt(victim)
+                preempted = True
+                if victim in idle:
+                    idle.remove(victim)
+            if preempted:   # an idle one ahead of seq may have left the list
+                i = self.running.index(seq)
             if need > self.ledger.num_available:
                 if self.pages_held_elsewhere():
                     # those pages come back: keep this one's pages and computed KV and skip
@@ -330,18 +339,20 @@ class Scheduler:
 
     def _tenant_shares(self, prefills: list[Sequence], budget: int, for_queue: bool) -> TenantShares:
         """Each tenant's share of the step's prefill room: an equal part of the room for all
-        tenants with a running prefill, and of the cap for those capped."""
+        tenants with a running prefill (the cap's room when every one is capped), and of the
+        cap's room for those capped; each after what is kept for the queue (shares of the
+        whole cap let the first three capped tenants take the three quarters left of it, and a
+        fourth had nothing until one of them was done: found in review)."""
         every = {s.tenant for s in prefills}
         capped = {s.tenant for s in prefills if self._capped(s)}
-        cap = self.prefill_budget_while_decoding
         return TenantShares(
-            whole=max(1, self._prefill_room(budget, 0, False, for_queue) // len(every)),
-            of_cap=max(1, (cap if cap is not None else budget) // max(1, len(capped))),
+            whole=max(1, self._prefill_room(budget, 0, capped == every, for_queue) // len(every)),
+            of_cap=max(1, self._prefill_room(budget, 0, True, for_queue) // max(1, len(capped))),
             bounded=len(every) > 1)
 
     def _give_back(self, out: list[ScheduledSeq], budget: int, capped_so_far: int) -> None:
-        """The room kept for the queue that it did not take goes to the running prefills, in
-        order, with pages that are free (no preemption for it)."""
+        """The room kept for the queue, and the tenants' shares, that they did not take goes to
+        the running prefills, in order, as far as the free pages hold it (no preemption for it)."""
         planned = {id(s.seq): s for s in out}
         for seq in self.running:
             if budget <= 0:
@@ -351,9 +362,12 @@ class Scheduler:
             s = planned.get(id(seq))
             done = s.num_new if s is not None else 0
             capped = self._capped(seq)
-            extra = min(seq.uncomputed - done, self._prefill_room(budget, capped_so_far, capped))
+            extra = min(seq.uncomputed - done, self._prefill_room(budget, capped_so_far, capped),
+                        # what its pages and the free ones hold: part of the room rather than none
+                        (len(seq.table) + self.ledger.num_available) * self.ledger.page_size
+                        - (seq.num_computed + done))
             need = self.ledger.pages_for(seq.num_computed + done + extra) - len(seq.table)
-            if extra <= 0 or need > self.ledger.num_available:
+            if extra <= 0:
                 continue
             self.ledger.allocate(seq.owner, need, seq.table)
             if s is None:

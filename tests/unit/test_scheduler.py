@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 from kvfence.engine.params import SamplingParams
 from kvfence.engine.request_states import Event, State
 from kvfence.engine.scheduler import Scheduler
 from kvfence.engine.sequence import Sequence
-from kvfence.kv.ledger import Ledger, Owner
+from kvfence.kv.ledger import BlockTable, Ledger, Owner
 from kvfence.kv.prefix_cache import PrefixCache
 
 
@@ -474,6 +475,85 @@ def test_capped_prompts_of_two_tenants_share_the_cap():
         assert sum(s.num_new for s in step if s.seq.state is State.PREFILLING) <= 12
         fake_run(step)
     assert bob.state is State.DECODING      # 3 at its start, then 6 a step: 4 steps, not 50
+    led.check_consistency()
+
+
+def test_four_capped_tenants_each_progress_while_a_request_waits():
+    """Cap shares are of the cap's room after the queue's quarter: taken of the whole cap,
+    three capped tenants took all the room left and a fourth got nothing until one of them was
+    done (a review's scenario: a tenant at its running share keeps a request waiting)."""
+    led = Ledger(4096, 4)
+    sch = Scheduler(led, max_num_seqs=16, token_budget=100, prefill_budget_while_decoding=12,
+                    tenant_running_share=0.25)
+    streams = [make_seq(led, 1, 100 + k, tenant="e") for k in range(4)]    # e at its running share
+    for s in streams:
+        sch.add(s)
+    fake_run(sch.schedule())
+    for s in streams:
+        s.first_token_at = time.perf_counter()
+    for k, t in enumerate("abcd"):
+        sch.add(make_seq(led, 600, k, tenant=t))
+    sch.add(make_seq(led, 5, 50, tenant="e"))                                # waits: e holds its share
+    got: Counter = Counter()
+    for _ in range(30):
+        step = sch.schedule()
+        assert sum(s.num_new for s in step if s.seq.state is State.PREFILLING) <= 12
+        got.update({s.seq.tenant: s.num_new for s in step if s.seq.state is State.PREFILLING})
+        fake_run(step)
+    assert min(got[t] for t in "abcd") >= 40, got     # each about its quarter of the 9 a step left
+
+
+def test_shares_under_the_cap_are_of_the_caps_room_when_decodes_fill_the_budget():
+    """Every prefill capped, most of the budget taken by decodes, a request waiting: the shares
+    were of the whole budget's room less its quarter for the queue (20 - 25 tokens: 1 each),
+    not of the cap's room, and the later tenant's 60-token prompt took 60 steps (review)."""
+    led = Ledger(4096, 4)
+    sch = Scheduler(led, max_num_seqs=100, token_budget=100, prefill_budget_while_decoding=12,
+                    tenant_running_share=0.8)
+    _decoding(led, sch, 80)                           # tenant t: its running share
+    carol, bob = make_seq(led, 600, 0, tenant="carol"), make_seq(led, 60, 1, tenant="bob")
+    sch.add(carol)
+    sch.add(bob)
+    sch.add(make_seq(led, 5, 50))                     # t's next: waits (t holds its share)
+    for _ in range(20):
+        fake_run(sch.schedule())
+    assert bob.state is State.DECODING                # ~4 of the cap's 9 a step
+
+
+def test_a_tenant_skipped_for_its_share_gives_up_its_pages_before_another_tenant_does():
+    """A prefill skipped this step (its tenant's share spent) holds pages and runs nothing: on
+    a page shortage it is a victim like those behind, so the tenant running the most gives
+    way. It was passed over as if scheduled, and the other tenant's prefill preempted itself,
+    losing its computed KV (found in review)."""
+    led = Ledger(400, 4)
+    sch = Scheduler(led, max_num_seqs=3, token_budget=100)
+    c1, c2, b1 = make_seq(led, 1000, 0, tenant="carol"), make_seq(led, 1000, 1, tenant="carol"), \
+        make_seq(led, 1000, 2, tenant="bob")
+    for s in (c1, c2, b1):
+        sch.add(s)
+    for _ in range(3):
+        fake_run(sch.schedule())
+    hog = BlockTable()
+    led.allocate(Owner(led.tenant_id("hog"), Sequence.next_number()), led.num_available - 20, hog)
+    step = sch.schedule()
+    assert [s.request_id for s in sch.waiting] == ["r1"], [s.request_id for s in sch.waiting]   # carol's second
+    assert {s.seq.request_id for s in step} == {"r0", "r2"} and b1.num_computed > 0
+    led.check_consistency()
+
+
+def test_what_a_share_leaves_goes_back_as_far_as_the_free_pages_hold_it():
+    """The give-back took a prefill's whole leftover or nothing: with 24 free pages a step
+    used 70 of its 100 tokens (found in review). It now takes the part the pages hold."""
+    led = Ledger(76, 4)
+    sch = Scheduler(led, max_num_seqs=8, token_budget=100)
+    carol = make_seq(led, 3000, 0, tenant="carol")
+    sch.add(carol)
+    fake_run(sch.schedule())
+    bob = make_seq(led, 45, 1, tenant="bob")
+    sch.add(bob)
+    fake_run(sch.schedule())
+    step = sch.schedule()
+    assert sum(s.num_new for s in step) > 90 and sch.num_preemptions == 0, [(s.seq.request_id, s.num_new) for s in step]
     led.check_consistency()
 
 
