@@ -116,7 +116,7 @@ def cmd_info(a) -> int:
     return 0
 
 
-BENCH_MODES = ("fleet", "pd", "native", "fidelity", "structured")
+BENCH_MODES = ("fleet", "failover", "pd", "native", "fidelity", "structured")
 BENCH_PEERS = ("transformers", "llama.cpp", "vllm")
 
 
@@ -133,6 +133,10 @@ def cmd_bench(a) -> int:
         from kvfence.bench.fleet import main as fleet_main
 
         return fleet_main(a)
+    if a.failover:
+        from kvfence.bench.failover import main as failover_main
+
+        return failover_main(a)
     if a.pd:
         from kvfence.bench.pd import main as pd_main
 
@@ -803,9 +807,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--fleet", action="store_true",
                    help="a PD fleet (--prefill, --decode nodes) with prefix-affinity routing against round robin: "
                         "prefix hit rate and TTFT for tenants with shared system prompts")
+    b.add_argument("--failover", action="store_true",
+                   help="a PD fleet under load loses one node (--kill, SIGKILL, not restarted): requests answered "
+                        "and failed, the router's retries, TTFT before, at and after the kill, the survivors' "
+                        "transfer rows held and fenced, and the time until they hold nothing")
+    b.add_argument("--kill", choices=("decode", "prefill"), default="decode",
+                   help="--failover: the role of the node killed (default decode)")
     b.add_argument("--prefill", type=at_least_one, default=None, metavar="N",
-                   help="--fleet: prefill nodes (default 2)")
-    b.add_argument("--decode", type=at_least_one, default=None, metavar="M", help="--fleet: decode nodes (default 2)")
+                   help="--fleet, --failover: prefill nodes (default 2)")
+    b.add_argument("--decode", type=at_least_one, default=None, metavar="M",
+                   help="--fleet, --failover: decode nodes (default 2)")
     b.add_argument("--pd", action="store_true",
                    help="start a single-node server, then a PD cluster (as launch-pd), run the --url workload "
                         "through each and compare; then KV transfer bandwidth vs raw Mooncake "
