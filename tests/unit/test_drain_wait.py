@@ -3,6 +3,9 @@ The node's answers are scripted here; tests/pd/test_fleet.py runs the command ag
 fleet's rolling restart."""
 from __future__ import annotations
 
+import time
+import types
+
 import httpx
 import pytest
 from test_fleet_routing import info
@@ -27,8 +30,15 @@ def _script(*answers):
 
 
 @pytest.fixture(autouse=True)
-def _no_sleep(monkeypatch):
-    monkeypatch.setattr(cli.time, "sleep", lambda s: None)
+def clock(monkeypatch) -> types.SimpleNamespace:
+    """cli's own `time`, with sleep a no-op (and monotonic scripted by a test). Patching the
+    time module itself changed it for every thread in the process: in the whole suite the
+    session's live servers' event loops read the scripted clock, used it up (StopIteration in
+    their loops, this test failing) and their threads then hung the session's teardown."""
+    own = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
+    own.sleep = lambda s: None
+    monkeypatch.setattr(cli, "time", own)
+    return own
 
 
 def _draining(running: int, boot: str = "b1"):
@@ -49,20 +59,20 @@ def test_done_when_its_successor_answers(capsys):
     assert "successor (boot b2) is ready" in capsys.readouterr().out
 
 
-def test_an_error_answer_is_not_an_exit(capsys, monkeypatch):
+def test_an_error_answer_is_not_an_exit(capsys, clock):
     """A node opens its port only once loaded, so a 503 is not its successor loading: the drained
     node's own engine failed, or its connection cap refused the call. Said, asked again, and a
     failure at the deadline (a review: it was taken for the successor, exit 0)."""
-    clock = iter(range(0, 1000, 7))
-    monkeypatch.setattr(cli.time, "monotonic", lambda: float(next(clock)))
+    ticks = iter(range(0, 1000, 7))
+    clock.monotonic = lambda: float(next(ticks))
     assert cli._wait_for_drain(_script(_draining(1), 503), "b1", 20) == 1
     captured = capsys.readouterr()
     assert "the node answered HTTP 503" in captured.out and "exited" not in captured.out
 
 
-def test_a_slow_answer_is_not_an_exit_and_the_deadline_is_a_failure(capsys, monkeypatch):
-    clock = iter(range(0, 1000, 7))
-    monkeypatch.setattr(cli.time, "monotonic", lambda: float(next(clock)))
+def test_a_slow_answer_is_not_an_exit_and_the_deadline_is_a_failure(capsys, clock):
+    ticks = iter(range(0, 1000, 7))
+    clock.monotonic = lambda: float(next(ticks))
     call = _script(_draining(3), httpx.ReadTimeout("slow"), _draining(3))
     assert cli._wait_for_drain(call, "b1", 20) == 1
     captured = capsys.readouterr()
