@@ -119,9 +119,14 @@ class ServerState:
         self.schema_verdicts: OrderedDict[tuple[str, int, str], tuple[str, str] | None] = OrderedDict()
         self._schema_checker_lock = threading.Lock()
         self._closed = False   # after close() no checker is built again (its worker would outlive the server)
-        usable = (engine.facts or {}).get("usable_context")
-        for note in tenants.context_notes(usable) if public_api and usable else ():
-            log.warning("%s", note)   # the notes that need the context, which load_tenants did not know
+        for note in self._context_notes(tenants):   # load_tenants said the others, not knowing the context
+            log.warning("%s", note)
+
+    def _context_notes(self, tenants: TenantRegistry) -> list[str]:
+        """tenants' limits the served context makes moot (a PD node applies none; none before
+        the engine is ready)."""
+        usable = (self.engine.facts or {}).get("usable_context")
+        return tenants.context_notes(usable) if self.public_api and usable else []
 
     @property
     def schema_checks_queued(self) -> int:
@@ -222,8 +227,7 @@ class ServerState:
                 self._paused = frozenset()
         self.metrics.tenant_reloads.labels("ok").inc()
         self.last_reload = self.last_good_reload = {"at": time.time(), "trigger": why, "result": "ok", **change}
-        usable = (self.engine.facts or {}).get("usable_context")
-        for note in (new.notes() + (new.context_notes(usable) if usable else [])) if self.public_api else ():
+        for note in (new.notes() if self.public_api else []) + self._context_notes(new):
             log.warning("%s", note)
         for section, changed, had, has, lost in (
                 ("[operator]", change["operator_keys_changed"], old_operator, bool(new.operator_digests),

@@ -642,11 +642,12 @@ def _parse_chat(body: dict) -> GenerationRequest:
 _CONTINUE_FIELDS = ("continue_final_message", "add_generation_prompt")
 
 
-def _continuation(body: dict) -> tuple[dict, bool]:
+def _continuation(body: dict, plain_template_ok: bool = False) -> tuple[dict, bool]:
     """Whether the answer continues the last message, an assistant's, instead of starting a
     turn of its own: vLLM's `continue_final_message: true` (with `add_generation_prompt` false
     or left out), or DeepSeek's and Mistral's `"prefix": true` on that message. The body without
-    what said so (the fields any other route refuses, the message's flag)."""
+    what said so (the fields any other route refuses, the message's flag). `plain_template_ok`:
+    `add_generation_prompt: false` alone is taken (/tokenize counts the template without it)."""
     cont = _bool(body, "continue_final_message", False)
     add = _bool(body, "add_generation_prompt", True)
     ms = body.get("messages")
@@ -656,7 +657,7 @@ def _continuation(body: dict) -> tuple[dict, bool]:
         raise bad_request("'continue_final_message' goes on with the last message, and 'add_generation_prompt' "
                           "starts a new turn: set 'add_generation_prompt' to false (or leave it out).",
                           param="add_generation_prompt")
-    if not add and not cont and not prefix:
+    if not add and not cont and not prefix and not plain_template_ok:
         raise bad_request("'add_generation_prompt': false is only supported with 'continue_final_message': true "
                           "(the answer goes on with the last assistant message); a chat answer otherwise starts "
                           "the assistant's turn.", param="add_generation_prompt")
@@ -807,16 +808,14 @@ def _parse_tokenize(body: dict) -> TokenizeRequest:
     if "messages" in body and body["messages"] is not None:
         if body.get("prompt") is not None:
             raise bad_request("Give 'prompt' or 'messages', not both.", param="prompt")
-        ms = body["messages"]
-        last = ms[-1] if isinstance(ms, list) and ms and isinstance(ms[-1], dict) else {}
-        if _bool(body, "continue_final_message", False) or last.get("prefix") is True:
-            body, _ = _continuation(body)
+        body, continued = _continuation(body, plain_template_ok=True)
+        if continued:
             messages, tools = _messages(body["messages"]), parse_tools(body)
             _refuse_with_continuation(messages, tools, _response_format(body))
             return TokenizeRequest(messages, False, None, True)
         tools = parse_tools(body)
         _held_to(tools, _response_format(body))   # a format beside "auto" changes the tools' prompt
-        return TokenizeRequest(_messages(ms), _bool(body, "add_generation_prompt", True), tools)
+        return TokenizeRequest(_messages(body["messages"]), _bool(body, "add_generation_prompt", True), tools)
     if body.get("tools") is not None:
         raise bad_request("'tools' goes with 'messages', not with 'prompt'.", param="tools")
     p = body.get("prompt", _MISSING)
