@@ -182,20 +182,20 @@ def _cluster_secret(a) -> bytes | None:
         return None
 
 
-def _accepted_secrets(a) -> tuple[bytes, ...] | None:
-    """PD nodes: the secrets accepted besides their own while the cluster rotates, or None
-    after saying why one is unusable."""
-    from kvfence.pd.seal import SecretError, load_accepted
+def _keyring(a):
+    """PD roles: the secrets from their files (SIGHUP reads them again), or None after saying
+    why one is unusable. A router only sends, so it has no accepted secrets."""
+    from kvfence.pd.seal import MAX_ACCEPTED, Keyring, SecretError
 
-    paths = a.accept_cluster_secret_file or []
-    if len(paths) > 8:   # a rotation needs one; the node's info lists at most 16 key ids
-        print(f"error: --accept-cluster-secret-file given {len(paths)} times; a node accepts at most 8 secrets "
-              "besides its own", file=sys.stderr)
+    paths = getattr(a, "accept_cluster_secret_file", None) or []
+    if len(paths) > MAX_ACCEPTED:
+        print(f"error: --accept-cluster-secret-file given {len(paths)} times; a node accepts at most "
+              f"{MAX_ACCEPTED} secrets besides its own", file=sys.stderr)
         return None
     try:
-        return load_accepted(paths)
+        return Keyring.load(a.cluster_secret_file, paths)
     except SecretError as e:
-        print(f"error: --accept-cluster-secret-file: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         return None
 
 
@@ -234,8 +234,8 @@ def cmd_serve(a) -> int:
     if a.role in ("prefill", "decode", "router"):
         from kvfence.pd.tls import PlaintextNetworkError, check_listen, check_node_url
 
-        secret = _cluster_secret(a)
-        if secret is None:
+        keyring = _keyring(a)
+        if keyring is None:
             return 2
         tls = _tls(a)
         if (a.tls_cert is None) != (a.tls_key is None):
@@ -262,16 +262,13 @@ def cmd_serve(a) -> int:
             print("error: --role router needs --prefill-url and --decode-url", file=sys.stderr)
             return 2
         return serve_router(a.prefill_url, a.decode_url, a.model, a.host, a.port, a.max_model_len,
-                            a.clamp_context, secret, tls, a.tenants, a.served_model_name, level, a.node_wait,
+                            a.clamp_context, keyring, tls, a.tenants, a.served_model_name, level, a.node_wait,
                             a.node_stall, limits, a.prefill_routing,
                             a.shutdown_timeout or DEFAULT_SHUTDOWN_TIMEOUT_S, a.max_body_bytes)
     if a.role in ("prefill", "decode"):
         from kvfence.pd.node import serve_node
 
-        accepted = _accepted_secrets(a)
-        if accepted is None:
-            return 2
-        return serve_node(_config(a), _pd_settings(a, a.role, secret, accepted), a.host, a.port, tls, a.tenants,
+        return serve_node(_config(a), _pd_settings(a, a.role, keyring), a.host, a.port, tls, a.tenants,
                           level, limits, a.shutdown_timeout)
     from kvfence.server.serve import serve
 
@@ -283,13 +280,13 @@ def cmd_serve(a) -> int:
                  shutdown_timeout_s=a.shutdown_timeout or DEFAULT_SHUTDOWN_TIMEOUT_S)
 
 
-def _pd_settings(a, role: str, secret: bytes, accepted: tuple[bytes, ...] = ()):
+def _pd_settings(a, role: str, keyring):
     from kvfence.pd.settings import PDSettings
 
     return PDSettings(role, transfer_host=a.transfer_host, transfer_buffer_pages=a.transfer_buffer_pages,
                       lease_s=a.lease, transfer_timeout_s=a.transfer_timeout, max_pull_s=a.max_pull,
                       clock_skew_s=a.clock_skew, decode_reserve_tokens=a.decode_reserve_tokens,
-                      router_scope_idle_s=a.router_scope_idle, cluster_secret=secret, accepted_secrets=accepted)
+                      router_scope_idle_s=a.router_scope_idle, keyring=keyring)
 
 
 def cmd_soak(a) -> int:
@@ -687,9 +684,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--node-stall", type=seconds, default=10.0,
                    help="router: a node silent this long (no heartbeat) fails the request")
     s.add_argument("--accept-cluster-secret-file", action="append", default=None, metavar="FILE",
-                   help="PD nodes, while the cluster rotates to a new secret: a secret also accepted (credentials "
-                        "and sealed rows), not sent; repeat it for several. Every node first accepts the new one, "
-                        "then every process switches --cluster-secret-file to it (docs/pd.md)")
+                   help="PD nodes: a secret also accepted (credentials and sealed rows), not sent; repeatable. "
+                        "Read again on SIGHUP, as --cluster-secret-file is: a file holding the node's own secret "
+                        "until the cluster rotates, then the new one, so a rotation is file edits and SIGHUPs "
+                        "(docs/pd.md)")
     _server_args(s)
     _engine_args(s)
     _pd_args(s)

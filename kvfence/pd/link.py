@@ -14,7 +14,7 @@ from kvfence.engine.admission import CapacityError
 from kvfence.engine.kv_link import KvLinkBase
 from kvfence.engine.sequence import Sequence
 from kvfence.pd.messages import Manifest
-from kvfence.pd.seal import RowCipher, SealError, key_id, secret_for_key
+from kvfence.pd.seal import RowCipher, SealError, key_id
 from kvfence.pd.settings import PDSettings
 from kvfence.pd.staging import StagingBuffer
 
@@ -75,17 +75,16 @@ class PdLink(KvLinkBase):
     @property
     def seal_key(self) -> str:
         """The key id of the secret this node seals with (its own, never an accepted one)."""
-        assert self.settings.cluster_secret is not None  # PDSettings refuses to exist without it
-        return key_id(self.settings.cluster_secret)
+        return key_id(self.settings.secrets.own)
 
     def sealing_secret(self, m: Manifest) -> bytes | None:
         """The secret the manifest's key id names, among this node's own and those it accepts
         while the cluster rotates (None: decode cannot open these rows); a manifest without
         one (a prefill from before key ids) was sealed with the cluster's one secret."""
-        assert self.settings.cluster_secret is not None
+        secrets = self.settings.secrets   # one read: a reload between two would mix two sets
         if m.seal_key is None:
-            return self.settings.cluster_secret
-        return secret_for_key(m.seal_key, self.settings.cluster_secret, self.settings.accepted_secrets)
+            return secrets.own
+        return secrets.for_key(m.seal_key)
 
     def cipher(self, m: Manifest, seq: Sequence) -> RowCipher:
         """The key of one hold's rows, from the cluster secret the manifest names and this

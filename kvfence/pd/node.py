@@ -54,7 +54,7 @@ from kvfence.pd.messages import (
     event_line,
 )
 from kvfence.pd.scope_epochs import Outcome, ScopeGate, ScopeRetired
-from kvfence.pd.seal import CONTROL_HEADER, check_control, key_id
+from kvfence.pd.seal import CONTROL_HEADER, describe_secrets
 from kvfence.pd.settings import PDSettings
 from kvfence.pd.tls import TlsSettings, uvicorn_options
 from kvfence.server.backend import EngineFailed, Update
@@ -103,10 +103,7 @@ def build_node_engine(config: EngineConfig, settings: PDSettings, loaded=None):
     log.info("%s node: transfer engine %s, transfer buffer %d rows x %d bytes; lease %.0f s, fence after "
              "deadline + %.0f s", settings.role, transport.session_id, link.staging.capacity_pages,
              link.staging.slot_bytes, settings.lease_s, settings.max_pull_s + settings.clock_skew_s)
-    assert settings.cluster_secret is not None   # PDSettings refuses to exist without it
-    log.info("%s node: cluster secret key id %s%s", settings.role, key_id(settings.cluster_secret),
-             "; also accepts " + ", ".join(key_id(s) for s in settings.accepted_secrets)
-             if settings.accepted_secrets else "")
+    log.info("%s node: %s", settings.role, describe_secrets(settings.secrets))
     return engine
 
 
@@ -165,18 +162,14 @@ def _progress(u: Update) -> ProgressEvent:
 
 
 def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, drain: Drain) -> APIRouter:
-    secret = settings.cluster_secret
-    assert secret is not None  # PDSettings refuses to exist without it
-
     async def _cluster_only(request: Request) -> None:   # async: no worker-thread hop a request
         # I11, declared on the routes themselves: a middleware matching request.url.path let
         # through what a Host header made look like another path (Starlette before 1.0.1
         # built url.path from it while routing used the scope's path)
-        if not check_control(secret, request.headers.get(CONTROL_HEADER), settings.accepted_secrets):
+        if not settings.secrets.accepts(request.headers.get(CONTROL_HEADER)):   # as of now (SIGHUP reloads)
             raise APIError(401, "internal API: missing or wrong cluster credential", code="unauthorized")
 
     internal = APIRouter(prefix=INTERNAL_PREFIX, dependencies=[Depends(_cluster_only)])
-    key_ids = [key_id(s) for s in (secret, *settings.accepted_secrets)]
 
     @app.exception_handler(EngineFailed)
     async def _engine_failed(request: Request, e: EngineFailed):
@@ -188,7 +181,7 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
         if loop.state != "ready" or loop.facts is None:
             return _error(503, f"node is {loop.state}: {loop.error or ''}", "not_ready")
         return NodeInfo.from_json({**loop.facts, "scope_stamps": True, "seal_keys": True, "choice_groups": True,
-                                   "secret_key_ids": key_ids,
+                                   "secret_key_ids": settings.secrets.key_ids,
                                    "snapshot": {**loop.snapshot, "draining": drain.active}}).to_json()
 
     @internal.post("/drain")
@@ -355,7 +348,8 @@ def node_app(loop: EngineLoop, settings: PDSettings, tenants: TenantRegistry,
     state = ServerState(loop, tenants, public_api=False)
     app = create_app(state)
     # before the internal routes' catch-all
-    fault_control.mount(app, settings.cluster_secret, settings.accepted_secrets)
+    state.keyring = settings.keyring   # SIGHUP reads the node's secret files again
+    fault_control.mount(app, settings.keyring)
     add_internal_routes(app, loop, settings, drain)
     return app, state
 

@@ -70,7 +70,7 @@ from kvfence.pd.messages import (
     WireParams,
     parse_event,
 )
-from kvfence.pd.seal import key_id
+from kvfence.pd.seal import Keyring, SecretSet, key_id
 from kvfence.pd.settings import ROLES
 from kvfence.pd.tls import (
     FOLLOW_PROXY_ENV,
@@ -80,7 +80,7 @@ from kvfence.pd.tls import (
     client_context,
     uvicorn_options,
 )
-from kvfence.pd.wire import cluster_headers
+from kvfence.pd.wire import ClusterAuth
 from kvfence.server.backend import Admitted, EngineFailed, Logprob, NotServedHere, RequestHandle, Update, shut_out
 from kvfence.server.http_limits import HttpLimits, uvicorn_server
 from kvfence.server.shutdown import BACKSTOP_S, DEFAULT_SHUTDOWN_TIMEOUT_S, GracefulStop
@@ -228,7 +228,7 @@ class RouterBackend:
     builds_grammars = False
     orders_choices = True
 
-    def __init__(self, prefill_urls: str | list[str], decode_urls: str | list[str], secret: bytes,
+    def __init__(self, prefill_urls: str | list[str], decode_urls: str | list[str], secret: bytes | Keyring,
                  tls: TlsSettings | None = None, model: str | None = None,
                  max_model_len: int | None = None, clamp_context: bool = False, wait_s: float = 300.0,
                  stall_s: float = 10.0, poll_s: float = 1.0, join_grace_s: float = 5.0,
@@ -237,7 +237,9 @@ class RouterBackend:
         self.resolve, self.resolve_s = resolve, resolve_s   # names behind the URLs: found again this often
         # configured plain-HTTP URL -> the addresses off loopback its name now resolves to (_expand)
         self.refused_plain: dict[str, list[str]] = {}
-        self._headers = cluster_headers(secret)
+        # the secret it sends with: a Keyring follows a reload of its file (SIGHUP)
+        self.keyring = secret if isinstance(secret, Keyring) else Keyring(SecretSet(secret))
+        self._auth = ClusterAuth(self.keyring)
         self.tls = tls or TlsSettings()
         # https node URLs are verified against --tls-ca (the system's CAs without it)
         self._verify: ssl.SSLContext | bool = (client_context(self.tls) if any(
@@ -382,7 +384,7 @@ class RouterBackend:
         found: dict[str, tuple[str, NodeInfo]] = {}
         why: dict[str, str] = {}
         grace_end: float | None = None
-        with httpx.Client(timeout=5.0, headers=self._headers, verify=self._verify, trust_env=FOLLOW_PROXY_ENV) as c:
+        with httpx.Client(timeout=5.0, auth=self._auth, verify=self._verify, trust_env=FOLLOW_PROXY_ENV) as c:
             while True:
                 addrs = self._addresses(why)
                 every = [(role, a.url) for role in ROLES for a in addrs[role]]
@@ -491,7 +493,7 @@ class RouterBackend:
         fleet = self.fleet
         loop = asyncio.get_running_loop()
         resolved_at = time.monotonic()
-        async with httpx.AsyncClient(timeout=2.0, headers=self._headers, verify=self._verify,
+        async with httpx.AsyncClient(timeout=2.0, auth=self._auth, verify=self._verify,
                                      trust_env=FOLLOW_PROXY_ENV) as c:
             async def poll(node: Node) -> None:
                 try:
@@ -525,7 +527,7 @@ class RouterBackend:
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.stall_s, connect=5.0), verify=self._verify,
-                                             headers=self._headers,
+                                             auth=self._auth,
                                              limits=httpx.Limits(max_connections=MAX_NODE_CONNECTIONS,
                                                                  max_keepalive_connections=100),
                                              trust_env=FOLLOW_PROXY_ENV)
@@ -1127,7 +1129,7 @@ def _as_submit_error(message: str, code: str, rejection: RejectedEvent | None) -
 
 
 def serve_router(prefill_urls: list[str], decode_urls: list[str], model: str | None, host: str, port: int,
-                 max_model_len: int | None, clamp_context: bool, secret: bytes, tls: TlsSettings,
+                 max_model_len: int | None, clamp_context: bool, secret: bytes | Keyring, tls: TlsSettings,
                  tenants_file: str | None = None,
                  served_model_name: str | None = None, log_level: str = "info", wait_s: float = 300.0,
                  stall_s: float = 10.0, limits: HttpLimits | None = None, prefill_routing: str = "affinity",
@@ -1149,9 +1151,10 @@ def serve_router(prefill_urls: list[str], decode_urls: list[str], model: str | N
     app = create_app(state)
     if faults.announce(log):   # as a node's start-up check records it: the report must see it (review)
         faults.record_active()
-    fault_control.mount(app, secret)
-    sends_with = key_id(secret)
-    log.info("router: sends the cluster credential of the secret with key id %s", sends_with)
+    state.keyring = backend.keyring   # SIGHUP reads its secret file again
+    fault_control.mount(app, backend.keyring)
+    log.info("router: sends the cluster credential of the secret with key id %s",
+             key_id(backend.keyring.current.own))
 
     @app.get("/v1/kvfence/cluster")
     async def cluster(request: Request):
@@ -1165,7 +1168,8 @@ def serve_router(prefill_urls: list[str], decode_urls: list[str], model: str | N
                                       "('Authorization: Bearer <key>')" if withheld is None else
                     f"per-node state withheld: {withheld}"}
         return {**body, "error": backend.error, "check": backend.check.to_json() if backend.check else None,
-                "secret_key_id": sends_with,   # the secret this router sends with (pd/seal.py key ids)
+                # the secret this router sends with now (pd/seal.py key ids)
+                "secret_key_id": key_id(backend.keyring.current.own),
                 "nodes": backend.fleet.to_json() if backend.fleet else []}
 
     # SIGTERM: what is in flight may finish for --shutdown-timeout, then ends with 503

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvfence.pd.seal import Keyring, SecretSet
+
 ROLES = ("prefill", "decode")
 
 
@@ -45,6 +47,9 @@ class PDSettings:
     cluster_secret: bytes | None = field(default=None, repr=False)
     # secrets also accepted while the cluster rotates to a new one (credentials, sealed rows)
     accepted_secrets: tuple[bytes, ...] = field(default=(), repr=False)
+    # what the node holds now (read `keyring.current`, not the two fields above: those are the
+    # start's, a reload on SIGHUP changes only the keyring); None: made of the two fields
+    keyring: Keyring | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -64,8 +69,12 @@ class PDSettings:
             raise ValueError(f"transfer_buffer_pages must be at least 1; got {self.transfer_buffer_pages!r}")
         if self.lease_s <= 2 * self.clock_skew_s:
             raise ValueError("lease_s must exceed twice clock_skew_s, or no pull could ever start")
-        if self.cluster_secret is None:
-            raise ValueError("a PD node needs the cluster secret (kvfence/pd/seal.py load_secret)")
+        if self.keyring is None:
+            if self.cluster_secret is None:
+                raise ValueError("a PD node needs the cluster secret (kvfence/pd/seal.py load_secret)")
+            self.keyring = Keyring(SecretSet(self.cluster_secret, self.accepted_secrets))
+        else:
+            self.cluster_secret, self.accepted_secrets = self.keyring.current.own, self.keyring.current.accepted
         if not 0 < self.router_scope_idle_s < float("inf"):
             raise ValueError(f"router_scope_idle_s must be a positive number of seconds; got "
                              f"{self.router_scope_idle_s!r}")
@@ -73,6 +82,12 @@ class PDSettings:
             raise ValueError("decode_reserve_tokens must be at least 1")
         if self.max_pull_s < self.transfer_timeout_s:
             raise ValueError("max_pull_s must be at least the transfer engine's timeout")
+
+    @property
+    def secrets(self) -> SecretSet:
+        """The secrets this node holds now (a SIGHUP may have read new ones)."""
+        assert self.keyring is not None   # __post_init__ makes one
+        return self.keyring.current
 
     def fence_after(self, deadline: float) -> float:
         """When rows held under a lease with this deadline are safe to reuse without an ACK."""

@@ -31,6 +31,7 @@ from kvfence.engine.grammar import GrammarError, build_matcher, ll_tokenizer, sc
 from kvfence.engine.params import SamplingParams, canonical_schema
 from kvfence.engine.schema_check import SchemaChecker, SchemaTooCostly
 from kvfence.model.tokenizer import ChatTemplateError
+from kvfence.pd.seal import Keyring, SecretError, describe_secrets
 from kvfence.server import legacy_functions, responses_api
 from kvfence.server.auth_throttle import FailedAuthThrottle, client_address
 from kvfence.server.backend import DEAD_STATES, EngineBackend, EngineFailed, RequestHandle, Update
@@ -119,6 +120,9 @@ class ServerState:
         self.schema_verdicts: OrderedDict[tuple[str, int, str], tuple[str, str] | None] = OrderedDict()
         self._schema_checker_lock = threading.Lock()
         self._closed = False   # after close() no checker is built again (its worker would outlive the server)
+        # a PD process's cluster secrets (pd/seal.py), read again on SIGHUP; None: not a PD process
+        self.keyring: Keyring | None = None
+        self.last_secret_reload: dict | None = None
         for note in self._context_notes(tenants):   # load_tenants said the others, not knowing the context
             log.warning("%s", note)
 
@@ -246,6 +250,26 @@ class ServerState:
         return change
 
 
+    def reload_secrets(self, why: str) -> bool:
+        """Read a PD process's cluster secret files again (SIGHUP), so a cluster rotates its
+        secret without restarts (docs/pd.md). A file that fails its checks changes nothing.
+        Returns whether the new set is in force."""
+        if self.keyring is None or not self.keyring.reloadable:
+            return False
+        try:
+            before, after = self.keyring.reload()
+        except SecretError as e:
+            self.metrics.secret_reloads.labels("error").inc()
+            self.last_secret_reload = {"at": time.time(), "trigger": why, "result": "error", "error": str(e)}
+            log.error("cluster secrets not reloaded (%s): %s; still using the previous ones", why, e)
+            return False
+        self.metrics.secret_reloads.labels("ok").inc()
+        self.last_secret_reload = {"at": time.time(), "trigger": why, "result": "ok", "key_ids": after.key_ids}
+        log.info("cluster secrets reloaded (%s): %s%s", why, describe_secrets(after),
+                 " (unchanged)" if after == before else f" (was: {describe_secrets(before)})")
+        return True
+
+
 class KeyRevoked(Exception):
     """A reload of the tenants file took the request's key away while it ran."""
 
@@ -272,10 +296,11 @@ def hold_sighup() -> None:
 
 
 def _reload_on_sighup(state: ServerState) -> bool:
-    """SIGHUP reloads the tenants file, as it reloads nginx's or Prometheus's configuration
-    (without a tenants file it is logged and ignored: its default action would stop the
-    server). Only the process's main thread can take signals: a server run in another thread
-    (the tests' servers) has the reload route alone. Returns whether the handler is set."""
+    """SIGHUP reloads the tenants file, as it reloads nginx's or Prometheus's configuration,
+    and a PD process's cluster secret files (without either it is logged and ignored: its
+    default action would stop the server). Only the process's main thread can take signals:
+    a server run in another thread (the tests' servers) has the reload route alone. Returns
+    whether the handler is set."""
     loop = asyncio.get_running_loop()
     pending: set[asyncio.Task] = set()
 
@@ -286,8 +311,10 @@ def _reload_on_sighup(state: ServerState) -> bool:
             pass   # logged and counted by reload_tenants
 
     def on_hup() -> None:
+        secrets = state.reload_secrets("SIGHUP") if state.keyring is not None else None
         if state.tenants.source is None:
-            log.warning("SIGHUP ignored: no tenants file to reload (single-tenant mode)")
+            if secrets is None:
+                log.warning("SIGHUP ignored: no tenants file to reload (single-tenant mode)")
             return
         task = loop.create_task(reload())
         pending.add(task)

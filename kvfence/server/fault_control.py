@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from kvfence import faults, incidents
-from kvfence.pd.seal import CONTROL_HEADER, check_control
+from kvfence.pd.seal import CONTROL_HEADER, Keyring
 from kvfence.server.errors import error_body
 
 ENV_VAR = "KVFENCE_TEST_FAULT_CONTROL"
@@ -24,7 +24,7 @@ def enabled() -> bool:
     return os.environ.get(ENV_VAR) == "1"
 
 
-def mount(app: FastAPI, cluster_secret: bytes | None = None, accepted: tuple[bytes, ...] = ()) -> None:
+def mount(app: FastAPI, keyring: Keyring | None = None) -> None:
     """The route, when the variable is set. With a cluster secret (every PD role) it takes
     only the cluster credential, like every /internal route (I11). A node's own internal
     routes declare the check (pd/node.py); this one is mounted on the router's app too, so it
@@ -36,8 +36,7 @@ def mount(app: FastAPI, cluster_secret: bytes | None = None, accepted: tuple[byt
 
     @app.post("/internal/test/faults")
     async def set_faults(request: Request):
-        if cluster_secret is not None and not check_control(cluster_secret, request.headers.get(CONTROL_HEADER),
-                                                                accepted):
+        if keyring is not None and not keyring.current.accepts(request.headers.get(CONTROL_HEADER)):
             return JSONResponse(error_body("internal API: missing or wrong cluster credential",
                                            "authentication_error", None, "unauthorized"), status_code=401)
         try:

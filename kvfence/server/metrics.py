@@ -35,8 +35,12 @@ class ServerMetrics:
         self.tenant_reloads = Counter("kvfence_tenants_reloads", "Reloads of the tenants file (SIGHUP or POST "
                                       "/v1/kvfence/tenants/reload) by result: ok, or error (the previous file "
                                       "stays in force)", ["result"], registry=r)
+        self.secret_reloads = Counter("kvfence_cluster_secret_reloads", "PD processes: reloads of the cluster "
+                                      "secret files (SIGHUP) by result: ok, or error (the previous secrets stay "
+                                      "in force)", ["result"], registry=r)
         for result in ("ok", "error"):
             self.tenant_reloads.labels(result)
+            self.secret_reloads.labels(result)
         self.prompt_tokens = Counter("kvfence_prompt_tokens", "Prompt tokens admitted", ["tenant"], registry=r)
         self.generation_tokens = Counter(
             "kvfence_generation_tokens", "Tokens generated that reached the client (a failed unstreamed answer's "

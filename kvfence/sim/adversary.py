@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvfence.kv.ledger import PageState
-from kvfence.pd.seal import check_control
 
 if TYPE_CHECKING:
     from kvfence.sim.cluster import Life, Node, Simulation
@@ -137,7 +136,7 @@ class NetworkAdversary:
     def forge(self, node: Node) -> None:
         """An internal call under a made-up credential: the node's check refuses it."""
         presented = secrets.token_hex(32)
-        accepted = check_control(self.sim.settings.cluster_secret, presented)
+        accepted = self.sim.settings.secrets.accepts(presented)
         self.sim._check(not accepted, "I11", "a node accepted an internal call under a forged credential")
         self.sim.stats["adversary_forged_refused"] += 1
         self.sim._log(f"ADVERSARY forges an internal call to {node.name}: refused")

@@ -57,14 +57,31 @@ class Cluster:
         self.pki = pki
         self.ports = {r: free_port() for r in ("prefill", "decode", "router")}
         self.procs: dict[str, subprocess.Popen] = {}
-        self.secret = secrets.token_hex(32)   # this cluster's; in the environment, never on a command line
+        # this cluster's secret, in a file named by the environment, never on a command line; the
+        # nodes also accept the secret of a second file, the same one until a test rotates the
+        # cluster's secret by editing both and sending SIGHUP (test_cluster.py)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.secret_file, self.accept_file = str(self.workdir / "cluster.secret"), str(self.workdir / "accept.secret")
+        self.use_secret(secrets.token_hex(32))
+        self.write_secrets(self.secret, self.secret)
         self.env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "KVFENCE_TEST_FAULT_CONTROL": "1",
-                    "PYTHONUNBUFFERED": "1", SECRET_ENV: self.secret,
+                    "PYTHONUNBUFFERED": "1", SECRET_FILE_ENV: self.secret_file,
                     "XDG_STATE_HOME": str(self.workdir),   # each process's incident log: see incident_log()
                     **(env or {})}
         self.env.pop("KVFENCE_TEST_FAULTS", None)
-        self.env.pop(SECRET_FILE_ENV, None)
-        self.headers = cluster_headers(self.secret.encode())   # the credential for /internal/*
+        self.env.pop(SECRET_ENV, None)
+
+    def use_secret(self, text: str) -> None:
+        """The secret this harness calls the nodes' /internal/* routes with."""
+        self.secret = text
+        self.headers = cluster_headers(text.encode())   # the credential for /internal/*
+
+    def write_secrets(self, own: str, accepted: str) -> None:
+        """What the processes read from their secret files at start or on SIGHUP."""
+        for path, text in ((self.secret_file, own), (self.accept_file, accepted)):
+            with open(path, "w") as f:
+                f.write(text + "\n")
+            os.chmod(path, 0o600)
 
     def incident_log(self, role: str) -> list[dict]:
         """The records in `role`'s incident log (kvfence/incidents.py default path)."""
@@ -99,7 +116,8 @@ class Cluster:
         if role == "router":
             return base + ["--prefill-url", self.url("prefill"), "--decode-url", self.url("decode"),
                            "--node-stall", "5"] + self.router_args + self._tls_args(role) + list(extra)
-        return (list(self.prefixes.get(role, [])) + base + ["--transfer-host", self.transfer_hosts[role]]
+        return (list(self.prefixes.get(role, [])) + base + ["--transfer-host", self.transfer_hosts[role],
+                                                            "--accept-cluster-secret-file", self.accept_file]
                 + self.node_args + self._tls_args(role) + list(extra))
 
     def start(self, role: str, extra=()) -> subprocess.Popen:

@@ -18,6 +18,7 @@ from pd_cluster import ROOT, SCRAPE, free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvfence.engine.params import SamplingParams
+from kvfence.pd.seal import control_headers, key_id, new_secret
 from kvfence.procs import stop_processes
 
 pytest.importorskip("mooncake.engine", reason="the PD tests need mooncake-transfer-engine-non-cuda")
@@ -692,52 +693,77 @@ def test_decode_killed_mid_pull_then_rejoins(cluster, client):
     assert client.completions.create(model=m, prompt=LONG, max_tokens=4).choices[0].finish_reason == "length"
 
 
-def _secret_file(path, text: str) -> str:
-    path.write_text(text + "\n")
-    path.chmod(0o600)
-    return str(path)
+def _key_ids_seen(cluster, want: dict[str, list[str]], router_sends: str, secrets: tuple[str, ...],
+                  timeout: float = 30.0) -> None:
+    """Wait until each node lists `want[role]` (seals with first, then accepts) in its own info
+    and in the router's view, and the router sends with `router_sends`."""
+    end, last = time.monotonic() + timeout, None
+    while time.monotonic() < end:
+        view = httpx.get(cluster.url("router") + "/v1/kvfence/cluster", headers=SCRAPE, timeout=10).json()
+        routed = {n["role"]: n["secret_key_ids"] for n in view["nodes"] if n["state"] == "ready"}
+        own = {}
+        for role in ("prefill", "decode"):   # with whichever credential the node takes now
+            for secret in secrets:
+                r = httpx.get(cluster.url(role) + "/internal/info", headers=control_headers(secret.encode()),
+                              timeout=10)
+                if r.status_code == 200:
+                    own[role] = r.json()["secret_key_ids"]
+        last = (own, routed, view["secret_key_id"])
+        if own == want and routed == want and view["secret_key_id"] == router_sends:
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"key ids not seen: want {want}, router {router_sends}; saw {last}")
 
 
-def test_the_cluster_secret_rotates_while_the_router_keeps_serving(cluster, client, tmp_path):
-    """A rotation half done, on real processes and Mooncake: decode accepts the new secret
-    while it still holds the old one, prefill has moved to the new one (accepting the old),
-    the router still sends the old. Requests keep their single-node answers (prefill's rows
-    are sealed under the new secret, decode opens them by the manifest's key id); each node
-    takes the credential of either secret and refuses a third."""
-    from kvfence.pd.seal import control_headers, key_id, new_secret
+def _reloads(cluster, role: str) -> float:
+    text = httpx.get(cluster.url(role) + "/metrics", headers=SCRAPE, timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith('kvfence_cluster_secret_reloads_total{result="ok"}'))
 
+
+def test_the_cluster_secret_rotates_by_sighup_without_a_restart(cluster, client):
+    """The three steps of docs/pd.md as edits of the processes' secret files and a SIGHUP each,
+    on real processes and Mooncake: accept NEW; send and seal with NEW, accepting OLD; NEW
+    alone. Between steps requests keep their answers (rows sealed under either secret are
+    opened by the manifest's key id), no process restarts, and at the end the old secret's
+    credential is a 401 on every node while the new one's opens them."""
     m = model_name(client)
     want = client.completions.create(model=m, prompt=LONG, max_tokens=6, temperature=0).choices[0].text
-    old = _secret_file(tmp_path / "old.secret", cluster.secret)
-    new_text = new_secret()
-    new = _secret_file(tmp_path / "new.secret", new_text)
+    old, new = cluster.secret, new_secret()
+    old_id, new_id = key_id(old.encode()), key_id(new.encode())
+    pids = {role: cluster.procs[role].pid for role in ("prefill", "decode", "router")}
+    boots = {role: cluster.info(role)["pd"]["boot_id"] for role in ("prefill", "decode")}
+    reloads = {role: _reloads(cluster, role) for role in pids}
+    verified = cluster.pd("decode")["pd_verified"]
+    steps = [(old, new, [old_id, new_id], old_id),    # 1: every node accepts NEW
+             (new, old, [new_id, old_id], new_id),    # 2: every process sends and seals with NEW
+             (new, new, [new_id], new_id)]            # 3: OLD is dropped
     try:
-        for role in ("prefill", "decode"):
-            cluster.kill(role)
-        cluster.start("decode", ["--accept-cluster-secret-file", new])
-        cluster.start("prefill", ["--cluster-secret-file", new, "--accept-cluster-secret-file", old])
-        cluster.wait_ready(180)
-        for _ in range(2):
-            r = client.completions.create(model=m, prompt=LONG, max_tokens=6, temperature=0)
-            assert r.choices[0].text == want
-        assert cluster.pd("decode")["pd_verified"] >= 2
-        # each node lists the secret it seals with first, then those it accepts
-        old_id, new_id = key_id(cluster.secret.encode()), key_id(new_text.encode())
-        assert cluster.info("prefill")["secret_key_ids"] == [new_id, old_id]
-        assert cluster.info("decode")["secret_key_ids"] == [old_id, new_id]
-        # the router's operator view: each node's key ids and the one it sends with
-        view = httpx.get(cluster.url("router") + "/v1/kvfence/cluster", headers=SCRAPE, timeout=10).json()
-        assert view["secret_key_id"] == old_id
-        assert sorted(n["secret_key_ids"] for n in view["nodes"]) == sorted([[new_id, old_id], [old_id, new_id]])
-        for role in ("prefill", "decode"):
-            url = cluster.url(role) + "/internal/info"
-            assert httpx.get(url, headers=control_headers(new_text.encode()), timeout=10).status_code == 200
-            assert httpx.get(url, headers=control_headers(new_secret().encode()), timeout=10).status_code == 401
-    finally:   # the shared cluster goes back to its one secret
-        for role in ("prefill", "decode"):
-            cluster.kill(role)
-            cluster.start(role)
-        cluster.wait_ready(180)
+        for own, accepted, node_ids, router_id in steps:
+            cluster.write_secrets(own, accepted)
+            for role in pids:
+                cluster.signal(role, signal.SIGHUP)
+            _key_ids_seen(cluster, {"prefill": node_ids, "decode": node_ids}, router_id, (old, new))
+            for _ in range(2):
+                r = client.completions.create(model=m, prompt=LONG, max_tokens=6, temperature=0)
+                assert r.choices[0].text == want
+    finally:   # the harness calls the nodes with what they take now (the new secret, unless a step failed)
+        takes_new = all(httpx.get(cluster.url(role) + "/internal/info", headers=control_headers(new.encode()),
+                                  timeout=10).status_code == 200 for role in ("prefill", "decode"))
+        cluster.use_secret(new if takes_new else old)
+    assert cluster.pd("decode")["pd_verified"] >= verified + 6
+    assert {role: cluster.procs[role].pid for role in pids} == pids and all(
+        cluster.procs[role].poll() is None for role in pids)
+    assert {role: cluster.info(role)["pd"]["boot_id"] for role in boots} == boots
+    assert all(_reloads(cluster, role) == reloads[role] + 3 for role in pids), reloads
+    for role in ("prefill", "decode"):
+        for path in ("/internal/info", "/internal/test/faults"):
+            r = httpx.post(cluster.url(role) + path, json={"spec": ""}, headers=control_headers(old.encode()),
+                           timeout=10) if path.endswith("faults") else httpx.get(
+                cluster.url(role) + path, headers=control_headers(old.encode()), timeout=10)
+            assert r.status_code == 401, (role, path, r.text)
+        assert httpx.get(cluster.url(role) + "/internal/info", headers=control_headers(new.encode()),
+                         timeout=10).status_code == 200
     cluster.wait_quiet(30)
 
 

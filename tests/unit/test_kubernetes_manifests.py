@@ -5,6 +5,7 @@ process has the cluster secret and TLS, nodes require client certificates, the r
 every node pod by its stable name, and every container has both probes."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import kubernetes_validate
@@ -73,8 +74,13 @@ def test_each_process_runs_a_sealed_kvfence_command_with_both_probes(name):
     assert a.role == role and a.host == "0.0.0.0"
     assert a.cluster_secret_file and a.tls_cert and a.tls_key and a.tls_ca and not a.allow_plaintext_network
     mounts = {m["mountPath"] for m in c["volumeMounts"]}
-    for f in (a.cluster_secret_file, a.tls_cert, a.tls_key, a.tls_ca):
+    for f in (a.cluster_secret_file, a.tls_cert, a.tls_key, a.tls_ca, *(a.accept_cluster_secret_file or [])):
         assert str(Path(f).parent) in mounts, f
+    # nodes accept a second key of the Secret, so the cluster rotates by editing it and a SIGHUP
+    keys = _by_kind("Secret")["kvfence-cluster"]["stringData"]
+    assert {Path(f).name for f in [a.cluster_secret_file, *(a.accept_cluster_secret_file or [])]} == (
+        {"cluster.secret"} if role == "router" else {"cluster.secret", "accept.secret"}) and set(keys) >= {
+        "cluster.secret", "accept.secret"}
     for probe in ("readinessProbe", "livenessProbe"):
         p = c[probe]
         if "exec" in p:   # nodes: kvfence probe, presenting the node's certificate
@@ -88,8 +94,39 @@ def test_each_process_runs_a_sealed_kvfence_command_with_both_probes(name):
         # own ~3 s start) would fail probes, and failed liveness restarts every request on the pod
         assert p.get("timeoutSeconds", 1) >= 5, (role, probe)
     assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
+    _can_read_its_secrets(work["spec"]["template"]["spec"], c)
     if role != "router":
         assert work["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 120   # room to drain
+
+
+def _can_read_its_secrets(pod: dict, c: dict) -> None:
+    """The files of a Secret volume belong to root:root with the volume's mode, or root:fsGroup
+    with group read added when the pod has an fsGroup (the kubelet's rule). The image runs as
+    65534 (deploy/Dockerfile): each mounted Secret must be readable by that user."""
+    user = re.search(r"^USER (\d+)", (ROOT / "deploy" / "Dockerfile").read_text(), re.M)
+    assert user is not None
+    ctx = {**pod.get("securityContext", {}), **c.get("securityContext", {})}
+    uid = ctx.get("runAsUser", int(user.group(1)))
+    gids = {ctx.get("runAsGroup", uid), ctx.get("fsGroup")}
+    mounted = {m["name"] for m in c["volumeMounts"]}
+    for v in pod["volumes"]:
+        if v["name"] not in mounted or "secret" not in v:
+            continue
+        mode = v["secret"].get("defaultMode", 0o644)
+        group = ctx.get("fsGroup")
+        if group is not None:
+            mode |= 0o040
+        readable = (uid == 0 and mode & 0o400) or (group in gids and group is not None and mode & 0o040) \
+            or mode & 0o004
+        assert readable, (v["name"], oct(mode), ctx)
+
+
+def test_the_secret_volume_check_can_fail():
+    pod = {"volumes": [{"name": "cluster", "secret": {"secretName": "x", "defaultMode": 0o400}}]}
+    c = {"volumeMounts": [{"name": "cluster", "mountPath": "/etc/kvfence/cluster"}]}
+    with pytest.raises(AssertionError):
+        _can_read_its_secrets(pod, c)   # no fsGroup: root's 0400 files, a process run as 65534
+    _can_read_its_secrets({**pod, "securityContext": {"fsGroup": 65534}}, c)
 
 
 def test_the_router_follows_each_node_services_name():
@@ -110,9 +147,9 @@ def test_the_router_follows_each_node_services_name():
 
 def test_the_shipped_secrets_are_placeholders_every_process_refuses():
     from kvfence.pd.seal import SecretError, load_secret
-    secret = _by_kind("Secret")["kvfence-cluster"]["stringData"]["cluster.secret"]
-    with pytest.raises(SecretError):
-        load_secret(env={"KVFENCE_CLUSTER_SECRET": secret})
+    for secret in _by_kind("Secret")["kvfence-cluster"]["stringData"].values():
+        with pytest.raises(SecretError):
+            load_secret(env={"KVFENCE_CLUSTER_SECRET": secret})
     assert all("REPLACE-ME" in v for v in _by_kind("Secret")["kvfence-tls"]["stringData"].values())
 
 

@@ -120,3 +120,44 @@ def test_without_the_credential_a_node_does_not_say_its_role(role, monkeypatch):
     assert r.status_code == 200 and r.json() == {"active": []}, r.text
     r = client.post(INTERNAL_PREFIX + "/test/faults", json={"spec": None}, headers=control_headers(SECRET))
     assert r.status_code == 400 and "string" in r.json()["error"], r.text
+
+
+def _secret_file(path, text: str) -> str:
+    path.write_text(text + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_a_reload_of_the_secret_files_changes_what_every_internal_route_takes(tmp_path, monkeypatch):
+    """A rotation by reload (SIGHUP calls ServerState.reload_secrets): once the files say NEW
+    alone, the old credential is a 401 on the node's internal routes and on its fault switch,
+    the new one passes, /internal/info would list NEW's key id; a reload that fails its file
+    checks leaves the secrets in force and is counted."""
+    from kvfence.pd.seal import Keyring, key_id, new_secret
+
+    monkeypatch.setenv("KVFENCE_TEST_FAULT_CONTROL", "1")
+    old, new = new_secret().encode(), new_secret().encode()
+    own = tmp_path / "own"
+    ring = Keyring.load(_secret_file(own, old.decode()))
+    loop = SimpleNamespace(state="starting", facts=None, error="test", snapshot={}, call=_engine_stopped)
+    settings = PDSettings("decode", keyring=ring)
+    app, state = node_app(loop, settings, TenantRegistry.single(), Drain(lambda: {}, lambda: None))
+    client = TestClient(app, raise_server_exceptions=False)
+
+    def status(secret: bytes) -> tuple[int, int]:
+        info = client.get(INTERNAL_PREFIX + "/info", headers=control_headers(secret)).status_code
+        faults = client.post(INTERNAL_PREFIX + "/test/faults", json={"spec": ""},
+                             headers=control_headers(secret)).status_code
+        return info, faults
+
+    assert status(old) == (503, 200) and status(new) == (401, 401)   # 503: past the check, not ready
+    _secret_file(own, new.decode())
+    assert state.reload_secrets("test") and state.last_secret_reload["key_ids"] == [key_id(new)]
+    assert status(new) == (503, 200) and status(old) == (401, 401)
+    assert settings.secrets.key_ids == [key_id(new)]
+    own.chmod(0o644)
+    assert not state.reload_secrets("test") and "chmod 600" in state.last_secret_reload["error"]
+    assert status(new) == (503, 200)
+    metrics = client.get("/metrics").text
+    assert 'kvfence_cluster_secret_reloads_total{result="ok"} 1.0' in metrics
+    assert 'kvfence_cluster_secret_reloads_total{result="error"} 1.0' in metrics

@@ -52,10 +52,11 @@ def test_the_idle_time_reaches_a_nodes_settings_and_launch_pd_passes_it_on():
     build_node_engine gives the engine's RouterRealms; launch-pd passes it to every node."""
     from kvfence.cli import _pd_settings, build_parser
     from kvfence.pd.launch import PD_FLAGS, flags
+    from kvfence.pd.seal import Keyring, SecretSet
     from kvfence.pd.settings import PDSettings
 
     a = build_parser().parse_args(["serve", "--role", "prefill", "--router-scope-idle", "5"])
-    assert _pd_settings(a, "prefill", b"s" * 32).router_scope_idle_s == 5
+    assert _pd_settings(a, "prefill", Keyring(SecretSet(b"s" * 32))).router_scope_idle_s == 5
     assert flags(a, PD_FLAGS)[-2:] == ["--router-scope-idle", "5.0"]
     a = build_parser().parse_args(["launch-pd", "--router-scope-idle", "7"])
     assert "--router-scope-idle" in flags(a, PD_FLAGS)

@@ -9,13 +9,14 @@ from kvfence.pd.seal import (
     SECRET_ENV,
     SECRET_FILE_ENV,
     TAG_BYTES,
+    Keyring,
     RowCipher,
     SealError,
     SecretError,
+    SecretSet,
     check_control,
     control_token,
     key_id,
-    load_accepted,
     load_secret,
     new_salt,
     new_secret,
@@ -67,15 +68,59 @@ def test_a_key_id_names_a_secret_without_revealing_it():
     assert secret_for_key(key_id(new), SECRET) is None and secret_for_key("0" * 16, SECRET, (new,)) is None
 
 
+def _file(path, text: str, mode: int = 0o600) -> str:
+    path.write_text(text + "\n")
+    path.chmod(mode)
+    return str(path)
+
+
 def test_accepted_secret_files_are_held_to_the_same_checks(tmp_path):
-    good, loose = tmp_path / "good", tmp_path / "loose"
-    for f in (good, loose):
-        f.write_text(new_secret() + "\n")
-    good.chmod(0o600)
-    loose.chmod(0o644)
-    assert load_accepted([str(good)]) == (good.read_text().strip().encode(),) and load_accepted(None) == ()
-    with pytest.raises(SecretError, match="chmod 600"):
-        load_accepted([str(good), str(loose)])
+    good = _file(tmp_path / "good", new_secret())
+    loose = _file(tmp_path / "loose", new_secret(), 0o644)
+    own = _file(tmp_path / "own", new_secret())
+    ring = Keyring.load(own, [good])
+    assert ring.current.accepted == (open(good, "rb").read().strip(),) and Keyring.load(own).current.accepted == ()
+    with pytest.raises(SecretError, match="--accept-cluster-secret-file: .*chmod 600"):
+        Keyring.load(own, [good, loose])
+
+
+def test_a_secret_set_holds_each_secret_once_its_own_first():
+    """An accepted file holding the process's own secret is how the last step of a rotation by
+    reload drops the old one: the set then accepts nothing besides its own."""
+    new = b"n" * 40
+    s = SecretSet(SECRET, (SECRET, new, new))
+    assert s.accepted == (new,) and s.key_ids == [key_id(SECRET), key_id(new)]
+    assert SecretSet(SECRET, (SECRET,)).accepted == () and SecretSet(SECRET, (SECRET,)).key_ids == [key_id(SECRET)]
+    assert s.accepts(control_token(new)) and not SecretSet(SECRET, (SECRET,)).accepts(control_token(new))
+    assert s.for_key(key_id(new)) == new and SecretSet(SECRET).for_key(key_id(new)) is None
+    with pytest.raises(SecretError, match="at most 8"):
+        SecretSet(SECRET, tuple(bytes([65 + i]) * 40 for i in range(9)))
+
+
+def test_a_keyring_rotates_by_reloading_its_files(tmp_path):
+    """The three steps of docs/pd.md as edits of the same two files, each read by reload():
+    accept NEW; send with NEW accepting OLD; NEW alone. A reload where a file fails its checks
+    keeps the previous set whole."""
+    old, new = new_secret(), new_secret()
+    own, accept = tmp_path / "own", tmp_path / "accept"
+    ring = Keyring.load(_file(own, old), [_file(accept, old)])
+    assert ring.current == SecretSet(old.encode())
+    _file(accept, new)
+    before, after = ring.reload()
+    assert before == SecretSet(old.encode()) and ring.current == after == SecretSet(old.encode(), (new.encode(),))
+    _file(own, new)
+    _file(accept, old)
+    ring.reload()
+    assert ring.current.own == new.encode() and ring.current.accepts(control_token(old.encode()))
+    _file(accept, "short")
+    with pytest.raises(SecretError, match="at least 32"):
+        ring.reload()
+    assert ring.current == SecretSet(new.encode(), (old.encode(),))   # unchanged
+    _file(accept, new)
+    ring.reload()
+    assert ring.current == SecretSet(new.encode()) and not ring.current.accepts(control_token(old.encode()))
+    with pytest.raises(SecretError, match="nothing to reload"):
+        Keyring(SecretSet(SECRET)).reload()
 
 
 def seal(cipher: RowCipher, index: int, plain: bytes, aad: bytes) -> bytearray:
