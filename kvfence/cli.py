@@ -718,6 +718,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="passed to every process: on SIGTERM or Ctrl-C, how long the router lets requests in "
                          "flight run before it ends them with 503 server_shutting_down (default 25), and a "
                          "node's drain limit (default 600)")
+    lp.add_argument("--accept-cluster-secret-file", action="append", default=None, metavar="FILE",
+                    help="passed to every node (repeatable): a secret also accepted; with --cluster-secret-file, "
+                         "the cluster rotates by editing the two files and a SIGHUP to launch-pd (docs/pd.md)")
     _server_args(lp)
     _engine_args(lp)
     _pd_args(lp)

@@ -408,9 +408,18 @@ class KvImporter(PdLink):
             yield self._settle_and_abort(p, "kv_transfer_failed", f"the KV transfer failed: {error}")
             return
         m = _manifest(seq)
+        secret = self.sealing_secret(m)
+        if secret is None:   # held at check(); a reload (SIGHUP) dropped it while the rows were pulled
+            log.warning("request %s: its rows are sealed under cluster secret key id %s, which a reload of the "
+                        "secret files dropped after the handoff was admitted: wait a lease and a pull after "
+                        "step 2 of a rotation before step 3 (docs/pd.md)", seq.request_id, m.seal_key)
+            yield self._settle_and_abort(p, "kv_manifest_invalid", f"the cluster secret that sealed the rows (key "
+                                         f"id {m.seal_key}) was dropped by a reload on this node before they "
+                                         "were opened")
+            return
         t0 = time.perf_counter()
         try:  # authenticated and decrypted once, in private memory (kvfence/pd/seal.py)
-            plain = self.staging.open_rows(p.rows.pages, m, self.cipher(m, seq),
+            plain = self.staging.open_rows(p.rows.pages, m, self.cipher(secret, m, seq),
                                            authenticate=not faults.active("skip_row_auth"))
         except SealError as e:
             self.counters["verify_failed"] += 1

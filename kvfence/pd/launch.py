@@ -66,6 +66,8 @@ def node_commands(a, secret_file: str) -> dict[str, list[str]]:
     engine = flags(a, ENGINE_FLAGS)
     tenants = ["--tenants", a.tenants] if a.tenants else []
     secret = ["--cluster-secret-file", secret_file]
+    accepted = [f for path in getattr(a, "accept_cluster_secret_file", None) or [] for f in (
+        "--accept-cluster-secret-file", path)]   # nodes only: a router sends, it accepts nothing
     # the router's deadline for what is in flight when it stops; a node's drain limit
     stop = ["--shutdown-timeout", str(a.shutdown_timeout)] if getattr(a, "shutdown_timeout", None) else []
     cmds: dict[str, list[str]] = {}
@@ -75,7 +77,7 @@ def node_commands(a, secret_file: str) -> dict[str, list[str]]:
         share = cores // len(nodes) + (1 if len(nodes) == 2 and role == "decode" and cores % 2 else 0)
         cmds[name] = base + ["serve", "--role", role, "--host", a.host, "--port", str(a.port + i),
                              "--threads", str(a.threads or max(1, share))] + engine + flags(a, PD_FLAGS) + \
-            tenants + secret + stop
+            tenants + secret + accepted + stop
         urls[role].append(f"http://{a.host}:{a.port + i}")
     cmds["router"] = base + ["serve", "--role", "router", "--host", a.host, "--port", str(a.port),
                              "--prefill-url", ",".join(urls["prefill"]),
@@ -103,8 +105,9 @@ def launch_pd(a) -> int:
         from kvfence.server.tenants import TenantRegistry
 
         TenantRegistry.from_file(a.tenants)
-    if a.cluster_secret_file is not None:
-        load_secret(a.cluster_secret_file)
+    for path in [a.cluster_secret_file, *(getattr(a, "accept_cluster_secret_file", None) or [])]:
+        if path is not None:
+            load_secret(path)
     from kvfence.server.http_limits import port_unavailable
 
     for port in range(a.port, a.port + 1 + nodes):
@@ -212,11 +215,13 @@ def _run(a, env: dict[str, str], secret_file: str) -> int:
         stopping.append(signum)
 
     def reload_tenants(*_):
-        # every process read the tenants file (the nodes key their status routes with it): each reloads it
+        # every process read the tenants file (the nodes key their status routes with it) and its
+        # cluster secret files: each reads them again
         for p in procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGHUP)
-        print("kvfence launch-pd: SIGHUP passed on: every process reloads the tenants file", file=sys.stderr)
+        print("kvfence launch-pd: SIGHUP passed on: every process reloads its tenants file and cluster secret files",
+              file=sys.stderr)
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)

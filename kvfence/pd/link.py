@@ -14,7 +14,7 @@ from kvfence.engine.admission import CapacityError
 from kvfence.engine.kv_link import KvLinkBase
 from kvfence.engine.sequence import Sequence
 from kvfence.pd.messages import Manifest
-from kvfence.pd.seal import RowCipher, SealError, key_id
+from kvfence.pd.seal import RowCipher
 from kvfence.pd.settings import PDSettings
 from kvfence.pd.staging import StagingBuffer
 
@@ -72,11 +72,6 @@ class PdLink(KvLinkBase):
                          rows=rows, detail=f"{self.role}: {len(rows)} transfer-buffer rows freed at their fence's "
                                            f"deadline, with no word from {peer} that nothing still touches them")
 
-    @property
-    def seal_key(self) -> str:
-        """The key id of the secret this node seals with (its own, never an accepted one)."""
-        return key_id(self.settings.secrets.own)
-
     def sealing_secret(self, m: Manifest) -> bytes | None:
         """The secret the manifest's key id names, among this node's own and those it accepts
         while the cluster rotates (None: decode cannot open these rows); a manifest without
@@ -86,12 +81,10 @@ class PdLink(KvLinkBase):
             return secrets.own
         return secrets.for_key(m.seal_key)
 
-    def cipher(self, m: Manifest, seq: Sequence) -> RowCipher:
-        """The key of one hold's rows, from the cluster secret the manifest names and this
+    @staticmethod
+    def cipher(secret: bytes, m: Manifest, seq: Sequence) -> RowCipher:
+        """The key of one hold's rows, from the cluster secret that seals or sealed them and this
         node's own knowledge of the request (decode has checked the manifest names the same)."""
-        secret = self.sealing_secret(m)
-        if secret is None:
-            raise SealError(f"the rows are sealed under a cluster secret (key id {m.seal_key}) this node does not hold")
         return RowCipher(secret, m.seal_salt, m.boot_id, seq.request_id, seq.tenant)
 
     def facts(self) -> dict:

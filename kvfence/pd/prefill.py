@@ -29,7 +29,7 @@ from kvfence.engine.sequence import Sequence
 from kvfence.kv.ledger import BlockTable, Owner
 from kvfence.pd.link import PdLink
 from kvfence.pd.manifest import Manifest
-from kvfence.pd.seal import new_salt
+from kvfence.pd.seal import key_id, new_salt
 from kvfence.pd.settings import PDSettings
 
 log = logging.getLogger("kvfence.pd.prefill")
@@ -189,13 +189,15 @@ class KvExporter(PdLink):
         eng, tokens, n = self.engine, seq.num_computed, len(rows.pages)
         if faults.active("poison_link") and int(faults.arg("poison_link") or -1) in seq.prompt_ids:
             raise RuntimeError("fault injection: staging a poisoned request raises")
+        own = self.settings.secrets.own   # one read: the key id named is that of the key sealed with
         m = Manifest(request_id=seq.request_id, tenant=seq.tenant, token_count=tokens, page_count=n,
                      page_size=eng.ledger.page_size, epochs=list(rows.epochs),
                      fingerprint=eng.model_config.fingerprint(), layout=self.staging.layout, boot_id=self.boot_id,
-                     seal_salt=new_salt(), seal_key=self.seal_key,
+                     seal_salt=new_salt(), seal_key=key_id(own),
                      slot_bytes=self.staging.slot_bytes, slots=list(rows.pages),
                      lease_deadline=now + self.settings.lease_s, issued_at=now)
-        self.staging.stage(seq.table.pages[:n], rows, m, self.cipher(m, seq), seal=not faults.active("skip_row_seal"))
+        self.staging.stage(seq.table.pages[:n], rows, m, self.cipher(own, m, seq),
+                           seal=not faults.active("skip_row_seal"))
         if n and faults.active("corrupt_staged_page"):
             self.staging.buf[rows.pages[0], -1] ^= 0x5A
         return m

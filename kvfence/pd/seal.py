@@ -37,7 +37,7 @@ import stat
 import struct
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -149,8 +149,11 @@ class SecretSet:
     seals its rows with, then those it also accepts while the cluster rotates (each once, its
     own not among them: an accepted file holding the process's own secret is how the last
     step of a rotation by reload drops the old one)."""
-    own: bytes
-    accepted: tuple[bytes, ...] = ()
+    own: bytes = field(repr=False)
+    accepted: tuple[bytes, ...] = field(default=(), repr=False)
+
+    def __repr__(self) -> str:   # key ids only: a set in a log line or a traceback reveals nothing
+        return f"SecretSet(key_ids={self.key_ids})"
 
     def __post_init__(self) -> None:
         distinct: list[bytes] = []

@@ -47,8 +47,8 @@ class PDSettings:
     cluster_secret: bytes | None = field(default=None, repr=False)
     # secrets also accepted while the cluster rotates to a new one (credentials, sealed rows)
     accepted_secrets: tuple[bytes, ...] = field(default=(), repr=False)
-    # what the node holds now (read `keyring.current`, not the two fields above: those are the
-    # start's, a reload on SIGHUP changes only the keyring); None: made of the two fields
+    # what the node holds now: `secrets` reads it. The two fields above only make a keyring when
+    # none is given, and are cleared then (a reload on SIGHUP changes the keyring alone)
     keyring: Keyring | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -73,8 +73,7 @@ class PDSettings:
             if self.cluster_secret is None:
                 raise ValueError("a PD node needs the cluster secret (kvfence/pd/seal.py load_secret)")
             self.keyring = Keyring(SecretSet(self.cluster_secret, self.accepted_secrets))
-        else:
-            self.cluster_secret, self.accepted_secrets = self.keyring.current.own, self.keyring.current.accepted
+        self.cluster_secret, self.accepted_secrets = None, ()
         if not 0 < self.router_scope_idle_s < float("inf"):
             raise ValueError(f"router_scope_idle_s must be a positive number of seconds; got "
                              f"{self.router_scope_idle_s!r}")

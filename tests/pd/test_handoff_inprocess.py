@@ -159,7 +159,7 @@ def test_rows_are_ciphertext_while_held_and_zero_once_released(pair):
     ids, params = prompt(40, 11), SamplingParams(max_tokens=2, **GREEDY)
     m = pair.prefill(ids, params, "z1")
     man, st = Manifest.from_json(m), pair.exp.staging
-    plain = st.open_rows(m["slots"], man, pair.exp.cipher(man, pair.p.requests["z1"]))
+    plain = st.open_rows(m["slots"], man, pair.exp.cipher(SECRET, man, pair.p.requests["z1"]))
     sealed = st.buf[m["slots"], :st.data_bytes]
     assert plain.any(dim=1).all()                       # the pages hold real KV ...
     assert (plain != sealed).float().mean() > 0.99      # ... and the registered rows do not show it
@@ -609,6 +609,32 @@ def test_a_cluster_rotating_its_secret_keeps_handing_off(loaded_fp32):
     seq, events = pr.decode(ids, params, "rot1", m)
     assert events[0] == "kv_verified" and seq.output_ids == single(loaded_fp32, ids, params)
     assert pr.p.release_kv("rot1") == "released"
+
+
+def test_a_secret_a_reload_drops_after_admission_fails_the_request_as_such_not_as_an_attack(loaded_fp32):
+    """Step 3 of a rotation by SIGHUP too early: decode admitted a handoff sealed under the
+    secret it accepted, then a reload dropped that secret before the rows were opened. The
+    request fails with kv_manifest_invalid saying why, and it is not counted (or recorded in
+    the incident log) as rows that failed authentication; every row is freed."""
+    from kvfence.pd.seal import SecretSet
+
+    pr = Pair(loaded_fp32, cluster_secret=SECRET, accepted_secrets=(NEW_SECRET,))
+    pr.exp = KvExporter(pr.p, PDSettings("prefill", cluster_secret=NEW_SECRET, accepted_secrets=(SECRET,)),
+                        pr.exp.transport)
+    ids, params = prompt(40, 24), SamplingParams(max_tokens=2, **GREEDY)
+    m = pr.prefill(ids, params, "rot4")
+    seq = pr.d.add_request(ids, params, tenant="t1", request_id="rot4", kv_source=pr.handoff(m))   # admitted
+    assert pr.imp.settings.keyring is not None
+    pr.imp.settings.keyring.current = SecretSet(SECRET)   # what a reload to the old secret alone swaps in
+    for _ in range(2000):
+        pr.d.step()
+        if seq.finished:
+            break
+        time.sleep(0.001)
+    assert seq.abort_code == "kv_manifest_invalid" and "dropped by a reload" in seq.error, seq.error
+    assert pr.imp.counters["verify_failed"] == 0 and pr.imp.counters["verified"] == 0
+    assert pr.d.ledger.num_owned == 0 and pr.imp.staging.ledger.num_owned == 0
+    pr.p.abort_kv("rot4", reader_stopped=True, reason="test")
 
 
 def test_rows_sealed_under_a_secret_decode_does_not_hold_are_refused_before_reserving(loaded_fp32, caplog):

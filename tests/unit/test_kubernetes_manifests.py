@@ -100,25 +100,22 @@ def test_each_process_runs_a_sealed_kvfence_command_with_both_probes(name):
 
 
 def _can_read_its_secrets(pod: dict, c: dict) -> None:
-    """The files of a Secret volume belong to root:root with the volume's mode, or root:fsGroup
-    with group read added when the pod has an fsGroup (the kubelet's rule). The image runs as
-    65534 (deploy/Dockerfile): each mounted Secret must be readable by that user."""
+    """The files of a Secret volume belong to root:root with the volume's mode, or to
+    root:fsGroup with 0440 added when the pod has an fsGroup (the kubelet's rule; fsGroup is
+    also among every container's groups). The image runs as 65534 (deploy/Dockerfile): each
+    mounted Secret must be readable by that user, with a mode pd/seal.py's file check accepts
+    (nothing for others, no group write)."""
     user = re.search(r"^USER (\d+)", (ROOT / "deploy" / "Dockerfile").read_text(), re.M)
     assert user is not None
     ctx = {**pod.get("securityContext", {}), **c.get("securityContext", {})}
-    uid = ctx.get("runAsUser", int(user.group(1)))
-    gids = {ctx.get("runAsGroup", uid), ctx.get("fsGroup")}
+    uid, group = ctx.get("runAsUser", int(user.group(1))), ctx.get("fsGroup")
     mounted = {m["name"] for m in c["volumeMounts"]}
     for v in pod["volumes"]:
         if v["name"] not in mounted or "secret" not in v:
             continue
-        mode = v["secret"].get("defaultMode", 0o644)
-        group = ctx.get("fsGroup")
-        if group is not None:
-            mode |= 0o040
-        readable = (uid == 0 and mode & 0o400) or (group in gids and group is not None and mode & 0o040) \
-            or mode & 0o004
-        assert readable, (v["name"], oct(mode), ctx)
+        mode = v["secret"].get("defaultMode", 0o644) | (0o440 if group is not None else 0)
+        assert mode & 0o026 == 0, (v["name"], oct(mode))
+        assert uid == 0 or group is not None, (v["name"], oct(mode), ctx)
 
 
 def test_the_secret_volume_check_can_fail():
@@ -127,6 +124,10 @@ def test_the_secret_volume_check_can_fail():
     with pytest.raises(AssertionError):
         _can_read_its_secrets(pod, c)   # no fsGroup: root's 0400 files, a process run as 65534
     _can_read_its_secrets({**pod, "securityContext": {"fsGroup": 65534}}, c)
+    loose = {"volumes": [{"name": "cluster", "secret": {"secretName": "x", "defaultMode": 0o644}}],
+             "securityContext": {"fsGroup": 65534}}
+    with pytest.raises(AssertionError):
+        _can_read_its_secrets(loose, c)   # readable, but by others too: the secret file check refuses it
 
 
 def test_the_router_follows_each_node_services_name():

@@ -116,3 +116,19 @@ def test_a_router_given_an_accepted_secret_is_told_what_a_router_takes(capsys):
     assert main(["serve", "--role", "router", "--accept-cluster-secret-file", "/s"]) == 2
     err = capsys.readouterr().err
     assert "a router only sends the credential" in err and "engine options" not in err
+
+
+def test_launch_pd_passes_accepted_secret_files_to_the_nodes_only(tmp_path):
+    """With --cluster-secret-file and --accept-cluster-secret-file, a launch-pd cluster rotates
+    by editing the two files and a SIGHUP to launch-pd (docs/pd.md); a router accepts nothing
+    (it would refuse the flag)."""
+    from kvfence.cli import build_parser
+
+    a = _launch_args(argv=["--prefill", "2", "--accept-cluster-secret-file", "/acc"])
+    cmds = node_commands(a, str(tmp_path / "s"))
+    for name, cmd in cmds.items():
+        if name == "router":
+            assert "--accept-cluster-secret-file" not in cmd
+        else:
+            assert cmd[cmd.index("--accept-cluster-secret-file") + 1] == "/acc"
+            assert build_parser().parse_args(cmd[3:]).accept_cluster_secret_file == ["/acc"]

@@ -93,6 +93,7 @@ def test_a_secret_set_holds_each_secret_once_its_own_first():
     assert SecretSet(SECRET, (SECRET,)).accepted == () and SecretSet(SECRET, (SECRET,)).key_ids == [key_id(SECRET)]
     assert s.accepts(control_token(new)) and not SecretSet(SECRET, (SECRET,)).accepts(control_token(new))
     assert s.for_key(key_id(new)) == new and SecretSet(SECRET).for_key(key_id(new)) is None
+    assert SECRET.decode() not in repr(s) and SECRET.hex() not in repr(s) and key_id(new) in repr(s)
     with pytest.raises(SecretError, match="at most 8"):
         SecretSet(SECRET, tuple(bytes([65 + i]) * 40 for i in range(9)))
 
