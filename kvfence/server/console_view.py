@@ -37,7 +37,8 @@ def console_view(state: ServerState) -> dict[str, Any]:
         pools = [p for p in [pool_of("local", role, snap)] if p is not None]
     else:
         role = "router"
-        nodes = [_local_node(state, "router")] + [_fleet_node(n) for n in fleet.nodes]
+        sends = state.keyring.current.key_ids[0] if state.keyring is not None else None
+        nodes = [_local_node(state, "router")] + [_fleet_node(n, sends) for n in fleet.nodes]
         # a node that is not ready keeps its last report: the page says so (its state)
         pools = [{**p, "node_state": n.state} for n in fleet.nodes if n.info is not None
                  for p in [pool_of(n.url, n.role, n.info.snapshot)] if p is not None]
@@ -70,12 +71,24 @@ def _served(state: ServerState) -> str | None:
 
 def _local_node(state: ServerState, role: str) -> dict[str, Any]:
     snap = state.engine.snapshot or {}
+    checks = [_check(c) for c in state.engine.startup_checks]
+    if state.keyring is not None:   # a PD process: the secrets it holds now, by key id, and its last reload
+        ids, last = state.keyring.current.key_ids, state.last_secret_reload
+        detail = (f"sends with key id {ids[0]}" if role == "router" else
+                  f"seals with key id {ids[0]}" + (f"; also accepts {', '.join(ids[1:])}" if ids[1:] else ""))
+        if last is not None:
+            when = time.strftime("%H:%M:%S", time.localtime(last["at"]))
+            detail += (f"; reloaded at {when} ({last['trigger']})" if last["result"] == "ok" else
+                       f"; the reload at {when} failed, the secrets before it stay: {last['error']}")
+        checks.append({"name": "cluster secret", "invariant": "I11",
+                       "status": "failed" if last is not None and last["result"] != "ok" else "info",
+                       "detail": detail})
     return {"name": "router" if role == "router" else "local", "role": role, "url": None,
             "state": state.engine.state, "reason": state.engine.error, "running": snap.get("running"),
-            "waiting": snap.get("waiting"), "checks": [_check(c) for c in state.engine.startup_checks]}
+            "waiting": snap.get("waiting"), "checks": checks}
 
 
-def _fleet_node(n: Node) -> dict[str, Any]:
+def _fleet_node(n: Node, router_sends: str | None = None) -> dict[str, Any]:
     d = n.to_json()
     info = n.info
     checks = [{"name": "capacity (router's check)", "invariant": "I8",
@@ -86,6 +99,13 @@ def _fleet_node(n: Node) -> dict[str, Any]:
                        "status": "passed" if info.read_checks else "failed",
                        "detail": "on" if info.read_checks else "DISABLED on this node"})
         checks.append({"name": "scrub policy", "invariant": "I7", "status": "info", "detail": info.scrub})
+        ids = info.secret_key_ids
+        if ids:   # mid-rotation, what each node seals with and accepts; whether it takes this router's
+            takes = router_sends is None or router_sends in ids
+            checks.append({"name": "cluster secret", "invariant": "I11", "status": "passed" if takes else "failed",
+                           "detail": f"seals with key id {ids[0]}" + (
+                               f"; also accepts {', '.join(ids[1:])}" if ids[1:] else "") + (
+                               "" if takes else f"; does not accept {router_sends}, the one this router sends")})
         sec = info.pd_security
         if sec is not None:
             checks.append({"name": "internal transport", "invariant": "I5", "status": "passed" if sec.tls else "info",

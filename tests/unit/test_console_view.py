@@ -92,3 +92,36 @@ def test_histogram_quantiles_interpolate_within_the_bucket_as_prometheus_does():
     assert histogram_quantile(0.2, b) == 0.05                   # rank 2: half of (0, 0.1]
     assert histogram_quantile(0.95, b) == 1.0                   # in +Inf: the last finite bound
     assert histogram_quantile(0.5, [(0.1, 0.0), (inf, 0.0)]) is None and histogram_quantile(0.5, []) is None
+
+
+def test_mid_rotation_the_console_shows_each_processs_key_ids_and_a_node_that_refuses_the_router():
+    """The router's page during a rotation: the key id it sends with and its last reload of
+    the secret files, each node's key ids, and a node that does not accept the router's key
+    marked failed; a reload that failed is marked too. Key ids only: no secret on the page."""
+    import json
+
+    from kvfence.pd.seal import Keyring, SecretSet, key_id
+
+    old, new = b"o" * 40, b"n" * 40
+    backend = RouterBackend(["http://p1"], ["http://d1"], Keyring(SecretSet(new)))
+    backend.fleet = f = fleet()
+    state = ServerState(backend, TenantRegistry.single())
+    state.keyring = backend.keyring
+    f.observe(f.nodes[0], info(boot=f.nodes[0].url, secret_key_ids=[key_id(new), key_id(old)]))
+    f.observe(f.nodes[1], info(boot=f.nodes[1].url, secret_key_ids=[key_id(old)]))
+    state.last_secret_reload = {"at": time.time(), "trigger": "SIGHUP", "result": "ok"}
+    view = console_view(state)
+
+    def secret_check(node: dict) -> dict:
+        return next(c for c in node["checks"] if c["name"] == "cluster secret")
+
+    router = secret_check(view["nodes"][0])
+    assert f"sends with key id {key_id(new)}" in router["detail"] and "(SIGHUP)" in router["detail"]
+    p1, p2 = secret_check(view["nodes"][1]), secret_check(view["nodes"][2])
+    assert p1["status"] == "passed" and f"seals with key id {key_id(new)}; also accepts {key_id(old)}" in p1["detail"]
+    assert p2["status"] == "failed" and f"does not accept {key_id(new)}" in p2["detail"]
+    state.last_secret_reload = {"at": time.time(), "trigger": "SIGHUP", "result": "error", "error": "mode 644"}
+    failed = secret_check(console_view(state)["nodes"][0])
+    assert failed["status"] == "failed" and "mode 644" in failed["detail"]
+    page = json.dumps(console_view(state))
+    assert old.decode() not in page and new.decode() not in page
