@@ -352,28 +352,50 @@ class Scheduler:
 
     def _give_back(self, out: list[ScheduledSeq], budget: int, capped_so_far: int) -> None:
         """The room kept for the queue, and the tenants' shares, that they did not take goes to
-        the running prefills, in order, as far as the free pages hold it (no preemption for it)."""
+        the running prefills, as far as the free pages hold it (no preemption for it): in
+        rounds, an equal part of what is left to each tenant with a prefill that can take more,
+        a tenant's part to its prompts in arrival order. (In arrival order alone, the earliest
+        tenant's prompt took all of it: 5/8 of the step against 3/8 beside a waiting request.)"""
         planned = {id(s.seq): s for s in out}
-        for seq in self.running:
-            if budget <= 0:
+        takers = [s for s in self.running if s.state is not State.DECODING]
+        while budget > 0 and takers:
+            tenants = list(dict.fromkeys(s.tenant for s in takers))   # in arrival order
+            part = max(1, budget // len(tenants))
+            given = 0
+            for tenant in tenants:
+                allowance = min(part, budget)
+                for seq in [s for s in takers if s.tenant == tenant]:
+                    if allowance <= 0:
+                        break
+                    extra = self._give(seq, planned, out, allowance, capped_so_far)
+                    if extra <= 0:
+                        takers.remove(seq)   # done, its cap spent, or no pages: it takes no more this step
+                        continue
+                    allowance -= extra
+                    budget -= extra
+                    given += extra
+                    if self._capped(seq):
+                        capped_so_far += extra
+            if given == 0:
                 return
-            if seq.state is State.DECODING:
-                continue
-            s = planned.get(id(seq))
-            done = s.num_new if s is not None else 0
-            capped = self._capped(seq)
-            extra = min(seq.uncomputed - done, self._prefill_room(budget, capped_so_far, capped),
-                        # what its pages and the free ones hold: part of the room rather than none
-                        (len(seq.table) + self.ledger.num_available) * self.ledger.page_size
-                        - (seq.num_computed + done))
-            need = self.ledger.pages_for(seq.num_computed + done + extra) - len(seq.table)
-            if extra <= 0:
-                continue
-            self.ledger.allocate(seq.owner, need, seq.table)
-            if s is None:
-                out.append(ScheduledSeq(seq, extra))
-            else:
-                s.num_new += extra
-            budget -= extra
-            if capped:
-                capped_so_far += extra
+
+    def _give(self, seq: Sequence, planned: dict[int, ScheduledSeq], out: list[ScheduledSeq], room: int,
+              capped_so_far: int) -> int:
+        """Up to `room` more tokens of seq's prompt in this step (planned: what each sequence
+        has in the step already, by id); returns how many."""
+        s = planned.get(id(seq))
+        done = s.num_new if s is not None else 0
+        extra = min(seq.uncomputed - done, self._prefill_room(room, capped_so_far, self._capped(seq)),
+                    # what its pages and the free ones hold: part of the room rather than none
+                    (len(seq.table) + self.ledger.num_available) * self.ledger.page_size
+                    - (seq.num_computed + done))
+        if extra <= 0:
+            return 0
+        self.ledger.allocate(seq.owner, self.ledger.pages_for(seq.num_computed + done + extra) - len(seq.table),
+                             seq.table)
+        if s is None:
+            planned[id(seq)] = s = ScheduledSeq(seq, extra)
+            out.append(s)
+        else:
+            s.num_new += extra
+        return extra

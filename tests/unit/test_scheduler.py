@@ -557,6 +557,33 @@ def test_what_a_share_leaves_goes_back_as_far_as_the_free_pages_hold_it():
     led.check_consistency()
 
 
+def test_what_the_queue_leaves_goes_back_to_the_tenants_evenly():
+    """A request waits that cannot start (its tenant holds its running share), so a quarter of
+    each step is kept for the queue and comes back unused; it went to the earliest tenant's
+    prompt (carol 63, bob 37 tokens a step). Now each tenant takes an equal part of it, and a
+    tenant that cannot use its part leaves it to the others in the same step."""
+    led = Ledger(4096, 4)
+    sch = Scheduler(led, max_num_seqs=4, token_budget=100, tenant_running_share=0.25)
+    carol, bob = make_seq(led, 3000, 0, tenant="carol"), make_seq(led, 3000, 1, tenant="bob")
+    sch.add(carol)
+    sch.add(bob)
+    sch.add(make_seq(led, 50, 2, tenant="carol"))     # waits: carol holds her one running slot
+    for _ in range(2):   # carol's prompt starts, then bob's in the queue's quarter
+        fake_run(sch.schedule())
+    for _ in range(3):
+        step = sch.schedule()
+        got = {s.seq.tenant: s.num_new for s in step}
+        assert got == {"carol": 50, "bob": 50} and len(step) == 2, got
+        fake_run(step)
+    short = make_seq(led, 4, 3, tenant="dave")        # near done: the rest of its part goes to the others
+    sch.add(short)
+    fake_run(sch.schedule())
+    step = sch.schedule()
+    got = {s.seq.tenant: s.num_new for s in step if s.seq.state is State.PREFILLING}
+    assert sum(s.num_new for s in step) == 100 and abs(got["carol"] - got["bob"]) <= 1, got
+    led.check_consistency()
+
+
 def test_a_newcomer_gets_a_share_of_the_cap_beside_a_long_capped_prefill():
     """While streams decode, a prompt that arrived after them is capped; one arriving behind
     it gets a share of that cap too, not the leftovers of a 60-token prompt's five steps."""
