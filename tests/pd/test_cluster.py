@@ -93,14 +93,18 @@ def test_pd_output_equals_single_node(cluster, client, make_llm):
 
 def test_the_router_counts_a_tenants_request_as_it_moves(cluster, client):
     """kvfence_tenant_sequences on the router: a streaming request counts as running once decode
-    generates it, and as nothing once it ended (nodes' own counts miss a request waiting for rows)."""
+    generates it, and as nothing once it ended (nodes' own counts miss a request waiting for rows);
+    here it ends by the client hanging up once it was seen (reading all 400 tokens took 35 s)."""
     running = 'kvfence_tenant_sequences{state="running",tenant="default"} 1.0'
     stream = client.completions.create(model=model_name(client), prompt="Count from one to a thousand:",
                                        max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True})
     seen = False
     for i, _ in enumerate(stream):
-        if i % 10 == 0 and not seen:
+        if i % 10 == 0:
             seen = running in httpx.get(cluster.url("router") + "/metrics", timeout=10).text
+            if seen:
+                break
+    stream.close()
     assert seen, "the router never counted the streaming request as running"
     cluster.wait_quiet()
     deadline = time.monotonic() + 10
