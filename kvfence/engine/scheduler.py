@@ -359,12 +359,14 @@ class Scheduler:
         planned = {id(s.seq): s for s in out}
         takers = [s for s in self.running if s.state is not State.DECODING]
         while budget > 0 and takers:
-            tenants = list(dict.fromkeys(s.tenant for s in takers))   # in arrival order
-            part = max(1, budget // len(tenants))
+            by_tenant: dict[str, list[Sequence]] = {}   # in arrival order
+            for seq in takers:
+                by_tenant.setdefault(seq.tenant, []).append(seq)
+            part = max(1, budget // len(by_tenant))
             given = 0
-            for tenant in tenants:
+            for seqs in by_tenant.values():
                 allowance = min(part, budget)
-                for seq in [s for s in takers if s.tenant == tenant]:
+                for seq in seqs:
                     if allowance <= 0:
                         break
                     extra = self._give(seq, planned, out, allowance, capped_so_far)
