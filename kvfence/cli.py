@@ -370,6 +370,42 @@ def cmd_probe(a) -> int:
     return 0
 
 
+def cmd_secret(a) -> int:
+    """`kvfence secret new FILE`: a fresh cluster secret in a new file only its owner can read;
+    `kvfence secret id FILE...`: each file's key id (what /internal/info, the router's cluster
+    view and the logs name it by), after the checks a PD process makes of it. Neither prints a
+    secret: each step of a rotation is checked by key ids (docs/pd.md)."""
+    import errno
+    import os
+
+    from kvfence.pd.seal import SecretError, key_id, load_secret, new_secret
+
+    if a.action == "new":
+        if len(a.files) != 1:
+            print("error: kvfence secret new FILE: one file", file=sys.stderr)
+            return 2
+        path = a.files[0]
+        try:   # never over an existing file: a rotation writes a new one, then moves it into place
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            print(f"error: cannot create {path}: {e.strerror}" + (
+                " (it exists: write the new secret to a new file, then `mv` it over the old one)"
+                if e.errno == errno.EEXIST else ""), file=sys.stderr)
+            return 1
+        with os.fdopen(fd, "w") as f:
+            f.write(new_secret() + "\n")
+        print(f"{key_id(load_secret(path, env={}))}  {path}")
+        return 0
+    code = 0
+    for path in a.files:
+        try:
+            print(f"{key_id(load_secret(path, env={}))}  {path}")
+        except SecretError as e:
+            print(f"error: {e}", file=sys.stderr)
+            code = 1
+    return code
+
+
 def cmd_drain(a) -> int:
     """Ask a PD node to drain (POST /internal/drain with the cluster credential): it takes no
     new request, finishes what it has, and exits 0, and its supervisor starts it again."""
@@ -733,6 +769,12 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--timeout", type=seconds, default=3.0)
     _local_tls_args(pr)
     pr.set_defaults(func=cmd_probe)
+
+    se = sub.add_parser("secret", help="the cluster secret: `new FILE` makes one (0600, never over a file), "
+                                       "`id FILE...` prints key ids, never a secret (rotating: docs/pd.md)")
+    se.add_argument("action", choices=["new", "id"])
+    se.add_argument("files", nargs="+", metavar="FILE")
+    se.set_defaults(func=cmd_secret)
 
     dr = sub.add_parser("drain", help="ask a PD node to drain: take no new request, finish, exit 0 (its supervisor "
                                       "starts it again: a rolling restart)")

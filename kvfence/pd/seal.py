@@ -89,7 +89,7 @@ def load_secret(path: str | None = None, env: Mapping[str, str] | None = None) -
         raise SecretError(
             "a PD node or router needs the cluster secret: put at least 32 random bytes in a file readable only "
             f"by kvfence and pass --cluster-secret-file FILE (or set ${SECRET_FILE_ENV}, or ${SECRET_ENV}); "
-            "e.g. `(umask 077; python -c 'import secrets; print(secrets.token_hex(32))' > cluster.secret)`. "
+            "e.g. `kvfence secret new cluster.secret`. "
             "`kvfence launch-pd` makes one for its own processes")
     if len(raw) < MIN_SECRET_BYTES:
         raise SecretError(f"{where} holds {len(raw)} bytes; the cluster secret needs at least {MIN_SECRET_BYTES}")
