@@ -49,7 +49,7 @@ from kvfence.server.fair_queue import FairWorker
 from kvfence.server.isolation import isolation_statement, tenant_view
 from kvfence.server.json_slices import encode as encode_json
 from kvfence.server.log_budget import LogBudget
-from kvfence.server.metrics import CONTENT_TYPE, ServerMetrics
+from kvfence.server.metrics import CONTENT_TYPE, KeyringCollector, ServerMetrics
 from kvfence.server.openai_format import Formatter, sse, usage
 from kvfence.server.protocol import (
     MAX_CHOICES,
@@ -123,6 +123,7 @@ class ServerState:
         # a PD process's cluster secrets (pd/seal.py), read again on SIGHUP; None: not a PD process
         self.keyring: Keyring | None = None
         self.last_secret_reload: dict | None = None
+        self.metrics.registry.register(KeyringCollector(lambda: self.keyring))
         for note in self._context_notes(tenants):   # load_tenants said the others, not knowing the context
             log.warning("%s", note)
 

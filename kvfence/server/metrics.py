@@ -8,7 +8,8 @@ live in one process, as in the tests).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -16,6 +17,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kvfence import faults
 from kvfence.server.errors import ABORT_STATUS
 from kvfence.server.http_limits import REFUSAL_REASONS, ConnectionRefusals
+
+if TYPE_CHECKING:
+    from kvfence.pd.seal import Keyring
 
 REJECTION_REASONS = ("context_length_exceeded", "tenant_max_prompt_tokens", "tenant_max_concurrent_requests",
                      "tenant_tokens_per_minute", "tenant_requests_per_minute", "invalid_request", "unauthorized",
@@ -101,6 +105,31 @@ class ServerMetrics:
         last = max((times[-1] for times in token_times if times), default=None)
         if arrival is not None and last is not None:
             self.duration.labels(tenant).observe(max(0.0, last - arrival))
+
+
+class KeyringCollector:
+    """PD processes: the key ids of the cluster secrets held now (pd/seal.py), so a dashboard
+    over the fleet shows which step of a rotation each process has reached. Key ids name
+    secrets without revealing them; a process that is not a PD one has none."""
+
+    def __init__(self, keyring: Callable[[], Keyring | None]):
+        self.keyring = keyring
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        ring = self.keyring()
+        if ring is None:
+            return
+        g = GaugeMetricFamily("kvfence_cluster_secret_key", "PD processes: 1 for each cluster secret held now, by "
+                              "key id and use (own: sends the credential and seals rows with it; accepted: also "
+                              "taken while the cluster rotates)", labels=["key_id", "use"])
+        ids = ring.current.key_ids
+        g.add_metric([ids[0], "own"], 1.0)
+        for k in ids[1:]:
+            g.add_metric([k, "accepted"], 1.0)
+        yield g
 
 
 class _RefusalCollector:

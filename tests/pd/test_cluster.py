@@ -760,6 +760,9 @@ def test_the_cluster_secret_rotates_by_sighup_without_a_restart(cluster, client)
         cluster.procs[role].poll() is None for role in pids)
     assert {role: cluster.info(role)["pd"]["boot_id"] for role in boots} == boots
     assert all(_reloads(cluster, role) == reloads[role] + 3 for role in pids), reloads
+    for role in pids:   # what a dashboard over the fleet reads: every process on NEW alone
+        text = httpx.get(cluster.url(role) + "/metrics", headers=SCRAPE, timeout=10).text
+        assert f'kvfence_cluster_secret_key{{key_id="{new_id}",use="own"}} 1.0' in text and old_id not in text
     for role in ("prefill", "decode"):
         for path in ("/internal/info", "/internal/test/faults"):
             r = httpx.post(cluster.url(role) + path, json={"spec": ""}, headers=control_headers(old.encode()),

@@ -161,3 +161,5 @@ def test_a_reload_of_the_secret_files_changes_what_every_internal_route_takes(tm
     metrics = client.get("/metrics").text
     assert 'kvfence_cluster_secret_reloads_total{result="ok"} 1.0' in metrics
     assert 'kvfence_cluster_secret_reloads_total{result="error"} 1.0' in metrics
+    assert f'kvfence_cluster_secret_key{{key_id="{key_id(new)}",use="own"}} 1.0' in metrics
+    assert key_id(old) not in metrics and new.decode() not in metrics
