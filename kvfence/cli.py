@@ -392,9 +392,19 @@ def cmd_secret(a) -> int:
                 " (it exists: write the new secret to a new file, then `mv` it over the old one)"
                 if e.errno == errno.EEXIST else ""), file=sys.stderr)
             return 1
-        with os.fdopen(fd, "w") as f:
-            f.write(new_secret() + "\n")
-        print(f"{key_id(load_secret(path, env={}))}  {path}")
+        secret = new_secret()
+        try:
+            os.fchmod(fd, 0o600)   # whatever the umask left: the owner reads it, no one else
+            with os.fdopen(fd, "w") as f:
+                f.write(secret + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            load_secret(path, env={})   # what a PD process will check of it
+        except (OSError, SecretError) as e:
+            os.unlink(path)   # a partial or refused file would only be in the way of the next try
+            print(f"error: {path} not made: {e}", file=sys.stderr)
+            return 1
+        print(f"{key_id(secret.encode())}  {path}")
         return 0
     code = 0
     for path in a.files:

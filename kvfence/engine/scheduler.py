@@ -353,43 +353,55 @@ class Scheduler:
     def _give_back(self, out: list[ScheduledSeq], budget: int, capped_so_far: int) -> None:
         """The room kept for the queue, and the tenants' shares, that they did not take goes to
         the running prefills, as far as the free pages hold it (no preemption for it): in
-        rounds, an equal part of what is left to each tenant with a prefill that can take more,
-        a tenant's part to its prompts in arrival order. (In arrival order alone, the earliest
-        tenant's prompt took all of it: 5/8 of the step against 3/8 beside a waiting request.)"""
+        rounds, an equal part of what is left to each tenant with a prefill that can take more
+        (of the tokens, of the cap for capped prefills, of the free pages), a tenant's part to
+        its prompts in arrival order. (In arrival order alone, the earliest tenant's prompt took
+        all of it: 5/8 of the step against 3/8 beside a waiting request.)"""
         planned = {id(s.seq): s for s in out}
         takers = [s for s in self.running if s.state is not State.DECODING]
+        cap = self.prefill_budget_while_decoding
         while budget > 0 and takers:
             by_tenant: dict[str, list[Sequence]] = {}   # in arrival order
             for seq in takers:
                 by_tenant.setdefault(seq.tenant, []).append(seq)
             part = max(1, budget // len(by_tenant))
-            given = 0
+            capped_tenants = sum(any(self._capped(q) for q in seqs) for seqs in by_tenant.values())
+            cap_part = max(1, (cap - capped_so_far) // capped_tenants) if cap is not None and capped_tenants else None
+            page_part = max(1, self.ledger.num_available // len(by_tenant))
+            given, spent = 0, set()
             for seqs in by_tenant.values():
-                allowance = min(part, budget)
+                tokens, cap_left, pages = min(part, budget), cap_part, page_part
                 for seq in seqs:
-                    if allowance <= 0:
-                        break
-                    extra = self._give(seq, planned, out, allowance, capped_so_far)
+                    capped = self._capped(seq)
+                    room = min(tokens, cap_left) if capped and cap_left is not None else tokens
+                    if room <= 0 or pages <= 0:
+                        break   # the tenant's part of this round is used: the next round shares again
+                    free = self.ledger.num_available
+                    extra = self._give(seq, planned, out, room, capped_so_far, pages)
                     if extra <= 0:
-                        takers.remove(seq)   # done, its cap spent, or no pages: it takes no more this step
+                        spent.add(id(seq))   # done, the cap spent, or no pages: it takes no more this step
                         continue
-                    allowance -= extra
+                    pages -= free - self.ledger.num_available
+                    tokens -= extra
                     budget -= extra
                     given += extra
-                    if self._capped(seq):
+                    if capped:
                         capped_so_far += extra
+                        if cap_left is not None:
+                            cap_left -= extra
+            takers = [q for q in takers if id(q) not in spent]
             if given == 0:
                 return
 
     def _give(self, seq: Sequence, planned: dict[int, ScheduledSeq], out: list[ScheduledSeq], room: int,
-              capped_so_far: int) -> int:
-        """Up to `room` more tokens of seq's prompt in this step (planned: what each sequence
-        has in the step already, by id); returns how many."""
+              capped_so_far: int, pages: int) -> int:
+        """Up to `room` more tokens of seq's prompt in this step, on at most `pages` more free
+        pages (planned: what each sequence has in the step already, by id); returns how many."""
         s = planned.get(id(seq))
         done = s.num_new if s is not None else 0
         extra = min(seq.uncomputed - done, self._prefill_room(room, capped_so_far, self._capped(seq)),
                     # what its pages and the free ones hold: part of the room rather than none
-                    (len(seq.table) + self.ledger.num_available) * self.ledger.page_size
+                    (len(seq.table) + min(pages, self.ledger.num_available)) * self.ledger.page_size
                     - (seq.num_computed + done))
         if extra <= 0:
             return 0

@@ -74,7 +74,8 @@ def _local_node(state: ServerState, role: str) -> dict[str, Any]:
     checks = [_check(c) for c in state.engine.startup_checks]
     if state.keyring is not None:   # a PD process: the secrets it holds now, by key id, and its last reload
         ids, last = state.keyring.current.key_ids, state.last_secret_reload
-        detail = (f"sends with key id {ids[0]}" if role == "router" else
+        sends = getattr(state.engine, "keyring", None) is state.keyring   # a router (its fleet may not be up yet)
+        detail = (f"sends with key id {ids[0]}" if sends else
                   f"seals with key id {ids[0]}" + (f"; also accepts {', '.join(ids[1:])}" if ids[1:] else ""))
         if last is not None:
             when = time.strftime("%H:%M:%S", time.localtime(last["at"]))

@@ -584,6 +584,27 @@ def test_what_the_queue_leaves_goes_back_to_the_tenants_evenly():
     led.check_consistency()
 
 
+def test_under_the_cap_what_is_left_of_it_goes_back_to_the_tenants_evenly():
+    """The same while a stream decodes: the cap (100) is the limit, not the budget (2,048).
+    Equal parts of the tokens left let the first tenant take all that was left of the cap
+    (63/37 again, found in review); each round now shares what is left of the cap too."""
+    led = Ledger(4096, 4)
+    sch = Scheduler(led, max_num_seqs=8, token_budget=2048, prefill_budget_while_decoding=100,
+                    tenant_running_share=0.125)
+    _decoding(led, sch, 1)
+    carol, bob = make_seq(led, 3000, 0, tenant="carol"), make_seq(led, 3000, 1, tenant="bob")
+    for seq in (carol, bob, make_seq(led, 50, 2, tenant="carol")):   # the last waits: carol holds her slot
+        sch.add(seq)
+    for _ in range(2):
+        fake_run(sch.schedule())
+    for _ in range(3):
+        step = sch.schedule()
+        got = {s.seq.tenant: s.num_new for s in step if s.seq.state is State.PREFILLING}
+        assert got == {"carol": 50, "bob": 50}, got
+        fake_run(step)
+    led.check_consistency()
+
+
 def test_a_newcomer_gets_a_share_of_the_cap_beside_a_long_capped_prefill():
     """While streams decode, a prompt that arrived after them is capped; one arriving behind
     it gets a share of that cap too, not the leftovers of a 60-token prompt's five steps."""
