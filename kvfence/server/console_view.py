@@ -30,7 +30,9 @@ def console_view(state: ServerState) -> dict[str, Any]:
         why = None
     except APIError as e:      # still loading, or failed: the rest of the page still says so
         statement, why = None, e.message
-    if fleet is None:
+    if fleet is None and _is_router(state):   # still waiting for its nodes: itself alone, no pool yet
+        role, nodes, pools = "router", [_local_node(state, "router")], []
+    elif fleet is None:
         snap = state.engine.snapshot or {}
         role = "node" if snap.get("pd") else "single"
         nodes = [_local_node(state, role)]
@@ -62,6 +64,11 @@ def _fleet(state: ServerState) -> Fleet | None:
     return fleet if isinstance(fleet, Fleet) else None
 
 
+def _is_router(state: ServerState) -> bool:
+    """A PD router's state, its fleet up or not (its backend holds the keyring it sends with)."""
+    return state.keyring is not None and getattr(state.engine, "keyring", None) is state.keyring
+
+
 def _served(state: ServerState) -> str | None:
     try:
         return state.served_name
@@ -74,8 +81,7 @@ def _local_node(state: ServerState, role: str) -> dict[str, Any]:
     checks = [_check(c) for c in state.engine.startup_checks]
     if state.keyring is not None:   # a PD process: the secrets it holds now, by key id, and its last reload
         ids, last = state.keyring.current.key_ids, state.last_secret_reload
-        sends = getattr(state.engine, "keyring", None) is state.keyring   # a router (its fleet may not be up yet)
-        detail = (f"sends with key id {ids[0]}" if sends else
+        detail = (f"sends with key id {ids[0]}" if _is_router(state) else
                   f"seals with key id {ids[0]}" + (f"; also accepts {', '.join(ids[1:])}" if ids[1:] else ""))
         if last is not None:
             when = time.strftime("%H:%M:%S", time.localtime(last["at"]))

@@ -125,3 +125,17 @@ def test_mid_rotation_the_console_shows_each_processs_key_ids_and_a_node_that_re
     assert failed["status"] == "failed" and "mode 644" in failed["detail"]
     page = json.dumps(console_view(state))
     assert old.decode() not in page and new.decode() not in page
+
+
+def test_a_router_still_waiting_for_its_nodes_calls_itself_a_router():
+    """Before its fleet is up the router's page said "single" and its secret row "seals with"
+    (found in review): it is the router, with no node or pool yet, and it sends with its key."""
+    from kvfence.pd.seal import Keyring, SecretSet, key_id
+
+    backend = RouterBackend(["http://p1"], ["http://d1"], Keyring(SecretSet(b"n" * 40)))
+    state = ServerState(backend, TenantRegistry.single())
+    state.keyring = backend.keyring
+    view = console_view(state)
+    assert view["role"] == "router" and [n["name"] for n in view["nodes"]] == ["router"] and view["pools"] == []
+    row = next(c for c in view["nodes"][0]["checks"] if c["name"] == "cluster secret")
+    assert row["detail"] == f"sends with key id {key_id(b'n' * 40)}"
