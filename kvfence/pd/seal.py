@@ -178,8 +178,8 @@ class SecretSet:
 
 def describe_secrets(s: SecretSet) -> str:
     """For the log: the key ids, never the secrets."""
-    return f"cluster secret key id {key_id(s.own)}" + (
-        "; also accepts " + ", ".join(key_id(a) for a in s.accepted) if s.accepted else "")
+    own, *accepted = s.key_ids
+    return f"cluster secret key id {own}" + (f"; also accepts {', '.join(accepted)}" if accepted else "")
 
 
 class Keyring:

@@ -64,6 +64,11 @@ def _fleet(state: ServerState) -> Fleet | None:
     return fleet if isinstance(fleet, Fleet) else None
 
 
+def _seals_with(ids: list[str]) -> str:
+    """A node's key ids as /internal/info lists them: the one it seals with, then those it accepts."""
+    return f"seals with key id {ids[0]}" + (f"; also accepts {', '.join(ids[1:])}" if ids[1:] else "")
+
+
 def _is_router(state: ServerState) -> bool:
     """A PD router's state, its fleet up or not (its backend holds the keyring it sends with)."""
     return state.keyring is not None and getattr(state.engine, "keyring", None) is state.keyring
@@ -81,8 +86,7 @@ def _local_node(state: ServerState, role: str) -> dict[str, Any]:
     checks = [_check(c) for c in state.engine.startup_checks]
     if state.keyring is not None:   # a PD process: the secrets it holds now, by key id, and its last reload
         ids, last = state.keyring.current.key_ids, state.last_secret_reload
-        detail = (f"sends with key id {ids[0]}" if _is_router(state) else
-                  f"seals with key id {ids[0]}" + (f"; also accepts {', '.join(ids[1:])}" if ids[1:] else ""))
+        detail = f"sends with key id {ids[0]}" if _is_router(state) else _seals_with(ids)
         if last is not None:
             when = time.strftime("%H:%M:%S", time.localtime(last["at"]))
             detail += (f"; reloaded at {when} ({last['trigger']})" if last["result"] == "ok" else
@@ -110,8 +114,7 @@ def _fleet_node(n: Node, router_sends: str | None = None) -> dict[str, Any]:
         if ids:   # mid-rotation, what each node seals with and accepts; whether it takes this router's
             takes = router_sends is None or router_sends in ids
             checks.append({"name": "cluster secret", "invariant": "I11", "status": "passed" if takes else "failed",
-                           "detail": f"seals with key id {ids[0]}" + (
-                               f"; also accepts {', '.join(ids[1:])}" if ids[1:] else "") + (
+                           "detail": _seals_with(ids) + (
                                "" if takes else f"; does not accept {router_sends}, the one this router sends")})
         sec = info.pd_security
         if sec is not None:
