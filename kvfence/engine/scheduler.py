@@ -212,7 +212,10 @@ class Scheduler:
         every capped newcomer out until it was done). for_queue: keep the waiting requests'
         share of the room out of it (a running prefill, while some wait)."""
         cap = self.prefill_budget_while_decoding
-        room, whole = ((min(budget, cap - capped_so_far), cap) if capped and cap is not None
+        # the queue's quarter is of the room a step can have: a cap above the budget does not
+        # bind (a quarter of it taken from a smaller budget left the prefills nothing, and a node
+        # whose pool they held never moved again: found by the simulation's n > 1 campaigns)
+        room, whole = ((min(budget, cap - capped_so_far), min(cap, self.token_budget)) if capped and cap is not None
                        else (budget, self.token_budget))
         return room - whole // QUEUE_SHARE if for_queue else room
 

@@ -790,3 +790,32 @@ def test_a_choice_whose_lead_ended_starts_on_its_own():
     assert sch.schedule() == [] and sib.waits_for_lead   # its lead waits (not in this scheduler yet)
     lead.on(Event.ABORT)
     assert [s.seq.request_id for s in sch.schedule()] == ["r1"]
+
+
+def test_a_step_budget_under_the_cap_still_runs_prefills_beside_a_waiting_request():
+    """The PD simulation's n > 1 campaigns found a node that never moved again: a step budget
+    (--max-num-batched-tokens 8) under the prefill cap (256), another tenant's request waiting
+    for pages, and the running prefills' room taken as the budget less a quarter of the cap
+    (8 - 64): none of them ran nor gave up its pages, and the waiting request could not start.
+    The queue's quarter is of the room a step can have: the budget where the cap is above it."""
+    led = Ledger(10, 4)   # 9 usable pages
+    sch = Scheduler(led, max_num_seqs=16, token_budget=8, prefill_budget_while_decoding=256)
+    for i, (pages, computed) in enumerate(((5, 20), (4, 16))):   # a's two prompts, part computed, hold the pool
+        s = make_seq(led, 40, i, tenant="a")
+        led.allocate(s.owner, pages, s.table)
+        s.num_computed = computed
+        s.on(Event.SCHEDULE)
+        sch.running.append(s)
+    sch.add(make_seq(led, 14, 2, tenant="c"))
+    before = sch.num_preemptions
+    step = sch.schedule()
+    assert step or sch.num_preemptions > before, "nothing ran and nothing gave up its pages: the node never moves"
+    led.check_consistency()
+    # and the running prefills keep three quarters of a budget under the cap, not budget - cap / 4
+    led2 = Ledger(1024, 4)
+    sch2 = Scheduler(led2, max_num_seqs=16, token_budget=128, prefill_budget_while_decoding=256)
+    sch2.add(make_seq(led2, 4000, 10, tenant="a"))
+    fake_run(sch2.schedule())
+    sch2.add(make_seq(led2, 40, 11, tenant="c"))
+    step = sch2.schedule()   # c's request takes the queue's quarter of the step, a the rest
+    assert {s.seq.request_id: s.num_new for s in step} == {"r10": 96, "r11": 32}
