@@ -27,6 +27,7 @@ prints the seed and the last steps of the trace.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -182,15 +183,23 @@ class SimConfig:
     forget_drop: float = 0.0        # share of forget messages a node never gets
     retire_fail: float = 0.0        # share of a node's queued scope retirements that raise
     router_idle_s: float = 600.0
+    # client requests for n choices (kvfence/server/app.py submits them at once; the router
+    # starts each choice after its first one's prompt is held on prefill, `after`, and names
+    # the first in the handoff, `choice_of`, by which decode reserves a request's choices
+    # together): the share of requests with 2..max_choices, and the server's rule that one
+    # choice refused before admission ends the request (the others are aborted)
+    choices: float = 0.0
+    max_choices: int = 4
 
     @classmethod
-    def draw(cls, seed: int, lives: int = 1000, fleet: bool = False, scopes: bool = False,
+    def draw(cls, seed: int, lives: int = 1000, fleet: bool = False, scopes: bool = False, choices: bool = False,
              **overrides) -> SimConfig:
         """A configuration drawn from the seed, so that a campaign covers many regimes: pool
         and buffer sizes, concurrency, chunking, crash, abort and transfer-fault rates; with
         `fleet`, 2-4 prefill and 2-4 decode nodes, drains and misconfigured restarts too; with
         `scopes`, 1-3 router processes, names given to new parties, lost forget messages,
-        router restarts and idle routers' scopes retired."""
+        router restarts and idle routers' scopes retired; with `choices`, requests for n > 1
+        choices (a share of 0.2-0.8 of them, 2-8 choices)."""
         r = random.Random(f"config-{seed}")
         ps = 4
         ctx = r.choice([32, 48, 64, 96])
@@ -228,6 +237,9 @@ class SimConfig:
                       w_router_restart=g.choice([0.0, 0.005, 0.02]), forget_drop=g.choice([0.0, 0.3, 0.7]),
                       router_idle_s=g.choice([30.0, 120.0, 600.0]), tenants=g.randint(1, 3))
             kw.update(retire_fail=g.choice([0.0, 0.1, 0.3]))   # drawn last: the draws above stay
+        if choices:   # its own stream too
+            h = random.Random(f"choices-{seed}")
+            kw.update(choices=h.choice([0.2, 0.5, 0.8]), max_choices=h.choice([2, 3, 4, 8]))
         kw.update(overrides)
         return cls(**kw)
 
@@ -290,10 +302,22 @@ class Life:
     router: str = ""              # the router process that checked its key ("": unstamped)
     epoch: int = 0                # its stamp: that router's scope epoch of the tenant then
     party: tuple = ()             # who sent it: (tenant name, the party holding the name's keys)
+    request: str = ""             # the client request it is a choice of: its first choice's rid ("": its own)
+    after: str = ""               # a later choice: the first choice whose prompt it waits for (the router's `after`)
 
     @property
     def done(self) -> bool:
         return self.result is not None
+
+    @property
+    def origin(self) -> str:
+        """Its rid before a redo: the router's request id, under which its task runs."""
+        return self.rid.removesuffix(".redo")
+
+    @property
+    def client(self) -> str:
+        """The router's choice_of: the client request's first choice's id."""
+        return self.request or self.origin
 
 
 @dataclass
@@ -403,6 +427,9 @@ class Simulation(ScopeModel):
         self.draining = False
         self.lives: dict[str, Life] = {}
         self.open: list[Life] = []         # router_live lives
+        self.groups: dict[str, list[str]] = {}   # a client request of n > 1 choices -> its choices' rids
+        self.prompt_held: set[str] = set()       # requests whose later choices may go (RouterBackend._prompt_held)
+        self.dropping: list[str] = []            # choices the server is aborting (another was refused)
         self.msgs: list[Msg] = []
         self.delivered: deque[Msg] = deque(maxlen=64)   # what the adversary may replay
         self.adversary = NetworkAdversary(self)
@@ -763,6 +790,10 @@ class Simulation(ScopeModel):
             acts.append((3.0, self._deliver_notice, ()))
         if self.msgs:
             acts.append((3.0, self._deliver_msg, ()))
+        if self.dropping:
+            acts.append((3.0, self._drop_choice, ()))
+        if self.groups and self._choices_ready():
+            acts.append((3.0, self._choice_goes, ()))
         if self.forgets:
             acts.append((3.0, self._deliver_forget, ()))
         acts += [(3.0, self._run_retirements, (node,)) for node in self.nodes.values() if node.up and node.retirements]
@@ -829,28 +860,80 @@ class Simulation(ScopeModel):
         ids += [r.randrange(2, vocab) for _ in range(n - len(ids))]
         params = SamplingParams(max_tokens=max_tokens, temperature=r.choice([0.0, 1.0]), seed=r.randrange(2**31),
                                 ignore_eos=r.random() < 0.5)
-        life = Life(i, f"s{c.seed}-r{i}", f"tenant{r.randrange(c.tenants)}", ids, params,
-                    over_p=n + max_tokens > ctx_p, over_d=n + max_tokens > ctx_d)
-        self.lives[life.rid] = life
-        self.open.append(life)
+        tenant = f"tenant{r.randrange(c.tenants)}"
+        # n choices (drawn only when configured: runs without them replay as before); choice j
+        # samples with seed + j, as the server sends it
+        k = r.randint(2, c.max_choices) if c.choices and r.random() < c.choices else 1
+        self.arrived += k - 1
+        lead = f"s{c.seed}-r{i}"
+        group = [Life(i + j, f"s{c.seed}-r{i + j}", tenant, ids,
+                      params if j == 0 else dataclasses.replace(params, seed=params.seed + j),
+                      over_p=n + max_tokens > ctx_p, over_d=n + max_tokens > ctx_d,
+                      request=lead if k > 1 else "", after=lead if j else "") for j in range(k)]
+        for life in group:
+            self.lives[life.rid] = life
+            self.open.append(life)
+        if k > 1:
+            self.groups[lead] = [lf.rid for lf in group]
+            self.stats["choice_requests"] += 1
+            self.stats["choices"] += k
         live = [rt for rt in self.routers if rt.live]
         if live:   # the router process that checks its key: the party and the stamp it gives
             rt = self.srng.choice(live)
-            life.router, life.epoch = rt.id, rt.epochs.get(life.tenant, 0)
-            life.party = (life.tenant, rt.parties[life.tenant])
+            for life in group:
+                life.router, life.epoch = rt.id, rt.epochs.get(tenant, 0)
+                life.party = (tenant, rt.parties[tenant])
         checked = r.random() < c.router_check
-        over = " (over-length)" if life.over_p or life.over_d else ""
-        self._log(f"arrive {life.rid} {life.tenant} prompt {n} max_tokens {max_tokens}{over}"
-                  f"{'' if checked else ' (router check skipped)'}")
-        if not self.fleet.ready:   # RouterBackend.submit
-            life.excuses |= {"crash", "fleet"}
-            return self._answer(life, "error", "not_ready")
-        if checked and not faults.active("skip_router_admission") and n + max_tokens > self.advertised:
-            return self._answer(life, "error", "context_length_exceeded", where="router")
-        if n < 2:
+        over = " (over-length)" if group[0].over_p or group[0].over_d else ""
+        self._log(f"arrive {lead} {tenant} prompt {n} max_tokens {max_tokens}{over}"
+                  f"{'' if checked else ' (router check skipped)'}"
+                  f"{f' n={k}: ' + ' '.join(lf.rid for lf in group[1:]) if k > 1 else ''}")
+        for life in group:   # the server submits every choice at once (kvfence/server/app.py)
+            if life.done:
+                continue
+            if not self.fleet.ready:   # RouterBackend.submit
+                life.excuses |= {"crash", "fleet"}
+                self._answer(life, "error", "not_ready")
+            elif checked and not faults.active("skip_router_admission") and n + max_tokens > self.advertised:
+                self._answer(life, "error", "context_length_exceeded", where="router")
+            elif life.after and life.after not in self.prompt_held:
+                life.stage = "after"   # RouterBackend._run: waits until its first choice's prompt is held
+            else:
+                self._begin(life)
+
+    def _begin(self, life: Life) -> None:
+        """RouterBackend._attempt: prefill, or a one-token prompt straight to decode."""
+        if len(life.ids) < 2:
             life.stage = "handoff"   # the router sends a one-token prompt straight to decode
+            self.prompt_held.add(life.origin)
             return
         self._route_prefill(life)
+
+    def _choice_goes(self) -> None:
+        """A later choice's wait ends: its first choice's prompt is held on prefill (or that
+        choice ended), so its own prefill attaches those pages from prefill's cache."""
+        life = self.rng.choice(self._choices_ready())
+        self._log(f"choice {life.rid} of {life.client} goes")
+        self._begin(life)
+
+    def _choices_ready(self) -> list[Life]:
+        return [lf for lf in self.open if lf.stage == "after" and lf.after in self.prompt_held]
+
+    def _drop_choice(self) -> None:
+        """kvfence/server/app.py: a choice was refused before it was admitted, so the server
+        aborts the request's other choices (the router cancels them as if their client left)."""
+        rid = self.dropping.pop(self.rng.randrange(len(self.dropping)))
+        life = self._current(rid)
+        if life.done:
+            return
+        self.stats["choices_dropped"] += 1
+        self._log(f"server aborts {life.rid} (stage {life.stage}): another choice of {life.client} failed")
+        self._abort(life, "dropped", "choice_dropped")
+
+    def _current(self, rid: str) -> Life:
+        """The life the router's task for request `rid` runs now (its redo once it was redone)."""
+        life = self.lives[rid]
+        return self.lives[rid + ".redo"] if life.result == "redone" else life
 
     def _refused(self, life: Life, node: Node) -> tuple[str, str] | None:
         """What a node answers before its stream opens (kvfence/pd/node.py and the router's
@@ -979,7 +1062,8 @@ class Simulation(ScopeModel):
             if retry and self.fleet.pick_decode(frozenset({d.name})) is not None:
                 return self._route_decode(life, source)
             return self._answer(life, "error", code, where=d.name)
-        kw = {"kv_source": {"manifest": dict(life.manifest), "source": source}} if life.manifest is not None else {}
+        kw = ({"kv_source": {"manifest": dict(life.manifest), "source": source, "choice_of": life.client}}
+              if life.manifest is not None else {})
         refused = self._admit_scope(life, d)
         if refused is not None:
             life.reader_stopped = True   # refused: it never pulls
@@ -1006,6 +1090,9 @@ class Simulation(ScopeModel):
                     f"{life.rid} reached decode without a manifest")
         self._check_party(life, d, seq)
         life.d_owner = seq.owner.request
+        together = d.link._requests.get((life.tenant, life.client))
+        if life.request and together is not None and together[1] >= 2:
+            self.stats["decode_choices_queued_together"] += 1
         self._names[seq.owner.request] = f"{life.rid}@{d.name}"
         d.poked = True
         life.d_sink = True
@@ -1030,7 +1117,8 @@ class Simulation(ScopeModel):
         self._answer(life, "redone", code)
         again = Life(life.n, f"{life.rid}.redo", life.tenant, life.ids, life.params, over_p=life.over_p,
                      over_d=life.over_d, redone=True, p_excluded=set(p_ex), d_excluded=set(d_ex),
-                     p_tries=len(p_ex), d_tries=len(d_ex), router=life.router, epoch=life.epoch, party=life.party)
+                     p_tries=len(p_ex), d_tries=len(d_ex), router=life.router, epoch=life.epoch, party=life.party,
+                     request=life.request)
         self.lives[again.rid] = again
         self.open.append(again)
         self.stats["redone"] += 1
@@ -1038,11 +1126,19 @@ class Simulation(ScopeModel):
         self._route_prefill(again)
 
     def _client_abort(self) -> None:
-        life = self.rng.choice(self.open)
-        self._log(f"client disconnects {life.rid} (stage {life.stage})")
-        life.excuses.add("client_abort")
+        picked = self.rng.choice(self.open)
+        group = self.groups.get(picked.client)
+        # the client of n choices has one connection: every choice still running ends with it
+        for life in [picked] if group is None else [self._current(rid) for rid in group]:
+            if not life.done:
+                self._log(f"client disconnects {life.rid} (stage {life.stage})")
+                self._abort(life, "gone", "client_abort")
+
+    def _abort(self, life: Life, result: str, excuse: str) -> None:
+        """The router cancels the request's task (RouterBackend.abort)."""
+        life.excuses.add(excuse)
         stage = life.stage
-        self._answer(life, "gone")
+        self._answer(life, result)
         # the node whose stream the router held sees it close and aborts the request there
         if stage == "prefill":
             self.msgs.append(Msg("drop", life.p_node, life.rid, life.p_boot))
@@ -1053,6 +1149,9 @@ class Simulation(ScopeModel):
                 where: str | None = None) -> None:
         """The router is done with this request: the client's answer, then the router's
         `finally` (an abort to prefill unless decode acknowledged the transfer)."""
+        # its submit had returned (kvfence/pd/router.py: decode verified the KV, or took a
+        # one-token prompt): a failure before then fails the whole client request
+        admitted = life.verified or (len(life.ids) < 2 and life.stage == "decode")
         life.result, life.code, life.finish_reason = result, code, reason
         life.router_live = False
         life.stage = "done"
@@ -1060,6 +1159,7 @@ class Simulation(ScopeModel):
         self._unroute(life, "p")
         self._unroute(life, "d")
         key = ("200 " + reason if result == "200" else "client gone" if result == "gone" else
+               "choice dropped (another failed)" if result == "dropped" else
                f"redone after {code}" if result == "redone" else f"error {code}")
         if result != "redone":   # outcomes are the clients' answers: a redone life's is its redo's
             self.outcomes[key] += 1
@@ -1071,6 +1171,11 @@ class Simulation(ScopeModel):
                 self.msgs.append(Msg("abort", life.p_node, life.rid, self._boot_of(life.p_node), True))
             else:   # RouterBackend._settle_prefill: ask decode first
                 self.msgs.append(Msg("stop_pull", life.d_node, life.rid, life.d_boot))
+        if result != "redone":   # its task ends: a later choice waiting for it goes on
+            self.prompt_held.add(life.origin)
+        group = self.groups.get(life.client)
+        if group is not None and result == "error" and not admitted:
+            self.dropping += [rid for rid in group if rid != life.origin and not self._current(rid).done]
         self._judge(life, where)
 
     def _judge(self, life: Life, where: str | None) -> None:
@@ -1078,7 +1183,7 @@ class Simulation(ScopeModel):
         explains it; an over-length request never gets a 200 (I4); one that fits the
         advertised context never reaches a node too small for it (I8). `where`: the router
         or the node that answered."""
-        if life.result == "gone" or not self.cfg.check_admission:
+        if life.result in ("gone", "dropped") or not self.cfg.check_admission:
             return
         if life.result == "redone":   # the client got nothing of it; still, only an injected fault may cause one
             self._check(bool(EXPLAINED_BY.get(life.code or "", set()) & life.excuses), "outcome",
@@ -1159,6 +1264,9 @@ class Simulation(ScopeModel):
                     life.manifest = m
                     life.stage = "handoff"
                     self._unroute(life, "p")   # RouterBackend._prefill returns with the manifest
+                    self.prompt_held.add(life.origin)   # its later choices go
+                    if life.after and out.seq.cached_tokens:
+                        self.stats["choice_prompt_pages_attached"] += 1
             elif out.finished and life.router_live and life.stage == "prefill":
                 code = out.seq.abort_code or "prefill_failed"
                 self._known_pool_bug(node, life, code)
@@ -1414,11 +1522,16 @@ class Simulation(ScopeModel):
         if node.role == "decode" and link.waiting:
             # a tenant at its running share waits while another tenant's could go (its pulls in
             # flight end by a notice or a timer, which wake the node): the oldest request of a
-            # tenant under its share, or the oldest of all when every waiting tenant is at it
+            # tenant under its share, or the oldest of all when every waiting tenant is at it;
+            # requests preempted here go first (they wait for pages in the scheduler), except a
+            # tenant's that runs fewer than every tenant with one preempted (docs/pd.md)
             running = Counter(q.tenant for q in eng.scheduler.running)
             running.update(link.pulls[pid].seq.tenant for pid in link.live.values())
-            s = next((q for q in link.waiting if running[q.tenant] < eng.scheduler.max_seqs_per_tenant),
-                     link.waiting[0])
+            floor = min((running[q.tenant] for q in eng.scheduler.waiting), default=None)
+            may = [q for q in link.waiting if floor is None or running[q.tenant] < floor]
+            if not may:
+                return
+            s = next((q for q in may if running[q.tenant] < eng.scheduler.max_seqs_per_tenant), may[0])
             m = s.kv_source.manifest
             if node.clock() < m.lease_deadline - self.cfg.clock_skew_s:
                 need = eng.ledger.pages_for(len(s.prompt_ids) + s.max_tokens)
@@ -1530,11 +1643,14 @@ class Simulation(ScopeModel):
                         f"{node.name}: transfer-buffer rows not all free ({rows.num_free}/{rows.usable_pages}, "
                         f"{rows.num_quarantined} fenced)")
             if node.role == "prefill":
-                self._check(not link.held and not link.pending, "leak",
-                            f"{node.name} still holds {list(link.held)}")
+                self._check(not link.held and not link.pending and not link._bypassed, "leak",
+                            f"{node.name} still holds {list(link.held)} (passed over: {list(link._bypassed)[:5]})")
             else:
                 self._check(not link.live and not link.waiting, "leak",
                             f"{node.name} still has pulls {list(link.live)}")
+                self._check(not link._requests and not link._bypassed, "leak",
+                            f"{node.name} still counts client requests in its queue: {list(link._requests)[:5]}, "
+                            f"{list(link._bypassed)[:5]}")
                 self.stats["decode_pull_records_never_settled"] += len(link.pulls)
         for node in self.nodes.values():
             for k, v in node.link.counters.items():
@@ -1563,10 +1679,11 @@ class SimResult:
 
 
 def simulate(seed: int, lives: int = 1000, draw: bool = True, loaded=None, fleet: bool = False,
-             scopes: bool = False, **overrides) -> SimResult:
+             scopes: bool = False, choices: bool = False, **overrides) -> SimResult:
     """Run one seed; raises SimFailure on the first invariant violation. `fleet`: draw a
-    fleet, `scopes`: router processes and parties (SimConfig.draw); without `draw`, set
-    prefill_nodes/decode_nodes or routers in overrides."""
-    cfg = (SimConfig.draw(seed, lives, fleet=fleet, scopes=scopes, **overrides) if draw
+    fleet, `scopes`: router processes and parties, `choices`: requests for n > 1 choices
+    (SimConfig.draw); without `draw`, set prefill_nodes/decode_nodes, routers or choices in
+    overrides."""
+    cfg = (SimConfig.draw(seed, lives, fleet=fleet, scopes=scopes, choices=choices, **overrides) if draw
            else SimConfig(seed=seed, lives=lives, **overrides))
     return Simulation(cfg, loaded).run()

@@ -5,6 +5,7 @@
     python -m kvfence.sim --seeds 20 --fault skip_row_auth      # show a fault point being caught
     python -m kvfence.sim --fleet --lives 100000 --seeds 100    # fleets of 2-4 x 2-4 nodes
     python -m kvfence.sim --scopes --lives 100000 --seeds 100   # 1-3 routers, names given to new parties
+    python -m kvfence.sim --choices --lives 100000 --seeds 100  # requests for n > 1 choices (with --fleet too)
 
 Each seed draws its own configuration (pool and buffer sizes, concurrency, fault rates; see
 SimConfig.draw) unless --fixed. It prints a line per seed, then the count of lives, wall
@@ -36,7 +37,8 @@ def _one(job: dict) -> dict:
             stack.enter_context(faults.injected(*job["faults"]))
         try:
             r = simulate(job["seed"], job["lives"], draw=not job["fixed"], known_bugs=tuple(job["known_bugs"]),
-                         trace_all=job["trace"], fleet=job["fleet"], scopes=job["scopes"])
+                         trace_all=job["trace"], fleet=job["fleet"], scopes=job["scopes"],
+                         choices=job["choices"])
             return {"seed": job["seed"], "ok": True, "lives": r.lives, "steps": r.steps, "seconds": r.seconds,
                     "outcomes": dict(r.outcomes), "stats": dict(r.stats)}
         except SimFailure as e:
@@ -60,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="1-3 router processes stamping requests; tenants' names given to new parties, reloads "
                          "whose forget messages nodes may miss, router restarts, idle routers' scopes retired; checks "
                          "that no cache scope ever serves two parties")
+    ap.add_argument("--choices", action="store_true",
+                    help="requests for n > 1 choices: each later choice prefills once its first one's prompt is held, "
+                         "decode reserves a request's choices together, and one refused before admission ends the "
+                         "request (the server aborts the others)")
     ap.add_argument("--fixed", action="store_true", help="SimConfig defaults instead of a configuration drawn per seed")
     ap.add_argument("--fault", action="append", default=[], help="enable a kvfence.faults point (repeatable)")
     ap.add_argument("--known-bugs", default="",
@@ -87,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     per = max(1, a.lives // len(seeds))
     jobs = [{"seed": s, "lives": per + (1 if i < a.lives - per * len(seeds) else 0), "fixed": a.fixed,
              "faults": a.fault, "known_bugs": known, "trace": a.trace, "fleet": a.fleet,
-             "scopes": a.scopes} for i, s in enumerate(seeds)]
+             "scopes": a.scopes, "choices": a.choices} for i, s in enumerate(seeds)]
     print(f"kvfence simulation: {len(seeds)} seed(s), {sum(j['lives'] for j in jobs)} request lives"
           f"{', faults ' + ','.join(a.fault) if a.fault else ''}{', excusing ' + ','.join(known) if known else ''}",
           flush=True)
@@ -121,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     print("outcomes:")
     for k, v in sorted(outcomes.items(), key=lambda kv: -kv[1]):
         print(f"  {v:8d}  {k}")
-    kinds = ("transport_", "crash", "known_bug", "adversary_", "drain", "routed_", "fleet_", "scope_", "router_")
+    kinds = ("transport_", "crash", "known_bug", "adversary_", "drain", "routed_", "fleet_", "scope_", "router_",
+             "choice", "decode_choices")
     interesting = {k: v for k, v in stats.items() if v and (k.startswith(kinds)
                                                             or k.endswith(("fences", "late_notices", "stale_notices",
                                                                            "verify_failed", "leases_expired",
