@@ -161,3 +161,35 @@ def test_a_single_tenant_server_gives_its_tenant_every_waiting_place(loaded_fp32
         eng.add_request([1, 2, 3], p)
     while eng.has_unfinished():
         eng.step()
+
+
+def test_a_step_budget_under_the_prefill_cap_does_not_stop_the_node(loaded_fp32):
+    """--max-num-batched-tokens 32 under the default prefill cap (256): two tenants' long prompts
+    fill a small pool, a third tenant's request arrives when it cannot start. The running
+    prefills kept a quarter of the cap (64 tokens) for it, more than the whole budget, so none
+    ran or gave up its pages: all three requests stalled for good (the PD simulation's n > 1
+    campaign found it; tests/unit/test_scheduler.py holds the rule)."""
+    from kvfence.engine.config import EngineConfig
+    from kvfence.engine.llm_engine import LLMEngine
+    from kvfence.engine.params import SamplingParams
+
+    eng = LLMEngine(EngineConfig(dtype="float32", kv_cache_memory="14MiB", max_model_len=256, clamp_context=True,
+                                 max_num_batched_tokens=32, decode_step_target_ms=0, progress=False), loaded_fp32)
+    led = eng.ledger
+    assert eng.scheduler.prefill_budget_while_decoding == 256 and led.usable_pages < 26   # two prompts overflow it
+    p = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    eng.add_request([100 + i for i in range(200)], p, tenant="alice", request_id="a")
+    eng.add_request([300 + i for i in range(200)], p, tenant="carol", request_id="c")
+    for _ in range(40):
+        if led.num_available <= 1:
+            break
+        eng.step()
+    assert led.num_available <= 1
+    eng.add_request([500 + i for i in range(40)], p, tenant="bob", request_id="b")   # cannot start now
+    finished: set[str] = set()
+    for _ in range(200):
+        finished |= {o.seq.request_id for o in eng.step() if o.finished}
+        if len(finished) == 3:
+            break
+    assert finished == {"a", "b", "c"}, {rid: (s.state.value, s.num_computed) for rid, s in eng.requests.items()}
+    led.check_consistency()
