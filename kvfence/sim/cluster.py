@@ -190,16 +190,23 @@ class SimConfig:
     # choice refused before admission ends the request (the others are aborted)
     choices: float = 0.0
     max_choices: int = 4
+    # the engines' scheduling settings (EngineConfig): the prefill cap while decoding (0: none)
+    # and each tenant's share of the running slots; the cap is fixed (no step-time target, which
+    # learns from wall-clock step times: a run would not replay)
+    prefill_cap: int = 256
+    running_share: float = 0.75
+    step_target: bool = True
 
     @classmethod
     def draw(cls, seed: int, lives: int = 1000, fleet: bool = False, scopes: bool = False, choices: bool = False,
-             **overrides) -> SimConfig:
+             sched: bool = False, **overrides) -> SimConfig:
         """A configuration drawn from the seed, so that a campaign covers many regimes: pool
         and buffer sizes, concurrency, chunking, crash, abort and transfer-fault rates; with
         `fleet`, 2-4 prefill and 2-4 decode nodes, drains and misconfigured restarts too; with
         `scopes`, 1-3 router processes, names given to new parties, lost forget messages,
         router restarts and idle routers' scopes retired; with `choices`, requests for n > 1
-        choices (a share of 0.2-0.8 of them, 2-8 choices)."""
+        choices (a share of 0.2-0.8 of them, 2-8 choices); with `sched`, the engines' prefill
+        cap while decoding (none, a page, 16, 64 or 256 tokens) and tenants' running share."""
         r = random.Random(f"config-{seed}")
         ps = 4
         ctx = r.choice([32, 48, 64, 96])
@@ -240,6 +247,10 @@ class SimConfig:
         if choices:   # its own stream too
             h = random.Random(f"choices-{seed}")
             kw.update(choices=h.choice([0.2, 0.5, 0.8]), max_choices=h.choice([2, 3, 4, 8]))
+        if sched:   # and its own
+            k = random.Random(f"sched-{seed}")
+            kw.update(prefill_cap=k.choice([0, ps, 16, 64, 256]), running_share=k.choice([1.0, 0.75, 0.5, 0.25]),
+                      step_target=False)
         kw.update(overrides)
         return cls(**kw)
 
@@ -489,6 +500,8 @@ class Simulation(ScopeModel):
         return EngineConfig(dtype="float32", device="cpu", page_size=c.page_size, kv_cache_memory=(pages + 1) * pb,
                             max_model_len=ctx, scrub="none", audit_reads=True, num_threads=1, progress=False,
                             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_batched_tokens,
+                            prefill_tokens_while_decoding=c.prefill_cap, tenant_running_share=c.running_share,
+                            **({} if c.step_target else {"decode_step_target_ms": 0.0}),
                             enable_prefix_cache=(role == "prefill"))
 
     def _start(self, node: Node, old: tuple | None) -> None:
@@ -920,13 +933,16 @@ class Simulation(ScopeModel):
         return [lf for lf in self.open if lf.stage == "after" and lf.after in self.prompt_held]
 
     def _drop_choice(self) -> None:
-        """kvfence/server/app.py: a choice was refused before it was admitted, so the server
-        aborts the request's other choices (the router cancels them as if their client left)."""
+        """kvfence/server/app.py: a choice failed (refused before its submit returned, or after,
+        while the others generate), so the request fails and the server aborts its other choices
+        (the router cancels them as if their client left)."""
         rid = self.dropping.pop(self.rng.randrange(len(self.dropping)))
         life = self._current(rid)
         if life.done:
             return
         self.stats["choices_dropped"] += 1
+        if life.verified or life.stage == "decode":
+            self.stats["choices_dropped_while_generating"] += 1
         self._log(f"server aborts {life.rid} (stage {life.stage}): another choice of {life.client} failed")
         self._abort(life, "dropped", "choice_dropped")
 
@@ -1092,7 +1108,7 @@ class Simulation(ScopeModel):
         life.d_owner = seq.owner.request
         together = d.link._requests.get((life.tenant, life.client))
         if life.request and together is not None and together[1] >= 2:
-            self.stats["decode_choices_queued_together"] += 1
+            self.stats["decode_choices_held_together"] += 1
         self._names[seq.owner.request] = f"{life.rid}@{d.name}"
         d.poked = True
         life.d_sink = True
@@ -1122,6 +1138,8 @@ class Simulation(ScopeModel):
         self.lives[again.rid] = again
         self.open.append(again)
         self.stats["redone"] += 1
+        if life.request:
+            self.stats["choice_redone"] += 1
         self._log(f"  redo {life.rid} as {again.rid} without {sorted(p_ex | d_ex)}")
         self._route_prefill(again)
 
@@ -1150,7 +1168,7 @@ class Simulation(ScopeModel):
         """The router is done with this request: the client's answer, then the router's
         `finally` (an abort to prefill unless decode acknowledged the transfer)."""
         # its submit had returned (kvfence/pd/router.py: decode verified the KV, or took a
-        # one-token prompt): a failure before then fails the whole client request
+        # one-token prompt): counted apart, a choice failing before or after it
         admitted = life.verified or (len(life.ids) < 2 and life.stage == "decode")
         life.result, life.code, life.finish_reason = result, code, reason
         life.router_live = False
@@ -1174,7 +1192,8 @@ class Simulation(ScopeModel):
         if result != "redone":   # its task ends: a later choice waiting for it goes on
             self.prompt_held.add(life.origin)
         group = self.groups.get(life.client)
-        if group is not None and result == "error" and not admitted:
+        if group is not None and result == "error":   # one choice failed: so does the request (app.py _Run)
+            self.stats["choice_failed_" + ("admitted" if admitted else "before_admission")] += 1
             self.dropping += [rid for rid in group if rid != life.origin and not self._current(rid).done]
         self._judge(life, where)
 
@@ -1208,7 +1227,9 @@ class Simulation(ScopeModel):
                 over = life.over_p if node.role == "prefill" else life.over_d
             self._check(over, "I4", f"{life.rid} was refused as over-length at {where} although it fits")
             return
-        excused = bool(life.excuses & {"crash", "client_abort", "fleet", "rekey"})
+        # a node refuses what is queued behind a failed retirement of its scope before its own
+        # admission looks at the request (kvfence/pd/node.py): an over-length one gets that 503
+        excused = bool(life.excuses & {"crash", "client_abort", "fleet", "rekey", "retire_fail"})
         self._check(not (life.over_p or life.over_d) or excused, "I4",
                     f"over-length {life.rid} was not refused with a 400 (got {life.code})")
         why = EXPLAINED_BY.get(life.code, set())
@@ -1265,8 +1286,11 @@ class Simulation(ScopeModel):
                     life.stage = "handoff"
                     self._unroute(life, "p")   # RouterBackend._prefill returns with the manifest
                     self.prompt_held.add(life.origin)   # its later choices go
-                    if life.after and out.seq.cached_tokens:
-                        self.stats["choice_prompt_pages_attached"] += 1
+                    # every whole page of its prompt from the cache: its first choice's (or an
+                    # identical prompt's), not only a shared prefix's
+                    whole = (len(life.ids) - 1) // self.cfg.page_size * self.cfg.page_size
+                    if life.after and whole and out.seq.cached_tokens >= whole:
+                        self.stats["choice_whole_prompt_attached"] += 1
             elif out.finished and life.router_live and life.stage == "prefill":
                 code = out.seq.abort_code or "prefill_failed"
                 self._known_pool_bug(node, life, code)
@@ -1523,13 +1547,18 @@ class Simulation(ScopeModel):
             # a tenant at its running share waits while another tenant's could go (its pulls in
             # flight end by a notice or a timer, which wake the node): the oldest request of a
             # tenant under its share, or the oldest of all when every waiting tenant is at it;
-            # requests preempted here go first (they wait for pages in the scheduler), except a
-            # tenant's that runs fewer than every tenant with one preempted (docs/pd.md)
+            # those in the scheduler's queue (preempted here, or a one-token prompt) go first,
+            # except a tenant's that runs fewer than every tenant with one there (docs/pd.md,
+            # KvImporter._candidates)
             running = Counter(q.tenant for q in eng.scheduler.running)
             running.update(link.pulls[pid].seq.tenant for pid in link.live.values())
             floor = min((running[q.tenant] for q in eng.scheduler.waiting), default=None)
             may = [q for q in link.waiting if floor is None or running[q.tenant] < floor]
-            if not may:
+            if not may:   # they wait for the scheduler's, whose pages come back with a pull in flight
+                if not link.live:
+                    self._idle_with_work(node, f"decode goes idle with {link.waiting[0].request_id} behind "
+                                               f"{eng.scheduler.waiting[0].request_id}, with no pull in flight to "
+                                               f"give pages back: it waits {until}")
                 return
             s = next((q for q in may if running[q.tenant] < eng.scheduler.max_seqs_per_tenant), may[0])
             m = s.kv_source.manifest
@@ -1679,11 +1708,15 @@ class SimResult:
 
 
 def simulate(seed: int, lives: int = 1000, draw: bool = True, loaded=None, fleet: bool = False,
-             scopes: bool = False, choices: bool = False, **overrides) -> SimResult:
+             scopes: bool = False, choices: bool = False, sched: bool = False, **overrides) -> SimResult:
     """Run one seed; raises SimFailure on the first invariant violation. `fleet`: draw a
-    fleet, `scopes`: router processes and parties, `choices`: requests for n > 1 choices
-    (SimConfig.draw); without `draw`, set prefill_nodes/decode_nodes, routers or choices in
+    fleet, `scopes`: router processes and parties, `choices`: requests for n > 1 choices,
+    `sched`: the engines' scheduling settings (SimConfig.draw); without `draw`, set them in
     overrides."""
-    cfg = (SimConfig.draw(seed, lives, fleet=fleet, scopes=scopes, choices=choices, **overrides) if draw
+    if not draw and (fleet or scopes or choices or sched):
+        raise ValueError("fleet, scopes, choices and sched choose what SimConfig.draw draws: without draw, set "
+                         "their fields in overrides")
+    cfg = (SimConfig.draw(seed, lives, fleet=fleet, scopes=scopes, choices=choices, sched=sched, **overrides)
+           if draw
            else SimConfig(seed=seed, lives=lives, **overrides))
     return Simulation(cfg, loaded).run()

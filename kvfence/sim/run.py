@@ -6,6 +6,7 @@
     python -m kvfence.sim --fleet --lives 100000 --seeds 100    # fleets of 2-4 x 2-4 nodes
     python -m kvfence.sim --scopes --lives 100000 --seeds 100   # 1-3 routers, names given to new parties
     python -m kvfence.sim --choices --lives 100000 --seeds 100  # requests for n > 1 choices (with --fleet too)
+    python -m kvfence.sim --sched --lives 100000 --seeds 100    # the engines' prefill cap and running share drawn
 
 Each seed draws its own configuration (pool and buffer sizes, concurrency, fault rates; see
 SimConfig.draw) unless --fixed. It prints a line per seed, then the count of lives, wall
@@ -38,7 +39,7 @@ def _one(job: dict) -> dict:
         try:
             r = simulate(job["seed"], job["lives"], draw=not job["fixed"], known_bugs=tuple(job["known_bugs"]),
                          trace_all=job["trace"], fleet=job["fleet"], scopes=job["scopes"],
-                         choices=job["choices"])
+                         choices=job["choices"], sched=job["sched"])
             return {"seed": job["seed"], "ok": True, "lives": r.lives, "steps": r.steps, "seconds": r.seconds,
                     "outcomes": dict(r.outcomes), "stats": dict(r.stats)}
         except SimFailure as e:
@@ -66,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="requests for n > 1 choices: each later choice prefills once its first one's prompt is held, "
                          "decode reserves a request's choices together, and one refused before admission ends the "
                          "request (the server aborts the others)")
+    ap.add_argument("--sched", action="store_true",
+                    help="draw the engines' scheduling settings too: the prefill cap while decoding (none, a page, "
+                         "16, 64, 256 tokens) and each tenant's share of the running slots (all, 3/4, 1/2, 1/4)")
     ap.add_argument("--fixed", action="store_true", help="SimConfig defaults instead of a configuration drawn per seed")
     ap.add_argument("--fault", action="append", default=[], help="enable a kvfence.faults point (repeatable)")
     ap.add_argument("--known-bugs", default="",
@@ -85,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         except FaultConfigError as e:
             ap.error(f"--fault {f!r}: {str(e).replace(' in KVFENCE_TEST_FAULTS', '')}")
 
+    if a.fixed and (a.fleet or a.scopes or a.choices or a.sched):
+        ap.error("--fixed runs SimConfig's defaults: --fleet, --scopes, --choices and --sched choose what a seed draws")
     known = [k for k in a.known_bugs.split(",") if k]
     for k in known:
         if k not in KNOWN_BUGS:
@@ -93,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     per = max(1, a.lives // len(seeds))
     jobs = [{"seed": s, "lives": per + (1 if i < a.lives - per * len(seeds) else 0), "fixed": a.fixed,
              "faults": a.fault, "known_bugs": known, "trace": a.trace, "fleet": a.fleet,
-             "scopes": a.scopes, "choices": a.choices} for i, s in enumerate(seeds)]
+             "scopes": a.scopes, "choices": a.choices, "sched": a.sched}
+            for i, s in enumerate(seeds)]
     print(f"kvfence simulation: {len(seeds)} seed(s), {sum(j['lives'] for j in jobs)} request lives"
           f"{', faults ' + ','.join(a.fault) if a.fault else ''}{', excusing ' + ','.join(known) if known else ''}",
           flush=True)

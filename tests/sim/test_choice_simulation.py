@@ -2,9 +2,10 @@
 and the PD router serve them: every choice is submitted at once, a later choice starts its
 prefill once its first choice's prompt is held there (attaching those pages from prefill's
 cache), decode reserves a request's choices by when the first arrived (the handoff's
-choice_of), one refused before admission ends the request (the server aborts the others),
-and a client that leaves ends them all. Every invariant is checked after every step, as in
-test_simulation.py, and at the end no node still counts a client request in its queues."""
+choice_of), one that fails (refused before admission, or while the others generate) fails
+the request (the server aborts the others), and a client that leaves ends them all. Every
+invariant is checked after every step, as in test_simulation.py, and at the end no node
+still counts a client request in its queues."""
 from __future__ import annotations
 
 import functools
@@ -14,28 +15,32 @@ import pytest
 from kvfence.pd.decode import KvImporter, _request_of
 from kvfence.sim.cluster import SimFailure, simulate
 
-CHOICE_SEEDS = (1, 2)   # between them: choices that attach their first choice's pages, decode queueing a
-#                         request's choices together, choices dropped after another was refused
+# (seed, lives, fleet): between them, choices that attach every page of their first choice's
+# prompt, decode holding two choices of a request at once, choices dropped before they were
+# admitted and while they generated, a choice failing after admission, and a choice redone
+# without the node that failed its handoff (a fleet's)
+CHOICE_RUNS = ((1, 400, False), (2, 400, False), (6, 300, True))
 LIVES = 400
 
 
 @functools.cache
-def clean(seed: int):
-    return simulate(seed, LIVES, choices=True)
+def clean(seed: int, lives: int, fleet: bool):
+    return simulate(seed, lives, choices=True, fleet=fleet)
 
 
-@pytest.mark.parametrize("seed", CHOICE_SEEDS)
-def test_requests_for_several_choices_hold_every_invariant(seed):
-    r = clean(seed)
-    print(f"seed {seed}: {r.lives} lives, {r.steps} steps, {r.seconds:.1f} s; {dict(r.outcomes)}")
-    assert sum(r.outcomes.values()) >= LIVES   # a request's choices are lives of their own
+@pytest.mark.parametrize("run", CHOICE_RUNS)
+def test_requests_for_several_choices_hold_every_invariant(run):
+    r = clean(*run)
+    print(f"seed {run[0]}: {r.lives} lives, {r.steps} steps, {r.seconds:.1f} s; {dict(r.outcomes)}")
+    assert sum(r.outcomes.values()) >= run[1]   # a request's choices are lives of their own
 
 
 def test_the_choice_runs_cover_every_path():
-    stats = sum((clean(s).stats for s in CHOICE_SEEDS), start=type(clean(CHOICE_SEEDS[0]).stats)())
-    outcomes = sum((clean(s).outcomes for s in CHOICE_SEEDS), start=type(clean(CHOICE_SEEDS[0]).outcomes)())
-    for path in ("choice_requests", "choice_prompt_pages_attached", "decode_choices_queued_together",
-                 "choices_dropped"):
+    stats = sum((clean(*run).stats for run in CHOICE_RUNS), start=type(clean(*CHOICE_RUNS[0]).stats)())
+    outcomes = sum((clean(*run).outcomes for run in CHOICE_RUNS), start=type(clean(*CHOICE_RUNS[0]).outcomes)())
+    for path in ("choice_requests", "choice_whole_prompt_attached", "decode_choices_held_together",
+                 "choices_dropped", "choices_dropped_while_generating", "choice_failed_before_admission",
+                 "choice_failed_admitted", "choice_redone"):
         assert stats[path] > 0, path
     assert outcomes["choice dropped (another failed)"] > 0
 
@@ -60,16 +65,18 @@ def test_decode_that_never_forgets_a_client_request_is_caught_as_a_leak(monkeypa
             self._requests.setdefault(key, entry)
     monkeypatch.setattr(KvImporter, "on_end", keeps_the_entry)
     with pytest.raises(SimFailure) as e:
-        simulate(CHOICE_SEEDS[0], LIVES, choices=True)
+        simulate(1, LIVES, choices=True)
     print(e.value.report())
     assert e.value.invariant == "leak" and "client requests" in e.value.message
 
 
-def test_the_livelock_the_choice_campaign_found_is_caught(monkeypatch):
+@pytest.mark.parametrize("seed, lives, choices", ((138, 500, True), (2, 300, False)))
+def test_the_livelock_the_choice_campaign_found_is_caught(monkeypatch, seed, lives, choices):
     """Seed 138 of the first --choices campaign: a prefill node whose step budget (8) is under the
     prefill cap (256) kept a quarter of the cap for a waiting request; its running prefills had
-    no room left, held the pool, and the node never moved again. The old rule, put back, is
-    caught as liveness (tests/unit/test_scheduler.py holds the fix)."""
+    no room left, held the pool, and the node never moved again. Plain runs reached it too
+    (seed 2 at 300 lives; the suite's seeds did not). The old rule, put back, is caught as
+    liveness (tests/unit/test_scheduler.py holds the fix)."""
     from kvfence.engine.scheduler import QUEUE_SHARE, Scheduler
 
     def quarter_of_the_cap(self, budget, capped_so_far, capped, for_queue=False):
@@ -79,5 +86,22 @@ def test_the_livelock_the_choice_campaign_found_is_caught(monkeypatch):
         return room - whole // QUEUE_SHARE if for_queue else room
     monkeypatch.setattr(Scheduler, "_prefill_room", quarter_of_the_cap)
     with pytest.raises(SimFailure) as e:
-        simulate(138, 500, choices=True)
+        simulate(seed, lives, choices=choices)
     assert e.value.invariant == "liveness"
+
+
+@pytest.mark.parametrize("seed", (8, 11))   # caps of 16 and of one page (4) under budgets of 128 and 64
+def test_drawn_scheduling_settings_reach_the_engines_and_hold_every_invariant(seed):
+    """--sched draws the engines' prefill cap and tenants' running share (a cap under the step
+    budget, the regime the livelock above hid in, was never drawn before)."""
+    from kvfence.sim.cluster import SimConfig, Simulation
+
+    cfg = SimConfig.draw(seed, 300, choices=True, sched=True)
+    assert cfg.prefill_cap < cfg.max_batched_tokens and not cfg.step_target
+    sim = Simulation(cfg)
+    for node in sim.nodes.values():
+        sch = node.engine.scheduler
+        assert sch.prefill_budget_while_decoding == cfg.prefill_cap and node.engine.step_target is None
+        assert sch.max_seqs_per_tenant == max(1, int(cfg.max_num_seqs * cfg.running_share))
+    r = sim.run()   # closes the simulation's nodes at the end
+    assert sum(r.outcomes.values()) >= 300 and r.stats["choice_requests"] > 0
