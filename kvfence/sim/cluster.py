@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from kvfence import faults
-from kvfence.engine.admission import ContextLengthExceeded
+from kvfence.engine.admission import ContextLengthExceeded, Overloaded
 from kvfence.engine.config import EngineConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.params import SamplingParams
@@ -95,6 +95,7 @@ EXPLAINED_BY = {
     "draining": {"fleet"},
     "scope_retired": {"rekey"},   # its key was revoked by a reload a node had already carried out
     "engine_unavailable": {"retire_fail"},   # queued behind a retirement of its scope that failed
+    "server_overloaded": {"load"},   # a node's queue was full (SimConfig.max_waiting), on every node tried
     "kv_pool_exhausted": {"known_bug_pool_held_outside_scheduler"},
 }
 
@@ -196,6 +197,7 @@ class SimConfig:
     prefill_cap: int = 256
     running_share: float = 0.75
     step_target: bool = True
+    max_waiting: int = 1024         # each node's queue (EngineConfig.max_waiting): beyond it, server_overloaded
 
     @classmethod
     def draw(cls, seed: int, lives: int = 1000, fleet: bool = False, scopes: bool = False, choices: bool = False,
@@ -206,7 +208,8 @@ class SimConfig:
         `scopes`, 1-3 router processes, names given to new parties, lost forget messages,
         router restarts and idle routers' scopes retired; with `choices`, requests for n > 1
         choices (a share of 0.2-0.8 of them, 2-8 choices); with `sched`, the engines' prefill
-        cap while decoding (none, a page, 16, 64 or 256 tokens) and tenants' running share."""
+        cap while decoding (none, a page, 16, 64 or 256 tokens), tenants' running share and the
+        nodes' queue size (1024, 16, 4, 2: refusals for load, retried on another node)."""
         r = random.Random(f"config-{seed}")
         ps = 4
         ctx = r.choice([32, 48, 64, 96])
@@ -251,6 +254,7 @@ class SimConfig:
             k = random.Random(f"sched-{seed}")
             kw.update(prefill_cap=k.choice([0, ps, 16, 64, 256]), running_share=k.choice([1.0, 0.75, 0.5, 0.25]),
                       step_target=False)
+            kw.update(max_waiting=k.choice([1024, 16, 4, 2]))   # drawn last: the draws above stay
         kw.update(overrides)
         return cls(**kw)
 
@@ -501,6 +505,7 @@ class Simulation(ScopeModel):
                             max_model_len=ctx, scrub="none", audit_reads=True, num_threads=1, progress=False,
                             max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_batched_tokens,
                             prefill_tokens_while_decoding=c.prefill_cap, tenant_running_share=c.running_share,
+                            max_waiting=c.max_waiting,
                             **({} if c.step_target else {"decode_step_target_ms": 0.0}),
                             enable_prefix_cache=(role == "prefill"))
 
@@ -993,9 +998,14 @@ class Simulation(ScopeModel):
         try:
             seq = p.engine.add_request(life.ids, life.params, tenant=life.tenant, request_id=life.rid, hold_kv=True,
                                        router=life.router or None)
-        except ContextLengthExceeded:
+        except (ContextLengthExceeded, Overloaded) as e:
             self._check(p.engine.ledger.counters["pages_allocated"] == granted and life.rid not in p.engine.requests,
                         "I4", f"prefill allocated for {life.rid} although it rejected it")
+            if isinstance(e, Overloaded):   # refused for load before admitting: another node may take it
+                self.stats["overloaded_prefill"] += 1
+                life.excuses.add("load")
+                self._log(f"  {p.name} refuses {life.rid}: overloaded")
+                return self._prefill_failed(life, "server_overloaded", str(e))
             self._unroute(life, "p")
             return self._answer(life, "error", "context_length_exceeded", where=p.name)
         except ValueError as e:
@@ -1088,11 +1098,22 @@ class Simulation(ScopeModel):
         try:
             seq = d.engine.add_request(life.ids, life.params, tenant=life.tenant, request_id=life.rid,
                                        router=life.router or None, **kw)
-        except (ContextLengthExceeded, ManifestError) as e:
+        except (ContextLengthExceeded, ManifestError, Overloaded) as e:
             now = (d.engine.ledger.counters["pages_allocated"], d.link.staging.ledger.counters["pages_allocated"])
             self._check(now == granted and life.rid not in d.engine.requests, "I4",
                         f"{d.name} reserved pages or rows for {life.rid} although it refused it")
             life.reader_stopped = True   # decode answered and refused: it never pulls
+            if isinstance(e, Overloaded):   # refused for load before admitting: another decode node may take it
+                self.stats["overloaded_decode"] += 1
+                life.excuses.add("load")
+                self._log(f"  {d.name} refuses {life.rid}: overloaded")
+                self._unroute(life, "d")
+                life.d_excluded.add(d.name)
+                retry = may_retry_decode("server_overloaded", True, False, life.d_tries)
+                life.d_tries += 1
+                if retry and self.fleet.pick_decode(frozenset({d.name})) is not None:
+                    return self._route_decode(life, source)
+                return self._answer(life, "error", "server_overloaded", where=d.name)
             if isinstance(e, ContextLengthExceeded):
                 return self._answer(life, "error", "context_length_exceeded", where=d.name)
             self._log(f"  {d.name} refused the manifest: {e}")
@@ -1229,7 +1250,7 @@ class Simulation(ScopeModel):
             return
         # a node refuses what is queued behind a failed retirement of its scope before its own
         # admission looks at the request (kvfence/pd/node.py): an over-length one gets that 503
-        excused = bool(life.excuses & {"crash", "client_abort", "fleet", "rekey", "retire_fail"})
+        excused = bool(life.excuses & {"crash", "client_abort", "fleet", "rekey", "retire_fail", "load"})
         self._check(not (life.over_p or life.over_d) or excused, "I4",
                     f"over-length {life.rid} was not refused with a 400 (got {life.code})")
         why = EXPLAINED_BY.get(life.code, set())

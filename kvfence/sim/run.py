@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in sorted(outcomes.items(), key=lambda kv: -kv[1]):
         print(f"  {v:8d}  {k}")
     kinds = ("transport_", "crash", "known_bug", "adversary_", "drain", "routed_", "fleet_", "scope_", "router_",
-             "choice", "decode_choices")
+             "choice", "decode_choices", "overloaded_")
     interesting = {k: v for k, v in stats.items() if v and (k.startswith(kinds)
                                                             or k.endswith(("fences", "late_notices", "stale_notices",
                                                                            "verify_failed", "leases_expired",

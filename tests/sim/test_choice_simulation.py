@@ -105,3 +105,28 @@ def test_drawn_scheduling_settings_reach_the_engines_and_hold_every_invariant(se
         assert sch.max_seqs_per_tenant == max(1, int(cfg.max_num_seqs * cfg.running_share))
     r = sim.run()   # closes the simulation's nodes at the end
     assert sum(r.outcomes.values()) >= 300 and r.stats["choice_requests"] > 0
+
+
+def test_a_node_that_refuses_for_load_after_admitting_is_caught(monkeypatch):
+    """--sched draws small node queues (max_waiting 2 here): nodes refuse for load and the router
+    tries another node or answers server_overloaded. A refusal must take nothing: a node that
+    sheds load after it has admitted the request (its pages or rows granted, the request queued
+    where nobody will ever end it) is caught."""
+    from kvfence.engine.llm_engine import LLMEngine
+
+    r = simulate(1, 300, choices=True, sched=True)
+    assert r.stats["overloaded_prefill"] > 0 and r.stats["overloaded_decode"] > 0
+    assert r.outcomes["error server_overloaded"] > 0
+    add, check = LLMEngine.add_request, LLMEngine._check_load
+
+    def admit_then_shed(self, *args, **kwargs):
+        tenant = kwargs.get("tenant", "default")
+        seq = add(self, *args, **kwargs)
+        check(self, tenant)   # counts the request just queued: the node "refuses" it after admitting it
+        return seq
+    monkeypatch.setattr(LLMEngine, "_check_load", lambda self, tenant: None)
+    monkeypatch.setattr(LLMEngine, "add_request", admit_then_shed)
+    with pytest.raises(SimFailure) as e:
+        simulate(1, 300, choices=True, sched=True)
+    print(e.value.report())
+    assert e.value.invariant == "I4" and "although it" in e.value.message
