@@ -486,6 +486,8 @@ class Simulation(ScopeModel):
         if not chk.ok or chk.reference is None:
             raise ValueError(f"the simulated fleet fails its start-up check: {chk.note}")
         self.advertised = chk.usable_context
+        # the most choices the server lets through (app.py's too_many_choices: a tenant's waiting places)
+        self.max_choices = min(n.engine.config.tenant_waiting_places for n in self.nodes.values())
         self.fleet = Fleet(names, chk.usable_context, chk.reference)
         for node in self.nodes.values():
             node.fnode = self.fleet.by_url(node.name)
@@ -882,6 +884,9 @@ class Simulation(ScopeModel):
         # n choices (drawn only when configured: runs without them replay as before); choice j
         # samples with seed + j, as the server sends it
         k = r.randint(2, c.max_choices) if c.choices and r.random() < c.choices else 1
+        # the server refuses more choices than a tenant's waiting places (400 too_many_choices,
+        # the model card's max_choices): a request for more never reaches the router
+        k = min(k, self.max_choices)
         self.arrived += k - 1
         lead = f"s{c.seed}-r{i}"
         group = [Life(i + j, f"s{c.seed}-r{i + j}", tenant, ids,
@@ -1003,7 +1008,7 @@ class Simulation(ScopeModel):
                         "I4", f"prefill allocated for {life.rid} although it rejected it")
             if isinstance(e, Overloaded):   # refused for load before admitting: another node may take it
                 self.stats["overloaded_prefill"] += 1
-                life.excuses.add("load")
+                self._check_shed(p, life)
                 self._log(f"  {p.name} refuses {life.rid}: overloaded")
                 return self._prefill_failed(life, "server_overloaded", str(e))
             self._unroute(life, "p")
@@ -1093,6 +1098,8 @@ class Simulation(ScopeModel):
         refused = self._admit_scope(life, d)
         if refused is not None:
             life.reader_stopped = True   # refused: it never pulls
+            if refused == "engine_unavailable":   # behind a failed retirement: refused before admitting
+                return self._decode_elsewhere(life, d, refused, source)
             return self._answer(life, "error", refused, where=d.name)
         granted = (d.engine.ledger.counters["pages_allocated"], d.link.staging.ledger.counters["pages_allocated"])
         try:
@@ -1105,15 +1112,8 @@ class Simulation(ScopeModel):
             life.reader_stopped = True   # decode answered and refused: it never pulls
             if isinstance(e, Overloaded):   # refused for load before admitting: another decode node may take it
                 self.stats["overloaded_decode"] += 1
-                life.excuses.add("load")
-                self._log(f"  {d.name} refuses {life.rid}: overloaded")
-                self._unroute(life, "d")
-                life.d_excluded.add(d.name)
-                retry = may_retry_decode("server_overloaded", True, False, life.d_tries)
-                life.d_tries += 1
-                if retry and self.fleet.pick_decode(frozenset({d.name})) is not None:
-                    return self._route_decode(life, source)
-                return self._answer(life, "error", "server_overloaded", where=d.name)
+                self._check_shed(d, life)
+                return self._decode_elsewhere(life, d, "server_overloaded", source)
             if isinstance(e, ContextLengthExceeded):
                 return self._answer(life, "error", "context_length_exceeded", where=d.name)
             self._log(f"  {d.name} refused the manifest: {e}")
@@ -1135,6 +1135,35 @@ class Simulation(ScopeModel):
         life.d_sink = True
         life.stage = "decode"
         self._log(f"  {life.rid} -> {d.name}")
+
+    def _decode_elsewhere(self, life: Life, d: Node, code: str, source: dict | None) -> None:
+        """Decode refused the request for load or state before admitting it (the router's
+        NodeError.retryable, REFUSED_FOR_LOAD_OR_STATE): once more on another decode node."""
+        self._log(f"  {d.name} refuses {life.rid}: {code}")
+        self._unroute(life, "d")
+        life.d_excluded.add(d.name)
+        retry = may_retry_decode(code, True, False, life.d_tries)
+        life.d_tries += 1
+        if retry and self.fleet.pick_decode(frozenset({d.name})) is not None:
+            return self._route_decode(life, source)
+        self._answer(life, "error", code, where=d.name)
+
+    def _check_shed(self, node: Node, life: Life) -> None:
+        """A refusal for load (LLMEngine._check_load) is true: the node's queue is full, or the
+        tenant holds its share of it, counting only requests the node still has; and it took
+        nothing of this one (no pages or rows: checked by the caller; not queued anywhere)."""
+        eng = node.engine
+        queued = list(eng.scheduler.waiting) + eng.kv_link.queued()
+        self._check(all(q.request_id in eng.requests and not q.finished for q in queued), "leak",
+                    f"{node.name}'s queue holds requests it no longer has: "
+                    f"{[q.request_id for q in queued if q.request_id not in eng.requests][:5]}")
+        mine = sum(1 for q in queued if q.tenant == life.tenant)
+        full = len(queued) >= eng.config.max_waiting or mine >= eng.config.tenant_waiting_places
+        self._check(full, "outcome", f"{node.name} refused {life.rid} for load with {len(queued)} waiting "
+                                     f"({mine} of its tenant's; max_waiting {eng.config.max_waiting})")
+        self._check(all(q.request_id != life.rid for q in queued), "I4",
+                    f"{node.name} refused {life.rid} for load but queued it")
+        life.excuses.add("load")
 
     def _fail_handoff(self, life: Life, code: str, culprit: str | None) -> None:
         """RouterBackend._run: a failure that names a failed node (culprit) before anything
@@ -1250,7 +1279,9 @@ class Simulation(ScopeModel):
             return
         # a node refuses what is queued behind a failed retirement of its scope before its own
         # admission looks at the request (kvfence/pd/node.py): an over-length one gets that 503
-        excused = bool(life.excuses & {"crash", "client_abort", "fleet", "rekey", "retire_fail", "load"})
+        excused = (bool(life.excuses & {"crash", "client_abort", "fleet", "rekey"})
+                   or (life.code == "server_overloaded" and "load" in life.excuses)
+                   or (life.code == "engine_unavailable" and "retire_fail" in life.excuses))
         self._check(not (life.over_p or life.over_d) or excused, "I4",
                     f"over-length {life.rid} was not refused with a 400 (got {life.code})")
         why = EXPLAINED_BY.get(life.code, set())
@@ -1575,7 +1606,10 @@ class Simulation(ScopeModel):
             running.update(link.pulls[pid].seq.tenant for pid in link.live.values())
             floor = min((running[q.tenant] for q in eng.scheduler.waiting), default=None)
             may = [q for q in link.waiting if floor is None or running[q.tenant] < floor]
-            if not may:   # they wait for the scheduler's, whose pages come back with a pull in flight
+            if not may:
+                # they wait for the scheduler's queue; the engine goes idle with work queued only
+                # while a pull's reservation holds pool pages (LLMEngine._stalled), which come back
+                # by its notice or timer. True by construction today: checked so a change shows
                 if not link.live:
                     self._idle_with_work(node, f"decode goes idle with {link.waiting[0].request_id} behind "
                                                f"{eng.scheduler.waiting[0].request_id}, with no pull in flight to "

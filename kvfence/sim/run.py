@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                          "request (the server aborts the others)")
     ap.add_argument("--sched", action="store_true",
                     help="draw the engines' scheduling settings too: the prefill cap while decoding (none, a page, "
-                         "16, 64, 256 tokens) and each tenant's share of the running slots (all, 3/4, 1/2, 1/4)")
+                         "16, 64, 256 tokens), each tenant's share of the running slots (all, 3/4, 1/2, 1/4) and each "
+                         "node's queue (max_waiting 1024, 16, 4, 2: refusals for load)")
     ap.add_argument("--fixed", action="store_true", help="SimConfig defaults instead of a configuration drawn per seed")
     ap.add_argument("--fault", action="append", default=[], help="enable a kvfence.faults point (repeatable)")
     ap.add_argument("--known-bugs", default="",

@@ -108,7 +108,7 @@ def test_drawn_scheduling_settings_reach_the_engines_and_hold_every_invariant(se
 
 
 def test_a_node_that_refuses_for_load_after_admitting_is_caught(monkeypatch):
-    """--sched draws small node queues (max_waiting 2 here): nodes refuse for load and the router
+    """--sched draws small node queues (seed 1 draws max_waiting 2): nodes refuse for load and the router
     tries another node or answers server_overloaded. A refusal must take nothing: a node that
     sheds load after it has admitted the request (its pages or rows granted, the request queued
     where nobody will ever end it) is caught."""
@@ -130,3 +130,21 @@ def test_a_node_that_refuses_for_load_after_admitting_is_caught(monkeypatch):
         simulate(1, 300, choices=True, sched=True)
     print(e.value.report())
     assert e.value.invariant == "I4" and "although it" in e.value.message
+
+
+def test_a_node_that_refuses_for_load_with_room_left_is_caught(monkeypatch):
+    """A refusal for load must be true: a node that sheds while its queue has room (here: as soon
+    as one request waits, with max_waiting 4) answers clients 503s nothing explains."""
+    from kvfence.engine.admission import Overloaded
+    from kvfence.engine.llm_engine import LLMEngine
+
+    check = LLMEngine._check_load
+
+    def sheds_early(self, tenant):
+        check(self, tenant)
+        if self.scheduler.waiting or self.kv_link.queued():
+            raise Overloaded("The server is overloaded: its queue is full; retry shortly.")
+    monkeypatch.setattr(LLMEngine, "_check_load", sheds_early)
+    with pytest.raises(SimFailure) as e:
+        simulate(2, 300, choices=True, sched=True)   # seed 2 draws max_waiting 4
+    assert e.value.invariant == "outcome" and "for load with" in e.value.message
