@@ -208,8 +208,9 @@ class SimConfig:
         `scopes`, 1-3 router processes, names given to new parties, lost forget messages,
         router restarts and idle routers' scopes retired; with `choices`, requests for n > 1
         choices (a share of 0.2-0.8 of them, 2-8 choices); with `sched`, the engines' prefill
-        cap while decoding (none, a page, 16, 64 or 256 tokens), tenants' running share and the
-        nodes' queue size (1024, 16, 4, 2: refusals for load, retried on another node)."""
+        cap while decoding (none, 4, 16, 64 or 256 tokens), tenants' running share, the
+        nodes' queue size (1024, 16, 4, 2: refusals for load, retried on another node) and the
+        page size (4, 8, 16)."""
         r = random.Random(f"config-{seed}")
         ps = 4
         ctx = r.choice([32, 48, 64, 96])
@@ -255,6 +256,12 @@ class SimConfig:
             kw.update(prefill_cap=k.choice([0, ps, 16, 64, 256]), running_share=k.choice([1.0, 0.75, 0.5, 0.25]),
                       step_target=False)
             kw.update(max_waiting=k.choice([1024, 16, 4, 2]))   # drawn last: the draws above stay
+            # the page size too (4 above; the real default is 16): the pools and buffers keep
+            # the same number of tokens, in fewer, larger pages (contexts are multiples of 16)
+            big = k.choice([4, 8, 16])
+            if big != ps:
+                kw.update(page_size=big, **{f: -(-kw[f] * ps // big) + 1 for f in
+                                            ("prefill_pages", "decode_pages", "prefill_rows", "decode_rows")})
         kw.update(overrides)
         return cls(**kw)
 

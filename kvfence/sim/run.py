@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
                          "decode reserves a request's choices together, and one refused before admission ends the "
                          "request (the server aborts the others)")
     ap.add_argument("--sched", action="store_true",
-                    help="draw the engines' scheduling settings too: the prefill cap while decoding (none, a page, "
+                    help="draw the engines' scheduling settings too: the prefill cap while decoding (none, 4, "
                          "16, 64, 256 tokens), each tenant's share of the running slots (all, 3/4, 1/2, 1/4) and each "
-                         "node's queue (max_waiting 1024, 16, 4, 2: refusals for load)")
+                         "node's queue (max_waiting 1024, 16, 4, 2: refusals for load) and the page size (4, 8, 16)")
     ap.add_argument("--fixed", action="store_true", help="SimConfig defaults instead of a configuration drawn per seed")
     ap.add_argument("--fault", action="append", default=[], help="enable a kvfence.faults point (repeatable)")
     ap.add_argument("--known-bugs", default="",

@@ -103,6 +103,7 @@ def test_drawn_scheduling_settings_reach_the_engines_and_hold_every_invariant(se
         sch = node.engine.scheduler
         assert sch.prefill_budget_while_decoding == cfg.prefill_cap and node.engine.step_target is None
         assert sch.max_seqs_per_tenant == max(1, int(cfg.max_num_seqs * cfg.running_share))
+        assert node.engine.ledger.page_size == cfg.page_size == (4 if seed == 8 else 16)
     r = sim.run()   # closes the simulation's nodes at the end
     assert sum(r.outcomes.values()) >= 300 and r.stats["choice_requests"] > 0
 
