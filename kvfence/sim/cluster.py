@@ -508,7 +508,9 @@ class Simulation(ScopeModel):
         pages = c.prefill_pages if role == "prefill" else c.decode_pages
         ctx = c.context if role == "prefill" else (c.decode_context or c.context)
         if small:   # the incident's configuration: less KV memory than the fleet advertises
-            ctx = max(4 * c.page_size, ctx // 2)
+            # half, in whole pages: below the advertised context whatever the page size (max(4
+            # pages, half) was 64 tokens with pages of 16, a node larger than the fleet's)
+            ctx = max(c.page_size, ctx // 2 // c.page_size * c.page_size)
             pages = ctx // c.page_size + 1
         return EngineConfig(dtype="float32", device="cpu", page_size=c.page_size, kv_cache_memory=(pages + 1) * pb,
                             max_model_len=ctx, scrub="none", audit_reads=True, num_threads=1, progress=False,
