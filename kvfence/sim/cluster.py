@@ -1092,23 +1092,15 @@ class Simulation(ScopeModel):
         life.decode_contacted, life.reader_stopped = True, False
         refused = self._refused(life, d)
         if refused is not None:
-            code, why = refused
-            self._log(f"  {d.name} refuses {life.rid}: {why}")
             life.reader_stopped = True   # refused or never reached: it never pulls
-            self._unroute(life, "d")
-            life.d_excluded.add(d.name)
-            retry = may_retry_decode(code, True, False, life.d_tries)
-            life.d_tries += 1
-            if retry and self.fleet.pick_decode(frozenset({d.name})) is not None:
-                return self._route_decode(life, source)
-            return self._answer(life, "error", code, where=d.name)
+            return self._decode_elsewhere(life, d, *refused, source)
         kw = ({"kv_source": {"manifest": dict(life.manifest), "source": source, "choice_of": life.client}}
               if life.manifest is not None else {})
         refused = self._admit_scope(life, d)
         if refused is not None:
             life.reader_stopped = True   # refused: it never pulls
             if refused == "engine_unavailable":   # behind a failed retirement: refused before admitting
-                return self._decode_elsewhere(life, d, refused, source)
+                return self._decode_elsewhere(life, d, refused, refused, source)
             return self._answer(life, "error", refused, where=d.name)
         granted = (d.engine.ledger.counters["pages_allocated"], d.link.staging.ledger.counters["pages_allocated"])
         try:
@@ -1122,7 +1114,7 @@ class Simulation(ScopeModel):
             if isinstance(e, Overloaded):   # refused for load before admitting: another decode node may take it
                 self.stats["overloaded_decode"] += 1
                 self._check_shed(d, life)
-                return self._decode_elsewhere(life, d, "server_overloaded", source)
+                return self._decode_elsewhere(life, d, "server_overloaded", "server_overloaded", source)
             if isinstance(e, ContextLengthExceeded):
                 return self._answer(life, "error", "context_length_exceeded", where=d.name)
             self._log(f"  {d.name} refused the manifest: {e}")
@@ -1145,10 +1137,11 @@ class Simulation(ScopeModel):
         life.stage = "decode"
         self._log(f"  {life.rid} -> {d.name}")
 
-    def _decode_elsewhere(self, life: Life, d: Node, code: str, source: dict | None) -> None:
-        """Decode refused the request for load or state before admitting it (the router's
-        NodeError.retryable, REFUSED_FOR_LOAD_OR_STATE): once more on another decode node."""
-        self._log(f"  {d.name} refuses {life.rid}: {code}")
+    def _decode_elsewhere(self, life: Life, d: Node, code: str, why: str, source: dict | None) -> None:
+        """Decode was not reached, or refused the request for load or state before admitting it
+        (the router's NodeError.retryable, REFUSED_FOR_LOAD_OR_STATE): once more on another
+        decode node."""
+        self._log(f"  {d.name} refuses {life.rid}: {why}")
         self._unroute(life, "d")
         life.d_excluded.add(d.name)
         retry = may_retry_decode(code, True, False, life.d_tries)

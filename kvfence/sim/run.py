@@ -6,7 +6,7 @@
     python -m kvfence.sim --fleet --lives 100000 --seeds 100    # fleets of 2-4 x 2-4 nodes
     python -m kvfence.sim --scopes --lives 100000 --seeds 100   # 1-3 routers, names given to new parties
     python -m kvfence.sim --choices --lives 100000 --seeds 100  # requests for n > 1 choices (with --fleet too)
-    python -m kvfence.sim --sched --lives 100000 --seeds 100    # the engines' prefill cap and running share drawn
+    python -m kvfence.sim --sched --lives 100000 --seeds 100    # engines' cap, shares, queues and page size drawn
 
 Each seed draws its own configuration (pool and buffer sizes, concurrency, fault rates; see
 SimConfig.draw) unless --fixed. It prints a line per seed, then the count of lives, wall
@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                          "that no cache scope ever serves two parties")
     ap.add_argument("--choices", action="store_true",
                     help="requests for n > 1 choices: each later choice prefills once its first one's prompt is held, "
-                         "decode reserves a request's choices together, and one refused before admission ends the "
-                         "request (the server aborts the others)")
+                         "decode reserves a request's choices together, and one that fails (before admission or while "
+                         "the others generate) ends the request (the server aborts the others)")
     ap.add_argument("--sched", action="store_true",
                     help="draw the engines' scheduling settings too: the prefill cap while decoding (none, 4, "
                          "16, 64, 256 tokens), each tenant's share of the running slots (all, 3/4, 1/2, 1/4) and each "

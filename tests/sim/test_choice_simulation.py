@@ -77,13 +77,10 @@ def test_the_livelock_the_choice_campaign_found_is_caught(monkeypatch, seed, liv
     no room left, held the pool, and the node never moved again. Plain runs reached it too
     (seed 2 at 300 lives; the suite's seeds did not). The old rule, put back, is caught as
     liveness (tests/unit/test_scheduler.py holds the fix)."""
-    from kvfence.engine.scheduler import QUEUE_SHARE, Scheduler
+    from scheduler_mutants import quarter_of_the_cap
 
-    def quarter_of_the_cap(self, budget, capped_so_far, capped, for_queue=False):
-        cap = self.prefill_budget_while_decoding
-        room, whole = ((min(budget, cap - capped_so_far), cap) if capped and cap is not None
-                       else (budget, self.token_budget))
-        return room - whole // QUEUE_SHARE if for_queue else room
+    from kvfence.engine.scheduler import Scheduler
+
     monkeypatch.setattr(Scheduler, "_prefill_room", quarter_of_the_cap)
     with pytest.raises(SimFailure) as e:
         simulate(seed, lives, choices=choices)

@@ -10,9 +10,11 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+from scheduler_mutants import quarter_of_the_cap
+
 from kvfence.engine.params import SamplingParams
 from kvfence.engine.request_states import Event, State
-from kvfence.engine.scheduler import QUEUE_SHARE, Scheduler
+from kvfence.engine.scheduler import Scheduler
 from kvfence.engine.sequence import Sequence
 from kvfence.kv.ledger import Ledger, Owner
 from kvfence.kv.prefix_cache import PrefixCache
@@ -128,11 +130,6 @@ def test_every_step_with_work_moves_and_every_request_ends():
 def test_the_old_room_rule_stalls_some_workloads(monkeypatch):
     """The walk can fail: with the queue's quarter taken of the cap, not of the room a step can
     have, some workloads stall (the rule the simulation caught)."""
-    def quarter_of_the_cap(self, budget, capped_so_far, capped, for_queue=False):
-        cap = self.prefill_budget_while_decoding
-        room, whole = ((min(budget, cap - capped_so_far), cap) if capped and cap is not None
-                       else (budget, self.token_budget))
-        return room - whole // QUEUE_SHARE if for_queue else room
     monkeypatch.setattr(Scheduler, "_prefill_room", quarter_of_the_cap)
     first = next((b for b in (trial(s) for s in range(TRIALS)) if b), None)
     assert first is not None and "nothing ran" in first
