@@ -274,6 +274,7 @@ def _browser_run(srv, exe: str, tmp_path: Path, log_path: Path) -> None:
     # rates appear from the second refresh on; the isolation statement is rendered
     assert dom["outcomes"]["length"] >= 3 and dom["rates_shown"]
     assert "kv memory isolation" in dom["isolation_text"]
+    assert dom["misaligned_headers"] == []
     # the tenants file in force, and its last reload
     assert "Tenants: 7, from " in dom["tenants_text"] and "tenants.toml" in dom["tenants_text"]
     assert "Last reload" in dom["tenants_text"] and "(POST /v1/kvfence/tenants/reload)" in dom["tenants_text"]
@@ -333,6 +334,13 @@ _READ_DOM = """(() => {
     isolation_text: document.getElementById('isolation').textContent,
     tenants_text: document.getElementById('tenants').textContent,
     html: document.documentElement.outerHTML, document_cookie: document.cookie,
+    // headers aligned unlike their column's cells (numbers right, their header over them)
+    misaligned_headers: all('table').flatMap((t) => {
+      const first = t.querySelector('tbody tr');
+      return first ? all('thead th', t).filter((th, i) => first.children[i] &&
+        getComputedStyle(th).textAlign !== getComputedStyle(first.children[i]).textAlign)
+        .map((th) => th.textContent) : [];
+    }),
   };
 })()"""
 

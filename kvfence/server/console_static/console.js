@@ -48,7 +48,9 @@ function badge(status) {
 
 function table(headers, rows, attrs) {
   const t = el("table", attrs || {});
-  t.append(el("thead", {}, el("tr", {}, ...headers.map((h) => el("th", {}, h)))));
+  // a number column's header sits over its numbers (right), not over the cell's left edge
+  const numeric = (i) => rows.length > 0 && rows[0].children[i] && rows[0].children[i].classList.contains("num");
+  t.append(el("thead", {}, el("tr", {}, ...headers.map((h, i) => el("th", numeric(i) ? {class: "num"} : {}, h)))));
   const body = el("tbody");
   for (const r of rows) body.append(r);
   t.append(body);
