@@ -18,11 +18,13 @@ import asyncio
 import logging
 import signal
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar, cast
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
+from prometheus_client import Counter
 
 from kvfence import faults
 from kvfence.engine.admission import ContextLengthExceeded, Overloaded
@@ -62,6 +64,7 @@ from kvfence.server.disconnect import watch_disconnect
 from kvfence.server.engine_loop import EngineLoop, Retirement
 from kvfence.server.errors import APIError, error_body
 from kvfence.server.http_limits import HttpLimits, uvicorn_server
+from kvfence.server.log_budget import LogBudget
 from kvfence.server.protocol import read_body_bytes
 from kvfence.server.streaming import StreamWithCleanup
 
@@ -161,12 +164,26 @@ def _progress(u: Update) -> ProgressEvent:
                        if u.event == "kv_held" and u.started_at is not None else None))
 
 
-def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, drain: Drain) -> APIRouter:
+def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, drain: Drain,
+                        on_refused: Callable[[], None] | None = None) -> APIRouter:
+    """on_refused: told of each call refused for its credential (the node's metric)."""
+    refusals_logged = LogBudget(per_window=5, window_s=60.0, max_keys=256)
+
     async def _cluster_only(request: Request) -> None:   # async: no worker-thread hop a request
         # I11, declared on the routes themselves: a middleware matching request.url.path let
         # through what a Host header made look like another path (Starlette before 1.0.1
         # built url.path from it while routing used the scope's path)
         if not settings.secrets.accepts(request.headers.get(CONTROL_HEADER)):   # as of now (SIGHUP reloads)
+            if on_refused is not None:
+                on_refused()
+            # who reached the PD plane without the secret: a prober, or a process on a stale
+            # secret; a few lines a minute per address (a loop of them must not fill the log)
+            peer = request.client.host if request.client is not None else "?"
+            left_out = refusals_logged.take(peer)
+            if left_out is not None:
+                log.warning("internal route refused: %s %s from %s without a valid cluster credential%s",
+                            request.method, request.url.path[:100], peer,
+                            f" ({left_out} more from it not logged)" if left_out else "")
             raise APIError(401, "internal API: missing or wrong cluster credential", code="unauthorized")
 
     internal = APIRouter(prefix=INTERNAL_PREFIX, dependencies=[Depends(_cluster_only)])
@@ -350,7 +367,10 @@ def node_app(loop: EngineLoop, settings: PDSettings, tenants: TenantRegistry,
     # before the internal routes' catch-all
     state.keyring = settings.keyring   # SIGHUP reads the node's secret files again
     fault_control.mount(app, settings.keyring)
-    add_internal_routes(app, loop, settings, drain)
+    refused = Counter("kvfence_pd_internal_refused", "PD nodes: calls to the internal routes (the PD control "
+                      "plane) refused for a missing or wrong cluster credential: a party on the network "
+                      "without the secret, or a process still on an old one", registry=state.metrics.registry)
+    add_internal_routes(app, loop, settings, drain, on_refused=refused.inc)
     return app, state
 
 

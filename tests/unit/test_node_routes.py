@@ -163,3 +163,23 @@ def test_a_reload_of_the_secret_files_changes_what_every_internal_route_takes(tm
     assert 'kvfence_cluster_secret_reloads_total{result="error"} 1.0' in metrics
     assert f'kvfence_cluster_secret_key{{key_id="{key_id(new)}",use="own"}} 1.0' in metrics
     assert key_id(old) not in metrics and new.decode() not in metrics
+
+
+def test_calls_without_the_credential_are_counted_and_logged_within_a_budget(caplog):
+    """An operator sees who probes the PD plane: each refused call counts in
+    kvfence_pd_internal_refused_total (the metric the shipped alert rule watches), and the log
+    names the address, a few lines a minute per address however many calls come."""
+    loop = SimpleNamespace(state="starting", facts=None, error="test", snapshot={}, call=_engine_stopped)
+    app, state = node_app(loop, PDSettings("prefill", cluster_secret=SECRET), TenantRegistry.single(),
+                          Drain(lambda: {}, lambda: None))
+    registry = state.metrics.registry
+    assert registry.get_sample_value("kvfence_pd_internal_refused_total") == 0
+    client = TestClient(app, raise_server_exceptions=False)
+    with caplog.at_level("WARNING", logger="kvfence.pd.node"):
+        for i in range(12):
+            headers = {} if i % 2 else {"x-kvfence-cluster-token": "0" * 64}
+            assert client.post(INTERNAL_PREFIX + "/prefill", json={}, headers=headers).status_code == 401
+    assert client.get(INTERNAL_PREFIX + "/info", headers=control_headers(SECRET)).status_code == 503  # not counted
+    assert registry.get_sample_value("kvfence_pd_internal_refused_total") == 12
+    lines = [r.getMessage() for r in caplog.records if "internal route refused" in r.getMessage()]
+    assert len(lines) == 5 and all("/internal/prefill from testclient" in m for m in lines), lines
