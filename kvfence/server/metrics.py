@@ -278,6 +278,11 @@ class _EngineCollector:
             yield a
 
 
+# the handoff events each role counts (kvfence/pd/prefill.py, decode.py, link.py)
+ROLE_EVENTS = {"prefill": ("held", "released", "leases_expired", "fences"),
+               "decode": ("pulls_started", "verified", "verify_failed", "pulls_failed", "pulls_given_up", "fences")}
+
+
 def _pd_metrics(pd: dict | None):
     """A PD node's transfer buffer and handoff counters (absent on single-node servers)."""
     if not pd:
@@ -292,9 +297,13 @@ def _pd_metrics(pd: dict | None):
     events = CounterMetricFamily("kvfence_pd_events", "Handoff events on this node (held, released, leases_expired, "
                                  "pulls_started, verified, verify_failed, pulls_failed, pulls_given_up, "
                                  "stale_notices, late_notices, fences)", labels=["event"])
-    for k, v in sorted(pd.items()):
-        if k.startswith("pd_"):
-            events.add_metric([k[3:]], float(v))
+    # every event of the node's role from the start, at 0: a series that first appears at 1 hides
+    # its first increase from Prometheus (increase() needs two samples), and the alert rules'
+    # first transfer that fails verification is the one that matters
+    counts = {e: 0 for e in ROLE_EVENTS.get(pd.get("role", ""), ())}
+    counts.update({k[3:]: v for k, v in pd.items() if k.startswith("pd_")})
+    for k, v in sorted(counts.items()):
+        events.add_metric([k], float(v))
     yield events
     if "transferred_bytes" in pd:
         moved = CounterMetricFamily("kvfence_pd_transferred_bytes", "KV bytes pulled from prefill nodes")
