@@ -2,7 +2,8 @@
 # Set up kvfence in ./.venv on a fresh machine (as root it also apt-installs libibverbs1,
 # which the PD transfer engine needs). `--test` also installs what the test suite needs
 # (transformers as the reference model, spin for the formal model, iproute2 for the
-# multi-host PD test, chromium for the operator console's browser test).
+# multi-host PD test, chromium for the operator console's browser test, prometheus for
+# the alert rules' tests).
 # Safe to run again: it only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -58,6 +59,15 @@ if [ "$want_tests" = 1 ] && ! command -v chromium >/dev/null && ! command -v chr
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
     else
         echo "note: the console's browser test needs Chromium (Debian package 'chromium'); it skips without it" >&2
+    fi
+fi
+# the shipped alert rules are checked with promtool and evaluated by a real Prometheus
+# (deploy/prometheus, tests/unit/test_prometheus_rules.py, tests/server/test_prometheus_alerts.py)
+if [ "$want_tests" = 1 ] && { ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; }; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    else
+        echo "note: the alert rules' tests need promtool and prometheus (Debian package 'prometheus'); they skip without them" >&2
     fi
 fi
 # the fused CPU kernels, compiled once for this machine (kvfence/kernels/build.py); without a
