@@ -25,6 +25,15 @@ X-Forwarded-For (the rightmost one not itself a trusted proxy) and the scheme fr
 X-Forwarded-Proto, and the proxy's own connections are bound by max_connections alone. No proxy
 is trusted by default: anyone could otherwise name any address and dodge every per-address count.
 
+A TLS server's handshake is the protocol's own (`_begin_tls`), not asyncio's: asyncio
+shakes hands before the protocol sees the connection, for up to 60 s, on ~300 KiB of buffers
+each, with no count by address, so 2,000 idle TCP connections from one host took 600 MiB of a
+node in two seconds (a security probe) and none of them could be seen. Now at most
+`max_tls_handshakes` are in progress at once (`max_tls_handshakes_per_address` from one
+address), each for at most `tls_handshake_timeout_s`; one over either cap is reset at once, and
+a handshake that fails (no client certificate, an unknown CA, not TLS) or runs out of time is
+counted and logged with the peer's address.
+
 Every connection closed for one of these reasons is counted (`ConnectionRefusals`, on /metrics as
 kvfence_http_connections_refused_total) and logged at most once per reason and address every
 ten seconds: a client hammering its cap would otherwise write a log line per attempt.
@@ -37,6 +46,7 @@ import ipaddress
 import json
 import logging
 import socket
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,6 +90,9 @@ class HttpLimits:
     max_header_bytes: int = 64 << 10   # request line + headers; larger gets 400
     max_connections_per_address: int | None = None   # None: half of max_connections
     trusted_proxies: tuple[str, ...] = ()   # networks whose X-Forwarded-For/-Proto are believed
+    tls_handshake_timeout_s: float = 10.0     # a handshake takes milliseconds; asyncio allows 60 s
+    max_tls_handshakes: int = 1024            # in progress at once (~300 KiB each)
+    max_tls_handshakes_per_address: int = 32
 
     def __post_init__(self) -> None:
         if not (self.header_timeout_s > 0 and self.body_timeout_s > 0):
@@ -88,6 +101,9 @@ class HttpLimits:
             raise ValueError("max_connections must be >= 1 and max_header_bytes >= 1024")
         if self.max_connections_per_address is not None and self.max_connections_per_address < 1:
             raise ValueError("max_connections_per_address must be >= 1")
+        if not (self.tls_handshake_timeout_s > 0 and self.max_tls_handshakes >= 1
+                and self.max_tls_handshakes_per_address >= 1):
+            raise ValueError("the TLS handshake timeout and caps must be positive")
         self.proxy_networks   # noqa: B018 - a wrong --trusted-proxy is refused here, at start
 
     @property
@@ -159,7 +175,8 @@ def _proxy_network(text: str) -> IPNetwork:
     return network
 
 
-REFUSAL_REASONS = ("per_address_cap", "header_timeout", "body_timeout")
+REFUSAL_REASONS = ("per_address_cap", "header_timeout", "body_timeout", "tls_handshakes_in_progress",
+                   "tls_handshake_failed")
 
 
 class ConnectionRefusals:
@@ -207,17 +224,25 @@ def _protocol_for(limits: HttpLimits, refusals: ConnectionRefusals) -> type[H11P
     # uvicorn builds the protocol itself, so the limits (and the server's count of connections
     # per address) travel as class attributes, one class per server
     return type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits, "by_address": {},
-                                                              "refusals": refusals})
+                                                              "refusals": refusals, "handshaking": {}})
 
 
 class GuardedH11Protocol(H11Protocol):
     limits = HttpLimits()
     by_address: dict[str, int] = {}    # open connections per client address (the event loop's only)
     refusals = ConnectionRefusals()
+    tls: ssl.SSLContext | None = None   # the server's, set at its start-up: the handshake is ours
+    handshaking: dict[str, int] = {}    # TLS handshakes in progress per client address ("" in all)
     CHECK_EVERY_S = 1.0
     LINGER_S = 2.0
+    _watchdog: asyncio.TimerHandle | None = None
+    _address: str | None = None
+    _handshake_group: str | None = None   # set while this connection's handshake runs
 
     def connection_made(self, transport: asyncio.Transport) -> None:
+        if self.tls is not None and transport.get_extra_info("sslcontext") is None:
+            self._begin_tls(transport)
+            return
         super().connection_made(transport)
         self._discarding = False
         self._began = False          # bytes of the current request have arrived
@@ -244,7 +269,63 @@ class GuardedH11Protocol(H11Protocol):
                 return
         self._watchdog = self.loop.call_later(self.CHECK_EVERY_S, self._check_deadlines)
 
+    def _begin_tls(self, raw: asyncio.Transport) -> None:
+        """A TLS connection before its handshake: within the caps, shake hands (bounded in time),
+        then serve it as any other; else reset it."""
+        raw.pause_reading()   # no byte of it reaches h11 before the handshake
+        peer = raw.get_extra_info("peername")
+        address = peer[0] if isinstance(peer, tuple) and peer else None
+        group = address_group(address) if address is not None and not self.limits.is_trusted_proxy(address) else None
+        held = self.handshaking
+        if held.get("", 0) >= self.limits.max_tls_handshakes or (
+                group is not None and held.get(group, 0) >= self.limits.max_tls_handshakes_per_address):
+            self.refusals.note("tls_handshakes_in_progress", group,
+                               "refusing a connection from %s: %d TLS handshakes in progress (at most %d, %d per "
+                               "address)", address, held.get(group or "", 0), self.limits.max_tls_handshakes,
+                               self.limits.max_tls_handshakes_per_address)
+            raw.abort()
+            return
+        held[""] = held.get("", 0) + 1
+        if group is not None:
+            held[group] = held.get(group, 0) + 1
+        self._handshake_group = group or ""
+        self._early: list[bytes] = []   # what came with the handshake's last flight (a request)
+        self._handshake = self.loop.create_task(self._shake_hands(raw, address))
+
+    async def _shake_hands(self, raw: asyncio.Transport, address: str | None) -> None:
+        assert self.tls is not None
+        try:
+            tls = await self.loop.start_tls(raw, self, self.tls, server_side=True,
+                                            ssl_handshake_timeout=self.limits.tls_handshake_timeout_s)
+        except OSError as e:   # start_tls closed the connection (ssl errors, resets, the deadline)
+            why = _handshake_failure(e, self.limits.tls_handshake_timeout_s)
+            if why is not None:
+                self.refusals.note("tls_handshake_failed", address, "closing the connection from %s: TLS handshake "
+                                   "failed (%s)", address, why)
+            return
+        finally:
+            self._end_handshake()
+        if tls is None or tls.is_closing():
+            return
+        self.connection_made(tls)   # now with its TLS transport: the caps and deadlines of any other
+        early, self._early = self._early, []
+        for chunk in early:
+            self.data_received(chunk)
+
+    def _end_handshake(self) -> None:
+        group, self._handshake_group = self._handshake_group, None
+        if group is None:
+            return
+        for key in {"", group}:
+            left = self.handshaking.get(key, 1) - 1
+            if left > 0:
+                self.handshaking[key] = left
+            else:
+                self.handshaking.pop(key, None)
+
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.transport is None:
+            return   # lost in its TLS handshake (_shake_hands counts it): uvicorn never had it
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
@@ -322,10 +403,29 @@ class GuardedH11Protocol(H11Protocol):
         self.loop.call_later(self.LINGER_S, self.transport.close)
 
     def data_received(self, data: bytes) -> None:
+        if self.transport is None:
+            # the TLS layer hands the request on as the handshake completes, before _shake_hands
+            # resumes to make the connection: keep it for then
+            self._early.append(data)
+            return
         if self._discarding:
             return
         self._began = True
         super().data_received(data)
+
+
+def _handshake_failure(e: BaseException, timeout_s: float) -> str | None:
+    """Why a TLS handshake failed, in words for the log; None for a peer that only closed its
+    connection before it was done (a port check, a client that gave up): not a refusal."""
+    if isinstance(e, ssl.SSLError):
+        return {"PEER_DID_NOT_RETURN_A_CERTIFICATE": "no client certificate",
+                "TLSV1_ALERT_UNKNOWN_CA": "the client does not trust this server's CA",
+                "CERTIFICATE_VERIFY_FAILED": "a client certificate this server's CA did not sign",
+                "HTTP_REQUEST": "plain HTTP sent to the TLS port",
+                "WRONG_VERSION_NUMBER": "not TLS"}.get(e.reason or "", e.reason or str(e))[:200]
+    if isinstance(e, ConnectionAbortedError) and "handshake" in str(e):
+        return f"not done within {timeout_s:g} s"
+    return None
 
 
 def uvicorn_server(app: Any, host: str, port: int, limits: HttpLimits, log_level: str = "info",
@@ -338,10 +438,21 @@ def uvicorn_server(app: Any, host: str, port: int, limits: HttpLimits, log_level
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
-            await super().startup(sockets)
+            # the listener gets no TLS context: the protocol shakes hands itself, within its
+            # caps and deadline (GuardedH11Protocol._begin_tls)
+            context, self.config.ssl = self.config.ssl, None
+            self.config.http_protocol_class.tls = context
+            try:
+                await super().startup(sockets)
+            finally:
+                self.config.ssl = context
             if listening is not None and self.started and self.servers:
                 bound = self.servers[0].sockets[0].getsockname()[1]
                 listening("https" if self.config.is_ssl else "http", bound)
+
+        def _log_started_message(self, listeners) -> None:
+            self.config.ssl = self.config.http_protocol_class.tls   # "running on https://": it is TLS
+            super()._log_started_message(listeners)
 
     if limits.trusted_proxies:
         log.info("X-Forwarded-For and X-Forwarded-Proto are believed from %s only",

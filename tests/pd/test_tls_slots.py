@@ -15,7 +15,7 @@ import pytest
 from certs import make_pki
 
 from kvfence.pd.tls import PlaintextNetworkError, TlsSettings, check_listen, uvicorn_options
-from kvfence.server.http_limits import HttpLimits, uvicorn_server
+from kvfence.server.http_limits import ConnectionRefusals, HttpLimits, uvicorn_server
 
 SLOTS = 3
 
@@ -81,6 +81,92 @@ def test_peers_without_a_certificate_hold_no_slot(tmp_path):
     assert _router_gets_in(pki, require_client_certificates=True) == 200
     # the case check_listen refuses: they complete TLS, hold every slot, and the router waits
     assert _router_gets_in(pki, require_client_certificates=False) == 503
+
+
+class _TlsNode:
+    """A server as a node runs it (client certificates required), in a thread."""
+
+    def __init__(self, pki: dict, limits: HttpLimits):
+        tls = TlsSettings(pki["server_cert"], pki["server_key"], pki["ca"])
+        self.refusals = ConnectionRefusals()
+        self.server = uvicorn_server(_app, "127.0.0.1", 0, limits, log_config=None, refusals=self.refusals,
+                                     **uvicorn_options(tls, client_certificates=True))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.handshaking = self.server.config.http_protocol_class.handshaking
+        self.router = ssl.create_default_context(cafile=pki["ca"])
+        self.router.check_hostname = False
+        self.router.load_cert_chain(pki["client_cert"], pki["client_key"])
+
+    def router_status(self, source: str = "127.0.0.1") -> int:
+        transport = httpx.HTTPTransport(verify=self.router, local_address=source)
+        with httpx.Client(transport=transport, timeout=5) as c:
+            return c.get(f"https://127.0.0.1:{self.port}/").status_code
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def _wait_for(check, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "not within the time"
+        time.sleep(0.05)
+
+
+def test_connections_that_never_finish_tls_are_bounded_by_address_and_in_time(tmp_path):
+    """A security probe: asyncio shook hands before kvfence saw a connection, for up to 60 s on
+    ~300 KiB each, uncounted (2,000 idle TCP connections from one host took 600 MiB of a node in
+    two seconds). Now one address holds at most its share of handshakes in progress, the rest are
+    reset, each ends within the deadline, and each refusal is counted; a router from another
+    address still gets in while one address floods, and after the flood its own address does."""
+    pki = make_pki(tmp_path, ["127.0.0.1"])
+    node = _TlsNode(pki, HttpLimits(tls_handshake_timeout_s=2.0, max_tls_handshakes=16,
+                                    max_tls_handshakes_per_address=4))
+    flood: list[socket.socket] = []
+    try:
+        for _ in range(40):   # connect, say nothing
+            flood.append(socket.create_connection(("127.0.0.1", node.port), timeout=5,
+                                                  source_address=("127.0.0.2", 0)))
+        _wait_for(lambda: node.refusals.counts["tls_handshakes_in_progress"] >= 36)
+        assert node.handshaking.get("127.0.0.2") == 4 and node.handshaking.get("") == 4
+        assert node.router_status() == 200                # another address: its own share
+        # the four held ones end at the deadline, counted as failed handshakes
+        _wait_for(lambda: node.refusals.counts["tls_handshake_failed"] >= 4)
+        assert node.handshaking == {}
+        assert node.router_status("127.0.0.2") == 200     # the flooding address, once it stops
+    finally:
+        for s in flood:
+            s.close()
+        node.stop()
+
+
+def test_failed_handshakes_are_counted_by_what_failed(tmp_path, caplog):
+    """No client certificate and plain HTTP to the TLS port each count as a failed handshake,
+    and the log says which and from where (what an operator alerting on probes reads)."""
+    pki = make_pki(tmp_path, ["127.0.0.1"])
+    node = _TlsNode(pki, HttpLimits())
+    try:
+        with caplog.at_level("WARNING", logger="kvfence.http"):
+            anyone = ssl.create_default_context(cafile=pki["ca"])
+            anyone.check_hostname = False
+            with pytest.raises(httpx.HTTPError):
+                httpx.get(f"https://127.0.0.1:{node.port}/", verify=anyone, timeout=5)
+            with pytest.raises(httpx.HTTPError), \
+                    httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.3"), timeout=5) as plain:
+                plain.get(f"http://127.0.0.1:{node.port}/")
+            _wait_for(lambda: node.refusals.counts["tls_handshake_failed"] >= 2)
+        lines = [r.getMessage() for r in caplog.records if "TLS handshake failed" in r.getMessage()]
+        assert any("from 127.0.0.1" in m and "no client certificate" in m for m in lines), lines
+        assert any("from 127.0.0.3" in m and "plain HTTP" in m for m in lines), lines
+        assert node.router_status() == 200 and node.handshaking == {}
+    finally:
+        node.stop()
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])

@@ -244,7 +244,8 @@ def test_refusal_log_lines_are_one_per_reason_and_address_every_quiet_period(cap
     lines = [x.getMessage() for x in caplog.records]
     assert lines[:3] == ["refused 10.0.0.1", "slow 10.0.0.1", "refused 10.0.0.2"]
     assert lines[3] == "refused 10.0.0.1 (and 99 more like it in the 15 s before)" and len(lines) == 4
-    assert r.counts == {"per_address_cap": 102, "header_timeout": 1, "body_timeout": 0}
+    assert r.counts == {"per_address_cap": 102, "header_timeout": 1, "body_timeout": 0,
+                        "tls_handshakes_in_progress": 0, "tls_handshake_failed": 0}
     for i in range(50):                     # many addresses: what it remembers stays bounded
         r.note("body_timeout", f"10.1.0.{i}", "x")
     assert len(r._logged) <= 3
