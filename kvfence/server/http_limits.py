@@ -28,11 +28,15 @@ is trusted by default: anyone could otherwise name any address and dodge every p
 A TLS server's handshake is the protocol's own (`_begin_tls`), not asyncio's: asyncio
 shakes hands before the protocol sees the connection, for up to 60 s, on ~300 KiB of buffers
 each, with no count by address, so 2,000 idle TCP connections from one host took 600 MiB of a
-node in two seconds (a security probe) and none of them could be seen. Now at most
-`max_tls_handshakes` are in progress at once (`max_tls_handshakes_per_address` from one
-address), each for at most `tls_handshake_timeout_s`; one over either cap is reset at once, and
-a handshake that fails (no client certificate, an unknown CA, not TLS) or runs out of time is
-counted and logged with the peer's address.
+node in two seconds (a security probe) and none of them could be seen. Now one address has at
+most `max_tls_handshakes_per_address` in progress (one more is reset at once), each for at most
+`tls_handshake_timeout_s`; past `max_tls_handshakes` in all, a newcomer resets the oldest
+handshake of the address holding the most, not itself (refusing newcomers let 32 addresses
+lock every new client out: review), so a real handshake, done in milliseconds, gets through.
+asyncio's TLS read buffer is 32 KiB, not 256 (a TLS record is at most ~16.6 KiB), and a TLS
+connection closes within `tls_shutdown_timeout_s` of its close, not asyncio's 30 s. A handshake
+that fails (no client certificate, an unknown CA, not TLS) or runs out of time is counted and
+logged with the peer's address.
 
 Every connection closed for one of these reasons is counted (`ConnectionRefusals`, on /metrics as
 kvfence_http_connections_refused_total) and logged at most once per reason and address every
@@ -41,6 +45,7 @@ ten seconds: a client hammering its cap would otherwise write a log line per att
 from __future__ import annotations
 
 import asyncio
+import asyncio.sslproto
 import errno
 import ipaddress
 import json
@@ -81,6 +86,11 @@ if not hasattr(h11_impl, "service_unavailable"):   # a uvicorn that renamed it w
     raise ImportError("uvicorn's h11 protocol has no service_unavailable hook; kvfence needs a uvicorn that does")
 h11_impl.service_unavailable = _over_the_cap
 
+# asyncio gives each TLS connection a read buffer of 256 KiB at once, handshake or not: 1,000
+# idle ones cost 300 MiB (review). A TLS record is at most ~16.6 KiB, so 32 KiB reads lose nothing.
+TLS_READ_BUFFER = 32 << 10
+asyncio.sslproto.SSLProtocol.max_size = TLS_READ_BUFFER
+
 
 @dataclass(frozen=True)
 class HttpLimits:
@@ -90,8 +100,9 @@ class HttpLimits:
     max_header_bytes: int = 64 << 10   # request line + headers; larger gets 400
     max_connections_per_address: int | None = None   # None: half of max_connections
     trusted_proxies: tuple[str, ...] = ()   # networks whose X-Forwarded-For/-Proto are believed
-    tls_handshake_timeout_s: float = 10.0     # a handshake takes milliseconds; asyncio allows 60 s
-    max_tls_handshakes: int = 1024            # in progress at once (~300 KiB each)
+    tls_handshake_timeout_s: float = 5.0      # a handshake takes milliseconds; asyncio allows 60 s
+    tls_shutdown_timeout_s: float = 5.0       # for the peer's close_notify; asyncio waits 30 s
+    max_tls_handshakes: int = 1024            # in progress at once (~60 KiB each)
     max_tls_handshakes_per_address: int = 32
 
     def __post_init__(self) -> None:
@@ -101,7 +112,7 @@ class HttpLimits:
             raise ValueError("max_connections must be >= 1 and max_header_bytes >= 1024")
         if self.max_connections_per_address is not None and self.max_connections_per_address < 1:
             raise ValueError("max_connections_per_address must be >= 1")
-        if not (self.tls_handshake_timeout_s > 0 and self.max_tls_handshakes >= 1
+        if not (self.tls_handshake_timeout_s > 0 and self.tls_shutdown_timeout_s > 0 and self.max_tls_handshakes >= 1
                 and self.max_tls_handshakes_per_address >= 1):
             raise ValueError("the TLS handshake timeout and caps must be positive")
         self.proxy_networks   # noqa: B018 - a wrong --trusted-proxy is refused here, at start
@@ -227,12 +238,15 @@ def _protocol_for(limits: HttpLimits, refusals: ConnectionRefusals) -> type[H11P
                                                               "refusals": refusals, "handshaking": {}})
 
 
+Handshakes = dict[str, dict["GuardedH11Protocol", asyncio.Transport]]   # address -> in progress, oldest first
+
+
 class GuardedH11Protocol(H11Protocol):
     limits = HttpLimits()
     by_address: dict[str, int] = {}    # open connections per client address (the event loop's only)
     refusals = ConnectionRefusals()
     tls: ssl.SSLContext | None = None   # the server's, set at its start-up: the handshake is ours
-    handshaking: dict[str, int] = {}    # TLS handshakes in progress per client address ("" in all)
+    handshaking: Handshakes = {}        # TLS handshakes in progress per client address
     CHECK_EVERY_S = 1.0
     LINGER_S = 2.0
     _watchdog: asyncio.TimerHandle | None = None
@@ -275,33 +289,44 @@ class GuardedH11Protocol(H11Protocol):
         raw.pause_reading()   # no byte of it reaches h11 before the handshake
         peer = raw.get_extra_info("peername")
         address = peer[0] if isinstance(peer, tuple) and peer else None
-        group = address_group(address) if address is not None and not self.limits.is_trusted_proxy(address) else None
-        held = self.handshaking
-        if held.get("", 0) >= self.limits.max_tls_handshakes or (
-                group is not None and held.get(group, 0) >= self.limits.max_tls_handshakes_per_address):
-            self.refusals.note("tls_handshakes_in_progress", group,
-                               "refusing a connection from %s: %d TLS handshakes in progress (at most %d, %d per "
-                               "address)", address, held.get(group or "", 0), self.limits.max_tls_handshakes,
+        proxy = address is not None and self.limits.is_trusted_proxy(address)
+        group = address_group(address) if address is not None else "-"
+        pending = self.handshaking
+        mine = pending.get(group, {})
+        if not proxy and len(mine) >= self.limits.max_tls_handshakes_per_address:
+            self.refusals.note("tls_handshakes_in_progress", group, "refusing a connection from %s: %d TLS handshakes "
+                               "from it in progress (at most %d per address)", group, len(mine),
                                self.limits.max_tls_handshakes_per_address)
             raw.abort()
             return
-        held[""] = held.get("", 0) + 1
-        if group is not None:
-            held[group] = held.get(group, 0) + 1
-        self._handshake_group = group or ""
+        if sum(len(v) for v in pending.values()) >= self.limits.max_tls_handshakes:
+            # full: the address holding the most gives up its oldest (the newcomer is as likely
+            # the router as anyone, and its handshake takes milliseconds)
+            most = max(pending, key=lambda g: len(pending[g]))
+            victim, victim_raw = next(iter(pending[most].items()))
+            self.refusals.note("tls_handshakes_in_progress", most, "resetting a TLS handshake from %s: %d in progress "
+                               "in all (at most %d), %d of them from it", most, self.limits.max_tls_handshakes,
+                               self.limits.max_tls_handshakes, len(pending[most]))
+            victim._end_handshake()
+            victim_raw.abort()
+        pending.setdefault(group, {})[self] = raw
+        self._handshake_group = group
         self._early: list[bytes] = []   # what came with the handshake's last flight (a request)
-        self._handshake = self.loop.create_task(self._shake_hands(raw, address))
+        task = self.loop.create_task(self._shake_hands(raw, group))
+        task.add_done_callback(lambda t: self._handshake_done(t, raw))
 
-    async def _shake_hands(self, raw: asyncio.Transport, address: str | None) -> None:
+    async def _shake_hands(self, raw: asyncio.Transport, group: str) -> None:
         assert self.tls is not None
         try:
             tls = await self.loop.start_tls(raw, self, self.tls, server_side=True,
-                                            ssl_handshake_timeout=self.limits.tls_handshake_timeout_s)
+                                            ssl_handshake_timeout=self.limits.tls_handshake_timeout_s,
+                                            ssl_shutdown_timeout=self.limits.tls_shutdown_timeout_s)
         except OSError as e:   # start_tls closed the connection (ssl errors, resets, the deadline)
             why = _handshake_failure(e, self.limits.tls_handshake_timeout_s)
-            if why is not None:
-                self.refusals.note("tls_handshake_failed", address, "closing the connection from %s: TLS handshake "
-                                   "failed (%s)", address, why)
+            if why is not None and self._handshake_group is not None:   # not one reset for the cap
+                peer = raw.get_extra_info("peername")
+                self.refusals.note("tls_handshake_failed", group, "closing the connection from %s: TLS handshake "
+                                   "failed (%s)", peer[0] if isinstance(peer, tuple) and peer else group, why)
             return
         finally:
             self._end_handshake()
@@ -312,16 +337,24 @@ class GuardedH11Protocol(H11Protocol):
         for chunk in early:
             self.data_received(chunk)
 
+    def _handshake_done(self, task: asyncio.Task, raw: asyncio.Transport) -> None:
+        """Also for a task cancelled before it ran (shutdown): its count and its socket go."""
+        self._end_handshake()
+        if task.cancelled():
+            raw.abort()
+        elif (e := task.exception()) is not None:   # not an OSError: a bug, not a client
+            log.error("TLS handshake task failed: %r", e)
+            raw.abort()
+
     def _end_handshake(self) -> None:
         group, self._handshake_group = self._handshake_group, None
         if group is None:
             return
-        for key in {"", group}:
-            left = self.handshaking.get(key, 1) - 1
-            if left > 0:
-                self.handshaking[key] = left
-            else:
-                self.handshaking.pop(key, None)
+        mine = self.handshaking.get(group)
+        if mine is not None:
+            mine.pop(self, None)
+            if not mine:
+                del self.handshaking[group]
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.transport is None:
@@ -423,7 +456,7 @@ def _handshake_failure(e: BaseException, timeout_s: float) -> str | None:
                 "CERTIFICATE_VERIFY_FAILED": "a client certificate this server's CA did not sign",
                 "HTTP_REQUEST": "plain HTTP sent to the TLS port",
                 "WRONG_VERSION_NUMBER": "not TLS"}.get(e.reason or "", e.reason or str(e))[:200]
-    if isinstance(e, ConnectionAbortedError) and "handshake" in str(e):
+    if isinstance(e, ConnectionAbortedError):   # how asyncio ends a handshake past its deadline
         return f"not done within {timeout_s:g} s"
     return None
 
