@@ -23,7 +23,8 @@ pytest.importorskip("mooncake.engine", reason="the PD tests need mooncake-transf
 LONG = "Movable type, oil-based ink and a screw press came together in a workshop in Mainz. " * 20
 RULES = ROOT / "deploy" / "prometheus" / "kvfence-alerts.yaml"
 # series the rules read that this cluster does not export, and why
-NOT_HERE = {"kvfence_read_audit_violations_total": "only with --audit-reads, from its first count on",
+NOT_HERE = {"kvfence_read_audit_violations_total": "only with --audit-reads",
+            "kvfence_tenant_sequences": "only while a tenant has requests in flight",
             "up": "Prometheus's own"}
 
 
