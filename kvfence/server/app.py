@@ -1454,14 +1454,32 @@ class _Run:
             return e.api_error()
         if isinstance(e, EngineFailed):
             detail = _public_detail(self.state, self.choices[0].rid, self.tenant, e.code, str(e))
+            # a request already taken: the server failed it (not a 503 before admission)
             if e.code == "server_shutting_down":   # another choice of it came after the deadline
-                return APIError(503, f"{ABORT_STATUS[e.code][1]}: {detail}.", code=e.code)
-            return APIError(503, f"The engine stopped serving this request: {detail}.", code="engine_unavailable")
+                return APIError(503, f"{ABORT_STATUS[e.code][1]}: {detail}.", code=e.code, outcome="error")
+            return APIError(503, f"The engine stopped serving this request: {detail}.", code="engine_unavailable",
+                            outcome="error")
         if isinstance(e, Overloaded):
-            return APIError(503, str(e), code="server_overloaded", headers={"Retry-After": str(e.retry_after_s)})
+            return APIError(503, str(e), code="server_overloaded", headers={"Retry-After": str(e.retry_after_s)},
+                            outcome="overloaded")
         if isinstance(e, (ValueError, ContextLengthExceeded)):
             return APIError(400, str(e), code="invalid_request")
         raise e
+
+    def _end_on(self, e: Exception) -> APIError:
+        """The client's error for an exception that ended the request, which is closed with the
+        outcome that error is (a server failure also counted by its code, as close() counts the
+        ones it finds: an engine that stopped was counted as a plain error, a later choice
+        refused for load as one too, and neither in kvfence_request_failures_total)."""
+        try:
+            err = self._fail_on(e)
+        except BaseException:
+            self.close("error")
+            raise
+        self.close(err.outcome)
+        if err.outcome == "error":
+            self.state.metrics.failures.labels(err.code or "request_aborted").inc()
+        return err
 
     async def collect(self) -> Response:
         return await json_answer(await self.result())
@@ -1474,8 +1492,7 @@ class _Run:
                 c.text.append(u.text)
                 c.logprobs.extend(u.logprobs)
         except Exception as e:  # noqa: BLE001 - mapped to the client's error below
-            self.close("error")
-            raise self._fail_on(e) from None
+            raise self._end_on(e) from None
         finally:
             watcher.cancel()
         if not self._ok():
@@ -1621,7 +1638,7 @@ class _Run:
                     elif u.finished and c.ok:
                         yield self.fmt.chunk("", c.reason, None, inc, index=c.index)
             except Exception as e:  # noqa: BLE001 - the stream ends with the error
-                yield self._fail_on(e).body()
+                yield self._end_on(e).body()
                 return
             if not self._ok():
                 yield self._failure().body()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 
 import httpx
 import openai
@@ -247,6 +248,38 @@ def test_after_every_error_the_server_serves_everyone(server):
     r = server.client("bob").chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                                       max_tokens=3, temperature=0)
     assert r.usage.completion_tokens > 0
+
+
+def test_requests_an_engine_crash_ends_count_as_server_failures(make_server):
+    """An answer in flight when the engine stops is a failure the server counts by its code,
+    streamed or not: the unstreamed one was counted as a plain error and not in
+    kvfence_request_failures_total, which the failing-requests alert reads (review)."""
+    srv = make_server()
+    body = {"model": MODEL, "prompt": "Tell a long story:", "max_tokens": 500, "ignore_eos": True}
+
+    def errors() -> tuple[float, ...]:
+        return (srv.metric("kvfence_request_failures_total", code="engine_unavailable"),
+                srv.metric("kvfence_requests_total", tenant="alice", outcome="error"),
+                srv.metric("kvfence_requests_total", tenant="bob", outcome="error"))
+
+    before = errors()
+    answers: list[httpx.Response] = []
+    with srv.http("bob") as whole_client, srv.http("alice") as h:
+        whole = threading.Thread(target=lambda: answers.append(whole_client.post("/v1/completions", json=body)))
+        whole.start()
+        with h.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            events = r.iter_lines()
+            assert next(events).startswith("data: ")
+            deadline = time.monotonic() + 30
+            while srv.metric("kvfence_requests_running") < 2:   # the unstreamed one runs too
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            srv.spy.crash = True
+            rest = [line for line in events if line.startswith("data: ")]
+        whole.join(60)
+    assert '"code":"engine_unavailable"' in rest[-1]
+    assert_openai_error(answers[0], 503, code="engine_unavailable")
+    assert errors() == (before[0] + 2, before[1] + 1, before[2] + 1)
 
 
 def test_engine_crash_fails_requests_closed_and_health_says_so(make_server, caplog):
