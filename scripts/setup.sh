@@ -62,10 +62,22 @@ if [ "$want_tests" = 1 ] && ! command -v chromium >/dev/null && ! command -v chr
     fi
 fi
 # the shipped alert rules are checked with promtool and evaluated by a real Prometheus
-# (deploy/prometheus, tests/unit/test_prometheus_rules.py, tests/server/test_prometheus_alerts.py)
+# (deploy/prometheus, tests/unit/test_prometheus_rules.py, tests/pd/test_cluster_prometheus.py).
+# The tests start their own on loopback: the package's service, which would listen on every
+# interface, is neither started (policy-rc.d for the install) nor enabled.
 if [ "$want_tests" = 1 ] && { ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; }; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+        own_policy=0
+        if [ ! -e /usr/sbin/policy-rc.d ]; then
+            printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d && own_policy=1
+        fi
+        installed=0
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            prometheus >/dev/null; } || installed=$?
+        if [ "$own_policy" = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi   # also when the install failed
+        if [ "$installed" != 0 ]; then exit "$installed"; fi
+        if command -v systemctl >/dev/null; then systemctl disable prometheus >/dev/null 2>&1 || true; fi
+        if command -v update-rc.d >/dev/null; then update-rc.d prometheus disable >/dev/null 2>&1 || true; fi
     else
         echo "note: the alert rules' tests need promtool and prometheus (Debian package 'prometheus'); they skip without them" >&2
     fi
