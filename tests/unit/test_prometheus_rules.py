@@ -39,3 +39,18 @@ def test_every_alert_has_a_test_case():
     tested = {case["alertname"] for t in yaml.safe_load((HERE / "kvfence-alerts.test.yaml").read_text())["tests"]
               for case in t["alert_rule_test"] if case.get("exp_alerts")}
     assert alerts == tested, alerts ^ tested
+
+
+def test_the_scrape_configuration_in_the_docs_is_valid(tmp_path):
+    """docs/monitoring.md's prometheus.yml, with its files made up here, passes promtool."""
+    import re
+
+    doc = (HERE.parents[1] / "docs" / "monitoring.md").read_text()
+    (config,) = re.findall(r"```yaml\n(.*?)```", doc, re.S)
+    for name in ("ca.crt", "prometheus.crt", "prometheus.key", "kvfence-scrape.key"):
+        (tmp_path / name).write_text("x\n")
+    config = config.replace("/etc/prometheus/kvfence-alerts.yaml", str(HERE / "kvfence-alerts.yaml"))
+    config = config.replace("/etc/prometheus/kvfence-scrape.key", str(tmp_path / "kvfence-scrape.key"))
+    (tmp_path / "prometheus.yml").write_text(config)
+    r = _promtool("check", "config", str(tmp_path / "prometheus.yml"))
+    assert r.returncode == 0 and "SUCCESS: 22 rules found" in r.stdout, r.stdout + r.stderr
