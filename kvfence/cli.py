@@ -204,19 +204,12 @@ def cmd_serve(a) -> int:
 
     hold_sighup()   # a SIGHUP while the model loads reloads the tenants file once serving, not exits
     from kvfence import faults, incidents
-    from kvfence.server.http_limits import HttpLimits
+    from kvfence.server.http_limits import for_role
 
     level = "debug" if a.verbose else "info"
     try:
-        per_address = a.max_connections_per_address
-        if per_address is None and a.role in ("prefill", "decode"):
-            per_address = a.max_connections   # a node's clients are its routers, each with its pool of connections
-        if a.trusted_proxy and a.role in ("prefill", "decode"):
-            raise ValueError("--trusted-proxy is for the single node and the router: a prefill or decode node "
-                             "is reached by routers only, each counted by its own address")
-        limits = HttpLimits(a.header_timeout, a.body_timeout, a.max_connections,
-                            max_connections_per_address=per_address,
-                            trusted_proxies=tuple(p for v in a.trusted_proxy or () for p in v.split(",") if p.strip()))
+        limits = for_role(a.role, a.header_timeout, a.body_timeout, a.max_connections, a.max_connections_per_address,
+                          tuple(p for v in a.trusted_proxy or () for p in v.split(",") if p.strip()))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -69,14 +69,17 @@ if [ "$want_tests" = 1 ] && { ! command -v promtool >/dev/null || ! command -v p
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         own_policy=0
         if [ ! -e /usr/sbin/policy-rc.d ]; then
-            printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d && own_policy=1
+            own_policy=1
+            trap 'rm -f /usr/sbin/policy-rc.d' EXIT   # also when the install fails or is interrupted
+            printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d
+            chmod 755 /usr/sbin/policy-rc.d
         fi
-        installed=0
-        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-            prometheus >/dev/null; } || installed=$?
-        if [ "$own_policy" = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi   # also when the install failed
-        if [ "$installed" != 0 ]; then exit "$installed"; fi
-        if command -v systemctl >/dev/null; then systemctl disable prometheus >/dev/null 2>&1 || true; fi
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            prometheus >/dev/null
+        if [ "$own_policy" = 1 ]; then rm -f /usr/sbin/policy-rc.d; trap - EXIT; fi
+        # a policy already there may have let it start: stop it, and keep it from starting at boot
+        if command -v systemctl >/dev/null; then systemctl disable --now prometheus >/dev/null 2>&1 || true; fi
+        if [ -x /etc/init.d/prometheus ]; then /etc/init.d/prometheus stop >/dev/null 2>&1 || true; fi
         if command -v update-rc.d >/dev/null; then update-rc.d prometheus disable >/dev/null 2>&1 || true; fi
     else
         echo "note: the alert rules' tests need promtool and prometheus (Debian package 'prometheus'); they skip without them" >&2

@@ -63,7 +63,7 @@ from kvfence.server.backend import EngineFailed, Update
 from kvfence.server.disconnect import watch_disconnect
 from kvfence.server.engine_loop import EngineLoop, Retirement
 from kvfence.server.errors import APIError, error_body
-from kvfence.server.http_limits import HttpLimits, uvicorn_server
+from kvfence.server.http_limits import HttpLimits, address_group, uvicorn_server
 from kvfence.server.log_budget import LogBudget
 from kvfence.server.protocol import read_body_bytes
 from kvfence.server.streaming import StreamWithCleanup
@@ -179,10 +179,11 @@ def add_internal_routes(app: FastAPI, loop: EngineLoop, settings: PDSettings, dr
             # who reached the PD plane without the secret: a prober, or a process on a stale
             # secret; a few lines a minute per address (a loop of them must not fill the log)
             peer = request.client.host if request.client is not None else "?"
-            left_out = refusals_logged.take(peer)
-            if left_out is not None:
-                log.warning("internal route refused: %s %s from %s without a valid cluster credential%s",
-                            request.method, request.url.path[:100], peer,
+            # by address group: an IPv6 host has a /64 to rotate through (as http_limits counts)
+            left_out = refusals_logged.take(address_group(peer))
+            if left_out is not None:   # the path as repr: it is the caller's, control characters too
+                log.warning("internal route refused: %s %r from %s without a valid cluster credential%s",
+                            request.method[:16], request.url.path[:100], peer,
                             f" ({left_out} more from it not logged)" if left_out else "")
             raise APIError(401, "internal API: missing or wrong cluster credential", code="unauthorized")
 

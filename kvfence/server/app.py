@@ -1470,7 +1470,8 @@ class _Run:
         """The client's error for an exception that ended the request, which is closed with the
         outcome that error is (a server failure also counted by its code, as close() counts the
         ones it finds: an engine that stopped was counted as a plain error, a later choice
-        refused for load as one too, and neither in kvfence_request_failures_total)."""
+        refused for load as one too, and neither in kvfence_request_failures_total). An exception
+        with no client error (a bug) closes it as an error, uncounted by code, and goes on up."""
         try:
             err = self._fail_on(e)
         except BaseException:

@@ -145,6 +145,23 @@ class HttpLimits:
         return out
 
 
+def for_role(role: str, header_timeout_s: float, body_timeout_s: float, max_connections: int,
+             per_address: int | None, trusted_proxies: tuple[str, ...] = ()) -> HttpLimits:
+    """A role's limits from its flags. A prefill or decode node's clients are its routers, each
+    with its pool of connections: one address may hold all of them, and shake hands for as many
+    at once (a cold pool, or a node back from a restart; 32 at a time reset the router's burst,
+    and with one node of a role its requests failed: review)."""
+    node = role in ("prefill", "decode")
+    if node and trusted_proxies:
+        raise ValueError("--trusted-proxy is for the single node and the router: a prefill or decode node "
+                         "is reached by routers only, each counted by its own address")
+    if per_address is None and node:
+        per_address = max_connections
+    return HttpLimits(header_timeout_s, body_timeout_s, max_connections, max_connections_per_address=per_address,
+                      trusted_proxies=trusted_proxies,
+                      **({"max_tls_handshakes_per_address": HttpLimits.max_tls_handshakes} if node else {}))
+
+
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 

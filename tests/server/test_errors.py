@@ -253,7 +253,7 @@ def test_after_every_error_the_server_serves_everyone(server):
 def test_requests_an_engine_crash_ends_count_as_server_failures(make_server):
     """An answer in flight when the engine stops is a failure the server counts by its code,
     streamed or not: the unstreamed one was counted as a plain error and not in
-    kvfence_request_failures_total, which the failing-requests alert reads (review)."""
+    kvfence_request_failures_total, where an operator looks up which errors fail requests (review)."""
     srv = make_server()
     body = {"model": MODEL, "prompt": "Tell a long story:", "max_tokens": 500, "ignore_eos": True}
 

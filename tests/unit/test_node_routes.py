@@ -182,4 +182,4 @@ def test_calls_without_the_credential_are_counted_and_logged_within_a_budget(cap
     assert client.get(INTERNAL_PREFIX + "/info", headers=control_headers(SECRET)).status_code == 503  # not counted
     assert registry.get_sample_value("kvfence_pd_internal_refused_total") == 12
     lines = [r.getMessage() for r in caplog.records if "internal route refused" in r.getMessage()]
-    assert len(lines) == 5 and all("/internal/prefill from testclient" in m for m in lines), lines
+    assert len(lines) == 5 and all("'/internal/prefill' from testclient" in m for m in lines), lines

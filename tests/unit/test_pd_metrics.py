@@ -18,3 +18,18 @@ def test_counts_replace_the_zeros_and_events_outside_the_list_still_show():
     events = _events({"role": "prefill", "pd_held": 3, "pd_fences_lifted_by_word": 1})
     assert events == {"held": 3.0, "released": 0.0, "leases_expired": 0.0, "fences": 0.0,
                       "fences_lifted_by_word": 1.0}
+
+
+def test_the_seeded_events_are_the_ones_each_role_counts():
+    """ROLE_EVENTS restates the counter names of the PD code: a renamed counter would lose its
+    zero (and its alert its first count) without this."""
+    import re
+    from pathlib import Path
+
+    pd = Path(__file__).resolve().parents[2] / "kvfence" / "pd"
+
+    def counted(*files: str) -> set[str]:
+        return {m for f in files for m in re.findall(r'counters\["([a-z_]+)"\] \+= 1', (pd / f).read_text())}
+
+    assert set(ROLE_EVENTS["prefill"]) <= counted("prefill.py", "link.py")
+    assert set(ROLE_EVENTS["decode"]) <= counted("decode.py", "link.py")
