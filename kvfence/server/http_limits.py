@@ -281,8 +281,7 @@ class GuardedH11Protocol(H11Protocol):
         self._phase: object = h11.IDLE
         self._phase_since = self.loop.time()
         self._watchdog: asyncio.TimerHandle | None = None
-        peer = transport.get_extra_info("peername")
-        address = peer[0] if isinstance(peer, tuple) and peer else None   # None: a Unix socket
+        address = _peer_address(transport)
         # a trusted proxy carries many clients' connections: only the server's total binds it,
         # and they are not counted against its neighbours' /64 either (review)
         if address is not None and self.limits.is_trusted_proxy(address):
@@ -304,8 +303,7 @@ class GuardedH11Protocol(H11Protocol):
         """A TLS connection before its handshake: within the caps, shake hands (bounded in time),
         then serve it as any other; else reset it."""
         raw.pause_reading()   # no byte of it reaches h11 before the handshake
-        peer = raw.get_extra_info("peername")
-        address = peer[0] if isinstance(peer, tuple) and peer else None
+        address = _peer_address(raw)
         proxy = address is not None and self.limits.is_trusted_proxy(address)
         group = address_group(address) if address is not None else "-"
         pending = self.handshaking
@@ -341,9 +339,8 @@ class GuardedH11Protocol(H11Protocol):
         except OSError as e:   # start_tls closed the connection (ssl errors, resets, the deadline)
             why = _handshake_failure(e, self.limits.tls_handshake_timeout_s)
             if why is not None and self._handshake_group is not None:   # not one reset for the cap
-                peer = raw.get_extra_info("peername")
                 self.refusals.note("tls_handshake_failed", group, "closing the connection from %s: TLS handshake "
-                                   "failed (%s)", peer[0] if isinstance(peer, tuple) and peer else group, why)
+                                   "failed (%s)", _peer_address(raw) or group, why)
             return
         finally:
             self._end_handshake()
@@ -462,6 +459,12 @@ class GuardedH11Protocol(H11Protocol):
             return
         self._began = True
         super().data_received(data)
+
+
+def _peer_address(transport: asyncio.BaseTransport) -> str | None:
+    """The client's address as the socket has it (None: a Unix socket)."""
+    peer = transport.get_extra_info("peername")
+    return peer[0] if isinstance(peer, tuple) and peer else None
 
 
 def _handshake_failure(e: BaseException, timeout_s: float) -> str | None:
