@@ -343,6 +343,8 @@ class GuardedH11Protocol(H11Protocol):
                                    "failed (%s)", _peer_address(raw) or group, why)
             return
         finally:
+            # now, before the connection is served (its first answer may go out before the task's
+            # done callback runs); _handshake_done repeats it for a task that never got here
             self._end_handshake()
         if tls is None or tls.is_closing():
             return
