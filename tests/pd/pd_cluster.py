@@ -32,6 +32,17 @@ SCRAPE_KEY = "sk-pd-scraper-0001"
 SCRAPE = {"Authorization": f"Bearer {SCRAPE_KEY}"}
 
 
+def wait_until(pred, timeout: float, what: str = "the condition", interval: float = 0.1):
+    """pred()'s first true value within `timeout` seconds, else AssertionError naming `what`."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def free_port() -> int:
     return free_ports(1)
 

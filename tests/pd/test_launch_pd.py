@@ -8,12 +8,11 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 import pytest
-from pd_cluster import ROOT
+from pd_cluster import ROOT, wait_until
 
 from kvfence.procs import free_ports
 
@@ -33,16 +32,6 @@ def cluster_state(url: str) -> dict | None:
         return None
 
 
-def wait_until(pred, timeout: float):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.5)
-    raise AssertionError("timed out")
-
-
 def test_launch_pd_restarts_a_node_that_dies(tmp_path):
     port = free_ports(3)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVFENCE_CLUSTER_SECRET")}
@@ -52,7 +41,8 @@ def test_launch_pd_restarts_a_node_that_dies(tmp_path):
                          stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        first = wait_until(lambda: (s := cluster_state(url)) and s["ready"] and s, 240)
+        first = wait_until(lambda: (s := cluster_state(url)) and s["ready"] and s, 240, "the cluster ready",
+                           interval=0.5)
         c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
         model = c.models.list().data[0].id
         assert c.completions.create(model=model, prompt="Hello", max_tokens=2).choices
@@ -66,7 +56,8 @@ def test_launch_pd_restarts_a_node_that_dies(tmp_path):
         # differs from the first boot (CI caught the router between marking the node down and
         # leaving "ready", and the completion below got a 503)
         again = wait_until(lambda: (s := cluster_state(url)) and s["ready"] and
-                           _boot(s, "prefill") not in (None, _boot(first, "prefill")) and s, 240)
+                           _boot(s, "prefill") not in (None, _boot(first, "prefill")) and s, 240,
+                           "the cluster ready on a new prefill boot", interval=0.5)
         assert again["check"]["ok"]
         assert c.completions.create(model=model, prompt="Hello", max_tokens=2).choices
         assert "restarted it" in (tmp_path / "launch.log").read_text()

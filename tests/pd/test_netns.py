@@ -22,13 +22,12 @@ import random
 import shutil
 import ssl
 import subprocess
-import time
 
 import httpx
 import openai
 import pytest
 from certs import make_pki
-from pd_cluster import Cluster, MultiCluster
+from pd_cluster import Cluster, MultiCluster, wait_until
 from test_cluster import LONG, model_name, single_node_text
 
 from kvfence.engine.params import SamplingParams
@@ -277,16 +276,6 @@ def test_each_prefill_host_is_reached_from_decode_only_over_its_own_veth(three_h
     assert other.returncode != 0 or "unreachable" in other.stdout + other.stderr   # no path between prefill hosts
 
 
-def _wait_for(pred, timeout: float, what: str):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_two_prefill_hosts_each_transfer_crosses_its_own_veth(three_hosts, cluster3, make_llm):
     """The router sends requests to both prefill hosts; each request's KV crosses the veth
     of the prefill node that served it into decode's namespace (its receive counter grew by
@@ -316,7 +305,7 @@ def test_two_prefill_hosts_each_transfer_crosses_its_own_veth(three_hosts, clust
             llm.setdefault("llm", make_llm(max_model_len=1024))   # one single node for every prompt
             want[prompt] = llm["llm"].generate([prompt], SamplingParams(temperature=0.0, max_tokens=16))[0].text
         assert r.choices[0].text == want[prompt], prompt[:40]
-        after = _wait_for(lambda: (d := c.pd("decode")).get("pd_verified", 0) > dec.get("pd_verified", 0) and d,
+        after = wait_until(lambda: (d := c.pd("decode")).get("pd_verified", 0) > dec.get("pd_verified", 0) and d,
                           30, "decode to count the verified transfer")   # (counters appear with their first count)
         now = {x["url"]: x["routed"] for x in c.routed_nodes()}
         served = [n for n in PREFILLS if now[c.url(n)] > routed[c.url(n)]]

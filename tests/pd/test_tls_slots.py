@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 from certs import make_pki
+from pd_cluster import wait_until
 
 from kvfence.pd.tls import PlaintextNetworkError, TlsSettings, check_listen, uvicorn_options
 from kvfence.server.http_limits import ConnectionRefusals, HttpLimits, for_role, uvicorn_server
@@ -121,13 +122,6 @@ class _TlsNode:
         self.thread.join(10)
 
 
-def _wait_for(check, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "not within the time"
-        time.sleep(0.05)
-
-
 def test_connections_that_never_finish_tls_are_bounded_by_address_and_in_time(tmp_path):
     """A security probe: asyncio shook hands before kvfence saw a connection, for up to 60 s on
     ~300 KiB each, uncounted (2,000 idle TCP connections from one host took 600 MiB of a node in
@@ -142,11 +136,11 @@ def test_connections_that_never_finish_tls_are_bounded_by_address_and_in_time(tm
         for _ in range(40):   # connect, say nothing
             flood.append(socket.create_connection(("127.0.0.1", node.port), timeout=5,
                                                   source_address=("127.0.0.2", 0)))
-        _wait_for(lambda: node.refusals.counts["tls_handshakes_in_progress"] >= 36)
+        wait_until(lambda: node.refusals.counts["tls_handshakes_in_progress"] >= 36, 10)
         assert node.in_progress() == {"127.0.0.2": 4}
         assert node.router_status() == 200                # another address: its own share
         # the four held ones end at the deadline, counted as failed handshakes
-        _wait_for(lambda: node.refusals.counts["tls_handshake_failed"] >= 4, timeout=20)
+        wait_until(lambda: node.refusals.counts["tls_handshake_failed"] >= 4, 20)
         assert node.handshaking == {}
         assert node.router_status("127.0.0.2") == 200     # the flooding address, once it stops
     finally:
@@ -169,7 +163,7 @@ def test_failed_handshakes_are_counted_by_what_failed(tmp_path, caplog):
             with pytest.raises(httpx.HTTPError), \
                     httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.3"), timeout=5) as plain:
                 plain.get(f"http://127.0.0.1:{node.port}/")
-            _wait_for(lambda: node.refusals.counts["tls_handshake_failed"] >= 2)
+            wait_until(lambda: node.refusals.counts["tls_handshake_failed"] >= 2, 10)
         lines = [r.getMessage() for r in caplog.records if "TLS handshake failed" in r.getMessage()]
         assert any("from 127.0.0.1" in m and "no client certificate" in m for m in lines), lines
         assert any("from 127.0.0.3" in m and "plain HTTP" in m for m in lines), lines
@@ -194,7 +188,7 @@ def test_many_addresses_filling_every_handshake_place_do_not_lock_the_router_out
     try:
         for source in ("127.0.0.2", "127.0.0.3", "127.0.0.4"):
             flood += _say_nothing(node.port, source, 4)
-        _wait_for(lambda: node.refusals.counts["tls_handshakes_in_progress"] >= 4)
+        wait_until(lambda: node.refusals.counts["tls_handshakes_in_progress"] >= 4, 10)
         assert sum(node.in_progress().values()) == 8
         for _ in range(3):
             assert node.router_status() == 200
@@ -221,7 +215,7 @@ def test_a_tls_connection_waiting_for_its_handshake_holds_little_memory(tmp_path
         before = tracemalloc.take_snapshot()
         for source in ("127.0.0.2", "127.0.0.3", "127.0.0.4"):
             flood += _say_nothing(node.port, source, 8)
-        _wait_for(lambda: sum(node.in_progress().values()) == 24)
+        wait_until(lambda: sum(node.in_progress().values()) == 24, 10)
         grown = sum(d.size_diff for d in tracemalloc.take_snapshot().compare_to(before, "filename"))
     finally:
         tracemalloc.stop()
@@ -244,9 +238,9 @@ def test_a_tls_connection_the_server_closed_gives_its_place_back_soon(tmp_path):
         raw = socket.create_connection(("127.0.0.1", node.port), timeout=5, source_address=("127.0.0.5", 0))
         silent = node.router.wrap_socket(raw)   # handshake done, then silence
         try:
-            _wait_for(lambda: by_address.get("127.0.0.5") == 1)
-            _wait_for(lambda: node.refusals.counts["header_timeout"] >= 1)
-            _wait_for(lambda: "127.0.0.5" not in by_address, timeout=8)   # asyncio's own: 30 s
+            wait_until(lambda: by_address.get("127.0.0.5") == 1, 10)
+            wait_until(lambda: node.refusals.counts["header_timeout"] >= 1, 10)
+            wait_until(lambda: "127.0.0.5" not in by_address, 8)   # asyncio's own: 30 s
             assert node.router_status("127.0.0.5") == 200
         finally:
             silent.close()
