@@ -11,28 +11,19 @@ import asyncio
 import base64
 import itertools
 import json
-import os
-import shutil
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import pytest
+from required_tools import tool_or_skip
 
 NAMES = ("chromium", "chromium-browser", "google-chrome")
 
 
 def chromium_or_skip() -> str:
-    for name in NAMES:
-        path = shutil.which(name)
-        if path:
-            return path
-    msg = "no headless Chromium (apt-get install chromium): the console's browser test cannot run"
-    if os.environ.get("CI"):
-        pytest.fail(msg + "; CI is set, so this is a failure", pytrace=False)
-    pytest.skip(msg + "; set CI to make this a failure")
+    return tool_or_skip(*NAMES, purpose="the console's browser test", install="apt-get install chromium")
 
 
 class Browser:

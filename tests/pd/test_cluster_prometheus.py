@@ -16,6 +16,7 @@ import openai
 import pytest
 import yaml
 from pd_cluster import ROOT, SCRAPE_KEY, free_port
+from required_tools import tool_or_skip
 
 pytest.importorskip("mooncake.engine", reason="the PD tests need mooncake-transfer-engine-non-cuda")
 
@@ -26,15 +27,6 @@ RULES = ROOT / "deploy" / "prometheus" / "kvfence-alerts.yaml"
 NOT_HERE = {"kvfence_read_audit_violations_total": "only with --audit-reads",
             "kvfence_tenant_sequences": "only while a tenant has requests in flight",
             "up": "Prometheus's own"}
-
-
-def _prometheus_or_skip() -> str:
-    exe = shutil.which("prometheus")
-    if exe is None:
-        if __import__("os").environ.get("CI"):
-            pytest.fail("prometheus is not installed (scripts/setup.sh --test installs the Debian package)")
-        pytest.skip("needs the prometheus binary (Debian package 'prometheus')")
-    return exe
 
 
 def rule_series() -> set[str]:
@@ -102,7 +94,8 @@ def cluster(shared_cluster):
 
 
 def test_the_shipped_alert_rules_fire_on_the_real_cluster(cluster, tmp_path):
-    exe = _prometheus_or_skip()
+    exe = tool_or_skip("prometheus", purpose="the alert rules against a real Prometheus",
+                       install="Debian package 'prometheus'")
     addrs = {role: f"{cluster.hosts[role]}:{cluster.ports[role]}" for role in ("router", "prefill", "decode")}
     if cluster.url("prefill").startswith("https"):
         pytest.skip("the shared cluster runs plain HTTP on loopback")

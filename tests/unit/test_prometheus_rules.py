@@ -2,22 +2,16 @@
 is for, with its labels and texts, and stays quiet beside them (promtool's own rule tests,
 deploy/prometheus/kvfence-alerts.test.yaml). A real Prometheus evaluates them against a
 real cluster in tests/pd/test_cluster_prometheus.py."""
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
+from required_tools import tool_or_skip
 
 HERE = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 
 
 def _promtool(*args: str) -> subprocess.CompletedProcess:
-    exe = shutil.which("promtool")
-    if exe is None:
-        if os.environ.get("CI"):
-            pytest.fail("promtool is not installed (scripts/setup.sh --test installs the Debian package 'prometheus')")
-        pytest.skip("needs promtool (Debian package 'prometheus')")
+    exe = tool_or_skip("promtool", purpose="the alert rules' checks", install="Debian package 'prometheus'")
     return subprocess.run([exe, *args], cwd=HERE, capture_output=True, text=True, timeout=120)
 
 
