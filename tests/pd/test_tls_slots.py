@@ -31,64 +31,12 @@ async def _app(scope, receive, send):
     await send({"type": "http.response.body", "body": b"ok"})
 
 
-def _router_gets_in(pki: dict, require_client_certificates: bool) -> int:
-    """Serve with SLOTS connections; 2 * SLOTS peers without a certificate connect from
-    127.0.0.2, try TLS and sit idle; then the router, with its certificate, asks once from
-    127.0.0.1. Its status."""
-    tls = TlsSettings(pki["server_cert"], pki["server_key"], pki["ca"] if require_client_certificates else None)
-    # as a node is configured (cli.py): one address may hold every connection, routers being few
-    limits = HttpLimits(max_connections=SLOTS, max_connections_per_address=SLOTS, header_timeout_s=30)
-    server = uvicorn_server(_app, "127.0.0.1", 0, limits, log_config=None,
-                            **uvicorn_options(tls, client_certificates=True))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    idle: list[socket.socket] = []
-    try:
-        anyone = ssl.create_default_context(cafile=pki["ca"])
-        anyone.check_hostname = False
-        for _ in range(2 * SLOTS):
-            # from another address than the router's: what fills up is the node's total
-            raw = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=("127.0.0.2", 0))
-            try:
-                conn = anyone.wrap_socket(raw)   # TLS 1.3: a refused certificate shows at the first read
-                conn.settimeout(0.3)
-                try:
-                    conn.recv(1)
-                except (TimeoutError, ssl.SSLError, OSError):
-                    pass
-                idle.append(conn)
-            except (ssl.SSLError, OSError):
-                idle.append(raw)
-        router = ssl.create_default_context(cafile=pki["ca"])
-        router.check_hostname = False
-        router.load_cert_chain(pki["client_cert"], pki["client_key"])
-        try:
-            return httpx.get(f"https://127.0.0.1:{port}/", verify=router, timeout=5).status_code
-        except httpx.HTTPError:
-            return 0
-    finally:
-        for s in idle:
-            s.close()
-        server.should_exit = True
-        thread.join(10)
-
-
-def test_peers_without_a_certificate_hold_no_slot(tmp_path):
-    pki = make_pki(tmp_path, ["127.0.0.1"])
-    assert _router_gets_in(pki, require_client_certificates=True) == 200
-    # the case check_listen refuses: they complete TLS, hold every slot, and the router waits
-    assert _router_gets_in(pki, require_client_certificates=False) == 503
-
-
 class _TlsNode:
-    """A server as a node runs it (client certificates required), in a thread."""
+    """A server as a node runs it, in a thread; client certificates required unless told not to
+    (the case check_listen refuses off loopback)."""
 
-    def __init__(self, pki: dict, limits: HttpLimits):
-        tls = TlsSettings(pki["server_cert"], pki["server_key"], pki["ca"])
+    def __init__(self, pki: dict, limits: HttpLimits, client_certificates: bool = True):
+        tls = TlsSettings(pki["server_cert"], pki["server_key"], pki["ca"] if client_certificates else None)
         self.refusals = ConnectionRefusals()
         self.server = uvicorn_server(_app, "127.0.0.1", 0, limits, log_config=None, refusals=self.refusals,
                                      **uvicorn_options(tls, client_certificates=True))
@@ -120,6 +68,47 @@ class _TlsNode:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+def _router_gets_in(pki: dict, require_client_certificates: bool) -> int:
+    """Serve with SLOTS connections; 2 * SLOTS peers without a certificate connect from
+    127.0.0.2, try TLS and sit idle; then the router, with its certificate, asks once from
+    127.0.0.1. Its status."""
+    # as a node is configured (cli.py): one address may hold every connection, routers being few
+    limits = HttpLimits(max_connections=SLOTS, max_connections_per_address=SLOTS, header_timeout_s=30)
+    node = _TlsNode(pki, limits, client_certificates=require_client_certificates)
+    idle: list[socket.socket] = []
+    try:
+        anyone = ssl.create_default_context(cafile=pki["ca"])
+        anyone.check_hostname = False
+        for _ in range(2 * SLOTS):
+            # from another address than the router's: what fills up is the node's total
+            raw = socket.create_connection(("127.0.0.1", node.port), timeout=5, source_address=("127.0.0.2", 0))
+            try:
+                conn = anyone.wrap_socket(raw)   # TLS 1.3: a refused certificate shows at the first read
+                conn.settimeout(0.3)
+                try:
+                    conn.recv(1)
+                except (TimeoutError, ssl.SSLError, OSError):
+                    pass
+                idle.append(conn)
+            except (ssl.SSLError, OSError):
+                idle.append(raw)
+        try:
+            return node.router_status()
+        except httpx.HTTPError:
+            return 0
+    finally:
+        for s in idle:
+            s.close()
+        node.stop()
+
+
+def test_peers_without_a_certificate_hold_no_slot(tmp_path):
+    pki = make_pki(tmp_path, ["127.0.0.1"])
+    assert _router_gets_in(pki, require_client_certificates=True) == 200
+    # the case check_listen refuses: they complete TLS, hold every slot, and the router waits
+    assert _router_gets_in(pki, require_client_certificates=False) == 503
 
 
 def test_connections_that_never_finish_tls_are_bounded_by_address_and_in_time(tmp_path):
