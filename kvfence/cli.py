@@ -209,7 +209,8 @@ def cmd_serve(a) -> int:
     level = "debug" if a.verbose else "info"
     try:
         limits = for_role(a.role, a.header_timeout, a.body_timeout, a.max_connections, a.max_connections_per_address,
-                          tuple(p for v in a.trusted_proxy or () for p in v.split(",") if p.strip()))
+                          tuple(p for v in a.trusted_proxy or () for p in v.split(",") if p.strip()),
+                          send_timeout_s=a.send_timeout)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -700,6 +701,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a client has to send its request headers (then 408 and close)")
     s.add_argument("--body-timeout", type=float, default=60.0,
                    help="seconds a client has to send its whole request body (then 408 and close)")
+    s.add_argument("--send-timeout", type=float, default=60.0,
+                   help="seconds an answer may wait for a client that takes none of its bytes (then its "
+                        "connection is reset; a slow reader that keeps reading is not cut)")
     s.add_argument("--max-connections", type=int, default=2048,
                    help="open connections beyond this are answered 503 at once")
     s.add_argument("--max-connections-per-address", type=int, default=None, metavar="N",

@@ -11,8 +11,10 @@ server forever (slowloris). `GuardedH11Protocol` adds two deadlines, checked onc
 - the whole body must arrive within `body_timeout_s` of the headers (then the connection is
   closed; the app sees a disconnect and frees whatever it held).
 
-Nothing is timed once a request has been read: a response may stream for as long as it
-generates.
+A response may stream for as long as it generates, but not for longer than its client reads
+it: an answer whose client takes none of its bytes for `send_timeout_s` (while they wait in
+asyncio's buffer past its mark, or in a closed connection's) has its connection reset (a
+slow-read attack; asyncio would keep the bytes, and the kernel its megabytes, for good).
 
 One client address may hold at most `max_connections_per_address` of the connections (half of
 them by default; an IPv6 client's /64 counts as one address): past it, a new connection from that
@@ -46,12 +48,16 @@ from __future__ import annotations
 
 import asyncio
 import asyncio.sslproto
+import contextlib
 import errno
+import fcntl
 import ipaddress
 import json
 import logging
 import socket
 import ssl
+import struct
+import termios
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -96,6 +102,7 @@ asyncio.sslproto.SSLProtocol.max_size = TLS_READ_BUFFER
 class HttpLimits:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0       # an 8 MiB body needs ~140 KB/s to make it
+    send_timeout_s: float = 60.0       # an answer's bytes not taken by the client (nginx's send_timeout)
     max_connections: int = 2048        # beyond this uvicorn answers 503 at once
     max_header_bytes: int = 64 << 10   # request line + headers; larger gets 400
     max_connections_per_address: int | None = None   # None: half of max_connections
@@ -106,8 +113,8 @@ class HttpLimits:
     max_tls_handshakes_per_address: int = 32
 
     def __post_init__(self) -> None:
-        if not (self.header_timeout_s > 0 and self.body_timeout_s > 0):
-            raise ValueError("HTTP read timeouts must be positive")
+        if not (self.header_timeout_s > 0 and self.body_timeout_s > 0 and self.send_timeout_s > 0):
+            raise ValueError("HTTP read and send timeouts must be positive")
         if self.max_connections < 1 or self.max_header_bytes < 1024:
             raise ValueError("max_connections must be >= 1 and max_header_bytes >= 1024")
         if self.max_connections_per_address is not None and self.max_connections_per_address < 1:
@@ -146,7 +153,8 @@ class HttpLimits:
 
 
 def for_role(role: str, header_timeout_s: float, body_timeout_s: float, max_connections: int,
-             per_address: int | None, trusted_proxies: tuple[str, ...] = ()) -> HttpLimits:
+             per_address: int | None, trusted_proxies: tuple[str, ...] = (),
+             send_timeout_s: float = HttpLimits.send_timeout_s) -> HttpLimits:
     """A role's limits from its flags. A prefill or decode node's clients are its routers, each
     with its pool of connections: one address may hold all of them, and shake hands for as many
     at once (a cold pool, or a node back from a restart; 32 at a time reset the router's burst,
@@ -157,8 +165,8 @@ def for_role(role: str, header_timeout_s: float, body_timeout_s: float, max_conn
                          "is reached by routers only, each counted by its own address")
     if per_address is None and node:
         per_address = max_connections
-    return HttpLimits(header_timeout_s, body_timeout_s, max_connections, max_connections_per_address=per_address,
-                      trusted_proxies=trusted_proxies,
+    return HttpLimits(header_timeout_s, body_timeout_s, send_timeout_s, max_connections,
+                      max_connections_per_address=per_address, trusted_proxies=trusted_proxies,
                       **({"max_tls_handshakes_per_address": HttpLimits.max_tls_handshakes} if node else {}))
 
 
@@ -203,7 +211,7 @@ def _proxy_network(text: str) -> IPNetwork:
     return network
 
 
-REFUSAL_REASONS = ("per_address_cap", "header_timeout", "body_timeout", "tls_handshakes_in_progress",
+REFUSAL_REASONS = ("per_address_cap", "header_timeout", "body_timeout", "send_timeout", "tls_handshakes_in_progress",
                    "tls_handshake_failed")
 
 
@@ -269,6 +277,8 @@ class GuardedH11Protocol(H11Protocol):
     _watchdog: asyncio.TimerHandle | None = None
     _address: str | None = None
     _handshake_group: str | None = None   # set while this connection's handshake runs
+    _unread_since: float | None = None    # since when written bytes wait for the client (_unread_for)
+    _unsent = (0, 0)                      # bytes waiting at the last check: asyncio's, the kernel's
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         if self.tls is not None and transport.get_extra_info("sslcontext") is None:
@@ -401,11 +411,39 @@ class GuardedH11Protocol(H11Protocol):
         self._began = False
         self._served = True
 
+    def _unread_for(self, now: float) -> float:
+        """How long the client has taken none of this connection's answer while bytes wait for
+        it: writes paused (asyncio's buffer is past its high-water mark), or the connection
+        closed with bytes unsent (asyncio's close waits for them without end, holding the
+        connection, its buffer and its place). Any bytes taken start the clock again: a slow
+        reader is not a stalled one."""
+        buffered = self.transport.get_write_buffer_size()
+        if not (self.flow.write_paused or (self.transport.is_closing() and buffered > 0)):
+            self._unread_since = None
+            return 0.0
+        # what the client takes leaves the kernel's queue first: asyncio's buffer shrinks only
+        # once a third of that queue (megabytes) is free, and a slow reader was cut for it. Each
+        # is compared on its own: under TLS a third, asyncio's buffer of the encrypted bytes,
+        # cannot be seen, and refills the kernel's queue as the client takes from it
+        unsent = (buffered, _kernel_unsent(self.transport))
+        if self._unread_since is None or any(n < last for n, last in zip(unsent, self._unsent)):
+            self._unread_since = now
+        self._unsent = unsent
+        return now - self._unread_since
+
     def _check_deadlines(self) -> None:
         self._watchdog = None
-        if self.transport.is_closing():
+        now = self.loop.time()
+        waited = self._unread_for(now)
+        if waited > self.limits.send_timeout_s:
+            self._reset_unread(waited)
             return
-        state, now = self.conn.their_state, self.loop.time()
+        if self.transport.is_closing() or self._discarding:
+            # closed or about to be: only its unsent bytes are watched, until sent or reset
+            if self._unread_since is not None or not self.transport.is_closing():
+                self._watchdog = self.loop.call_later(self.CHECK_EVERY_S, self._check_deadlines)
+            return
+        state = self.conn.their_state
         if state is not self._phase:
             if state is h11.SEND_BODY or (state is h11.IDLE and self._phase is not h11.IDLE):
                 self._phase_since = now
@@ -422,6 +460,25 @@ class GuardedH11Protocol(H11Protocol):
                           answer_408=self.cycle is None or not self.cycle.response_started)
             return
         self._watchdog = self.loop.call_later(self.CHECK_EVERY_S, self._check_deadlines)
+
+    def _reset_unread(self, waited: float) -> None:
+        """Reset a connection whose client took none of its answer's bytes for the send deadline:
+        they cannot be delivered, and a close would wait for them (a slow-read attack holds
+        memory and connection places that way for good)."""
+        self.refusals.note("send_timeout", self.client[0] if self.client else None,
+                           "resetting the connection from %s: it took none of %d bytes of its answer in %.0f s",
+                           f"{self.client[0]}:{self.client[1]}" if self.client else "a client",
+                           self.transport.get_write_buffer_size(), waited)
+        if self.cycle is not None:
+            self.cycle.disconnected = True   # the app sees the client gone and frees what it held
+            self.cycle.message_event.set()
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            # a reset, not a close: abort() drops only asyncio's buffer, and the kernel would go on
+            # offering what it holds (megabytes a socket) to the client that reads nothing
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
 
     def _give_up(self, reason: str | None, what: str, waited: float, answer_408: bool) -> None:
         """Close the connection; `reason` counts and logs it as refused (None: an idle close)."""
@@ -450,6 +507,8 @@ class GuardedH11Protocol(H11Protocol):
         if self.transport.can_write_eof():
             self.transport.write_eof()
         self.loop.call_later(self.LINGER_S, self.transport.close)
+        if self._watchdog is None:   # the close waits for unsent bytes: _check_deadlines bounds that
+            self._watchdog = self.loop.call_later(self.CHECK_EVERY_S, self._check_deadlines)
 
     def data_received(self, data: bytes) -> None:
         if self.transport is None:
@@ -467,6 +526,21 @@ def _peer_address(transport: asyncio.BaseTransport) -> str | None:
     """The client's address as the socket has it (None: a Unix socket)."""
     peer = transport.get_extra_info("peername")
     return peer[0] if isinstance(peer, tuple) and peer else None
+
+
+def _kernel_unsent(transport: asyncio.BaseTransport) -> int:
+    """Bytes in the kernel's send queue of the transport's socket, not yet taken by the peer
+    (0 where the system cannot say)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or _OUTQ is None:
+        return 0
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), _OUTQ, b"\0" * 4))[0]
+    except OSError:
+        return 0
+
+
+_OUTQ = getattr(termios, "TIOCOUTQ", None)   # SIOCOUTQ on Linux sockets
 
 
 def _handshake_failure(e: BaseException, timeout_s: float) -> str | None:

@@ -141,7 +141,8 @@ class _RefusalCollector:
 
     def collect(self):
         c = CounterMetricFamily("kvfence_http_connections_refused", "Connections closed without being served: "
-                                "over the per-address cap, headers or body not received in time, over the cap "
+                                "over the per-address cap, headers or body not received in time, an answer "
+                                "the client took none of within the send timeout (reset), over the cap "
                                 "of TLS handshakes in progress, or a TLS handshake that failed (no client "
                                 "certificate, not TLS) or took too long",
                                 labels=["reason"])

@@ -27,8 +27,14 @@ async def _app(scope, receive, send):
             await send({"type": "lifespan.startup.complete"})
         await send({"type": "lifespan.shutdown.complete"})
         return
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
-    await send({"type": "http.response.body", "body": b"ok"})
+    body = BIG if scope["path"] == "/big" else b"ok"
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(body))]})
+    for at in range(0, len(body), 1 << 16):   # written as a stream is, so that writes pause
+        await send({"type": "http.response.body", "body": body[at:at + (1 << 16)], "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
+
+
+BIG = bytes(8 << 20)   # more than the kernel's buffers take: the rest waits in the server's
 
 
 class _TlsNode:
@@ -233,6 +239,60 @@ def test_a_tls_connection_the_server_closed_gives_its_place_back_soon(tmp_path):
             assert node.router_status("127.0.0.5") == 200
         finally:
             silent.close()
+    finally:
+        node.stop()
+
+
+def _asks_for_big(node: _TlsNode, source: str) -> ssl.SSLSocket:
+    """A TLS client with a small receive window that asks for BIG and reads nothing yet."""
+    raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    raw.settimeout(20)
+    raw.bind((source, 0))
+    raw.connect(("127.0.0.1", node.port))
+    s = node.router.wrap_socket(raw, suppress_ragged_eofs=False)   # an end without close_notify raises
+    s.sendall(b"GET /big HTTP/1.1\r\nhost: node\r\n\r\n")
+    return s
+
+
+def test_a_tls_answer_nobody_reads_is_reset(tmp_path):
+    """test_stalled_readers.py's slow-read attack on a TLS server: the bytes wait in three
+    buffers there (TLS's, asyncio's, the kernel's); the connection is reset within the send
+    deadline all the same, and its place comes back."""
+    pki = make_pki(tmp_path, ["127.0.0.1"])
+    node = _TlsNode(pki, HttpLimits(send_timeout_s=2.0))
+    by_address = node.server.config.http_protocol_class.by_address
+    try:
+        with _asks_for_big(node, "127.0.0.6") as s:
+            wait_until(lambda: node.refusals.counts["send_timeout"] == 1, 20)
+            got = 0
+            with pytest.raises((ConnectionResetError, ssl.SSLEOFError)):
+                while chunk := s.recv(1 << 16):
+                    got += len(chunk)
+            assert got < len(BIG)
+        wait_until(lambda: "127.0.0.6" not in by_address, 10)
+        assert node.router_status("127.0.0.6") == 200
+    finally:
+        node.stop()
+
+
+def test_a_slow_tls_reader_is_not_cut(tmp_path):
+    """Reading ~200 KB/s for three send deadlines, then the rest: all 8 MiB arrive (the bytes
+    the client takes show in the kernel's queue, not in the buffers TLS and asyncio hold)."""
+    pki = make_pki(tmp_path, ["127.0.0.1"])
+    node = _TlsNode(pki, HttpLimits(send_timeout_s=2.0))
+    try:
+        with _asks_for_big(node, "127.0.0.7") as s:
+            time.sleep(1.0)   # the buffers fill
+            got, slow_until = 0, time.monotonic() + 6.0
+            while time.monotonic() < slow_until:
+                got += len(s.recv(4096))
+                time.sleep(0.02)
+            while got < len(BIG):
+                chunk = s.recv(1 << 16)
+                assert chunk, f"closed after {got} bytes"
+                got += len(chunk)
+        assert node.refusals.counts["send_timeout"] == 0
     finally:
         node.stop()
 

@@ -244,7 +244,7 @@ def test_refusal_log_lines_are_one_per_reason_and_address_every_quiet_period(cap
     lines = [x.getMessage() for x in caplog.records]
     assert lines[:3] == ["refused 10.0.0.1", "slow 10.0.0.1", "refused 10.0.0.2"]
     assert lines[3] == "refused 10.0.0.1 (and 99 more like it in the 15 s before)" and len(lines) == 4
-    assert r.counts == {"per_address_cap": 102, "header_timeout": 1, "body_timeout": 0,
+    assert r.counts == {"per_address_cap": 102, "header_timeout": 1, "body_timeout": 0, "send_timeout": 0,
                         "tls_handshakes_in_progress": 0, "tls_handshake_failed": 0}
     for i in range(50):                     # many addresses: what it remembers stays bounded
         r.note("body_timeout", f"10.1.0.{i}", "x")
@@ -263,3 +263,6 @@ def test_the_cli_passes_the_per_address_cap(monkeypatch, tmp_path):
     assert cli.main(["serve", "--max-connections", "64"]) == 0
     assert seen[-1].per_address == 32
     assert cli.main(["serve", "--max-connections-per-address", "0"]) == 2     # refused, with a message
+    assert cli.main(["serve", "--send-timeout", "7.5"]) == 0
+    assert seen[-1].send_timeout_s == 7.5 and seen[-2].send_timeout_s == 60.0
+    assert cli.main(["serve", "--send-timeout", "0"]) == 2
