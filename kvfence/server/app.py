@@ -13,6 +13,7 @@ import logging
 import signal
 import threading
 import time
+import traceback
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -38,6 +39,7 @@ from kvfence.server.backend import DEAD_STATES, EngineBackend, EngineFailed, Req
 from kvfence.server.disconnect import watch_disconnect
 from kvfence.server.errors import (
     ABORT_STATUS,
+    INTERNAL_ERROR,
     NOT_TAKEN_CODES,
     OWN_DETAIL_CODES,
     APIError,
@@ -90,6 +92,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvfence.server")
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+MAX_FRAMES_LOGGED = 12
 # logprob entries one answer may carry, echoed prompt or generated (each a Python object, then JSON: ~100 MB)
 MAX_LOGPROB_ENTRIES = 1_000_000
 
@@ -422,8 +425,12 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception):
-        log.error("unhandled %s on %s %s (request %s)", type(e).__name__, request.method, request.url.path,
-                  getattr(request.state, "request_id", "-"))
+        # where it failed, so that a 500 can be looked into; not its message, which may quote
+        # the client's text (nothing of a prompt is logged)
+        where = "".join(traceback.format_list(traceback.extract_tb(e.__traceback__)[-MAX_FRAMES_LOGGED:]))
+        log.error("unhandled %s on %s %s (request %s), raised at (innermost last):\n%s", type(e).__name__,
+                  request.method, request.url.path, getattr(request.state, "request_id", "-"), where.rstrip())
+        state.metrics.failures.labels(INTERNAL_ERROR).inc()
         return _with_request_id(request, JSONResponse(error_body("Internal server error.", "server_error", None,
                                                                  None), status_code=500))
 

@@ -58,6 +58,9 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, code=code, param=param)
 
 
+# kvfence_request_failures_total's code for an exception no handler expected (app.py, a bug)
+INTERNAL_ERROR = "internal_error"
+
 # how an aborted request's machine-readable code reaches the client (the codes LLMEngine.end
 # is given, and the PD router's node_* codes); an unknown code is a 500
 ABORT_STATUS = {

@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvfence import faults
-from kvfence.server.errors import ABORT_STATUS
+from kvfence.server.errors import ABORT_STATUS, INTERNAL_ERROR
 from kvfence.server.http_limits import REFUSAL_REASONS, ConnectionRefusals
 
 if TYPE_CHECKING:
@@ -75,6 +75,7 @@ class ServerMetrics:
         for code, (status, _) in ABORT_STATUS.items():
             if status >= 500:
                 self.failures.labels(code)
+        self.failures.labels(INTERNAL_ERROR)
         r.register(_EngineCollector(engine_loop))
         self.connections = ConnectionRefusals()   # the HTTP server counts what it closes here (uvicorn_server)
         r.register(_RefusalCollector(self.connections))

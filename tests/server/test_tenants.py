@@ -545,22 +545,32 @@ def test_tokenizing_runs_inside_the_tenants_concurrency_slot(server, monkeypatch
 
 
 @pytest.mark.parametrize("where", ["tokenizer", "formatter"])
-def test_a_slot_goes_back_when_the_request_fails_before_it_is_answered(server, monkeypatch, where):
+def test_a_slot_goes_back_when_the_request_fails_before_it_is_answered(server, monkeypatch, caplog, where):
     """A failure that is not a refusal (a bug in the template, say) still frees the slot. The
     last step before the answer (building the run that formats it) came after the block that
     frees the slot on failure: a bug there left the slot held for good and the engine
-    generating for nobody."""
+    generating for nobody. The 500 is counted, and logged with where it was raised (it was
+    logged by its type alone) but not with its message, which may quote the client."""
     from kvfence.server import app as app_mod
 
+    said = f"injected {where} bug, quoting the prompt"   # not on the line raising it, which is logged
+
     def broken(*a, **kw):
-        raise RuntimeError(f"injected {where} bug")
+        raise RuntimeError(said)
 
     if where == "tokenizer":
         monkeypatch.setattr(server.state.engine.tokenizer, "encode", broken)
     else:
         monkeypatch.setattr(app_mod, "Formatter", broken)
-    r = server.http("solo").post("/v1/completions", json={"prompt": "x", "max_tokens": 200})
+    failed = server.metric("kvfence_request_failures_total", code="internal_error")
+    with caplog.at_level(logging.ERROR, logger="kvfence.server"):
+        r = server.http("solo").post("/v1/completions", json={"prompt": "x", "max_tokens": 200})
     assert r.status_code == 500
+    rid = r.headers["x-request-id"]
+    logged = [x.getMessage() for x in caplog.records if rid in x.getMessage()]
+    assert len(logged) == 1 and "unhandled RuntimeError" in logged[0], logged
+    assert "in broken" in logged[0] and "quoting the prompt" not in logged[0], logged[0]
+    assert server.metric("kvfence_request_failures_total", code="internal_error") == failed + 1
     assert server.state.limiter.in_flight("solo") == 0
     assert wait_for(lambda: not server.state.engine.snapshot.get("running"))   # aborted at the next step
 
