@@ -48,9 +48,7 @@ class _TlsNode:
                                      **uvicorn_options(tls, client_certificates=True))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: self.server.started, 20, "the TLS server's start", interval=0.02)
         self.port = self.server.servers[0].sockets[0].getsockname()[1]
         self.handshaking = self.server.config.http_protocol_class.handshaking
         self.router = ssl.create_default_context(cafile=pki["ca"])
