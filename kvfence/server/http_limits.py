@@ -248,6 +248,9 @@ def uvicorn_kwargs(limits: HttpLimits, refusals: ConnectionRefusals | None = Non
     """The options of uvicorn.Config that enforce `limits` (pass them with the app's own);
     `refusals` counts the connections they close (the server's metrics read it)."""
     return {"http": _protocol_for(limits, refusals or ConnectionRefusals()),
+            # no WebSocket route exists, and an upgraded connection leaves the guarded protocol
+            # without its connection_lost: each one left its address a place held for good (review)
+            "ws": "none",
             "limit_concurrency": limits.max_connections, "h11_max_incomplete_event_size": limits.max_header_bytes,
             # uvicorn would take X-Forwarded-For from a loopback peer as the client's address;
             # every per-address bound (wrong keys, connections) must count the real peer, unless
