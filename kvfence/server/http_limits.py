@@ -57,6 +57,7 @@ import logging
 import socket
 import ssl
 import struct
+import sys
 import termios
 import time
 from collections.abc import Callable
@@ -281,7 +282,7 @@ class GuardedH11Protocol(H11Protocol):
     _address: str | None = None
     _handshake_group: str | None = None   # set while this connection's handshake runs
     _unread_since: float | None = None    # since when written bytes wait for the client (_unread_for)
-    _unsent = (0, 0)                      # bytes waiting at the last check: asyncio's, the kernel's
+    _taken: tuple[int, ...] = ()          # what the client had taken at the last check (_unread_for)
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         if self.tls is not None and transport.get_extra_info("sslcontext") is None:
@@ -415,23 +416,30 @@ class GuardedH11Protocol(H11Protocol):
         self._served = True
 
     def _unread_for(self, now: float) -> float:
-        """How long the client has taken none of this connection's answer while bytes wait for
-        it: writes paused (asyncio's buffer is past its high-water mark), or the connection
-        closed with bytes unsent (asyncio's close waits for them without end, holding the
-        connection, its buffer and its place). Any bytes taken start the clock again: a slow
-        reader is not a stalled one."""
-        buffered = self.transport.get_write_buffer_size()
-        if not (self.flow.write_paused or (self.transport.is_closing() and buffered > 0)):
+        """How long bytes have waited for this connection's client with none of them taken.
+
+        Waiting: bytes in asyncio's buffer or the kernel's send queue (under TLS also in
+        asyncio's buffer of the encrypted bytes, which keeps the kernel's queue full). Taken:
+        the client's TCP acknowledged more (TCP_INFO's bytes acked), so a slow reader that keeps
+        reading is never cut, and an open connection is watched as a paused or closed one is (a
+        client that keeps asking and never reads; a TLS client that half-closed: review).
+        Where the system cannot say, only a paused or closing connection is watched, and a
+        buffer or queue that shrank counts as taken (while the app may write, one can stay level
+        as the client reads)."""
+        buffered, queued = self.transport.get_write_buffer_size(), _kernel_queued(self.transport)
+        acked = _kernel_acked(self.transport) if buffered or queued else None   # a syscall saved when idle
+        mark: tuple[int, ...]
+        if acked is not None:
+            waiting, mark = buffered > 0 or queued > 0, (acked,)
+        else:
+            waiting = self.flow.write_paused or (self.transport.is_closing() and buffered > 0)
+            mark = (-buffered, -queued)
+        if not waiting:
             self._unread_since = None
             return 0.0
-        # what the client takes leaves the kernel's queue first: asyncio's buffer shrinks only
-        # once a third of that queue (megabytes) is free, and a slow reader was cut for it. Each
-        # is compared on its own: under TLS a third, asyncio's buffer of the encrypted bytes,
-        # cannot be seen, and refills the kernel's queue as the client takes from it
-        unsent = (buffered, _kernel_unsent(self.transport))
-        if self._unread_since is None or any(n < last for n, last in zip(unsent, self._unsent)):
+        if self._unread_since is None or any(m > last for m, last in zip(mark, self._taken)):
             self._unread_since = now
-        self._unsent = unsent
+        self._taken = mark
         return now - self._unread_since
 
     def _check_deadlines(self) -> None:
@@ -471,7 +479,7 @@ class GuardedH11Protocol(H11Protocol):
         self.refusals.note("send_timeout", self.client[0] if self.client else None,
                            "resetting the connection from %s: it took none of %d bytes of its answer in %.0f s",
                            f"{self.client[0]}:{self.client[1]}" if self.client else "a client",
-                           self.transport.get_write_buffer_size(), waited)
+                           self.transport.get_write_buffer_size() + _kernel_queued(self.transport), waited)
         if self.cycle is not None:
             self.cycle.disconnected = True   # the app sees the client gone and frees what it held
             self.cycle.message_event.set()
@@ -531,19 +539,27 @@ def _peer_address(transport: asyncio.BaseTransport) -> str | None:
     return peer[0] if isinstance(peer, tuple) and peer else None
 
 
-def _kernel_unsent(transport: asyncio.BaseTransport) -> int:
-    """Bytes in the kernel's send queue of the transport's socket, not yet taken by the peer
-    (0 where the system cannot say)."""
+def _kernel_queued(transport: asyncio.BaseTransport) -> int:
+    """Bytes in the send queue of the transport's socket (0 where the system cannot say)."""
     sock = transport.get_extra_info("socket")
-    if sock is None or _OUTQ is None:
-        return 0
-    try:
-        return struct.unpack("i", fcntl.ioctl(sock.fileno(), _OUTQ, b"\0" * 4))[0]
-    except OSError:
-        return 0
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]   # SIOCOUTQ
+    return 0
 
 
-_OUTQ = getattr(termios, "TIOCOUTQ", None)   # SIOCOUTQ on Linux sockets
+def _kernel_acked(transport: asyncio.BaseTransport) -> int | None:
+    """Bytes the socket's peer has acknowledged so far (None where the system cannot say)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and _LINUX_TCP_INFO:
+        with contextlib.suppress(OSError):
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+            if len(info) >= 128:   # Linux 4.1 and later
+                return struct.unpack_from("Q", info, 120)[0]   # struct tcp_info's tcpi_bytes_acked
+    return None
+
+
+_LINUX_TCP_INFO = sys.platform.startswith("linux") and hasattr(socket, "TCP_INFO")
 
 
 def _handshake_failure(e: BaseException, timeout_s: float) -> str | None:

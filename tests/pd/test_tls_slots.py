@@ -5,6 +5,7 @@ security probe). With them, a peer without a certificate fails the TLS handshake
 comes before a connection counts."""
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
 import threading
@@ -27,8 +28,11 @@ async def _app(scope, receive, send):
             await send({"type": "lifespan.startup.complete"})
         await send({"type": "lifespan.shutdown.complete"})
         return
-    body = BIG if scope["path"] == "/big" else b"ok"
+    body = BIG if scope["path"].startswith("/big") else b"ok"
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(body))]})
+    if scope["path"] == "/big-at-once":   # one write, as a JSON answer is: TLS's buffer takes it whole
+        await send({"type": "http.response.body", "body": body})
+        return
     for at in range(0, len(body), 1 << 16):   # written as a stream is, so that writes pause
         await send({"type": "http.response.body", "body": body[at:at + (1 << 16)], "more_body": True})
     await send({"type": "http.response.body", "body": b""})
@@ -241,7 +245,7 @@ def test_a_tls_connection_the_server_closed_gives_its_place_back_soon(tmp_path):
         node.stop()
 
 
-def _asks_for_big(node: _TlsNode, source: str) -> ssl.SSLSocket:
+def _asks_for_big(node: _TlsNode, source: str, path: str = "/big") -> ssl.SSLSocket:
     """A TLS client with a small receive window that asks for BIG and reads nothing yet."""
     raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -249,7 +253,7 @@ def _asks_for_big(node: _TlsNode, source: str) -> ssl.SSLSocket:
     raw.bind((source, 0))
     raw.connect(("127.0.0.1", node.port))
     s = node.router.wrap_socket(raw, suppress_ragged_eofs=False)   # an end without close_notify raises
-    s.sendall(b"GET /big HTTP/1.1\r\nhost: node\r\n\r\n")
+    s.sendall(b"GET %s HTTP/1.1\r\nhost: node\r\n\r\n" % path.encode())
     return s
 
 
@@ -270,6 +274,33 @@ def test_a_tls_answer_nobody_reads_is_reset(tmp_path):
             assert got < len(BIG)
         wait_until(lambda: "127.0.0.6" not in by_address, 10)
         assert node.router_status("127.0.0.6") == 200
+    finally:
+        node.stop()
+
+
+@pytest.mark.parametrize("then", ["half_closes", "keeps_asking"])
+def test_a_tls_answer_written_at_once_and_never_read_is_reset(tmp_path, then):
+    """helper-68: an answer written in one piece goes whole into asyncio's buffer of encrypted
+    bytes, where writes never pause. A client that then half-closed was closed by asyncio
+    without its shutdown deadline, a close that waits for those bytes without end; one that
+    kept sending small requests never went idle. Either held its place for good. Now bytes in
+    the kernel's queue that the client does not acknowledge are watched in every state."""
+    pki = make_pki(tmp_path, ["127.0.0.1"])
+    node = _TlsNode(pki, HttpLimits(send_timeout_s=2.0))
+    by_address = node.server.config.http_protocol_class.by_address
+    try:
+        with _asks_for_big(node, "127.0.0.8", "/big-at-once") as s:
+            time.sleep(0.5)
+            if then == "half_closes":
+                socket.socket.shutdown(s, socket.SHUT_WR)   # the TCP half-close, no TLS close_notify
+                wait_until(lambda: node.refusals.counts["send_timeout"] == 1, 20, "the reset")
+            else:
+                def asked_again() -> bool:
+                    with contextlib.suppress(OSError):   # the reset, once the server has given up
+                        s.sendall(b"GET / HTTP/1.1\r\nhost: node\r\n\r\n")
+                    return node.refusals.counts["send_timeout"] == 1
+                wait_until(asked_again, 20, "the reset", interval=0.5)
+        wait_until(lambda: "127.0.0.8" not in by_address, 10, "its place back")
     finally:
         node.stop()
 
