@@ -12,9 +12,9 @@ server forever (slowloris). `GuardedH11Protocol` adds two deadlines, checked onc
   closed; the app sees a disconnect and frees whatever it held).
 
 A response may stream for as long as it generates, but not for longer than its client reads
-it: an answer whose client takes none of its bytes for `send_timeout_s` (while they wait in
-asyncio's buffer past its mark, or in a closed connection's) has its connection reset (a
-slow-read attack; asyncio would keep the bytes, and the kernel its megabytes, for good).
+it: once bytes have waited for `send_timeout_s` (in asyncio's buffer or the kernel's send queue)
+with none acknowledged by the client's TCP, the connection is reset (a slow-read attack;
+asyncio would keep the bytes, and the kernel its megabytes, for good).
 
 One client address may hold at most `max_connections_per_address` of the connections (half of
 them by default; an IPv6 client's /64 counts as one address): past it, a new connection from that
@@ -476,13 +476,10 @@ class GuardedH11Protocol(H11Protocol):
         """Reset a connection whose client took none of its answer's bytes for the send deadline:
         they cannot be delivered, and a close would wait for them (a slow-read attack holds
         memory and connection places that way for good)."""
-        self.refusals.note("send_timeout", self.client[0] if self.client else None,
-                           "resetting the connection from %s: it took none of %d bytes of its answer in %.0f s",
-                           f"{self.client[0]}:{self.client[1]}" if self.client else "a client",
+        self._note_refusal("send_timeout", "resetting the connection from %s: it took none of %d bytes of its "
+                           "answer in %.0f s", self._client_text(),
                            self.transport.get_write_buffer_size() + _kernel_queued(self.transport), waited)
-        if self.cycle is not None:
-            self.cycle.disconnected = True   # the app sees the client gone and frees what it held
-            self.cycle.message_event.set()
+        self._tell_app_gone()
         sock = self.transport.get_extra_info("socket")
         if sock is not None:
             # a reset, not a close: abort() drops only asyncio's buffer, and the kernel would go on
@@ -493,23 +490,33 @@ class GuardedH11Protocol(H11Protocol):
 
     def _give_up(self, reason: str | None, what: str, waited: float, answer_408: bool) -> None:
         """Close the connection; `reason` counts and logs it as refused (None: an idle close)."""
-        client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+        client = self._client_text()
         if reason is None:
             log.debug("closing the connection from %s: idle for %.0f s", client, waited)
         else:
-            self.refusals.note(reason, self.client[0] if self.client else None,
-                               "closing the connection from %s: its %s did not arrive within %.0f s", client, what,
-                               waited)
+            self._note_refusal(reason, "closing the connection from %s: its %s did not arrive within %.0f s", client,
+                               what, waited)
         if answer_408:
             # written raw: h11 frames no response before a request, and the app's own response,
             # if it tries one later, is dropped because the cycle is marked disconnected
             body = f"{what} not received in time\n".encode()
             self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
                                  b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
-        if self.cycle is not None:
-            self.cycle.disconnected = True       # the app's receive() returns http.disconnect
-            self.cycle.message_event.set()
+        self._tell_app_gone()
         self._linger_close()
+
+    def _tell_app_gone(self) -> None:
+        """The app's receive() returns http.disconnect (it frees what the request held), and a
+        response it tries later is dropped."""
+        if self.cycle is not None:
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+
+    def _client_text(self) -> str:
+        return f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+
+    def _note_refusal(self, reason: str, message: str, *args: Any) -> None:
+        self.refusals.note(reason, self.client[0] if self.client else None, message, *args)
 
     def _linger_close(self) -> None:
         # a lingering close: closing with the client's bytes still arriving makes the kernel send
