@@ -6,55 +6,18 @@ from __future__ import annotations
 
 import asyncio
 
-from uvicorn.config import Config
-from uvicorn.server import ServerState
+from fake_connections import FakeServer
 
-from kvfence.server.http_limits import ConnectionRefusals, HttpLimits, _protocol_for
-
-
-class _Transport(asyncio.Transport):
-    def __init__(self, peer: tuple):
-        super().__init__()
-        self.peer, self.out, self.closed = peer, b"", False
-
-    def get_extra_info(self, name, default=None):
-        return {"peername": self.peer, "sockname": ("::1", 8000, 0, 0)}.get(name, default)
-
-    def write(self, data: bytes) -> None:
-        self.out += data
-
-    def close(self) -> None:
-        self.closed = True
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def can_write_eof(self) -> bool:
-        return False
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
+from kvfence.server.http_limits import HttpLimits
 
 
 def _refused(peers: list[str]) -> list[bool]:
     """Connect from each peer in turn (2 per client allowed); which were refused at once."""
     async def go() -> list[bool]:
-        async def app(scope, receive, send):
-            pass
-
-        cls = _protocol_for(HttpLimits(max_connections=100, max_connections_per_address=2), ConnectionRefusals())
-        config = Config(app, http=cls)
-        config.load()
-        state, out = ServerState(), []
-        for peer in peers:
-            t = _Transport((peer, 5000, 0, 0) if ":" in peer else (peer, 5000))
-            cls(config=config, server_state=state, app_state={}).connection_made(t)
-            out.append(t.out.startswith(b"HTTP/1.1 503"))
-        for t in state.connections.copy():
-            t.connection_lost(None)
+        server = FakeServer(HttpLimits(max_connections=100, max_connections_per_address=2))
+        out = [server.connect((peer, 5000, 0, 0) if ":" in peer else (peer, 5000)).out.startswith(b"HTTP/1.1 503")
+               for peer in peers]
+        server.lose_all()
         return out
 
     return asyncio.run(go())
@@ -74,20 +37,11 @@ def test_a_trusted_proxy_does_not_use_up_its_neighbours_count():
     """Review: the proxy's own connections were counted in its /64, so an untrusted address
     beside it was refused once the proxy held more than the per-address count."""
     async def go() -> list[bool]:
-        async def app(scope, receive, send):
-            pass
-
-        limits = HttpLimits(max_connections=100, max_connections_per_address=2, trusted_proxies=("2001:db8::1",))
-        cls = _protocol_for(limits, ConnectionRefusals())
-        config = Config(app, http=cls)
-        config.load()
-        state, out = ServerState(), []
-        for peer in ["2001:db8::1"] * 5 + ["2001:db8::99", "2001:db8::98", "2001:db8::97"]:
-            t = _Transport((peer, 5000, 0, 0))
-            cls(config=config, server_state=state, app_state={}).connection_made(t)
-            out.append(t.out.startswith(b"HTTP/1.1 503"))
-        for t in state.connections.copy():
-            t.connection_lost(None)
+        server = FakeServer(HttpLimits(max_connections=100, max_connections_per_address=2,
+                                       trusted_proxies=("2001:db8::1",)))
+        out = [server.connect((peer, 5000, 0, 0)).out.startswith(b"HTTP/1.1 503")
+               for peer in ["2001:db8::1"] * 5 + ["2001:db8::99", "2001:db8::98", "2001:db8::97"]]
+        server.lose_all()
         return out
 
     assert asyncio.run(go()) == [False] * 7 + [True]
