@@ -13,6 +13,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from kvfence.model.control_tokens import ControlTokenText
+
 # Tokens that end a turn in common chat formats; like llama.cpp, treat them as
 # end-of-generation even when the file names another token as EOS.
 _END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "</s>")
@@ -61,6 +63,7 @@ class KvTokenizer:
         self.end_ids = frozenset(ends)
         self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
         self.max_token_chars = _max_token_chars(self.hf)
+        self.control = ControlTokenText(self.hf)   # a client's words spelling a control token stay words
         self._template = None
         if self.chat_template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -81,7 +84,12 @@ class KvTokenizer:
     def fewest_tokens(self, text: str) -> int:
         """A lower bound on len(encode(text)) from its length alone (0 where none holds): a
         text far too long for the context is refused without seconds of tokenizing."""
-        return -(-len(text) // self.max_token_chars) if self.max_token_chars else 0
+        if not self.max_token_chars:
+            return 0
+        marks = self.control.marks(text)   # each marked control token's text is one token or more
+        if marks:
+            return -(-len(self.control.without_marks(text)) // self.max_token_chars) + marks
+        return -(-len(text) // self.max_token_chars)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if len(ids) > 64:   # as encode: long ones without the GIL (the detokenizer's windows are short)
@@ -101,15 +109,18 @@ class KvTokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list | None = None) -> str:
+        """The template's text for encode_rendered: the words of messages and tools that spell a
+        control token stand there as markers (control_tokens.py), which it tokenizes as text."""
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; send plain prompts instead")
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ChatTemplateError("each message needs a 'role' and a 'content'")
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            return self._template.render(messages=self.control.mark(messages),
+                                         add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token, eos_token=self.eos_token,
-                                         **({"tools": tools} if tools else {}))
+                                         **({"tools": self.control.mark(tools)} if tools else {}))
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
 
@@ -119,8 +130,10 @@ class KvTokenizer:
         return self.encode_rendered(self.apply_chat_template(messages, add_generation_prompt, tools))
 
     def encode_rendered(self, text: str) -> list[int]:
-        """The ids of a rendered chat template."""
-        ids = self.encode(text, add_special=False)
+        """The ids of a rendered chat template (apply_chat_template's text: control tokens where
+        the template wrote them, the messages' words as text even where they spell one)."""
+        marked = self.control.encode(text)
+        ids = self.encode(text, add_special=False) if marked is None else marked
         if self.add_bos and self.bos_id is not None and self.bos_token and not text.startswith(self.bos_token):
             ids = [self.bos_id] + ids
         return ids

@@ -1024,7 +1024,7 @@ def continued_template(tok, messages: list[dict]) -> str:
     if at < 0 or text.find(marker, at + 1) >= 0:
         raise ChatTemplateError("this model's chat template does not write the last assistant message as it is, "
                                 "so it cannot be continued; send the text as a /v1/completions prompt")
-    return text[:at] + last["content"]
+    return text[:at] + tok.control.mark(last["content"])   # its words as text, as every message's
 
 
 def _refuse_max_tokens_beyond_context(req: GenerationRequest, usable: int) -> None:
