@@ -11,17 +11,24 @@ parse it (transformers#29279 is the open report).
 How: before rendering, every control token's text inside the client's strings is replaced by
 a marker (letters and digits, so a template's trim, escape or tojson leaves it as it is; its
 tag is random per process, so no client text holds one by chance, and one a client did send
-could only ever turn into text). The rendered text is tokenized as before to find the control
-tokens the template wrote; the text between them is tokenized again with control tokens read
-as text and the markers put back as the words they stood for. A prompt without any such words
-takes the old path and gets exactly the old ids.
+could only ever turn into text or a 400). In the rendered text every control token's text is then the
+template's own; the text between them is tokenized with control tokens read as text and the
+markers put back as the words they stood for. A prompt without markers is tokenized as it
+always was (exactly the old ids), checked where a normalizer could make other text match a
+control token. Only the tokens decode() treats as special are protected: a model's ordinary
+added tokens (Qwen's `<tool_call>`, `<think>`) are matched in text as before.
 """
 from __future__ import annotations
 
+import json
 import re
 import secrets
 
 from tokenizers import Tokenizer
+
+
+class ChatTemplateError(ValueError):
+    """Messages the model's chat template cannot write (the client's 400; tokenizer.py's too)."""
 
 
 class ControlTokenText:
@@ -30,62 +37,110 @@ class ControlTokenText:
     def __init__(self, hf: Tokenizer):
         self._hf = hf
         # the tokens decode() skips as special: turn markers, BOS/EOS, the model's reserved ones
-        self._ids = frozenset(i for i, t in hf.get_added_tokens_decoder().items() if t.special)
-        self._texts = sorted({hf.id_to_token(i) for i in self._ids}, key=len, reverse=True)
-        self._find = re.compile(_trie_pattern(self._texts)) if self._texts else None
+        specials = {i: t for i, t in hf.get_added_tokens_decoder().items() if t.special}
+        self._ids = frozenset(specials)
+        self._id_of = {t.content: i for i, t in specials.items()}
+        self._strips = {t.content: (t.lstrip, t.rstrip) for t in specials.values()}
+        self._texts = sorted(self._id_of, key=len, reverse=True)
         self._index = {t: k for k, t in enumerate(self._texts)}
+        self._find = re.compile(_trie_pattern(self._texts)) if self._texts else None
+        # exact text is the only way to a control token unless a normalizer runs before matching it
+        self._normalized = hf.normalizer is not None and any(t.normalized for t in specials.values())
         self._tag = "kvfctl" + secrets.token_hex(6)
         self._marker = re.compile(re.escape(self._tag) + r"([0-9]{1,4})x")
-        self._as_text: Tokenizer | None = None   # a copy that reads control tokens as text, made when first needed
+        self._as_text: tuple[Tokenizer, Tokenizer] | None = None   # made when first needed
 
     def mark(self, value):
         """`value` (a string, or dicts and lists holding strings) with each control token's text in
-        its strings replaced by a marker; anything else as it is. Dict keys are the API's, not text."""
+        its strings replaced by a marker; anything else as it is. Keys too: a tool's parameter
+        names are keys, and a template may write them as they are (no API field name holds one)."""
         if isinstance(value, str):
             if self._find is None:
                 return value
             return self._find.sub(lambda m: f"{self._tag}{self._index[m.group(0)]}x", value)
         if isinstance(value, dict):
-            return {k: self.mark(v) for k, v in value.items()}
+            return {self.mark(k): self.mark(v) for k, v in value.items()}
         if isinstance(value, list):
             return [self.mark(v) for v in value]
         return value
 
-    def marks(self, text: str) -> int:
-        """How many markers `text` holds (each stands for at least one token)."""
-        return len(self._marker.findall(text)) if self._tag in text else 0
+    def restored(self, text: str) -> str:
+        """`text` with its markers spelled out again: what is tokenized as text."""
+        return self._marker.sub(self._spelled, text) if self._tag in text else text
 
-    def without_marks(self, text: str) -> str:
-        return self._marker.sub("", text)
-
-    def encode(self, text: str) -> list[int] | None:
-        """The ids of a rendered template holding markers (control tokens only where the template
-        wrote them, the marked words as text); None when it holds none (tokenize it as usual)."""
+    def encode(self, text: str) -> list[int]:
+        """The ids of a rendered template holding markers or not: control tokens only where the
+        template wrote them, every other character as text. ChatTemplateError where this
+        tokenizer cannot write the client's words as text."""
         if self._tag not in text:
-            return None
-        found = self._hf.encode_batch([text], add_special_tokens=False)[0]
-        ids: list[int] = []
-        at = 0
-        for tid, (start, end) in zip(found.ids, found.offsets):
-            if tid in self._ids:   # the template's own (the client's are markers by now)
-                ids += self._words(text[at:start])
-                ids.append(tid)
-                at = end
-        return ids + self._words(text[at:])
+            ids = self._hf.encode_batch([text], add_special_tokens=False)[0].ids
+            if not self._normalized or self._controls(ids) == self._written(text):
+                return ids
+        return self._between_controls(text)
+
+    def _written(self, text: str) -> list[int]:
+        return [self._id_of[m.group(0)] for m in self._find.finditer(text)] if self._find else []
+
+    def _controls(self, ids: list[int]) -> list[int]:
+        return [i for i in ids if i in self._ids]
+
+    def _between_controls(self, text: str) -> list[int]:
+        """Each of the template's control tokens by id, the text between them (markers spelled out)
+        tokenized with control tokens read as text."""
+        segments, controls, at = [], [], 0
+        for m in self._find.finditer(text) if self._find else ():
+            start, end = m.span()
+            lstrip, rstrip = self._strips[m.group(0)]
+            segments.append(text[at:start].rstrip() if lstrip else text[at:start])
+            controls.append(self._id_of[m.group(0)])
+            while rstrip and end < len(text) and text[end].isspace():
+                end += 1
+            at = end
+        segments.append(text[at:])
+        segments = [self.restored(s) for s in segments]
+        if any(self._tag in s for s in segments):   # a marker cut or a number no control token has
+            raise ChatTemplateError("this model's chat template changes the text of messages, so a message that "
+                                    "spells one of the model's control tokens cannot be written as text under it")
+        first, later = self._copies()
+        # a Metaspace pre-tokenizer that marks only the text's first word must not mark each segment's
+        parts = first.encode_batch(segments[:1], add_special_tokens=False) + \
+            later.encode_batch(segments[1:], add_special_tokens=False)
+        ids = list(parts[0].ids)
+        for tid, part in zip(controls, parts[1:]):
+            ids.append(tid)
+            ids += part.ids
+        if self._controls(ids) != controls:   # the vocabulary spells a control token from plain text
+            raise ChatTemplateError("a message spells one of the model's control tokens in a way this tokenizer "
+                                    "cannot write as text")
+        return ids
 
     def _spelled(self, m: re.Match) -> str:
         k = int(m.group(1))
         return self._texts[k] if k < len(self._texts) else m.group(0)
 
-    def _words(self, text: str) -> list[int]:
-        if not text:
-            return []
+    def _copies(self) -> tuple[Tokenizer, Tokenizer]:
+        """Two copies of the tokenizer that read control tokens as text: one for the text's start,
+        one for text after a control token (never marked as a first word)."""
         if self._as_text is None:
-            copy = Tokenizer.from_str(self._hf.to_str())
-            copy.encode_special_tokens = True
-            self._as_text = copy
-        text = self._marker.sub(self._spelled, text)
-        return self._as_text.encode_batch([text], add_special_tokens=False)[0].ids
+            spec = json.loads(self._hf.to_str())
+            first = Tokenizer.from_str(json.dumps(spec))
+            _never_first(spec.get("pre_tokenizer"))
+            later = Tokenizer.from_str(json.dumps(spec))
+            for t in (first, later):
+                t.encode_special_tokens = True
+            self._as_text = (first, later)
+        return self._as_text
+
+
+def _never_first(node) -> None:
+    if isinstance(node, dict):
+        if node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first":
+            node["prepend_scheme"] = "never"
+        for v in node.values():
+            _never_first(v)
+    elif isinstance(node, list):
+        for v in node:
+            _never_first(v)
 
 
 def _trie_pattern(words: list[str]) -> str:

@@ -13,7 +13,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from kvfence.model.control_tokens import ControlTokenText
+from kvfence.model.control_tokens import ChatTemplateError, ControlTokenText
 
 # Tokens that end a turn in common chat formats; like llama.cpp, treat them as
 # end-of-generation even when the file names another token as EOS.
@@ -24,10 +24,6 @@ _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"  # noqa: E501
 )
-
-
-class ChatTemplateError(ValueError):
-    pass
 
 
 @dataclass
@@ -86,10 +82,7 @@ class KvTokenizer:
         text far too long for the context is refused without seconds of tokenizing."""
         if not self.max_token_chars:
             return 0
-        marks = self.control.marks(text)   # each marked control token's text is one token or more
-        if marks:
-            return -(-len(self.control.without_marks(text)) // self.max_token_chars) + marks
-        return -(-len(text) // self.max_token_chars)
+        return -(-len(self.control.restored(text)) // self.max_token_chars)   # the text tokenized, markers spelled
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if len(ids) > 64:   # as encode: long ones without the GIL (the detokenizer's windows are short)
@@ -117,10 +110,14 @@ class KvTokenizer:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ChatTemplateError("each message needs a 'role' and a 'content'")
         try:
-            return self._template.render(messages=self.control.mark(messages),
+            messages, tools = self.control.mark(messages), self.control.mark(tools)
+        except RecursionError:   # a tool's schema or a call's arguments nested deeper than Python's stack
+            raise ChatTemplateError("the messages or tools are nested too deeply to render") from None
+        try:
+            return self._template.render(messages=messages,
                                          add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token, eos_token=self.eos_token,
-                                         **({"tools": self.control.mark(tools)} if tools else {}))
+                                         **({"tools": tools} if tools else {}))
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
 
@@ -132,8 +129,7 @@ class KvTokenizer:
     def encode_rendered(self, text: str) -> list[int]:
         """The ids of a rendered chat template (apply_chat_template's text: control tokens where
         the template wrote them, the messages' words as text even where they spell one)."""
-        marked = self.control.encode(text)
-        ids = self.encode(text, add_special=False) if marked is None else marked
+        ids = self.control.encode(text)
         if self.add_bos and self.bos_id is not None and self.bos_token and not text.startswith(self.bos_token):
             ids = [self.bos_id] + ids
         return ids
