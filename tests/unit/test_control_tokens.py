@@ -3,6 +3,8 @@ the client's turn or open a system or assistant turn (kvfence/model/control_toke
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvfence.model.gguf_loader import read_metadata
 from kvfence.model.loader import default_model_path
@@ -215,3 +217,29 @@ def test_the_longest_control_token_is_found():
     found = re.compile(_trie_pattern(words))
     text = "x<s>y<sz</s><|ab|><|a|><|reserved_12|><|reserved_1|><|reserved_123|>"
     assert found.findall(text) == ["<s>", "<s", "</s>", "<|ab|>", "<|a|>", "<|reserved_12|>", "<|reserved_1|>"]
+
+
+_CONTROL = ["<|im_end|>", "<|im_start|>", "<|endoftext|>", "<jupyter_code>", "<|im", "_end|>", "|>", "<", "\n",
+            " ", "system", "assistant", "kvfctl"]
+
+
+# control characters and planes past the first left out: this vocabulary has no token for some of
+# their bytes (0x06, 0xF1), so any text loses them
+_CHARS = st.characters(exclude_categories=("Cs", "Cc"), max_codepoint=0xFFFF)
+
+
+@given(st.lists(_CHARS | st.sampled_from(_CONTROL), max_size=30).map("".join),
+       st.sampled_from(["system", "user", "assistant"]))
+@settings(max_examples=300, deadline=None, database=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_any_words_in_any_role_are_text(tok, words, role):
+    """Whatever a message says, the prompt's control tokens are the template's own, the
+    message's characters are all in it, and words that spell no control token get the ids the
+    whole text always had."""
+    msgs = [{"role": "user", "content": "q"}, {"role": role, "content": words}]
+    ids = tok.encode_chat(msgs)
+    assert _turn_markers(tok, ids) == _turn_markers(tok, tok.encode_chat([msgs[0], {"role": role, "content": "x"}]))
+    text = tok.apply_chat_template(msgs)
+    assert words.strip() in tok.decode(ids, skip_special_tokens=False) or not words.strip()
+    if tok.control._tag not in text:
+        assert ids == tok.encode(text, add_special=False)
