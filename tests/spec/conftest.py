@@ -8,12 +8,12 @@ and timeouts. Started at once at nice 19, the searches use that idle time and yi
 to any test that wants them; by the time tests/spec runs they are done or nearly so."""
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
+from required_tools import tool_or_skip
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -22,18 +22,9 @@ if str(ROOT) not in sys.path:
 
 @pytest.fixture(scope="session")
 def spin_tools() -> dict[str, str]:
-    """Paths of spin and gcc. Without them the model checks skip on a developer
-    machine and fail in CI (where the CI variable is set): a proof that silently
-    does not run proves nothing."""
-    tools = {name: shutil.which(name) for name in ("spin", "gcc")}
-    missing = [name for name, path in tools.items() if path is None]
-    if missing:
-        msg = (f"{' and '.join(missing)} not installed: the Promela model in spec/ cannot be "
-               "checked (apt-get install spin gcc)")
-        if os.environ.get("CI"):
-            pytest.fail(msg + "; CI is set, so this is a failure", pytrace=False)
-        pytest.skip(msg + "; set CI to make this a failure")
-    return tools  # type: ignore[return-value]
+    """Paths of spin and gcc (a proof that silently does not run proves nothing: a failure in CI)."""
+    return {name: tool_or_skip(name, purpose="the Promela model in spec/ (checked by spin, compiled by gcc)",
+                               install="apt-get install spin gcc") for name in ("spin", "gcc")}
 
 
 def pytest_collection_finish(session):
