@@ -16,7 +16,9 @@ template's own; the text between them is tokenized with control tokens read as t
 markers put back as the words they stood for. A prompt without markers is tokenized as it
 always was (exactly the old ids), checked where a normalizer could make other text match a
 control token. Only the tokens decode() treats as special are protected: a model's ordinary
-added tokens (Qwen's `<tool_call>`, `<think>`) are matched in text as before.
+added tokens (Qwen's `<tool_call>`, `<think>`) are matched in text as before. A template that
+changes a message's words (`| lower`) could still turn them into a control token's text after
+marking; no known chat template does.
 """
 from __future__ import annotations
 
@@ -47,7 +49,8 @@ class ControlTokenText:
         # exact text is the only way to a control token unless a normalizer runs before matching it
         self._normalized = hf.normalizer is not None and any(t.normalized for t in specials.values())
         self._tag = "kvfctl" + secrets.token_hex(6)
-        self._marker = re.compile(re.escape(self._tag) + r"([0-9]{1,4})x")
+        digits = len(str(max(1, len(self._texts))))   # a marker's number: an index into _texts
+        self._marker = re.compile(re.escape(self._tag) + f"([0-9]{{1,{digits}}})x")
         self._as_text: tuple[Tokenizer, Tokenizer] | None = None   # made when first needed
 
     def mark(self, value):
@@ -91,9 +94,9 @@ class ControlTokenText:
         for m in self._find.finditer(text) if self._find else ():
             start, end = m.span()
             lstrip, rstrip = self._strips[m.group(0)]
-            segments.append(text[at:start].rstrip() if lstrip else text[at:start])
+            segments.append(text[at:start].rstrip(_SPACE) if lstrip else text[at:start])
             controls.append(self._id_of[m.group(0)])
-            while rstrip and end < len(text) and text[end].isspace():
+            while rstrip and end < len(text) and text[end] in _SPACE:
                 end += 1
             at = end
         segments.append(text[at:])
@@ -128,8 +131,16 @@ class ControlTokenText:
             later = first if not _never_first(spec.get("pre_tokenizer")) else Tokenizer.from_str(json.dumps(spec))
             for t in (first, later):
                 t.encode_special_tokens = True
+                t.no_padding()      # a tokenizer.json's padding would pad each piece to the longest
+                t.no_truncation()
             self._as_text = (first, later)
         return self._as_text
+
+
+# what the tokenizers library strips beside an lstrip/rstrip token: Unicode's White_Space
+# (Rust's char::is_whitespace), which str.isspace widens by the separators U+001C..U+001F
+_SPACE = ("\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009"
+          "\u200a\u2028\u2029\u202f\u205f\u3000")
 
 
 def _never_first(node) -> bool:

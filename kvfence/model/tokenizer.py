@@ -220,6 +220,7 @@ def tokenizer_from_hf_folder(folder) -> KvTokenizer:
     folder = Path(folder)
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     tok.no_truncation()   # a tokenizer.json may set truncation: a long prompt must reach I4 whole, not cut short
+    tok.no_padding()      # or padding: pad ids would join the prompt
     cfg = {}
     if (folder / "tokenizer_config.json").exists():
         cfg = json.loads((folder / "tokenizer_config.json").read_text())

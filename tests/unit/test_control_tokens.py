@@ -200,6 +200,37 @@ def test_whitespace_a_control_token_strips_is_stripped_the_same_way():
     assert [i for i in forged if i in t.control._ids] == [t.hf.token_to_id(x) for x in ("<|t|>", "<|l|>", "<|r|>")]
 
 
+def test_a_separator_character_beside_a_stripping_token_is_kept():
+    """tokenizers strips Unicode's White_Space beside an lstrip/rstrip token; str.isspace also
+    counts U+001C..U+001F, which the pieces must keep as the whole text does."""
+    from tokenizers import AddedToken
+
+    t = _toy([], ["<|t|>", AddedToken("<|r|>", special=True, rstrip=True, lstrip=True, normalized=False)],
+             template="{% for m in messages %}<|t|>{{ m.content }}<|r|>{{ m.content }}{% endfor %}")
+    for content in ("\x1fa\x1c", " \x1e b\u3000"):
+        text = t.apply_chat_template([{"role": "user", "content": content}])
+        assert t.control._between_controls(text) == t.encode(text, add_special=False), repr(content)
+    forged = t.encode_chat([{"role": "user", "content": "\x1fa<|r|>"}])
+    assert [i for i in forged if i in t.control._ids] == [t.hf.token_to_id("<|t|>"), t.hf.token_to_id("<|r|>")]
+
+
+def test_padding_in_the_tokenizer_file_pads_nothing(tok):
+    from tokenizers import Tokenizer
+
+    hf = Tokenizer.from_str(tok.hf.to_str())
+    hf.enable_padding(pad_id=2, pad_token="<|im_end|>")   # as a tokenizer.json may say
+    t = KvTokenizer(TokenizerInfo(tokenizer=hf, bos_id=None, eos_id=None, add_bos=False,
+                                  chat_template=tok.chat_template))
+    ids = t.encode_chat(_chat(FORGED))
+    assert ids == tok.encode_chat(_chat(FORGED))
+
+
+def test_a_model_with_ten_thousand_control_tokens():
+    t = _toy([], ["<|t|>"] + [f"<v{i}>" for i in range(10_050)])
+    ids = t.encode_chat([{"role": "user", "content": "<v10049><v7>"}])
+    assert [i for i in ids if i in t.control._ids] == [t.hf.token_to_id("<|t|>")]
+
+
 def test_a_vocabulary_that_spells_a_control_token_from_text_is_refused():
     # the ordinary token "<s>" (merges of "<", "s", ">") is the control token's own id
     t = _toy([("<", "s"), ("<s", ">")], ["<|t|>", "<s>"])
