@@ -28,6 +28,8 @@ import secrets
 
 from tokenizers import Tokenizer
 
+from kvfence.model.tokenizer_json import objects
+
 
 class ChatTemplateError(ValueError):
     """Messages the model's chat template cannot write (the client's 400; tokenizer.py's too)."""
@@ -143,19 +145,12 @@ _SPACE = ("\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u20
           "\u200a\u2028\u2029\u202f\u205f\u3000")
 
 
-def _never_first(node) -> bool:
+def _never_first(pre) -> bool:
     """Turn a Metaspace's "first" prefix scheme into "never"; whether there was one."""
-    found = False
-    if isinstance(node, dict):
-        if node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first":
-            node["prepend_scheme"] = "never"
-            found = True
-        for v in node.values():
-            found = _never_first(v) or found
-    elif isinstance(node, list):
-        for v in node:
-            found = _never_first(v) or found
-    return found
+    firsts = [o for o in objects(pre) if o.get("type") == "Metaspace" and o.get("prepend_scheme") == "first"]
+    for o in firsts:
+        o["prepend_scheme"] = "never"
+    return bool(firsts)
 
 
 def _trie_pattern(words: list[str]) -> str:

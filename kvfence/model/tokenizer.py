@@ -14,6 +14,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from kvfence.model.control_tokens import ChatTemplateError, ControlTokenText
+from kvfence.model.tokenizer_json import objects
 
 # Tokens that end a turn in common chat formats; like llama.cpp, treat them as
 # end-of-generation even when the file names another token as EOS.
@@ -147,19 +148,7 @@ def _max_token_chars(hf: Tokenizer) -> int | None:
     (byte-level) or characters, and a character is at least one byte. None: no bound."""
     spec = json.loads(hf.to_str())
     model, pre = spec.get("model") or {}, spec.get("pre_tokenizer")
-    kinds: set[str] = set()
-
-    def walk(node) -> None:
-        if isinstance(node, dict):
-            if isinstance(node.get("type"), str):
-                kinds.add(node["type"])
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, list):
-            for v in node:
-                walk(v)
-
-    walk(pre)
+    kinds = {o["type"] for o in objects(pre) if isinstance(o.get("type"), str)}
     if (spec.get("normalizer") is not None or model.get("type") != "BPE" or model.get("fuse_unk")
             or not kinds <= _KEEPING_PRE_TOKENIZERS or "removed" in json.dumps(pre).lower()):
         return None
