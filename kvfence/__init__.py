@@ -1,5 +1,6 @@
 """kvfence: an LLM inference server in which no request can read KV-cache memory it does not own."""
 import os as _os
+from typing import TYPE_CHECKING
 
 # OpenMP workers that sleep between parallel regions (OMP_WAIT_POLICY=PASSIVE) pay a wake-up
 # on each of the ~150 regions of a decode step: 13.4 s against 11.9 s for the bench workload
@@ -10,9 +11,29 @@ import os as _os
 if "OMP_WAIT_POLICY" not in _os.environ:
     _os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
-from kvfence.engine.admission import CapacityError, ContextLengthExceeded  # noqa: E402
-from kvfence.engine.llm import LLM, RequestOutput  # noqa: E402
-from kvfence.engine.params import SamplingParams  # noqa: E402
-
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "ContextLengthExceeded", "CapacityError"]
 __version__ = "0.1.0"
+
+# The Python API is imported on first use, not with the package: it brings torch (~1 s), and
+# the CLI's commands that load no model (--help, secret, drain, a refused start) need none.
+_API = {"LLM": "kvfence.engine.llm", "RequestOutput": "kvfence.engine.llm",
+        "SamplingParams": "kvfence.engine.params", "ContextLengthExceeded": "kvfence.engine.admission",
+        "CapacityError": "kvfence.engine.admission"}
+
+
+if TYPE_CHECKING:   # what type checkers and editors read; at run time __getattr__ imports them
+    from kvfence.engine.admission import CapacityError, ContextLengthExceeded
+    from kvfence.engine.llm import LLM, RequestOutput
+    from kvfence.engine.params import SamplingParams
+
+
+def __getattr__(name: str):
+    if name in _API:
+        import importlib
+
+        return getattr(importlib.import_module(_API[name]), name)
+    raise AttributeError(f"module 'kvfence' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_API])

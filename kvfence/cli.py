@@ -200,7 +200,7 @@ def _keyring(a):
 
 
 def cmd_serve(a) -> int:
-    from kvfence.server.app import hold_sighup
+    from kvfence.server.early_sighup import hold_sighup
 
     hold_sighup()   # a SIGHUP while the model loads reloads the tenants file once serving, not exits
     from kvfence import faults, incidents

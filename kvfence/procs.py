@@ -48,7 +48,7 @@ def start_child(cmd: list[str], hold_hangup: bool = False, **popen) -> subproces
 
     hold_hangup: the child starts with SIGHUP blocked, so a SIGHUP passed on while it is still
     importing waits for it instead of ending it (a `kvfence serve` unblocks it once it has a
-    handler: kvfence.server.app.hold_sighup)."""
+    handler: kvfence.server.early_sighup.hold_sighup)."""
     if not sys.platform.startswith("linux"):
         return subprocess.Popen(cmd, **popen)   # stop_processes at exit is all there is
     parent = os.getpid()

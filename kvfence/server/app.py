@@ -37,6 +37,7 @@ from kvfence.server import legacy_functions, responses_api
 from kvfence.server.auth_throttle import FailedAuthThrottle, client_address
 from kvfence.server.backend import DEAD_STATES, EngineBackend, EngineFailed, RequestHandle, Update
 from kvfence.server.disconnect import watch_disconnect
+from kvfence.server.early_sighup import EARLY_HUP, hold_sighup
 from kvfence.server.errors import (
     ABORT_STATUS,
     INTERNAL_ERROR,
@@ -283,22 +284,6 @@ class KeyRevoked(Exception):
                              "tenants file); it was stopped.", code="api_key_revoked", outcome="key_revoked")
 
 
-_EARLY_HUP = threading.Event()   # a SIGHUP came while no server took it (hold_sighup)
-
-
-def hold_sighup() -> None:
-    """Until the server takes SIGHUP itself (_reload_on_sighup), and again once it stops, a
-    SIGHUP is kept for later instead of its default action, which ends the process: launch-pd
-    passes SIGHUP on to every child, one of them perhaps still loading its model."""
-    try:
-        signal.signal(signal.SIGHUP, lambda *_: _EARLY_HUP.set())
-        # launch-pd starts its children with SIGHUP blocked (procs.start_child): one sent while
-        # this process imported is delivered now, to the handler
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
-    except ValueError:   # not the main thread
-        pass
-
-
 def _reload_on_sighup(state: ServerState) -> bool:
     """SIGHUP reloads the tenants file, as it reloads nginx's or Prometheus's configuration,
     and a PD process's cluster secret files (without either it is logged and ignored: its
@@ -328,8 +313,8 @@ def _reload_on_sighup(state: ServerState) -> bool:
         loop.add_signal_handler(signal.SIGHUP, on_hup)
     except (RuntimeError, ValueError):   # not the main thread
         return False
-    if _EARLY_HUP.is_set():   # the file may have changed while the model loaded
-        _EARLY_HUP.clear()
+    if EARLY_HUP.is_set():   # the file may have changed while the model loaded
+        EARLY_HUP.clear()
         on_hup()
     return True
 

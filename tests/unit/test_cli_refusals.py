@@ -299,3 +299,20 @@ def test_launch_pd_leaves_a_failing_node_stopped_and_serves_on(monkeypatch, caps
     err = capsys.readouterr().err
     assert "decode-2 exited with code 70, failing 4 times in a row; left stopped" in err, err
     assert "router exited with code 0; stopping the others" in err, err
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--role", "prefill"], ["secret", "new", "{tmp}/c.secret"]])
+def test_what_loads_no_model_does_not_import_torch(argv, tmp_path):
+    """`kvfence --help`, a refused start (here: no cluster secret) and `kvfence secret new` answer in
+    ~0.6 s, not after torch's ~1 s import that the package once did on `import kvfence`."""
+    import os
+    import subprocess
+
+    code = ("import sys, runpy; sys.argv = ['kvfence'] + sys.argv[1:]\n"
+            "try:\n    runpy.run_module('kvfence.cli', run_name='__main__')\nexcept SystemExit as e:\n"
+            "    print('exit', e.code)\nprint('torch' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVFENCE_CLUSTER_SECRET")}
+    r = subprocess.run([sys.executable, "-c", code, *(a.format(tmp=tmp_path) for a in argv)], capture_output=True,
+                       text=True, timeout=60, env=env)
+    lines = r.stdout.strip().splitlines()
+    assert lines[-2] == ("exit 0" if argv[0] != "serve" else "exit 2") and lines[-1] == "False", (r.stdout, r.stderr)
