@@ -16,14 +16,14 @@ from kvfence.server.tenants import TenantRegistry
 
 
 @pytest.fixture(scope="session")
-def make_server(loaded_fp32):
+def make_server(loaded_bf16):
     started: list[LiveServer] = []
 
     def make(tenants: str | None = TENANTS_TOML, gate: threading.Event | None = None, wait: bool = True,
              max_body_bytes: int = 256 << 10, limits: HttpLimits | None = None,
              registry: TenantRegistry | None = None, **engine_kw) -> LiveServer:
         cfg = EngineConfig(**{**ENGINE, **engine_kw})
-        spy = SpyEngine(cfg, loaded_fp32, gate)
+        spy = SpyEngine(cfg, loaded_bf16, gate)
         engine = EngineLoop(spy, run_startup_checks).start()
         if wait:
             assert engine.wait_ready(60), engine.error
