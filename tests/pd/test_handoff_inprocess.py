@@ -24,10 +24,10 @@ SECRET = b"in-process test cluster secret, 32+ bytes long"
 
 
 def engine(loaded, **kw) -> LLMEngine:
-    kw.setdefault("kv_cache_memory", "32MiB")
+    kw.setdefault("kv_cache_memory", "16MiB")
     kw.setdefault("clamp_context", True)
     kw.setdefault("max_model_len", 1024)
-    return LLMEngine(EngineConfig(dtype="float32", progress=False, **kw), loaded)
+    return LLMEngine(EngineConfig(dtype="bfloat16", progress=False, **kw), loaded)
 
 
 class Pair:
@@ -74,8 +74,8 @@ def single(loaded, ids, params):
 
 
 @pytest.fixture(scope="module")
-def pair(loaded_fp32):
-    return Pair(loaded_fp32)
+def pair(loaded_bf16):
+    return Pair(loaded_bf16)
 
 
 def prompt(n, seed=0):
@@ -85,13 +85,13 @@ def prompt(n, seed=0):
 
 
 @pytest.mark.parametrize("n", [2, 17, 100])
-def test_handoff_matches_single_node(loaded_fp32, pair, n):
+def test_handoff_matches_single_node(loaded_bf16, pair, n):
     ids, params = prompt(n, n), SamplingParams(max_tokens=8, **GREEDY)
     m = pair.prefill(ids, params, f"r{n}")
     assert m["token_count"] == n - 1 and m["page_count"] == -(-(n - 1) // 16)
     seq, events = pair.decode(ids, params, f"r{n}", m)
     assert events[0] == "kv_verified" and seq.finish_reason == "length"
-    assert seq.output_ids == single(loaded_fp32, ids, params)
+    assert seq.output_ids == single(loaded_bf16, ids, params)
     assert pair.p.release_kv(f"r{n}") == "released"
     assert pair.exp.staging.ledger.num_owned == 0 and pair.imp.staging.ledger.num_owned == 0
     assert pair.d.ledger.num_owned == 0
@@ -170,12 +170,12 @@ def test_rows_are_ciphertext_while_held_and_zero_once_released(pair):
     assert not pair.exp.staging.buf.any()               # prefill's rows zeroed after the ACK
 
 
-def test_handoff_from_another_prefill_boot_is_refused(loaded_fp32):
+def test_handoff_from_another_prefill_boot_is_refused(loaded_bf16):
     """A restarted prefill (same cluster secret, new boot id) re-registers at the same
     address with the old rows still in memory: a manifest of the old boot with the new
     source is refused before anything is reserved; the old rows, read through a source that
     claims the old boot, do not open under the new process's identity either."""
-    pr = Pair(loaded_fp32)
+    pr = Pair(loaded_bf16)
     ids, params = prompt(30, 12), SamplingParams(max_tokens=2, **GREEDY)
     m = pr.prefill(ids, params, "b1")
     old = pr.handoff(m)
@@ -186,8 +186,8 @@ def test_handoff_from_another_prefill_boot_is_refused(loaded_fp32):
     assert pr.d.ledger.num_owned == 0
 
 
-def test_lease_expiry_fences_rows_until_no_pull_can_run(loaded_fp32):
-    pr = Pair(loaded_fp32, lease_s=2.5, clock_skew_s=0.5, max_pull_s=5, transfer_timeout_s=1)
+def test_lease_expiry_fences_rows_until_no_pull_can_run(loaded_bf16):
+    pr = Pair(loaded_bf16, lease_s=2.5, clock_skew_s=0.5, max_pull_s=5, transfer_timeout_s=1)
     ids, params = prompt(40, 6), SamplingParams(max_tokens=4, **GREEDY)
     m = pr.prefill(ids, params, "l1")
     held = m["page_count"]
@@ -204,8 +204,8 @@ def test_lease_expiry_fences_rows_until_no_pull_can_run(loaded_fp32):
     assert seq.num_quarantined == 0
 
 
-def test_duplicate_and_late_notices_touch_nothing_else(loaded_fp32):
-    pr = Pair(loaded_fp32, pull_give_up_s=0.3)
+def test_duplicate_and_late_notices_touch_nothing_else(loaded_bf16):
+    pr = Pair(loaded_bf16, pull_give_up_s=0.3)
     ids, params = prompt(40, 7), SamplingParams(max_tokens=3, **GREEDY)
     m = pr.prefill(ids, params, "d1")
     with faults.injected("duplicate_transfer_completion"):
@@ -225,9 +225,9 @@ def test_duplicate_and_late_notices_touch_nothing_else(loaded_fp32):
     pr.p.abort_kv("d2", reader_stopped=True, reason="decode gave up")
 
 
-def test_free_on_abort_fault_releases_rows_under_a_running_pull(loaded_fp32):
+def test_free_on_abort_fault_releases_rows_under_a_running_pull(loaded_bf16):
     """Mutant for I6: with the fault the rows go back while the pull can still write them."""
-    pr = Pair(loaded_fp32, pull_give_up_s=0.2)
+    pr = Pair(loaded_bf16, pull_give_up_s=0.2)
     ids, params = prompt(40, 8), SamplingParams(max_tokens=3, **GREEDY)
     m = pr.prefill(ids, params, "f1")
     with faults.injected("free_on_abort_during_transfer", delay_transfer_completion=0.6):
@@ -246,10 +246,10 @@ def test_prefill_rejects_over_length_and_nothing_is_allocated(pair):
     assert pair.p.ledger.counters["pages_allocated"] == before
 
 
-def _queued_pull_scenario(loaded_fp32) -> list[str]:
+def _queued_pull_scenario(loaded_bf16) -> list[str]:
     """One pull worker and a slow transport: B's pull waits behind A's, B gives up, then C
     takes rows. Returns every read that began writing rows its pull no longer owned."""
-    pr = Pair(loaded_fp32, pull_give_up_s=0.3, max_pull_s=1.0, transfer_timeout_s=1)
+    pr = Pair(loaded_bf16, pull_give_up_s=0.3, max_pull_s=1.0, transfer_timeout_s=1)
     pr.imp._workers.shutdown(wait=True)
     from concurrent.futures import ThreadPoolExecutor
     pr.imp._workers = ThreadPoolExecutor(1)
@@ -286,23 +286,23 @@ def _queued_pull_scenario(loaded_fp32) -> list[str]:
     return wrong
 
 
-def test_a_queued_pull_given_up_never_begins_its_read(loaded_fp32):
+def test_a_queued_pull_given_up_never_begins_its_read(loaded_bf16):
     """I6 for queued pulls: B's rows go back at once because its read has not begun and never
     will; C, granted them, is written only by its own read. Mutant fence_pull_from_submit (the
     old rule: fenced from when B was queued): B's rows go at queue time + max_pull while its
     read has not begun, and that read later begins writing C's rows."""
-    assert _queued_pull_scenario(loaded_fp32) == []
+    assert _queued_pull_scenario(loaded_bf16) == []
     with faults.injected("fence_pull_from_submit"):
-        wrong = _queued_pull_scenario(loaded_fp32)
+        wrong = _queued_pull_scenario(loaded_bf16)
     assert wrong, "the mutant's late read should have hit rows owned by another request"
 
 
-def test_decode_says_whether_a_read_can_still_run(loaded_fp32):
+def test_decode_says_whether_a_read_can_still_run(loaded_bf16):
     """What /internal/stop_pull answers the router (which relays it to prefill as
     reader_stopped): a request still waiting for decode's pages has no read, so prefill may
     free its rows at once instead of fencing them; once a read's notice came, it has ended.
     (A read that began and has not reported counts as running: the queued-pull test above.)"""
-    pr = Pair(loaded_fp32, decode_kw={"kv_cache_memory": "40MiB"})
+    pr = Pair(loaded_bf16, decode_kw={"kv_cache_memory": "20MiB"})
     params = SamplingParams(max_tokens=400, **GREEDY)
     ids_x, ids_y = prompt(300, 40), prompt(300, 41)
     mx, my = pr.prefill(ids_x, params, "sx"), pr.prefill(ids_y, params, "sy")
@@ -323,14 +323,14 @@ def test_decode_says_whether_a_read_can_still_run(loaded_fp32):
         pr.d.step()
 
 
-def test_a_decode_request_that_arrives_after_the_router_gave_up_is_refused(loaded_fp32):
+def test_a_decode_request_that_arrives_after_the_router_gave_up_is_refused(loaded_bf16):
     """Found in review (I6): the router gives up while its /internal/decode is still on its way;
     stop_pull found no read of a request decode had not seen, answered reader_stopped, prefill
     freed the rows at once and granted them to the next request; then the late arrival was
     admitted and its pull read those rows (they would not open: another request's key). Now
     the id is refused once decode has said "stopped". Mutant: without the refusal (the
     `given_up` check), the late request is admitted and its pull reads g2's rows."""
-    pr = Pair(loaded_fp32)
+    pr = Pair(loaded_bf16)
     ids, params = prompt(60, 50), SamplingParams(max_tokens=3, **GREEDY)
     m1 = pr.prefill(ids, params, "g1")
     assert pr.imp.stop_pull("g1")                                 # decode never saw g1: no read can run
@@ -346,22 +346,22 @@ def test_a_decode_request_that_arrives_after_the_router_gave_up_is_refused(loade
     pr.p.release_kv("g2")
 
 
-def test_a_stop_pull_decode_cannot_remember_leaves_the_rows_fenced(loaded_fp32, monkeypatch):
+def test_a_stop_pull_decode_cannot_remember_leaves_the_rows_fenced(loaded_bf16, monkeypatch):
     """Past GIVEN_UP_MAX remembered ids decode cannot promise to refuse a late arrival: it
     answers "a read may run", and prefill fences instead of freeing."""
     from kvfence.pd import decode as decode_mod
     monkeypatch.setattr(decode_mod, "GIVEN_UP_MAX", 2)
-    pr = Pair(loaded_fp32)
+    pr = Pair(loaded_bf16)
     assert pr.imp.stop_pull("x1") and pr.imp.stop_pull("x2") and pr.imp.stop_pull("x1")
     assert not pr.imp.stop_pull("x3") and pr.imp.counters["given_up_full"] == 1
 
 
-def test_an_ack_after_the_lease_ended_lifts_the_fence(loaded_fp32):
+def test_an_ack_after_the_lease_ended_lifts_the_fence(loaded_bf16):
     """Decode's pull may begin just before the lease's end and be verified after it: prefill
     has fenced the rows by then, and the ACK (or decode's "no read runs") that comes later is
     proof nothing reads them, so they go back at once, not at the fence's deadline ~80 s later
     with a false incident record (found in review)."""
-    pr = Pair(loaded_fp32, lease_s=1.0, clock_skew_s=0.2, max_pull_s=60, transfer_timeout_s=1)
+    pr = Pair(loaded_bf16, lease_s=1.0, clock_skew_s=0.2, max_pull_s=60, transfer_timeout_s=1)
     params = SamplingParams(max_tokens=3, **GREEDY)
     for rid, word in (("k1", "ack"), ("k2", "stopped")):
         m = pr.prefill(prompt(40, 60), params, rid)
@@ -386,11 +386,11 @@ def _poisoned(n, seed):
     return ids
 
 
-def test_an_exception_in_prefill_staging_fails_only_that_request(loaded_fp32):
+def test_an_exception_in_prefill_staging_fails_only_that_request(loaded_bf16):
     """Fault point poison_link: staging one request's rows raises. That request ends alone
     (engine_error) with its rows and pages back; a request staged in the same step is held
     and hands off as usual. Without containment the exception leaves step() and stops the node."""
-    pr = Pair(loaded_fp32)
+    pr = Pair(loaded_bf16)
     params = SamplingParams(max_tokens=4, **GREEDY)
     good, bad = prompt(40, 60), _poisoned(40, 61)
     pr.p.add_request(good, params, tenant="t1", request_id="g", hold_kv=True)
@@ -408,16 +408,16 @@ def test_an_exception_in_prefill_staging_fails_only_that_request(loaded_fp32):
     assert pr.exp.staging.ledger.num_owned == pr.p.ledger.pages_for(39)     # only g's rows
     assert pr.exp.staging.ledger.num_quarantined == 0
     seq, _ = pr.decode(good, params, "g", ended["g"].data)
-    assert seq.output_ids == single(loaded_fp32, good, params)
+    assert seq.output_ids == single(loaded_bf16, good, params)
     pr.p.release_kv("g")
     assert pr.exp.staging.ledger.num_owned == 0 and pr.p.ledger.num_owned == 0
 
 
-def test_an_exception_while_decode_opens_rows_fails_only_that_request(loaded_fp32):
+def test_an_exception_while_decode_opens_rows_fails_only_that_request(loaded_bf16):
     """poison_link on decode: opening one pulled request's rows raises after its read ended.
     It fails alone (engine_error) with its rows freed at once (the read is over) and its pool
     pages back; another request pulled in the same step runs to the single-node output."""
-    pr = Pair(loaded_fp32)
+    pr = Pair(loaded_bf16)
     params = SamplingParams(max_tokens=6, **GREEDY)
     good, bad = prompt(50, 62), _poisoned(50, 63)
     mg, mb = pr.prefill(good, params, "g"), pr.prefill(bad, params, "b", tenant="t2")
@@ -429,7 +429,7 @@ def test_an_exception_while_decode_opens_rows_fails_only_that_request(loaded_fp3
             pr.d.step()
             time.sleep(0.001)
     assert b.abort_code == "engine_error" and b.output_ids == []
-    assert g.finish_reason == "length" and g.output_ids == single(loaded_fp32, good, params)
+    assert g.finish_reason == "length" and g.output_ids == single(loaded_bf16, good, params)
     assert pr.d.kv_link.reader_stopped("b")
     assert pr.imp.staging.ledger.num_owned == 0 and pr.imp.staging.ledger.num_quarantined == 0
     assert pr.d.ledger.num_owned == 0
@@ -453,11 +453,11 @@ def _run_until(pr, done, limit_s=60):
     assert done()
 
 
-def test_a_small_request_of_another_tenant_passes_a_large_one_that_does_not_fit(loaded_fp32):
+def test_a_small_request_of_another_tenant_passes_a_large_one_that_does_not_fit(loaded_bf16):
     """Decode reserves by need: B's small request, arriving after A's large one that waits for
     pages, is reserved at once (strict first-in-first-out made it wait behind A's)."""
     from kvfence.engine.request_states import State
-    pr = Pair(loaded_fp32, decode_kw={"kv_cache_memory": "16MiB"})
+    pr = Pair(loaded_bf16, decode_kw={"kv_cache_memory": "8MiB"})
     big, small = SamplingParams(max_tokens=40, **GREEDY), SamplingParams(max_tokens=8, **GREEDY)
     a1 = _admit(pr, prompt(200, 70), big, "a1", "A")                  # 15 of decode's 22 pages
     a2 = _admit(pr, prompt(200, 71), big, "a2", "A")
@@ -471,14 +471,14 @@ def test_a_small_request_of_another_tenant_passes_a_large_one_that_does_not_fit(
     assert pr.d.ledger.num_owned == 0 and pr.imp.staging.ledger.num_owned == 0
 
 
-def test_a_requests_choices_are_reserved_before_a_later_request(loaded_fp32):
+def test_a_requests_choices_are_reserved_before_a_later_request(loaded_bf16):
     """Decode orders its queue by the client request, not by each choice: x1, a choice of the
     request whose first choice x0 arrived before y0, is reserved before y0 once the pages for one
     of them free up. (By each choice's own arrival y0 went first: under load a request's choices
     were reserved interleaved with other requests', and a choice's lease ran out while the rest
     of its request generated, failing the request: a probe's heavy n=16 answers all failed.)"""
     from kvfence.engine.request_states import State
-    pr = Pair(loaded_fp32, decode_kw={"kv_cache_memory": "16MiB"})
+    pr = Pair(loaded_bf16, decode_kw={"kv_cache_memory": "8MiB"})
     params = SamplingParams(max_tokens=8, **GREEDY)
     f = _admit(pr, prompt(200, 110), SamplingParams(max_tokens=40, **GREEDY), "f", "A")   # 15 of 22 pages
     x0 = _admit(pr, prompt(20, 111), params, "x0", "A")                                   # 2 more
@@ -498,14 +498,14 @@ def test_a_requests_choices_are_reserved_before_a_later_request(loaded_fp32):
     assert pr.d.ledger.num_owned == 0 and pr.imp.staging.ledger.num_owned == 0 and not pr.imp._requests
 
 
-def test_a_prompts_later_choices_do_not_pass_over_a_request_that_came_after_its_first(loaded_fp32):
+def test_a_prompts_later_choices_do_not_pass_over_a_request_that_came_after_its_first(loaded_bf16):
     """The bypass bound counts by the queue's own order: y0, which arrived after r0, is not
     passed over when r0's other choices are reserved before it (a review: counted by each
     choice's own arrival, a prompt's BYPASS_LIMIT-th later choice made y0 a barrier and the rest
     waited behind it, interleaving the requests again)."""
     from kvfence.engine.request_states import State
     from kvfence.pd.prefill import BYPASS_LIMIT
-    pr = Pair(loaded_fp32, decode_kw={"kv_cache_memory": "16MiB"})
+    pr = Pair(loaded_bf16, decode_kw={"kv_cache_memory": "8MiB"})
     tiny = SamplingParams(max_tokens=1, **GREEDY)
     f = _admit(pr, prompt(150, 120), SamplingParams(max_tokens=8, **GREEDY), "f", "A")   # 10 of 22 pages
     r0 = _admit(pr, prompt(10, 121), tiny, "r0", "A")                                     # 1
@@ -525,12 +525,12 @@ def test_a_prompts_later_choices_do_not_pass_over_a_request_that_came_after_its_
     assert pr.d.ledger.num_owned == 0 and pr.imp.staging.ledger.num_owned == 0 and not pr.imp._requests
 
 
-def test_a_request_passed_over_too_often_stops_the_queue_until_it_fits(loaded_fp32):
+def test_a_request_passed_over_too_often_stops_the_queue_until_it_fits(loaded_bf16):
     """The bound on need-based order: once BYPASS_LIMIT later requests were reserved past A's
     waiting request, the next one (which fits) waits until A's has been reserved."""
     from kvfence.engine.request_states import State
     from kvfence.pd.prefill import BYPASS_LIMIT
-    pr = Pair(loaded_fp32, decode_kw={"kv_cache_memory": "16MiB"})
+    pr = Pair(loaded_bf16, decode_kw={"kv_cache_memory": "8MiB"})
     big, tiny = SamplingParams(max_tokens=40, **GREEDY), SamplingParams(max_tokens=1, **GREEDY)
     a1 = _admit(pr, prompt(200, 80), big, "a1", "A")
     a2 = _admit(pr, prompt(200, 81), big, "a2", "A")
@@ -553,12 +553,12 @@ def test_a_request_passed_over_too_often_stops_the_queue_until_it_fits(loaded_fp
     assert late.finish_reason == "length" and a2.finish_reason == "length"
 
 
-def test_a_request_without_max_tokens_reserves_a_step_not_a_context_and_grows(loaded_fp32):
+def test_a_request_without_max_tokens_reserves_a_step_not_a_context_and_grows(loaded_bf16):
     """No max_tokens: decode reserves the prompt and decode_reserve_tokens, not the whole
     rest of the context, and the request then grows page by page to the same output as a
     single node."""
     short = {"max_model_len": 192}
-    pr = Pair(loaded_fp32, prefill_kw=short, decode_kw=short, decode_reserve_tokens=32)
+    pr = Pair(loaded_bf16, prefill_kw=short, decode_kw=short, decode_reserve_tokens=32)
     ids = prompt(60, 100)
     params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
     m = pr.prefill(ids, params, "nm")
@@ -567,17 +567,17 @@ def test_a_request_without_max_tokens_reserves_a_step_not_a_context_and_grows(lo
     assert len(seq.table) == pr.d.ledger.pages_for(len(ids) + 32)        # ... but reserves only a step
     _run_until(pr, lambda: seq.finished)
     assert seq.finish_reason == "length" and seq.num_tokens == pr.d.usable_context
-    assert seq.output_ids == single(loaded_fp32, ids, SamplingParams(max_tokens=seq.max_tokens, **GREEDY))
+    assert seq.output_ids == single(loaded_bf16, ids, SamplingParams(max_tokens=seq.max_tokens, **GREEDY))
     pr.p.release_kv("nm")
     assert pr.d.ledger.num_owned == 0
 
 
-def test_decode_out_of_pages_mid_generation_preempts_and_recomputes(loaded_fp32):
+def test_decode_out_of_pages_mid_generation_preempts_and_recomputes(loaded_bf16):
     """Two requests outgrow decode's pool while generating: the later one is preempted, its
     pages go back through the ledger, decode recomputes its KV from its tokens and both end
     with the single-node output. No error, no page of one read by the other (the ledger's
     check runs on every pass)."""
-    pr = Pair(loaded_fp32, decode_kw={"kv_cache_memory": "8MiB"}, decode_reserve_tokens=16)
+    pr = Pair(loaded_bf16, decode_kw={"kv_cache_memory": "4MiB"}, decode_reserve_tokens=16)
     params = SamplingParams(max_tokens=60, **GREEDY)
     ids_x, ids_y = prompt(40, 110), prompt(40, 111)
     x = _admit(pr, ids_x, params, "px", "A")
@@ -586,8 +586,8 @@ def test_decode_out_of_pages_mid_generation_preempts_and_recomputes(loaded_fp32)
     _run_until(pr, lambda: x.finished and y.finished, 120)
     assert pr.d.scheduler.num_preemptions >= 1
     assert x.finish_reason == y.finish_reason == "length"
-    assert x.output_ids == single(loaded_fp32, ids_x, params)
-    assert y.output_ids == single(loaded_fp32, ids_y, params)
+    assert x.output_ids == single(loaded_bf16, ids_x, params)
+    assert y.output_ids == single(loaded_bf16, ids_y, params)
     pr.p.release_kv("px")
     pr.p.release_kv("py")
     assert pr.d.ledger.num_owned == 0 and pr.d.ledger.num_quarantined == 0
@@ -596,29 +596,29 @@ def test_decode_out_of_pages_mid_generation_preempts_and_recomputes(loaded_fp32)
 NEW_SECRET = b"the cluster's next secret, 32+ bytes long too"
 
 
-def test_a_cluster_rotating_its_secret_keeps_handing_off(loaded_fp32):
+def test_a_cluster_rotating_its_secret_keeps_handing_off(loaded_bf16):
     """A rotation half done: this prefill already seals with the new secret, decode still holds
     the old one and accepts the new (as every node does before any seals with it); the rows
     open by the key id the manifest names, and the answer is the single node's."""
-    pr = Pair(loaded_fp32, cluster_secret=SECRET, accepted_secrets=(NEW_SECRET,))
+    pr = Pair(loaded_bf16, cluster_secret=SECRET, accepted_secrets=(NEW_SECRET,))
     pr.exp = KvExporter(pr.p, PDSettings("prefill", cluster_secret=NEW_SECRET, accepted_secrets=(SECRET,)),
                         pr.exp.transport)
     ids, params = prompt(40, 21), SamplingParams(max_tokens=6, **GREEDY)
     m = pr.prefill(ids, params, "rot1")
     assert m["seal_key"] == key_id(NEW_SECRET) != key_id(SECRET)
     seq, events = pr.decode(ids, params, "rot1", m)
-    assert events[0] == "kv_verified" and seq.output_ids == single(loaded_fp32, ids, params)
+    assert events[0] == "kv_verified" and seq.output_ids == single(loaded_bf16, ids, params)
     assert pr.p.release_kv("rot1") == "released"
 
 
-def test_a_secret_a_reload_drops_after_admission_fails_the_request_as_such_not_as_an_attack(loaded_fp32):
+def test_a_secret_a_reload_drops_after_admission_fails_the_request_as_such_not_as_an_attack(loaded_bf16):
     """Step 3 of a rotation by SIGHUP too early: decode admitted a handoff sealed under the
     secret it accepted, then a reload dropped that secret before the rows were opened. The
     request fails with kv_manifest_invalid saying why, and it is not counted (or recorded in
     the incident log) as rows that failed authentication; every row is freed."""
     from kvfence.pd.seal import SecretSet
 
-    pr = Pair(loaded_fp32, cluster_secret=SECRET, accepted_secrets=(NEW_SECRET,))
+    pr = Pair(loaded_bf16, cluster_secret=SECRET, accepted_secrets=(NEW_SECRET,))
     pr.exp = KvExporter(pr.p, PDSettings("prefill", cluster_secret=NEW_SECRET, accepted_secrets=(SECRET,)),
                         pr.exp.transport)
     ids, params = prompt(40, 24), SamplingParams(max_tokens=2, **GREEDY)
@@ -637,11 +637,11 @@ def test_a_secret_a_reload_drops_after_admission_fails_the_request_as_such_not_a
     pr.p.abort_kv("rot4", reader_stopped=True, reason="test")
 
 
-def test_rows_sealed_under_a_secret_decode_does_not_hold_are_refused_before_reserving(loaded_fp32, caplog):
+def test_rows_sealed_under_a_secret_decode_does_not_hold_are_refused_before_reserving(loaded_bf16, caplog):
     """A prefill that moved to the new secret before this decode node accepted it: the handoff
     is refused at admission, saying what to do (to the operator's log too, once), and nothing
     is reserved or pulled."""
-    pr = Pair(loaded_fp32)
+    pr = Pair(loaded_bf16)
     pr.exp = KvExporter(pr.p, PDSettings("prefill", cluster_secret=NEW_SECRET), pr.exp.transport)
     ids, params = prompt(40, 22), SamplingParams(max_tokens=2, **GREEDY)
     m = pr.prefill(ids, params, "rot2")
@@ -656,24 +656,24 @@ def test_rows_sealed_under_a_secret_decode_does_not_hold_are_refused_before_rese
     pr.p.abort_kv("rot2", reader_stopped=True, reason="test")
 
 
-def test_a_manifest_without_a_key_id_opens_with_decodes_own_secret(pair, loaded_fp32):
+def test_a_manifest_without_a_key_id_opens_with_decodes_own_secret(pair, loaded_bf16):
     """An old prefill's manifest (no key id, during a rolling upgrade) is taken as sealed with
     the cluster's one secret."""
     ids, params = prompt(40, 23), SamplingParams(max_tokens=4, **GREEDY)
     m = pair.prefill(ids, params, "rot3")
     m = {k: v for k, v in m.items() if k != "seal_key"}
     seq, events = pair.decode(ids, params, "rot3", m)
-    assert events[0] == "kv_verified" and seq.output_ids == single(loaded_fp32, ids, params)
+    assert events[0] == "kv_verified" and seq.output_ids == single(loaded_bf16, ids, params)
     assert pair.p.release_kv("rot3") == "released"
 
 
-def test_a_tenant_at_its_running_share_waits_while_another_tenants_request_could_go(loaded_fp32):
+def test_a_tenant_at_its_running_share_waits_while_another_tenants_request_could_go(loaded_bf16):
     """Decode applies the running share to reservations, as a single node's scheduler does to
     starts: with a slot free, B's request goes before A's older one, A being at its share, though
     A holds fewer pages (which alone would put A's first). Alone, A is not held to its share (its
     handoffs would end with lease_expired while slots sat idle: a review)."""
     from kvfence.engine.request_states import State
-    pr = Pair(loaded_fp32, decode_kw={"max_num_seqs": 4, "tenant_running_share": 0.5, "kv_cache_memory": "64MiB"},
+    pr = Pair(loaded_bf16, decode_kw={"max_num_seqs": 4, "tenant_running_share": 0.5, "kv_cache_memory": "32MiB"},
               decode_reserve_tokens=16)
     tiny, short, long = (SamplingParams(max_tokens=k, **GREEDY) for k in (2, 40, 60))
     b0 = _admit(pr, prompt(200, 100), long, "b0", "B")               # B: one large request
@@ -694,13 +694,13 @@ def test_a_tenant_at_its_running_share_waits_while_another_tenants_request_could
     assert pr.d.ledger.num_owned == 0 and pr.imp.staging.ledger.num_owned == 0
 
 
-def test_a_tenant_running_fewer_is_reserved_past_anothers_preempted_requests(loaded_fp32):
+def test_a_tenant_running_fewer_is_reserved_past_anothers_preempted_requests(loaded_bf16):
     """Requests preempted on decode go before new reservations, except a tenant's that runs fewer
     sequences there than every tenant with one preempted (as on a single node, the tenant running
     the fewest starts next): a fairness probe saw one tenant's n=16 requests fill decode's pool
     and preempt their own while another tenant's handoff waited up to 40 s."""
     from kvfence.engine.request_states import State
-    pr = Pair(loaded_fp32)
+    pr = Pair(loaded_bf16)
     params = SamplingParams(max_tokens=30, **GREEDY)
     a0, a1 = (_admit(pr, prompt(20, 120 + i), params, f"a{i}", "A") for i in range(2))
     _run_until(pr, lambda: a0.state is State.DECODING and a1.state is State.DECODING)
@@ -716,16 +716,16 @@ def test_a_tenant_running_fewer_is_reserved_past_anothers_preempted_requests(loa
     assert pr.d.ledger.num_owned == 0 and pr.imp.staging.ledger.num_owned == 0
 
 
-def test_freed_transfer_rows_go_to_the_tenant_holding_the_fewest(loaded_fp32):
+def test_freed_transfer_rows_go_to_the_tenant_holding_the_fewest(loaded_bf16):
     """Prefill stages computed prompts by the rows their tenant holds, then by arrival: with A
     holding every row, B's prompt gets the first rows that come back, before A's older one (first
     come, first served let one tenant's handoffs hold the buffer: a fairness probe)."""
     ids = [prompt(60, 140 + i) for i in range(5)]
-    led = Pair(loaded_fp32).p.ledger
+    led = Pair(loaded_bf16).p.ledger
     rows = led.pages_for(59)
     # a buffer of three prompts' rows (it must hold a whole context: the context is that long)
     context = {"max_model_len": 3 * rows * led.page_size}
-    pr = Pair(loaded_fp32, prefill_kw=context, decode_kw=context, transfer_buffer_pages=3 * rows)
+    pr = Pair(loaded_bf16, prefill_kw=context, decode_kw=context, transfer_buffer_pages=3 * rows)
     params = SamplingParams(max_tokens=4, **GREEDY)
     for i in range(3):
         pr.prefill(ids[i], params, f"a{i}", tenant="A")          # held: every row is A's
