@@ -2,12 +2,30 @@
 the end (with a fault applied at a chosen step), the faults themselves, and the read audit.
 
 The test modules import these with `from .conftest import ...` (this folder is a package
-for that); the model and engine fixtures come from tests/conftest.py.
+for that); the model fixtures come from tests/conftest.py, and `make_llm` here builds engines in
+the default dtype, bfloat16 on the fused kernels: the invariants hold for what `kvfence serve`
+runs, and a step takes ~11 ms here against float32's ~60 ms. Float32 keeps the parity tests.
 """
 from __future__ import annotations
 
-from kvfence import SamplingParams
+import pytest
+
+from kvfence import LLM, SamplingParams
 from kvfence.kv.audit import ReadAudit
+
+BF16_PAGE = 16 * 30 * 2 * 3 * 64 * 2   # bytes of one 16-token KV page: 30 layers, K and V, 3 heads of 64, 2 B
+
+
+@pytest.fixture(scope="session")
+def make_llm(loaded_bf16):
+    """Build an LLM on the shared bfloat16 weights; keyword arguments go to EngineConfig. 32 MiB
+    of bf16 pages is the 1,440-token context that 64 MiB of float32 held."""
+    def make(**kw) -> LLM:
+        kw.setdefault("kv_cache_memory", "32MiB")
+        kw.setdefault("clamp_context", True)
+        kw.setdefault("progress", False)
+        return LLM(dtype="bfloat16", loaded=loaded_bf16, **kw)
+    return make
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 PROMPTS = ["The secret code of tenant A is", "Tenant B writes about the weather today:",

@@ -8,7 +8,7 @@ from kvfence.engine.request_states import State
 from kvfence.kv import prefix_cache
 from kvfence.kv.ledger import PageState, scope_name
 
-from .conftest import run_to_end
+from .conftest import BF16_PAGE, run_to_end
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SYSTEM = ("You are the support assistant of a bank. Never reveal account numbers. Answer briefly and "
@@ -123,9 +123,9 @@ def test_writing_into_a_shared_page_is_refused(llm):
 
 
 def test_eviction_under_pressure_keeps_outputs_and_ledger_right(make_llm):
-    llm = make_llm(kv_cache_memory=40 * 16 * 30 * 2 * 3 * 64 * 4)  # 39 usable pages
+    llm = make_llm(kv_cache_memory=40 * BF16_PAGE)  # 39 usable pages
     eng = llm.engine
-    ref_eng = make_llm(kv_cache_memory=40 * 16 * 30 * 2 * 3 * 64 * 4, enable_prefix_cache=False).engine
+    ref_eng = make_llm(kv_cache_memory=40 * BF16_PAGE, enable_prefix_cache=False).engine
     for i in range(8):
         prompt = llm.tokenizer.encode(f"Document {i}: " + "lorem ipsum dolor sit amet " * 12)
         got = run(eng, prompt, f"T{i % 3}")
@@ -140,7 +140,7 @@ def test_eviction_under_pressure_keeps_outputs_and_ledger_right(make_llm):
 def test_a_busy_tenant_does_not_flush_another_tenants_cached_prefix(make_llm):
     """The pool fills with a busy tenant's cached prompts; a light tenant's system prompt,
     cached before them, is still a hit (global LRU evicted it first)."""
-    llm = make_llm(kv_cache_memory=40 * 16 * 30 * 2 * 3 * 64 * 4)  # 39 usable pages
+    llm = make_llm(kv_cache_memory=40 * BF16_PAGE)  # 39 usable pages
     eng = llm.engine
     run(eng, ids_for(llm, "Q: hello"), "light")
     for i in range(8):

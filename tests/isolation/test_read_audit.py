@@ -14,7 +14,7 @@ from kvfence.engine.request_states import State
 from kvfence.kv.audit import ReadAudit
 from kvfence.kv.ledger import LedgerError, PageState
 
-from .conftest import audited, point_at_neighbour, run_three, run_to_end, unwritten_slots
+from .conftest import BF16_PAGE, audited, point_at_neighbour, run_three, run_to_end, unwritten_slots
 
 
 def test_runner_takes_the_audit_from_its_constructor(make_llm):
@@ -30,7 +30,7 @@ def test_runner_takes_the_audit_from_its_constructor(make_llm):
 
 def test_clean_mixed_workload_has_no_audit_violation(make_llm):
     # 13 usable pages (208 tokens) and a 48-token step budget: chunked prefill and preemption
-    llm = make_llm(kv_cache_memory=14 * 737280, max_num_batched_tokens=48)
+    llm = make_llm(kv_cache_memory=14 * BF16_PAGE, max_num_batched_tokens=48)
     audit = audited(llm)
     eng = llm.engine
     shared_prefix = "You are a careful assistant. Answer briefly and politely. " * 3

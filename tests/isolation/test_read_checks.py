@@ -49,6 +49,22 @@ def test_fault_aborts_only_the_faulty_request(make_llm, baseline, fault, invaria
     led.check_consistency()
 
 
+def test_the_checks_hold_on_the_float32_path_too(loaded_fp32):
+    """The tests here run the default dtype (bf16, fused kernels); --dtype float32 runs the torch
+    path: the same faults are stopped there, and the others' tokens are float32's own."""
+    from kvfence import LLM
+
+    def make():
+        return LLM(dtype="float32", loaded=loaded_fp32, kv_cache_memory="64MiB", clamp_context=True, progress=False)
+
+    want = [s.output_ids for s in run_three(make())]
+    for fault, invariant in ((point_at_neighbour, "I2"), (unwritten_slots, "I3")):
+        llm = make()
+        a, b, c = run_three(llm, fault, 12)
+        assert a.abort_code == "isolation_violation" and f"isolation check {invariant} failed" in a.error
+        assert [b.output_ids, c.output_ids] == want[1:] and llm.engine.ledger.num_owned == 0
+
+
 def test_neighbour_page_is_quarantined_not_reused(make_llm):
     llm = make_llm()
     run_three(llm, point_at_neighbour, at_step=4)
