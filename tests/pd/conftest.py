@@ -36,6 +36,20 @@ def pytest_sessionfinish(session):
     _stop()   # also when the run was interrupted
 
 
+@pytest.fixture(scope="session")
+def make_llm(loaded_bf16):
+    """Single-node references in the nodes' dtype (NODE_ARGS: bfloat16, the default); keyword
+    arguments go to EngineConfig."""
+    from kvfence import LLM
+
+    def make(**kw) -> LLM:
+        kw.setdefault("kv_cache_memory", "32MiB")
+        kw.setdefault("clamp_context", True)
+        kw.setdefault("progress", False)
+        return LLM(dtype="bfloat16", loaded=loaded_bf16, **kw)
+    return make
+
+
 @pytest.fixture(scope="module")
 def shared_cluster(tmp_path_factory) -> Cluster:
     """The running shared cluster (started by the first module that asks), settled."""

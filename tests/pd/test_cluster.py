@@ -83,7 +83,7 @@ def test_pd_output_equals_single_node(cluster, client, make_llm):
     assert used is not None and len(values) == used.completion_tokens == len(want.logprobs) == 8
     assert values == pytest.approx([x.logprob for x in want.logprobs], abs=1e-3)
     assert cluster.pd("decode")["pd_verified"] >= 3
-    assert cluster.pd("decode")["transferred_bytes"] > 20 * 700_000  # the long prompt's pages crossed over
+    assert cluster.pd("decode")["transferred_bytes"] > 20 * 360_000  # the long prompt's bf16 pages (368,640 B)
     metrics = httpx.get(cluster.url("decode") + "/metrics").text
     assert 'kvfence_pd_events_total{event="verified"}' in metrics and "kvfence_pd_transferred_bytes_total" in metrics
     assert 'kvfence_pd_transfer_buffer_rows{state="fenced"} 0.0' in httpx.get(cluster.url("prefill") + "/metrics").text

@@ -21,7 +21,7 @@ def _args(**over) -> list[str]:
 @pytest.fixture(scope="module")
 def big_cluster(tmp_path_factory):
     c = Cluster(tmp_path_factory.mktemp("pd-long"),
-                node_args=_args(**{"--kv-cache-memory": "160MiB", "--max-model-len": "3200",
+                node_args=_args(**{"--dtype": "float32", "--kv-cache-memory": "160MiB", "--max-model-len": "3200",
                                    "--max-num-batched-tokens": "1024", "--lease": "30", "--max-pull": "10"}))
     c.start_all()
     yield c

@@ -99,7 +99,7 @@ class Fleet:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVFENCE_CLUSTER_SECRET")}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvfence.cli", "launch-pd", "--prefill", str(prefill), "--decode", str(decode),
-             "--port", str(self.port), "--dtype", "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "1024",
+             "--port", str(self.port), "--dtype", "bfloat16", "--kv-cache-memory", "32MiB", "--max-model-len", "1024",
              "--tenants", str(self.tenants_file), *extra,
              *(["--cluster-secret-file", self.secret_file] if self.secret_file else [])],
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
@@ -371,7 +371,7 @@ def test_a_node_too_small_for_the_advertised_context_is_refused_and_gets_nothing
     secret_file = re.search(r"made a random cluster secret for this cluster in (\S+)",
                             fleet.log_path.read_text()).group(1)
     small = subprocess.Popen([sys.executable, "-m", "kvfence.cli", "serve", "--role", "prefill", "--port",
-                              str(port + 1), "--dtype", "float32", "--kv-cache-memory", "8MiB", "--clamp-context",
+                              str(port + 1), "--dtype", "bfloat16", "--kv-cache-memory", "4MiB", "--clamp-context",
                               "--max-model-len", "1024", "--threads", "1", "--cluster-secret-file", secret_file],
                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     nodes = fleet.cluster()["nodes"]

@@ -36,8 +36,8 @@ def test_launch_pd_restarts_a_node_that_dies(tmp_path):
     port = free_ports(3)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVFENCE_CLUSTER_SECRET")}
     log = open(tmp_path / "launch.log", "w+")
-    p = subprocess.Popen([sys.executable, "-m", "kvfence.cli", "launch-pd", "--port", str(port), "--dtype", "float32",
-                          "--kv-cache-memory", "64MiB", "--max-model-len", "1024"], cwd=ROOT, env=env,
+    p = subprocess.Popen([sys.executable, "-m", "kvfence.cli", "launch-pd", "--port", str(port), "--dtype", "bfloat16",
+                          "--kv-cache-memory", "32MiB", "--max-model-len", "1024"], cwd=ROOT, env=env,
                          stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
