@@ -20,7 +20,7 @@ pytest.importorskip("mooncake.engine", reason="soak needs mooncake-transfer-engi
 
 def test_soak_short_run_passes_and_reports(tmp_path):
     out = tmp_path / "soak.json"
-    rc = main(["soak", "--duration", "12s", "--concurrency", "2", "--fault-every", "3", "--fault-length", "2",
+    rc = main(["soak", "--duration", "7s", "--concurrency", "2", "--fault-every", "2", "--fault-length", "2",
                "--sample-every", "3", "--kv-cache-memory", "32MiB", "--max-model-len", "256", "--json", str(out)])
     data = json.loads(out.read_text())
     assert rc == 0, data
@@ -39,7 +39,7 @@ def test_ctrl_c_still_prints_what_the_soak_saw(tmp_path):
                             text=True)
     try:
         assert "cluster up" in proc.stdout.readline()   # the first line once the cluster serves
-        time.sleep(6)
+        time.sleep(3)
         os.kill(proc.pid, signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=120)
     finally:
