@@ -53,6 +53,8 @@ FAULTS: dict[str, str] = {
     "lose_forget_tenants": "the PD router's forget_tenants messages after a tenants-file reload reach no node (as "
                            "if every node were unreachable at that moment)",
     "delay_handoff": "the PD router waits ARG seconds (default 1) between prefill and decode",
+    "slow_steps": "each engine step with work waits ARG seconds (default 0.05) first, so a running request holds "
+                  "its pages long enough for a test to act on a fast machine",
     "poison_request": "processing the sampled token of a request whose prompt contains token id ARG raises "
                       "(containment: only that request fails)",
     "poison_forward": "a forward pass that includes a request whose prompt contains token id ARG raises; ARG 'all': "
@@ -178,7 +180,7 @@ SKIPS_A_CHECK = frozenset({
     "attend_reserved_length"})
 KEEPS_THE_CHECKS = frozenset({
     "drop_transfer_completion", "delay_transfer_completion", "duplicate_transfer_completion", "kill_node_at",
-    "corrupt_staged_page", "delay_handoff", "poison_request", "poison_forward", "poison_link"})
+    "corrupt_staged_page", "delay_handoff", "slow_steps", "poison_request", "poison_forward", "poison_link"})
 
 
 def describe() -> list[str]:

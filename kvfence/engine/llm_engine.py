@@ -415,6 +415,8 @@ class LLMEngine:
         self._stalled = not step and not outputs and self.kv_link.holds_pool_pages()
         if not step:
             return outputs
+        if faults.active("slow_steps"):   # test-only: a step as slow as a slower machine's
+            time.sleep(faults.arg_float("slow_steps", 0.05))
         decodes = sum(1 for s in step if s.seq.state is State.DECODING)
         began = time.perf_counter()
         results, failed = self._run_contained(step)

@@ -49,12 +49,17 @@ def test_fault_aborts_only_the_faulty_request(make_llm, baseline, fault, invaria
     led.check_consistency()
 
 
-def test_the_checks_hold_on_the_float32_path_too(loaded_fp32):
-    """The tests here run the default dtype (bf16, fused kernels); --dtype float32 runs the torch
-    path: the same faults are stopped there, and the others' tokens are float32's own."""
+@pytest.mark.parametrize("path", ["float32 per-layer kernels", "bf16 torch"])
+def test_the_checks_hold_on_the_other_compute_paths_too(loaded_fp32, loaded_bf16, path):
+    """The tests here run the default (bf16: the one-call fused stack); --dtype float32 runs the
+    per-layer fused kernels and fused_kernels=False the torch path: the same faults are stopped
+    there too, and the others' tokens are that path's own."""
     from kvfence import LLM
 
     def make():
+        if path == "bf16 torch":
+            return LLM(dtype="bfloat16", loaded=loaded_bf16, kv_cache_memory="32MiB", clamp_context=True,
+                       progress=False, fused_kernels=False)
         return LLM(dtype="float32", loaded=loaded_fp32, kv_cache_memory="64MiB", clamp_context=True, progress=False)
 
     want = [s.output_ids for s in run_three(make())]

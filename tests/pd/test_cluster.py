@@ -508,6 +508,14 @@ def test_a_hang_up_before_decode_pulled_frees_prefills_rows_at_once(cluster, cli
     fences0 = cluster.pd("prefill").get("pd_fences", 0)
     x_body = {"model": m, "prompt": LONG, "max_tokens": 400, "stream": True, "temperature": 0,
               "ignore_eos": True}              # reserves 457 + 256 tokens (45 of 90 pages), grows to 54
+    cluster.set_faults("decode", "slow_steps:0.05")   # X runs ~25 s, as in float32, however fast the machine
+    try:
+        _hang_up_while_x_runs(cluster, x_body, fences0)
+    finally:
+        cluster.set_faults("decode", "")
+
+
+def _hang_up_while_x_runs(cluster, x_body: dict, fences0: int) -> None:
     t, started, done = _stream_in_background(cluster, x_body)   # until the checks on Y are over
     assert started.wait(60), "X never streamed"
     held0 = cluster.pd("prefill").get("pd_held", 0)
@@ -536,6 +544,7 @@ def test_a_lease_that_runs_out_while_decode_is_full_is_a_503_not_a_broken_stream
     m = model_name(client)
     x_body = {"model": m, "prompt": LONG, "max_tokens": 560, "stream": True, "temperature": 0,
               "ignore_eos": True}              # grows to 64 of decode's 90 pages: Y's 64 wait for all of it
+    cluster.set_faults("decode", "slow_steps:0.05")   # X outlasts Y's lease (~35 s) however fast the machine
     t, started, done = _stream_in_background(cluster, x_body)
     w = None
     try:
@@ -557,6 +566,7 @@ def test_a_lease_that_runs_out_while_decode_is_full_is_a_503_not_a_broken_stream
         assert "retry-after" not in r.headers   # a capacity code: clients back off with jitter
         assert waited.is_set()
     finally:
+        cluster.set_faults("decode", "")
         done.set()
         t.join(120)
         if w is not None:

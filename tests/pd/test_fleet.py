@@ -293,7 +293,7 @@ def test_a_killed_prefill_node_is_routed_around_and_rejoins_after_its_check(flee
     before = fleet.cluster()["nodes"]
     victim = next(n for n in before if n["role"] == "prefill")
     name = "prefill" if victim["url"].endswith(f":{fleet.port + 1}") else "prefill-2"
-    load = Load(fleet, limit=40, max_tokens=4)
+    load = Load(fleet, limit=10_000, max_tokens=4)   # until stopped: a fast machine must not run out
     time.sleep(3)
     os.kill(fleet.pid(name), signal.SIGKILL)
     time.sleep(4)
@@ -326,7 +326,7 @@ def test_a_rolling_restart_under_load_loses_no_request(fleet, capsys):
     load of requests of three tenants: none fails, and the drained nodes' last requests
     finish. (One node per role: every node's restart is the same path, ~25 s each here.)"""
     restarted = {"prefill": fleet.node_urls["prefill"][0], "decode-2": fleet.node_urls["decode"][1]}
-    load = Load(fleet, limit=200, max_tokens=6)
+    load = Load(fleet, limit=10_000, max_tokens=6)   # until stopped, through both restarts
     try:
         for i, url in enumerate(restarted.values()):
             node = next(n for n in fleet.cluster()["nodes"] if n["url"] == url)

@@ -34,6 +34,7 @@ def test_a_refused_cross_tenant_read_is_on_record_before_the_error(make_server, 
     def bob():
         results["bob"] = srv.client("bob").completions.create(prompt=bob_prompt, **kw).choices[0].text
 
+    srv.spy.step_delay = 0.05   # bob still runs when alice comes, however fast the machine (~3 s)
     t = threading.Thread(target=bob)
     t.start()
     # alice's first page is swapped for bob's (a read of his KV) once both are running
@@ -42,9 +43,12 @@ def test_a_refused_cross_tenant_read_is_on_record_before_the_error(make_server, 
             break
         threading.Event().wait(0.02)
     srv.spy.foreign_tenants.add("alice")
-    with pytest.raises(openai.InternalServerError) as e:
-        srv.client("alice").completions.create(prompt=f"Alice's secret is {canary_a}. Tell me a story about it.",
-                                               **kw)
+    try:
+        with pytest.raises(openai.InternalServerError) as e:
+            srv.client("alice").completions.create(
+                prompt=f"Alice's secret is {canary_a}. Tell me a story about it.", **kw)
+    finally:
+        srv.spy.step_delay = 0.0
     # the client has its error: the record must already be on disk
     records = [json.loads(line) for line in log_path.read_text().splitlines()]
     t.join(60)
