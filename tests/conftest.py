@@ -34,15 +34,27 @@ def loaded_bf16() -> LoadedModel:
     return LoadedModel.load(EngineConfig(dtype="bfloat16", progress=False))
 
 
+def _llm_factory(loaded: LoadedModel, dtype: str, kv_cache_memory: str):
+    def make(**kw) -> LLM:
+        kw.setdefault("kv_cache_memory", kv_cache_memory)
+        kw.setdefault("clamp_context", True)
+        kw.setdefault("progress", False)
+        return LLM(dtype=dtype, loaded=loaded, **kw)
+    return make
+
+
 @pytest.fixture(scope="session")
 def make_llm(loaded_fp32):
     """Build an LLM on the shared float32 weights; keyword arguments go to EngineConfig."""
-    def make(**kw) -> LLM:
-        kw.setdefault("kv_cache_memory", "64MiB")
-        kw.setdefault("clamp_context", True)
-        kw.setdefault("progress", False)
-        return LLM(dtype="float32", loaded=loaded_fp32, **kw)
-    return make
+    return _llm_factory(loaded_fp32, "float32", "64MiB")
+
+
+@pytest.fixture(scope="session")
+def make_llm_bf16(loaded_bf16):
+    """The same in the default dtype, bfloat16 (fused kernels where built). 32 MiB of bf16 pages
+    is the 1,440-token context that 64 MiB of float32 holds. tests/isolation and tests/pd take it
+    as their make_llm."""
+    return _llm_factory(loaded_bf16, "bfloat16", "32MiB")
 
 
 @pytest.fixture(scope="session")

@@ -10,22 +10,16 @@ from __future__ import annotations
 
 import pytest
 
-from kvfence import LLM, SamplingParams
+from kvfence import SamplingParams
 from kvfence.kv.audit import ReadAudit
 
 BF16_PAGE = 16 * 30 * 2 * 3 * 64 * 2   # bytes of one 16-token KV page: 30 layers, K and V, 3 heads of 64, 2 B
 
 
 @pytest.fixture(scope="session")
-def make_llm(loaded_bf16):
-    """Build an LLM on the shared bfloat16 weights; keyword arguments go to EngineConfig. 32 MiB
-    of bf16 pages is the 1,440-token context that 64 MiB of float32 held."""
-    def make(**kw) -> LLM:
-        kw.setdefault("kv_cache_memory", "32MiB")
-        kw.setdefault("clamp_context", True)
-        kw.setdefault("progress", False)
-        return LLM(dtype="bfloat16", loaded=loaded_bf16, **kw)
-    return make
+def make_llm(make_llm_bf16):
+    """Engines in the default dtype, bfloat16 (tests/conftest.py)."""
+    return make_llm_bf16
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 PROMPTS = ["The secret code of tenant A is", "Tenant B writes about the weather today:",

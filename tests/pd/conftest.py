@@ -37,17 +37,9 @@ def pytest_sessionfinish(session):
 
 
 @pytest.fixture(scope="session")
-def make_llm(loaded_bf16):
-    """Single-node references in the nodes' dtype (NODE_ARGS: bfloat16, the default); keyword
-    arguments go to EngineConfig."""
-    from kvfence import LLM
-
-    def make(**kw) -> LLM:
-        kw.setdefault("kv_cache_memory", "32MiB")
-        kw.setdefault("clamp_context", True)
-        kw.setdefault("progress", False)
-        return LLM(dtype="bfloat16", loaded=loaded_bf16, **kw)
-    return make
+def make_llm(make_llm_bf16):
+    """Single-node references in the nodes' dtype (NODE_ARGS: bfloat16, the default)."""
+    return make_llm_bf16
 
 
 @pytest.fixture(scope="module")
