@@ -27,7 +27,7 @@ if TYPE_CHECKING:   # what type checkers and editors read; at run time __getattr
     from kvfence.engine.params import SamplingParams
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     if name in _API:
         import importlib
 
@@ -36,4 +36,6 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_API])
+    # What the module offers: the dunders, the lazy API; not its own helpers (_os, _API, ...).
+    own = {n for n in globals() if n.startswith("__") or not n.startswith("_")} - {"TYPE_CHECKING"}
+    return sorted(own | set(_API))

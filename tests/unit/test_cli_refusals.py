@@ -316,3 +316,17 @@ def test_what_loads_no_model_does_not_import_torch(argv, tmp_path):
                        text=True, timeout=60, env=env)
     lines = r.stdout.strip().splitlines()
     assert lines[-2] == ("exit 0" if argv[0] != "serve" else "exit 2") and lines[-1] == "False", (r.stdout, r.stderr)
+
+
+def test_the_lazy_api_lists_and_resolves_its_names():
+    """`dir(kvfence)` offers the API's names (editors complete from it) and not the module's helpers; each
+    name resolves to the class it names, and a misspelt one is an AttributeError, not None."""
+    import kvfence
+
+    names = dir(kvfence)
+    assert set(kvfence.__all__) <= set(names) and "__version__" in names, names
+    assert not [n for n in names if n.startswith("_") and not n.startswith("__")], names
+    for name in kvfence.__all__:
+        assert getattr(kvfence, name).__name__ == name
+    with pytest.raises(AttributeError, match="no attribute 'LLMs'"):
+        kvfence.LLMs  # noqa: B018
