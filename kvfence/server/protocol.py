@@ -722,7 +722,10 @@ def _messages(ms) -> list[dict]:
 
 
 def _tool_calls(calls, where: str) -> list[dict]:
-    """An assistant message's earlier calls, as {id, name, arguments (parsed)}."""
+    """An assistant message's earlier calls, as {id, name, arguments}: parsed where they are JSON
+    text, else the text itself. A call cut by max_tokens has unfinished arguments (ours too), and
+    clients send such a call back with the tool's error (the Agents SDK, LangChain's invalid
+    calls): OpenAI takes it, so it is written back as the string it was, not refused."""
     if not isinstance(calls, list):
         raise bad_request(f"'{where}' must be an array.", param=where)
     out = []
@@ -732,10 +735,11 @@ def _tool_calls(calls, where: str) -> list[dict]:
         if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(f.get("arguments"), str):
             raise bad_request(f"'{w}' must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
                               f"\"arguments\": JSON text}}}}.", param=w)
+        args: object
         try:
             args = json.loads(f["arguments"]) if f["arguments"].strip() else {}
         except JSON_ERRORS:
-            raise bad_request(f"'{w}.function.arguments' is not valid JSON.", param=f"{w}.function.arguments") from None
+            args = f["arguments"]
         out.append({"id": str(c.get("id", "")), "name": f["name"], "arguments": args})
     return out
 

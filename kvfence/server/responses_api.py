@@ -19,7 +19,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from kvfence.server.errors import JSON_ERRORS, APIError, bad_request
+from kvfence.server.errors import APIError, bad_request
 from kvfence.server.protocol import refuse_unsupported_fields, text_of_parts, unwanted_field
 from kvfence.server.tools import MAX_TOOLS
 
@@ -155,10 +155,6 @@ def _input(items) -> list[dict]:
             call_id, name, args = (item.get(k) for k in ("call_id", "name", "arguments"))
             if not all(isinstance(x, str) and x for x in (call_id, name)) or not isinstance(args, str):
                 raise bad_request(f"'{where}' must have 'call_id', 'name' and 'arguments' (JSON text).", param=where)
-            try:   # checked here so the 400 names this item (the chat path counts messages, not items)
-                json.loads(args or "{}")
-            except JSON_ERRORS:
-                raise bad_request(f"'{where}.arguments' is not valid JSON.", param=f"{where}.arguments") from None
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
             if out and out[-1]["role"] == "assistant":   # one assistant turn: its text and its calls
                 out[-1].setdefault("tool_calls", []).append(call)
@@ -171,6 +167,10 @@ def _input(items) -> list[dict]:
                                   param=f"{where}.call_id")
             text = output if isinstance(output, str) else _content(output, f"{where}.output", "tool")
             out.append({"role": "tool", "tool_call_id": call_id, "content": text})
+        elif kind == "item_reference":   # a client that believes its earlier answers are stored
+            raise bad_request(f"'{where}' refers to a stored item, but this server stores no responses (they come "
+                              f"back with store: false): send the item itself. With the Vercel AI SDK, set "
+                              f"providerOptions.openai.store to false.", param=f"{where}.type")
         else:
             raise bad_request(f"'{where}.type' {kind!r} is not supported: input items are messages, function_call "
                               f"and function_call_output (nothing is stored to refer to, and this model reads "

@@ -264,7 +264,7 @@ def test_logprobs_are_the_chat_paths(server):
      "tool_choice.tools[1].name", "'tool_choice.tools[1].name' names function 'nope'"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x"}]}]},
      "input[0].content[0]", "text only"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "item_reference"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "store to false"),
     # a refusal part is an assistant's (as in chat)
     ({"input": [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]}, "input[0].content[0]",
      "text only"),
@@ -272,7 +272,7 @@ def test_logprobs_are_the_chat_paths(server):
     ({"input": [{"role": "user", "content": 5}]}, "input[0].content", "string or an array"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id", "call_id"),
     ({"instructions": "be brief", "input": [{"role": "user", "content": "hi"}, {
-        "type": "function_call", "call_id": "c1", "name": "f", "arguments": "{"}]}, "input[1].arguments", "not valid"),
+        "type": "function_call", "call_id": "c1", "name": "f", "arguments": 5}]}, "input[1]", "(JSON text)"),
     ({"max_output_tokens": 0}, "max_output_tokens", "'max_output_tokens'"),
     ({"top_logprobs": 3}, "top_logprobs", "include"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": 5}}}, "text.format", "'text.format.schema'"),

@@ -190,6 +190,24 @@ def test_a_forced_call_cut_short_by_max_tokens_is_the_same_call_streamed_or_not(
         json.loads(args)
 
 
+def test_a_cut_call_sent_back_with_its_tools_error_is_answered(server):
+    """The server's own cut call (arguments not JSON) goes back to it as a client gets it, with the
+    tool's error as its result, as the Agents SDK does after a tool fails to parse it: answered,
+    not a 400 (it was one, so every later turn of such a conversation failed)."""
+    c = server.client("alice")
+    cut = c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=11, temperature=0,
+                                    tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    msg = cut.choices[0].message
+    assert cut.choices[0].finish_reason == "length" and msg.tool_calls
+    with pytest.raises(ValueError):
+        json.loads(msg.tool_calls[0].function.arguments)
+    again = c.chat.completions.create(model=MODEL, tools=[WEATHER], max_tokens=16, temperature=0, messages=[
+        *ASK, msg.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "An error occurred while running the tool."}])
+    assert again.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert again.usage.prompt_tokens > cut.usage.prompt_tokens
+
+
 def test_an_auto_answer_streams_its_text_as_generated(server):
     """With tools declared (auto), a text answer used to arrive in one chunk at its end (found
     by a probe); it streams as generated, and adds up to the unstreamed answer. Only a

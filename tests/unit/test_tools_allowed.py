@@ -132,3 +132,38 @@ def test_model_text_nested_past_the_parser_is_text_not_a_500(spec):
                  f'{{"name": "a", "arguments": "{deep}"}}'):
         content, calls = parse_answer(text, spec)
         assert calls is None and content == text
+
+
+CUT = '{"city": "Par'   # a call cut by max_tokens: its arguments are not JSON
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_a_call_with_unfinished_arguments_is_sent_back_as_the_text_it_was(api):
+    """A client sends an earlier call back as it got it, with its tool's error as the result (the
+    Agents SDK, LangChain's invalid calls): OpenAI takes arguments that are not JSON, and so does
+    kvfence, writing them back as that string; JSON arguments are written back as the object."""
+    from kvfence.server.protocol import parse_chat
+    from kvfence.server.responses_api import chat_body
+
+    if api == "chat":
+        body = {"model": "m", "tools": TOOLS, "messages": [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "a", "arguments": CUT}},
+            {"id": "call_2", "type": "function", "function": {"name": "b", "arguments": '{"x": 1}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "An error occurred while running the tool."},
+            {"role": "tool", "tool_call_id": "call_2", "content": "2"}]}
+    else:
+        body = chat_body({"model": "m", "tools": [{"type": "function", **t["function"]} for t in TOOLS], "input": [
+            *ASK, {"type": "function_call", "call_id": "call_1", "name": "a", "arguments": CUT},
+            {"type": "function_call", "call_id": "call_2", "name": "b", "arguments": '{"x": 1}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "An error occurred."},
+            {"type": "function_call_output", "call_id": "call_2", "output": "2"}]})
+    req = parse_chat(body)
+    calls = req.messages[1]["tool_calls"]
+    assert [(c["name"], c["arguments"]) for c in calls] == [("a", CUT), ("b", {"x": 1})]
+    rendered, tools = render(req.messages, req.tools, template_has_tools=False)
+    assert tools is None and [m["role"] for m in rendered] == ["system", "user", "assistant", "user", "user"]
+    assert rendered[2]["content"] == ('<tool_call>{"name": "a", "arguments": "{\\"city\\": \\"Par"}</tool_call>'
+                                      '<tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>')
+    with pytest.raises(APIError, match="JSON text"):   # arguments still have to be text
+        parse_chat({**body, "messages": [*ASK, {"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "a", "arguments": {"x": 1}}}]}]})
