@@ -60,9 +60,14 @@ def test_an_invalid_manifest_is_caught():
         kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
 
 
-def test_the_kustomization_lists_every_manifest():
+def test_the_kustomization_lists_every_manifest_but_the_secrets():
+    """The Secrets are the operator's to create: were secrets.yaml applied with the rest, each `kubectl
+    apply -k` would write its placeholders over them and every process would refuse to start."""
     kust = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "kustomization.yaml").read_text())
-    assert sorted(kust["resources"]) == sorted(p.name for p in MANIFESTS if p.name != "kustomization.yaml")
+    assert sorted(kust["resources"]) == sorted(p.name for p in MANIFESTS
+                                               if p.name not in ("kustomization.yaml", "secrets.yaml"))
+    assert {d["kind"] for _, d in DOCS if _ == "secrets.yaml"} == {"Secret"}
+    assert not [n for n, d in DOCS if d["kind"] == "Secret" and n != "secrets.yaml"]
 
 
 @pytest.mark.parametrize("name", ["kvfence-prefill", "kvfence-decode", "kvfence-router"])
@@ -160,6 +165,19 @@ def test_the_image_runs_the_readme_set_up_and_the_readme_points_at_it():
     assert all(c["image"] == "kvfence:latest" for kind in ("StatefulSet", "Deployment")
                for c in [_container(w) for w in _by_kind(kind).values()])
     assert "deploy/kubernetes" in (ROOT / "README.md").read_text()
+
+
+def test_the_image_compiles_its_kernels_where_its_user_finds_them():
+    """The set-up compiles the CPU kernels into KVFENCE_CACHE_DIR, else ~/.cache: in the image it runs
+    as root, and the pods run as 65534 (home /nonexistent), so without the variable set before it
+    and the folder given to that user every pod found no kernels and ran plain torch ops."""
+    docker = (ROOT / "deploy" / "Dockerfile").read_text()
+    cache = re.search(r"^ENV KVFENCE_CACHE_DIR=(\S+)$", docker, re.M)
+    user = re.search(r"^USER (\d+):(\d+)$", docker, re.M)
+    setup = re.search(r"^RUN bash scripts/setup.sh(.*)$", docker, re.M)
+    assert cache and user and setup, docker
+    assert cache.start() < setup.start() < user.start()
+    assert f"chown -R {user[1]}:{user[2]} {cache[1]}" in setup[1]
 
 
 # -- who may connect to what (network-policy.yaml) ---------------------------------------------
