@@ -111,7 +111,7 @@ def cmd_info(a) -> int:
         "kv_pool_bytes": engine.pool.nbytes, "model_max_context": c.max_context,
         "usable_context": engine.usable_context, "context_note": engine.context.note,
         "scrub": engine.ledger.scrub.value, "read_checks": engine.ledger.checks_enabled,
-        "compute": engine.compute_path, "matmul": engine.matmul_path,
+        "compute": engine.compute_path, "matmul": engine.matmul_path, "kernels": engine.kernels_state,
     }, indent=2))
     return 0
 

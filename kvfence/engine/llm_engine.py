@@ -155,6 +155,20 @@ class LLMEngine:
         return "fused CPU kernels, one-call decoder stack" if self.model.stack is not None else "fused CPU kernels"
 
     @property
+    def kernels_state(self) -> str:
+        """Whether the fused CPU kernels run: loaded; off (KVFENCE_KERNELS=0, fused_kernels=False);
+        unsupported (this device, dtype or head size); unavailable (asked for, but not built or
+        not loaded, e.g. no compiler or no writable cache folder: the log's warning says which),
+        the one an operator did not choose and pays several times the step time for."""
+        from kvfence.kernels import enabled_by_env, supports
+
+        if not (self.config.fused_kernels and enabled_by_env()):
+            return "off"
+        if not supports(self.model.dtype, self.device, self.model_config.head_dim):
+            return "unsupported"
+        return "loaded" if self.model.kernels is not None else "unavailable"
+
+    @property
     def matmul_path(self) -> str:
         """The matmuls of the layers and of the LM head, each with the instruction set kvfence's
         own matmul (bf16 or native) was built for: its speed differs several times between them.

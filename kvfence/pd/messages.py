@@ -362,6 +362,11 @@ class NodeInfo(WireModel):
     # bf16 (dequantized), native or mixed (LlamaModel.weights_mode); a node from before the field
     # existed ran dequantized weights, so its absence means bf16 (a rolling upgrade keeps serving)
     weights: Name = "bf16"
+    # what runs the model (LLMEngine.compute_path, matmul_path, kernels_state), for the node's own
+    # metrics and an operator reading its info; None from a node from before the fields
+    compute: Text | None = None
+    matmul: Text | None = None
+    kernels: Name | None = None
     device: Name
     page_size: Annotated[int, Field(ge=1)]
     pool_pages: Count

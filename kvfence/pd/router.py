@@ -441,6 +441,8 @@ class RouterBackend:
                 self.fleet.observe(node, None, why.get(node.url))
         decode = next(f for u, (r, f) in sorted(found.items()) if r == "decode" and u not in chk.refused)
         base = decode.facts()
+        for own in ("compute", "matmul", "kernels"):   # how one decode node runs; no fact of the router's
+            base.pop(own, None)
         base.update(usable_context=chk.usable_context, context_clamped=chk.clamped, context_note=chk.note,
                     pool_tokens=min(f.pool_tokens for u, (_, f) in found.items() if u not in chk.refused),
                     configured_max_model_len=self.max_model_len, cluster=chk.to_json(),

@@ -472,6 +472,7 @@ def engine_facts(engine) -> dict:
         "model_name": c.name, "model_path": str(engine.model_path),
         "default_served_name": default_model_name(engine.model_path), "fingerprint": c.fingerprint(),
         "dtype": cfg.dtype, "weights": engine.model.weights_mode,   # what runs, not what was asked
+        "compute": engine.compute_path, "matmul": engine.matmul_path, "kernels": engine.kernels_state,
         "device": str(engine.device), "page_size": led.page_size,
         "pool_pages": led.usable_pages, "pool_tokens": led.capacity_tokens, "pool_bytes": engine.pool.nbytes,
         "model_max_context": engine.context.model_max, "configured_max_model_len": engine.context.configured,

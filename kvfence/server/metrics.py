@@ -164,6 +164,16 @@ class _EngineCollector:
         ready = GaugeMetricFamily("kvfence_engine_ready", "1 when the engine accepts requests")
         ready.add_metric([], 1.0 if self.loop.state == "ready" else 0.0)
         yield ready
+        facts = self.loop.facts
+        if facts is not None and "kernels" in facts:   # a process that runs the model (a PD router runs none)
+            info = GaugeMetricFamily("kvfence_engine_info", "1, labelled with what runs the model: kernels loaded, "
+                                     "off (chosen), unsupported (device, dtype) or unavailable (asked for, not "
+                                     "built or loaded: the start's log says why; plain torch ops, several times "
+                                     "slower)", labels=["model", "dtype", "weights", "device", "compute", "matmul",
+                                                        "kernels"])
+            info.add_metric([str(facts[k]) for k in ("model_name", "dtype", "weights", "device", "compute", "matmul",
+                                                     "kernels")], 1.0)
+            yield info
         on = faults.enabled()
         fi = GaugeMetricFamily("kvfence_fault_injection_active", "1 when any test-only fault point is enabled "
                                "(KVFENCE_TEST_FAULTS): the server is deliberately broken")

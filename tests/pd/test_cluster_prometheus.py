@@ -138,6 +138,10 @@ def test_the_shipped_alert_rules_fire_on_the_real_cluster(cluster, tmp_path):
         assert not missing, missing
         assert {"kvfence_pd_internal_refused_total", "kvfence_pd_fleet_nodes",
                 "kvfence_time_to_first_token_seconds_bucket"} <= rule_series()
+        # what runs the model is each node's own fact: the router runs none (it reported a decode node's)
+        info = prom.get("/api/v1/query", query="kvfence_engine_info")["result"]
+        assert sorted((s["metric"]["job"], s["metric"]["kernels"]) for s in info) == [
+            ("kvfence-decode", "loaded"), ("kvfence-prefill", "loaded")], info
 
         # the fault point off: its alert ends at the next evaluation
         cluster.clear_faults()

@@ -85,6 +85,18 @@ def test_metrics_families_and_values_follow_requests(server):
     assert 16 <= cap <= 256 and cap % 16 == 0
 
 
+def test_the_engine_info_says_what_runs_the_model(server):
+    """kvfence_engine_info: one series, labelled with what the engine itself reports running it (an
+    image whose user could not write its kernels' folder ran plain torch ops with nothing to show)."""
+    info = [dict(labels) for (name, labels), v in server.metrics().items() if name == "kvfence_engine_info" and v == 1]
+    assert len(info) == 1, info
+    assert {k: info[0][k] for k in ("model", "dtype", "weights", "device", "kernels")} == {
+        "model": server.engine.facts["model_name"], "dtype": "bfloat16", "weights": "bf16", "device": "cpu",
+        "kernels": "loaded"}, info
+    assert info[0]["compute"] == "fused CPU kernels, one-call decoder stack"
+    assert info[0]["matmul"] == server.engine.facts["matmul"]
+
+
 def test_running_gauge_and_used_pages_while_a_request_runs(server):
     body = {"model": MODEL, "prompt": "Tell a long story:", "max_tokens": 300, "stream": True, "ignore_eos": True}
     with server.http() as h, h.stream("POST", "/v1/completions", json=body) as r:
