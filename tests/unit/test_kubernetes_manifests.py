@@ -171,13 +171,47 @@ def test_the_image_compiles_its_kernels_where_its_user_finds_them():
     """The set-up compiles the CPU kernels into KVFENCE_CACHE_DIR, else ~/.cache: in the image it runs
     as root, and the pods run as 65534 (home /nonexistent), so without the variable set before it
     and the folder given to that user every pod found no kernels and ran plain torch ops."""
-    docker = (ROOT / "deploy" / "Dockerfile").read_text()
+    docker = _dockerfile()
     cache = re.search(r"^ENV KVFENCE_CACHE_DIR=(\S+)$", docker, re.M)
     user = re.search(r"^USER (\d+):(\d+)$", docker, re.M)
     setup = re.search(r"^RUN bash scripts/setup.sh(.*)$", docker, re.M)
     assert cache and user and setup, docker
     assert cache.start() < setup.start() < user.start()
-    assert f"chown -R {user[1]}:{user[2]} {cache[1]}" in setup[1]
+    assert re.search(rf"chown -R {user[1]}:{user[2]} [^\n]*{re.escape(cache[1])}\b", setup[1]), setup[1]
+
+
+def _dockerfile() -> str:
+    """The Dockerfile with each instruction on one line (continuations joined)."""
+    return re.sub(r"\\\n\s*", " ", (ROOT / "deploy" / "Dockerfile").read_text())
+
+
+def _image_env(name: str) -> str:
+    found = re.search(rf"^ENV {name}=(\S+)$", _dockerfile(), re.M)
+    assert found, name
+    return found[1]
+
+
+@pytest.mark.parametrize("name", ["kvfence-prefill", "kvfence-decode", "kvfence-router"])
+def test_each_pod_keeps_its_incident_log_on_a_volume_it_can_write(name):
+    """A process that cannot open its incident log refuses to start, and the image's user has no
+    home to put it in: the image points XDG_STATE_HOME at a folder of its own, and each pod mounts a
+    writable volume there, a claim per node pod (the audit trail outlives the pod), an emptyDir
+    for the router's (a Deployment's pods have no claims of their own)."""
+    state = _image_env("XDG_STATE_HOME")
+    docker = _dockerfile()
+    assert re.search(rf"chown -R 65534:65534 [^\n]*{re.escape(state)}\b", docker), docker
+    work = {**_by_kind("StatefulSet"), **_by_kind("Deployment")}[name]
+    pod, c = work["spec"]["template"]["spec"], _container(work)
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == state]
+    assert not mount.get("readOnly"), mount
+    claims = {t["metadata"]["name"]: t for t in work["spec"].get("volumeClaimTemplates", [])}
+    if work["kind"] == "StatefulSet":
+        assert mount["name"] in claims and claims[mount["name"]]["spec"]["accessModes"] == ["ReadWriteOnce"]
+    else:
+        (vol,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert "emptyDir" in vol, vol
+    args = _parse(c["args"])
+    assert args.incident_log is None   # the default path, under XDG_STATE_HOME
 
 
 # -- who may connect to what (network-policy.yaml) ---------------------------------------------
