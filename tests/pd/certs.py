@@ -26,7 +26,7 @@ def _write(path: Path, key, cert: x509.Certificate) -> tuple[str, str]:
 
 def make_pki(directory: Path, server_ips: list[str], server_names: tuple[str, ...] = ()) -> dict[str, str]:
     """ca, server_cert/server_key (for server_ips and server_names), client_cert/client_key,
-    other_ca (an unrelated CA)."""
+    fleet_cert/fleet_key (both uses, for server_ips and server_names), other_ca (an unrelated CA)."""
     now = dt.datetime.now(dt.UTC)
     out: dict[str, str] = {}
 
@@ -50,7 +50,7 @@ def make_pki(directory: Path, server_ips: list[str], server_names: tuple[str, ..
              .public_key(key.public_key()).serial_number(x509.random_serial_number())
              .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=1))
              .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+             .add_extension(x509.ExtendedKeyUsage(usage if isinstance(usage, list) else [usage]), critical=False)
              .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False))
         if ips or names:
             sans = [x509.IPAddress(ipaddress.ip_address(i)) for i in ips] + [x509.DNSName(n) for n in names]
@@ -63,6 +63,10 @@ def make_pki(directory: Path, server_ips: list[str], server_names: tuple[str, ..
     out["server_cert"], out["server_key"] = _write(directory / "server", k, c)
     k, c = leaf("kvfence router", ca_key, ca_cert, [], ExtendedKeyUsageOID.CLIENT_AUTH)
     out["client_cert"], out["client_key"] = _write(directory / "client", k, c)
+    # one certificate for both ends, as the Kubernetes manifests' fleet uses (deploy/kubernetes/secrets.yaml)
+    k, c = leaf("kvfence fleet", ca_key, ca_cert, server_ips,
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH], server_names)
+    out["fleet_cert"], out["fleet_key"] = _write(directory / "fleet", k, c)
     other_key, other_cert = ca("some other CA")
     out["other_ca"], _ = _write(directory / "other-ca", other_key, other_cert)
     k, c = leaf("intruder", other_key, other_cert, [], ExtendedKeyUsageOID.CLIENT_AUTH)

@@ -1,0 +1,54 @@
+"""What the image (deploy/Dockerfile) gives its processes, for the tests that run them as it would
+without Docker: its ENV settings (PATH aside) and its user."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def image() -> tuple[dict[str, str], int, int]:
+    """The Dockerfile's ENV (PATH aside) and its USER's uid and gid."""
+    text = re.sub(r"\\\n\s*", " ", (ROOT / "deploy" / "Dockerfile").read_text())
+    env = {k: v for line in re.findall(r"^ENV (.+)$", text, re.M) for k, v in re.findall(r"(\w+)=(\S+)", line)
+           if k != "PATH"}
+    user = re.search(r"^USER (\d+):(\d+)$", text, re.M)
+    assert user is not None
+    return env, int(user[1]), int(user[2])
+
+
+def can_become_another_user() -> bool:
+    return os.geteuid() == 0 and shutil.which("setpriv") is not None
+
+
+def open_folder() -> Path:
+    """A temporary folder another user can reach (pytest's own sit under a 0700 folder)."""
+    path = Path(tempfile.mkdtemp(prefix="kvfence-image-"))
+    path.chmod(0o755)
+    return path
+
+
+def image_env(base: Path) -> dict[str, str]:
+    """The environment a process of the image starts with, its folders made under `base` as the
+    image's build makes them (owned by its user) and no home, as 65534 has none."""
+    env, uid, gid = image()
+    out = {"PATH": os.environ["PATH"], "HOME": "/nonexistent"}
+    for name, value in env.items():
+        if value.startswith("/"):    # a folder the image makes for its user
+            folder = base / name.lower()
+            folder.mkdir(exist_ok=True)
+            os.chown(folder, uid, gid)
+            value = str(folder)
+        out[name] = value
+    return out
+
+
+def as_image_user(argv: list[str], groups: tuple[int, ...] = ()) -> list[str]:
+    """argv run as the image's user (and `groups`, as a pod's fsGroup adds)."""
+    _, uid, gid = image()
+    extra = [f"--groups={','.join(map(str, groups))}"] if groups else ["--clear-groups"]
+    return ["setpriv", f"--reuid={uid}", f"--regid={gid}", *extra, *argv]
