@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import tempfile
 from pathlib import Path
+
+import pytest
+from required_tools import tool_or_skip
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,8 +23,11 @@ def image() -> tuple[dict[str, str], int, int]:
     return env, int(user[1]), int(user[2])
 
 
-def can_become_another_user() -> bool:
-    return os.geteuid() == 0 and shutil.which("setpriv") is not None
+def become_image_user_or_skip() -> None:
+    """Skip without root (as the network namespace tests do); without setpriv, fail in CI."""
+    if os.geteuid() != 0:
+        pytest.skip("running as the image's user takes root")
+    tool_or_skip("setpriv", purpose="running a process as the image's user", install="Debian package util-linux")
 
 
 def open_folder() -> Path:

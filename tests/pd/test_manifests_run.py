@@ -19,7 +19,7 @@ import openai
 import pytest
 import yaml
 from certs import make_pki
-from image_env import as_image_user, can_become_another_user, image_env, open_folder
+from image_env import as_image_user, become_image_user_or_skip, image_env, open_folder
 from pd_cluster import ROOT
 
 from kvfence.procs import free_ports
@@ -85,8 +85,7 @@ def open_tmp():
 
 
 def test_the_manifests_fleet_serves_as_the_image_user(open_tmp):
-    if not can_become_another_user():
-        pytest.skip("becoming the image's user takes root and setpriv")
+    become_image_user_or_skip()
     root = open_tmp
     base = free_ports(3)
     ports = {"router": base, "prefill": base + 1, "decode": base + 2}

@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from image_env import as_image_user, can_become_another_user, image, image_env, open_folder
+from image_env import as_image_user, become_image_user_or_skip, image, image_env, open_folder
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -25,8 +25,7 @@ def open_tmp():
 
 
 def test_the_image_user_serves_with_its_kernels_and_its_incident_log(open_tmp):
-    if not can_become_another_user():
-        pytest.skip("becoming the image's user takes root and setpriv")
+    become_image_user_or_skip()
     env, uid, _ = image()
     assert {"KVFENCE_CACHE_DIR", "XDG_STATE_HOME"} <= env.keys(), env
     run_env = image_env(open_tmp)
