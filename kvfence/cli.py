@@ -223,8 +223,14 @@ def cmd_serve(a) -> int:
         print(f"error: --role {a.role} does not read {', '.join(ignored)}; {why}", file=sys.stderr)
         return 2
     # before anything that can refuse: start-up checks and fault points are incidents too
-    incidents.open_log(a.incident_log or incidents.default_path(a.role, a.port), a.role,
-                       faults_on=bool(faults.describe()))
+    where = a.incident_log or incidents.default_path(a.role, a.port)
+    try:
+        incidents.open_log(where, a.role, faults_on=bool(faults.describe()))
+    except OSError as e:   # a process that cannot keep its incident log does not serve
+        print(f"error: cannot open the incident log {where}: {e.strerror or e}; give one this user can write "
+              f"with --incident-log PATH, or set XDG_STATE_HOME (the default is "
+              f"$XDG_STATE_HOME/kvfence/, else ~/.local/state/kvfence/)", file=sys.stderr)
+        return 2
     if a.role in ("prefill", "decode", "router"):
         from kvfence.pd.tls import PlaintextNetworkError, check_listen, check_node_url
 

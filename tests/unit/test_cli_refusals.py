@@ -351,3 +351,18 @@ def test_info_says_when_the_model_runs_without_its_kernels(tmp_path, env, kernel
     facts = json.loads(r.stdout)
     assert (facts["kernels"], facts["compute"]) == (kernels, "torch ops"), facts
     assert ("CPU kernels unavailable" in r.stderr and "KVFENCE_CACHE_DIR" in r.stderr) == (kernels == "unavailable")
+
+
+def test_an_incident_log_that_cannot_be_opened_says_where_and_what_to_do(tmp_path):
+    """As in a pod whose user has no home: the start is refused (no log, no serving) with the path
+    and the two ways to give it one, not a bare '[Errno 13] Permission denied: /nonexistent'."""
+    import os
+    import subprocess
+
+    (tmp_path / "file").write_text("not a folder")
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "file")}
+    r = subprocess.run([sys.executable, "-m", "kvfence.cli", "serve", "--port", "18999"], capture_output=True,
+                       text=True, timeout=60, env=env)
+    assert r.returncode == 2, r.stderr
+    assert f"cannot open the incident log {tmp_path / 'file'}/kvfence/incidents-single-18999.jsonl" in r.stderr
+    assert "--incident-log PATH" in r.stderr and "XDG_STATE_HOME" in r.stderr and "Traceback" not in r.stderr
