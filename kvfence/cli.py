@@ -48,7 +48,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="keep no prompt-prefix pages for reuse: every request (and every n choice) computes its "
                         "whole prompt (the cache is per tenant or opted-in scope either way, I9)")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="compute threads (default: the cores this process may use: its CPU affinity, capped by "
+                        "a container's CPU limit)")
     p.add_argument("--audit-reads", action="store_true",
                    help="record and check every page and slot each forward pass touches (a test oracle; costs time)")
 

@@ -117,4 +117,7 @@ class EngineConfig:
         return self.device
 
     def threads(self) -> int:
-        return self.num_threads or len(os.sched_getaffinity(0))
+        """--threads, else the cores this process may use (a container's CPU limit included)."""
+        from kvfence.cores import usable_cores
+
+        return self.num_threads or usable_cores()

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 
+from kvfence.cores import usable_cores
 from kvfence.pd.seal import load_secret, new_secret
 from kvfence.procs import start_child, stop_processes
 from kvfence.server.shutdown import BACKSTOP_S, DEFAULT_SHUTDOWN_TIMEOUT_S
@@ -61,7 +62,7 @@ def node_commands(a, secret_file: str) -> dict[str, list[str]]:
     if a.port + len(nodes) > 65535:
         raise ValueError(f"the nodes take the {len(nodes)} ports after --port {a.port}, past 65535; "
                          "choose a lower --port")
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     base = [sys.executable, "-m", "kvfence.cli"] + (["-v"] if getattr(a, "verbose", False) else [])
     engine = flags(a, ENGINE_FLAGS)
     tenants = ["--tenants", a.tenants] if a.tenants else []

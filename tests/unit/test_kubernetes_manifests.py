@@ -191,6 +191,16 @@ def _image_env(name: str) -> str:
     return found[1]
 
 
+@pytest.mark.parametrize("name", ["kvfence-prefill", "kvfence-decode"])
+def test_each_node_runs_as_many_threads_as_the_cpus_it_requests(name):
+    """A pod sees all of its node's cores: left to its default, a node ran a thread per core of a
+    64-core machine on the 4 CPUs it asked for (and a CPU limit, which the default would follow,
+    is not set)."""
+    c = _container(_by_kind("StatefulSet")[name])
+    assert "cpu" not in c["resources"].get("limits", {})
+    assert _parse(c["args"]).threads == int(c["resources"]["requests"]["cpu"])
+
+
 @pytest.mark.parametrize("name", ["kvfence-prefill", "kvfence-decode", "kvfence-router"])
 def test_each_pod_keeps_its_incident_log_on_a_volume_it_can_write(name):
     """A process that cannot open its incident log refuses to start, and the image's user has no
