@@ -55,6 +55,10 @@ def test_the_image_user_serves_with_its_kernels_and_its_incident_log(open_tmp):
         assert list(cache.glob("cpu_kernels-*.so"))   # compiled by that user, there
         logs = list(state.glob("kvfence/incidents-*.jsonl"))
         assert [f.stat().st_uid for f in logs] == [uid], logs
+        # `kubectl exec POD -- kvfence incidents` finds it there by itself
+        r = subprocess.run(as_image_user([sys.executable, "-m", "kvfence.cli", "incidents", "--verify"]),
+                           env=run_env, cwd=open_tmp, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and f"{logs[0]}: ok" in r.stdout, (r.stdout, r.stderr)
     finally:
         p.terminate()
         try:
