@@ -34,6 +34,7 @@ import httpx
 import numpy as np
 
 from kvfence.bench.http_load import Report, format_report, make_prompt, run_load
+from kvfence.cores import usable_cores
 from kvfence.pd.launch import ENGINE_FLAGS, flags, node_commands, write_secret_file
 from kvfence.pd.messages import NodeInfo
 from kvfence.pd.seal import load_secret
@@ -98,7 +99,7 @@ class Procs:
 
 def single_node_command(a, port: int) -> list[str]:
     cmd = [sys.executable, "-m", "kvfence.cli", "serve", "--host", HOST, "--port", str(port),
-           "--threads", str(a.threads or len(os.sched_getaffinity(0)))]
+           "--threads", str(a.threads or usable_cores())]
     return cmd + flags(a, ENGINE_FLAGS)
 
 
@@ -295,7 +296,7 @@ def format_table(single: Report, pd: Report, r: dict, kv: dict, idle: dict, raw:
     w = "{:<18}{:>14}{:>14}{:>14}"
     lines = [f"kvfence bench --pd: {a.num_requests} requests x ~{a.prompt_tokens}-word prompts "
              f"({pd.prompt_tokens or '?'} prompt tokens in all) -> {a.output_tokens} tokens, "
-             f"{a.concurrency or a.num_requests} in flight, greedy, {a.dtype}, {len(os.sched_getaffinity(0))} cores",
+             f"{a.concurrency or a.num_requests} in flight, greedy, {a.dtype}, {usable_cores()} cores",
              "", w.format("", "single node", "PD", "PD / single")]
     lines += [w.format(n, s, p, "-" if x is None else f"{x:.2f}") for n, s, p, x in rows]
     t = "{:<28}{:>10}{:>14}{:>10}{:>10}{:>9}"
@@ -347,7 +348,7 @@ def main(a) -> int:
         doc = {"workload": {"num_requests": a.num_requests, "prompt_words": a.prompt_tokens,
                             "output_tokens": a.output_tokens, "concurrency": a.concurrency or a.num_requests,
                             "dtype": a.dtype, "kv_cache_memory": a.kv_cache_memory,
-                            "cores": len(os.sched_getaffinity(0))},
+                            "cores": usable_cores()},
                "single": asdict(single), "pd": asdict(pd), "ratios": r,
                "transfer": {"kvfence_under_load": kv, "kvfence_one_at_a_time": idle, "raw_mooncake": raw},
                "sealing": seal}

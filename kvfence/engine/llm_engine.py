@@ -157,14 +157,15 @@ class LLMEngine:
     @property
     def kernels_state(self) -> str:
         """Whether the fused CPU kernels run: loaded; off (KVFENCE_KERNELS=0, fused_kernels=False);
-        unsupported (this device, dtype or head size); unavailable (asked for, but not built or
+        unsupported (this device, dtype, head size or page size); unavailable (asked for, but not built or
         not loaded, e.g. no compiler or no writable cache folder: the log's warning says which),
         the one an operator did not choose and pays several times the step time for."""
-        from kvfence.kernels import enabled_by_env, supports
+        from kvfence.kernels import MAX_PAGE_SIZE, enabled_by_env, supports
 
         if not (self.config.fused_kernels and enabled_by_env()):
             return "off"
-        if not supports(self.model.dtype, self.device, self.model_config.head_dim):
+        if (not supports(self.model.dtype, self.device, self.model_config.head_dim)
+                or self.pool.page_size > MAX_PAGE_SIZE):
             return "unsupported"
         return "loaded" if self.model.kernels is not None else "unavailable"
 

@@ -34,7 +34,8 @@ def cpu_kernels() -> CpuKernels | None:
                 _cached = CpuKernels(load_library())
             except Exception as e:  # noqa: BLE001 - no compiler, failed build: slower, still correct
                 log.warning("CPU kernels unavailable, using plain torch ops (slower): %s (they are compiled into "
-                            "KVFENCE_CACHE_DIR, else ~/.cache/kvfence: a folder this user can write)", e)
+                            "$KVFENCE_CACHE_DIR, else $XDG_CACHE_HOME/kvfence or ~/.cache/kvfence: a folder this "
+                            "user can write)", e)
     return _cached
 
 

@@ -121,6 +121,8 @@ class KvTokenizer:
                                          **({"tools": tools} if tools else {}))
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
+        except (TypeError, ValueError) as e:   # a filter given what it cannot take: `|items` of a string
+            raise ChatTemplateError(f"chat template failed on these messages: {e}") from e
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list | None = None) -> list[int]:

@@ -332,21 +332,22 @@ def test_the_lazy_api_lists_and_resolves_its_names():
         kvfence.LLMs  # noqa: B018
 
 
-@pytest.mark.parametrize("env, kernels", [({"KVFENCE_CACHE_DIR": "{file}"}, "unavailable"),
-                                          ({"KVFENCE_KERNELS": "0"}, "off")])
-def test_info_says_when_the_model_runs_without_its_kernels(tmp_path, env, kernels):
+@pytest.mark.parametrize("env, args, kernels", [({"KVFENCE_CACHE_DIR": "{file}"}, [], "unavailable"),
+                                                ({"KVFENCE_KERNELS": "0"}, [], "off"),
+                                                ({}, ["--page-size", "128"], "unsupported")])
+def test_info_says_when_the_model_runs_without_its_kernels(tmp_path, env, args, kernels):
     """A kernels folder this process cannot use (here a file stands where the folder should be, as
     root's ~/.cache stood for the image's unprivileged user) leaves the model on plain torch ops:
     `kvfence info` (and the node's facts, metrics and alert) say `unavailable`, with the log's
-    warning; turned off on purpose it is `off`."""
+    warning; turned off on purpose it is `off`; pages past the kernels' 64 tokens, `unsupported`."""
     import json
     import os
     import subprocess
 
     (tmp_path / "file").write_text("not a folder")
     extra = {k: v.format(file=tmp_path / "file") for k, v in env.items()}
-    r = subprocess.run([sys.executable, "-m", "kvfence.cli", "info", "--kv-cache-memory", "8MiB", "--clamp-context"],
-                       capture_output=True, text=True, timeout=300, env={**os.environ, **extra})
+    cmd = [sys.executable, "-m", "kvfence.cli", "info", "--kv-cache-memory", "8MiB", "--clamp-context", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **extra})
     assert r.returncode == 0, r.stderr
     facts = json.loads(r.stdout)
     assert (facts["kernels"], facts["compute"]) == (kernels, "torch ops"), facts

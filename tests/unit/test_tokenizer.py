@@ -51,6 +51,22 @@ def test_chat_template_renders_and_is_sandboxed(tok):
         tok.apply_chat_template([{"content": "no role"}])
 
 
+def test_a_template_that_cannot_take_the_messages_is_a_client_error(tok):
+    """Qwen3-Coder's template walks a call's arguments with `|items`; a call sent back with arguments
+    that are not a JSON object (cut by max_tokens) reaches it as a string, and jinja2's filter raises
+    TypeError: that is a 400 naming the template, not a 500."""
+    from kvfence.model.tokenizer import KvTokenizer, TokenizerInfo
+
+    qwen_like = KvTokenizer(TokenizerInfo(tokenizer=tok.hf, bos_id=None, eos_id=None, add_bos=False, chat_template=(
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}{% for k, v in c.arguments|items %}"
+        "{{ k }}={{ v }}{% endfor %}{% endfor %}{{ m.content }}{% endfor %}")))
+    call = {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "name": "f", "arguments": {"x": 1}}]}
+    assert qwen_like.apply_chat_template([call], add_generation_prompt=False) == "x=1"
+    cut = {**call, "tool_calls": [{**call["tool_calls"][0], "arguments": '{"x": '}]}
+    with pytest.raises(ChatTemplateError, match="chat template failed"):
+        qwen_like.apply_chat_template([cut], add_generation_prompt=False)
+
+
 def test_hostile_template_cannot_reach_python(tok):
     from kvfence.model.tokenizer import KvTokenizer, TokenizerInfo
 
