@@ -25,9 +25,10 @@ if ! ldconfig -p 2>/dev/null | grep -q libibverbs; then
     fi
 fi
 
-# torch first and pinned: a looser requirement pulls a multi-GB CUDA build
+# torch first and pinned: a looser requirement pulls a multi-GB CUDA build. TORCH_INDEX_URL
+# (the image sets PyTorch's CPU index) is the index for torch alone, not for every package
 .venv/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0')" 2>/dev/null \
-    || pip install torch==2.13.0
+    || pip install torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 # the bench extra (matplotlib) draws the PNG `kvfence bench --json` writes next to its JSON
 if [ "$want_tests" = 1 ]; then
     pip install -e '.[test,bench]'

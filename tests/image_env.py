@@ -13,9 +13,20 @@ from required_tools import tool_or_skip
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _dockerfile() -> str:
+    return re.sub(r"\\\n\s*", " ", (ROOT / "deploy" / "Dockerfile").read_text())
+
+
+def given_to_user() -> set[str]:
+    """The folders the Dockerfile's RUN instructions chown to its user."""
+    _, uid, gid = image()
+    return {path for line in re.findall(r"^RUN (.+)$", _dockerfile(), re.M)
+            for paths in re.findall(rf"chown -R {uid}:{gid} ([^&;]+)", line) for path in paths.split()}
+
+
 def image() -> tuple[dict[str, str], int, int]:
     """The Dockerfile's ENV (PATH aside) and its USER's uid and gid."""
-    text = re.sub(r"\\\n\s*", " ", (ROOT / "deploy" / "Dockerfile").read_text())
+    text = _dockerfile()
     env = {k: v for line in re.findall(r"^ENV (.+)$", text, re.M) for k, v in re.findall(r"(\w+)=(\S+)", line)
            if k != "PATH"}
     user = re.search(r"^USER (\d+):(\d+)$", text, re.M)
@@ -38,22 +49,26 @@ def open_folder() -> Path:
 
 
 def image_env(base: Path) -> dict[str, str]:
-    """The environment a process of the image starts with, its folders made under `base` as the
-    image's build makes them (owned by its user) and no home, as 65534 has none."""
+    """The environment a process of the image starts with, and no home, as 65534 has none. Each
+    folder its ENV names is made under `base` as the build leaves it: its user's where a RUN
+    chowns it to them, else root's (so a Dockerfile that forgets the chown fails the tests)."""
     env, uid, gid = image()
+    mine = given_to_user()
     out = {"PATH": os.environ["PATH"], "HOME": "/nonexistent"}
     for name, value in env.items():
-        if value.startswith("/"):    # a folder the image makes for its user
+        if value.startswith("/"):
             folder = base / name.lower()
             folder.mkdir(exist_ok=True)
-            os.chown(folder, uid, gid)
+            if value in mine:
+                os.chown(folder, uid, gid)
             value = str(folder)
         out[name] = value
     return out
 
 
 def as_image_user(argv: list[str], groups: tuple[int, ...] = ()) -> list[str]:
-    """argv run as the image's user (and `groups`, as a pod's fsGroup adds)."""
+    """argv run as the image's user (and `groups`, as a pod's fsGroup adds), sent SIGTERM if the
+    test process dies (setpriv sets it after the change of user, which clears an earlier one)."""
     _, uid, gid = image()
     extra = [f"--groups={','.join(map(str, groups))}"] if groups else ["--clear-groups"]
-    return ["setpriv", f"--reuid={uid}", f"--regid={gid}", *extra, *argv]
+    return ["setpriv", f"--reuid={uid}", f"--regid={gid}", *extra, "--pdeathsig", "TERM", *argv]

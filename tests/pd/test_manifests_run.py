@@ -19,7 +19,7 @@ import openai
 import pytest
 import yaml
 from certs import make_pki
-from image_env import as_image_user, become_image_user_or_skip, image_env, open_folder
+from image_env import as_image_user, become_image_user_or_skip, image, image_env, open_folder
 from pd_cluster import ROOT
 
 from kvfence.procs import free_ports
@@ -79,6 +79,19 @@ def mount_secrets(pod: dict, container: dict, root: Path, pki: dict[str, str]) -
             (folder / name).chmod(volumes[m["name"]].get("defaultMode", 0o644) | (0o440 if group is not None else 0))
 
 
+def mount_volumes(pod: dict, container: dict, env: dict[str, str]) -> None:
+    """A claim or emptyDir mounted over one of the image's ENV folders replaces it: the kubelet
+    gives it to root and, with an fsGroup, to that group, group-writable and setgid."""
+    group = pod.get("securityContext", {}).get("fsGroup")
+    image_folders = {v: k for k, v in image()[0].items()}
+    for m in container["volumeMounts"]:
+        name = image_folders.get(m["mountPath"])
+        if name is not None:
+            folder = Path(env[name])
+            os.chown(folder, 0, 0 if group is None else group)
+            folder.chmod(0o2775 if group is not None else 0o755)
+
+
 @pytest.fixture
 def open_tmp():
     path = open_folder()
@@ -102,6 +115,7 @@ def test_the_manifests_fleet_serves_as_the_image_user(open_tmp):
             groups = tuple(g for g in [pod.get("securityContext", {}).get("fsGroup")] if g is not None)
             mount_secrets(pod, c, root / role, pki)
             env = image_env(root)
+            mount_volumes(pod, c, env)
             env.update({e["name"]: "127.0.0.1" if "valueFrom" in e else e["value"] for e in c.get("env", [])})
             args = rewritten(c["args"], root / role, ports)
             if role != "router":   # the pools are small here: the context they hold
