@@ -704,7 +704,7 @@ def test_metrics_show_which_tenant_holds_the_slots_and_who_waits():
     sch.add(make_seq(led, 2, 9, tenant="light"))
     assert sch.sequences_by_tenant() == {"heavy": {"running": 3, "waiting": 2}, "light": {"running": 0, "waiting": 1}}
     reg = CollectorRegistry()
-    reg.register(_EngineCollector(SimpleNamespace(state="ready", snapshot={
+    reg.register(_EngineCollector(SimpleNamespace(state="ready", facts=None, snapshot={
         "running": 3, "waiting": 3, "sequences_by_tenant": sch.sequences_by_tenant()})))
     got = {(s.labels["tenant"], s.labels["state"]): s.value
            for fam in text_string_to_metric_families(generate_latest(reg).decode())
