@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -35,10 +37,17 @@ def image() -> tuple[dict[str, str], int, int]:
 
 
 def become_image_user_or_skip() -> None:
-    """Skip without root (as the network namespace tests do); without setpriv, fail in CI."""
+    """Skip without root (as the network namespace tests do), or where this checkout's Python is out
+    of the image user's reach (a checkout under a 0700 home); without setpriv, fail in CI."""
     if os.geteuid() != 0:
         pytest.skip("running as the image's user takes root")
     tool_or_skip("setpriv", purpose="running a process as the image's user", install="Debian package util-linux")
+    r = subprocess.run(as_image_user([sys.executable, "-c", "import kvfence.cli"]), capture_output=True, text=True,
+                       timeout=60, env={"PATH": os.environ["PATH"], "HOME": "/nonexistent"})
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["?"])[-1]
+        pytest.skip(f"the image's user cannot run this checkout's Python ({last}): a folder above it is "
+                    f"closed to other users")
 
 
 def open_folder() -> Path:
