@@ -84,3 +84,16 @@ def long_needle_fp32_answer(loaded_fp32, long_needle):
     llm = LLM(dtype="float32", loaded=loaded_fp32, kv_cache_memory="160MiB", clamp_context=True,
               max_num_batched_tokens=4096, progress=False)
     return llm.generate([long_needle.prompt_ids], long_needle.params())[0]
+
+
+@pytest.fixture
+def open_tmp():
+    """A temporary folder the image's user can reach (tests/image_env.py; pytest's tmp_path sits
+    under a 0700 folder), removed afterwards."""
+    import shutil
+
+    from image_env import open_folder
+
+    path = open_folder()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -7,7 +7,6 @@ through the router is answered, and each node's readiness probe passes."""
 from __future__ import annotations
 
 import os
-import shutil
 import ssl
 import subprocess
 import sys
@@ -19,10 +18,10 @@ import openai
 import pytest
 import yaml
 from certs import make_pki
-from image_env import as_image_user, become_image_user_or_skip, image, image_env, open_folder
+from image_env import as_image_user, become_image_user_or_skip, image, image_env
 from pd_cluster import ROOT
 
-from kvfence.procs import free_ports
+from kvfence.procs import free_ports, stop_processes
 
 pytest.importorskip("mooncake.engine", reason="the PD tests need mooncake-transfer-engine-non-cuda")
 
@@ -92,13 +91,6 @@ def mount_volumes(pod: dict, container: dict, env: dict[str, str]) -> None:
             folder.chmod(0o2775 if group is not None else 0o755)
 
 
-@pytest.fixture
-def open_tmp():
-    path = open_folder()
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def test_the_manifests_fleet_serves_as_the_image_user(open_tmp):
     become_image_user_or_skip()
     root = open_tmp
@@ -160,13 +152,6 @@ def test_the_manifests_fleet_serves_as_the_image_user(open_tmp):
         made = sorted(p.name for p in (root / "xdg_state_home" / "kvfence").glob("incidents-*.jsonl"))
         assert made == sorted(f"incidents-{r}-{ports[r]}.jsonl" for r in procs), made
     finally:
-        for p in procs.values():
-            p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(procs.values(), grace_s=30)
         for f in logs.values():
             f.close()

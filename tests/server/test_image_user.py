@@ -5,23 +5,15 @@ incident log under the home made every pod refuse to start, and kernels compiled
 ~/.cache left every pod on plain torch ops."""
 from __future__ import annotations
 
-import shutil
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
-import pytest
-from image_env import as_image_user, become_image_user_or_skip, image, image_env, open_folder
+from image_env import as_image_user, become_image_user_or_skip, image, image_env
 from prometheus_client.parser import text_string_to_metric_families
 
-
-@pytest.fixture
-def open_tmp():
-    path = open_folder()
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+from kvfence.procs import free_ports, stop_processes
 
 
 def test_the_image_user_serves_with_its_kernels_and_its_incident_log(open_tmp):
@@ -29,9 +21,7 @@ def test_the_image_user_serves_with_its_kernels_and_its_incident_log(open_tmp):
     env, uid, _ = image()
     assert {"KVFENCE_CACHE_DIR", "XDG_STATE_HOME"} <= env.keys(), env
     run_env = image_env(open_tmp)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_ports(1)
     log = open(open_tmp / "serve.log", "w+")
     p = subprocess.Popen(as_image_user([sys.executable, "-m", "kvfence.cli", "serve", "--port", str(port),
                                         "--kv-cache-memory", "32MiB", "--clamp-context", "--threads", "1"]),
@@ -60,10 +50,5 @@ def test_the_image_user_serves_with_its_kernels_and_its_incident_log(open_tmp):
                            env=run_env, cwd=open_tmp, capture_output=True, text=True, timeout=60)
         assert r.returncode == 0 and f"{logs[0]}: ok" in r.stdout, (r.stdout, r.stderr)
     finally:
-        p.terminate()
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        stop_processes([p], grace_s=30)
         log.close()
