@@ -160,14 +160,16 @@ class LLMEngine:
         unsupported (this device, dtype, head size or page size); unavailable (asked for, but not built or
         not loaded, e.g. no compiler or no writable cache folder: the log's warning says which),
         the one an operator did not choose and pays several times the step time for."""
-        from kvfence.kernels import MAX_PAGE_SIZE, enabled_by_env, supports
+        from kvfence.kernels import enabled_by_env, supports
 
         if not (self.config.fused_kernels and enabled_by_env()):
             return "off"
-        if (not supports(self.model.dtype, self.device, self.model_config.head_dim)
-                or self.pool.page_size > MAX_PAGE_SIZE):
-            return "unsupported"
-        return "loaded" if self.model.kernels is not None else "unavailable"
+        if self.model.kernels is None:   # LlamaModel asks for them only where supports() holds
+            asked = supports(self.model.dtype, self.device, self.model_config.head_dim)
+            return "unavailable" if asked else "unsupported"
+        # the pool's device and page size: runs_fused is the one rule for them (compute_path's too)
+        fused = self.model.runs_fused(True, self.pool.kv.device.type, self.pool.page_size)
+        return "loaded" if fused else "unsupported"
 
     @property
     def matmul_path(self) -> str:
